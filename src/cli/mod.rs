@@ -1,0 +1,98 @@
+//! Command-line entry: parses arguments, runs one command, maps its outcome to an exit code
+//! the way docker compose users expect (0 ok, 1 failure, 2 bad input, 3 nothing running).
+
+pub mod common;
+pub mod exit;
+mod info;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+pub use exit::ExitError;
+
+/// pdctl: prefill/decode disaggregated LLM serving from one TOML topology.
+#[derive(Debug, Parser)]
+#[command(name = "pdctl", version, about, long_about = None, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Every verb pdctl knows.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Print what `up` would run: commands, env, GPUs, ports, probes, generated files.
+    Plan(info::PlanArgs),
+    /// Start the cluster and keep it up (foreground, or -d to detach).
+    Up(crate::supervisor::cli::UpArgs),
+    /// Stop every service of the running cluster and remove its runtime state.
+    Down(crate::supervisor::cli::DownArgs),
+    /// Show the state of every service (table, or --json).
+    Status(crate::supervisor::cli::StatusArgs),
+    /// Show the logs of a role (`prefill`) or one service (`prefill-2`).
+    Logs(crate::supervisor::cli::LogsArgs),
+    /// List the GPUs this machine has (NVML), or say why none can be read.
+    Gpus(info::GpusArgs),
+    /// List the built-in topologies with one line each.
+    Profiles(info::ProfilesArgs),
+    /// Run the PD proxy alone, in front of instances started by other means.
+    Proxy(crate::proxy::args::ProxyArgs),
+    /// Run a simulated engine (speaks vLLM's HTTP API; says it is a simulator).
+    Sim(crate::sim::args::SimArgs),
+    /// Benchmark an OpenAI-compatible endpoint (the running cluster's proxy by default).
+    Bench(crate::bench::args::BenchArgs),
+    /// Internal: the supervisor process that `up -d` leaves running.
+    #[command(hide = true)]
+    Supervise(crate::supervisor::cli::SuperviseArgs),
+}
+
+/// Parses the command line and runs it; never panics on user error.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(&cli.command);
+    match run(cli.command) {
+        Ok(code) => code,
+        Err(err) => exit::report(err),
+    }
+}
+
+fn init_tracing(cmd: &Command) {
+    // Long-running servers log at info; one-shot commands stay quiet unless RUST_LOG says.
+    let default = match cmd {
+        Command::Proxy(_) | Command::Sim(_) | Command::Supervise(_) => "info",
+        _ => "warn",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+/// Runs one command to completion.
+pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
+    match cmd {
+        Command::Plan(a) => info::plan(a),
+        Command::Gpus(a) => info::gpus(a),
+        Command::Profiles(a) => info::profiles(a),
+        Command::Up(a) => crate::supervisor::cli::up(a),
+        Command::Down(a) => crate::supervisor::cli::down(a),
+        Command::Status(a) => crate::supervisor::cli::status(a),
+        Command::Logs(a) => crate::supervisor::cli::logs(a),
+        Command::Supervise(a) => crate::supervisor::cli::supervise(a),
+        Command::Proxy(a) => runtime()?
+            .block_on(crate::proxy::run(a))
+            .map(|_| ExitCode::SUCCESS),
+        Command::Sim(a) => runtime()?
+            .block_on(crate::sim::run(a))
+            .map(|_| ExitCode::SUCCESS),
+        Command::Bench(a) => runtime()?.block_on(crate::bench::run(a)),
+    }
+}

@@ -1,0 +1,1 @@
+//! KV connectors: one file each.

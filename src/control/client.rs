@@ -1,0 +1,73 @@
+//! Client side of the control socket: one request, one response.
+
+use super::{Request, Response};
+use std::path::Path;
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+
+/// Why a control request did not get an answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("no supervisor answers on {path}: {source}")]
+    Connect {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("the supervisor on {path} closed the connection without answering")]
+    NoAnswer { path: String },
+    #[error("the supervisor on {path} did not answer within {secs} s")]
+    Timeout { path: String, secs: u64 },
+    #[error("talking to the supervisor on {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("the supervisor on {path} sent an answer this pdctl cannot read: {source}")]
+    Decode {
+        path: String,
+        source: serde_json::Error,
+    },
+}
+
+/// Sends `req` to the supervisor listening on `socket` and waits up to `timeout` for its answer.
+pub async fn send(
+    socket: &Path,
+    req: &Request,
+    timeout: Duration,
+) -> Result<Response, ControlError> {
+    let path = socket.display().to_string();
+    let work = async {
+        let stream = UnixStream::connect(socket)
+            .await
+            .map_err(|source| ControlError::Connect {
+                path: path.clone(),
+                source,
+            })?;
+        let (read, mut write) = stream.into_split();
+        let mut line = serde_json::to_string(req).expect("requests serialize");
+        line.push('\n');
+        let io = |source| ControlError::Io {
+            path: path.clone(),
+            source,
+        };
+        write.write_all(line.as_bytes()).await.map_err(io)?;
+        let mut reader = BufReader::new(read);
+        let mut answer = String::new();
+        let n = reader.read_line(&mut answer).await.map_err(io)?;
+        if n == 0 {
+            return Err(ControlError::NoAnswer { path: path.clone() });
+        }
+        serde_json::from_str(&answer).map_err(|source| ControlError::Decode {
+            path: path.clone(),
+            source,
+        })
+    };
+    match tokio::time::timeout(timeout, work).await {
+        Ok(r) => r,
+        Err(_) => Err(ControlError::Timeout {
+            path,
+            secs: timeout.as_secs(),
+        }),
+    }
+}

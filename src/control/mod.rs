@@ -1,0 +1,113 @@
+//! The typed protocol between a running supervisor and its clients (`pdctl status`,
+//! `pdctl down`, the embedded proxy's health feed, `pdctl bench`), spoken as one JSON
+//! object per line over the Unix socket `<state_dir>/control.sock` (mode 0600).
+
+pub mod client;
+
+use crate::plan::Role;
+use serde::{Deserialize, Serialize};
+
+/// Socket file name inside a cluster's state dir.
+pub const SOCKET_NAME: &str = "control.sock";
+
+/// What a client asks of the supervisor.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "kebab-case")]
+pub enum Request {
+    /// The state of every service (local and, on the head node, remote ones probed).
+    Status,
+    /// Stop every service in reverse dependency order, then exit the supervisor.
+    Down { timeout_s: u64 },
+    /// Restart one service (and its `restart_with` companions).
+    Restart { service: String },
+}
+
+/// What the supervisor answers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "kebab-case")]
+pub enum Response {
+    Status(StatusReport),
+    /// The request was carried out.
+    Done {
+        message: String,
+    },
+    Error {
+        message: String,
+    },
+}
+
+/// A snapshot of a cluster, as `pdctl status --json` prints it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusReport {
+    pub cluster: String,
+    /// The node this supervisor runs.
+    pub node: String,
+    /// Where clients send requests, if the cluster has a proxy.
+    pub proxy_url: Option<String>,
+    pub services: Vec<ServiceStatus>,
+}
+
+impl StatusReport {
+    /// True when every service is healthy (what `status` exits 0 on).
+    pub fn all_healthy(&self) -> bool {
+        self.services
+            .iter()
+            .all(|s| s.state == ServiceState::Healthy)
+    }
+}
+
+/// One row of `pdctl status`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServiceStatus {
+    pub name: String,
+    pub role: Role,
+    pub node: String,
+    pub pid: Option<u32>,
+    pub state: ServiceState,
+    pub gpus: Vec<u32>,
+    /// The main port (http / client / rpc).
+    pub port: Option<u16>,
+    /// Base URL for HTTP services.
+    pub url: Option<String>,
+    pub restarts: u32,
+    pub uptime_s: Option<f64>,
+    /// How the last run ended, e.g. `exit 1`, `signal SIGKILL`, `liveness failed`.
+    pub last_exit: Option<String>,
+    /// Runs on another node; its state comes from probing its endpoint.
+    pub remote: bool,
+}
+
+/// Lifecycle of a service, as process-compose users know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ServiceState {
+    /// Not started yet: waiting for its dependencies.
+    Pending,
+    Starting,
+    Healthy,
+    Unhealthy,
+    Restarting,
+    /// Crash loop or start-up failure: given up on; the proxy stops using it.
+    Failed,
+    Stopped,
+}
+
+impl ServiceState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ServiceState::Pending => "pending",
+            ServiceState::Starting => "starting",
+            ServiceState::Healthy => "healthy",
+            ServiceState::Unhealthy => "unhealthy",
+            ServiceState::Restarting => "restarting",
+            ServiceState::Failed => "failed",
+            ServiceState::Stopped => "stopped",
+        }
+    }
+}
+
+impl std::fmt::Display for ServiceState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}

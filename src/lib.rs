@@ -1,0 +1,21 @@
+//! pdctl: stands up prefill/decode disaggregated LLM serving from one TOML topology.
+//!
+//! Data flows one way: [`topology`] (serde types + validation) -> [`plan`] (pure data:
+//! services with argv, env, files, ports, probes) -> [`supervisor`] (spawns and watches
+//! generic services) -> [`proxy`] (knows endpoints and a protocol). [`connectors`] holds
+//! all knowledge of vLLM's KV connectors; [`sim`] is the simulated engine for machines
+//! without GPUs; [`bench`] measures a running cluster.
+
+pub mod bench;
+pub mod cli;
+pub mod connectors;
+pub mod control;
+pub mod gpu;
+pub mod plan;
+pub mod profiles;
+pub mod proxy;
+pub mod sim;
+pub mod supervisor;
+pub mod tools;
+pub mod topology;
+pub mod vllm;

@@ -1,0 +1,209 @@
+//! The plan: what `pdctl up` will run, as pure data.
+//!
+//! A plan is computed from a topology without starting anything (see [`build`]), so
+//! `pdctl plan` can print it for review and tests can check every command line. The
+//! supervisor executes a plan and knows nothing of vLLM beyond what is written here.
+
+pub mod build;
+pub mod render;
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+pub use build::{PlanError, PlanInput, build_plan};
+
+/// Every process of one cluster, in dependency order, plus what a reviewer should know.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Cluster name from the topology; names the state dir and the lock.
+    pub cluster: String,
+    /// Where generated files, logs, the control socket and the lock live.
+    pub state_dir: PathBuf,
+    /// The node that runs the shared services (etcd, master, proxy) by default.
+    pub head_node: String,
+    /// Node name -> address, as written in the topology.
+    pub nodes: BTreeMap<String, String>,
+    /// The URL clients send requests to (the proxy), when the plan has one.
+    pub proxy_url: Option<String>,
+    /// The engine kind, for display (`vllm` or `sim`).
+    pub engine: String,
+    /// The vLLM version the templates were chosen for (None for the simulator).
+    pub vllm_version: Option<String>,
+    /// The connector name from the topology (`example`, `mooncake-store`, ...).
+    pub connector: String,
+    /// Services in start order: dependencies always come before their dependants.
+    pub services: Vec<Service>,
+    /// Things a person should look at before spending GPU time (busy GPUs, guesses made).
+    pub warnings: Vec<String>,
+}
+
+impl Plan {
+    /// The service of that name, if the plan has it.
+    pub fn service(&self, name: &str) -> Option<&Service> {
+        self.services.iter().find(|s| s.name == name)
+    }
+
+    /// Services of one role, in plan order.
+    pub fn by_role(&self, role: Role) -> impl Iterator<Item = &Service> {
+        self.services.iter().filter(move |s| s.role == role)
+    }
+
+    /// Only the services placed on `node` (what `pdctl up --node NODE` runs).
+    pub fn local_services<'a>(&'a self, node: &'a str) -> impl Iterator<Item = &'a Service> + 'a {
+        self.services.iter().filter(move |s| s.node == node)
+    }
+}
+
+/// What a service is for; decides start order and how `pdctl logs <role>` groups them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Role {
+    Etcd,
+    MooncakeMaster,
+    LmcacheServer,
+    Prefill,
+    Decode,
+    Proxy,
+}
+
+impl Role {
+    /// The name used in the CLI, JSON and service names.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Etcd => "etcd",
+            Role::MooncakeMaster => "mooncake-master",
+            Role::LmcacheServer => "lmcache-server",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Proxy => "proxy",
+        }
+    }
+
+    /// Engines are the prefill and decode instances (the GPU-holding processes).
+    pub fn is_engine(self) -> bool {
+        matches!(self, Role::Prefill | Role::Decode)
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One process to run, with everything needed to start, probe and stop it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Service {
+    /// Unique name: `etcd`, `mooncake-master`, `lmcache-server`, `prefill-0`, `decode-3`, `proxy`.
+    pub name: String,
+    pub role: Role,
+    /// Node name from the topology.
+    pub node: String,
+    /// That node's address, so other nodes can reach this service.
+    pub host: String,
+    /// Program and arguments. `argv[0]` is a bare program name resolved at `up` time
+    /// (the pdctl tools venv first, then PATH) or an absolute path.
+    pub argv: Vec<String>,
+    /// Environment added to the inherited one.
+    pub env: BTreeMap<String, String>,
+    /// GPU indices this service holds (also in CUDA_VISIBLE_DEVICES for engines).
+    pub gpus: Vec<u32>,
+    /// Named ports this service listens on: `http`, `client`, `peer`, `rpc`, `metrics`,
+    /// `bootstrap`, `side-channel`, `kv`, ... (all checked free before `up`).
+    pub ports: BTreeMap<String, u16>,
+    /// Files written (absolute paths) before the service starts.
+    pub files: Vec<GeneratedFile>,
+    /// Services that must be ready before this one starts.
+    pub depends_on: Vec<String>,
+    /// How to tell the service is ready (and, after start, still alive).
+    pub probe: Probe,
+    /// The base URL of an HTTP service (engines, proxy), for the proxy and status.
+    pub url: Option<String>,
+    /// How long the service may take to become ready before `up` gives up on it.
+    pub startup_timeout_s: u64,
+    pub restart: RestartPolicy,
+    /// Services restarted together with this one (a restarted prefill can leave decode
+    /// with stale transfer state).
+    pub restart_with: Vec<String>,
+    pub shutdown: Shutdown,
+    /// Directories that must exist and be writable before start (shared KV storage).
+    pub dirs: Vec<PathBuf>,
+}
+
+/// A file the service reads, written by `up` into the state dir.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GeneratedFile {
+    pub path: PathBuf,
+    pub content: String,
+}
+
+/// Readiness / liveness check, as process-compose names it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Probe {
+    /// GET `url` answers `status`; when `body_contains` is set the body must contain it.
+    Http {
+        url: String,
+        status: u16,
+        body_contains: Option<String>,
+    },
+    /// A TCP connect to host:port succeeds.
+    Tcp { host: String, port: u16 },
+    /// The service's log contains this text (used where nothing else tells).
+    LogLine { contains: String },
+}
+
+/// When a service that stopped is started again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RestartMode {
+    OnFailure,
+    Always,
+    Never,
+}
+
+/// Restart policy with exponential backoff and a crash-loop limit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RestartPolicy {
+    pub mode: RestartMode,
+    /// First backoff delay; doubled after each failed start, capped at `backoff_max_ms`.
+    pub backoff_initial_ms: u64,
+    pub backoff_max_ms: u64,
+    /// More than this many restarts within `window_s` marks the service `failed`.
+    pub max_restarts: u32,
+    pub window_s: u64,
+    /// Consecutive failed liveness probes after which a running service is restarted.
+    pub liveness_failures: u32,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> Self {
+        RestartPolicy {
+            mode: RestartMode::OnFailure,
+            backoff_initial_ms: 500,
+            backoff_max_ms: 30_000,
+            max_restarts: 5,
+            window_s: 300,
+            liveness_failures: 3,
+        }
+    }
+}
+
+/// How a service is asked to stop.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Shutdown {
+    /// Signal name sent to the process group first (`SIGTERM`, `SIGINT`).
+    pub signal: String,
+    /// Seconds to wait before SIGKILL.
+    pub timeout_s: u64,
+}
+
+impl Default for Shutdown {
+    fn default() -> Self {
+        Shutdown {
+            signal: "SIGTERM".into(),
+            timeout_s: 30,
+        }
+    }
+}

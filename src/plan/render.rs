@@ -1,0 +1,1 @@
+//! Human-readable rendering of a plan.

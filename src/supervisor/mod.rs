@@ -1,0 +1,3 @@
+//! The supervisor: runs a plan's services, probes them, restarts them, stops them.
+
+pub mod cli;

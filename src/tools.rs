@@ -1,0 +1,1 @@
+//! Finding the programs a plan runs.

@@ -1,0 +1,100 @@
+//! Helpers shared by the integration tests: free ports, the pdctl binary, child processes
+//! that are killed when a test ends (even when it fails).
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The pdctl binary cargo built for these tests.
+pub fn pdctl_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_pdctl"))
+}
+
+/// A `Command` for pdctl with the given arguments.
+pub fn pdctl(args: &[&str]) -> Command {
+    let mut c = Command::new(pdctl_bin());
+    c.args(args);
+    c
+}
+
+/// A TCP port free on 127.0.0.1 right now (the OS picks it; reuse soon after is unlikely).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind an ephemeral port")
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `n` distinct free ports.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port"))
+        .collect();
+    listeners
+        .iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect()
+}
+
+/// A child process killed (SIGKILL) when dropped, so a failing test leaves nothing behind.
+pub struct ChildGuard(pub Child);
+
+impl ChildGuard {
+    /// Spawns `cmd` with stdout/stderr discarded unless PDCTL_TEST_VERBOSE is set.
+    pub fn spawn(mut cmd: Command) -> ChildGuard {
+        if std::env::var_os("PDCTL_TEST_VERBOSE").is_none() {
+            cmd.stdout(Stdio::null()).stderr(Stdio::null());
+        }
+        ChildGuard(cmd.spawn().expect("spawn child process"))
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Polls `check` every 20 ms until it returns true or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + timeout;
+    while Instant::now() < end {
+        if check() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    check()
+}
+
+/// A fresh temporary directory removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let n: u64 = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        let p = std::env::temp_dir().join(format!("pdctl-test-{tag}-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
