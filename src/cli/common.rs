@@ -19,9 +19,24 @@ pub struct TopologyArgs {
     /// GPU indices to plan with, instead of asking NVML (e.g. 0,1,2,3).
     #[arg(long, env = "PDCTL_GPUS", value_delimiter = ',')]
     pub gpus: Option<Vec<u32>>,
-    /// State dir (default: $XDG_STATE_HOME/pdctl/<cluster> or ~/.local/state/pdctl/<cluster>).
+    /// State root holding one directory per running cluster
+    /// (default: $XDG_STATE_HOME/pdctl, else ~/.local/state/pdctl).
     #[arg(long, env = "PDCTL_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
+}
+
+/// The state root: the given one, else `$XDG_STATE_HOME/pdctl`, else `~/.local/state/pdctl`.
+/// A cluster's own state dir is `<root>/<cluster>` (`<root>/<cluster>-<node>` when the
+/// topology spans several nodes, so two nodes on one host never share a lock).
+pub fn state_root(given: Option<&std::path::Path>) -> PathBuf {
+    if let Some(p) = given {
+        return p.to_path_buf();
+    }
+    if let Some(x) = std::env::var_os("XDG_STATE_HOME").filter(|x| !x.is_empty()) {
+        return PathBuf::from(x).join("pdctl");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into());
+    PathBuf::from(home).join(".local/state/pdctl")
 }
 
 /// A plan ready to run, with a sentence saying where its topology came from.
