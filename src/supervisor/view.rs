@@ -1,0 +1,217 @@
+//! The status table (`pdctl status`, and after `up`), and the proxy's request figures
+//! scraped from its `/metrics` when it runs.
+
+use crate::control::{ServiceStatus, StatusReport};
+use std::fmt::Write;
+
+/// `42s`, `3m04s`, `2h01m`, `5d03h`.
+pub fn human_duration(secs: f64) -> String {
+    let s = secs.max(0.0) as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        3600..86_400 => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d{:02}h", s / 86_400, s % 86_400 / 3600),
+    }
+}
+
+fn cells(s: &ServiceStatus) -> [String; 10] {
+    let dash = || "-".to_string();
+    let mut node = s.node.clone();
+    if s.remote {
+        node.push_str(" (remote)");
+    }
+    [
+        s.name.clone(),
+        s.role.to_string(),
+        node,
+        s.pid.map(|p| p.to_string()).unwrap_or_else(dash),
+        s.state.to_string(),
+        if s.gpus.is_empty() {
+            dash()
+        } else {
+            s.gpus
+                .iter()
+                .map(|g| g.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        },
+        s.port.map(|p| p.to_string()).unwrap_or_else(dash),
+        s.restarts.to_string(),
+        s.uptime_s.map(human_duration).unwrap_or_else(dash),
+        s.last_exit.clone().unwrap_or_else(dash),
+    ]
+}
+
+/// The table `pdctl status` prints: a heading line, then one row per service.
+pub fn status_table(report: &StatusReport) -> String {
+    const HEAD: [&str; 10] = [
+        "SERVICE",
+        "ROLE",
+        "NODE",
+        "PID",
+        "STATE",
+        "GPUS",
+        "PORT",
+        "RESTARTS",
+        "UPTIME",
+        "LAST EXIT",
+    ];
+    let rows: Vec<[String; 10]> = report.services.iter().map(cells).collect();
+    let mut width = HEAD.map(str::len);
+    for r in &rows {
+        for (w, c) in width.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let healthy = report
+        .services
+        .iter()
+        .filter(|s| s.state == crate::control::ServiceState::Healthy)
+        .count();
+    let mut out = format!(
+        "cluster {} (node {}): {}/{} healthy",
+        report.cluster,
+        report.node,
+        healthy,
+        report.services.len()
+    );
+    if let Some(url) = &report.proxy_url {
+        let _ = write!(out, ", requests to {url}");
+    }
+    out.push('\n');
+    let mut line = |cols: &[String]| {
+        let mut l = String::new();
+        for (i, c) in cols.iter().enumerate() {
+            if i + 1 == cols.len() {
+                l.push_str(c);
+            } else {
+                let _ = write!(l, "{c:<w$}  ", w = width[i]);
+            }
+        }
+        out.push_str(l.trim_end());
+        out.push('\n');
+    };
+    line(&HEAD.map(String::from));
+    for r in &rows {
+        line(r);
+    }
+    out
+}
+
+/// Counters the proxy exposes that `status` summarises, summed over their labels.
+const PROXY_COUNTERS: [(&str, &str); 3] = [
+    ("pdctl_requests_total", "requests"),
+    ("pdctl_request_errors_total", "errors"),
+    ("pdctl_retries_total", "retries"),
+];
+
+/// Sums the samples of each metric in [`PROXY_COUNTERS`] found in a Prometheus text page.
+pub fn proxy_figures(metrics_text: &str) -> Vec<(&'static str, f64)> {
+    PROXY_COUNTERS
+        .iter()
+        .filter_map(|(metric, label)| {
+            let mut found = false;
+            let sum: f64 = metrics_text
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .filter_map(|l| {
+                    let name_end = l.find(['{', ' '])?;
+                    if &l[..name_end] != *metric {
+                        return None;
+                    }
+                    found = true;
+                    l.rsplit(' ').next()?.parse::<f64>().ok()
+                })
+                .sum();
+            found.then_some((*label, sum))
+        })
+        .collect()
+}
+
+/// `proxy: 1200 requests, 3 errors` from the running proxy, or `None` when it does not
+/// answer within half a second or exposes none of the counters.
+pub async fn scrape_proxy(proxy_url: &str) -> Option<String> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(std::time::Duration::from_millis(500))
+        .build()
+        .ok()?;
+    let url = format!("{}/metrics", proxy_url.trim_end_matches('/'));
+    let text = client.get(&url).send().await.ok()?.text().await.ok()?;
+    let figures = proxy_figures(&text);
+    if figures.is_empty() {
+        return None;
+    }
+    let parts: Vec<String> = figures
+        .iter()
+        .map(|(label, v)| format!("{v:.0} {label}"))
+        .collect();
+    Some(format!("proxy {proxy_url}: {}", parts.join(", ")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::ServiceState;
+    use crate::plan::Role;
+
+    #[test]
+    fn durations_read_like_docker() {
+        assert_eq!(human_duration(0.4), "0s");
+        assert_eq!(human_duration(184.0), "3m04s");
+        assert_eq!(human_duration(7260.0), "2h01m");
+        assert_eq!(human_duration(97_200.0 + 86_400.0), "2d03h");
+    }
+
+    #[test]
+    fn table_has_every_column_and_marks_remote_rows() {
+        let report = StatusReport {
+            cluster: "t1".into(),
+            node: "head".into(),
+            proxy_url: Some("http://127.0.0.1:8000".into()),
+            services: vec![ServiceStatus {
+                name: "decode-1".into(),
+                role: Role::Decode,
+                node: "worker".into(),
+                pid: None,
+                state: ServiceState::Healthy,
+                gpus: vec![2, 3],
+                port: Some(8201),
+                url: None,
+                restarts: 2,
+                uptime_s: Some(65.0),
+                last_exit: Some("signal 9 (SIGKILL)".into()),
+                remote: true,
+            }],
+        };
+        let t = status_table(&report);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].contains("1/1 healthy") && lines[0].contains(":8000"));
+        assert!(lines[1].starts_with("SERVICE") && lines[1].ends_with("LAST EXIT"));
+        for cell in [
+            "decode-1",
+            "worker (remote)",
+            "2,3",
+            "8201",
+            "1m05s",
+            "SIGKILL",
+        ] {
+            assert!(lines[2].contains(cell), "{cell} missing in {t}");
+        }
+    }
+
+    #[test]
+    fn proxy_counters_are_summed_over_labels() {
+        let text = "# HELP pdctl_requests_total x\n\
+                    pdctl_requests_total{status=\"200\"} 10\n\
+                    pdctl_requests_total{status=\"502\"} 2\n\
+                    pdctl_requests_total_other 99\n\
+                    pdctl_retries_total 1\n";
+        assert_eq!(
+            proxy_figures(text),
+            vec![("requests", 12.0), ("retries", 1.0)]
+        );
+        assert!(proxy_figures("vllm:num_requests_running 3\n").is_empty());
+    }
+}
