@@ -365,18 +365,19 @@ pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
         .map(|n| (n.clone(), found.state.log_path(n)))
         .collect();
     let printer = logs_cmd::Printer::new(&chosen);
-    let mut stdout = std::io::stdout();
-    for (i, (name, path)) in targets.iter().enumerate() {
-        if !printer.print(&mut stdout, i, name, &logs_cmd::history(path, a.lines)) {
-            return Ok(ExitCode::SUCCESS);
-        }
-    }
     if a.follow && found.running {
         let record = found
             .record
             .clone()
             .expect("running clusters have a record");
-        logs_cmd::follow(&targets, &printer, || record.supervisor_alive());
+        logs_cmd::follow(&targets, a.lines, &printer, || record.supervisor_alive());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut stdout = std::io::stdout();
+    for (i, (name, path)) in targets.iter().enumerate() {
+        if !printer.print(&mut stdout, i, name, &logs_cmd::history(path, a.lines)) {
+            break;
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

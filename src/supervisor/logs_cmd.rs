@@ -130,6 +130,33 @@ impl Follower {
         f
     }
 
+    /// Opens `path` from its start and returns, with the follower, the last `n` lines
+    /// written so far (all when `None`, rotated copies included). Following continues
+    /// exactly where that history ends, so no line is lost or shown twice.
+    pub fn with_history(path: &Path, n: Option<usize>) -> (Follower, Vec<String>) {
+        let mut f = Follower {
+            path: path.to_path_buf(),
+            file: None,
+            inode: 0,
+            pos: 0,
+            carry: Vec::new(),
+        };
+        let current = f.poll();
+        let mut lines = match n {
+            Some(n) if current.len() >= n => Vec::new(),
+            _ => {
+                let older = n.map(|n| n - current.len());
+                let rotated = rotated_path(path, 1);
+                history(&rotated, older)
+            }
+        };
+        lines.extend(current);
+        if let Some(n) = n {
+            lines.drain(..lines.len().saturating_sub(n));
+        }
+        (f, lines)
+    }
+
     /// Complete lines written since the last call.
     pub fn poll(&mut self) -> Vec<String> {
         let mut out = Vec::new();
@@ -211,15 +238,23 @@ impl Printer {
     }
 }
 
-/// Follows `targets` until `still_running` says the cluster is gone, then prints what
-/// is left and returns.
+/// Prints the last `n` lines of each target, then follows them until `still_running`
+/// says the cluster is gone, prints what is left and returns.
 pub fn follow(
     targets: &[(String, PathBuf)],
+    n: Option<usize>,
     printer: &Printer,
     mut still_running: impl FnMut() -> bool,
 ) {
-    let mut followers: Vec<Follower> = targets.iter().map(|(_, p)| Follower::at_end(p)).collect();
     let mut stdout = std::io::stdout();
+    let mut followers = Vec::with_capacity(targets.len());
+    for (i, (name, path)) in targets.iter().enumerate() {
+        let (f, lines) = Follower::with_history(path, n);
+        if !printer.print(&mut stdout, i, name, &lines) {
+            return;
+        }
+        followers.push(f);
+    }
     let mut checks = 0u32;
     loop {
         for (i, f) in followers.iter_mut().enumerate() {
