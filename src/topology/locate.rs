@@ -54,7 +54,7 @@ impl Locator {
                     .iter()
                     .find(|(key, _)| key.get_ref() == k)
                     .map(|(key, val)| (key.span(), val)),
-                (Seg::Index(i), _, Some(a)) => a.iter().nth(*i).map(|v| (v.span(), v)),
+                (Seg::Index(i), _, Some(a)) => a.get(*i).map(|v| (v.span(), v)),
                 _ => None,
             };
             let Some((span, val)) = found else { break };
