@@ -131,7 +131,14 @@ impl VersionRange {
 
 impl fmt::Display for VersionRange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let show = |(a, b, c): (u32, u32, u32)| format!("{a}.{b}.{c}");
+        // A patch of 99 or more stands for "every patch release of a.b".
+        let show = |(a, b, c): (u32, u32, u32)| {
+            if c >= 99 {
+                format!("{a}.{b}.x")
+            } else {
+                format!("{a}.{b}.{c}")
+            }
+        };
         match (self.min, self.max) {
             (Some(a), Some(b)) => write!(f, "{} to {}", show(a), show(b)),
             (Some(a), None) => write!(f, "{} and later", show(a)),
@@ -185,6 +192,45 @@ pub fn detect(python: &str) -> Result<Version, DetectError> {
         });
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
+}
+
+/// The python that runs vLLM, and its vLLM version. A configured path is used as is; a
+/// bare name (`python3`) is tried on PATH first and then in the pdctl tools venvs, and the
+/// first one that can import vllm wins (so an activated venv is found, and so is the venv
+/// `install.sh --with-vllm` fills).
+pub fn find_python(configured: &str) -> Result<(String, Version), DetectError> {
+    if configured.contains('/') {
+        return detect(configured).map(|v| (configured.to_string(), v));
+    }
+    let mut dirs: Vec<std::path::PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    dirs.extend(crate::tools::search_dirs());
+    let mut first_err = None;
+    let mut tried = std::collections::HashSet::new();
+    for dir in dirs {
+        let candidate = dir.join(configured);
+        let Ok(real) = candidate.canonicalize() else {
+            continue;
+        };
+        if !tried.insert(real) {
+            continue;
+        }
+        let path = candidate.display().to_string();
+        match detect(&path) {
+            Ok(v) => return Ok((path, v)),
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    Err(first_err.unwrap_or_else(|| DetectError::Spawn {
+        python: configured.to_string(),
+        source: std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "not found on PATH or in the pdctl venv",
+        ),
+    }))
 }
 
 #[cfg(test)]

@@ -182,6 +182,11 @@ pub(super) fn claim(
     ports
         .claim(host, port, &format!("{service} ({name})"))
         .map_err(|clash| {
+            let (holder_service, holder_port) = clash
+                .holder
+                .split_once(" (")
+                .map(|(s, p)| (s.to_string(), p.trim_end_matches(')').to_string()))
+                .unwrap_or_default();
             Problem::new(
                 port_key(service, name),
                 format!(
@@ -190,6 +195,7 @@ pub(super) fn claim(
                 ),
             )
             .hint("give each service on a node its own port")
+            .also(port_key(&holder_service, &holder_port))
         })
 }
 

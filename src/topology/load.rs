@@ -32,9 +32,14 @@ pub struct Topology {
 }
 
 impl Topology {
-    /// Places a planner problem in the file.
+    /// Places a planner problem in the file, at the first of its keys the file writes.
     pub fn locate(&self, p: Problem) -> TopologyError {
-        self.locator.error(&p.key, p.message, p.hint)
+        let key = std::iter::once(&p.key)
+            .chain(&p.also)
+            .find(|k| self.locator.writes(k))
+            .unwrap_or(&p.key)
+            .clone();
+        self.locator.error(&key, p.message, p.hint)
     }
 }
 
@@ -65,21 +70,29 @@ pub fn load_str(text: &str, source: Source, file: String) -> Result<Topology, To
         .or_else(|| order.first().cloned())
         .or_else(|| spec.nodes.keys().next().cloned())
         .unwrap_or_default();
-    super::validate::check(&spec, &head).map_err(|p| locator.error(&p.key, p.message, p.hint))?;
-    Ok(Topology {
+    let t = Topology {
         spec,
         source,
         locator,
         head,
-    })
+    };
+    super::validate::check(&t.spec, &t.head).map_err(|p| t.locate(p))?;
+    Ok(t)
 }
 
 /// Turns a toml/serde error into a located one, with "did you mean" for unknown keys and
 /// unknown values.
 fn serde_error(locator: &Locator, e: &toml::de::Error) -> TopologyError {
     let msg = e.message().trim().to_string();
-    let offset = e.span().map(|s| s.start).unwrap_or(0);
-    let at_path = locator.path_at(offset).unwrap_or_default();
+    let span = e.span().unwrap_or(0..0);
+    let offset = span.start;
+    // A span over the whole document means the error is about the top level.
+    let whole = span.start == 0 && (span.is_empty() || span.end + 1 >= locator.text_len());
+    let at_path = if whole {
+        String::new()
+    } else {
+        locator.path_at(offset).unwrap_or_default()
+    };
     if let Some(unknown) = backticked_after(&msg, "unknown field ") {
         let expected = expected_list(&msg);
         let hint = suggestion(&unknown, &expected)
@@ -126,14 +139,15 @@ fn serde_error(locator: &Locator, e: &toml::de::Error) -> TopologyError {
     if msg.starts_with("invalid type") || msg.starts_with("invalid value") {
         return locator.error_at(offset, key_or(&at_path), msg, None);
     }
-    // Syntax errors: toml's message is already specific (and may span several lines).
+    // Syntax errors: toml's message is already specific (and may span several lines);
+    // the document cannot be walked, so the key is read off the line itself.
     let first = msg.lines().next().unwrap_or("invalid TOML").to_string();
-    locator.error_at(
-        offset,
-        key_or(&at_path),
-        format!("invalid TOML: {first}"),
-        None,
-    )
+    let key = if at_path.is_empty() {
+        locator.key_on_line_of(offset)
+    } else {
+        at_path
+    };
+    locator.error_at(offset, key_or(&key), format!("invalid TOML: {first}"), None)
 }
 
 fn key_or(path: &str) -> &str {

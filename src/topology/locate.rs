@@ -30,6 +30,33 @@ impl Locator {
         }
     }
 
+    /// Length of the text, in bytes.
+    pub fn text_len(&self) -> usize {
+        self.text.len()
+    }
+
+    /// True when the file writes exactly this key (not just an ancestor of it).
+    pub fn writes(&self, path: &str) -> bool {
+        self.span_of_exact(path).is_some()
+    }
+
+    /// A best guess at the key written on the line holding `offset`, for syntax errors
+    /// (`[proxy` -> `proxy`, `port = ` -> `port`).
+    pub fn key_on_line_of(&self, offset: usize) -> String {
+        let offset = offset.min(self.text.len());
+        let start = self.text[..offset].rfind('\n').map(|i| i + 1).unwrap_or(0);
+        let end = self.text[start..]
+            .find('\n')
+            .map(|i| start + i)
+            .unwrap_or(self.text.len());
+        let line = &self.text[start..end];
+        let key = line.split('=').next().unwrap_or("");
+        key.trim()
+            .trim_matches(|c| c == '[' || c == ']')
+            .trim()
+            .to_string()
+    }
+
     /// 1-based line and column of a byte offset.
     pub fn line_col(&self, offset: usize) -> (usize, usize) {
         let offset = offset.min(self.text.len());
@@ -43,7 +70,21 @@ impl Locator {
     /// Where `path` (e.g. `prefill.nodes[1]`) is written: the key for table entries, the
     /// value for array elements. Falls back to the nearest written ancestor.
     pub fn span_of(&self, path: &str) -> Option<Range<usize>> {
+        self.find(path).map(|(span, _)| span)
+    }
+
+    /// Where `path` is written, only if the whole path is.
+    fn span_of_exact(&self, path: &str) -> Option<Range<usize>> {
+        self.find(path)
+            .filter(|(_, exact)| *exact)
+            .map(|(span, _)| span)
+    }
+
+    /// The span of the deepest written prefix of `path`, and whether it is all of it.
+    fn find(&self, path: &str) -> Option<(Range<usize>, bool)> {
         let segs = parse_path(path);
+        let total = segs.len();
+        let mut depth = 0;
         let root = DeTable::parse(&self.text).ok()?;
         let mut best = None;
         let mut table: Option<&DeTable> = Some(root.get_ref());
@@ -59,6 +100,7 @@ impl Locator {
             };
             let Some((span, val)) = found else { break };
             best = Some(span);
+            depth += 1;
             table = None;
             array = None;
             match val.get_ref() {
@@ -67,7 +109,7 @@ impl Locator {
                 _ => {}
             }
         }
-        best
+        best.map(|b| (b, depth == total))
     }
 
     /// The deepest key path whose key or value covers byte `offset`.

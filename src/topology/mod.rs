@@ -8,6 +8,7 @@ mod load;
 mod locate;
 mod validate;
 
+pub(crate) use load::suggestion;
 pub use load::{Source, Topology as LoadedTopology, load_file, load_str};
 pub use locate::Locator;
 
@@ -42,6 +43,9 @@ pub struct Problem {
     pub key: String,
     pub message: String,
     pub hint: Option<String>,
+    /// Other keys the problem involves; the error points at the first one the file
+    /// actually writes (a clash with a default port should point at the written port).
+    pub also: Vec<String>,
 }
 
 impl Problem {
@@ -50,7 +54,14 @@ impl Problem {
             key: key.into(),
             message: message.into(),
             hint: None,
+            also: Vec::new(),
         }
+    }
+
+    /// Adds a key that may be the one written in the file.
+    pub fn also(mut self, key: impl Into<String>) -> Problem {
+        self.also.push(key.into());
+        self
     }
 
     pub fn hint(mut self, hint: impl Into<String>) -> Problem {

@@ -274,7 +274,12 @@ fn check_connector(t: &Topology) -> Result<(), Problem> {
                 "connector.shared_storage_path",
                 "instances run on several nodes, so the KV directory must be a path every node shares",
             )
-            .hint("set it to a shared filesystem path, e.g. \"/mnt/pd_kv\""));
+            .hint("set it to a shared filesystem path, e.g. \"/mnt/pd_kv\"")
+            .also("connector")
+            .also("decode.node")
+            .also("decode.nodes")
+            .also("prefill.node")
+            .also("prefill.nodes"));
         }
     }
     Ok(())
