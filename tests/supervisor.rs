@@ -344,6 +344,21 @@ fn preflight_reports_a_busy_port_and_a_missing_program_together_and_spawns_nothi
     let bad = c.run(&["up", "-d", "--plan", garbled.to_str().unwrap()]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("garbled.json is not a valid plan"));
+
+    // A topology mistake is reported with file, line and key, before any state exists.
+    let topo = c.root().join("typo.toml");
+    std::fs::write(&topo, "cluster = \"typo\"\n[model]\nname = \"m\"\n[engine]\nkind = \"sim\"\n[prefill]\ninstnces = 2\n").unwrap();
+    let typo = c.run(&["up", "-d", "-f", topo.to_str().unwrap()]);
+    assert_eq!(typo.status.code(), Some(2), "{}", text(&typo));
+    let err = String::from_utf8_lossy(&typo.stderr);
+    assert!(
+        err.contains("typo.toml:7:1: prefill.instnces: unknown key"),
+        "{err}"
+    );
+    assert!(
+        !c.root().join("typo").exists(),
+        "nothing was created for it"
+    );
 }
 
 #[test]

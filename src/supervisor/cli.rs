@@ -127,18 +127,22 @@ fn read_plan(path: &Path) -> anyhow::Result<Plan> {
 
 /// `pdctl up`: plan, pre-flight, then supervise in the foreground or detached.
 pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
-    let (mut plan, note) = match &a.plan {
-        Some(path) => (read_plan(path)?, format!("plan file {}", path.display())),
+    let (mut plan, note, node) = match &a.plan {
+        Some(path) => {
+            let plan = read_plan(path)?;
+            let node = a
+                .topology
+                .node
+                .clone()
+                .unwrap_or_else(|| plan.head_node.clone());
+            (plan, format!("plan file {}", path.display()), node)
+        }
         None => {
+            // Programs it could not find are reported by pre-flight, with the others.
             let loaded = load_plan(&a.topology)?;
-            (loaded.plan, loaded.source_note)
+            (loaded.plan, loaded.source_note, loaded.node)
         }
     };
-    let node = a
-        .topology
-        .node
-        .clone()
-        .unwrap_or_else(|| plan.head_node.clone());
     if !plan.nodes.contains_key(&node) && !plan.services.iter().any(|s| s.node == node) {
         let known: Vec<&str> = plan.nodes.keys().map(String::as_str).collect();
         return Err(usage_if(SupervisorError::UnknownNode {

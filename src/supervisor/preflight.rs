@@ -229,6 +229,7 @@ mod tests {
             engine: "sim".into(),
             vllm_version: None,
             connector: "example".into(),
+            protocol: "two-step".into(),
             services,
             warnings: vec![],
         }

@@ -171,6 +171,7 @@ mod tests {
             engine: "sim".into(),
             vllm_version: None,
             connector: "mooncake-store".into(),
+            protocol: "two-step".into(),
             services: vec![
                 svc("etcd", "a", &[]),
                 svc("master", "a", &["etcd"]),

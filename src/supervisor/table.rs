@@ -193,6 +193,7 @@ mod tests {
             engine: "sim".into(),
             vllm_version: None,
             connector: "example".into(),
+            protocol: "two-step".into(),
             services: vec![service("p0", "a"), service("p1", "b")],
             warnings: vec![],
         };

@@ -203,6 +203,7 @@ pub fn plan(cluster: &str, nodes: &[(&str, &str)]) -> Plan {
         engine: "test".into(),
         vllm_version: None,
         connector: "mooncake-store".into(),
+        protocol: "two-step".into(),
         services: vec![],
         warnings: vec![],
     }
