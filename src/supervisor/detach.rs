@@ -13,6 +13,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+/// How long `up -d` waits for a supervisor that does not answer before giving up.
+const SILENCE_LIMIT: Duration = Duration::from_secs(30);
+
 /// Log settings passed on to the detached supervisor.
 #[derive(Debug, Clone, Copy)]
 pub struct LogSettings {
@@ -66,6 +69,7 @@ pub async fn wait_for_start(child: &mut Child, state: &StateDir, plan: &Plan) ->
     let socket = state.socket_path();
     let mut renderer = Renderer::new(std::io::stdout().is_terminal());
     let last_line = |name: &str| last_line(&state.log_path(name));
+    let mut last_answer = std::time::Instant::now();
     loop {
         if let Ok(Some(status)) = child.try_wait() {
             let tail = history(&state.supervisor_log_path(), Some(15)).join("\n    ");
@@ -76,7 +80,18 @@ pub async fn wait_for_start(child: &mut Child, state: &StateDir, plan: &Plan) ->
             return 1;
         }
         let answer = client::send(&socket, &Request::Status, Duration::from_secs(2)).await;
+        if !matches!(answer, Ok(Response::Status(_))) && last_answer.elapsed() > SILENCE_LIMIT {
+            eprintln!(
+                "error: the supervisor (pid {}) has not answered on {} for {} s; see {}",
+                child.id(),
+                socket.display(),
+                SILENCE_LIMIT.as_secs(),
+                state.supervisor_log_path().display()
+            );
+            return 1;
+        }
         if let Ok(Response::Status(report)) = answer {
+            last_answer = std::time::Instant::now();
             let rows = progress::rows(&report, plan, &last_line);
             renderer.draw(&mut std::io::stdout().lock(), &rows);
             match progress::startup_verdict(&report) {

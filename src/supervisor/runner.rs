@@ -75,6 +75,10 @@ pub async fn run(
 ) -> Result<u8, SupervisorError> {
     let node = opts.node.clone();
     let plan = Arc::new(plan);
+    // Bound first: if that fails nothing was started and no record needs cleaning up.
+    let socket = state.socket_path();
+    let listener = control_server::bind(&socket)
+        .map_err(|e| SupervisorError::io("listen on the control socket", &socket, e))?;
     let record = Arc::new(RecordWriter::create(
         &state,
         RunRecord::new_for_this_process(&plan.cluster, &node),
@@ -126,9 +130,6 @@ pub async fn run(
         cwd: state.dir.clone(),
         commands: txs.clone(),
     });
-    let socket = state.socket_path();
-    let listener = control_server::bind(&socket)
-        .map_err(|e| SupervisorError::io("listen on the control socket", &socket, e))?;
     let (down_tx, mut downs) = mpsc::unbounded_channel();
     let server = tokio::spawn(control_server::serve(
         listener,
