@@ -225,6 +225,41 @@ fn an_engine_that_keeps_crashing_ends_failed_and_status_says_so() {
     let st = c.run(&["status"]);
     assert_eq!(st.status.code(), Some(1), "not all healthy: exit 1");
     assert!(stdout(&st).contains("failed"));
+
+    // A restart asked for over the control socket (what the proxy or a person uses).
+    let socket = c.state(&plan, "main").socket_path();
+    let ask = |service: &str| {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let req = pdctl::control::Request::Restart {
+            service: service.into(),
+        };
+        rt.block_on(pdctl::control::client::send(
+            &socket,
+            &req,
+            Duration::from_secs(5),
+        ))
+        .unwrap()
+    };
+    let old_pid = svc(&r, "prefill-0").pid;
+    match ask("prefill-0") {
+        pdctl::control::Response::Done { message } => assert!(message.contains("prefill-0")),
+        other => panic!("{other:?}"),
+    }
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        let p = svc(r, "prefill-0");
+        p.restarts == 1 && p.state == ServiceState::Healthy
+    });
+    assert_ne!(svc(&r, "prefill-0").pid, old_pid, "{r:?}");
+    assert_eq!(
+        svc(&r, "prefill-0").last_exit.as_deref(),
+        Some("restart requested")
+    );
+    match ask("nosuch") {
+        pdctl::control::Response::Error { message } => {
+            assert!(message.contains("prefill-0, decode-0"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
     assert_eq!(c.run(&["down"]).status.code(), Some(0));
 }
 

@@ -77,7 +77,11 @@ pub fn rows(
                                 .collect()
                         })
                         .unwrap_or_default();
-                    format!("waiting for {}", waiting.join(", "))
+                    if waiting.is_empty() {
+                        String::new()
+                    } else {
+                        format!("waiting for {}", waiting.join(", "))
+                    }
                 }
                 _ if s.remote => {
                     let base = format!("on node {}", s.node);
@@ -121,7 +125,7 @@ impl Renderer {
         let width = std::env::var("COLUMNS")
             .ok()
             .and_then(|c| c.parse().ok())
-            .unwrap_or(120usize)
+            .unwrap_or(240usize)
             .max(40);
         Renderer {
             tty,
@@ -139,11 +143,15 @@ impl Renderer {
             if self.drawn > 0 {
                 let _ = write!(out, "\x1b[{}A", self.drawn);
             }
+            // Auto-wrap off while drawing: a line wider than the terminal is clipped
+            // instead of wrapping, so moving up `drawn` lines always lands on the first.
+            let _ = write!(out, "\x1b[?7l");
             for r in rows {
                 let mut line = format_row(r, name_w);
                 truncate_chars(&mut line, self.width - 1);
                 let _ = writeln!(out, "\x1b[2K{line}");
             }
+            let _ = write!(out, "\x1b[?7h");
             self.drawn = rows.len();
         } else {
             let now = Instant::now();

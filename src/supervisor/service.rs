@@ -321,7 +321,7 @@ impl Task {
             RunEnd::Stop(t, _) => {
                 let t = t.unwrap_or(grace);
                 let st = stop_run(&mut child, pgid, signal, t).await;
-                st.map(|s| format!("stopped ({})", describe_exit(&s)))
+                st.map(|s| format!("stopped: {}", describe_exit(&s)))
                     .unwrap_or_else(|| "stopped".into())
             }
             RunEnd::LivenessFailed(why) | RunEnd::StartTimeout(why) | RunEnd::Restart(why, _) => {
