@@ -442,6 +442,22 @@ fn a_start_failure_is_reported_fast_with_the_last_log_lines() {
             .contains("dependency decode-0")
     );
     assert_eq!(c.run(&["down"]).status.code(), Some(0));
+
+    // In the foreground the same failure takes everything down and exits 1.
+    let path = c.write_plan(&plan);
+    let fg = c.run(&["up", "--plan", path.to_str().unwrap()]);
+    assert_eq!(fg.status.code(), Some(1), "{}", text(&fg));
+    let out = stdout(&fg);
+    assert!(
+        out.contains("decode-0 failed: exit 3 while starting"),
+        "{out}"
+    );
+    assert!(out.contains("CUDA out of memory"), "{out}");
+    assert!(
+        out.contains("stopping the cluster because it could not start"),
+        "{out}"
+    );
+    assert_eq!(c.status(&[]), None);
 }
 
 #[test]
