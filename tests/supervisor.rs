@@ -264,6 +264,45 @@ fn an_engine_that_keeps_crashing_ends_failed_and_status_says_so() {
 }
 
 #[test]
+fn an_engine_that_stops_answering_is_restarted_by_its_liveness_probe() {
+    let c = Cluster::new("liveness");
+    let p = free_ports(1);
+    let mut plan = plan("live", &[("main", "127.0.0.1")]);
+    let mut sick = engine(
+        &c,
+        "decode-0",
+        Role::Decode,
+        "main",
+        "127.0.0.1",
+        p[0],
+        None,
+    );
+    sick.env.insert("SICK_AFTER".into(), "1.5".into());
+    plan.services = vec![sick];
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let first_pid = svc(&c.status(&[]).unwrap(), "decode-0").pid;
+    let mut saw_unhealthy = false;
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        saw_unhealthy |= svc(r, "decode-0").state == ServiceState::Unhealthy;
+        svc(r, "decode-0").restarts >= 1
+    });
+    let d = svc(&r, "decode-0");
+    assert!(d.restarts >= 1, "{r:?}");
+    let why = d.last_exit.as_deref().unwrap();
+    assert!(
+        why.contains("liveness failed 2 times") && why.contains("503"),
+        "{why}"
+    );
+    assert!(
+        saw_unhealthy,
+        "unhealthy was never shown before the restart"
+    );
+    assert_ne!(d.pid, first_pid);
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
+
+#[test]
 fn a_sigkilled_supervisor_leaves_no_orphans_and_the_next_up_cleans_its_state() {
     let c = Cluster::new("sigkill");
     let p = free_ports(2);

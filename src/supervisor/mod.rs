@@ -1,13 +1,15 @@
 //! The supervisor: runs a plan's services, probes them, restarts them, stops them.
 //!
 //! It executes a [`crate::plan::Plan`] and knows nothing of vLLM. Layout:
-//! - [`cli`]: `pdctl up / down / status / logs` and the hidden `supervise`;
+//! - [`cli`], [`down_cmd`]: `pdctl up / down / status / logs` and the hidden `supervise`;
 //! - [`state`], [`stale`], [`procfs`], [`select`]: the state dir, its lock and run record,
 //!   cleaning up after a killed supervisor, finding running clusters;
 //! - [`preflight`]: every problem found before anything is spawned;
 //! - [`spawner`], [`watchdog`]: starting processes so that none outlives the supervisor;
-//! - [`service`], [`policy`], [`probe`], [`table`]: one task per service, its restart
-//!   policy, readiness/liveness probes, and the shared state `status` reads;
+//! - [`service`], [`run_watch`], [`deps`], [`remote`], [`pump`], [`policy`], [`probe`],
+//!   [`table`]: one task per service (waiting for dependencies, watching each run, moving
+//!   its output), probes of other nodes' services, the restart policy, readiness/liveness
+//!   probes, and the shared state `status` reads;
 //! - [`runner`], [`stop`], [`control_server`]: the supervisor process itself;
 //! - [`logfile`], [`console`], [`progress`], [`view`], [`logs_cmd`], [`detach`]: what users see.
 
@@ -16,6 +18,7 @@ pub mod console;
 pub mod control_server;
 pub mod deps;
 pub mod detach;
+pub mod down_cmd;
 pub mod logfile;
 pub mod logs_cmd;
 pub mod policy;
@@ -25,6 +28,7 @@ pub mod procfs;
 pub mod progress;
 pub mod pump;
 pub mod remote;
+pub mod run_watch;
 pub mod runner;
 pub mod select;
 pub mod service;

@@ -10,8 +10,9 @@ use super::console::Console;
 use super::deps::{DepsOutcome, wait_for_dependencies};
 use super::logfile::ServiceLog;
 use super::policy::{RestartTracker, Verdict};
-use super::probe::{LIVENESS_INTERVAL, Prober, StartupPoll};
+use super::probe::Prober;
 use super::pump::{PumpTargets, pump};
+use super::run_watch::{RunEnd, wait_ready, watch_liveness};
 use super::spawner::{SpawnSpec, Spawned, Spawner};
 use super::state::RecordWriter;
 use super::stop::{clear_group, describe_exit, parse_signal, stop_run};
@@ -57,15 +58,6 @@ pub struct ServiceCtx {
 
 /// Lines of output quoted when a service fails.
 pub const FAILURE_LINES: usize = 12;
-
-/// How one run of the process ended.
-enum RunEnd {
-    Exited(String, bool),
-    LivenessFailed(String),
-    StartTimeout(String),
-    Stop(Option<Duration>, oneshot::Sender<()>),
-    Restart(String, bool),
-}
 
 /// What the task does next.
 enum Next {
@@ -218,7 +210,15 @@ impl Task {
         ));
 
         let started = Instant::now();
-        let mut end = self.wait_ready(&mut child, &seen, started).await;
+        let mut end = wait_ready(
+            &self.ctx,
+            self.idx,
+            &mut self.rx,
+            &mut child,
+            &seen,
+            started,
+        )
+        .await;
         let mut healthy_since = None;
         if end.is_none() {
             self.ever_healthy = true;
@@ -229,77 +229,12 @@ impl Task {
                 .console
                 .event(&format!("{} {took}", self.svc().name));
             self.ctx.table.set_state(self.idx, ServiceState::Healthy);
-            end = Some(self.watch_liveness(&mut child, &seen).await);
+            end = Some(watch_liveness(&self.ctx, self.idx, &mut self.rx, &mut child, &seen).await);
         }
         let end = end.expect("a run always ends");
         let healthy_for = healthy_since.map(|t| t.elapsed()).unwrap_or_default();
         self.finish_run(child, pid, pump_task, end, healthy_for)
             .await
-    }
-
-    /// Probes until ready (`None`) or the run ends first.
-    async fn wait_ready(
-        &mut self,
-        child: &mut tokio::process::Child,
-        seen: &AtomicBool,
-        started: Instant,
-    ) -> Option<RunEnd> {
-        let probe = self.svc().probe.clone();
-        let limit = Duration::from_secs(self.svc().startup_timeout_s);
-        let prober = self.ctx.prober.clone();
-        let mut polls = StartupPoll::default();
-        loop {
-            let delay = polls.next().unwrap_or(LIVENESS_INTERVAL);
-            tokio::select! {
-                st = child.wait() => return Some(exited(st)),
-                cmd = self.rx.recv() => return Some(command_end(cmd)),
-                res = async { tokio::time::sleep(delay).await; prober.check(&probe, seen).await } => {
-                    match res {
-                        Ok(()) => return None,
-                        Err(why) if started.elapsed() >= limit => {
-                            return Some(RunEnd::StartTimeout(why));
-                        }
-                        Err(_) => {}
-                    }
-                }
-            }
-        }
-    }
-
-    /// Probes a healthy service every second until its run ends.
-    async fn watch_liveness(
-        &mut self,
-        child: &mut tokio::process::Child,
-        seen: &AtomicBool,
-    ) -> RunEnd {
-        let probe = self.svc().probe.clone();
-        let allowed = self.svc().restart.liveness_failures.max(1);
-        let prober = self.ctx.prober.clone();
-        let mut failures = 0u32;
-        loop {
-            tokio::select! {
-                st = child.wait() => return exited(st),
-                cmd = self.rx.recv() => return command_end(cmd),
-                res = async { tokio::time::sleep(LIVENESS_INTERVAL).await; prober.check(&probe, seen).await } => {
-                    match res {
-                        Ok(()) if failures > 0 => {
-                            failures = 0;
-                            self.ctx.table.set_state(self.idx, ServiceState::Healthy);
-                        }
-                        Ok(()) => {}
-                        Err(why) => {
-                            failures += 1;
-                            self.ctx.table.set_state(self.idx, ServiceState::Unhealthy);
-                            if failures >= allowed {
-                                return RunEnd::LivenessFailed(format!(
-                                    "liveness failed {failures} times: {why}"
-                                ));
-                            }
-                        }
-                    }
-                }
-            }
-        }
     }
 
     async fn finish_run(
@@ -439,21 +374,5 @@ impl Task {
             }
             None => Next::Exit,
         }
-    }
-}
-
-fn exited(st: std::io::Result<std::process::ExitStatus>) -> RunEnd {
-    match st {
-        Ok(s) => RunEnd::Exited(describe_exit(&s), s.success()),
-        Err(e) => RunEnd::Exited(format!("could not be waited for: {e}"), false),
-    }
-}
-
-fn command_end(cmd: Option<Cmd>) -> RunEnd {
-    match cmd {
-        Some(Cmd::Stop { timeout, done }) => RunEnd::Stop(timeout, done),
-        Some(Cmd::Restart { reason, cascade }) => RunEnd::Restart(reason, cascade),
-        // Every sender gone: the supervisor is ending; stop with the plan's timeout.
-        None => RunEnd::Stop(None, oneshot::channel().0),
     }
 }

@@ -16,13 +16,21 @@ use std::time::{Duration, Instant};
 /// A tiny HTTP engine: answers every GET with 200, prints a line when listening, and
 /// with a second argument exits with status 1 after that many seconds. With CHATTY=1 it
 /// prints a numbered line every 5 ms (for log rotation). With FORK=1 it leaves a
-/// `sleep` child behind (a grandchild of the supervisor, like vLLM's engine core).
+/// `sleep` child behind (a grandchild of the supervisor, like vLLM's engine core). With
+/// SICK_AFTER=S it answers 503 after S seconds while staying alive (a hung engine).
 pub const ENGINE_PY: &str = r#"
 import http.server, os, sys, threading, time, subprocess
+STARTED = time.time()
 host, port = sys.argv[1], int(sys.argv[2])
 exit_after = float(sys.argv[3]) if len(sys.argv) > 3 else 0
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        sick = os.environ.get("SICK_AFTER")
+        if sick and time.time() - STARTED > float(sick):
+            self.send_response(503)
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
         self.send_response(200)
         self.send_header("content-length", "2")
         self.end_headers()
