@@ -17,7 +17,8 @@ pub enum DepsOutcome {
 }
 
 /// Waits until every dependency of service `idx` is healthy. A remote dependency gets the
-/// service's own start-up timeout; local ones have start-up timeouts of their own.
+/// longer of its own and the waiting service's start-up timeout (it may be another node's
+/// vLLM loading for minutes); local ones fail by their own start-up timeouts.
 pub async fn wait_for_dependencies(
     ctx: &ServiceCtx,
     idx: usize,
@@ -48,13 +49,19 @@ pub async fn wait_for_dependencies(
                 state @ (ServiceState::Failed | ServiceState::Stopped) if !remote => {
                     return DepsOutcome::Failed(format!("dependency {} is {state}", dep.name));
                 }
-                _ if remote && started.elapsed() >= limit => {
+                // A remote engine may load for as long as its own start-up allows.
+                _ if remote
+                    && started.elapsed()
+                        >= limit.max(Duration::from_secs(dep.startup_timeout_s)) =>
+                {
                     return DepsOutcome::Failed(format!(
                         "dependency {} on node {} ({}) was not ready within {} s",
                         dep.name,
                         dep.node,
                         dep.host,
-                        limit.as_secs()
+                        limit
+                            .max(Duration::from_secs(dep.startup_timeout_s))
+                            .as_secs()
                     ));
                 }
                 _ => all_ready = false,
