@@ -135,7 +135,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
                 .node
                 .clone()
                 .unwrap_or_else(|| plan.head_node.clone());
-            (plan, format!("plan file {}", path.display()), node)
+            (plan, format!("using plan file {}", path.display()), node)
         }
         None => {
             // Programs it could not find are reported by pre-flight, with the others.
@@ -176,7 +176,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     let local = plan.local_services(&node).count();
     let _ = writeln!(
         out,
-        "pdctl: cluster {} from {note}: {local} service(s) on node {node}, {} on other nodes; state in {}",
+        "pdctl: cluster {} ({note}): {local} service(s) on node {node}, {} on other nodes; state in {}",
         plan.cluster,
         plan.services.len() - local,
         state.dir.display()
