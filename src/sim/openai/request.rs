@@ -103,6 +103,12 @@ struct RawRequest {
 
 /// Parses and checks a request body.
 pub fn parse(endpoint: Endpoint, body: &[u8], limits: Limits) -> Result<GenRequest, ApiError> {
+    if body.trim_ascii_start().first() != Some(&b'{') {
+        return Err(ApiError::bad_request(
+            None,
+            "the body is not a valid JSON object: it must be {\"prompt\": ...} or {\"messages\": ...}",
+        ));
+    }
     let de = &mut serde_json::Deserializer::from_slice(body);
     let raw: RawRequest = serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
