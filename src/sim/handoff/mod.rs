@@ -292,7 +292,13 @@ pub(crate) fn held_response(sim: &Sim, key: &str, held: Option<Held>) -> axum::r
     use axum::http::StatusCode;
     use axum::response::IntoResponse;
     match held {
-        Some(Held::Ready(b)) => axum::Json(b).into_response(),
+        Some(Held::Ready(b)) => {
+            tracing::info!(
+                "KV handoff {key}: {} blocks taken by a decode and freed here",
+                b.block_hashes.len()
+            );
+            axum::Json(b).into_response()
+        }
         Some(Held::Refused(reason)) => {
             ApiError::status(StatusCode::CONFLICT, format!("no KV for {key}: {reason}"))
                 .into_response()
