@@ -9,7 +9,7 @@
 //! so prefix-cache blocks, as with a real model's template.
 
 use super::error::ApiError;
-use super::request::kind;
+use super::fields::kind;
 use serde_json::Value;
 
 /// The prompt text for `messages` (a JSON array of `{role, content}` objects).

@@ -3,6 +3,7 @@
 
 pub mod chat_template;
 pub mod error;
+pub mod fields;
 pub mod request;
 pub mod response;
 
