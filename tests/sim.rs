@@ -903,7 +903,8 @@ async fn mooncake_decode_waits_a_bounded_time_then_recomputes() {
         ],
     ))
     .await;
-    let kv = |id: &str| json!({"do_remote_prefill": true, "remote_bootstrap_addr": format!("http://127.0.0.1:{boot}"), "transfer_id": id});
+    // A bare host:port bootstrap address works too.
+    let kv = |id: &str| json!({"do_remote_prefill": true, "remote_bootstrap_addr": format!("127.0.0.1:{boot}"), "transfer_id": id});
     let t = Instant::now();
     let (s, _) = dsim.post("/v1/completions", &json!({"prompt": prompt_of(20, "z"), "max_tokens": 2, "kv_transfer_params": kv("never")})).await;
     assert_eq!(s, 200);

@@ -67,11 +67,17 @@ async fn transfer(
 
 /// The decode side: checks the prefill's engine id, then waits for the transfer.
 pub async fn pull(sim: &Sim, kv: &KvTransferParams, hashes: &[u64]) -> Result<String, String> {
-    let addr = kv
+    let given = kv
         .remote_bootstrap_addr
         .as_deref()
         .ok_or("kv_transfer_params has no remote_bootstrap_addr")?
         .trim_end_matches('/');
+    // "host:port" is accepted as well as "http://host:port".
+    let addr = if given.contains("://") {
+        given.to_string()
+    } else {
+        format!("http://{given}")
+    };
     let tid = kv
         .transfer_id
         .as_deref()
