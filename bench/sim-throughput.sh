@@ -32,16 +32,24 @@ curl -fs "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/j
 
 echo "cores: $(nproc); sim pid $SIM; wrk -t$THREADS -c$CONNS -d${DURATION}s, $RUNS runs"
 wrk -t"$THREADS" -c"$CONNS" -d2s -s bench/sim-completion.lua "http://127.0.0.1:$PORT/v1/completions" >/dev/null # warm-up
+# Besides wrk's rate, each run reports the CPU time the sim process itself spent per
+# request (from /proc): unlike the rate, it hardly depends on what else the machine runs.
+tick=$(getconf CLK_TCK)
+sim_cpu() { awk '{print $14+$15}' "/proc/$SIM/stat"; }
+served() { curl -fs "http://127.0.0.1:$PORT/metrics" | awk '/^vllm:request_success_total/ {s+=$2} END {print s}'; }
 rates=()
 for i in $(seq "$RUNS"); do
+  load=$(cut -d' ' -f1 /proc/loadavg)
+  c0=$(sim_cpu); n0=$(served)
   out=$(wrk -t"$THREADS" -c"$CONNS" -d"${DURATION}s" --latency -s bench/sim-completion.lua "http://127.0.0.1:$PORT/v1/completions")
+  c1=$(sim_cpu); n1=$(served)
   rate=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
   p50=$(awk '$1=="50%" {print $2}' <<<"$out")
   errs=$(awk -F': ' '/non-2xx or socket errors/ {print $2}' <<<"$out")
-  echo "run $i: $rate req/s, p50 latency $p50, errors $errs"
+  us=$(awk -v c=$((c1-c0)) -v n=$((n1-n0)) -v t="$tick" 'BEGIN {printf "%.1f", c/t*1e6/n}')
+  echo "run $i: $rate req/s, p50 latency $p50, errors $errs, sim cpu $us us/request, load average before $load"
   rates+=("$rate")
 done
 median=$(printf '%s\n' "${rates[@]}" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
 echo "median: $median req/s"
-served=$(curl -fs "http://127.0.0.1:$PORT/metrics" | awk '/^vllm:request_success_total/ {s+=$2} END {print s}')
-echo "sim counted $served successful requests"
+echo "sim counted $(served) successful requests"
