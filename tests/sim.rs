@@ -1164,3 +1164,26 @@ fn the_official_openai_client_works_against_the_sim() {
         "{stdout}"
     );
 }
+
+#[tokio::test]
+async fn sigterm_stops_it_with_status_0_even_with_a_request_in_flight() {
+    let mut sim = SimProc::start(&["--itl-ms", "1000", "--overhead-ms", "0"]).await;
+    let url = sim.url("/v1/completions");
+    let pending = tokio::spawn(
+        client()
+            .post(url)
+            .json(&json!({"prompt": "a", "max_tokens": 100}))
+            .send(),
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let pid = nix::unistd::Pid::from_raw(sim.child.pid() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert_eq!(
+        sim.wait_exit(Duration::from_secs(5)),
+        Some(0),
+        "{}",
+        sim.log()
+    );
+    assert!(sim.log().contains("shutting down"));
+    let _ = pending.await;
+}
