@@ -34,6 +34,22 @@ fn args<'a>(base: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
     out
 }
 
+/// Polls `check` for up to 5 s (state changes that follow a disconnect or a timer).
+async fn eventually<F, Fut>(mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < end {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
 fn text_of(v: &Value) -> String {
     v["choices"][0]["text"]
         .as_str()
@@ -805,8 +821,7 @@ async fn nixl_prefill_that_ends_by_a_stop_string_offers_no_kv_and_held_kv_expire
         2.0,
         "stranded until a decode pulls or it expires"
     );
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    assert_eq!(p.metric("pdctl_sim_kv_blocks_held").await, 0.0);
+    assert!(eventually(|| async { p.metric("pdctl_sim_kv_blocks_held").await == 0.0 }).await);
     assert_eq!(p.metric("pdctl_sim_kv_handoffs_expired_total").await, 1.0);
     assert!(p.log().contains("expired: no decode took it in time"));
 }
@@ -957,14 +972,14 @@ async fn faults_fail_hang_unhealthy_and_crash() {
         .send()
         .await;
     assert!(r.unwrap_err().is_timeout());
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(sim.metric("pdctl_sim_requests_aborted_total").await, 1.0);
+    assert!(
+        eventually(|| async { sim.metric("pdctl_sim_requests_aborted_total").await == 1.0 }).await
+    );
     assert_eq!(sim.metric("vllm:num_requests_running").await, 0.0);
     // unhealthy_ms: /health 503 for a while, then 200 again.
-    sim.post("/sim/fault", &json!({"unhealthy_ms": 300})).await;
+    sim.post("/sim/fault", &json!({"unhealthy_ms": 1000})).await;
     assert_eq!(sim.get("/health").await.0, 503);
-    tokio::time::sleep(Duration::from_millis(350)).await;
-    assert_eq!(sim.get("/health").await.0, 200);
+    assert!(eventually(|| async { sim.get("/health").await.0 == 200 }).await);
     // A bad fault body is explained.
     let (s, r) = sim.post("/sim/fault", &json!({"explode": true})).await;
     assert_eq!(s, 400);
@@ -1002,9 +1017,10 @@ async fn stalled_stream_sends_k_tokens_then_nothing_and_counts_an_abort() {
     assert_eq!(sse_events(&body).len(), 2, "{body}");
     assert_eq!(sim.metric("vllm:num_requests_running").await, 1.0);
     drop(r);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        eventually(|| async { sim.metric("pdctl_sim_requests_aborted_total").await == 1.0 }).await
+    );
     assert_eq!(sim.metric("vllm:num_requests_running").await, 0.0);
-    assert_eq!(sim.metric("pdctl_sim_requests_aborted_total").await, 1.0);
     // The next stream is normal again.
     let r = client()
         .post(sim.url("/v1/completions"))
