@@ -1203,3 +1203,72 @@ async fn sigterm_stops_it_with_status_0_even_with_a_request_in_flight() {
     assert!(sim.log().contains("shutting down"));
     let _ = pending.await;
 }
+
+#[tokio::test]
+async fn api_key_guards_the_v1_routes_only() {
+    let mut cmd_args = ZERO.to_vec();
+    cmd_args.extend(["--log-stats-interval-ms", "0"]);
+    // The key comes from the environment, as vLLM's VLLM_API_KEY.
+    let port = free_port();
+    let dir = TempDir::new("sim-key");
+    let mut cmd = pdctl(&["sim", "--port", &port.to_string()]);
+    cmd.args(&cmd_args).env("VLLM_API_KEY", "s3cret");
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("log")).unwrap());
+    let _child = common::ChildGuard(cmd.spawn().unwrap());
+    let base = format!("http://127.0.0.1:{port}");
+    let c = client();
+    assert!(
+        eventually(|| async {
+            c.get(format!("{base}/health"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        })
+        .await
+    );
+    let body = json!({"prompt": "a", "max_tokens": 1});
+    let r = c
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], 401);
+    let r = c
+        .post(format!("{base}/v1/completions"))
+        .bearer_auth("wrong")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = c
+        .post(format!("{base}/v1/completions"))
+        .bearer_auth("s3cret")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        c.get(format!("{base}/v1/models"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    for open in ["/health", "/metrics", "/version"] {
+        assert_eq!(
+            c.get(format!("{base}{open}"))
+                .send()
+                .await
+                .unwrap()
+                .status(),
+            200,
+            "{open}"
+        );
+    }
+}

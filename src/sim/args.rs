@@ -179,10 +179,16 @@ pub struct SimArgs {
     /// 0 turns it off.
     #[arg(long, default_value_t = 10_000)]
     pub log_stats_interval_ms: u64,
+    /// Require `Authorization: Bearer KEY` on /v1/* routes, as `vllm serve --api-key`
+    /// does (/health, /metrics and /version stay open).
+    #[arg(long, env = "VLLM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
 }
 
 impl SimArgs {
-    /// The argv after `pdctl sim` that parses back into exactly these arguments.
+    /// The argv after `pdctl sim` that parses back into exactly these arguments, the API
+    /// key excepted: a secret travels in the environment (`VLLM_API_KEY`), never on a
+    /// command line that `ps` shows.
     pub fn to_argv(&self) -> Vec<String> {
         let mut v = vec![
             "--host".to_string(),
@@ -277,8 +283,14 @@ mod tests {
             fault_exit_after: Some(7),
             kv_host: Some("10.0.0.2".into()),
             log_stats_interval_ms: 0,
+            api_key: None,
         };
         assert_eq!(parse(&full.to_argv()), full);
+        let keyed = SimArgs {
+            api_key: Some("secret".into()),
+            ..full.clone()
+        };
+        assert!(!keyed.to_argv().iter().any(|a| a.contains("secret")));
         let zero = SimArgs {
             model_params: SimModel::zero_latency(),
             ..minimal

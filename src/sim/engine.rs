@@ -255,6 +255,7 @@ mod tests {
             fault_exit_after: None,
             kv_host: None,
             log_stats_interval_ms: 0,
+            api_key: None,
         }))
     }
 

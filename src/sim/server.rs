@@ -38,6 +38,25 @@ pub fn router(sim: Arc<Sim>) -> Router {
         .with_state(sim)
 }
 
+/// vLLM's `--api-key` check: /v1 routes need `Authorization: Bearer KEY` when a key is set.
+fn authorized(sim: &Sim, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = sim.args.api_key.as_deref() else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given == Some(key) {
+        Ok(())
+    } else {
+        Err(ApiError::status(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized: send Authorization: Bearer <the key given to --api-key / VLLM_API_KEY>",
+        ))
+    }
+}
+
 fn body_or_error(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|r| {
         ApiError::status(
@@ -52,6 +71,9 @@ async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    if let Err(e) = authorized(&sim, &headers) {
+        return e.into_response();
+    }
     match body_or_error(body) {
         Ok(b) => completion::handle(sim, Endpoint::Completions, headers, b).await,
         Err(e) => e.into_response(),
@@ -63,13 +85,19 @@ async fn chat(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    if let Err(e) = authorized(&sim, &headers) {
+        return e.into_response();
+    }
     match body_or_error(body) {
         Ok(b) => completion::handle(sim, Endpoint::Chat, headers, b).await,
         Err(e) => e.into_response(),
     }
 }
 
-async fn models(State(sim): State<Arc<Sim>>) -> Response {
+async fn models(State(sim): State<Arc<Sim>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorized(&sim, &headers) {
+        return e.into_response();
+    }
     let m = &sim.args.model;
     axum::Json(json!({
         "object": "list",

@@ -34,6 +34,8 @@ impl SimProc {
             .arg(port.to_string())
             .args(args);
         cmd.env("RUST_LOG", "info").env("NO_COLOR", "1");
+        // A key in the caller's environment would guard every /v1 route.
+        cmd.env_remove("VLLM_API_KEY");
         cmd.stdout(Stdio::null()).stderr(file);
         let child = ChildGuard(cmd.spawn().expect("spawn pdctl sim"));
         let mut sim = SimProc {

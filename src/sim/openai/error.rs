@@ -37,6 +37,7 @@ impl ApiError {
         match self.status {
             StatusCode::BAD_REQUEST => "BadRequestError",
             StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::UNAUTHORIZED => "AuthenticationError",
             StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowedError",
             StatusCode::PAYLOAD_TOO_LARGE => "PayloadTooLargeError",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
