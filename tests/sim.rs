@@ -633,6 +633,21 @@ async fn max_num_seqs_makes_requests_wait() {
     assert!(saw.0 && saw.1, "running 1 and waiting 1 seen: {saw:?}");
     assert_eq!(h1.await.unwrap().unwrap().status(), 200);
     assert_eq!(h2.await.unwrap().unwrap().status(), 200);
+    // A client that gives up while waiting for a slot counts as aborted, and frees it.
+    let slow = sim.url("/v1/completions");
+    let h3 = tokio::spawn(client().post(slow).json(&body).send());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let r = reqwest::Client::new()
+        .post(sim.url("/v1/completions"))
+        .json(&body)
+        .timeout(Duration::from_millis(100))
+        .send()
+        .await;
+    assert!(r.is_err());
+    assert!(
+        eventually(|| async { sim.metric("pdctl_sim_requests_aborted_total").await == 1.0 }).await
+    );
+    assert_eq!(h3.await.unwrap().unwrap().status(), 200);
     assert_eq!(sim.metric("vllm:num_requests_waiting").await, 0.0);
     assert_eq!(sim.metric("vllm:num_requests_running").await, 0.0);
 }

@@ -107,6 +107,18 @@ pub struct Job {
     pub hold_back: usize,
     max_stop_len: usize,
     first_token: Option<Instant>,
+    finished: bool,
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        // Once admitted, the run guard counts an abort; before that (still waiting for
+        // a slot) the job does.
+        if !self.finished && self.guard.is_none() {
+            self.sim.metrics.aborted.fetch_add(1, Relaxed);
+            tracing::info!("request aborted while waiting: the client went away");
+        }
+    }
 }
 
 impl Job {
@@ -155,6 +167,7 @@ impl Job {
             producer: None,
             seqs,
             first_token: None,
+            finished: false,
         }
     }
 
@@ -238,6 +251,7 @@ impl Job {
         if let Some(mut g) = self.guard.take() {
             g.finish();
         }
+        self.finished = true;
         let finish = self
             .seqs
             .first()
