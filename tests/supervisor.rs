@@ -115,6 +115,59 @@ fn up_status_logs_down_with_real_etcd_and_mooncake_master_leaves_nothing() {
 }
 
 #[test]
+fn a_sim_topology_comes_up_through_the_planner_and_a_crashed_engine_comes_back() {
+    let c = Cluster::new("topology");
+    let topo = c.root().join("pd.toml");
+    std::fs::write(&topo, sim_topology("simtopo", 2, 2)).unwrap();
+    let up = c.run(&["up", "-d", "-f", topo.to_str().unwrap()]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    assert!(
+        stdout(&up).contains("pd.toml"),
+        "says which topology: {}",
+        text(&up)
+    );
+    let r = c.status(&[]).unwrap();
+    assert_eq!(r.cluster, "simtopo");
+    let names: Vec<&str> = r.services.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "etcd",
+            "mooncake-master",
+            "prefill-0",
+            "prefill-1",
+            "decode-0",
+            "decode-1"
+        ]
+    );
+    assert!(all_healthy(&r), "{r:?}");
+    // The planner puts a one-node cluster in <root>/<cluster>.
+    let run = run_id(&pdctl::supervisor::state::StateDir::new(
+        c.root().join("simtopo"),
+    ));
+
+    // The simulator's own crash fault: exits with status 1.
+    let port = svc(&r, "prefill-1").port.unwrap();
+    assert_eq!(post_json(port, "/sim/fault", r#"{"crash": true}"#), 200);
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        svc(r, "prefill-1").restarts == 1 && all_healthy(r)
+    });
+    assert_eq!(
+        svc(&r, "prefill-1").last_exit.as_deref(),
+        Some("exit 1"),
+        "{r:?}"
+    );
+    let logs = stdout(&c.run(&["logs", "prefill"]));
+    assert!(
+        logs.contains("prefill-0 | ") && logs.contains("prefill-1 | "),
+        "{logs}"
+    );
+    assert!(logs.contains("SIMULATED engine"), "{logs}");
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+    assert!(marked(&run).is_empty(), "{:?}", marked(&run));
+}
+
+#[test]
 fn a_killed_engine_is_restarted_after_its_backoff_and_its_companion_with_it() {
     let c = Cluster::new("restart");
     let p = free_ports(2);

@@ -111,8 +111,9 @@ pub async fn wait_for_start(child: &mut Child, state: &StateDir, plan: &Plan) ->
                     for (name, why) in failed {
                         let lines = history(&state.log_path(&name), Some(40));
                         let lines: Vec<String> = lines
-                            .into_iter()
+                            .iter()
                             .filter(|l| !l.starts_with("[pdctl] "))
+                            .map(|l| super::logfile::strip_ansi(l))
                             .collect();
                         let shown = &lines[lines.len().saturating_sub(12)..];
                         eprintln!("{}", progress::failure_text(&name, &why, shown));
@@ -139,7 +140,7 @@ pub fn last_line(path: &Path) -> Option<String> {
     f.seek(SeekFrom::Start(len.saturating_sub(4096))).ok()?;
     let mut buf = Vec::new();
     f.read_to_end(&mut buf).ok()?;
-    let text = String::from_utf8_lossy(&buf);
+    let text = super::logfile::strip_ansi(&String::from_utf8_lossy(&buf));
     text.lines()
         .rev()
         .map(|l| l.rsplit('\r').next().unwrap_or(l).trim())

@@ -147,13 +147,15 @@ impl ServiceLog {
         }
     }
 
-    /// Remembers a complete output line for [`Self::last_lines`].
+    /// Remembers a complete output line for [`Self::last_lines`], without colour codes
+    /// (they would garble progress lines and failure reports).
     pub fn remember(&self, line: &str) {
+        let plain = strip_ansi(line);
         let mut r = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         if r.len() == RECENT_LINES {
             r.pop_front();
         }
-        r.push_back(line.to_string());
+        r.push_back(plain);
     }
 
     /// Writes a line of the supervisor's own into the log (`[pdctl] <time> <text>`), so a
@@ -219,6 +221,31 @@ impl LineSplitter {
         buf.clear();
         shown
     }
+}
+
+/// `text` without ANSI escape sequences (colours, cursor movement): `ESC [ ... final`
+/// and two-byte `ESC x` forms.
+pub fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '\x1b' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('[') => {
+                // Parameters and intermediates, up to a final byte in '@'..='~'.
+                for f in chars.by_ref() {
+                    if ('@'..='~').contains(&f) {
+                        break;
+                    }
+                }
+            }
+            Some(_) | None => {}
+        }
+    }
+    out
 }
 
 /// Now as `YYYY-MM-DDTHH:MM:SSZ` (UTC), without a date crate.
@@ -315,6 +342,17 @@ mod tests {
         assert_eq!(log.last_lines(2), vec!["line 98", "line 99"]);
         assert_eq!(log.last_line().as_deref(), Some("line 99"));
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn colour_codes_are_stripped_and_plain_text_kept() {
+        let coloured = "\x1b[2m2026-11-22T05:19:57Z\x1b[0m \x1b[32m INFO\x1b[0m ready: [ok]";
+        assert_eq!(
+            strip_ansi(coloured),
+            "2026-11-22T05:19:57Z  INFO ready: [ok]"
+        );
+        assert_eq!(strip_ansi("no codes [1] here"), "no codes [1] here");
+        assert_eq!(strip_ansi("cut \x1b["), "cut ");
     }
 
     #[test]

@@ -365,6 +365,63 @@ pub fn all_healthy(r: &StatusReport) -> bool {
     r.services.iter().all(|s| s.state == ServiceState::Healthy)
 }
 
+/// The first of `n` consecutive ports free on 127.0.0.1 right now.
+pub fn free_port_run(n: u16) -> u16 {
+    for _ in 0..200 {
+        let base = crate::common::free_port();
+        if base.checked_add(n).is_none() {
+            continue;
+        }
+        let all_free =
+            (base..base + n).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok());
+        if all_free {
+            return base;
+        }
+    }
+    panic!("no run of {n} free ports found");
+}
+
+/// A sim topology (the planner's format) on free ports: etcd, mooncake_master, and
+/// `p` prefill + `d` decode `pdctl sim` engines, no proxy.
+pub fn sim_topology(cluster: &str, p: u16, d: u16) -> String {
+    let ports = crate::common::free_ports(4);
+    format!(
+        "cluster = \"{cluster}\"\n\
+         [model]\nname = \"sim-model\"\n\
+         [engine]\nkind = \"sim\"\n\
+         [connector]\nkind = \"mooncake-store\"\n\
+         [etcd]\nclient_port = {}\npeer_port = {}\n\
+         [mooncake_master]\nrpc_port = {}\nmetrics_port = {}\n\
+         [prefill]\ninstances = {p}\nbase_port = {}\n\
+         [decode]\ninstances = {d}\nbase_port = {}\n\
+         [proxy]\nenabled = false\n",
+        ports[0],
+        ports[1],
+        ports[2],
+        ports[3],
+        free_port_run(p),
+        free_port_run(d),
+    )
+}
+
+/// `POST path` with a JSON body to 127.0.0.1:port; returns the status code.
+pub fn post_json(port: u16, path: &str, body: &str) -> u16 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut resp = String::new();
+    let _ = s.read_to_string(&mut resp);
+    resp.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
 /// True when nothing listens on host:port any more.
 pub fn port_free(host: &str, port: u16) -> bool {
     std::net::TcpListener::bind((host, port)).is_ok()
