@@ -233,16 +233,13 @@ pub fn strip_ansi(text: &str) -> String {
             out.push(c);
             continue;
         }
-        match chars.next() {
-            Some('[') => {
-                // Parameters and intermediates, up to a final byte in '@'..='~'.
-                for f in chars.by_ref() {
-                    if ('@'..='~').contains(&f) {
-                        break;
-                    }
+        // `ESC x` drops x; `ESC [` also drops parameters up to a final byte in '@'..='~'.
+        if chars.next() == Some('[') {
+            for f in chars.by_ref() {
+                if ('@'..='~').contains(&f) {
+                    break;
                 }
             }
-            Some(_) | None => {}
         }
     }
     out
