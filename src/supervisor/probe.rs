@@ -116,44 +116,28 @@ pub fn remote_probe(svc: &Service) -> Option<Probe> {
     }
 }
 
-/// Delays between readiness probes: 50 ms growing by a fifth each time, at most 1 s.
-#[derive(Debug, Clone)]
-pub struct StartupPoll {
-    next: Duration,
+/// The wait before the next readiness probe, `elapsed` after the process started:
+/// 50 ms for the first quarter second, then a fifth of the time waited so far (noticing
+/// readiness at most 20 % late), at most 1 s.
+pub fn startup_delay(elapsed: Duration) -> Duration {
+    (elapsed / 5).clamp(Duration::from_millis(50), Duration::from_secs(1))
 }
 
-impl Default for StartupPoll {
-    fn default() -> Self {
-        StartupPoll {
-            next: Duration::from_millis(50),
-        }
-    }
-}
-
-impl Iterator for StartupPoll {
-    type Item = Duration;
-    fn next(&mut self) -> Option<Duration> {
-        let now = self.next;
-        self.next = (self.next * 6 / 5).min(Duration::from_secs(1));
-        Some(now)
-    }
-}
+/// Output from a starting service often means its state changed ("ready to serve"), so
+/// it triggers an early probe — but not more often than this.
+pub const OUTPUT_PROBE_GAP: Duration = Duration::from_millis(50);
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn startup_polling_starts_fast_and_caps_at_a_second() {
-        let d: Vec<_> = StartupPoll::default().take(40).collect();
-        assert_eq!(d[0], Duration::from_millis(50));
-        assert!(d[1] > d[0]);
-        assert_eq!(*d.last().unwrap(), Duration::from_secs(1));
-        let first_second: Duration = d.iter().take(9).sum();
-        assert!(
-            first_second < Duration::from_millis(1100),
-            "{first_second:?}"
-        );
+    fn startup_polling_starts_fast_grows_with_the_wait_and_caps_at_a_second() {
+        let ms = |m| Duration::from_millis(m);
+        assert_eq!(startup_delay(ms(0)), ms(50));
+        assert_eq!(startup_delay(ms(200)), ms(50));
+        assert_eq!(startup_delay(ms(2_000)), ms(400));
+        assert_eq!(startup_delay(ms(600_000)), ms(1_000));
     }
 
     #[tokio::test]

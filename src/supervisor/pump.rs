@@ -16,6 +16,8 @@ pub struct PumpTargets {
     pub idx: usize,
     /// Text of a `LogLine` probe, and the flag set when a line contains it.
     pub watch_for: Option<(String, Arc<AtomicBool>)>,
+    /// Woken on every chunk of output (a readiness probe may be due).
+    pub activity: Arc<tokio::sync::Notify>,
 }
 
 /// Reads `output` until every writer closed it (the service and all its children).
@@ -30,6 +32,8 @@ pub async fn pump(mut output: tokio::net::unix::pipe::Receiver, to: PumpTargets)
                 for line in split.feed(&buf[..n]) {
                     handle_line(&to, &line);
                 }
+                // After the lines: a log-line probe woken by this sees its flag set.
+                to.activity.notify_one();
             }
         }
     }

@@ -1,7 +1,7 @@
 //! Services placed on other nodes: never spawned here, only probed, so `status` on the
 //! head shows them and local services that depend on them wait for them.
 
-use super::probe::{LIVENESS_INTERVAL, StartupPoll, remote_probe};
+use super::probe::{LIVENESS_INTERVAL, remote_probe, startup_delay};
 use super::service::ServiceCtx;
 use crate::control::ServiceState;
 use std::sync::Arc;
@@ -19,13 +19,13 @@ pub async fn run_remote(ctx: Arc<ServiceCtx>, idx: usize, mut shutdown: watch::R
         return;
     };
     let never = AtomicBool::new(false);
-    let mut polls = StartupPoll::default();
+    let started = std::time::Instant::now();
     let mut seen_healthy = false;
     loop {
         let delay = if seen_healthy {
             LIVENESS_INTERVAL
         } else {
-            polls.next().unwrap_or(LIVENESS_INTERVAL)
+            startup_delay(started.elapsed())
         };
         tokio::select! {
             _ = shutdown.changed() => return,

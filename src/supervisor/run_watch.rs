@@ -1,12 +1,13 @@
 //! Watching one run of a service's process: probing until it is ready, then probing its
 //! liveness, until the process exits, a probe gives up, or a command arrives.
 
-use super::probe::{LIVENESS_INTERVAL, StartupPoll};
+use super::probe::{LIVENESS_INTERVAL, OUTPUT_PROBE_GAP, startup_delay};
 use super::service::{Cmd, ServiceCtx};
 use super::stop::describe_exit;
 use crate::control::ServiceState;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
+use tokio::sync::Notify;
 use tokio::sync::{mpsc, oneshot};
 
 /// How one run of the process ended.
@@ -24,25 +25,40 @@ pub enum RunEnd {
     Restart(String, bool),
 }
 
-/// Probes until ready (`None`) or the run ends first.
+/// Probes until ready (`None`) or the run ends first. Probes follow
+/// [`startup_delay`], and come early when the service prints something (`output`).
 pub async fn wait_ready(
     ctx: &ServiceCtx,
     idx: usize,
     rx: &mut mpsc::UnboundedReceiver<Cmd>,
     child: &mut tokio::process::Child,
     seen: &AtomicBool,
+    output: &Notify,
     started: Instant,
 ) -> Option<RunEnd> {
     let probe = ctx.plan.services[idx].probe.clone();
     let limit = Duration::from_secs(ctx.plan.services[idx].startup_timeout_s);
     let prober = ctx.prober.clone();
-    let mut polls = StartupPoll::default();
+    // The first output may trigger a probe at once.
+    let mut last_probe = started.checked_sub(OUTPUT_PROBE_GAP).unwrap_or(started);
     loop {
-        let delay = polls.next().unwrap_or(LIVENESS_INTERVAL);
+        let next = async {
+            let scheduled = tokio::time::sleep(startup_delay(started.elapsed()));
+            let early = async {
+                output.notified().await;
+                tokio::time::sleep_until((last_probe + OUTPUT_PROBE_GAP).into()).await;
+            };
+            tokio::select! {
+                _ = scheduled => {}
+                _ = early => {}
+            }
+            prober.check(&probe, seen).await
+        };
         tokio::select! {
             st = child.wait() => return Some(exited(st)),
             cmd = rx.recv() => return Some(command_end(cmd)),
-            res = async { tokio::time::sleep(delay).await; prober.check(&probe, seen).await } => {
+            res = next => {
+                last_probe = Instant::now();
                 match res {
                     Ok(()) => return None,
                     Err(why) if started.elapsed() >= limit => {

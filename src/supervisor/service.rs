@@ -199,6 +199,7 @@ impl Task {
             Probe::LogLine { contains } => Some((contains.clone(), seen.clone())),
             _ => None,
         };
+        let activity = Arc::new(tokio::sync::Notify::new());
         let pump_task = tokio::spawn(pump(
             output,
             PumpTargets {
@@ -206,6 +207,7 @@ impl Task {
                 console: self.ctx.console.clone(),
                 idx: self.idx,
                 watch_for,
+                activity: activity.clone(),
             },
         ));
 
@@ -216,6 +218,7 @@ impl Task {
             &mut self.rx,
             &mut child,
             &seen,
+            &activity,
             started,
         )
         .await;
