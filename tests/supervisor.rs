@@ -647,6 +647,10 @@ fn two_nodes_on_loopback_addresses_see_each_other() {
         prefill,
         decode,
     ];
+    let nowhere = c.up_detached(&plan, &["--node", "nowhere"]);
+    assert_eq!(nowhere.status.code(), Some(2), "{}", text(&nowhere));
+    assert!(String::from_utf8_lossy(&nowhere.stderr).contains("(nodes: head, worker)"));
+
     let head_up = c.up_detached(&plan, &["--node", "head"]);
     assert_eq!(head_up.status.code(), Some(0), "{}", text(&head_up));
     let head_only = c.status(&["--cluster", "duo-head"]).unwrap();

@@ -162,6 +162,19 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
             plan.state_dir = root.join(dir);
         }
     }
+    if plan.local_services(&node).next().is_none() {
+        return Err(ExitError::usage(format!(
+            "node `{node}` runs no service of cluster {}; the services are on {}",
+            plan.cluster,
+            plan.services
+                .iter()
+                .map(|s| s.node.as_str())
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
     let state = StateDir::new(&plan.state_dir);
     state.create()?;
     let lock = state.lock().map_err(usage_if)?;
