@@ -1,0 +1,459 @@
+//! One client request through the PD pair: pick instances, send the legs in the order the
+//! protocol asks for, retry a leg elsewhere on connect errors and 502/503, and hand back
+//! either a complete answer or decode's stream with its first chunk already in hand (so a
+//! decode that fails before its first byte is still a proper JSON error, never a 200).
+
+use super::Proxy;
+use super::designate::Designation;
+use super::errors::{LegError, LegFailure, ProxyError};
+use super::instances::{FailureKind, InFlight, Instance, Leg};
+use super::policy::RouteFacts;
+use super::protocol::{Body, Flow, choices};
+use super::record::RequestRecord;
+use super::upstream::{MAX_ANSWER_BYTES, read_body, status_failure};
+use axum::http::HeaderValue;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
+use serde_json::Value;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+/// Metrics reason: n > 1 with a protocol whose handoff serves one decode only.
+pub const MISS_MULTIPLE_CHOICES: &str = "n_gt_1_recomputed";
+
+/// A client request, parsed and checked.
+#[derive(Debug)]
+pub struct ClientRequest {
+    /// Upstream path, the same as the client's (`/v1/completions`, `/v1/chat/completions`).
+    pub path: &'static str,
+    pub body: Body,
+    pub stream: bool,
+    pub id: String,
+    pub designation: Designation,
+    pub facts: RouteFacts,
+    /// When the whole request must be over (--total-timeout-s).
+    pub deadline: Instant,
+}
+
+/// What decode answered.
+pub enum Answer {
+    /// A non-streamed answer, read completely.
+    Full {
+        status: u16,
+        content_type: Option<HeaderValue>,
+        body: Bytes,
+    },
+    /// A stream whose first chunk has arrived; `keep` holds what must live as long as it.
+    Stream {
+        first: Bytes,
+        rest: BoxStream<'static, Result<Bytes, reqwest::Error>>,
+        keep: Keep,
+    },
+}
+
+/// What a relayed stream keeps alive: decode's in-flight count and, in a concurrent flow,
+/// the prefill leg still running in the background (cancelled if the stream is dropped).
+pub struct Keep {
+    pub decode: InFlight,
+    pub prefill: Option<AbortOnDrop>,
+}
+
+/// A background task cancelled when this handle is dropped.
+pub struct AbortOnDrop(pub JoinHandle<Result<Value, LegFailure>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Runs the request through its legs.
+pub async fn run(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+) -> Result<Answer, ProxyError> {
+    let proto = &proxy.protocol;
+    if choices(&req.body) > 1 && !proto.handles_multiple_choices() {
+        tracing::warn!(
+            request_id = %req.id,
+            "n > 1: {} hands the KV to one decode request only, so decode recomputes the prompt (no prefill leg)",
+            proto.name()
+        );
+        proxy.metrics.handoff_miss(MISS_MULTIPLE_CHOICES);
+        rec.handoff_miss = Some(MISS_MULTIPLE_CHOICES);
+        let body = serde_json::to_vec(&req.body).expect("JSON values serialize");
+        return decode_leg(proxy, req, rec, body).await;
+    }
+    match proto.flow() {
+        Flow::Sequential => sequential(proxy, req, rec).await,
+        Flow::Concurrent => concurrent(proxy, req, rec).await,
+    }
+}
+
+/// Prefill, wait for it, then decode (two-step, nixl).
+async fn sequential(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+) -> Result<Answer, ProxyError> {
+    let started = Instant::now();
+    let (prefill, (handshake, answer)) = retry_leg(proxy, req, rec, Leg::Prefill, |inst| {
+        let proxy = proxy.clone();
+        async move {
+            let handshake = proxy.protocol.prepare(&inst, &proxy.upstream).await?;
+            let body = proxy.protocol.prefill_body(&req.body, &req.id, &handshake);
+            let answer = prefill_once(proxy.clone(), inst, body, req.id.clone()).await?;
+            Ok((handshake, answer))
+        }
+    })
+    .await?;
+    rec.prefill_time = Some(started.elapsed());
+    let decode =
+        proxy
+            .protocol
+            .decode_body(&req.body, &req.id, &prefill, &handshake, Some(&answer));
+    if let Some(reason) = decode.handoff_miss {
+        tracing::warn!(
+            request_id = %req.id,
+            prefill = %prefill.url,
+            "KV handoff missed ({reason}): decode will recompute the prompt, so this request's TTFT is not disaggregated"
+        );
+        proxy.metrics.handoff_miss(reason);
+        rec.handoff_miss = Some(reason);
+    }
+    let body = serde_json::to_vec(&decode.body).expect("JSON values serialize");
+    decode_leg(proxy, req, rec, body).await
+}
+
+/// Both legs at once, prefill in the background (mooncake). A failed prefill cancels the
+/// decode (which would otherwise wait for KV that never comes) and is answered as an error.
+async fn concurrent(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+) -> Result<Answer, ProxyError> {
+    let mut tried_prefill = Vec::new();
+    let mut tried_decode = Vec::new();
+    let mut attempt = 0;
+    loop {
+        let prefill = choose(proxy, req, Leg::Prefill, &tried_prefill)?;
+        tried_prefill.push(prefill.index);
+        rec.set_instance(Leg::Prefill, &prefill.url);
+        let failure = match proxy.protocol.prepare(&prefill, &proxy.upstream).await {
+            Err(f) => (Leg::Prefill, prefill.clone(), f),
+            Ok(handshake) => {
+                let decode = choose(proxy, req, Leg::Decode, &tried_decode)?;
+                tried_decode.push(decode.index);
+                rec.set_instance(Leg::Decode, &decode.url);
+                let pbody = proxy.protocol.prefill_body(&req.body, &req.id, &handshake);
+                let dbody = proxy
+                    .protocol
+                    .decode_body(&req.body, &req.id, &prefill, &handshake, None);
+                let dbytes = serde_json::to_vec(&dbody.body).expect("JSON values serialize");
+                let started = Instant::now();
+                let mut background = AbortOnDrop(tokio::spawn(prefill_once(
+                    proxy.clone(),
+                    prefill.clone(),
+                    pbody,
+                    req.id.clone(),
+                )));
+                let decoding = decode_once(proxy, req, decode.clone(), dbytes);
+                tokio::pin!(decoding);
+                let mut prefill_done = false;
+                loop {
+                    tokio::select! {
+                        done = &mut background.0, if !prefill_done => match done {
+                            Ok(Ok(_)) => {
+                                prefill_done = true;
+                                rec.prefill_time = Some(started.elapsed());
+                            }
+                            Ok(Err(f)) => break (Leg::Prefill, prefill.clone(), f),
+                            Err(e) => break (Leg::Prefill, prefill.clone(), LegFailure::Body(format!("prefill task ended: {e}"))),
+                        },
+                        answer = &mut decoding => match answer {
+                            Ok((mut answer, first_byte)) => {
+                                rec.decode_first_byte = first_byte;
+                                if let Answer::Stream { keep, .. } = &mut answer
+                                    && !prefill_done
+                                {
+                                    keep.prefill = Some(background);
+                                }
+                                return Ok(answer);
+                            }
+                            Err(f) => break (Leg::Decode, decode.clone(), f),
+                        },
+                    }
+                }
+            }
+        };
+        // Leaving the block above dropped the other leg (decode or background prefill).
+        let (leg, inst, f) = failure;
+        note_failure(&inst, &f);
+        if leg == Leg::Prefill {
+            proxy.protocol.forget(&inst);
+        }
+        if !may_retry(proxy, req, &f, attempt) {
+            return Err(LegError {
+                leg,
+                instance: inst.url.clone(),
+                failure: f,
+            }
+            .into());
+        }
+        retrying(proxy, req, rec, leg, &inst, &f, attempt).await;
+        attempt += 1;
+    }
+}
+
+/// Sends the decode leg (with retries) and returns its answer.
+async fn decode_leg(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+    body: Vec<u8>,
+) -> Result<Answer, ProxyError> {
+    let body = Bytes::from(body);
+    let (_, (answer, first_byte)) = retry_leg(proxy, req, rec, Leg::Decode, |inst| {
+        decode_once(proxy, req, inst, body.to_vec())
+    })
+    .await?;
+    rec.decode_first_byte = first_byte;
+    Ok(answer)
+}
+
+/// One prefill attempt: send, read the whole answer within --prefill-timeout-s, parse it.
+async fn prefill_once(
+    proxy: Arc<Proxy>,
+    inst: Arc<Instance>,
+    body: Body,
+    request_id: String,
+) -> Result<Value, LegFailure> {
+    let _busy = inst.begin();
+    let limit = proxy.settings.prefill_timeout;
+    let deadline = Instant::now() + limit;
+    let started = Instant::now();
+    let bytes = serde_json::to_vec(&body).expect("JSON values serialize");
+    let work = async {
+        let resp = proxy
+            .upstream
+            .post_json(
+                &format!("{}{}", inst.url, path_of(&body)),
+                bytes,
+                &request_id,
+            )
+            .await?;
+        if !resp.status().is_success() {
+            return Err(status_failure(resp, deadline).await);
+        }
+        read_body(resp, MAX_ANSWER_BYTES).await
+    };
+    let answer = tokio::time::timeout_at(deadline, work)
+        .await
+        .map_err(|_| LegFailure::Timeout(limit))??;
+    proxy.metrics.prefill_duration.observe(started.elapsed());
+    serde_json::from_slice(&answer)
+        .map_err(|e| LegFailure::BadAnswer(format!("a prefill answer that is not JSON ({e})")))
+}
+
+/// The upstream path for a body: chat requests carry `messages`.
+fn path_of(body: &Body) -> &'static str {
+    if body.contains_key("messages") {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    }
+}
+
+/// One decode attempt. Streams: wait for the first chunk within --first-byte-timeout-s.
+/// Non-streamed answers: read it all within the total deadline (vLLM sends nothing before
+/// it has finished generating).
+async fn decode_once(
+    proxy: &Proxy,
+    req: &ClientRequest,
+    inst: Arc<Instance>,
+    body: Vec<u8>,
+) -> Result<(Answer, Option<Duration>), LegFailure> {
+    let guard = inst.begin();
+    let url = format!("{}{}", inst.url, req.path);
+    let sent = Instant::now();
+    let (limit, deadline) = if req.stream {
+        let limit = proxy.settings.first_byte_timeout;
+        (limit, (sent + limit).min(req.deadline))
+    } else {
+        (proxy.settings.total_timeout, req.deadline)
+    };
+    let timed_out = |_| LegFailure::Timeout(limit);
+    let resp = tokio::time::timeout_at(deadline, proxy.upstream.post_json(&url, body, &req.id))
+        .await
+        .map_err(timed_out)??;
+    if !resp.status().is_success() {
+        return Err(status_failure(resp, deadline).await);
+    }
+    if !req.stream {
+        let status = resp.status().as_u16();
+        let content_type = resp
+            .headers()
+            .get(axum::http::header::CONTENT_TYPE)
+            .cloned();
+        let body = tokio::time::timeout_at(deadline, read_body(resp, MAX_ANSWER_BYTES))
+            .await
+            .map_err(timed_out)??;
+        let took = sent.elapsed();
+        return Ok((
+            Answer::Full {
+                status,
+                content_type,
+                body,
+            },
+            Some(took),
+        ));
+    }
+    let mut rest = resp.bytes_stream().boxed();
+    let first = loop {
+        match tokio::time::timeout_at(deadline, rest.next()).await {
+            Err(_) => return Err(LegFailure::Timeout(limit)),
+            Ok(None) => {
+                return Err(LegFailure::Body(
+                    "it ended the stream without sending anything".into(),
+                ));
+            }
+            Ok(Some(Err(e))) => return Err(LegFailure::Body(e.to_string())),
+            Ok(Some(Ok(b))) if b.is_empty() => continue,
+            Ok(Some(Ok(b))) => break b,
+        }
+    };
+    let took = sent.elapsed();
+    proxy.metrics.decode_ttft.observe(took);
+    Ok((
+        Answer::Stream {
+            first,
+            rest,
+            keep: Keep {
+                decode: guard,
+                prefill: None,
+            },
+        },
+        Some(took),
+    ))
+}
+
+/// Runs `attempt` on an instance of `leg`, then on others while it fails in a retryable way.
+async fn retry_leg<T, F, Fut>(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+    leg: Leg,
+    mut attempt: F,
+) -> Result<(Arc<Instance>, T), ProxyError>
+where
+    F: FnMut(Arc<Instance>) -> Fut,
+    Fut: Future<Output = Result<T, LegFailure>>,
+{
+    let mut tried = Vec::new();
+    let mut n = 0;
+    loop {
+        let inst = choose(proxy, req, leg, &tried)?;
+        tried.push(inst.index);
+        rec.set_instance(leg, &inst.url);
+        match attempt(inst.clone()).await {
+            Ok(t) => return Ok((inst, t)),
+            Err(f) => {
+                note_failure(&inst, &f);
+                if leg == Leg::Prefill {
+                    proxy.protocol.forget(&inst);
+                }
+                if !may_retry(proxy, req, &f, n) {
+                    return Err(LegError {
+                        leg,
+                        instance: inst.url.clone(),
+                        failure: f,
+                    }
+                    .into());
+                }
+                retrying(proxy, req, rec, leg, &inst, &f, n).await;
+                n += 1;
+            }
+        }
+    }
+}
+
+fn may_retry(proxy: &Proxy, req: &ClientRequest, f: &LegFailure, attempt: u32) -> bool {
+    f.is_retryable() && attempt < proxy.settings.retries && Instant::now() < req.deadline
+}
+
+/// Counts and logs a retry, then waits a short, growing backoff.
+async fn retrying(
+    proxy: &Proxy,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+    leg: Leg,
+    inst: &Instance,
+    f: &LegFailure,
+    attempt: u32,
+) {
+    proxy.metrics.retry(leg);
+    rec.retries += 1;
+    let backoff = Duration::from_millis(25 << attempt.min(4));
+    tracing::warn!(request_id = %req.id, "{leg} leg failed on {}: {f}; retrying in {backoff:?}", inst.url);
+    tokio::time::sleep_until((Instant::now() + backoff).min(req.deadline)).await;
+}
+
+/// Picks the instance for a leg: the designated one, or the policy's choice among usable
+/// instances not tried yet (all usable ones once every one was tried).
+fn choose(
+    proxy: &Proxy,
+    req: &ClientRequest,
+    leg: Leg,
+    tried: &[usize],
+) -> Result<Arc<Instance>, ProxyError> {
+    if let Some(pinned) = req.designation.of(leg) {
+        return Ok(pinned.clone());
+    }
+    let pool = proxy.pools.of(leg);
+    let usable: Vec<Arc<Instance>> = pool.iter().filter(|i| i.is_usable()).cloned().collect();
+    if usable.is_empty() {
+        let states: Vec<String> = pool
+            .iter()
+            .map(|i| format!("{} (failing health checks)", i.url))
+            .collect();
+        return Err(ProxyError::NoInstance {
+            leg,
+            detail: states.join(", "),
+        });
+    }
+    let fresh: Vec<Arc<Instance>> = usable
+        .iter()
+        .filter(|i| !tried.contains(&i.index))
+        .cloned()
+        .collect();
+    let candidates = if fresh.is_empty() { usable } else { fresh };
+    Ok(proxy.policy(leg).pick(&candidates, &req.facts))
+}
+
+/// Counts a failure against the instance (never a client's 4xx) and takes an instance that
+/// refuses connections out of rotation until health checks bring it back.
+fn note_failure(inst: &Instance, f: &LegFailure) {
+    if !f.blames_instance() {
+        return;
+    }
+    let kind = match f {
+        LegFailure::Connect(_) => FailureKind::Connect,
+        LegFailure::Timeout(_) => FailureKind::Timeout,
+        LegFailure::Status { .. } => FailureKind::Status5xx,
+        LegFailure::Body(_) | LegFailure::BadAnswer(_) | LegFailure::Bootstrap { .. } => {
+            FailureKind::Body
+        }
+    };
+    inst.record_failure(kind);
+    if matches!(f, LegFailure::Connect(_)) && inst.set_usable(false) {
+        tracing::warn!(
+            "{} instance {} refused a connection ({f}); not routing to it until health checks pass",
+            inst.leg,
+            inst.url
+        );
+    }
+}
