@@ -113,17 +113,17 @@ impl Drop for RequestRecord {
         };
         tracing::info!(
             request_id = %self.id,
-            route = self.route,
+            route = %self.route,
             stream = self.stream,
-            prefill = self.prefill.as_deref().unwrap_or("-"),
-            decode = self.decode.as_deref().unwrap_or("-"),
+            prefill = %self.prefill.as_deref().unwrap_or("-"),
+            decode = %self.decode.as_deref().unwrap_or("-"),
             status = self.status,
             prefill_ms = %ms(self.prefill_time),
             decode_first_byte_ms = %ms(self.decode_first_byte),
             ttft_ms = %ms(self.ttft),
             total_ms = %ms(Some(self.received.elapsed())),
             retries = self.retries,
-            kv_handoff = self.handoff_miss.unwrap_or(if self.prefill.is_some() { "ok" } else { "-" }),
+            kv_handoff = %self.handoff_miss.unwrap_or(if self.prefill.is_some() { "ok" } else { "-" }),
             "request {outcome}"
         );
     }
