@@ -30,7 +30,8 @@ pub fn search_dirs() -> Vec<PathBuf> {
 }
 
 /// The full path of `program`: itself when it contains a `/`, this binary for
-/// [`SELF_PROGRAM`], else the first executable of that name in [`search_dirs`].
+/// [`SELF_PROGRAM`], else the first executable of that name in [`search_dirs`] (PATH
+/// first for `python*`, so an activated venv wins over pdctl's tools venv).
 pub fn find_program(program: &str) -> Option<PathBuf> {
     if program == SELF_PROGRAM {
         return std::env::current_exe().ok();
@@ -39,8 +40,15 @@ pub fn find_program(program: &str) -> Option<PathBuf> {
         let p = PathBuf::from(program);
         return is_executable(&p).then_some(p);
     }
-    search_dirs()
-        .into_iter()
+    let mut dirs = search_dirs();
+    if program.starts_with("python") {
+        // The python that runs vLLM is the user's (an activated venv) before pdctl's own.
+        let path: Vec<PathBuf> = std::env::var_os("PATH")
+            .map(|p| std::env::split_paths(&p).collect())
+            .unwrap_or_default();
+        dirs.splice(0..0, path);
+    }
+    dirs.into_iter()
         .map(|d| d.join(program))
         .find(|p| is_executable(p))
 }

@@ -1,8 +1,14 @@
 //! Arguments shared by the commands that read a topology (`plan`, `up`), and the one
 //! path from those arguments to a plan.
 
+use super::ExitError;
+use crate::gpu::{self, Gpu};
+use crate::plan::{Plan, PlanInput, build_plan};
+use crate::profiles;
+use crate::tools::{self, MissingProgram};
+use crate::topology::{self, EngineKind, LoadedTopology, Source};
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Where the topology comes from and what this machine contributes to it.
 #[derive(Debug, Clone, Default, Args)]
@@ -28,7 +34,7 @@ pub struct TopologyArgs {
 /// The state root: the given one, else `$XDG_STATE_HOME/pdctl`, else `~/.local/state/pdctl`.
 /// A cluster's own state dir is `<root>/<cluster>` (`<root>/<cluster>-<node>` when the
 /// topology spans several nodes, so two nodes on one host never share a lock).
-pub fn state_root(given: Option<&std::path::Path>) -> PathBuf {
+pub fn state_root(given: Option<&Path>) -> PathBuf {
     if let Some(p) = given {
         return p.to_path_buf();
     }
@@ -42,12 +48,125 @@ pub fn state_root(given: Option<&std::path::Path>) -> PathBuf {
 /// A plan ready to run, with a sentence saying where its topology came from.
 #[derive(Debug, Clone)]
 pub struct LoadedPlan {
-    pub plan: crate::plan::Plan,
+    /// argv[0] of every service resolved to a full path where the program was found.
+    pub plan: Plan,
     /// e.g. "using profile sim-1p1d: no ./pdctl.toml and no GPU found".
     pub source_note: String,
+    /// Programs the plan needs that this machine lacks (their argv is left bare).
+    pub missing: Vec<MissingProgram>,
+    /// The node this machine runs (`--node`, else the head).
+    pub node: String,
 }
 
 /// Topology args -> topology -> GPU inventory and vLLM version -> plan, tools resolved.
-pub fn load_plan(_args: &TopologyArgs) -> anyhow::Result<LoadedPlan> {
-    anyhow::bail!("planning is not built yet")
+/// Errors about the topology carry exit code 2.
+pub fn load_plan(args: &TopologyArgs) -> anyhow::Result<LoadedPlan> {
+    let (topology, source_note) = load_topology(args)?;
+    let mut loaded = plan_topology(&topology, args)?;
+    loaded.source_note = source_note;
+    Ok(loaded)
+}
+
+/// Reads the topology the args point at, and says which one was chosen and why.
+pub fn load_topology(args: &TopologyArgs) -> anyhow::Result<(LoadedTopology, String)> {
+    if let Some(file) = &args.file {
+        let t = topology::load_file(file)?;
+        return Ok((t, format!("using {}", file.display())));
+    }
+    if let Some(name) = &args.profile {
+        return Ok((load_profile(name)?, format!("using profile {name}")));
+    }
+    let local = Path::new("pdctl.toml");
+    if local.exists() {
+        return Ok((
+            topology::load_file(local)?,
+            "using ./pdctl.toml".to_string(),
+        ));
+    }
+    let (name, why) = match gpu_inventory(args) {
+        (gpus, _) if !gpus.is_empty() => (
+            "1p1d",
+            format!("no ./pdctl.toml; {} GPU(s) found", gpus.len()),
+        ),
+        (_, note) => (
+            "sim-1p1d",
+            format!(
+                "no ./pdctl.toml and no GPU found ({})",
+                note.unwrap_or_else(|| "none listed".into())
+            ),
+        ),
+    };
+    Ok((load_profile(name)?, format!("using profile {name}: {why}")))
+}
+
+fn load_profile(name: &str) -> anyhow::Result<LoadedTopology> {
+    let p = profiles::get(name).ok_or_else(|| ExitError::usage(profiles::unknown_message(name)))?;
+    Ok(topology::load_str(
+        p.text,
+        Source::Profile(name.to_string()),
+        format!("<profile {name}>"),
+    )?)
+}
+
+/// This machine's GPUs: `--gpus` when given, else NVML; the note says why there are none.
+pub fn gpu_inventory(args: &TopologyArgs) -> (Vec<Gpu>, Option<String>) {
+    match gpu::inventory(args.gpus.as_deref()) {
+        Ok(g) => (g, None),
+        Err(e) => (Vec::new(), Some(e.reason)),
+    }
+}
+
+/// Plans a loaded topology for this machine.
+pub fn plan_topology(t: &LoadedTopology, args: &TopologyArgs) -> anyhow::Result<LoadedPlan> {
+    let mut spec = t.spec.clone();
+    let needs_gpus =
+        spec.engine.kind == EngineKind::Vllm && spec.engine.device == topology::Device::Cuda;
+    let (gpus, gpu_note) = if needs_gpus {
+        gpu_inventory(args)
+    } else {
+        (Vec::new(), None)
+    };
+    let version = match spec.engine.kind {
+        EngineKind::Sim => None,
+        EngineKind::Vllm if spec.engine.vllm_version == "auto" => {
+            let (python, v) = crate::vllm::find_python(&spec.engine.python).map_err(|e| {
+                t.locate(
+                    topology::Problem::new(
+                        "engine.vllm_version",
+                        format!("\"auto\" could not ask vLLM its version: {e}"),
+                    )
+                    .hint(
+                        "pin engine.vllm_version (e.g. \"0.9.2\") to plan without vLLM installed",
+                    ),
+                )
+            })?;
+            spec.engine.python = python;
+            Some(v)
+        }
+        EngineKind::Vllm => Some(
+            spec.engine
+                .vllm_version
+                .parse()
+                .expect("validated when loaded"),
+        ),
+    };
+    let node = args.node.clone().unwrap_or_else(|| t.head.clone());
+    let root = state_root(args.state_dir.as_deref());
+    let mut plan = build_plan(&PlanInput {
+        topology: &spec,
+        head: &t.head,
+        gpus: &gpus,
+        gpu_note,
+        version,
+        state_root: root,
+        local_node: Some(&node),
+    })
+    .map_err(|p| anyhow::Error::new(t.locate(p)))?;
+    let missing = tools::resolve_programs(&mut plan);
+    Ok(LoadedPlan {
+        plan,
+        source_note: String::new(),
+        missing,
+        node,
+    })
 }

@@ -1,1 +1,313 @@
-//! KV connectors: one file each.
+//! Everything pdctl knows about vLLM's KV connectors, one file per connector.
+//!
+//! A connector gives, for a vLLM version: the `--kv-transfer-config` JSON, generated files
+//! (mooncake.json, LMCache yaml), environment, extra ports, the support services it needs,
+//! and the proxy protocol that moves a request's KV from prefill to decode. Adding a
+//! connector means a file here and a profile; nothing else knows connector names.
+
+mod example;
+mod lmcache;
+mod mooncake;
+mod mooncake_store;
+mod mooncake_te;
+mod nixl;
+mod ports;
+
+pub use lmcache::{is_v1 as lmcache_is_v1, server_argv as lmcache_server_argv};
+pub use ports::PortBook;
+
+use crate::plan::{GeneratedFile, Role};
+use crate::proxy::args::ProxyProtocol;
+use crate::sim::args::SimHandoff;
+use crate::topology::{ConnectorKind, ConnectorSection, Problem, Topology};
+use crate::vllm::{Version, VersionRange};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// A host and port of a support service, as instances must reach it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.host, self.port)
+    }
+}
+
+/// Support services a connector needs next to the engines.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Needs {
+    pub etcd: bool,
+    pub mooncake_master: bool,
+    /// mooncake_master must also serve HTTP metadata (instead of etcd).
+    pub master_http_metadata: bool,
+    pub lmcache_server: bool,
+}
+
+/// What is known of the cluster when one instance's launch is asked for.
+#[derive(Debug, Clone)]
+pub struct ClusterCtx<'a> {
+    pub topology: &'a Topology,
+    /// None for the simulated engine.
+    pub version: Option<&'a Version>,
+    pub etcd: Option<Endpoint>,
+    /// mooncake_master's RPC endpoint, and its HTTP metadata endpoint when enabled.
+    pub master: Option<Endpoint>,
+    pub master_http_metadata: Option<Endpoint>,
+    pub lmcache: Option<Endpoint>,
+    /// The directory shared storage connectors read and write.
+    pub shared_dir: PathBuf,
+    /// Where generated files go (inside the state dir).
+    pub files_dir: PathBuf,
+    /// Addresses of the prefill and decode instances, in index order.
+    pub prefill_hosts: Vec<String>,
+    pub decode_hosts: Vec<String>,
+}
+
+/// One engine instance being planned.
+#[derive(Debug, Clone)]
+pub struct InstanceCtx {
+    pub role: Role,
+    pub index: u32,
+    /// Service name, e.g. `prefill-0`.
+    pub name: String,
+    /// The address of its node.
+    pub host: String,
+    /// GPUs per instance (tensor-parallel size).
+    pub tp: u32,
+    /// Bootstrap port when the proxy protocol needs one (Mooncake V1 prefill).
+    pub bootstrap_port: Option<u16>,
+}
+
+/// What a connector adds to one engine's launch.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Launch {
+    /// The `--kv-transfer-config` JSON.
+    pub kv_transfer_config: Value,
+    pub env: BTreeMap<String, String>,
+    pub files: Vec<GeneratedFile>,
+    /// Extra ports the engine opens, by name (checked for clashes per node).
+    pub ports: BTreeMap<String, u16>,
+    /// Directories that must exist and be writable.
+    pub dirs: Vec<PathBuf>,
+}
+
+/// One KV connector: its launch templates per vLLM version and its proxy protocol.
+pub trait Connector: Sync {
+    /// The `connector.kind` it answers to.
+    fn kind(&self) -> ConnectorKind;
+    /// One line for messages: the vLLM class names it uses.
+    fn describe(&self) -> &'static str;
+    /// The vLLM versions with a template.
+    fn versions(&self) -> &'static [VersionRange];
+    /// Checks that do not fit serde (instance counts, device); version support is checked
+    /// by [`check_version`].
+    fn check(&self, _t: &Topology, _v: Option<&Version>) -> Result<(), Problem> {
+        Ok(())
+    }
+    /// Support services the engines need.
+    fn needs(&self, c: &ConnectorSection, v: Option<&Version>) -> Needs;
+    /// How the proxy must split requests.
+    fn protocol(&self, c: &ConnectorSection, v: Option<&Version>) -> ProxyProtocol;
+    /// The launch of one real vLLM instance (`v` is the planned version).
+    fn launch(
+        &self,
+        cx: &ClusterCtx,
+        v: &Version,
+        inst: &InstanceCtx,
+        ports: &mut PortBook,
+    ) -> Result<Launch, Problem>;
+}
+
+/// The connector for a topology's `connector.kind`.
+pub fn for_kind(kind: ConnectorKind) -> &'static dyn Connector {
+    match kind {
+        ConnectorKind::Example => &example::Example,
+        ConnectorKind::Mooncake => &mooncake::MooncakeV1,
+        ConnectorKind::MooncakeStore => &mooncake_store::MooncakeStore,
+        ConnectorKind::MooncakeTe => &mooncake_te::MooncakeTe,
+        ConnectorKind::Nixl => &nixl::Nixl,
+        ConnectorKind::Lmcache => &lmcache::Lmcache,
+        ConnectorKind::P2pNccl => &Unsupported,
+    }
+}
+
+/// Every connector pdctl can plan, for "which connectors does vLLM X have" hints.
+pub fn all() -> [&'static dyn Connector; 6] {
+    [
+        &example::Example,
+        &nixl::Nixl,
+        &mooncake::MooncakeV1,
+        &mooncake_store::MooncakeStore,
+        &mooncake_te::MooncakeTe,
+        &lmcache::Lmcache,
+    ]
+}
+
+/// The topology name of a connector kind (`mooncake-store`).
+pub fn kind_name(kind: ConnectorKind) -> String {
+    serde_json::to_value(kind)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+/// The simulator's handoff mechanism that matches a proxy protocol.
+pub fn sim_handoff(protocol: ProxyProtocol) -> SimHandoff {
+    match protocol {
+        ProxyProtocol::TwoStep => SimHandoff::SharedDir,
+        ProxyProtocol::Nixl => SimHandoff::Nixl,
+        ProxyProtocol::Mooncake => SimHandoff::Mooncake,
+    }
+}
+
+/// Fails when `v` is outside every range the connector has a template for, saying which
+/// versions have it and which connectors `v` has.
+pub fn check_version(conn: &dyn Connector, v: &Version) -> Result<(), Problem> {
+    if conn.versions().iter().any(|r| r.contains(v)) {
+        return Ok(());
+    }
+    let ranges: Vec<String> = conn.versions().iter().map(|r| r.to_string()).collect();
+    let available: Vec<String> = all()
+        .iter()
+        .filter(|c| c.versions().iter().any(|r| r.contains(v)))
+        .map(|c| kind_name(c.kind()))
+        .collect();
+    Err(Problem::new(
+        "connector.kind",
+        format!(
+            "vLLM {v} has no `{}` ({}): pdctl has templates for vLLM {}",
+            kind_name(conn.kind()),
+            conn.describe(),
+            ranges.join(" and ")
+        ),
+    )
+    .hint(format!(
+        "pin engine.vllm_version to a version in that range, or use a connector vLLM {v} has: {}",
+        if available.is_empty() {
+            "none known".to_string()
+        } else {
+            available.join(", ")
+        }
+    )))
+}
+
+/// `kv_producer` for prefill, `kv_consumer` for decode.
+fn producer_consumer(role: Role) -> &'static str {
+    if role == Role::Prefill {
+        "kv_producer"
+    } else {
+        "kv_consumer"
+    }
+}
+
+/// `{"kv_connector": name, "kv_role": role}` plus extra config (the topology's
+/// `connector.extra_config` merged over `extra`) when there is any.
+fn transfer_config(c: &ConnectorSection, name: &str, role: &str, extra: Value) -> Value {
+    let mut cfg = json!({ "kv_connector": name, "kv_role": role });
+    let mut merged = match extra {
+        Value::Object(m) => m,
+        _ => serde_json::Map::new(),
+    };
+    for (k, v) in &c.extra_config {
+        merged.insert(k.clone(), serde_json::to_value(v).unwrap_or(Value::Null));
+    }
+    if !merged.is_empty() {
+        cfg["kv_connector_extra_config"] = Value::Object(merged);
+    }
+    cfg
+}
+
+/// Bytes of a size such as `4GB`, `256MB`, `1073741824` (Mooncake's readers differ in
+/// which string forms they take; every version takes an integer).
+fn size_bytes(key: &str, s: &str) -> Result<u64, Problem> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| {
+        Problem::new(key, format!("`{s}` is not a size"))
+            .hint("write e.g. \"4GB\", \"256MB\" or a byte count")
+    })?;
+    let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "KB" | "K" | "KIB" => 1 << 10,
+        "MB" | "M" | "MIB" => 1 << 20,
+        "GB" | "G" | "GIB" => 1 << 30,
+        "TB" | "T" | "TIB" => 1 << 40,
+        other => {
+            return Err(
+                Problem::new(key, format!("unknown size unit `{other}` in `{s}`"))
+                    .hint("use B, KB, MB, GB or TB"),
+            );
+        }
+    };
+    if n <= 0.0 {
+        return Err(Problem::new(key, format!("`{s}` must be more than zero")));
+    }
+    Ok((n * mult as f64) as u64)
+}
+
+/// Named so a topology asking for it gets a clear answer instead of a wrong plan.
+struct Unsupported;
+
+impl Connector for Unsupported {
+    fn kind(&self) -> ConnectorKind {
+        ConnectorKind::P2pNccl
+    }
+    fn describe(&self) -> &'static str {
+        "P2pNcclConnector"
+    }
+    fn versions(&self) -> &'static [VersionRange] {
+        &[]
+    }
+    fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
+        Needs::default()
+    }
+    fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
+        ProxyProtocol::TwoStep
+    }
+    fn launch(
+        &self,
+        _: &ClusterCtx,
+        _: &Version,
+        _: &InstanceCtx,
+        _: &mut PortBook,
+    ) -> Result<Launch, Problem> {
+        Err(Problem::new(
+            "connector.kind",
+            "p2p-nccl is not supported by pdctl yet",
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_are_read_as_mooncake_means_them() {
+        assert_eq!(size_bytes("k", "4GB").unwrap(), 4 << 30);
+        assert_eq!(size_bytes("k", "256MB").unwrap(), 256 << 20);
+        assert_eq!(size_bytes("k", "1073741824").unwrap(), 1 << 30);
+        assert!(size_bytes("k", "lots").is_err());
+        assert!(size_bytes("k", "4XB").is_err());
+        assert!(size_bytes("k", "0GB").is_err());
+    }
+
+    #[test]
+    fn version_errors_say_which_versions_and_connectors_fit() {
+        let v: Version = "0.13.0".parse().unwrap();
+        let e = check_version(for_kind(ConnectorKind::MooncakeTe), &v).unwrap_err();
+        assert_eq!(e.key, "connector.kind");
+        assert!(e.message.contains("0.6.4 to 0.10.0"), "{}", e.message);
+        let hint = e.hint.unwrap();
+        assert!(hint.contains("nixl") && hint.contains("example"), "{hint}");
+        assert!(!hint.contains("mooncake-te"), "{hint}");
+    }
+}

@@ -1,15 +1,262 @@
-//! Topology -> plan.
+//! Topology -> plan: placement, ports, GPUs, and one service per process. Pure: the
+//! inputs that need I/O (GPU inventory, vLLM version, state root) are given.
 
-/// Inputs to planning besides the topology.
+use super::engines;
+use super::support;
+use super::{Plan, Service};
+use crate::connectors::{self, ClusterCtx, Endpoint, PortBook};
+use crate::gpu::Gpu;
+use crate::topology::{EngineKind, Problem, Topology};
+use crate::vllm::Version;
+use std::path::{Path, PathBuf};
+
+/// A topology that cannot be planned: a [`Problem`] naming the key at fault.
+pub type PlanError = Problem;
+
+/// Everything planning needs besides the topology.
 #[derive(Debug, Clone)]
-pub struct PlanInput {}
+pub struct PlanInput<'a> {
+    pub topology: &'a Topology,
+    /// The head node (resolved by the loader: `head`, else the first node).
+    pub head: &'a str,
+    /// This machine's GPUs; other nodes are assumed to have the same.
+    pub gpus: &'a [Gpu],
+    /// Why `gpus` is empty when NVML could not be asked (said in GPU errors).
+    pub gpu_note: Option<String>,
+    /// The vLLM version templates are chosen for (required for engine = "vllm").
+    pub version: Option<Version>,
+    /// Root of the per-cluster state dirs.
+    pub state_root: PathBuf,
+    /// The node this machine is (`up --node`); default the head.
+    pub local_node: Option<&'a str>,
+}
 
-/// A topology that cannot be planned.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct PlanError(pub String);
+/// The state dir of `node`'s supervisor: `<root>/<cluster>`, or `<root>/<cluster>-<node>`
+/// when the topology has several nodes (two nodes on one host must not share a lock).
+pub fn state_dir_for(t: &Topology, root: &Path, node: &str) -> PathBuf {
+    if t.nodes.len() > 1 {
+        root.join(format!("{}-{node}", t.cluster))
+    } else {
+        root.join(&t.cluster)
+    }
+}
 
-/// Builds the plan.
-pub fn build_plan(_input: &PlanInput) -> Result<super::Plan, PlanError> {
-    Err(PlanError("not built yet".into()))
+/// Builds the plan, or names the first key that makes it impossible.
+pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
+    let t = input.topology;
+    let local = input.local_node.unwrap_or(input.head);
+    if !t.nodes.contains_key(local) {
+        let known: Vec<&str> = t.nodes.keys().map(String::as_str).collect();
+        return Err(Problem::new(
+            "nodes",
+            format!("--node {local} is not a node of this topology"),
+        )
+        .hint(format!("nodes are: {}", known.join(", "))));
+    }
+    let conn = connectors::for_kind(t.connector.kind);
+    let version = match t.engine.kind {
+        EngineKind::Sim => None,
+        EngineKind::Vllm => Some(input.version.clone().ok_or_else(|| {
+            Problem::new("engine.vllm_version", "the vLLM version is unknown")
+                .hint("pin engine.vllm_version, or install vLLM into engine.python")
+        })?),
+    };
+    if let Some(v) = &version {
+        connectors::check_version(conn, v)?;
+    }
+    conn.check(t, version.as_ref())?;
+    let needs = conn.needs(&t.connector, version.as_ref());
+    let protocol = conn.protocol(&t.connector, version.as_ref());
+    let state_dir = state_dir_for(t, &input.state_root, local);
+    let files_dir = state_dir.join("files");
+    let mut ports = PortBook::default();
+    let mut warnings = Vec::new();
+
+    let sup = support::plan_support(
+        t,
+        input.head,
+        &state_dir,
+        &needs,
+        version.as_ref(),
+        &mut ports,
+        &mut warnings,
+    )?;
+    let placements = engines::place(t, input.head);
+    let shared_dir = t
+        .connector
+        .shared_storage_path
+        .clone()
+        .unwrap_or_else(|| state_dir.join("kv"));
+    let cx = ClusterCtx {
+        topology: t,
+        version: version.as_ref(),
+        etcd: sup.etcd.clone(),
+        master: sup.master.clone(),
+        master_http_metadata: sup.master_http_metadata.clone(),
+        lmcache: sup.lmcache.clone(),
+        shared_dir,
+        files_dir,
+        prefill_hosts: placements
+            .iter()
+            .filter(|p| p.role == super::Role::Prefill)
+            .map(|p| p.host.clone())
+            .collect(),
+        decode_hosts: placements
+            .iter()
+            .filter(|p| p.role == super::Role::Decode)
+            .map(|p| p.host.clone())
+            .collect(),
+    };
+    let engine_services = engines::plan_engines(
+        &cx,
+        conn,
+        protocol,
+        &placements,
+        &engines::GpuPool::new(input.gpus, input.gpu_note.clone()),
+        local,
+        &sup.names,
+        &mut ports,
+        &mut warnings,
+    )?;
+
+    let mut services: Vec<Service> = sup.services;
+    services.extend(engine_services);
+    let proxy = if t.proxy.enabled {
+        let proxy_node = t.proxy.node.as_deref().unwrap_or(input.head);
+        let socket =
+            state_dir_for(t, &input.state_root, proxy_node).join(crate::control::SOCKET_NAME);
+        Some(support::plan_proxy(
+            t, proxy_node, protocol, &services, &socket, &mut ports,
+        )?)
+    } else {
+        None
+    };
+    let proxy_url = proxy.as_ref().and_then(|p| p.url.clone());
+    services.extend(proxy);
+    Ok(Plan {
+        cluster: t.cluster.clone(),
+        state_dir,
+        head_node: input.head.to_string(),
+        nodes: t.nodes.clone(),
+        proxy_url,
+        engine: match t.engine.kind {
+            EngineKind::Vllm => "vllm".into(),
+            EngineKind::Sim => "sim".into(),
+        },
+        vllm_version: version.map(|v| v.to_string()),
+        connector: connectors::kind_name(t.connector.kind),
+        protocol: protocol_name(protocol),
+        services,
+        warnings,
+    })
+}
+
+fn protocol_name(p: crate::proxy::args::ProxyProtocol) -> String {
+    crate::sim::args::value_name(p)
+}
+
+/// The key that sets a planned port, for clash messages.
+pub(super) fn port_key(service: &str, port_name: &str) -> String {
+    let role = service.split('-').next().unwrap_or(service);
+    match (service, port_name) {
+        ("etcd", "client") => "etcd.client_port".into(),
+        ("etcd", "peer") => "etcd.peer_port".into(),
+        ("mooncake-master", "rpc") => "mooncake_master.rpc_port".into(),
+        ("mooncake-master", "metrics") => "mooncake_master.metrics_port".into(),
+        ("mooncake-master", "http-metadata") => "mooncake_master.http_metadata_port".into(),
+        ("lmcache-server", _) => "lmcache_server.port".into(),
+        ("proxy", _) => "proxy.port".into(),
+        (_, "http") => format!("{role}.base_port"),
+        _ => "connector".into(),
+    }
+}
+
+/// Claims a fixed port for `service`, or says which key to change.
+pub(super) fn claim(
+    ports: &mut PortBook,
+    host: &str,
+    port: u16,
+    service: &str,
+    name: &str,
+) -> Result<(), Problem> {
+    ports
+        .claim(host, port, &format!("{service} ({name})"))
+        .map_err(|clash| {
+            let (holder_service, holder_port) = clash
+                .holder
+                .split_once(" (")
+                .map(|(s, p)| (s.to_string(), p.trim_end_matches(')').to_string()))
+                .unwrap_or_default();
+            Problem::new(
+                port_key(service, name),
+                format!(
+                    "port {port} on {host} is wanted by {service} ({name}) but is already {}'s",
+                    clash.holder
+                ),
+            )
+            .hint("give each service on a node its own port")
+            .also(port_key(&holder_service, &holder_port))
+        })
+}
+
+/// The support endpoints a plan ended up with (for the connectors' files).
+pub(super) struct SupportPlan {
+    pub services: Vec<Service>,
+    pub names: Vec<String>,
+    pub etcd: Option<Endpoint>,
+    pub master: Option<Endpoint>,
+    pub master_http_metadata: Option<Endpoint>,
+    pub lmcache: Option<Endpoint>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology::{Source, load_str};
+
+    fn plan_of(text: &str, gpus: &[u32]) -> Result<Plan, Problem> {
+        let t = load_str(text, Source::Profile("t".into()), "t.toml".into()).unwrap();
+        let inv: Vec<Gpu> = gpus.iter().copied().map(Gpu::declared).collect();
+        build_plan(&PlanInput {
+            topology: &t.spec,
+            head: &t.head,
+            gpus: &inv,
+            gpu_note: None,
+            version: Some("0.9.2".parse().unwrap()),
+            state_root: "/state".into(),
+            local_node: None,
+        })
+    }
+
+    #[test]
+    fn a_short_sim_file_plans_one_pair_and_a_proxy() {
+        let p = plan_of("[model]\nname = \"m\"\n[engine]\nkind = \"sim\"\n", &[]).unwrap();
+        let names: Vec<&str> = p.services.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["prefill-0", "decode-0", "proxy"]);
+        assert_eq!(p.state_dir, PathBuf::from("/state/pd"));
+        assert_eq!(p.proxy_url.as_deref(), Some("http://127.0.0.1:8000"));
+        assert_eq!(
+            p.service("proxy").unwrap().depends_on,
+            ["prefill-0", "decode-0"]
+        );
+    }
+
+    #[test]
+    fn clashing_ports_name_the_key_to_change() {
+        let e = plan_of(
+            "[model]\nname = \"m\"\n[engine]\nkind = \"sim\"\n[decode]\nbase_port = 8100\n",
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "decode.base_port");
+        assert!(e.message.contains("prefill-0 (http)"), "{}", e.message);
+    }
+
+    #[test]
+    fn too_few_gpus_lists_the_ones_there_are() {
+        let e = plan_of("[model]\nname = \"m\"\n[engine]\nvllm_version = \"0.9.2\"\n[prefill]\ninstances = 2\n[decode]\ninstances = 2\n", &[0, 1, 2])
+            .unwrap_err();
+        assert_eq!(e.key, "decode.instances");
+        assert!(e.message.contains("0, 1, 2"), "{}", e.message);
+    }
 }

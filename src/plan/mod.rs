@@ -5,13 +5,15 @@
 //! supervisor executes a plan and knows nothing of vLLM beyond what is written here.
 
 pub mod build;
+mod engines;
 pub mod render;
+mod support;
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-pub use build::{PlanError, PlanInput, build_plan};
+pub use build::{PlanError, PlanInput, build_plan, state_dir_for};
 
 /// Every process of one cluster, in dependency order, plus what a reviewer should know.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -32,6 +34,9 @@ pub struct Plan {
     pub vllm_version: Option<String>,
     /// The connector name from the topology (`example`, `mooncake-store`, ...).
     pub connector: String,
+    /// The proxy protocol the connector needs (`two-step`, `nixl`, `mooncake`).
+    #[serde(default)]
+    pub protocol: String,
     /// Services in start order: dependencies always come before their dependants.
     pub services: Vec<Service>,
     /// Things a person should look at before spending GPU time (busy GPUs, guesses made).

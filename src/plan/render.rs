@@ -1,1 +1,176 @@
-//! Human-readable rendering of a plan.
+//! A plan the way a person reviews it before spending GPU time: per service the command a
+//! shell would run (env included), GPUs, ports, readiness probe, dependencies and each
+//! generated file.
+
+use super::{Plan, Probe, RestartMode, Service};
+use std::fmt::Write;
+
+/// Quotes `s` for a POSIX shell when it needs it.
+pub fn shell_quote(s: &str) -> String {
+    let safe = !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_@%+=:,./-".contains(c));
+    if safe {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// The service's command as a copy-pasteable shell command: env, program, then one flag
+/// (with its values) per line.
+pub fn shell_command(svc: &Service) -> String {
+    let mut lines: Vec<String> = Vec::new();
+    if !svc.env.is_empty() {
+        let env: Vec<String> = svc
+            .env
+            .iter()
+            .map(|(k, v)| format!("{k}={}", shell_quote(v)))
+            .collect();
+        lines.push(env.join(" "));
+    }
+    let mut current = String::new();
+    for (i, arg) in svc.argv.iter().enumerate() {
+        let starts_flag = arg.starts_with("--") && i > 0;
+        if starts_flag && !current.is_empty() {
+            lines.push(std::mem::take(&mut current));
+        }
+        if !current.is_empty() {
+            current.push(' ');
+        }
+        current.push_str(&shell_quote(arg));
+    }
+    if !current.is_empty() {
+        lines.push(current);
+    }
+    let mut out = String::new();
+    for (i, l) in lines.iter().enumerate() {
+        let indent = if i >= 2 || (i == 1 && svc.env.is_empty()) {
+            "  "
+        } else {
+            ""
+        };
+        out.push_str(indent);
+        out.push_str(l);
+        if i + 1 < lines.len() {
+            out.push_str(" \\\n");
+        }
+    }
+    out
+}
+
+/// One line describing a probe.
+pub fn describe_probe(p: &Probe) -> String {
+    match p {
+        Probe::Http {
+            url,
+            status,
+            body_contains,
+        } => match body_contains {
+            Some(b) => format!("GET {url} -> {status} containing {b:?}"),
+            None => format!("GET {url} -> {status}"),
+        },
+        Probe::Tcp { host, port } => format!("TCP connect {host}:{port}"),
+        Probe::LogLine { contains } => format!("log line containing {contains:?}"),
+    }
+}
+
+/// The whole plan as text.
+pub fn render(plan: &Plan, source_note: &str, missing: &[String]) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "cluster {} ({source_note})", plan.cluster);
+    let engine = match &plan.vllm_version {
+        Some(v) => format!("vllm {v}"),
+        None => "sim (simulated engines)".to_string(),
+    };
+    let _ = writeln!(
+        o,
+        "  engine {engine}, connector {}, proxy protocol {}",
+        plan.connector, plan.protocol
+    );
+    let _ = writeln!(o, "  state dir {}", plan.state_dir.display());
+    if let Some(url) = &plan.proxy_url {
+        let _ = writeln!(o, "  clients send requests to {url}");
+    }
+    for (i, svc) in plan.services.iter().enumerate() {
+        let _ = writeln!(o);
+        let gpus = if svc.gpus.is_empty() {
+            String::new()
+        } else {
+            let list: Vec<String> = svc.gpus.iter().map(u32::to_string).collect();
+            format!("  GPU {}", list.join(","))
+        };
+        let _ = writeln!(
+            o,
+            "{}. {}  on {} ({}){gpus}",
+            i + 1,
+            svc.name,
+            svc.node,
+            svc.host
+        );
+        if !svc.depends_on.is_empty() {
+            let _ = writeln!(o, "   after    {}", svc.depends_on.join(", "));
+        }
+        if !svc.ports.is_empty() {
+            let ports: Vec<String> = svc.ports.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            let _ = writeln!(o, "   ports    {}", ports.join(", "));
+        }
+        let _ = writeln!(
+            o,
+            "   ready    {} (within {} s)",
+            describe_probe(&svc.probe),
+            svc.startup_timeout_s
+        );
+        let mode = match svc.restart.mode {
+            RestartMode::OnFailure => "on-failure",
+            RestartMode::Always => "always",
+            RestartMode::Never => "never",
+        };
+        let with = if svc.restart_with.is_empty() {
+            String::new()
+        } else {
+            format!(", together with {}", svc.restart_with.join(", "))
+        };
+        let _ = writeln!(o, "   restart  {mode}{with}");
+        for d in &svc.dirs {
+            let _ = writeln!(o, "   dir      {} (must be writable)", d.display());
+        }
+        let _ = writeln!(o, "   command");
+        for line in shell_command(svc).lines() {
+            let _ = writeln!(o, "     {line}");
+        }
+        for f in &svc.files {
+            let _ = writeln!(o, "   file {}", f.path.display());
+            for line in f.content.lines() {
+                let _ = writeln!(o, "     {line}");
+            }
+        }
+    }
+    if !plan.warnings.is_empty() || !missing.is_empty() {
+        let _ = writeln!(o);
+    }
+    for w in &plan.warnings {
+        let _ = writeln!(o, "warning: {w}");
+    }
+    for m in missing {
+        let _ = writeln!(o, "missing: {m}");
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quotes_only_what_a_shell_would_split() {
+        assert_eq!(shell_quote("--port"), "--port");
+        assert_eq!(shell_quote("/a/b.json"), "/a/b.json");
+        assert_eq!(
+            shell_quote(r#"{"kv_role":"kv_producer"}"#),
+            r#"'{"kv_role":"kv_producer"}'"#
+        );
+        assert_eq!(shell_quote("it's"), r#"'it'\''s'"#);
+        assert_eq!(shell_quote(""), "''");
+    }
+}

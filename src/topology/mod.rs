@@ -1,12 +1,542 @@
-//! The topology file: serde types, defaults and validation.
+//! The topology file: one TOML document describing a whole PD cluster.
+//!
+//! Types here are plain serde structs with defaults, so the common file is short; every
+//! table rejects unknown keys (with a "did you mean"). [`load`] parses and locates errors
+//! at file:line:col; [`validate`] checks what serde cannot (unknown nodes, port clashes).
 
-/// A topology that cannot be used, located at file:line:col with the key at fault.
-#[derive(Debug, thiserror::Error)]
-#[error("{file}:{line}:{col}: {key}: {message}")]
+mod load;
+mod locate;
+mod validate;
+
+pub(crate) use load::suggestion;
+pub use load::{Source, Topology as LoadedTopology, load_file, load_str};
+pub use locate::Locator;
+
+use crate::plan::RestartMode;
+use crate::proxy::args::PolicyName;
+use crate::sim::args::SimModel;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// A topology that cannot be used, located at file:line:col with the key at fault and,
+/// where one exists, what to do about it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{file}:{line}:{col}: {key}: {message}{}", hint.as_ref().map(|h| format!("\n  hint: {h}")).unwrap_or_default())]
 pub struct TopologyError {
     pub file: String,
     pub line: usize,
     pub col: usize,
+    /// Dotted key path, e.g. `prefill.nodes[1]`.
     pub key: String,
     pub message: String,
+    pub hint: Option<String>,
+}
+
+/// A problem with one key of a topology, before it is located in a file. The planner
+/// reports these (it knows keys, not files); [`LoadedTopology::locate`] turns one into a
+/// [`TopologyError`] with file:line:col.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{key}: {message}")]
+pub struct Problem {
+    /// Dotted key path, e.g. `prefill.gpus_per_instance`.
+    pub key: String,
+    pub message: String,
+    pub hint: Option<String>,
+    /// Other keys the problem involves; the error points at the first one the file
+    /// actually writes (a clash with a default port should point at the written port).
+    pub also: Vec<String>,
+}
+
+impl Problem {
+    pub fn new(key: impl Into<String>, message: impl Into<String>) -> Problem {
+        Problem {
+            key: key.into(),
+            message: message.into(),
+            hint: None,
+            also: Vec::new(),
+        }
+    }
+
+    /// Adds a key that may be the one written in the file.
+    pub fn also(mut self, key: impl Into<String>) -> Problem {
+        self.also.push(key.into());
+        self
+    }
+
+    pub fn hint(mut self, hint: impl Into<String>) -> Problem {
+        self.hint = Some(hint.into());
+        self
+    }
+}
+
+/// The whole cluster description.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Topology {
+    /// Names the state dir and the lock; letters, digits, `-`, `_`, `.`.
+    #[serde(default = "default_cluster")]
+    pub cluster: String,
+    /// One line for `pdctl profiles`.
+    #[serde(default)]
+    pub description: Option<String>,
+    pub model: ModelSection,
+    #[serde(default)]
+    pub engine: EngineSection,
+    #[serde(default)]
+    pub connector: ConnectorSection,
+    /// Node name -> address. Default: one node `local` at 127.0.0.1.
+    #[serde(default = "default_nodes")]
+    pub nodes: BTreeMap<String, String>,
+    /// The node running etcd, the master and the proxy unless their tables say otherwise.
+    /// Default: the first node in the file.
+    #[serde(default)]
+    pub head: Option<String>,
+    #[serde(default)]
+    pub etcd: EtcdSection,
+    #[serde(default)]
+    pub mooncake_master: MasterSection,
+    #[serde(default)]
+    pub lmcache_server: LmcacheSection,
+    #[serde(default = "RoleSection::prefill_default")]
+    pub prefill: RoleSection,
+    #[serde(default = "RoleSection::decode_default")]
+    pub decode: RoleSection,
+    #[serde(default)]
+    pub proxy: ProxySection,
+}
+
+fn default_cluster() -> String {
+    "pd".to_string()
+}
+
+fn default_nodes() -> BTreeMap<String, String> {
+    BTreeMap::from([("local".to_string(), "127.0.0.1".to_string())])
+}
+
+/// The model every instance serves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// Hugging Face id or local path (vLLM's --model).
+    pub name: String,
+    /// Name clients use (vLLM's --served-model-name). Default: `name`.
+    #[serde(default)]
+    pub served_name: Option<String>,
+    /// vLLM's --max-model-len.
+    #[serde(default)]
+    pub max_model_len: Option<u32>,
+    /// vLLM's --trust-remote-code.
+    #[serde(default)]
+    pub trust_remote_code: bool,
+}
+
+impl ModelSection {
+    /// The name requests must carry.
+    pub fn served(&self) -> &str {
+        self.served_name.as_deref().unwrap_or(&self.name)
+    }
+}
+
+/// Which engine runs the instances.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EngineKind {
+    /// Real vLLM (`python -m vllm.entrypoints.openai.api_server`).
+    Vllm,
+    /// pdctl's simulated engine (`pdctl sim`), for machines without GPUs.
+    Sim,
+}
+
+/// Where an engine computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Device {
+    Cuda,
+    /// vLLM's CPU build: no GPUs are assigned.
+    Cpu,
+}
+
+/// Engine settings shared by every prefill and decode instance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineSection {
+    #[serde(default = "EngineSection::default_kind")]
+    pub kind: EngineKind,
+    /// `auto` (ask `python`) or a pinned version such as `0.9.2`.
+    #[serde(default = "EngineSection::default_version")]
+    pub vllm_version: String,
+    /// The python that has vLLM installed.
+    #[serde(default = "EngineSection::default_python")]
+    pub python: String,
+    #[serde(default = "EngineSection::default_device")]
+    pub device: Device,
+    /// vLLM's --gpu-memory-utilization.
+    #[serde(default)]
+    pub gpu_memory_utilization: Option<f64>,
+    /// Extra arguments for every engine.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Extra environment for every engine.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Seconds an engine may take to become healthy (vLLM loads for minutes).
+    #[serde(default)]
+    pub startup_timeout_s: Option<u64>,
+    /// The simulated engine's latency and cache model (`kind = "sim"`).
+    #[serde(default)]
+    pub sim: SimModel,
+}
+
+impl EngineSection {
+    fn default_kind() -> EngineKind {
+        EngineKind::Vllm
+    }
+    fn default_version() -> String {
+        "auto".into()
+    }
+    fn default_python() -> String {
+        "python3".into()
+    }
+    fn default_device() -> Device {
+        Device::Cuda
+    }
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        EngineSection {
+            kind: Self::default_kind(),
+            vllm_version: Self::default_version(),
+            python: Self::default_python(),
+            device: Self::default_device(),
+            gpu_memory_utilization: None,
+            args: Vec::new(),
+            env: BTreeMap::new(),
+            startup_timeout_s: None,
+            sim: SimModel::default(),
+        }
+    }
+}
+
+/// The KV connectors pdctl knows (see `connectors/` for what each one launches).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ConnectorKind {
+    /// SharedStorageConnector (<= 0.12) / ExampleConnector (>= 0.13): a shared directory.
+    #[serde(alias = "shared-storage")]
+    Example,
+    /// MooncakeConnector V1 (transfer_id handshake, bootstrap server).
+    Mooncake,
+    /// MooncakeStoreConnector: etcd + mooncake_master.
+    MooncakeStore,
+    /// MooncakeConnector V0 over the transfer engine (1P1D, etcd metadata).
+    MooncakeTe,
+    /// NixlConnector (kv_transfer_params handshake).
+    Nixl,
+    /// LMCacheConnector (V0) / LMCacheConnectorV1 with an lmcache server.
+    Lmcache,
+    /// P2pNcclConnector (named so it gets a clear answer; not planned yet).
+    P2pNccl,
+}
+
+/// Which metadata service the Mooncake transfer engine uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MooncakeMetadata {
+    /// etcd started by pdctl.
+    Etcd,
+    /// mooncake_master's built-in HTTP metadata server (no etcd).
+    Http,
+    /// Peer-to-peer handshake (store form only).
+    P2p,
+}
+
+/// The KV connector and its settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectorSection {
+    #[serde(default = "ConnectorSection::default_kind")]
+    pub kind: ConnectorKind,
+    /// Mooncake transport: `tcp` or `rdma`.
+    #[serde(default = "ConnectorSection::default_transport")]
+    pub transport: String,
+    /// RDMA device names (e.g. `erdma_0`); empty for tcp.
+    #[serde(default)]
+    pub device_name: String,
+    #[serde(default = "ConnectorSection::default_metadata")]
+    pub metadata: MooncakeMetadata,
+    /// Directory both sides read and write (example connector). Default: `<state dir>/kv`
+    /// on a single node; required when instances span nodes.
+    #[serde(default)]
+    pub shared_storage_path: Option<PathBuf>,
+    /// Mooncake store: memory each instance contributes / buffers.
+    #[serde(default = "ConnectorSection::default_segment")]
+    pub global_segment_size: String,
+    #[serde(default = "ConnectorSection::default_buffer")]
+    pub local_buffer_size: String,
+    /// Mooncake transfer engine (V0) port of each side (decode gets +100 on a shared host).
+    #[serde(default = "ConnectorSection::default_te_port")]
+    pub te_port: u16,
+    /// First NIXL side-channel port on a node (default by vLLM version: 5557 / 5600).
+    #[serde(default)]
+    pub side_channel_port: Option<u16>,
+    /// First Mooncake bootstrap port on a node (prefill instances).
+    #[serde(default = "ConnectorSection::default_bootstrap")]
+    pub bootstrap_port: u16,
+    /// Mooncake store on vLLM >= 0.21: wrap in MultiConnector with MooncakeConnector, so KV
+    /// moves P->D by the transfer_id handshake while the store keeps prefixes.
+    #[serde(default)]
+    pub multi: bool,
+    /// LMCache chunk size in tokens.
+    #[serde(default = "ConnectorSection::default_chunk")]
+    pub lmcache_chunk_size: u32,
+    /// LMCache local CPU cache, GB.
+    #[serde(default = "ConnectorSection::default_lmcache_cpu")]
+    pub lmcache_max_local_cpu_size: f64,
+    /// Merged into kv_connector_extra_config.
+    #[serde(default)]
+    pub extra_config: BTreeMap<String, toml::Value>,
+}
+
+impl ConnectorSection {
+    fn default_kind() -> ConnectorKind {
+        ConnectorKind::Example
+    }
+    fn default_transport() -> String {
+        "tcp".into()
+    }
+    fn default_metadata() -> MooncakeMetadata {
+        MooncakeMetadata::Etcd
+    }
+    fn default_segment() -> String {
+        "4GB".into()
+    }
+    fn default_buffer() -> String {
+        "1GB".into()
+    }
+    fn default_te_port() -> u16 {
+        13003
+    }
+    fn default_bootstrap() -> u16 {
+        8998
+    }
+    fn default_chunk() -> u32 {
+        256
+    }
+    fn default_lmcache_cpu() -> f64 {
+        5.0
+    }
+}
+
+impl Default for ConnectorSection {
+    fn default() -> Self {
+        toml::from_str("").expect("every connector key has a default")
+    }
+}
+
+/// etcd, the metadata server of the Mooncake transfer engine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EtcdSection {
+    /// Default: on when the connector needs it.
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    #[serde(default)]
+    pub node: Option<String>,
+    #[serde(default = "EtcdSection::default_client")]
+    pub client_port: u16,
+    #[serde(default = "EtcdSection::default_peer")]
+    pub peer_port: u16,
+}
+
+impl EtcdSection {
+    fn default_client() -> u16 {
+        2379
+    }
+    fn default_peer() -> u16 {
+        2380
+    }
+}
+
+impl Default for EtcdSection {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
+}
+
+/// mooncake_master, the Mooncake store's master service.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MasterSection {
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    #[serde(default)]
+    pub node: Option<String>,
+    #[serde(default = "MasterSection::default_rpc")]
+    pub rpc_port: u16,
+    #[serde(default = "MasterSection::default_metrics")]
+    pub metrics_port: u16,
+    /// Port of the built-in HTTP metadata server (`connector.metadata = "http"`).
+    #[serde(default = "MasterSection::default_http")]
+    pub http_metadata_port: u16,
+    /// Extra mooncake_master flags.
+    #[serde(default)]
+    pub args: Vec<String>,
+}
+
+impl MasterSection {
+    fn default_rpc() -> u16 {
+        50051
+    }
+    fn default_metrics() -> u16 {
+        9003
+    }
+    fn default_http() -> u16 {
+        8080
+    }
+}
+
+impl Default for MasterSection {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
+}
+
+/// The LMCache storage server (`lm://host:port`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LmcacheSection {
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    #[serde(default)]
+    pub node: Option<String>,
+    #[serde(default = "LmcacheSection::default_port")]
+    pub port: u16,
+}
+
+impl LmcacheSection {
+    fn default_port() -> u16 {
+        65432
+    }
+}
+
+impl Default for LmcacheSection {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
+}
+
+/// The prefill or decode instances.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoleSection {
+    #[serde(default = "RoleSection::default_instances")]
+    pub instances: u32,
+    /// One node for every instance...
+    #[serde(default)]
+    pub node: Option<String>,
+    /// ...or instances spread round-robin over these nodes. Default: the head node.
+    #[serde(default)]
+    pub nodes: Option<Vec<String>>,
+    /// GPUs per instance; > 1 means tensor parallel.
+    #[serde(default = "RoleSection::default_gpus_per_instance")]
+    pub gpus_per_instance: u32,
+    /// GPUs this role may use, in order (default: any free GPU of the node).
+    #[serde(default)]
+    pub gpus: Option<Vec<u32>>,
+    /// HTTP port of instance 0; instance i gets base_port + i.
+    #[serde(default)]
+    pub base_port: Option<u16>,
+    /// Extra engine arguments for this role.
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default = "RoleSection::default_restart")]
+    pub restart: RestartMode,
+    /// Roles or services restarted together with each instance of this role.
+    #[serde(default)]
+    pub restart_with: Vec<String>,
+    #[serde(default)]
+    pub startup_timeout_s: Option<u64>,
+}
+
+impl RoleSection {
+    fn default_instances() -> u32 {
+        1
+    }
+    fn default_gpus_per_instance() -> u32 {
+        1
+    }
+    fn default_restart() -> RestartMode {
+        RestartMode::OnFailure
+    }
+    fn prefill_default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
+    fn decode_default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
+}
+
+/// The embedded PD proxy clients talk to.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProxySection {
+    #[serde(default = "ProxySection::default_enabled")]
+    pub enabled: bool,
+    #[serde(default)]
+    pub node: Option<String>,
+    #[serde(default = "ProxySection::default_port")]
+    pub port: u16,
+    /// Policy for both legs unless prefill_policy / decode_policy say otherwise.
+    #[serde(default = "ProxySection::default_policy")]
+    pub policy: PolicyName,
+    #[serde(default)]
+    pub prefill_policy: Option<PolicyName>,
+    #[serde(default)]
+    pub decode_policy: Option<PolicyName>,
+    /// Blend engines' vllm:num_requests_running into least-loaded.
+    #[serde(default)]
+    pub scrape_metrics: bool,
+    /// Requests per second admitted; 0 = unlimited.
+    #[serde(default)]
+    pub rate_limit: f64,
+    /// Requests in flight; 0 = unlimited.
+    #[serde(default)]
+    pub max_concurrent: usize,
+    /// Requests waiting for a slot before 429.
+    #[serde(default)]
+    pub queue_size: usize,
+    #[serde(default)]
+    pub retries: Option<u32>,
+    #[serde(default)]
+    pub connect_timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub prefill_timeout_s: Option<u64>,
+    #[serde(default)]
+    pub first_byte_timeout_s: Option<u64>,
+    #[serde(default)]
+    pub total_timeout_s: Option<u64>,
+    #[serde(default)]
+    pub max_body_bytes: Option<usize>,
+}
+
+impl ProxySection {
+    fn default_enabled() -> bool {
+        true
+    }
+    fn default_port() -> u16 {
+        8000
+    }
+    fn default_policy() -> PolicyName {
+        PolicyName::RoundRobin
+    }
+}
+
+impl Default for ProxySection {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
 }

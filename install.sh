@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Sets a Debian/Ubuntu machine up for pdctl: the pdctl binary on PATH, etcd, and
+# mooncake_master in a Python virtualenv pdctl finds by itself. Safe to run again.
+#
+#   ./install.sh                  everything a topology needs, except vLLM
+#   ./install.sh --with-vllm      also vLLM (large: GPU machines)
+#   ./install.sh --deps-only      runtime parts only, no pdctl build (what the tests need)
+#   ./install.sh --with-test-deps also the `openai` Python client the tests drive the simulator with
+#   ./install.sh --keep-system-etcd  leave Debian's etcd service running (it holds port 2379)
+#
+# Works as root or as a user with sudo. Nothing asks a question.
+set -euo pipefail
+
+WITH_VLLM=0
+DEPS_ONLY=0
+TEST_DEPS=0
+KEEP_SYSTEM_ETCD=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-vllm) WITH_VLLM=1 ;;
+    --deps-only) DEPS_ONLY=1 ;;
+    --with-test-deps) TEST_DEPS=1 ;;
+    --keep-system-etcd) KEEP_SYSTEM_ETCD=1 ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "install.sh: unknown option '$arg' (see ./install.sh --help)" >&2; exit 2 ;;
+  esac
+done
+
+cd "$(dirname "$0")"
+step() { printf '\n==> %s\n' "$*"; }
+fail() { printf '\ninstall.sh: %s\n' "$*" >&2; exit 1; }
+trap 'fail "a step failed (line $LINENO); read the output above, fix it, and run ./install.sh again (it skips what is done)"' ERR
+
+if [ "$(id -u)" -eq 0 ]; then
+  SUDO=""
+  VENV=/opt/pdctl/venv
+  BIN_DIR=/usr/local/bin
+elif command -v sudo >/dev/null 2>&1; then
+  SUDO="sudo -n"
+  $SUDO true 2>/dev/null || fail "this needs root for Debian packages: run it as root, or allow passwordless sudo"
+  VENV="${HOME}/.local/share/pdctl/venv"
+  BIN_DIR="${HOME}/.local/bin"
+else
+  fail "this needs root for Debian packages (apt-get): run it as root or install sudo"
+fi
+
+# --- Debian packages -----------------------------------------------------------------
+# etcd: metadata server of the Mooncake transfer engine. libibverbs1, libnuma1, libcurl4:
+# shared libraries mooncake_master links against (also on machines without RDMA).
+PKGS=(etcd-server etcd-client libibverbs1 libnuma1 libcurl4 ca-certificates)
+python3 -c 'import ensurepip, venv' 2>/dev/null || PKGS+=(python3-venv)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  step "Installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq || fail "apt-get update failed: check the network or /etc/apt/sources.list"
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" \
+    || fail "apt-get install ${missing[*]} failed: read apt's message above"
+else
+  step "Debian packages already installed: ${PKGS[*]}"
+fi
+command -v etcd >/dev/null || fail "etcd is still not on PATH after installing etcd-server"
+
+# Debian starts its own etcd on port 2379, which pdctl's topologies use by default.
+if [ "$KEEP_SYSTEM_ETCD" -eq 0 ] && command -v systemctl >/dev/null 2>&1 \
+   && systemctl is-active --quiet etcd 2>/dev/null; then
+  step "Stopping Debian's etcd service (it holds port 2379; pdctl runs its own etcd per cluster; --keep-system-etcd keeps it)"
+  $SUDO systemctl disable --now etcd
+fi
+
+# --- Python tools venv -----------------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  step "Creating the pdctl tools virtualenv at $VENV"
+  $SUDO mkdir -p "$(dirname "$VENV")"
+  [ -z "$SUDO" ] || $SUDO chown "$(id -u):$(id -g)" "$(dirname "$VENV")"
+  python3 -m venv "$VENV" || fail "python3 -m venv failed: install python3-venv (Debian) and retry"
+fi
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+
+if [ -e /dev/nvidiactl ] || command -v nvidia-smi >/dev/null 2>&1; then
+  MOONCAKE=mooncake-transfer-engine
+else
+  MOONCAKE=mooncake-transfer-engine-non-cuda
+fi
+if "$VENV/bin/mooncake_master" --version >/dev/null 2>&1; then
+  step "mooncake_master already installed in $VENV"
+else
+  step "Installing mooncake_master ($MOONCAKE from PyPI) into $VENV"
+  "${PIP[@]}" "$MOONCAKE" || fail "pip install $MOONCAKE failed: check access to PyPI"
+  "$VENV/bin/mooncake_master" --version >/dev/null 2>&1 \
+    || fail "mooncake_master does not start: run $VENV/bin/mooncake_master --version to see which library is missing"
+fi
+
+if [ "$TEST_DEPS" -eq 1 ]; then
+  if "$VENV/bin/python" -c 'import openai' 2>/dev/null; then
+    step "openai client already installed (test dependency)"
+  else
+    step "Installing the openai Python client into $VENV (the tests drive the simulator with it)"
+    "${PIP[@]}" openai || fail "pip install openai failed: check access to PyPI"
+  fi
+fi
+
+if [ "$WITH_VLLM" -eq 1 ]; then
+  if "$VENV/bin/python" -c 'import vllm' 2>/dev/null; then
+    step "vLLM already installed in $VENV"
+  else
+    step "Installing vLLM into $VENV (several GB; this takes a while)"
+    "${PIP[@]}" vllm || fail "pip install vllm failed: see pip's message; vLLM needs a supported CUDA setup"
+  fi
+fi
+
+# --- pdctl itself ------------------------------------------------------------------------
+if [ "$DEPS_ONLY" -eq 0 ]; then
+  command -v cargo >/dev/null || fail "cargo is not installed: get Rust from https://rustup.rs and run ./install.sh again"
+  step "Building pdctl (cargo build --release --locked)"
+  cargo build --release --locked || fail "the build failed: read cargo's message above"
+  step "Installing pdctl into $BIN_DIR"
+  mkdir -p "$BIN_DIR" 2>/dev/null || $SUDO mkdir -p "$BIN_DIR"
+  install -m 0755 target/release/pdctl "$BIN_DIR/pdctl" 2>/dev/null \
+    || $SUDO install -m 0755 target/release/pdctl "$BIN_DIR/pdctl"
+  case ":$PATH:" in
+    *":$BIN_DIR:"*) ;;
+    *) echo "note: $BIN_DIR is not on your PATH; add it (e.g. export PATH=\"$BIN_DIR:\$PATH\")" ;;
+  esac
+fi
+
+step "Done"
+echo "etcd:            $(command -v etcd)"
+echo "mooncake_master: $VENV/bin/mooncake_master"
+[ "$DEPS_ONLY" -eq 1 ] || echo "pdctl:           $BIN_DIR/pdctl   (try: pdctl profiles; pdctl up)"

@@ -1,0 +1,104 @@
+//! LMCache with a remote lmcache server (seed 002): prefill stores KV to the server, decode
+//! retrieves it; two-step proxy protocol. LMCacheConnector (V0, vLLM up to 0.10.0,
+//! VLLM_USE_V1=0, experimental yaml keys) and LMCacheConnectorV1 (0.10.1 and later).
+//! Both sides need PYTHONHASHSEED=0 so chunk hashes agree.
+
+use super::*;
+
+pub struct Lmcache;
+
+const V0: VersionRange = VersionRange::between((0, 7, 0), (0, 10, 0));
+const V1: VersionRange = VersionRange::from((0, 10, 1));
+
+/// The lmcache server's command line (it ships in the lmcache package of the engine's python).
+pub fn server_argv(python: &str, v1: bool, host: &str, port: u16) -> Vec<String> {
+    if v1 {
+        vec![
+            python.to_string(),
+            "-m".into(),
+            "lmcache.v1.server".into(),
+            host.to_string(),
+            port.to_string(),
+            "cpu".into(),
+        ]
+    } else {
+        vec!["lmcache_server".into(), host.to_string(), port.to_string()]
+    }
+}
+
+/// True when the planned version uses LMCacheConnectorV1 (and the v1 server); the
+/// simulator and unknown versions get the V1 form.
+pub fn is_v1(v: Option<&Version>) -> bool {
+    v.is_none_or(|v| V1.contains(v))
+}
+
+fn yaml(cx: &ClusterCtx, v1: bool) -> String {
+    let c = &cx.topology.connector;
+    let server = cx.lmcache.as_ref().expect("lmcache server planned");
+    let mut y = format!("chunk_size: {}\n", c.lmcache_chunk_size);
+    if v1 {
+        y.push_str("local_cpu: true\n");
+    } else {
+        y.push_str("local_device: \"cpu\"\npipelined_backend: false\n");
+    }
+    y.push_str(&format!(
+        "max_local_cpu_size: {}\nremote_url: \"lm://{server}\"\nremote_serde: \"naive\"\n",
+        c.lmcache_max_local_cpu_size
+    ));
+    y
+}
+
+impl Connector for Lmcache {
+    fn kind(&self) -> ConnectorKind {
+        ConnectorKind::Lmcache
+    }
+    fn describe(&self) -> &'static str {
+        "LMCacheConnector / LMCacheConnectorV1 with an lmcache server"
+    }
+    fn versions(&self) -> &'static [VersionRange] {
+        &[V0, V1]
+    }
+    fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
+        Needs {
+            lmcache_server: true,
+            ..Needs::default()
+        }
+    }
+    fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
+        ProxyProtocol::TwoStep
+    }
+    fn launch(
+        &self,
+        cx: &ClusterCtx,
+        v: &Version,
+        inst: &InstanceCtx,
+        _: &mut PortBook,
+    ) -> Result<Launch, Problem> {
+        let v1 = is_v1(Some(v));
+        let path = cx.files_dir.join(format!("{}.lmcache.yaml", inst.name));
+        let mut launch = Launch::default();
+        if v1 {
+            launch.kv_transfer_config = transfer_config(
+                &cx.topology.connector,
+                "LMCacheConnectorV1",
+                "kv_both",
+                json!({}),
+            );
+        } else {
+            launch.kv_transfer_config = json!({ "kv_connector": "LMCacheConnector", "kv_role": producer_consumer(inst.role) });
+            launch.env.insert("VLLM_USE_V1".into(), "0".into());
+            launch
+                .env
+                .insert("LMCACHE_USE_EXPERIMENTAL".into(), "True".into());
+        }
+        launch
+            .env
+            .insert("LMCACHE_CONFIG_FILE".into(), path.display().to_string());
+        launch.env.insert("PYTHONHASHSEED".into(), "0".into());
+        launch.files.push(GeneratedFile {
+            path,
+            content: yaml(cx, v1),
+        });
+        Ok(launch)
+    }
+}

@@ -1,0 +1,68 @@
+//! MooncakeConnector V1 (vLLM 0.16.0 and later, with the bootstrap server): prefill pushes
+//! KV to decode over the Mooncake transfer engine, matched by a transfer_id the proxy
+//! gives both legs; decode finds the prefill through its bootstrap server
+//! (VLLM_MOONCAKE_BOOTSTRAP_PORT, one per prefill instance on a host).
+//!
+//! 0.13 to 0.15 had the connector with other handshake fields; pdctl's proxy speaks the
+//! transfer_id form only, so those versions get a clear error instead of a silent mismatch.
+
+use super::*;
+
+pub struct MooncakeV1;
+
+const BOOTSTRAP: VersionRange = VersionRange::from((0, 16, 0));
+
+/// The kv_transfer_config of a MooncakeConnector V1 side (also used inside MultiConnector).
+pub(super) fn v1_config(c: &ConnectorSection, role: Role) -> Value {
+    // mooncake_protocol defaults to rdma; machines without RDMA need tcp (key from 0.14).
+    transfer_config(
+        c,
+        "MooncakeConnector",
+        producer_consumer(role),
+        json!({ "mooncake_protocol": c.transport }),
+    )
+}
+
+/// Env of a MooncakeConnector V1 side: the bootstrap port (prefill) and the address the
+/// transfer engine advertises.
+pub(super) fn v1_env(inst: &InstanceCtx, launch: &mut Launch) {
+    launch.env.insert("VLLM_HOST_IP".into(), inst.host.clone());
+    if let Some(p) = inst.bootstrap_port {
+        launch
+            .env
+            .insert("VLLM_MOONCAKE_BOOTSTRAP_PORT".into(), p.to_string());
+        launch.ports.insert("bootstrap".into(), p);
+    }
+}
+
+impl Connector for MooncakeV1 {
+    fn kind(&self) -> ConnectorKind {
+        ConnectorKind::Mooncake
+    }
+    fn describe(&self) -> &'static str {
+        "MooncakeConnector V1 with bootstrap server"
+    }
+    fn versions(&self) -> &'static [VersionRange] {
+        &[BOOTSTRAP]
+    }
+    fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
+        Needs::default()
+    }
+    fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
+        ProxyProtocol::Mooncake
+    }
+    fn launch(
+        &self,
+        cx: &ClusterCtx,
+        _: &Version,
+        inst: &InstanceCtx,
+        _: &mut PortBook,
+    ) -> Result<Launch, Problem> {
+        let mut launch = Launch {
+            kv_transfer_config: v1_config(&cx.topology.connector, inst.role),
+            ..Launch::default()
+        };
+        v1_env(inst, &mut launch);
+        Ok(launch)
+    }
+}

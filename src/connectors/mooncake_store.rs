@@ -1,0 +1,118 @@
+//! MooncakeStoreConnector: KV goes through a Mooncake store (mooncake_master + metadata
+//! server) that every instance mounts. V0 (vLLM up to 0.10.0, VLLM_USE_V1=0, seed 001) and
+//! V1 (0.21.0 and later); both use the two-step proxy protocol, unless `connector.multi` on
+//! V1 wraps it in a MultiConnector with MooncakeConnector (transfer_id protocol).
+//!
+//! Each instance reads a store-form mooncake.json (MOONCAKE_CONFIG_PATH) naming its own host.
+
+use super::*;
+use crate::topology::MooncakeMetadata;
+
+pub struct MooncakeStore;
+
+const V0: VersionRange = VersionRange::between((0, 7, 0), (0, 10, 0));
+const V1: VersionRange = VersionRange::from((0, 21, 0));
+
+fn is_v1(v: Option<&Version>) -> bool {
+    v.is_some_and(|v| V1.contains(v))
+}
+
+/// The store-form mooncake.json for one instance.
+fn store_json(cx: &ClusterCtx, host: &str) -> Result<Value, Problem> {
+    let c = &cx.topology.connector;
+    let metadata = match c.metadata {
+        MooncakeMetadata::Etcd => format!(
+            "etcd://{}",
+            cx.etcd.as_ref().expect("etcd planned when needed")
+        ),
+        MooncakeMetadata::Http => format!(
+            "http://{}/metadata",
+            cx.master_http_metadata
+                .as_ref()
+                .expect("http metadata planned when needed")
+        ),
+        MooncakeMetadata::P2p => "P2PHANDSHAKE".to_string(),
+    };
+    let master = cx.master.as_ref().expect("master planned when needed");
+    Ok(json!({
+        "local_hostname": host,
+        "metadata_server": metadata,
+        "protocol": c.transport,
+        "device_name": c.device_name,
+        "master_server_address": master.to_string(),
+        "global_segment_size": size_bytes("connector.global_segment_size", &c.global_segment_size)?,
+        "local_buffer_size": size_bytes("connector.local_buffer_size", &c.local_buffer_size)?,
+    }))
+}
+
+impl Connector for MooncakeStore {
+    fn kind(&self) -> ConnectorKind {
+        ConnectorKind::MooncakeStore
+    }
+    fn describe(&self) -> &'static str {
+        "MooncakeStoreConnector"
+    }
+    fn versions(&self) -> &'static [VersionRange] {
+        &[V0, V1]
+    }
+    fn check(&self, t: &Topology, v: Option<&Version>) -> Result<(), Problem> {
+        if t.connector.multi && v.is_some_and(|v| !V1.contains(v)) {
+            return Err(Problem::new(
+                "connector.multi",
+                "MultiConnector with MooncakeConnector needs vLLM 0.21.0 or later",
+            ));
+        }
+        Ok(())
+    }
+    fn needs(&self, c: &ConnectorSection, _: Option<&Version>) -> Needs {
+        Needs {
+            etcd: c.metadata == MooncakeMetadata::Etcd,
+            mooncake_master: true,
+            master_http_metadata: c.metadata == MooncakeMetadata::Http,
+            lmcache_server: false,
+        }
+    }
+    fn protocol(&self, c: &ConnectorSection, v: Option<&Version>) -> ProxyProtocol {
+        if c.multi && (v.is_none() || is_v1(v)) {
+            ProxyProtocol::Mooncake
+        } else {
+            ProxyProtocol::TwoStep
+        }
+    }
+    fn launch(
+        &self,
+        cx: &ClusterCtx,
+        v: &Version,
+        inst: &InstanceCtx,
+        _: &mut PortBook,
+    ) -> Result<Launch, Problem> {
+        let c = &cx.topology.connector;
+        let path = cx.files_dir.join(format!("{}.mooncake.json", inst.name));
+        let content = serde_json::to_string_pretty(&store_json(cx, &inst.host)?).expect("json");
+        let mut launch = Launch::default();
+        launch
+            .env
+            .insert("MOONCAKE_CONFIG_PATH".into(), path.display().to_string());
+        launch.env.insert("VLLM_HOST_IP".into(), inst.host.clone());
+        launch.files.push(GeneratedFile { path, content });
+        let role = producer_consumer(inst.role);
+        if !V1.contains(v) {
+            launch.env.insert("VLLM_USE_V1".into(), "0".into());
+            launch.kv_transfer_config =
+                json!({ "kv_connector": "MooncakeStoreConnector", "kv_role": role });
+        } else if c.multi {
+            let store = transfer_config(c, "MooncakeStoreConnector", "kv_both", json!({}));
+            let p2p = super::mooncake::v1_config(c, inst.role);
+            launch.kv_transfer_config = json!({
+                "kv_connector": "MultiConnector",
+                "kv_role": role,
+                "kv_connector_extra_config": { "connectors": [p2p, store] },
+            });
+            super::mooncake::v1_env(inst, &mut launch);
+        } else {
+            launch.kv_transfer_config =
+                transfer_config(c, "MooncakeStoreConnector", role, json!({}));
+        }
+        Ok(launch)
+    }
+}

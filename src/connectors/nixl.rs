@@ -1,0 +1,81 @@
+//! NixlConnector (every V1 vLLM): decode pulls KV from prefill; the proxy copies the
+//! prefill's returned kv_transfer_params into the decode request.
+//!
+//! Side channel: VLLM_NIXL_SIDE_CHANNEL_PORT defaults to 5557 up to 0.11 and 5600 from 0.12;
+//! before 0.12 each TP rank opens port + rank, from 0.12 one port per engine. The host must
+//! be the node's address when prefill and decode are on different machines.
+
+use super::*;
+
+pub struct Nixl;
+
+const NIXL: VersionRange = VersionRange::from((0, 9, 0));
+
+/// True when vLLM opens one side-channel port per engine rather than per TP rank.
+fn one_port_per_engine(v: &Version) -> bool {
+    *v >= Version::new(0, 12, 0)
+}
+
+impl Connector for Nixl {
+    fn kind(&self) -> ConnectorKind {
+        ConnectorKind::Nixl
+    }
+    fn describe(&self) -> &'static str {
+        "NixlConnector"
+    }
+    fn versions(&self) -> &'static [VersionRange] {
+        &[NIXL]
+    }
+    fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
+        Needs::default()
+    }
+    fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
+        ProxyProtocol::Nixl
+    }
+    fn launch(
+        &self,
+        cx: &ClusterCtx,
+        v: &Version,
+        inst: &InstanceCtx,
+        ports: &mut PortBook,
+    ) -> Result<Launch, Problem> {
+        let c = &cx.topology.connector;
+        let per_engine = one_port_per_engine(v);
+        let base = c
+            .side_channel_port
+            .unwrap_or(if per_engine { 5600 } else { 5557 });
+        let width = if per_engine { 1 } else { inst.tp as u16 };
+        let port = ports
+            .take(
+                &inst.host,
+                base,
+                width,
+                &format!("{} (side-channel)", inst.name),
+            )
+            .ok_or_else(|| {
+                Problem::new(
+                    "connector.side_channel_port",
+                    "no free side-channel ports left below 65536",
+                )
+            })?;
+        let mut launch = Launch {
+            kv_transfer_config: transfer_config(c, "NixlConnector", "kv_both", json!({})),
+            ..Launch::default()
+        };
+        launch
+            .env
+            .insert("VLLM_NIXL_SIDE_CHANNEL_HOST".into(), inst.host.clone());
+        launch
+            .env
+            .insert("VLLM_NIXL_SIDE_CHANNEL_PORT".into(), port.to_string());
+        for rank in 0..width {
+            let name = if rank == 0 {
+                "side-channel".to_string()
+            } else {
+                format!("side-channel-{rank}")
+            };
+            launch.ports.insert(name, port + rank);
+        }
+        Ok(launch)
+    }
+}

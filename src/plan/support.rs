@@ -1,0 +1,295 @@
+//! The services around the engines: etcd, mooncake_master, the lmcache server, the proxy.
+
+use super::build::{SupportPlan, claim};
+use super::{Probe, RestartPolicy, Role, Service, Shutdown};
+use crate::connectors::{Endpoint, Needs, PortBook};
+use crate::proxy::args::{ProxyArgs, ProxyProtocol};
+use crate::topology::{EngineKind, Problem, Topology};
+use crate::vllm::Version;
+use clap::Parser;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// A service with the defaults every support service shares.
+fn support_service(
+    name: &str,
+    role: Role,
+    node: &str,
+    host: &str,
+    argv: Vec<String>,
+    probe: Probe,
+) -> Service {
+    Service {
+        name: name.to_string(),
+        role,
+        node: node.to_string(),
+        host: host.to_string(),
+        argv,
+        env: BTreeMap::new(),
+        gpus: Vec::new(),
+        ports: BTreeMap::new(),
+        files: Vec::new(),
+        depends_on: Vec::new(),
+        probe,
+        url: None,
+        startup_timeout_s: 60,
+        restart: RestartPolicy::default(),
+        restart_with: Vec::new(),
+        shutdown: Shutdown {
+            signal: "SIGTERM".into(),
+            timeout_s: 10,
+        },
+        dirs: Vec::new(),
+    }
+}
+
+/// Plans etcd, mooncake_master and the lmcache server as the connector needs (or the
+/// topology forces with `enabled = true`).
+pub(super) fn plan_support(
+    t: &Topology,
+    head: &str,
+    state_dir: &Path,
+    needs: &Needs,
+    version: Option<&Version>,
+    ports: &mut PortBook,
+    warnings: &mut Vec<String>,
+) -> Result<SupportPlan, Problem> {
+    let mut out = SupportPlan {
+        services: Vec::new(),
+        names: Vec::new(),
+        etcd: None,
+        master: None,
+        master_http_metadata: None,
+        lmcache: None,
+    };
+    let host_of = |node: &str| t.nodes[node].clone();
+
+    if t.etcd.enabled.unwrap_or(needs.etcd) {
+        let node = t.etcd.node.as_deref().unwrap_or(head);
+        let host = host_of(node);
+        let (client, peer) = (t.etcd.client_port, t.etcd.peer_port);
+        let member = format!("pdctl-{}", t.cluster);
+        let client_url = format!("http://{host}:{client}");
+        let peer_url = format!("http://{host}:{peer}");
+        let argv = [
+            "etcd",
+            "--name",
+            &member,
+            "--data-dir",
+            &state_dir.join("etcd-data").display().to_string(),
+            "--listen-client-urls",
+            &client_url,
+            "--advertise-client-urls",
+            &client_url,
+            "--listen-peer-urls",
+            &peer_url,
+            "--initial-advertise-peer-urls",
+            &peer_url,
+            "--initial-cluster",
+            &format!("{member}={peer_url}"),
+            "--initial-cluster-state",
+            "new",
+        ]
+        .map(String::from)
+        .to_vec();
+        let probe = Probe::Http {
+            url: format!("{client_url}/health"),
+            status: 200,
+            body_contains: Some("true".into()),
+        };
+        let mut svc = support_service("etcd", Role::Etcd, node, &host, argv, probe);
+        claim(ports, &host, client, "etcd", "client")?;
+        claim(ports, &host, peer, "etcd", "peer")?;
+        svc.ports = BTreeMap::from([("client".into(), client), ("peer".into(), peer)]);
+        svc.url = Some(client_url);
+        out.etcd = Some(Endpoint { host, port: client });
+        out.names.push(svc.name.clone());
+        out.services.push(svc);
+    }
+
+    if t.mooncake_master.enabled.unwrap_or(needs.mooncake_master) {
+        let m = &t.mooncake_master;
+        let node = m.node.as_deref().unwrap_or(head);
+        let host = host_of(node);
+        let mut argv: Vec<String> = vec![
+            "mooncake_master".into(),
+            "--rpc_port".into(),
+            m.rpc_port.to_string(),
+            "--metrics_port".into(),
+            m.metrics_port.to_string(),
+        ];
+        claim(ports, &host, m.rpc_port, "mooncake-master", "rpc")?;
+        claim(ports, &host, m.metrics_port, "mooncake-master", "metrics")?;
+        let mut named = BTreeMap::from([
+            ("rpc".to_string(), m.rpc_port),
+            ("metrics".to_string(), m.metrics_port),
+        ]);
+        if needs.master_http_metadata {
+            argv.extend([
+                "--enable_http_metadata_server=true".into(),
+                "--http_metadata_server_port".into(),
+                m.http_metadata_port.to_string(),
+            ]);
+            claim(
+                ports,
+                &host,
+                m.http_metadata_port,
+                "mooncake-master",
+                "http-metadata",
+            )?;
+            named.insert("http-metadata".into(), m.http_metadata_port);
+            out.master_http_metadata = Some(Endpoint {
+                host: host.clone(),
+                port: m.http_metadata_port,
+            });
+        }
+        argv.extend(m.args.iter().cloned());
+        let probe = Probe::Http {
+            url: format!("http://{host}:{}/health", m.metrics_port),
+            status: 200,
+            body_contains: None,
+        };
+        let mut svc = support_service(
+            "mooncake-master",
+            Role::MooncakeMaster,
+            node,
+            &host,
+            argv,
+            probe,
+        );
+        svc.ports = named;
+        svc.depends_on = out.names.clone();
+        out.master = Some(Endpoint {
+            host,
+            port: m.rpc_port,
+        });
+        out.names.push(svc.name.clone());
+        out.services.push(svc);
+    }
+
+    if t.lmcache_server.enabled.unwrap_or(needs.lmcache_server) {
+        let l = &t.lmcache_server;
+        let node = l.node.as_deref().unwrap_or(head);
+        let host = host_of(node);
+        claim(ports, &host, l.port, "lmcache-server", "server")?;
+        out.lmcache = Some(Endpoint {
+            host: host.clone(),
+            port: l.port,
+        });
+        if t.engine.kind == EngineKind::Sim {
+            warnings.push(
+                "engine sim: the lmcache server is not started (the simulator hands KV over through a shared directory)"
+                    .into(),
+            );
+        } else {
+            let argv = crate::connectors::lmcache_server_argv(
+                &t.engine.python,
+                crate::connectors::lmcache_is_v1(version),
+                &host,
+                l.port,
+            );
+            let probe = Probe::Tcp {
+                host: host.clone(),
+                port: l.port,
+            };
+            let mut svc = support_service(
+                "lmcache-server",
+                Role::LmcacheServer,
+                node,
+                &host,
+                argv,
+                probe,
+            );
+            svc.ports = BTreeMap::from([("server".into(), l.port)]);
+            svc.env.insert("PYTHONHASHSEED".into(), "0".into());
+            out.names.push(svc.name.clone());
+            out.services.push(svc);
+        }
+    }
+    Ok(out)
+}
+
+/// Wraps ProxyArgs so they can be built from their own defaults.
+#[derive(Parser)]
+struct ProxyCmd {
+    #[command(flatten)]
+    args: ProxyArgs,
+}
+
+/// Plans the proxy in front of the engines planned so far.
+pub(super) fn plan_proxy(
+    t: &Topology,
+    node: &str,
+    protocol: ProxyProtocol,
+    services: &[Service],
+    socket: &Path,
+    ports: &mut PortBook,
+) -> Result<Service, Problem> {
+    let host = t.nodes[node].clone();
+    let p = &t.proxy;
+    claim(ports, &host, p.port, "proxy", "http")?;
+    let urls = |role: Role| -> Vec<String> {
+        services
+            .iter()
+            .filter(|s| s.role == role)
+            .filter_map(|s| s.url.clone())
+            .collect()
+    };
+    let mut args = ProxyCmd::parse_from(["proxy", "--prefill", "x", "--decode", "x"]).args;
+    args.host = host.clone();
+    args.port = p.port;
+    args.prefill = urls(Role::Prefill);
+    args.decode = urls(Role::Decode);
+    if protocol == ProxyProtocol::Mooncake {
+        args.bootstrap_ports = services
+            .iter()
+            .filter(|s| s.role == Role::Prefill)
+            .filter_map(|s| s.ports.get("bootstrap").copied())
+            .collect();
+    }
+    args.protocol = protocol;
+    args.policy = p.policy;
+    args.prefill_policy = p.prefill_policy;
+    args.decode_policy = p.decode_policy;
+    args.scrape_metrics = p.scrape_metrics;
+    args.rate_limit = p.rate_limit;
+    args.max_concurrent = p.max_concurrent;
+    args.queue_size = p.queue_size;
+    if let Some(v) = p.retries {
+        args.retries = v;
+    }
+    if let Some(v) = p.connect_timeout_ms {
+        args.connect_timeout_ms = v;
+    }
+    if let Some(v) = p.prefill_timeout_s {
+        args.prefill_timeout_s = v;
+    }
+    if let Some(v) = p.first_byte_timeout_s {
+        args.first_byte_timeout_s = v;
+    }
+    if let Some(v) = p.total_timeout_s {
+        args.total_timeout_s = v;
+    }
+    if let Some(v) = p.max_body_bytes {
+        args.max_body_bytes = v;
+    }
+    args.supervisor_socket = Some(socket.to_path_buf());
+    let mut argv = vec![crate::tools::SELF_PROGRAM.to_string(), "proxy".to_string()];
+    argv.extend(args.to_argv());
+    let url = format!("http://{host}:{}", p.port);
+    let probe = Probe::Http {
+        url: format!("{url}/health"),
+        status: 200,
+        body_contains: None,
+    };
+    let mut svc = support_service("proxy", Role::Proxy, node, &host, argv, probe);
+    svc.ports = BTreeMap::from([("http".into(), p.port)]);
+    svc.url = Some(url);
+    svc.depends_on = services
+        .iter()
+        .filter(|s| s.role.is_engine())
+        .map(|s| s.name.clone())
+        .collect();
+    svc.startup_timeout_s = 30;
+    Ok(svc)
+}

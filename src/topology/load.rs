@@ -1,0 +1,251 @@
+//! Reading a topology: TOML syntax, serde types, then the checks of [`super::validate`];
+//! every failure becomes a [`TopologyError`] at file:line:col with the key at fault.
+
+use super::locate::Locator;
+use super::{Problem, TopologyError};
+use std::path::{Path, PathBuf};
+
+/// Where a topology came from, for messages such as "using profile sim-1p1d".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    File(PathBuf),
+    Profile(String),
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::File(p) => write!(f, "{}", p.display()),
+            Source::Profile(name) => write!(f, "profile {name}"),
+        }
+    }
+}
+
+/// A parsed and checked topology with what is needed to locate later problems in it.
+#[derive(Debug, Clone)]
+pub struct Topology {
+    pub spec: super::Topology,
+    pub source: Source,
+    pub locator: Locator,
+    /// The head node: `head` when written, else the first node in the file.
+    pub head: String,
+}
+
+impl Topology {
+    /// Places a planner problem in the file, at the first of its keys the file writes.
+    pub fn locate(&self, p: Problem) -> TopologyError {
+        let key = std::iter::once(&p.key)
+            .chain(&p.also)
+            .find(|k| self.locator.writes(k))
+            .unwrap_or(&p.key)
+            .clone();
+        self.locator.error(&key, p.message, p.hint)
+    }
+}
+
+/// Reads and checks a topology file.
+pub fn load_file(path: &Path) -> Result<Topology, TopologyError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| TopologyError {
+        file: file.clone(),
+        line: 1,
+        col: 1,
+        key: "(file)".into(),
+        message: format!("cannot read the topology: {e}"),
+        hint: Some(
+            "check the path given with -f, or run `pdctl profiles` for built-in ones".into(),
+        ),
+    })?;
+    load_str(&text, Source::File(path.to_path_buf()), file)
+}
+
+/// Parses and checks topology text; `file` is what errors call it.
+pub fn load_str(text: &str, source: Source, file: String) -> Result<Topology, TopologyError> {
+    let locator = Locator::new(file, text);
+    let spec: super::Topology = toml::from_str(text).map_err(|e| serde_error(&locator, &e))?;
+    let order = locator.table_key_order("nodes");
+    let head = spec
+        .head
+        .clone()
+        .or_else(|| order.first().cloned())
+        .or_else(|| spec.nodes.keys().next().cloned())
+        .unwrap_or_default();
+    let t = Topology {
+        spec,
+        source,
+        locator,
+        head,
+    };
+    super::validate::check(&t.spec, &t.head).map_err(|p| t.locate(p))?;
+    Ok(t)
+}
+
+/// Turns a toml/serde error into a located one, with "did you mean" for unknown keys and
+/// unknown values.
+fn serde_error(locator: &Locator, e: &toml::de::Error) -> TopologyError {
+    let msg = e.message().trim().to_string();
+    let span = e.span().unwrap_or(0..0);
+    let offset = span.start;
+    // A span over the whole document means the error is about the top level.
+    let whole = span.start == 0 && (span.is_empty() || span.end + 1 >= locator.text_len());
+    let at_path = if whole {
+        String::new()
+    } else {
+        locator.path_at(offset).unwrap_or_default()
+    };
+    if let Some(unknown) = backticked_after(&msg, "unknown field ") {
+        let expected = expected_list(&msg);
+        let hint = suggestion(&unknown, &expected)
+            .map(|s| format!("did you mean `{s}`?"))
+            .or_else(|| {
+                (!expected.is_empty()).then(|| format!("known keys here: {}", expected.join(", ")))
+            });
+        let key = if at_path.ends_with(&unknown) || at_path.is_empty() {
+            if at_path.is_empty() {
+                unknown.clone()
+            } else {
+                at_path
+            }
+        } else {
+            format!("{at_path}.{unknown}")
+        };
+        return locator.error_at(offset, &key, format!("unknown key `{unknown}`"), hint);
+    }
+    if let Some(value) = backticked_after(&msg, "unknown variant ") {
+        let expected = expected_list(&msg);
+        let hint = suggestion(&value, &expected)
+            .map(|s| format!("did you mean `{s}`?"))
+            .or_else(|| Some(format!("one of: {}", expected.join(", "))));
+        return locator.error_at(
+            offset,
+            key_or(&at_path),
+            format!("unknown value `{value}`"),
+            hint,
+        );
+    }
+    if let Some(field) = backticked_after(&msg, "missing field ") {
+        let key = if at_path.is_empty() {
+            field.clone()
+        } else {
+            format!("{at_path}.{field}")
+        };
+        return locator.error_at(
+            offset,
+            &key,
+            format!("required key `{field}` is missing"),
+            Some(format!("add `{field} = ...` here")),
+        );
+    }
+    if msg.starts_with("invalid type") || msg.starts_with("invalid value") {
+        return locator.error_at(offset, key_or(&at_path), msg, None);
+    }
+    // Syntax errors: toml's message is already specific (and may span several lines);
+    // the document cannot be walked, so the key is read off the line itself.
+    let first = msg.lines().next().unwrap_or("invalid TOML").to_string();
+    let key = if at_path.is_empty() {
+        locator.key_on_line_of(offset)
+    } else {
+        at_path
+    };
+    locator.error_at(offset, key_or(&key), format!("invalid TOML: {first}"), None)
+}
+
+fn key_or(path: &str) -> &str {
+    if path.is_empty() { "(document)" } else { path }
+}
+
+/// The text between the first pair of backticks after `prefix`.
+fn backticked_after(msg: &str, prefix: &str) -> Option<String> {
+    let rest = &msg[msg.find(prefix)? + prefix.len()..];
+    let rest = rest.strip_prefix('`')?;
+    Some(rest[..rest.find('`')?].to_string())
+}
+
+/// serde's "expected one of `a`, `b`" (or "expected `a`") list.
+fn expected_list(msg: &str) -> Vec<String> {
+    let Some(i) = msg.find("expected") else {
+        return Vec::new();
+    };
+    msg[i..]
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_string)
+        .collect()
+}
+
+/// The closest known name, when it is close enough to be a typo.
+pub(crate) fn suggestion(given: &str, known: &[String]) -> Option<String> {
+    known
+        .iter()
+        .map(|k| (strsim::damerau_levenshtein(given, k), k))
+        .filter(|(d, k)| *d <= 2.max(k.len() / 3))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k.clone())
+        .or_else(|| {
+            let g = given.replace('_', "-").to_lowercase();
+            known
+                .iter()
+                .find(|k| k.replace('_', "-").to_lowercase() == g)
+                .cloned()
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> TopologyError {
+        load_str(text, Source::Profile("t".into()), "t.toml".into()).unwrap_err()
+    }
+
+    #[test]
+    fn unknown_key_is_located_with_a_suggestion() {
+        let e = err("[model]\nname = \"m\"\n[prefill]\ninstnces = 2\n");
+        assert_eq!((e.line, e.col), (4, 1), "{e}");
+        assert_eq!(e.key, "prefill.instnces");
+        assert_eq!(e.hint.as_deref(), Some("did you mean `instances`?"));
+    }
+
+    #[test]
+    fn unknown_value_lists_the_choices() {
+        let e = err("[model]\nname = \"m\"\n[proxy]\npolicy = \"round_robin\"\n");
+        assert_eq!(e.key, "proxy.policy", "{e}");
+        assert_eq!(e.line, 4);
+        assert_eq!(e.hint.as_deref(), Some("did you mean `round-robin`?"));
+    }
+
+    #[test]
+    fn missing_model_name_says_what_to_add() {
+        let e = err("[model]\nserved_name = \"m\"\n");
+        assert_eq!(e.key, "model.name", "{e}");
+        assert!(e.message.contains("missing"));
+    }
+
+    #[test]
+    fn wrong_type_names_the_key() {
+        let e = err("[model]\nname = \"m\"\n[decode]\ninstances = \"two\"\n");
+        assert_eq!(e.key, "decode.instances", "{e}");
+        assert_eq!(e.line, 4);
+    }
+
+    #[test]
+    fn syntax_errors_are_located() {
+        let e = err("[model]\nname = \"m\n");
+        assert_eq!(e.line, 2, "{e}");
+        assert!(e.message.starts_with("invalid TOML"));
+    }
+
+    #[test]
+    fn the_short_file_gets_defaults() {
+        let t = load_str(
+            "[model]\nname = \"m\"\n",
+            Source::Profile("t".into()),
+            "t".into(),
+        )
+        .unwrap();
+        assert_eq!(t.head, "local");
+        assert_eq!(t.spec.prefill.instances, 1);
+        assert_eq!(t.spec.proxy.port, 8000);
+    }
+}

@@ -1,0 +1,306 @@
+//! Checks serde cannot make: names that must exist, counts that must be positive, values
+//! that must make sense together. Checks that need the vLLM version or the GPU inventory
+//! happen while planning.
+
+use super::{ConnectorKind, Problem, RoleSection, Topology};
+
+/// The first problem found, if any.
+pub fn check(t: &Topology, head: &str) -> Result<(), Problem> {
+    check_names(t, head)?;
+    check_role(t, "prefill", &t.prefill)?;
+    check_role(t, "decode", &t.decode)?;
+    check_placements(t)?;
+    check_ports(t)?;
+    check_engine(t)?;
+    check_connector(t)?;
+    check_proxy(t)?;
+    Ok(())
+}
+
+fn check_names(t: &Topology, head: &str) -> Result<(), Problem> {
+    if t.cluster.is_empty()
+        || !t
+            .cluster
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        || t.cluster.starts_with('.')
+    {
+        return Err(
+            Problem::new("cluster", format!("`{}` cannot name a cluster", t.cluster))
+                .hint("use letters, digits, '-', '_' or '.' (it names the state directory)"),
+        );
+    }
+    if t.model.name.trim().is_empty() {
+        return Err(Problem::new("model.name", "the model name is empty")
+            .hint("a Hugging Face id such as Qwen/Qwen2.5-1.5B-Instruct, or a local path"));
+    }
+    if t.model
+        .served_name
+        .as_deref()
+        .is_some_and(|s| s.trim().is_empty())
+    {
+        return Err(Problem::new(
+            "model.served_name",
+            "the served name is empty",
+        ));
+    }
+    if t.nodes.is_empty() {
+        return Err(Problem::new("nodes", "no nodes are defined")
+            .hint("add at least one: [nodes] main = \"127.0.0.1\""));
+    }
+    for (name, addr) in &t.nodes {
+        if addr.trim().is_empty() || addr.contains(char::is_whitespace) || addr.contains('/') {
+            return Err(Problem::new(
+                format!("nodes.{name}"),
+                format!("`{addr}` is not a host address"),
+            )
+            .hint("write an IP address or host name, without scheme or port"));
+        }
+    }
+    if !t.nodes.contains_key(head) {
+        return Err(unknown_node(t, "head", head));
+    }
+    Ok(())
+}
+
+fn unknown_node(t: &Topology, key: &str, node: &str) -> Problem {
+    let known: Vec<String> = t.nodes.keys().cloned().collect();
+    let hint = match super::load::suggestion(node, &known) {
+        Some(s) => format!("did you mean `{s}`? nodes are: {}", known.join(", ")),
+        None => format!("nodes are: {} (see [nodes])", known.join(", ")),
+    };
+    Problem::new(key, format!("unknown node `{node}`")).hint(hint)
+}
+
+fn check_role(t: &Topology, role: &str, r: &RoleSection) -> Result<(), Problem> {
+    if r.instances == 0 {
+        return Err(Problem::new(
+            format!("{role}.instances"),
+            "0 instances: a PD cluster needs at least one prefill and one decode instance",
+        ));
+    }
+    if r.gpus_per_instance == 0 {
+        return Err(Problem::new(
+            format!("{role}.gpus_per_instance"),
+            "must be at least 1 (it is the tensor-parallel size)",
+        ));
+    }
+    if r.node.is_some() && r.nodes.is_some() {
+        return Err(
+            Problem::new(format!("{role}.nodes"), "both `node` and `nodes` are set")
+                .hint("use `node` for one node or `nodes` to spread instances, not both"),
+        );
+    }
+    if let Some(node) = &r.node
+        && !t.nodes.contains_key(node)
+    {
+        return Err(unknown_node(t, &format!("{role}.node"), node));
+    }
+    if let Some(nodes) = &r.nodes {
+        if nodes.is_empty() {
+            return Err(Problem::new(
+                format!("{role}.nodes"),
+                "the node list is empty",
+            ));
+        }
+        for (i, n) in nodes.iter().enumerate() {
+            if !t.nodes.contains_key(n) {
+                return Err(unknown_node(t, &format!("{role}.nodes[{i}]"), n));
+            }
+        }
+    }
+    if let Some(gpus) = &r.gpus {
+        for (i, g) in gpus.iter().enumerate() {
+            if gpus[..i].contains(g) {
+                return Err(Problem::new(
+                    format!("{role}.gpus[{i}]"),
+                    format!("GPU {g} is listed twice"),
+                ));
+            }
+        }
+    }
+    for (i, w) in r.restart_with.iter().enumerate() {
+        if !names_a_service(t, w) {
+            return Err(Problem::new(
+                format!("{role}.restart_with[{i}]"),
+                format!("`{w}` is neither a role nor a service of this cluster"),
+            )
+            .hint("use a role (prefill, decode) or a service name such as decode-0"));
+        }
+    }
+    Ok(())
+}
+
+fn names_a_service(t: &Topology, name: &str) -> bool {
+    let indexed = |prefix: &str, n: u32| {
+        name.strip_prefix(prefix)
+            .and_then(|i| i.parse::<u32>().ok())
+            .is_some_and(|i| i < n)
+    };
+    matches!(name, "prefill" | "decode")
+        || indexed("prefill-", t.prefill.instances)
+        || indexed("decode-", t.decode.instances)
+}
+
+fn check_placements(t: &Topology) -> Result<(), Problem> {
+    for (key, node) in [
+        ("etcd.node", &t.etcd.node),
+        ("mooncake_master.node", &t.mooncake_master.node),
+        ("lmcache_server.node", &t.lmcache_server.node),
+        ("proxy.node", &t.proxy.node),
+    ] {
+        if let Some(n) = node
+            && !t.nodes.contains_key(n)
+        {
+            return Err(unknown_node(t, key, n));
+        }
+    }
+    Ok(())
+}
+
+fn check_ports(t: &Topology) -> Result<(), Problem> {
+    let ports = [
+        ("etcd.client_port", Some(t.etcd.client_port)),
+        ("etcd.peer_port", Some(t.etcd.peer_port)),
+        ("mooncake_master.rpc_port", Some(t.mooncake_master.rpc_port)),
+        (
+            "mooncake_master.metrics_port",
+            Some(t.mooncake_master.metrics_port),
+        ),
+        (
+            "mooncake_master.http_metadata_port",
+            Some(t.mooncake_master.http_metadata_port),
+        ),
+        ("lmcache_server.port", Some(t.lmcache_server.port)),
+        ("proxy.port", Some(t.proxy.port)),
+        ("prefill.base_port", t.prefill.base_port),
+        ("decode.base_port", t.decode.base_port),
+        ("connector.te_port", Some(t.connector.te_port)),
+        ("connector.bootstrap_port", Some(t.connector.bootstrap_port)),
+        ("connector.side_channel_port", t.connector.side_channel_port),
+    ];
+    for (key, port) in ports {
+        if port == Some(0) {
+            return Err(Problem::new(key, "port 0 is not a port a client can reach")
+                .hint("choose a port between 1024 and 65535"));
+        }
+    }
+    for (role, r) in [("prefill", &t.prefill), ("decode", &t.decode)] {
+        if let Some(base) = r.base_port
+            && u32::from(base) + r.instances - 1 > 65535
+        {
+            return Err(Problem::new(
+                format!("{role}.base_port"),
+                format!("{} instances from port {base} run past 65535", r.instances),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_engine(t: &Topology) -> Result<(), Problem> {
+    let e = &t.engine;
+    if e.vllm_version != "auto"
+        && let Err(err) = e.vllm_version.parse::<crate::vllm::Version>()
+    {
+        return Err(Problem::new("engine.vllm_version", err.to_string())
+            .hint("write \"auto\" to ask the installed vLLM"));
+    }
+    if let Some(u) = e.gpu_memory_utilization
+        && !(u > 0.0 && u <= 1.0)
+    {
+        return Err(Problem::new(
+            "engine.gpu_memory_utilization",
+            format!("{u} is not a fraction in (0, 1]"),
+        ));
+    }
+    let s = &e.sim;
+    for (key, v) in [
+        ("engine.sim.prefill_ms_per_token", s.prefill_ms_per_token),
+        ("engine.sim.overhead_ms", s.overhead_ms),
+        ("engine.sim.itl_ms", s.itl_ms),
+        ("engine.sim.batch_slowdown", s.batch_slowdown),
+    ] {
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(Problem::new(key, format!("{v} must be a number >= 0")));
+        }
+    }
+    if s.block_size == 0 {
+        return Err(Problem::new("engine.sim.block_size", "must be at least 1"));
+    }
+    if s.max_num_seqs == 0 {
+        return Err(Problem::new(
+            "engine.sim.max_num_seqs",
+            "must be at least 1",
+        ));
+    }
+    Ok(())
+}
+
+fn check_connector(t: &Topology) -> Result<(), Problem> {
+    let c = &t.connector;
+    if c.kind == ConnectorKind::P2pNccl {
+        return Err(Problem::new(
+            "connector.kind",
+            "p2p-nccl is not supported by pdctl yet: its proxy must register instances over ZMQ and encode routes in X-Request-Id",
+        )
+        .hint("use nixl or mooncake for direct GPU-to-GPU transfer"));
+    }
+    if !matches!(c.transport.as_str(), "tcp" | "rdma") {
+        return Err(Problem::new(
+            "connector.transport",
+            format!("unknown transport `{}`", c.transport),
+        )
+        .hint("one of: tcp, rdma"));
+    }
+    if c.transport == "rdma" && c.device_name.is_empty() {
+        return Err(Problem::new(
+            "connector.device_name",
+            "rdma needs the RDMA device names (e.g. \"mlx5_0\" or \"erdma_0\")",
+        ));
+    }
+    if c.kind == ConnectorKind::Example && c.shared_storage_path.is_none() {
+        let nodes_of = |r: &RoleSection| -> Vec<String> {
+            r.nodes
+                .clone()
+                .unwrap_or_else(|| r.node.iter().cloned().collect())
+        };
+        let mut all = nodes_of(&t.prefill);
+        all.extend(nodes_of(&t.decode));
+        all.sort();
+        all.dedup();
+        if all.len() > 1 {
+            return Err(Problem::new(
+                "connector.shared_storage_path",
+                "instances run on several nodes, so the KV directory must be a path every node shares",
+            )
+            .hint("set it to a shared filesystem path, e.g. \"/mnt/pd_kv\"")
+            .also("connector")
+            .also("decode.node")
+            .also("decode.nodes")
+            .also("prefill.node")
+            .also("prefill.nodes"));
+        }
+    }
+    Ok(())
+}
+
+fn check_proxy(t: &Topology) -> Result<(), Problem> {
+    let p = &t.proxy;
+    if !(p.rate_limit.is_finite() && p.rate_limit >= 0.0) {
+        return Err(Problem::new(
+            "proxy.rate_limit",
+            format!(
+                "{} must be >= 0 requests per second (0 = unlimited)",
+                p.rate_limit
+            ),
+        ));
+    }
+    if p.queue_size > 0 && p.max_concurrent == 0 {
+        return Err(Problem::new(
+            "proxy.queue_size",
+            "a wait queue needs proxy.max_concurrent > 0",
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,501 @@
+//! `pdctl plan`: located errors for bad topologies, golden plans for every profile, and the
+//! seeds' flags carried into the generated commands.
+
+mod common;
+
+use common::{TempDir, pdctl};
+use pdctl::gpu::Gpu;
+use pdctl::plan::{Plan, PlanInput, Role, build_plan};
+use pdctl::topology::{Source, load_str};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+fn manifest(p: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(p)
+}
+
+/// Every file in tests/topologies/bad starts with `# expect: LINE:COL KEY: MESSAGE-START`;
+/// `pdctl plan` must exit 2 and print exactly that location, key and message.
+#[test]
+fn every_bad_topology_gets_its_precise_error() {
+    let dir = manifest("tests/topologies/bad");
+    let state = TempDir::new("bad");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    files.sort();
+    assert!(
+        files.len() >= 25,
+        "the corpus has only {} files",
+        files.len()
+    );
+    let mut failures = Vec::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        let expect = text
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("# expect: "))
+            .unwrap_or_else(|| panic!("{} has no `# expect:` header", f.display()));
+        let out = pdctl(&["plan", "-f", f.to_str().unwrap(), "--gpus", "0,1"])
+            .arg("--state-dir")
+            .arg(state.path())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let (loc, rest) = expect.split_once(' ').unwrap();
+        let wanted = format!("error: {}:{loc}: {rest}", f.display());
+        if out.status.code() != Some(2) || !stderr.starts_with(&wanted) {
+            failures.push(format!(
+                "{}: exit {:?}\n  wanted: {wanted}\n  got:    {}",
+                f.display(),
+                out.status.code(),
+                stderr.lines().next().unwrap_or("")
+            ));
+        }
+        assert!(
+            out.stdout.is_empty(),
+            "{}: a failed plan printed a plan",
+            f.display()
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The version a golden plan is made for: pinned profiles use theirs; "auto" ones a
+/// current release (the CPU one a release whose ExampleConnector runs on CPU).
+fn version_for(profile: &str, spec: &pdctl::topology::Topology) -> String {
+    match spec.engine.vllm_version.as_str() {
+        "auto" if profile == "cpu-1p1d" => "0.32.0".into(),
+        "auto" => "0.13.0".into(),
+        v => v.into(),
+    }
+}
+
+fn pure_plan(profile: &str) -> Plan {
+    let p = pdctl::profiles::get(profile).unwrap();
+    let t = load_str(p.text, Source::Profile(profile.into()), profile.into()).unwrap();
+    let gpus: Vec<Gpu> = (0..8).map(Gpu::declared).collect();
+    build_plan(&PlanInput {
+        topology: &t.spec,
+        head: &t.head,
+        gpus: &gpus,
+        gpu_note: None,
+        version: Some(version_for(profile, &t.spec).parse().unwrap()),
+        state_root: "/state".into(),
+        local_node: None,
+    })
+    .unwrap_or_else(|e| panic!("profile {profile} does not plan: {e}"))
+}
+
+/// Each profile's plan (8 GPUs, state root /state) equals tests/golden/<profile>.json.
+/// Set PDCTL_UPDATE_GOLDEN=1 to rewrite them after an intended change, then review the diff.
+#[test]
+fn every_profile_plan_matches_its_golden_file() {
+    let update = std::env::var_os("PDCTL_UPDATE_GOLDEN").is_some();
+    let mut stale = Vec::new();
+    for p in pdctl::profiles::ALL {
+        let json = serde_json::to_string_pretty(&pure_plan(p.name)).unwrap() + "\n";
+        let path = manifest(&format!("tests/golden/{}.json", p.name));
+        if update {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, &json).unwrap();
+            continue;
+        }
+        let golden = std::fs::read_to_string(&path).unwrap_or_default();
+        if golden != json {
+            stale.push(p.name);
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "plans differ from tests/golden for {stale:?}; if intended, rerun with PDCTL_UPDATE_GOLDEN=1 and review the diff"
+    );
+}
+
+fn plan_json(args: &[&str]) -> Value {
+    let state = TempDir::new("plan");
+    let out = pdctl(args)
+        .arg("--json")
+        .arg("--state-dir")
+        .arg(state.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn services<'a>(plan: &'a Value, role: &str) -> Vec<&'a Value> {
+    plan["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["role"] == role)
+        .collect()
+}
+
+fn argv(s: &Value) -> Vec<String> {
+    s["argv"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect()
+}
+
+fn flag<'a>(argv: &'a [String], name: &str) -> Option<&'a str> {
+    argv.iter()
+        .position(|a| a == name)
+        .map(|i| argv[i + 1].as_str())
+}
+
+fn kv_config(s: &Value) -> Value {
+    serde_json::from_str(flag(&argv(s), "--kv-transfer-config").unwrap()).unwrap()
+}
+
+/// Issue 2's acceptance check, through the CLI as a user runs it.
+#[test]
+fn mooncake_store_4p4d_plans_like_seed_001() {
+    let plan = plan_json(&[
+        "plan",
+        "-p",
+        "mooncake-store-4p4d",
+        "--gpus",
+        "0,1,2,3,4,5,6,7",
+    ]);
+    let prefill = services(&plan, "prefill");
+    let decode = services(&plan, "decode");
+    assert_eq!((prefill.len(), decode.len()), (4, 4));
+    let mut devices: Vec<&str> = prefill
+        .iter()
+        .chain(&decode)
+        .map(|s| s["env"]["CUDA_VISIBLE_DEVICES"].as_str().unwrap())
+        .collect();
+    devices.sort();
+    devices.dedup();
+    assert_eq!(
+        devices.len(),
+        8,
+        "CUDA_VISIBLE_DEVICES not distinct: {devices:?}"
+    );
+    let ports = |v: &[&Value]| -> Vec<String> {
+        v.iter()
+            .map(|s| flag(&argv(s), "--port").unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(ports(&prefill), ["8100", "8101", "8102", "8103"]);
+    assert_eq!(ports(&decode), ["8200", "8201", "8202", "8203"]);
+    for (list, role) in [(&prefill, "kv_producer"), (&decode, "kv_consumer")] {
+        for s in list.iter() {
+            let cfg = kv_config(s);
+            assert_eq!(cfg["kv_connector"], "MooncakeStoreConnector");
+            assert_eq!(cfg["kv_role"], role);
+            assert_eq!(s["env"]["VLLM_USE_V1"], "0");
+            assert!(argv(s).contains(&"--enable-prefix-caching".to_string()));
+            let path = s["env"]["MOONCAKE_CONFIG_PATH"].as_str().unwrap();
+            let file = s["files"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|f| f["path"] == path)
+                .expect("config file generated");
+            let mc: Value = serde_json::from_str(file["content"].as_str().unwrap()).unwrap();
+            assert_eq!(mc["master_server_address"], "127.0.0.1:50001");
+            assert_eq!(mc["metadata_server"], "etcd://127.0.0.1:2379");
+            assert_eq!(mc["protocol"], "tcp");
+            assert!(
+                mc.get("local_hostname").is_some() && mc.get("prefill_url").is_none(),
+                "store form expected"
+            );
+            let deps: Vec<&str> = s["depends_on"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_str().unwrap())
+                .collect();
+            assert_eq!(deps, ["etcd", "mooncake-master"]);
+        }
+    }
+    let master = &services(&plan, "mooncake-master")[0];
+    assert_eq!(flag(&argv(master), "--rpc_port"), Some("50001"));
+    let names: Vec<&str> = plan["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(&names[..3], ["etcd", "mooncake-master", "prefill-0"]);
+    assert_eq!(names.last(), Some(&"proxy"));
+}
+
+/// Seeds 001/003: V0 MooncakeConnector with a transfer-engine mooncake.json shared by both.
+#[test]
+fn mooncake_te_1p1d_carries_the_seed_flags() {
+    let plan = pure_plan("mooncake-te-1p1d");
+    let p = plan.by_role(Role::Prefill).next().unwrap();
+    let d = plan.by_role(Role::Decode).next().unwrap();
+    let cfg = |s: &pdctl::plan::Service| -> Value {
+        let i = s
+            .argv
+            .iter()
+            .position(|a| a == "--kv-transfer-config")
+            .unwrap();
+        serde_json::from_str(&s.argv[i + 1]).unwrap()
+    };
+    assert_eq!(cfg(p)["kv_role"], "kv_producer");
+    assert_eq!(cfg(p)["kv_rank"], 0);
+    assert_eq!(cfg(d)["kv_rank"], 1);
+    assert_eq!(cfg(d)["kv_parallel_size"], 2);
+    assert_eq!(p.env["MOONCAKE_CONFIG_PATH"], d.env["MOONCAKE_CONFIG_PATH"]);
+    let te: Value = serde_json::from_str(&p.files[0].content).unwrap();
+    assert_eq!(te["prefill_url"], "127.0.0.1:13003");
+    assert_eq!(
+        te["decode_url"], "127.0.0.1:13103",
+        "shared host: decode gets +100"
+    );
+    assert_eq!(te["metadata_backend"], "etcd");
+    assert!(p.argv.windows(2).any(|w| w == ["--max-model-len", "10000"]));
+    assert_eq!(p.depends_on, ["etcd"]);
+}
+
+/// Seed 002: LMCache server, DeepSeek-V2-Lite with MLA disabled, chunk size 32.
+#[test]
+fn lmcache_1p1d_carries_the_seed_flags() {
+    let plan = pure_plan("lmcache-1p1d");
+    let server = plan.service("lmcache-server").unwrap();
+    assert!(server.argv.contains(&"10080".to_string()));
+    let p = plan.service("prefill-0").unwrap();
+    assert_eq!(p.env["VLLM_MLA_DISABLE"], "1");
+    assert_eq!(p.env["PYTHONHASHSEED"], "0");
+    assert!(p.argv.contains(&"--trust-remote-code".to_string()));
+    assert!(p.argv.contains(&"--enforce-eager".to_string()));
+    let yaml = &p.files[0].content;
+    assert!(yaml.contains("chunk_size: 32"), "{yaml}");
+    assert!(
+        yaml.contains("remote_url: \"lm://127.0.0.1:10080\""),
+        "{yaml}"
+    );
+    assert!(yaml.contains("remote_serde: \"naive\""), "{yaml}");
+    assert_eq!(
+        p.env["LMCACHE_CONFIG_FILE"],
+        p.files[0].path.display().to_string()
+    );
+    assert_eq!(plan.proxy_url.as_deref(), Some("http://127.0.0.1:8030"));
+}
+
+/// Seed 004: shared storage at /mnt/pd_kv, proxy at 40 req/s and 100 concurrent.
+#[test]
+fn shared_storage_1p1d_carries_the_seed_flags() {
+    let plan = pure_plan("shared-storage-1p1d");
+    let p = plan.service("prefill-0").unwrap();
+    let i = p
+        .argv
+        .iter()
+        .position(|a| a == "--kv-transfer-config")
+        .unwrap();
+    let cfg: Value = serde_json::from_str(&p.argv[i + 1]).unwrap();
+    assert_eq!(
+        cfg["kv_connector"], "ExampleConnector",
+        "vLLM 0.13 renamed SharedStorageConnector"
+    );
+    assert_eq!(
+        cfg["kv_connector_extra_config"]["shared_storage_path"],
+        "/mnt/pd_kv"
+    );
+    assert_eq!(p.dirs, [PathBuf::from("/mnt/pd_kv")]);
+    let proxy = plan.service("proxy").unwrap();
+    assert!(
+        proxy.argv.windows(2).any(|w| w == ["--rate-limit", "40"]),
+        "{:?}",
+        proxy.argv
+    );
+    assert!(
+        proxy
+            .argv
+            .windows(2)
+            .any(|w| w == ["--max-concurrent", "100"])
+    );
+    assert!(
+        proxy
+            .argv
+            .windows(2)
+            .any(|w| w == ["--protocol", "two-step"])
+    );
+}
+
+/// The same profile on vLLM 0.12 uses the old class name.
+#[test]
+fn shared_storage_uses_the_old_name_before_0_13() {
+    let out = pdctl(&[
+        "plan",
+        "-p",
+        "shared-storage-1p1d",
+        "--gpus",
+        "0,1",
+        "--json",
+    ])
+    .env("PDCTL_STATE_DIR", TempDir::new("ss").path())
+    .output()
+    .unwrap();
+    // The profile says "auto" and there is no vLLM here: a clear error, exit 2.
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("engine.vllm_version") && err.contains("pin"),
+        "{err}"
+    );
+    let dir = TempDir::new("ss12");
+    let file = dir.path().join("t.toml");
+    let text = pdctl::profiles::get("shared-storage-1p1d")
+        .unwrap()
+        .text
+        .replace("\"auto\"", "\"0.12.0\"");
+    std::fs::write(&file, text).unwrap();
+    let plan = plan_json(&["plan", "-f", file.to_str().unwrap(), "--gpus", "0,1"]);
+    let cfg = kv_config(services(&plan, "prefill")[0]);
+    assert_eq!(cfg["kv_connector"], "SharedStorageConnector");
+}
+
+/// NIXL: side-channel host/port per engine, one port each from 0.12.
+#[test]
+fn nixl_instances_get_their_own_side_channel_ports() {
+    let plan = pure_plan("4p4d");
+    let mut ports: Vec<&str> = plan
+        .services
+        .iter()
+        .filter(|s| s.role.is_engine())
+        .map(|s| {
+            assert_eq!(s.env["VLLM_NIXL_SIDE_CHANNEL_HOST"], s.host);
+            s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"].as_str()
+        })
+        .collect();
+    assert_eq!(ports.len(), 8);
+    ports.dedup();
+    assert_eq!(ports.len(), 8, "side-channel ports collide: {ports:?}");
+    assert!(
+        plan.service("proxy")
+            .unwrap()
+            .argv
+            .windows(2)
+            .any(|w| w == ["--protocol", "nixl"])
+    );
+}
+
+/// Two nodes: each node's instances on its own address, the proxy on the head.
+#[test]
+fn two_node_profile_places_roles_on_their_nodes() {
+    let plan = pure_plan("2node-4p4d");
+    for s in plan.by_role(Role::Prefill) {
+        assert_eq!(
+            (s.node.as_str(), s.host.as_str()),
+            ("prefill-node", "10.0.13.1")
+        );
+    }
+    for s in plan.by_role(Role::Decode) {
+        assert_eq!(
+            (s.node.as_str(), s.host.as_str()),
+            ("decode-node", "10.0.14.1")
+        );
+    }
+    let proxy = plan.service("proxy").unwrap();
+    assert_eq!(proxy.node, "prefill-node");
+    assert!(proxy.argv.contains(&"http://10.0.14.1:8203".to_string()));
+    assert_eq!(
+        plan.state_dir,
+        PathBuf::from("/state/2node-4p4d-prefill-node")
+    );
+}
+
+/// With no -f/-p, no ./pdctl.toml and no GPU, pdctl chooses sim-1p1d and says why.
+#[test]
+fn without_a_file_or_gpu_the_simulator_profile_is_chosen_and_explained() {
+    let dir = TempDir::new("default");
+    let out = pdctl(&["plan"])
+        .current_dir(dir.path())
+        .env_remove("PDCTL_GPUS")
+        .env("PDCTL_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("using profile sim-1p1d: no ./pdctl.toml and no GPU found"),
+        "{stdout}"
+    );
+    std::fs::write(
+        dir.path().join("pdctl.toml"),
+        "cluster = \"mine\"\n[model]\nname = \"m\"\n[engine]\nkind = \"sim\"\n",
+    )
+    .unwrap();
+    let out = pdctl(&["plan"])
+        .current_dir(dir.path())
+        .env("PDCTL_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("cluster mine (using ./pdctl.toml)"));
+}
+
+#[test]
+fn unknown_profile_suggests_the_close_one() {
+    let out = pdctl(&["plan", "-p", "sim-1pd1"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("did you mean `sim-1p1d`?"));
+}
+
+#[test]
+fn profiles_lists_every_profile_with_a_line() {
+    let out = pdctl(&["profiles"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    for p in pdctl::profiles::ALL {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(p.name) && l.len() > p.name.len() + 10),
+            "{}",
+            p.name
+        );
+    }
+}
+
+#[test]
+fn gpus_without_a_driver_says_so_in_one_line() {
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        return; // a machine with a driver lists its GPUs instead
+    }
+    let out = pdctl(&["gpus"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("--gpus"), "{err}");
+    let out = pdctl(&["gpus", "--json"]).output().unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["gpus"], Value::Array(vec![]));
+    assert!(v["error"].is_string());
+}
+
+/// The human plan shows the command a shell would run, quoted, with env in front.
+#[test]
+fn human_plan_shows_runnable_commands_and_files() {
+    let dir = TempDir::new("human");
+    let out = pdctl(&["plan", "-p", "mooncake-te-1p1d", "--gpus", "0,1"])
+        .env("PDCTL_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("CUDA_VISIBLE_DEVICES=0 "), "{text}");
+    assert!(text.contains("--kv-transfer-config '{"), "{text}");
+    assert!(
+        text.contains("\"decode_url\": \"127.0.0.1:13103\""),
+        "{text}"
+    );
+    assert!(text.contains("ready    GET http://127.0.0.1:2379/health -> 200 containing \"true\""));
+}
