@@ -373,6 +373,44 @@ async fn a_hanging_prefill_times_out_with_504_and_the_leg_is_dropped() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_silent_past_the_first_byte_timeout_is_a_504_naming_decode() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    d.behave(Behavior::Hang);
+    let proxy =
+        ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--first-byte-timeout-s", "1"])).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 504);
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["leg"], "decode");
+    assert_eq!(err["error"]["instance"], d.url);
+    assert!(eventually(WAIT, || async { d.cancelled() == 1 }).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_past_the_total_timeout_ends_with_an_error_event_and_frees_decode() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    d.behave(Behavior::Hold(Arc::new(Notify::new())));
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--total-timeout-s", "1"])).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let events = sse_events(resp).await;
+    assert_eq!(events.len(), 2, "{events:?}");
+    let last: Value = serde_json::from_str(&events[1]).unwrap();
+    assert_eq!(last["error"]["type"], "timeout_error");
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--total-timeout-s")
+    );
+    assert!(eventually(WAIT, || async { d.cancelled() == 1 }).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_4xx_reaches_the_client_unchanged_and_never_marks_the_instance_down() {
     let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
     let engine_error = json!({"object": "error", "message": "prompt is too long", "code": 400});
