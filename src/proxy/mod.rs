@@ -29,6 +29,7 @@ pub mod upstream;
 
 use crate::cli::ExitError;
 use anyhow::Context;
+use axum::serve::ListenerExt;
 pub use instances::Leg;
 use instances::Pools;
 use limits::Limits;
@@ -122,6 +123,10 @@ pub async fn run(a: args::ProxyArgs) -> anyhow::Result<()> {
         proxy.pools.decode.len(),
     );
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    // Streams are many small writes: without TCP_NODELAY, Nagle holds chunks back.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let server = tokio::spawn(
         axum::serve(listener, server::router(proxy))
             .with_graceful_shutdown(async {

@@ -30,6 +30,8 @@ pub struct ClientRequest {
     /// Upstream path, the same as the client's (`/v1/completions`, `/v1/chat/completions`).
     pub path: &'static str,
     pub body: Body,
+    /// The body exactly as the client sent it (forwarded as is when a leg needs no change).
+    pub raw: Bytes,
     pub stream: bool,
     pub id: String,
     pub designation: Designation,
@@ -85,8 +87,7 @@ pub async fn run(
         );
         proxy.metrics.handoff_miss(MISS_MULTIPLE_CHOICES);
         rec.handoff_miss = Some(MISS_MULTIPLE_CHOICES);
-        let body = serde_json::to_vec(&req.body).expect("JSON values serialize");
-        return decode_leg(proxy, req, rec, body).await;
+        return decode_leg(proxy, req, rec, req.raw.clone()).await;
     }
     match proto.flow() {
         Flow::Sequential => sequential(proxy, req, rec).await,
@@ -125,7 +126,7 @@ async fn sequential(
         proxy.metrics.handoff_miss(reason);
         rec.handoff_miss = Some(reason);
     }
-    let body = serde_json::to_vec(&decode.body).expect("JSON values serialize");
+    let body = encode(decode.body, req);
     decode_leg(proxy, req, rec, body).await
 }
 
@@ -153,7 +154,7 @@ async fn concurrent(
                 let dbody = proxy
                     .protocol
                     .decode_body(&req.body, &req.id, &prefill, &handshake, None);
-                let dbytes = serde_json::to_vec(&dbody.body).expect("JSON values serialize");
+                let dbytes = encode(dbody.body, req);
                 let started = Instant::now();
                 let mut background = AbortOnDrop(tokio::spawn(prefill_once(
                     proxy.clone(),
@@ -209,16 +210,23 @@ async fn concurrent(
     }
 }
 
+/// The bytes of a leg body (`None`: the client's own bytes).
+fn encode(body: Option<Body>, req: &ClientRequest) -> Bytes {
+    match body {
+        Some(b) => Bytes::from(serde_json::to_vec(&b).expect("JSON values serialize")),
+        None => req.raw.clone(),
+    }
+}
+
 /// Sends the decode leg (with retries) and returns its answer.
 async fn decode_leg(
     proxy: &Arc<Proxy>,
     req: &ClientRequest,
     rec: &mut RequestRecord,
-    body: Vec<u8>,
+    body: Bytes,
 ) -> Result<Answer, ProxyError> {
-    let body = Bytes::from(body);
     let (_, (answer, first_byte)) = retry_leg(proxy, req, rec, Leg::Decode, |inst| {
-        decode_once(proxy, req, inst, body.to_vec())
+        decode_once(proxy, req, inst, body.clone())
     })
     .await?;
     rec.decode_first_byte = first_byte;
@@ -236,7 +244,7 @@ async fn prefill_once(
     let limit = proxy.settings.prefill_timeout;
     let deadline = Instant::now() + limit;
     let started = Instant::now();
-    let bytes = serde_json::to_vec(&body).expect("JSON values serialize");
+    let bytes = Bytes::from(serde_json::to_vec(&body).expect("JSON values serialize"));
     let work = async {
         let resp = proxy
             .upstream
@@ -275,7 +283,7 @@ async fn decode_once(
     proxy: &Proxy,
     req: &ClientRequest,
     inst: Arc<Instance>,
-    body: Vec<u8>,
+    body: Bytes,
 ) -> Result<(Answer, Option<Duration>), LegFailure> {
     let guard = inst.begin();
     let url = format!("{}{}", inst.url, req.path);

@@ -185,6 +185,7 @@ async fn prepare(
     let req = ClientRequest {
         path: route,
         body,
+        raw: bytes,
         stream,
         id: rec.id.clone(),
         designation,

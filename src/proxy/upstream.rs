@@ -46,7 +46,7 @@ impl Upstream {
     pub async fn post_json(
         &self,
         url: &str,
-        body: Vec<u8>,
+        body: Bytes,
         request_id: &str,
     ) -> Result<reqwest::Response, LegFailure> {
         let mut req = self

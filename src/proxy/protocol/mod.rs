@@ -40,7 +40,9 @@ pub struct Handshake {
 /// The decode leg's body, and why no KV handoff will happen if none will.
 #[derive(Debug, Clone)]
 pub struct DecodeBody {
-    pub body: Body,
+    /// The body; `None` means the client's request exactly as it arrived (byte for byte,
+    /// and without re-encoding it).
+    pub body: Option<Body>,
     /// Set when decode will recompute the prompt (counted in metrics, logged).
     pub handoff_miss: Option<&'static str>,
 }

@@ -149,7 +149,7 @@ impl Protocol for Mooncake {
             }),
         );
         DecodeBody {
-            body,
+            body: Some(body),
             handoff_miss: None,
         }
     }
@@ -195,13 +195,13 @@ mod tests {
             None,
         );
         assert_eq!(
-            d.body["kv_transfer_params"],
+            d.body.as_ref().unwrap()["kv_transfer_params"],
             json!({
                 "do_remote_prefill": true, "do_remote_decode": false,
                 "remote_bootstrap_addr": "http://10.0.0.5:8998", "remote_engine_id": "engine-7",
                 "transfer_id": "xfer-abc"
             })
         );
-        assert_eq!(d.body["max_tokens"], 5);
+        assert_eq!(d.body.as_ref().unwrap()["max_tokens"], 5);
     }
 }

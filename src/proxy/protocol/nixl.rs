@@ -60,7 +60,7 @@ impl Protocol for Nixl {
             Some(params) => {
                 body.insert("kv_transfer_params".into(), params.clone());
                 DecodeBody {
-                    body,
+                    body: Some(body),
                     handoff_miss: None,
                 }
             }
@@ -68,7 +68,7 @@ impl Protocol for Nixl {
                 // A client-supplied kv_transfer_params must not reach decode as if it were prefill's.
                 body.remove("kv_transfer_params");
                 DecodeBody {
-                    body,
+                    body: Some(body),
                     handoff_miss: Some(MISS_NO_PARAMS),
                 }
             }
@@ -116,9 +116,9 @@ mod tests {
             &Handshake::default(),
             Some(&json!({"kv_transfer_params": params})),
         );
-        assert_eq!(d.body["kv_transfer_params"], params);
-        assert_eq!(d.body["max_tokens"], 9);
-        assert_eq!(d.body["stream"], true);
+        assert_eq!(d.body.as_ref().unwrap()["kv_transfer_params"], params);
+        assert_eq!(d.body.as_ref().unwrap()["max_tokens"], 9);
+        assert_eq!(d.body.as_ref().unwrap()["stream"], true);
         assert!(d.handoff_miss.is_none());
         let miss = Nixl.decode_body(
             original.as_object().unwrap(),
@@ -128,6 +128,12 @@ mod tests {
             Some(&json!({"choices": []})),
         );
         assert_eq!(miss.handoff_miss, Some(MISS_NO_PARAMS));
-        assert!(!miss.body.contains_key("kv_transfer_params"));
+        assert!(
+            !miss
+                .body
+                .as_ref()
+                .unwrap()
+                .contains_key("kv_transfer_params")
+        );
     }
 }

@@ -30,14 +30,14 @@ impl Protocol for TwoStep {
 
     fn decode_body(
         &self,
-        original: &Body,
+        _original: &Body,
         _request_id: &str,
         _prefill: &Instance,
         _h: &Handshake,
         _answer: Option<&Value>,
     ) -> DecodeBody {
         DecodeBody {
-            body: original.clone(),
+            body: None,
             handoff_miss: None,
         }
     }
