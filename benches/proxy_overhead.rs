@@ -236,12 +236,35 @@ fn p50_p99(samples: &[Sample], pick: fn(&Sample) -> Duration) -> (f64, f64) {
     (pct(&v, 0.5), pct(&v, 0.99))
 }
 
+/// (sum, count) of the proxy's prefill-leg duration histogram.
+async fn prefill_histogram(client: &reqwest::Client, proxy: &str) -> (f64, f64) {
+    let text = client
+        .get(format!("{proxy}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (
+        value("pdctl_proxy_prefill_duration_seconds_sum"),
+        value("pdctl_proxy_prefill_duration_seconds_count"),
+    )
+}
+
 /// What alternating direct / proxied rounds at one concurrency measured.
 struct Rounds {
     direct: Vec<Sample>,
     proxied: Vec<Sample>,
     /// The proxy process's CPU time per proxied request, in microseconds.
     proxy_cpu_us: f64,
+    /// Mean duration of the prefill leg as the proxy measured it, in ms.
+    prefill_leg_ms: f64,
 }
 
 /// Direct and proxied requests at one concurrency. `interleaved`: every stream alternates
@@ -260,6 +283,7 @@ async fn side_by_side(
     // Warm the connection pools of both paths.
     load(client, &[direct, proxied], streams, 0.3).await;
     let (mut d, mut p) = (Vec::new(), Vec::new());
+    let (sum0, n0) = prefill_histogram(client, proxied).await;
     let before = cpu_time(pid);
     let mut proxy_cpu = Duration::ZERO;
     if interleaved {
@@ -275,7 +299,9 @@ async fn side_by_side(
             proxy_cpu += cpu_time(pid) - before;
         }
     }
+    let (sum1, n1) = prefill_histogram(client, proxied).await;
     Rounds {
+        prefill_leg_ms: (sum1 - sum0) * 1e3 / (n1 - n0).max(1.0),
         proxy_cpu_us: proxy_cpu.as_secs_f64() * 1e6 / p.len().max(1) as f64,
         direct: d,
         proxied: p,
@@ -314,9 +340,9 @@ fn main() {
     );
     println!();
     println!(
-        "| streams | TTFT direct p50 | TTFT proxied p50 | **added p50** | TTFT direct p99 | TTFT proxied p99 | **added p99** | proxy CPU per request |"
+        "| streams | TTFT direct p50 | TTFT proxied p50 | **added p50** | TTFT direct p99 | TTFT proxied p99 | **added p99** | of which prefill leg (mean) | proxy CPU per request |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let direct = format!("http://127.0.0.1:{paced_decode}");
     for streams in CONCURRENCY {
         let r = client_rt.block_on(side_by_side(
@@ -330,9 +356,10 @@ fn main() {
         let (d50, d99) = p50_p99(&r.direct, |s| s.ttft);
         let (p50, p99) = p50_p99(&r.proxied, |s| s.ttft);
         println!(
-            "| {streams} | {d50:.3} ms | {p50:.3} ms | **{:.3} ms** | {d99:.3} ms | {p99:.3} ms | **{:.3} ms** | {:.0} µs |",
+            "| {streams} | {d50:.3} ms | {p50:.3} ms | **{:.3} ms** | {d99:.3} ms | {p99:.3} ms | **{:.3} ms** | {:.3} ms | {:.0} µs |",
             p50 - d50,
             p99 - d99,
+            r.prefill_leg_ms,
             r.proxy_cpu_us,
         );
     }
