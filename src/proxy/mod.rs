@@ -4,7 +4,8 @@
 //! endpoints and a protocol, nothing of processes: health comes from its own probes or from
 //! the supervisor's control socket.
 //!
-//! Layout: [`server`] (routes) -> [`pipeline`] (the legs, retries) using [`protocol`]
+//! Layout: [`server`] (routes) -> [`pipeline`] (flows, retries) -> [`legs`] (one attempt
+//! of one leg), using [`protocol`]
 //! (bodies per connector), [`policy`] (instance choice), [`upstream`] (HTTP client) and
 //! [`relay`] (streams); [`instances`], [`health`], [`scrape`], [`limits`], [`metrics`],
 //! [`errors`], [`designate`], [`record`] (per-request log line), [`models`], [`config`].
@@ -12,9 +13,12 @@
 pub mod args;
 pub mod config;
 pub mod designate;
+pub mod endpoint;
 pub mod errors;
 pub mod health;
+pub mod histogram;
 pub mod instances;
+pub mod legs;
 pub mod limits;
 pub mod metrics;
 pub mod models;

@@ -6,8 +6,8 @@
 
 use super::errors::{LegError, LegFailure, ProxyError};
 use super::instances::{FailureKind, Leg};
+use super::legs::Keep;
 use super::limits::Admission;
-use super::pipeline::Keep;
 use super::record::{Outcome, RequestRecord};
 use axum::http::{HeaderValue, header};
 use axum::response::Response;

@@ -5,8 +5,9 @@
 use super::Proxy;
 use super::designate;
 use super::errors::ProxyError;
+use super::legs::Answer;
 use super::models;
-use super::pipeline::{self, Answer, ClientRequest};
+use super::pipeline::{self, ClientRequest};
 use super::policy::{RouteFacts, prefix_hash};
 use super::record::{Outcome, RequestRecord};
 use super::relay;
