@@ -203,7 +203,10 @@ async fn first_model(client: &reqwest::Client, url: &str) -> anyhow::Result<Stri
         .send()
         .await
         .map_err(|e| {
-            anyhow::anyhow!("cannot reach {models}: {e}; is the server up (pdctl status)?")
+            anyhow::anyhow!(
+                "cannot reach {models}: {}; is the server up (pdctl status)?",
+                runner::causes(&e)
+            )
         })?;
     let status = resp.status();
     let v: serde_json::Value = resp.json().await.unwrap_or_default();

@@ -195,12 +195,19 @@ impl Report {
             "Total token throughput (tok/s):",
             format!("{:.2}", self.total_token_throughput),
         );
-        for (name, s) in [
+        let latencies = [
             ("Time to First Token", &self.ttft_ms),
             ("Time per Output Token (excl. 1st token)", &self.tpot_ms),
             ("Inter-token Latency", &self.itl_ms),
             ("End-to-end Latency", &self.e2el_ms),
-        ] {
+        ];
+        // With nothing completed there is no latency to show, only the errors.
+        let shown = if self.completed == 0 {
+            0
+        } else {
+            latencies.len()
+        };
+        for (name, s) in latencies.into_iter().take(shown) {
             let short = match name.chars().next() {
                 Some('T') if name.starts_with("Time to") => "TTFT",
                 Some('T') => "TPOT",

@@ -143,7 +143,7 @@ async fn one(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
     let resp = match client.post(url).json(body).send().await {
         Ok(r) => r,
         Err(e) => {
-            o.error = Some(format!("cannot reach {url}: {e}"));
+            o.error = Some(format!("cannot reach {url}: {}", causes(&e)));
             o.e2e_ms = ms(Instant::now());
             return o;
         }
@@ -163,7 +163,7 @@ async fn one(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
         let bytes = match item {
             Ok(b) => b,
             Err(e) => {
-                o.error = Some(format!("stream broke: {e}"));
+                o.error = Some(format!("stream broke: {}", causes(&e)));
                 break;
             }
         };
@@ -227,6 +227,21 @@ fn has_content(v: &Value) -> bool {
                     .is_some_and(|t| !t.is_empty())
         })
     })
+}
+
+/// An error with its causes, e.g. "error sending request: connection refused".
+pub fn causes(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = c.source();
+    }
+    s
 }
 
 /// The `error.message` of an OpenAI-style error body, else the body itself (shortened).
