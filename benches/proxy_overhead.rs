@@ -1,28 +1,26 @@
 //! The proxy's added latency and its throughput.
 //!
-//! Starts fake engines in this process (a prefill answering its one-token leg at once, and
-//! decodes streaming completions), a release `pdctl proxy` (two-step protocol) in front of
-//! them, and a load generator keeping N streams in flight. For each concurrency it
-//! alternates rounds calling the decode engine directly and through the proxy, so both are
-//! measured side by side under the same machine conditions. A proxied request costs a
-//! prefill leg plus the decode leg, so the "added" figures are everything the proxy adds to
-//! a PD request.
+//! Starts engines (`pdctl sim` processes; see `support/engines.rs`): a prefill with every
+//! latency at zero, and decodes streaming 16-token completions. A release `pdctl proxy`
+//! (two-step protocol) runs in front of them and a load generator keeps N streams in
+//! flight. Direct and proxied requests are measured side by side in one run. A proxied
+//! request costs a prefill leg plus the decode leg, so the "added" figures are everything
+//! the proxy adds to a PD request.
 //!
-//! 1. Latency: decode streams 16 chunks, the first at once and then one every 10 ms (the
-//!    simulator's default inter-token latency): time to first chunk (TTFT) and to the end.
-//! 2. Throughput: a zero-latency decode (the whole 4-chunk stream at once), 64 streams in
-//!    a closed loop: completed requests per second.
+//! 1. Latency: decode paces its tokens 10 ms apart (the simulator's default inter-token
+//!    latency); each stream alternates direct and proxied requests: time to first chunk.
+//! 2. Throughput: a zero-latency decode, 64 streams in a closed loop, alternating rounds
+//!    of direct-only and proxied-only traffic: completed requests per second.
 //!
-//! Run: `cargo bench --bench proxy_overhead` (PROXY_BENCH_SECS=N sets seconds per round,
-//! default 2; PROXY_BENCH_LOG=warn quiets the proxy's per-request log line;
-//! PROXY_BENCH_WORKERS=N runs the proxy with N runtime worker threads).
+//! Run: `cargo bench --bench proxy_overhead`. PROXY_BENCH_SECS=N sets seconds per round
+//! (default 2); PROXY_BENCH_ENGINE=inline uses a minimal in-bench server instead of sims;
+//! PROXY_BENCH_LOG=warn quiets the proxy's per-request log line; PROXY_BENCH_WORKERS=N runs
+//! the proxy with N runtime worker threads.
 
-use axum::Router;
-use axum::body::Body;
-use axum::http::header;
-use axum::response::Response;
-use axum::routing::{get, post};
-use axum::serve::ListenerExt;
+#[path = "support/engines.rs"]
+mod engines;
+
+use engines::{CHUNKS, PACED_ITL};
 use futures_util::StreamExt;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -30,81 +28,7 @@ use std::time::{Duration, Instant};
 
 const CONCURRENCY: [usize; 3] = [1, 64, 512];
 const ROUNDS: usize = 2;
-/// Chunks of a paced stream and the time between them.
-const PACED_CHUNKS: usize = 16;
-const PACED_ITL: Duration = Duration::from_millis(10);
 const THROUGHPUT_STREAMS: usize = 64;
-
-const STREAM_BODY: &str = concat!(
-    "data: {\"id\":\"b\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\" a\",\"finish_reason\":null}]}\n\n",
-    "data: {\"id\":\"b\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\" b\",\"finish_reason\":null}]}\n\n",
-    "data: {\"id\":\"b\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\" c\",\"finish_reason\":null}]}\n\n",
-    "data: {\"id\":\"b\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\" d\",\"finish_reason\":\"length\"}]}\n\n",
-    "data: [DONE]\n\n",
-);
-const FULL_BODY: &str = "{\"id\":\"b\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\" a\",\"finish_reason\":\"length\"}],\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":1,\"total_tokens\":9}}";
-
-async fn completions(body: axum::body::Bytes) -> Response {
-    // The prefill leg asks for stream=false; everything else streams.
-    let stream = !body.windows(14).any(|w| w == b"\"stream\":false");
-    let (ct, text) = if stream {
-        ("text/event-stream", STREAM_BODY)
-    } else {
-        ("application/json", FULL_BODY)
-    };
-    Response::builder()
-        .header(header::CONTENT_TYPE, ct)
-        .body(Body::from(text))
-        .unwrap()
-}
-
-/// A decode stream paced like a real engine: a chunk at once, then one every PACED_ITL.
-async fn paced(body: axum::body::Bytes) -> Response {
-    if body.windows(14).any(|w| w == b"\"stream\":false") {
-        return completions(body).await;
-    }
-    let chunk = "data: {\"id\":\"b\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\" a\",\"finish_reason\":null}]}\n\n";
-    let stream = futures_util::stream::unfold(0usize, move |i| async move {
-        if i > PACED_CHUNKS {
-            return None;
-        }
-        if i > 0 {
-            tokio::time::sleep(PACED_ITL).await;
-        }
-        let bytes = if i == PACED_CHUNKS {
-            "data: [DONE]\n\n"
-        } else {
-            chunk
-        };
-        Some((Ok::<_, std::convert::Infallible>(bytes), i + 1))
-    });
-    Response::builder()
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .body(Body::from_stream(stream))
-        .unwrap()
-}
-
-fn engine(paced_decode: bool) -> Router {
-    let r = if paced_decode {
-        Router::new().route("/v1/completions", post(paced))
-    } else {
-        Router::new().route("/v1/completions", post(completions))
-    };
-    r.route("/health", get(|| async { "ok" }))
-}
-
-/// Starts an engine; returns its port.
-fn start_engine(rt: &tokio::runtime::Runtime, paced_decode: bool) -> u16 {
-    rt.block_on(async {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = l.local_addr().unwrap().port();
-        let l = l.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        tokio::spawn(async move { axum::serve(l, engine(paced_decode)).await.unwrap() });
-        port
-    })
-}
 
 struct Proxy(std::process::Child);
 impl Drop for Proxy {
@@ -112,6 +36,14 @@ impl Drop for Proxy {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// The 1-minute load average, to put the figures in context.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "unknown".into())
 }
 
 /// CPU time (user + system) the process has used so far.
@@ -172,7 +104,10 @@ async fn load(
     streams: usize,
     secs: f64,
 ) -> Vec<Vec<Sample>> {
-    let body = r#"{"model":"m","prompt":"San Francisco is a","max_tokens":4,"stream":true}"#;
+    let body = format!(
+        r#"{{"model":"sim-model","prompt":"San Francisco is a","max_tokens":{CHUNKS},"stream":true}}"#
+    );
+    let body = Arc::new(body);
     let end = Instant::now() + Duration::from_secs_f64(secs);
     let urls: Arc<Vec<String>> = Arc::new(
         targets
@@ -182,7 +117,7 @@ async fn load(
     );
     let mut tasks = Vec::new();
     for k in 0..streams {
-        let (client, urls) = (client.clone(), urls.clone());
+        let (client, urls, body) = (client.clone(), urls.clone(), body.clone());
         tasks.push(tokio::spawn(async move {
             let mut lat: Vec<Vec<Sample>> = vec![Vec::new(); urls.len()];
             let mut i = k;
@@ -193,7 +128,7 @@ async fn load(
                 let resp = client
                     .post(urls[which].as_str())
                     .header("content-type", "application/json")
-                    .body(body)
+                    .body(body.as_str().to_owned())
                     .send()
                     .await
                     .expect("request");
@@ -313,16 +248,25 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(2.0);
+    let kind = engines::Kind::from_env();
     let engines_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
         .unwrap();
-    let prefill = start_engine(&engines_rt, false);
-    let paced_decode = start_engine(&engines_rt, true);
-    let instant_decode = start_engine(&engines_rt, false);
+    let prefill_engine = engines::start(kind, &engines_rt, "prefill", false);
+    let paced_engine = engines::start(kind, &engines_rt, "decode", true);
+    let instant_engine = engines::start(kind, &engines_rt, "decode", false);
+    let (prefill, paced_decode, instant_decode) =
+        (prefill_engine.port, paced_engine.port, instant_engine.port);
     let paced_proxy = start_proxy(prefill, paced_decode);
     let instant_proxy = start_proxy(prefill, instant_decode);
+    println!(
+        "Engines: {}; load average at start: {}",
+        kind.describe(),
+        load_average()
+    );
+    println!();
     let client_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -335,7 +279,7 @@ fn main() {
         .build()
         .unwrap();
     println!(
-        "Latency: decode streams {PACED_CHUNKS} chunks, one every {PACED_ITL:?}; each stream alternates direct and proxied requests for {} s",
+        "Latency: decode streams {CHUNKS} tokens, one every {PACED_ITL:?}; each stream alternates direct and proxied requests for {} s",
         secs * ROUNDS as f64
     );
     println!();
