@@ -129,6 +129,43 @@ async fn two_step_over_a_shared_dir_makes_the_decode_sim_load_the_kv() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recompute_only_the_decode_sim_knows_of_still_shows_in_the_proxy() {
+    // Misconfigured on purpose: prefill and decode do not share their KV directory.
+    let (pdir, ddir) = (TempDir::new("kv-p"), TempDir::new("kv-d"));
+    let (pkv, dkv) = (
+        pdir.path().display().to_string(),
+        ddir.path().display().to_string(),
+    );
+    let p = start_sim("prefill", "shared-dir", &["--kv-dir", &pkv]).await;
+    let d = start_sim("decode", "shared-dir", &["--kv-dir", &dkv]).await;
+    let proxy = ProxyProcess::start(&args(
+        &[&p],
+        &[&d],
+        &["--scrape-metrics", "--health-interval-ms", "100"],
+    ))
+    .await;
+    let resp = post(
+        &proxy,
+        "/v1/completions",
+        &completion(&prompt_of(64, "lost"), false),
+    )
+    .await;
+    assert_eq!(resp.status(), 200, "the answer is right, only slower");
+    assert_eq!(d.metric("pdctl_sim_kv_handoffs_missed_total").await, 1.0);
+    let series = "pdctl_proxy_kv_handoff_misses_total{reason=\"engine_reported\"}";
+    assert!(
+        eventually(WAIT, || async { proxy.metric(series).await == 1.0 }).await,
+        "{}",
+        proxy.metrics().await
+    );
+    assert!(
+        proxy.log().contains("KV handoff(s) it gave up on"),
+        "{}",
+        proxy.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nixl_params_from_the_prefill_sim_let_the_decode_sim_pull_the_kv() {
     let p = start_sim("prefill", "nixl", &[]).await;
     let d = start_sim("decode", "nixl", &[]).await;

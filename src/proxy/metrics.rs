@@ -62,12 +62,17 @@ impl Metrics {
 
     /// Counts one KV handoff that did not happen (decode recomputes the prompt).
     pub fn handoff_miss(&self, reason: &'static str) {
+        self.handoff_misses_n(reason, 1);
+    }
+
+    /// Counts `n` KV handoffs that did not happen.
+    pub fn handoff_misses_n(&self, reason: &'static str, n: u64) {
         *self
             .handoff_misses
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .entry(reason)
-            .or_default() += 1;
+            .or_default() += n;
     }
 
     /// Counts one 429.
