@@ -264,11 +264,12 @@ async fn mooncake_sends_both_legs_at_once_with_the_bootstrap_handshake() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mooncake_prefill_failure_cancels_the_waiting_decode_and_answers_an_error() {
     let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
-    p.behave(Behavior::Status(
+    // Prefill fails once decode is already waiting for KV that will never come.
+    p.behave(Behavior::DelayedStatus(
+        Duration::from_millis(300),
         500,
         json!({"error": {"message": "KV pool exhausted"}}),
     ));
-    // Decode waits for KV that will never come.
     d.behave(Behavior::Hang);
     let boot = p.bootstrap_port.to_string();
     let args = proxy_args(

@@ -106,6 +106,12 @@ impl Drop for RequestRecord {
             self.status = CLIENT_CLOSED;
         }
         self.metrics.request_done(self.route, self.status);
+        // "ok" only for a request that went through prefill and completed.
+        let handoff_ok = if self.prefill.is_some() && self.outcome == Outcome::Complete {
+            "ok"
+        } else {
+            "-"
+        };
         let outcome = match &self.outcome {
             Outcome::Pending => "client disconnected; both legs cancelled".to_string(),
             Outcome::Complete => "ok".to_string(),
@@ -123,7 +129,7 @@ impl Drop for RequestRecord {
             ttft_ms = %ms(self.ttft),
             total_ms = %ms(Some(self.received.elapsed())),
             retries = self.retries,
-            kv_handoff = %self.handoff_miss.unwrap_or(if self.prefill.is_some() { "ok" } else { "-" }),
+            kv_handoff = %self.handoff_miss.unwrap_or(handoff_ok),
             "request {outcome}"
         );
     }
