@@ -329,27 +329,35 @@ fn shared_storage_1p1d_carries_the_seed_flags() {
     );
 }
 
-/// The same profile on vLLM 0.12 uses the old class name.
+/// "auto" with a python that has no vLLM is a clear error naming the key to pin.
 #[test]
-fn shared_storage_uses_the_old_name_before_0_13() {
-    let out = pdctl(&[
-        "plan",
-        "-p",
-        "shared-storage-1p1d",
-        "--gpus",
-        "0,1",
-        "--json",
-    ])
-    .env("PDCTL_STATE_DIR", TempDir::new("ss").path())
-    .output()
+fn auto_version_without_vllm_says_to_pin_it() {
+    let dir = TempDir::new("novllm");
+    let file = dir.path().join("t.toml");
+    std::fs::write(
+        &file,
+        "[model]\nname = \"m\"\n[engine]\npython = \"/nonexistent/python3\"\n",
+    )
     .unwrap();
-    // The profile says "auto" and there is no vLLM here: a clear error, exit 2.
+    let out = pdctl(&["plan", "-f", file.to_str().unwrap(), "--gpus", "0,1"])
+        .env("PDCTL_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("engine.vllm_version") && err.contains("pin"),
+        err.contains("t.toml:") && err.contains("engine.vllm_version"),
         "{err}"
     );
+    assert!(
+        err.contains("/nonexistent/python3") && err.contains("pin"),
+        "{err}"
+    );
+}
+
+/// The same profile on vLLM 0.12 uses the old class name.
+#[test]
+fn shared_storage_uses_the_old_name_before_0_13() {
     let dir = TempDir::new("ss12");
     let file = dir.path().join("t.toml");
     let text = pdctl::profiles::get("shared-storage-1p1d")
