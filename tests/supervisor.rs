@@ -118,7 +118,8 @@ fn up_status_logs_down_with_real_etcd_and_mooncake_master_leaves_nothing() {
 fn a_sim_topology_comes_up_through_the_planner_and_a_crashed_engine_comes_back() {
     let c = Cluster::new("topology");
     let topo = c.root().join("pd.toml");
-    std::fs::write(&topo, sim_topology("simtopo", 2, 2)).unwrap();
+    let (text_toml, proxy_port) = sim_topology("simtopo", 2, 2);
+    std::fs::write(&topo, text_toml).unwrap();
     let up = c.run(&["up", "-d", "-f", topo.to_str().unwrap()]);
     assert_eq!(up.status.code(), Some(0), "{}", text(&up));
     assert!(
@@ -137,10 +138,18 @@ fn a_sim_topology_comes_up_through_the_planner_and_a_crashed_engine_comes_back()
             "prefill-0",
             "prefill-1",
             "decode-0",
-            "decode-1"
+            "decode-1",
+            "proxy"
         ]
     );
     assert!(all_healthy(&r), "{r:?}");
+    assert_eq!(r.proxy_url, Some(format!("http://127.0.0.1:{proxy_port}")));
+
+    // A request through the embedded proxy shows up in status.
+    let body = r#"{"model": "sim-model", "prompt": "hello pd", "max_tokens": 4}"#;
+    assert_eq!(post_json(proxy_port, "/v1/completions", body), 200);
+    let table = stdout(&c.run(&["status"]));
+    assert!(table.contains("1 requests (0 failed)"), "{table}");
     // The planner puts a one-node cluster in <root>/<cluster>.
     let run = run_id(&pdctl::supervisor::state::StateDir::new(
         c.root().join("simtopo"),

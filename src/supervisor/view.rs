@@ -99,38 +99,56 @@ pub fn status_table(report: &StatusReport) -> String {
     out
 }
 
-/// Counters the proxy exposes that `status` summarises, summed over their labels.
-const PROXY_COUNTERS: [(&str, &str); 3] = [
-    ("pdctl_requests_total", "requests"),
-    ("pdctl_request_errors_total", "errors"),
-    ("pdctl_retries_total", "retries"),
-];
-
-/// Sums the samples of each metric in [`PROXY_COUNTERS`] found in a Prometheus text page.
-pub fn proxy_figures(metrics_text: &str) -> Vec<(&'static str, f64)> {
-    PROXY_COUNTERS
-        .iter()
-        .filter_map(|(metric, label)| {
-            let mut found = false;
-            let sum: f64 = metrics_text
-                .lines()
-                .filter(|l| !l.starts_with('#'))
-                .filter_map(|l| {
-                    let name_end = l.find(['{', ' '])?;
-                    if &l[..name_end] != *metric {
-                        return None;
-                    }
-                    found = true;
-                    l.rsplit(' ').next()?.parse::<f64>().ok()
-                })
-                .sum();
-            found.then_some((*label, sum))
-        })
-        .collect()
+/// The proxy's request figures `status` shows, summed from its `/metrics` page.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProxyFigures {
+    pub requests: f64,
+    /// Requests answered with a 4xx or 5xx status.
+    pub failed: f64,
+    pub in_flight: f64,
+    pub retries: f64,
+    /// Decode had to recompute because the KV handoff did not happen.
+    pub kv_handoff_misses: f64,
 }
 
-/// `proxy: 1200 requests, 3 errors` from the running proxy, or `None` when it does not
-/// answer within half a second or exposes none of the counters.
+/// One sample line `name{labels} value`, split; `None` for comments and blank lines.
+fn sample(line: &str) -> Option<(&str, &str, f64)> {
+    if line.starts_with('#') || line.trim().is_empty() {
+        return None;
+    }
+    let name_end = line.find(['{', ' '])?;
+    let (labels, rest) = match line[name_end..].strip_prefix('{') {
+        Some(r) => r.split_once('}')?,
+        None => ("", &line[name_end..]),
+    };
+    Some((&line[..name_end], labels, rest.trim().parse().ok()?))
+}
+
+/// Reads the proxy's counters from a Prometheus text page; `None` when it has none of
+/// `pdctl_proxy_requests_total` (not the pdctl proxy, or an older one).
+pub fn proxy_figures(metrics_text: &str) -> Option<ProxyFigures> {
+    let mut f = ProxyFigures::default();
+    let mut found = false;
+    for (name, labels, value) in metrics_text.lines().filter_map(sample) {
+        match name {
+            "pdctl_proxy_requests_total" => {
+                found = true;
+                f.requests += value;
+                if labels.contains("status=\"4") || labels.contains("status=\"5") {
+                    f.failed += value;
+                }
+            }
+            "pdctl_proxy_requests_in_flight" => f.in_flight += value,
+            "pdctl_proxy_retries_total" => f.retries += value,
+            "pdctl_proxy_kv_handoff_misses_total" => f.kv_handoff_misses += value,
+            _ => {}
+        }
+    }
+    found.then_some(f)
+}
+
+/// `proxy http://..: 1200 requests (3 failed), 2 in flight, 5 retries, 0 KV handoff
+/// misses` from the running proxy, or `None` when it does not answer within half a second.
 pub async fn scrape_proxy(proxy_url: &str) -> Option<String> {
     let client = reqwest::Client::builder()
         .no_proxy()
@@ -139,15 +157,11 @@ pub async fn scrape_proxy(proxy_url: &str) -> Option<String> {
         .ok()?;
     let url = format!("{}/metrics", proxy_url.trim_end_matches('/'));
     let text = client.get(&url).send().await.ok()?.text().await.ok()?;
-    let figures = proxy_figures(&text);
-    if figures.is_empty() {
-        return None;
-    }
-    let parts: Vec<String> = figures
-        .iter()
-        .map(|(label, v)| format!("{v:.0} {label}"))
-        .collect();
-    Some(format!("proxy {proxy_url}: {}", parts.join(", ")))
+    let f = proxy_figures(&text)?;
+    Some(format!(
+        "proxy {proxy_url}: {:.0} requests ({:.0} failed), {:.0} in flight, {:.0} retries, {:.0} KV handoff misses",
+        f.requests, f.failed, f.in_flight, f.retries, f.kv_handoff_misses
+    ))
 }
 
 #[cfg(test)]
@@ -203,15 +217,26 @@ mod tests {
 
     #[test]
     fn proxy_counters_are_summed_over_labels() {
-        let text = "# HELP pdctl_requests_total x\n\
-                    pdctl_requests_total{status=\"200\"} 10\n\
-                    pdctl_requests_total{status=\"502\"} 2\n\
-                    pdctl_requests_total_other 99\n\
-                    pdctl_retries_total 1\n";
+        let text = "# HELP pdctl_proxy_requests_total x\n\
+                    # TYPE pdctl_proxy_requests_total counter\n\
+                    pdctl_proxy_requests_total{route=\"/v1/completions\",status=\"200\"} 10\n\
+                    pdctl_proxy_requests_total{route=\"/v1/chat/completions\",status=\"502\"} 2\n\
+                    pdctl_proxy_requests_total{route=\"/v1/completions\",status=\"429\"} 1\n\
+                    pdctl_proxy_requests_in_flight 3\n\
+                    pdctl_proxy_retries_total{leg=\"prefill\"} 1\n\
+                    pdctl_proxy_retries_total{leg=\"decode\"} 2\n\
+                    pdctl_proxy_kv_handoff_misses_total{reason=\"no_kv_transfer_params\"} 4\n";
+        let f = proxy_figures(text).unwrap();
         assert_eq!(
-            proxy_figures(text),
-            vec![("requests", 12.0), ("retries", 1.0)]
+            f,
+            ProxyFigures {
+                requests: 13.0,
+                failed: 3.0,
+                in_flight: 3.0,
+                retries: 3.0,
+                kv_handoff_misses: 4.0
+            }
         );
-        assert!(proxy_figures("vllm:num_requests_running 3\n").is_empty());
+        assert_eq!(proxy_figures("vllm:num_requests_running 3\n"), None);
     }
 }

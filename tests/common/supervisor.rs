@@ -381,11 +381,11 @@ pub fn free_port_run(n: u16) -> u16 {
     panic!("no run of {n} free ports found");
 }
 
-/// A sim topology (the planner's format) on free ports: etcd, mooncake_master, and
-/// `p` prefill + `d` decode `pdctl sim` engines, no proxy.
-pub fn sim_topology(cluster: &str, p: u16, d: u16) -> String {
-    let ports = crate::common::free_ports(4);
-    format!(
+/// A sim topology (the planner's format) on free ports: etcd, mooncake_master, `p`
+/// prefill + `d` decode `pdctl sim` engines, and the proxy; returns it and the proxy port.
+pub fn sim_topology(cluster: &str, p: u16, d: u16) -> (String, u16) {
+    let ports = crate::common::free_ports(5);
+    let text = format!(
         "cluster = \"{cluster}\"\n\
          [model]\nname = \"sim-model\"\n\
          [engine]\nkind = \"sim\"\n\
@@ -394,14 +394,16 @@ pub fn sim_topology(cluster: &str, p: u16, d: u16) -> String {
          [mooncake_master]\nrpc_port = {}\nmetrics_port = {}\n\
          [prefill]\ninstances = {p}\nbase_port = {}\n\
          [decode]\ninstances = {d}\nbase_port = {}\n\
-         [proxy]\nenabled = false\n",
+         [proxy]\nport = {}\n",
         ports[0],
         ports[1],
         ports[2],
         ports[3],
         free_port_run(p),
         free_port_run(d),
-    )
+        ports[4],
+    );
+    (text, ports[4])
 }
 
 /// `POST path` with a JSON body to 127.0.0.1:port; returns the status code.
