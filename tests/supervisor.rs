@@ -642,8 +642,10 @@ fn wait_exit(child: &mut std::process::Child, limit: Duration) -> Option<std::pr
 }
 
 #[test]
-fn two_nodes_on_loopback_addresses_see_each_other() {
-    let c = Cluster::new("twonode");
+fn two_nodes_on_loopback_addresses_start_in_either_order_and_see_each_other() {
+    // Two "machines": each node's supervisor has its own state root.
+    let c = Cluster::new("twonode-head");
+    let w = Cluster::new("twonode-worker");
     let p = free_ports(4);
     let (head, worker) = (("head", "127.0.0.2"), ("worker", "127.0.0.3"));
     let mut plan = plan("duo", &[head, worker]);
@@ -660,47 +662,42 @@ fn two_nodes_on_loopback_addresses_see_each_other() {
     assert_eq!(nowhere.status.code(), Some(2), "{}", text(&nowhere));
     assert!(String::from_utf8_lossy(&nowhere.stderr).contains("(nodes: head, worker)"));
 
-    let head_up = c.up_detached(&plan, &["--node", "head"]);
-    assert_eq!(head_up.status.code(), Some(0), "{}", text(&head_up));
-    let head_only = c.status(&["--cluster", "duo-head"]).unwrap();
-    assert!(svc(&head_only, "decode-0").remote);
-    assert_ne!(svc(&head_only, "decode-0").state, ServiceState::Healthy);
-    assert_eq!(
-        c.run(&["status", "--cluster", "duo-head"]).status.code(),
-        Some(1),
-        "a remote instance is not up yet"
-    );
+    // The worker first: its decode waits for etcd on the head.
+    let worker_plan = plan.clone();
+    let worker_up = std::thread::scope(|scope| {
+        let waiting = scope.spawn(|| w.up_detached(&worker_plan, &["--node", "worker"]));
+        let mut seen = None;
+        wait_until(UP_LIMIT, || {
+            seen = w.status(&[]);
+            seen.is_some()
+        });
+        let r = seen.expect("the worker's supervisor runs");
+        assert_eq!(svc(&r, "decode-0").state, ServiceState::Pending, "{r:?}");
+        assert!(svc(&r, "etcd").remote);
 
-    let worker_up = c.up_detached(&plan, &["--node", "worker"]);
+        let head_up = c.up_detached(&plan, &["--node", "head"]);
+        assert_eq!(head_up.status.code(), Some(0), "{}", text(&head_up));
+        waiting.join().unwrap()
+    });
     assert_eq!(worker_up.status.code(), Some(0), "{}", text(&worker_up));
-    let on_worker = c.status(&["--cluster", "duo-worker"]).unwrap();
-    assert!(svc(&on_worker, "etcd").remote && !svc(&on_worker, "decode-0").remote);
-    let r = c.wait_status(UP_LIMIT, &["--cluster", "duo-head"], all_healthy);
-    assert!(all_healthy(&r), "{r:?}");
-    assert_eq!(svc(&r, "decode-0").node, "worker");
-    assert_eq!(svc(&r, "decode-0").pid, None, "remote: not our process");
+    let on_worker = w.status(&[]).unwrap();
+    assert!(!svc(&on_worker, "decode-0").remote && svc(&on_worker, "etcd").remote);
 
-    // Two clusters run under the root: commands must be told which.
-    let ambiguous = c.run(&["status"]);
-    assert_eq!(ambiguous.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&ambiguous.stderr);
-    assert!(
-        err.contains("duo-head") && err.contains("duo-worker"),
-        "{err}"
-    );
+    let r = c.wait_status(UP_LIMIT, &[], all_healthy);
+    assert!(all_healthy(&r), "head sees every instance healthy: {r:?}");
+    let remote = svc(&r, "decode-0");
+    assert!(remote.remote && remote.node == "worker");
+    assert_eq!(remote.pid, None, "remote: not the head's process");
+    assert_eq!(c.run(&["status"]).status.code(), Some(0));
 
-    assert_eq!(
-        c.run(&["down", "--cluster", "duo-worker"]).status.code(),
-        Some(0)
-    );
-    let r = c.wait_status(UP_LIMIT, &["--cluster", "duo-head"], |r| {
+    // The worker goes away: the head shows its instance unhealthy, status exits 1.
+    assert_eq!(w.run(&["down"]).status.code(), Some(0));
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
         svc(r, "decode-0").state == ServiceState::Unhealthy
     });
     assert_eq!(svc(&r, "decode-0").state, ServiceState::Unhealthy);
-    assert_eq!(
-        c.run(&["down", "--cluster", "duo-head"]).status.code(),
-        Some(0)
-    );
+    assert_eq!(c.run(&["status"]).status.code(), Some(1));
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
     assert!(
         p.iter()
             .all(|&port| port_free("127.0.0.2", port) && port_free("127.0.0.3", port))
@@ -708,11 +705,11 @@ fn two_nodes_on_loopback_addresses_see_each_other() {
 }
 
 #[test]
-fn a_second_up_of_a_running_cluster_is_refused() {
+fn a_second_up_is_refused_and_several_clusters_need_a_name() {
     let c = Cluster::new("twice");
-    let p = free_ports(1);
-    let mut plan = plan("once", &[("main", "127.0.0.1")]);
-    plan.services = vec![engine(
+    let p = free_ports(2);
+    let mut once = plan("once", &[("main", "127.0.0.1")]);
+    once.services = vec![engine(
         &c,
         "prefill-0",
         Role::Prefill,
@@ -721,12 +718,40 @@ fn a_second_up_of_a_running_cluster_is_refused() {
         p[0],
         None,
     )];
-    assert_eq!(c.up_detached(&plan, &[]).status.code(), Some(0));
-    let again = c.up_detached(&plan, &[]);
+    assert_eq!(c.up_detached(&once, &[]).status.code(), Some(0));
+    let again = c.up_detached(&once, &[]);
     assert_eq!(again.status.code(), Some(2), "{}", text(&again));
     assert!(String::from_utf8_lossy(&again.stderr).contains("is already running"));
-    assert!(svc(&c.status(&[]).unwrap(), "prefill-0").state == ServiceState::Healthy);
+    assert_eq!(
+        svc(&c.status(&[]).unwrap(), "prefill-0").state,
+        ServiceState::Healthy
+    );
+
+    let mut other = plan("other", &[("main", "127.0.0.1")]);
+    other.services = vec![engine(
+        &c,
+        "decode-0",
+        Role::Decode,
+        "main",
+        "127.0.0.1",
+        p[1],
+        None,
+    )];
+    assert_eq!(c.up_detached(&other, &[]).status.code(), Some(0));
+    for cmd in [&["status"][..], &["down"], &["logs", "prefill"]] {
+        let out = c.run(cmd);
+        assert_eq!(out.status.code(), Some(2), "{cmd:?}: {}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("once, other") && err.contains("--cluster"),
+            "{err}"
+        );
+    }
+    assert_eq!(c.status(&["--cluster", "other"]).unwrap().cluster, "other");
+    assert_eq!(c.run(&["down", "--cluster", "once"]).status.code(), Some(0));
+    // One left: no name needed any more.
     assert_eq!(c.run(&["down"]).status.code(), Some(0));
+    assert_eq!(c.status(&[]), None);
 }
 
 #[test]
