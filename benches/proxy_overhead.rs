@@ -1,42 +1,45 @@
-//! The proxy's added latency and its throughput.
+//! The proxy's added latency, its throughput, and its CPU cost per request and per relayed
+//! stream chunk.
 //!
 //! Starts engines (`pdctl sim` processes; see `support/engines.rs`): a prefill with every
-//! latency at zero, and decodes streaming 16-token completions. A release `pdctl proxy`
-//! (two-step protocol) runs in front of them and a load generator keeps N streams in
-//! flight. Direct and proxied requests are measured side by side in one run. A proxied
-//! request costs a prefill leg plus the decode leg, so the "added" figures are everything
-//! the proxy adds to a PD request.
+//! latency at zero, and decodes streaming completions. A release `pdctl proxy` (two-step
+//! protocol) runs in front of them and a load generator keeps N streams in flight. Direct
+//! and proxied requests are measured side by side in one run. A proxied request costs a
+//! prefill leg plus the decode leg, so the "added" figures are everything the proxy adds to
+//! a PD request.
 //!
 //! 1. Latency: decode paces its tokens 10 ms apart (the simulator's default inter-token
 //!    latency); each stream alternates direct and proxied requests: time to first chunk.
 //! 2. Throughput: a zero-latency decode, 64 streams in a closed loop, alternating rounds
 //!    of direct-only and proxied-only traffic: completed requests per second.
+//! 3. CPU cost: paced decode, 64 streams through the proxy, completions of 16 and of 64
+//!    tokens: the proxy's CPU time per request at each length gives its cost per relayed
+//!    chunk (the difference over the extra chunks) and per request (the rest).
 //!
 //! Run: `cargo bench --bench proxy_overhead`. PROXY_BENCH_SECS=N sets seconds per round
 //! (default 2); PROXY_BENCH_ENGINE=inline uses a minimal in-bench server instead of sims;
 //! PROXY_BENCH_LOG=warn quiets the proxy's per-request log line; PROXY_BENCH_WORKERS=N runs
-//! the proxy with N runtime worker threads.
+//! the proxy with N runtime worker threads; PROXY_BENCH_BASELINE=/path/to/pdctl runs a
+//! second proxy from that binary side by side (same engines, same streams, alternating
+//! request by request) and reports it on its own rows.
 
 #[path = "support/engines.rs"]
 mod engines;
+#[path = "support/proxies.rs"]
+mod proxies;
 
 use engines::{CHUNKS, PACED_ITL};
 use futures_util::StreamExt;
-use std::process::{Command, Stdio};
+use proxies::{CpuTime, ProxyUnderTest};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const CONCURRENCY: [usize; 3] = [1, 64, 512];
 const ROUNDS: usize = 2;
 const THROUGHPUT_STREAMS: usize = 64;
-
-struct Proxy(std::process::Child);
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+const COST_STREAMS: usize = 64;
+/// Completion lengths of the CPU cost phase: the short one is the latency phase's.
+const COST_LENGTHS: [usize; 2] = [CHUNKS, 64];
 
 /// The 1-minute load average, to put the figures in context.
 fn load_average() -> String {
@@ -46,66 +49,27 @@ fn load_average() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-/// CPU time (user + system) the process has used so far.
-fn cpu_time(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which is in parentheses): utime and stime are 14 and 15.
-    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks: u64 = fields
-        .get(11..13)
-        .map_or(0, |f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum());
-    // Linux reports in USER_HZ, 100 per second on every mainstream configuration.
-    Duration::from_millis(ticks * 10)
-}
-
-fn start_proxy(prefill: u16, decode: u16) -> (Proxy, String) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let log = std::env::var("PROXY_BENCH_LOG").unwrap_or_else(|_| "info".into());
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pdctl"));
-    if let Ok(n) = std::env::var("PROXY_BENCH_WORKERS") {
-        cmd.env("TOKIO_WORKER_THREADS", n);
-    }
-    let child = cmd
-        .args(["proxy", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--prefill", &format!("127.0.0.1:{prefill}")])
-        .args(["--decode", &format!("127.0.0.1:{decode}")])
-        .env("RUST_LOG", log)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start pdctl proxy (release)");
-    let url = format!("http://127.0.0.1:{port}");
-    let end = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < end, "the proxy did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    (Proxy(child), url)
-}
-
 /// One request's timings.
 #[derive(Clone, Copy)]
 struct Sample {
     ttft: Duration,
     total: Duration,
+    /// Body chunks the client received (one per relayed SSE event when they are paced).
+    chunks: usize,
 }
 
-/// Keeps `streams` requests in flight for `secs`, each stream cycling through `targets`
-/// request by request (so every target is measured under the same conditions); returns
-/// the timings per target.
+/// Keeps `streams` requests of `tokens` tokens in flight for `secs`, each stream cycling
+/// through `targets` request by request (so every target is measured under the same
+/// conditions); returns the timings per target.
 async fn load(
     client: &reqwest::Client,
     targets: &[&str],
     streams: usize,
     secs: f64,
+    tokens: usize,
 ) -> Vec<Vec<Sample>> {
     let body = format!(
-        r#"{{"model":"sim-model","prompt":"San Francisco is a","max_tokens":{CHUNKS},"stream":true}}"#
+        r#"{{"model":"sim-model","prompt":"San Francisco is a","max_tokens":{tokens},"stream":true}}"#
     );
     let body = Arc::new(body);
     let end = Instant::now() + Duration::from_secs_f64(secs);
@@ -136,15 +100,18 @@ async fn load(
                 let mut stream = resp.bytes_stream();
                 let mut ttft = None;
                 let mut tail = Vec::new();
+                let mut chunks = 0;
                 while let Some(chunk) = stream.next().await {
                     let chunk = chunk.expect("body");
                     ttft.get_or_insert_with(|| t.elapsed());
+                    chunks += 1;
                     tail = chunk.to_vec();
                 }
                 assert!(tail.ends_with(b"data: [DONE]\n\n"));
                 lat[which].push(Sample {
                     ttft: ttft.expect("a first chunk"),
                     total: t.elapsed(),
+                    chunks,
                 });
             }
             lat
@@ -192,55 +159,104 @@ async fn prefill_histogram(client: &reqwest::Client, proxy: &str) -> (f64, f64) 
     )
 }
 
-/// What alternating direct / proxied rounds at one concurrency measured.
-struct Rounds {
-    direct: Vec<Sample>,
-    proxied: Vec<Sample>,
-    /// The proxy process's CPU time per proxied request, in microseconds.
-    proxy_cpu_us: f64,
+/// What one proxy served during a measurement.
+struct Served {
+    samples: Vec<Sample>,
+    cpu: CpuTime,
     /// Mean duration of the prefill leg as the proxy measured it, in ms.
     prefill_leg_ms: f64,
 }
 
-/// Direct and proxied requests at one concurrency. `interleaved`: every stream alternates
-/// direct and proxied requests (latency: both see the same machine at the same moment);
-/// otherwise alternating rounds of only direct, then only proxied (throughput).
-async fn side_by_side(
+impl Served {
+    /// The proxy's CPU time per request it served, in microseconds.
+    fn cpu_per_request_us(&self) -> f64 {
+        self.cpu.total.as_secs_f64() * 1e6 / self.samples.len().max(1) as f64
+    }
+
+    /// Mean body chunks per request.
+    fn chunks_per_request(&self) -> f64 {
+        self.samples.iter().map(|s| s.chunks).sum::<usize>() as f64
+            / self.samples.len().max(1) as f64
+    }
+}
+
+/// Every stream cycles through direct (when given) and every proxy, request by request,
+/// for `secs`: all targets see the same machine at the same moment. Returns the direct
+/// samples and what each proxy served.
+async fn interleaved(
     client: &reqwest::Client,
-    direct: &str,
-    proxy: &(Proxy, String),
+    direct: Option<&str>,
+    proxies: &[ProxyUnderTest],
     streams: usize,
     secs: f64,
-    interleaved: bool,
-) -> Rounds {
-    let proxied = proxy.1.as_str();
-    let pid = proxy.0.0.id();
-    // Warm the connection pools of both paths.
-    load(client, &[direct, proxied], streams, 0.3).await;
-    let (mut d, mut p) = (Vec::new(), Vec::new());
-    let (sum0, n0) = prefill_histogram(client, proxied).await;
-    let before = cpu_time(pid);
-    let mut proxy_cpu = Duration::ZERO;
-    if interleaved {
-        let mut r = load(client, &[direct, proxied], streams, secs * ROUNDS as f64).await;
-        p = r.pop().unwrap();
-        d = r.pop().unwrap();
-        proxy_cpu = cpu_time(pid) - before;
+    tokens: usize,
+) -> (Vec<Sample>, Vec<Served>) {
+    let mut targets: Vec<&str> = direct.into_iter().collect();
+    targets.extend(proxies.iter().map(|p| p.url.as_str()));
+    // Warm the connection pools of every path.
+    load(client, &targets, streams, 0.3, tokens).await;
+    let mut before = Vec::new();
+    for p in proxies {
+        before.push((prefill_histogram(client, &p.url).await, p.cpu()));
+    }
+    let mut results = load(client, &targets, streams, secs, tokens).await;
+    let cpu_after: Vec<CpuTime> = proxies.iter().map(ProxyUnderTest::cpu).collect();
+    let direct_samples = if direct.is_some() {
+        results.remove(0)
     } else {
-        for _ in 0..ROUNDS {
-            d.extend(load(client, &[direct], streams, secs).await.remove(0));
-            let before = cpu_time(pid);
-            p.extend(load(client, &[proxied], streams, secs).await.remove(0));
-            proxy_cpu += cpu_time(pid) - before;
+        Vec::new()
+    };
+    let mut served = Vec::new();
+    for ((p, samples), (((sum0, n0), cpu0), cpu1)) in proxies
+        .iter()
+        .zip(results)
+        .zip(before.into_iter().zip(cpu_after))
+    {
+        let (sum1, n1) = prefill_histogram(client, &p.url).await;
+        served.push(Served {
+            samples,
+            cpu: cpu1.since(cpu0),
+            prefill_leg_ms: (sum1 - sum0) * 1e3 / (n1 - n0).max(1.0),
+        });
+    }
+    (direct_samples, served)
+}
+
+/// Alternating rounds of direct-only, then each proxy alone (throughput: each path gets
+/// the whole machine in its rounds).
+async fn in_rounds(
+    client: &reqwest::Client,
+    direct: &str,
+    proxies: &[ProxyUnderTest],
+    streams: usize,
+    secs: f64,
+) -> (Vec<Sample>, Vec<Served>) {
+    let mut targets = vec![direct];
+    targets.extend(proxies.iter().map(|p| p.url.as_str()));
+    load(client, &targets, streams, 0.3, CHUNKS).await;
+    let mut direct_samples = Vec::new();
+    let mut served: Vec<Served> = proxies
+        .iter()
+        .map(|_| Served {
+            samples: Vec::new(),
+            cpu: CpuTime::default(),
+            prefill_leg_ms: 0.0,
+        })
+        .collect();
+    for _ in 0..ROUNDS {
+        direct_samples.extend(
+            load(client, &[direct], streams, secs, CHUNKS)
+                .await
+                .remove(0),
+        );
+        for (p, s) in proxies.iter().zip(served.iter_mut()) {
+            let before = p.cpu();
+            let r = load(client, &[p.url.as_str()], streams, secs, CHUNKS).await;
+            s.cpu = s.cpu.plus(p.cpu().since(before));
+            s.samples.extend(r.into_iter().next().unwrap());
         }
     }
-    let (sum1, n1) = prefill_histogram(client, proxied).await;
-    Rounds {
-        prefill_leg_ms: (sum1 - sum0) * 1e3 / (n1 - n0).max(1.0),
-        proxy_cpu_us: proxy_cpu.as_secs_f64() * 1e6 / p.len().max(1) as f64,
-        direct: d,
-        proxied: p,
-    }
+    (direct_samples, served)
 }
 
 fn main() {
@@ -259,11 +275,23 @@ fn main() {
     let instant_engine = engines::start(kind, &engines_rt, "decode", false);
     let (prefill, paced_decode, instant_decode) =
         (prefill_engine.port, paced_engine.port, instant_engine.port);
-    let paced_proxy = start_proxy(prefill, paced_decode);
-    let instant_proxy = start_proxy(prefill, instant_decode);
+    let binaries = proxies::binaries();
+    let paced_proxies: Vec<ProxyUnderTest> = binaries
+        .iter()
+        .map(|(label, bin)| proxies::start(label, bin, prefill, paced_decode))
+        .collect();
+    let instant_proxies: Vec<ProxyUnderTest> = binaries
+        .iter()
+        .map(|(label, bin)| proxies::start(label, bin, prefill, instant_decode))
+        .collect();
     println!(
-        "Engines: {}; load average at start: {}",
+        "Engines: {}; proxies: {}; load average at start: {}",
         kind.describe(),
+        binaries
+            .iter()
+            .map(|(l, b)| format!("{l} ({b})"))
+            .collect::<Vec<_>>()
+            .join(", "),
         load_average()
     );
     println!();
@@ -278,36 +306,41 @@ fn main() {
         .no_proxy()
         .build()
         .unwrap();
+
     println!(
         "Latency: decode streams {CHUNKS} tokens, one every {PACED_ITL:?}; each stream alternates direct and proxied requests for {} s",
         secs * ROUNDS as f64
     );
     println!();
     println!(
-        "| streams | TTFT direct p50 | TTFT proxied p50 | **added p50** | TTFT direct p99 | TTFT proxied p99 | **added p99** | of which prefill leg (mean) | proxy CPU per request |"
+        "| streams | proxy | TTFT direct p50 | TTFT proxied p50 | **added p50** | TTFT direct p99 | TTFT proxied p99 | **added p99** | of which prefill leg (mean) | proxy CPU per request |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let direct = format!("http://127.0.0.1:{paced_decode}");
     for streams in CONCURRENCY {
-        let r = client_rt.block_on(side_by_side(
+        let (d, served) = client_rt.block_on(interleaved(
             &client,
-            &direct,
-            &paced_proxy,
+            Some(&direct),
+            &paced_proxies,
             streams,
-            secs,
-            true,
+            secs * ROUNDS as f64,
+            CHUNKS,
         ));
-        let (d50, d99) = p50_p99(&r.direct, |s| s.ttft);
-        let (p50, p99) = p50_p99(&r.proxied, |s| s.ttft);
-        println!(
-            "| {streams} | {d50:.3} ms | {p50:.3} ms | **{:.3} ms** | {d99:.3} ms | {p99:.3} ms | **{:.3} ms** | {:.3} ms | {:.0} µs |",
-            p50 - d50,
-            p99 - d99,
-            r.prefill_leg_ms,
-            r.proxy_cpu_us,
-        );
+        let (d50, d99) = p50_p99(&d, |s| s.ttft);
+        for (p, s) in paced_proxies.iter().zip(&served) {
+            let (p50, p99) = p50_p99(&s.samples, |s| s.ttft);
+            println!(
+                "| {streams} | {} | {d50:.3} ms | {p50:.3} ms | **{:.3} ms** | {d99:.3} ms | {p99:.3} ms | **{:.3} ms** | {:.3} ms | {:.0} µs |",
+                p.label,
+                p50 - d50,
+                p99 - d99,
+                s.prefill_leg_ms,
+                s.cpu_per_request_us(),
+            );
+        }
     }
     println!();
+
     println!(
         "Throughput: zero-latency decode, {THROUGHPUT_STREAMS} streams in a closed loop, {ROUNDS} alternating rounds of {secs} s per path"
     );
@@ -315,23 +348,22 @@ fn main() {
     println!("| path | requests/s | end-to-end p50 | end-to-end p99 | proxy CPU per request |");
     println!("|---|---:|---:|---:|---:|");
     let direct = format!("http://127.0.0.1:{instant_decode}");
-    let r = client_rt.block_on(side_by_side(
+    let (d, served) = client_rt.block_on(in_rounds(
         &client,
         &direct,
-        &instant_proxy,
+        &instant_proxies,
         THROUGHPUT_STREAMS,
         secs,
-        false,
     ));
     let total = secs * ROUNDS as f64;
-    let rows = [
-        ("direct to decode", &r.direct, "-".to_string()),
-        (
-            "through the proxy (prefill + decode legs)",
-            &r.proxied,
-            format!("{:.0} µs", r.proxy_cpu_us),
-        ),
-    ];
+    let mut rows = vec![("direct to decode".to_string(), &d, "-".to_string())];
+    for (p, s) in instant_proxies.iter().zip(&served) {
+        rows.push((
+            format!("through the proxy, {} (prefill + decode legs)", p.label),
+            &s.samples,
+            format!("{:.0} µs", s.cpu_per_request_us()),
+        ));
+    }
     for (name, samples, cpu) in rows {
         let (e50, e99) = p50_p99(samples, |s| s.total);
         println!(
@@ -339,4 +371,48 @@ fn main() {
             samples.len() as f64 / total
         );
     }
+    println!();
+
+    let [short, long] = COST_LENGTHS;
+    println!(
+        "CPU cost: decode paces tokens {PACED_ITL:?} apart, {COST_STREAMS} streams through the proxy for {} s per length; per chunk = the difference between {long}- and {short}-token completions over the extra chunks",
+        secs * ROUNDS as f64
+    );
+    println!();
+    println!(
+        "| proxy | CPU per request ({short} tokens) | CPU per request ({long} tokens) | chunks per request | **CPU per chunk** | **CPU per request without chunks** | kernel share |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let runs: Vec<Vec<Served>> = COST_LENGTHS
+        .iter()
+        .map(|&tokens| {
+            client_rt
+                .block_on(interleaved(
+                    &client,
+                    None,
+                    &paced_proxies,
+                    COST_STREAMS,
+                    secs * ROUNDS as f64,
+                    tokens,
+                ))
+                .1
+        })
+        .collect();
+    for (i, p) in paced_proxies.iter().enumerate() {
+        let (a, b) = (&runs[0][i], &runs[1][i]);
+        let per_chunk = (b.cpu_per_request_us() - a.cpu_per_request_us())
+            / (b.chunks_per_request() - a.chunks_per_request());
+        let fixed = a.cpu_per_request_us() - per_chunk * a.chunks_per_request();
+        println!(
+            "| {} | {:.0} µs | {:.0} µs | {:.1} / {:.1} | **{per_chunk:.1} µs** | **{fixed:.0} µs** | {:.0} % |",
+            p.label,
+            a.cpu_per_request_us(),
+            b.cpu_per_request_us(),
+            a.chunks_per_request(),
+            b.chunks_per_request(),
+            a.cpu.plus(b.cpu).system_percent(),
+        );
+    }
+    println!();
+    println!("Load average at the end: {}", load_average());
 }
