@@ -53,11 +53,12 @@ pub fn parse_endpoint(raw: &str) -> Result<Endpoint, EndpointError> {
         None if trimmed.trim_end_matches('/').ends_with(":80") => 80,
         None => return Err(EndpointError::NoPort(raw.to_string())),
     };
-    Ok(Endpoint {
-        url: format!("http://{host}:{port}"),
-        host,
-        port,
-    })
+    let url = format!("http://{host}:{port}");
+    // The engine client sends its requests to this spelling (plus a path).
+    if url.parse::<axum::http::Uri>().is_err() {
+        return Err(EndpointError::Malformed(raw.to_string()));
+    }
+    Ok(Endpoint { url, host, port })
 }
 
 #[cfg(test)]

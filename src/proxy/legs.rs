@@ -7,11 +7,11 @@ use super::errors::LegFailure;
 use super::instances::{InFlight, Instance};
 use super::pipeline::ClientRequest;
 use super::protocol::Body;
-use super::upstream::{MAX_ANSWER_BYTES, read_body, status_failure};
+use super::upstream::{MAX_ANSWER_BYTES, innermost_cause, read_body, status_failure};
 use axum::http::HeaderValue;
 use bytes::Bytes;
-use futures_util::StreamExt;
-use futures_util::stream::BoxStream;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
 use serde_json::Value;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,10 +26,11 @@ pub enum Answer {
         content_type: Option<HeaderValue>,
         body: Bytes,
     },
-    /// A stream whose first chunk has arrived; `keep` holds what must live as long as it.
+    /// A stream whose first chunk has arrived; `rest` is decode's body after it, `keep`
+    /// holds what must live as long as the stream.
     Stream {
         first: Bytes,
-        rest: BoxStream<'static, Result<Bytes, reqwest::Error>>,
+        rest: Incoming,
         keep: Keep,
     },
 }
@@ -125,18 +126,20 @@ pub async fn decode_once(
             Some(took),
         ));
     }
-    let mut rest = resp.bytes_stream().boxed();
+    let mut rest = resp.into_body();
     let first = loop {
-        match tokio::time::timeout_at(deadline, rest.next()).await {
+        match tokio::time::timeout_at(deadline, rest.frame()).await {
             Err(_) => return Err(LegFailure::Timeout(limit)),
             Ok(None) => {
                 return Err(LegFailure::Body(
                     "it ended the stream without sending anything".into(),
                 ));
             }
-            Ok(Some(Err(e))) => return Err(LegFailure::Body(e.to_string())),
-            Ok(Some(Ok(b))) if b.is_empty() => continue,
-            Ok(Some(Ok(b))) => break b,
+            Ok(Some(Err(e))) => return Err(LegFailure::Body(innermost_cause(&e))),
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(b) if !b.is_empty() => break b,
+                _ => continue, // empty data or trailers
+            },
         }
     };
     let took = sent.elapsed();

@@ -9,11 +9,12 @@ use super::instances::{FailureKind, Leg};
 use super::legs::Keep;
 use super::limits::Admission;
 use super::record::{Outcome, RequestRecord};
+use super::upstream::innermost_cause;
 use axum::http::{HeaderValue, header};
 use axum::response::Response;
 use bytes::Bytes;
 use futures_util::Stream;
-use futures_util::stream::BoxStream;
+use hyper::body::{Body as _, Incoming};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use tokio::time::{Instant, Sleep};
@@ -82,7 +83,7 @@ impl StreamEnd {
 /// The client-facing stream.
 pub struct Relay {
     first: Option<Bytes>,
-    rest: BoxStream<'static, Result<Bytes, reqwest::Error>>,
+    rest: Incoming,
     keep: Keep,
     rec: RequestRecord,
     _admission: Admission,
@@ -96,7 +97,7 @@ pub struct Relay {
 /// The response for a decode stream whose first chunk has arrived.
 pub fn stream_response(
     first: Bytes,
-    rest: BoxStream<'static, Result<Bytes, reqwest::Error>>,
+    rest: Incoming,
     keep: Keep,
     mut rec: RequestRecord,
     admission: Admission,
@@ -178,28 +179,29 @@ impl Stream for Relay {
             let limit = this.total_limit;
             return this.fail(ProxyError::TotalTimeout(limit));
         }
-        match this.rest.as_mut().poll_next(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Some(Ok(chunk))) => {
-                this.end.push(&chunk);
-                Poll::Ready(Some(Ok(chunk)))
-            }
-            Poll::Ready(Some(Err(e))) => {
-                let mut cause: &dyn std::error::Error = &e;
-                while let Some(next) = cause.source() {
-                    cause = next;
+        loop {
+            return match Pin::new(&mut this.rest).poll_frame(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(chunk) => {
+                        this.end.push(&chunk);
+                        Poll::Ready(Some(Ok(chunk)))
+                    }
+                    Err(_trailers) => continue,
+                },
+                Poll::Ready(Some(Err(e))) => {
+                    let msg = format!("the stream broke off: {}", innermost_cause(&e));
+                    this.decode_failed(LegFailure::Body(msg))
                 }
-                let msg = format!("the stream broke off: {cause}");
-                this.decode_failed(LegFailure::Body(msg))
-            }
-            Poll::Ready(None) if !this.end.is_done() => this.decode_failed(LegFailure::Body(
-                "it closed the stream without the final `data: [DONE]`".into(),
-            )),
-            Poll::Ready(None) => {
-                this.finished = true;
-                this.rec.outcome = Outcome::Complete;
-                Poll::Ready(None)
-            }
+                Poll::Ready(None) if !this.end.is_done() => this.decode_failed(LegFailure::Body(
+                    "it closed the stream without the final `data: [DONE]`".into(),
+                )),
+                Poll::Ready(None) => {
+                    this.finished = true;
+                    this.rec.outcome = Outcome::Complete;
+                    Poll::Ready(None)
+                }
+            };
         }
     }
 }
