@@ -6,13 +6,12 @@ use super::Proxy;
 use super::errors::LegFailure;
 use super::instances::{InFlight, Instance};
 use super::pipeline::ClientRequest;
-use super::protocol::Body;
+use super::protocol::{Body, PrefillAnswer};
 use super::upstream::{MAX_ANSWER_BYTES, innermost_cause, read_body, status_failure};
 use axum::http::HeaderValue;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use serde_json::Value;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -43,7 +42,7 @@ pub struct Keep {
 }
 
 /// A background task cancelled when this handle is dropped.
-pub struct AbortOnDrop(pub JoinHandle<Result<Value, LegFailure>>);
+pub struct AbortOnDrop(pub JoinHandle<Result<PrefillAnswer, LegFailure>>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
@@ -58,7 +57,7 @@ pub async fn prefill_once(
     path: &'static str,
     body: Body,
     request_id: String,
-) -> Result<Value, LegFailure> {
+) -> Result<PrefillAnswer, LegFailure> {
     let _busy = inst.begin();
     let limit = proxy.settings.prefill_timeout;
     let deadline = Instant::now() + limit;
@@ -78,8 +77,9 @@ pub async fn prefill_once(
         .await
         .map_err(|_| LegFailure::Timeout(limit))??;
     proxy.metrics.prefill_duration.observe(started.elapsed());
-    serde_json::from_slice(&answer)
-        .map_err(|e| LegFailure::BadAnswer(format!("a prefill answer that is not JSON ({e})")))
+    serde_json::from_slice(&answer).map_err(|e| {
+        LegFailure::BadAnswer(format!("a prefill answer that is not a JSON object ({e})"))
+    })
 }
 
 /// One decode attempt. Streams: wait for the first chunk within --first-byte-timeout-s.

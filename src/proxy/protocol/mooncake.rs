@@ -3,7 +3,7 @@
 //! for (`GET /query`, cached per instance, dropped when a leg on it fails). Both legs go
 //! out at once.
 
-use super::{Body, DecodeBody, Flow, Handshake, Protocol, prefill_copy};
+use super::{Body, DecodeBody, Flow, Handshake, PrefillAnswer, Protocol, prefill_copy};
 use crate::proxy::errors::LegFailure;
 use crate::proxy::instances::Instance;
 use crate::proxy::upstream::Upstream;
@@ -135,7 +135,7 @@ impl Protocol for Mooncake {
         request_id: &str,
         prefill: &Instance,
         handshake: &Handshake,
-        _answer: Option<&Value>,
+        _answer: Option<&PrefillAnswer>,
     ) -> DecodeBody {
         let mut body = original.clone();
         body.insert(

@@ -3,9 +3,9 @@
 //! (same X-Request-Id on both legs) and pulls the blocks. No params back means decode will
 //! recompute: counted and logged, never silent.
 
-use super::{Body, DecodeBody, Flow, Handshake, Protocol, prefill_copy};
+use super::{Body, DecodeBody, Flow, Handshake, PrefillAnswer, Protocol, prefill_copy};
 use crate::proxy::instances::Instance;
-use serde_json::{Value, json};
+use serde_json::json;
 
 /// The NixlConnector protocol.
 #[derive(Debug, Clone, Copy)]
@@ -50,11 +50,11 @@ impl Protocol for Nixl {
         _request_id: &str,
         _prefill: &Instance,
         _h: &Handshake,
-        answer: Option<&Value>,
+        answer: Option<&PrefillAnswer>,
     ) -> DecodeBody {
         let mut body = original.clone();
         match answer
-            .and_then(|a| a.get("kv_transfer_params"))
+            .and_then(|a| a.kv_transfer_params.as_ref())
             .filter(|p| p.is_object())
         {
             Some(params) => {
@@ -114,7 +114,9 @@ mod tests {
             "r",
             &test_prefill(),
             &Handshake::default(),
-            Some(&json!({"kv_transfer_params": params})),
+            Some(&PrefillAnswer {
+                kv_transfer_params: Some(params.clone()),
+            }),
         );
         assert_eq!(d.body.as_ref().unwrap()["kv_transfer_params"], params);
         assert_eq!(d.body.as_ref().unwrap()["max_tokens"], 9);
@@ -125,7 +127,7 @@ mod tests {
             "r",
             &test_prefill(),
             &Handshake::default(),
-            Some(&json!({"choices": []})),
+            Some(&PrefillAnswer::default()),
         );
         assert_eq!(miss.handoff_miss, Some(MISS_NO_PARAMS));
         assert!(

@@ -2,9 +2,8 @@
 //! a one-token copy and is waited for (it writes the KV where decode will find it), then
 //! decode gets the original request unchanged.
 
-use super::{Body, DecodeBody, Flow, Handshake, Protocol, prefill_copy};
+use super::{Body, DecodeBody, Flow, Handshake, PrefillAnswer, Protocol, prefill_copy};
 use crate::proxy::instances::Instance;
-use serde_json::Value;
 
 /// The two-step protocol.
 #[derive(Debug, Clone, Copy)]
@@ -34,7 +33,7 @@ impl Protocol for TwoStep {
         _request_id: &str,
         _prefill: &Instance,
         _h: &Handshake,
-        _answer: Option<&Value>,
+        _answer: Option<&PrefillAnswer>,
     ) -> DecodeBody {
         DecodeBody {
             body: None,
