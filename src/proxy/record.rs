@@ -91,11 +91,17 @@ impl RequestRecord {
     }
 }
 
-fn ms(d: Option<Duration>) -> String {
-    d.map_or_else(
-        || "-".to_string(),
-        |d| format!("{:.1}", d.as_secs_f64() * 1e3),
-    )
+/// A stage's duration in the log line: milliseconds with one decimal, `-` when unknown
+/// (written straight into the line, no string of its own).
+struct Ms(Option<Duration>);
+
+impl std::fmt::Display for Ms {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(d) => write!(f, "{:.1}", d.as_secs_f64() * 1e3),
+            None => f.write_str("-"),
+        }
+    }
 }
 
 impl Drop for RequestRecord {
@@ -113,9 +119,9 @@ impl Drop for RequestRecord {
             "-"
         };
         let outcome = match &self.outcome {
-            Outcome::Pending => "client disconnected; both legs cancelled".to_string(),
-            Outcome::Complete => "ok".to_string(),
-            Outcome::Failed(m) => m.clone(),
+            Outcome::Pending => "client disconnected; both legs cancelled",
+            Outcome::Complete => "ok",
+            Outcome::Failed(m) => m.as_str(),
         };
         tracing::info!(
             request_id = %self.id,
@@ -124,10 +130,10 @@ impl Drop for RequestRecord {
             prefill = %self.prefill.as_deref().unwrap_or("-"),
             decode = %self.decode.as_deref().unwrap_or("-"),
             status = self.status,
-            prefill_ms = %ms(self.prefill_time),
-            decode_first_byte_ms = %ms(self.decode_first_byte),
-            ttft_ms = %ms(self.ttft),
-            total_ms = %ms(Some(self.received.elapsed())),
+            prefill_ms = %Ms(self.prefill_time),
+            decode_first_byte_ms = %Ms(self.decode_first_byte),
+            ttft_ms = %Ms(self.ttft),
+            total_ms = %Ms(Some(self.received.elapsed())),
             retries = self.retries,
             kv_handoff = %self.handoff_miss.unwrap_or(handoff_ok),
             "request {outcome}"

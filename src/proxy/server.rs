@@ -13,7 +13,7 @@ use super::record::{Outcome, RequestRecord};
 use super::relay;
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -44,27 +44,30 @@ async fn not_found(method: Method, uri: Uri) -> Response {
     .into_response()
 }
 
-async fn completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Body) -> Response {
-    generate(p, "/v1/completions", headers, body).await
+// The handlers take the whole request: extracting `HeaderMap` would clone the headers.
+async fn completions(State(p): State<Arc<Proxy>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    generate(p, "/v1/completions", parts.headers, body).await
 }
 
-async fn chat_completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Body) -> Response {
-    generate(p, "/v1/chat/completions", headers, body).await
+async fn chat_completions(State(p): State<Arc<Proxy>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    generate(p, "/v1/chat/completions", parts.headers, body).await
 }
 
 /// A fresh request id in UUID v4 form (shared by both legs as X-Request-Id).
 fn new_request_id() -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let v: u128 =
         rand::random::<u128>() & !(0xF000 << 64) & !(0xC << 60) | (0x4000 << 64) | (0x8 << 60);
-    let h = format!("{v:032x}");
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    )
+    let mut id = String::with_capacity(36);
+    for i in 0..32 {
+        if matches!(i, 8 | 12 | 16 | 20) {
+            id.push('-');
+        }
+        id.push(HEX[(v >> (124 - 4 * i)) as usize & 0xF] as char);
+    }
+    id
 }
 
 /// Whether the client sent the proxy's API key (always true when none is configured).
@@ -280,5 +283,10 @@ mod tests {
         );
         assert!(parts[2].starts_with('4'), "{a}");
         assert!(matches!(&parts[3][..1], "8" | "9" | "a" | "b"), "{a}");
+        assert!(
+            a.chars()
+                .all(|c| c == '-' || matches!(c, '0'..='9' | 'a'..='f')),
+            "{a}"
+        );
     }
 }
