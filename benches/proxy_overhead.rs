@@ -126,6 +126,11 @@ async fn load(
     all
 }
 
+/// Mean of one timing over samples, in ms.
+fn mean_ms(samples: &[Sample], pick: fn(&Sample) -> Duration) -> f64 {
+    samples.iter().map(|s| pick(s).as_secs_f64()).sum::<f64>() * 1e3 / samples.len().max(1) as f64
+}
+
 fn pct(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i].as_secs_f64() * 1e3
@@ -138,33 +143,71 @@ fn p50_p99(samples: &[Sample], pick: fn(&Sample) -> Duration) -> (f64, f64) {
     (pct(&v, 0.5), pct(&v, 0.99))
 }
 
-/// (sum, count) of the proxy's prefill-leg duration histogram.
-async fn prefill_histogram(client: &reqwest::Client, proxy: &str) -> (f64, f64) {
-    let text = client
-        .get(format!("{proxy}/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics text");
-    let value = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (
-        value("pdctl_proxy_prefill_duration_seconds_sum"),
-        value("pdctl_proxy_prefill_duration_seconds_count"),
-    )
+/// The proxy's own stage histograms (sum in seconds, count), read from its /metrics.
+#[derive(Clone, Copy, Default)]
+struct Stages {
+    /// Prefill leg: sent until its answer was complete.
+    prefill: (f64, f64),
+    /// Decode leg: sent until its first byte.
+    decode_first_byte: (f64, f64),
+    /// Client request received until its first byte went out.
+    ttft: (f64, f64),
+}
+
+impl Stages {
+    async fn read(client: &reqwest::Client, proxy: &str) -> Stages {
+        let text = client
+            .get(format!("{proxy}/metrics"))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics text");
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        let histogram = |name: &str| {
+            (
+                value(&format!("pdctl_proxy_{name}_sum")),
+                value(&format!("pdctl_proxy_{name}_count")),
+            )
+        };
+        Stages {
+            prefill: histogram("prefill_duration_seconds"),
+            decode_first_byte: histogram("decode_ttft_seconds"),
+            ttft: histogram("ttft_seconds"),
+        }
+    }
+
+    /// Mean duration of each stage between `earlier` and `self`, in ms.
+    fn means_since(self, earlier: Stages) -> StageMeans {
+        let mean =
+            |(s1, n1): (f64, f64), (s0, n0): (f64, f64)| (s1 - s0) * 1e3 / (n1 - n0).max(1.0);
+        StageMeans {
+            prefill: mean(self.prefill, earlier.prefill),
+            decode_first_byte: mean(self.decode_first_byte, earlier.decode_first_byte),
+            ttft: mean(self.ttft, earlier.ttft),
+        }
+    }
+}
+
+/// Mean stage durations as the proxy measured them, in ms.
+#[derive(Clone, Copy, Default)]
+struct StageMeans {
+    prefill: f64,
+    decode_first_byte: f64,
+    ttft: f64,
 }
 
 /// What one proxy served during a measurement.
 struct Served {
     samples: Vec<Sample>,
     cpu: CpuTime,
-    /// Mean duration of the prefill leg as the proxy measured it, in ms.
-    prefill_leg_ms: f64,
+    /// Mean stage durations as the proxy measured them.
+    stages: StageMeans,
 }
 
 impl Served {
@@ -197,7 +240,7 @@ async fn interleaved(
     load(client, &targets, streams, 0.3, tokens).await;
     let mut before = Vec::new();
     for p in proxies {
-        before.push((prefill_histogram(client, &p.url).await, p.cpu()));
+        before.push((Stages::read(client, &p.url).await, p.cpu()));
     }
     let mut results = load(client, &targets, streams, secs, tokens).await;
     let cpu_after: Vec<CpuTime> = proxies.iter().map(ProxyUnderTest::cpu).collect();
@@ -207,16 +250,16 @@ async fn interleaved(
         Vec::new()
     };
     let mut served = Vec::new();
-    for ((p, samples), (((sum0, n0), cpu0), cpu1)) in proxies
+    for ((p, samples), ((stages0, cpu0), cpu1)) in proxies
         .iter()
         .zip(results)
         .zip(before.into_iter().zip(cpu_after))
     {
-        let (sum1, n1) = prefill_histogram(client, &p.url).await;
+        let stages = Stages::read(client, &p.url).await.means_since(stages0);
         served.push(Served {
             samples,
             cpu: cpu1.since(cpu0),
-            prefill_leg_ms: (sum1 - sum0) * 1e3 / (n1 - n0).max(1.0),
+            stages,
         });
     }
     (direct_samples, served)
@@ -240,7 +283,7 @@ async fn in_rounds(
         .map(|_| Served {
             samples: Vec::new(),
             cpu: CpuTime::default(),
-            prefill_leg_ms: 0.0,
+            stages: StageMeans::default(),
         })
         .collect();
     for _ in 0..ROUNDS {
@@ -317,6 +360,7 @@ fn main() {
     );
     println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let direct = format!("http://127.0.0.1:{paced_decode}");
+    let mut breakdown = Vec::new();
     for streams in CONCURRENCY {
         let (d, served) = client_rt.block_on(interleaved(
             &client,
@@ -334,10 +378,33 @@ fn main() {
                 p.label,
                 p50 - d50,
                 p99 - d99,
-                s.prefill_leg_ms,
+                s.stages.prefill,
                 s.cpu_per_request_us(),
             );
+            let direct_mean = mean_ms(&d, |s| s.ttft);
+            let added = mean_ms(&s.samples, |s| s.ttft) - direct_mean;
+            let st = s.stages;
+            let inside = st.ttft - st.prefill - st.decode_first_byte;
+            breakdown.push(format!(
+                "| {streams} | {} | {added:.3} ms | {:.3} ms | {:.3} ms | {inside:.3} ms | {:.3} ms |",
+                p.label,
+                st.prefill,
+                st.decode_first_byte - direct_mean,
+                added - st.ttft + direct_mean,
+            ));
         }
+    }
+    println!();
+    println!(
+        "Where the added TTFT goes (means over the same requests): the proxy's own histograms split it into the prefill leg, decode's first byte as the proxy waited for it minus the direct TTFT, the proxy's time outside both legs (its TTFT minus them), and the rest, outside the proxy (the client <-> proxy hops)"
+    );
+    println!();
+    println!(
+        "| streams | proxy | added (mean) | prefill leg | decode first byte minus direct | in the proxy, outside the legs | client <-> proxy hops |"
+    );
+    println!("|---:|---|---:|---:|---:|---:|---:|");
+    for row in breakdown {
+        println!("{row}");
     }
     println!();
 
