@@ -28,6 +28,12 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle connections kept per engine: enough for every stream of a busy proxy to find one.
 const POOL_MAX_IDLE_PER_ENGINE: usize = 1024;
 
+/// TCP keepalive on engine connections (idle time before the first probe, time between
+/// probes, probes before giving up): a silent stream or pooled connection to an engine
+/// host that vanished without closing its sockets fails within about a minute.
+const TCP_KEEPALIVE: (Duration, Duration, u32) =
+    (Duration::from_secs(15), Duration::from_secs(15), 3);
+
 /// An engine's answer: status and headers have arrived, the body is still to be read.
 pub type EngineResponse = axum::http::Response<Incoming>;
 
@@ -44,6 +50,10 @@ impl Upstream {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(connect_timeout));
         connector.set_nodelay(true);
+        let (idle, interval, retries) = TCP_KEEPALIVE;
+        connector.set_keepalive(Some(idle));
+        connector.set_keepalive_interval(Some(interval));
+        connector.set_keepalive_retries(Some(retries));
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .pool_max_idle_per_host(POOL_MAX_IDLE_PER_ENGINE)
