@@ -332,25 +332,30 @@ fn shared_storage_1p1d_carries_the_seed_flags() {
 /// The same profile on vLLM 0.12 uses the old class name.
 #[test]
 fn shared_storage_uses_the_old_name_before_0_13() {
-    let out = pdctl(&[
-        "plan",
-        "-p",
-        "shared-storage-1p1d",
-        "--gpus",
-        "0,1",
-        "--json",
-    ])
-    .env("PDCTL_STATE_DIR", TempDir::new("ss").path())
-    .output()
+    let dir = TempDir::new("ss12");
+    let profile = pdctl::profiles::get("shared-storage-1p1d").unwrap().text;
+    // The profile says "auto": with no vLLM to ask (a python that does not exist, since
+    // this machine may well have vLLM in pdctl's venv), a clear error, exit 2.
+    let no_vllm = dir.path().join("no-vllm.toml");
+    std::fs::write(
+        &no_vllm,
+        profile.replace(
+            "[engine]\n",
+            "[engine]\npython = \"/nonexistent/python3\"\n",
+        ),
+    )
     .unwrap();
-    // The profile says "auto" and there is no vLLM here: a clear error, exit 2.
+    let out = pdctl(&["plan", "-f", no_vllm.to_str().unwrap(), "--gpus", "0,1"])
+        .arg("--json")
+        .env("PDCTL_STATE_DIR", TempDir::new("ss").path())
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("engine.vllm_version") && err.contains("pin"),
         "{err}"
     );
-    let dir = TempDir::new("ss12");
     let file = dir.path().join("t.toml");
     let text = pdctl::profiles::get("shared-storage-1p1d")
         .unwrap()
