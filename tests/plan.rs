@@ -159,6 +159,85 @@ fn kv_config(s: &Value) -> Value {
     serde_json::from_str(flag(&argv(s), "--kv-transfer-config").unwrap()).unwrap()
 }
 
+/// The plan of a topology written inline, for vLLM `version`.
+fn plan_text(text: &str, version: &str) -> Plan {
+    let t = load_str(text, Source::Profile("inline".into()), "inline.toml".into()).unwrap();
+    build_plan(&PlanInput {
+        topology: &t.spec,
+        head: &t.head,
+        gpus: &[],
+        gpu_note: None,
+        version: Some(version.parse().unwrap()),
+        state_root: "/state".into(),
+        local_node: None,
+    })
+    .unwrap_or_else(|e| panic!("does not plan: {e}"))
+}
+
+fn env_of<'a>(plan: &'a Plan, service: &str, key: &str) -> Option<&'a str> {
+    let s = plan.services.iter().find(|s| s.name == service).unwrap();
+    s.env.get(key).map(String::as_str)
+}
+
+/// Real vLLM CPU 0.32: without a KV cache size each instance claims 92% of RAM and a
+/// second one cannot start; with `auto` binding instances on one machine share cores.
+#[test]
+fn cpu_engines_get_a_kv_cache_size_and_unpinned_threads() {
+    let base = "[model]\nname = \"/m\"\n[engine]\nkind = \"vllm\"\ndevice = \"cpu\"\n";
+    let plan = plan_text(base, "0.32.0");
+    for s in ["prefill-0", "decode-0"] {
+        assert_eq!(env_of(&plan, s, "VLLM_CPU_KVCACHE_SPACE"), Some("4"), "{s}");
+        assert_eq!(
+            env_of(&plan, s, "VLLM_CPU_OMP_THREADS_BIND"),
+            Some("nobind"),
+            "{s}"
+        );
+        assert_eq!(env_of(&plan, s, "CUDA_VISIBLE_DEVICES"), None, "{s}");
+    }
+    // The topology's env wins.
+    let plan = plan_text(
+        &format!(
+            "{base}env = {{ VLLM_CPU_KVCACHE_SPACE = \"1\", VLLM_CPU_OMP_THREADS_BIND = \"0-3\" }}\n"
+        ),
+        "0.32.0",
+    );
+    assert_eq!(
+        env_of(&plan, "decode-0", "VLLM_CPU_KVCACHE_SPACE"),
+        Some("1")
+    );
+    assert_eq!(
+        env_of(&plan, "decode-0", "VLLM_CPU_OMP_THREADS_BIND"),
+        Some("0-3")
+    );
+    // A size given another way is not overridden by the variable.
+    for extra in [
+        "args = [\"--kv-cache-memory-bytes=2000000000\"]\n",
+        "gpu_memory_utilization = 0.3\n",
+    ] {
+        let plan = plan_text(&format!("{base}{extra}"), "0.32.0");
+        assert_eq!(
+            env_of(&plan, "prefill-0", "VLLM_CPU_KVCACHE_SPACE"),
+            None,
+            "{extra}"
+        );
+    }
+    // Instances on their own machines keep vLLM's binding.
+    let plan = plan_text(
+        &format!(
+            "{base}[connector]\nshared_storage_path = \"/mnt/kv\"\n[nodes]\na = \"10.0.0.1\"\nb = \"10.0.0.2\"\n[prefill]\nnode = \"a\"\n[decode]\nnode = \"b\"\n"
+        ),
+        "0.32.0",
+    );
+    assert_eq!(
+        env_of(&plan, "prefill-0", "VLLM_CPU_OMP_THREADS_BIND"),
+        None
+    );
+    assert_eq!(
+        env_of(&plan, "prefill-0", "VLLM_CPU_KVCACHE_SPACE"),
+        Some("4")
+    );
+}
+
 /// Issue 2's acceptance check, through the CLI as a user runs it.
 #[test]
 fn mooncake_store_4p4d_plans_like_seed_001() {
