@@ -408,33 +408,36 @@ fn shared_storage_1p1d_carries_the_seed_flags() {
     );
 }
 
-/// The same profile on vLLM 0.12 uses the old class name.
+/// "auto" with a python that has no vLLM is a clear error naming the key to pin.
 #[test]
-fn shared_storage_uses_the_old_name_before_0_13() {
-    let dir = TempDir::new("ss12");
-    let profile = pdctl::profiles::get("shared-storage-1p1d").unwrap().text;
-    // The profile says "auto": with no vLLM to ask (a python that does not exist, since
-    // this machine may well have vLLM in pdctl's venv), a clear error, exit 2.
-    let no_vllm = dir.path().join("no-vllm.toml");
+fn auto_version_without_vllm_says_to_pin_it() {
+    let dir = TempDir::new("novllm");
+    let file = dir.path().join("t.toml");
     std::fs::write(
-        &no_vllm,
-        profile.replace(
-            "[engine]\n",
-            "[engine]\npython = \"/nonexistent/python3\"\n",
-        ),
+        &file,
+        "[model]\nname = \"m\"\n[engine]\npython = \"/nonexistent/python3\"\n",
     )
     .unwrap();
-    let out = pdctl(&["plan", "-f", no_vllm.to_str().unwrap(), "--gpus", "0,1"])
-        .arg("--json")
-        .env("PDCTL_STATE_DIR", TempDir::new("ss").path())
+    let out = pdctl(&["plan", "-f", file.to_str().unwrap(), "--gpus", "0,1"])
+        .env("PDCTL_STATE_DIR", dir.path())
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("engine.vllm_version") && err.contains("pin"),
+        err.contains("t.toml:") && err.contains("engine.vllm_version"),
         "{err}"
     );
+    assert!(
+        err.contains("/nonexistent/python3") && err.contains("pin"),
+        "{err}"
+    );
+}
+
+/// The same profile on vLLM 0.12 uses the old class name.
+#[test]
+fn shared_storage_uses_the_old_name_before_0_13() {
+    let dir = TempDir::new("ss12");
     let file = dir.path().join("t.toml");
     let text = pdctl::profiles::get("shared-storage-1p1d")
         .unwrap()

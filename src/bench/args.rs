@@ -1,5 +1,108 @@
 //! Arguments of `pdctl bench`.
 
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+
+/// Where prompts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DatasetKind {
+    /// Random words, `--input-len` tokens in, `--output-len` out.
+    Random,
+    /// Seed 001's prefix-caching workload: groups sharing a long context.
+    Prefix,
+    /// ShareGPT JSON (`--dataset-path`): first human turn in, reply length out.
+    Sharegpt,
+}
+
+/// How the `prefix` dataset assigns instances through the `user` field (seed 001).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Strategy {
+    /// No designation: the proxy's routing policy decides.
+    None,
+    /// A random prefill/decode pair per request.
+    Random,
+    /// Every request of a group to the same pair.
+    Designate,
+    /// Pairs taken round-robin, request by request.
+    Rr,
+}
+
+/// Which OpenAI route requests go to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
 /// Everything `pdctl bench` takes.
-#[derive(Debug, clap::Args)]
-pub struct BenchArgs {}
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Base URL of an OpenAI-compatible server (default: the running cluster's proxy).
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Model name sent in requests (default: the first one GET /v1/models lists).
+    #[arg(long)]
+    pub model: Option<String>,
+    #[arg(long, value_enum, default_value = "random")]
+    pub dataset: DatasetKind,
+    /// The ShareGPT JSON file (`--dataset sharegpt`).
+    #[arg(long)]
+    pub dataset_path: Option<PathBuf>,
+    #[arg(long, default_value_t = 100)]
+    pub num_prompts: usize,
+    /// Poisson arrivals at this many requests per second (default: all at once, bounded
+    /// by --max-concurrency).
+    #[arg(long)]
+    pub request_rate: Option<f64>,
+    /// Requests in flight at once.
+    #[arg(long)]
+    pub max_concurrency: Option<usize>,
+    /// Prompt length in tokens (random dataset) or question length (prefix dataset).
+    #[arg(long, default_value_t = 128)]
+    pub input_len: usize,
+    /// Completion length in tokens.
+    #[arg(long, default_value_t = 64)]
+    pub output_len: usize,
+    #[arg(long, value_enum, default_value = "completions")]
+    pub endpoint: Endpoint,
+    /// Prefix dataset: number of groups sharing a context.
+    #[arg(long, default_value_t = 4)]
+    pub prefix_groups: usize,
+    /// Prefix dataset: length of each group's shared context, in tokens.
+    #[arg(long, default_value_t = 512)]
+    pub prefix_len: usize,
+    /// Prefix dataset: how requests are pinned to instances via `user`.
+    #[arg(long, value_enum, default_value = "none")]
+    pub strategy: Strategy,
+    /// Prefill instances (HOST:PORT or URL) for designation and cache figures
+    /// (default: from the running cluster).
+    #[arg(long = "prefill")]
+    pub prefill: Vec<String>,
+    /// Decode instances, likewise.
+    #[arg(long = "decode")]
+    pub decode: Vec<String>,
+    /// Write every figure as JSON (field names as `vllm bench serve` where they mean the same).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Print two earlier --json results side by side instead of running.
+    #[arg(long, num_args = 2, value_names = ["A.json", "B.json"])]
+    pub compare: Option<Vec<PathBuf>>,
+    /// Draw latency CDFs (TTFT, end-to-end) into an SVG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Seed for datasets, arrivals and random designation.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Per-request timeout in seconds.
+    #[arg(long, default_value_t = 600)]
+    pub timeout_s: u64,
+    /// Name of this run in JSON, comparisons and plots.
+    #[arg(long)]
+    pub label: Option<String>,
+    /// State root to find the running cluster in (as `pdctl status`).
+    #[arg(long, env = "PDCTL_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// The running cluster to benchmark when several run.
+    #[arg(long)]
+    pub cluster: Option<String>,
+}

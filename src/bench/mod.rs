@@ -1,8 +1,262 @@
-//! `pdctl bench`.
+//! `pdctl bench`: the serving benchmark users run today with `vllm bench serve` and
+//! hand-written scripts, against any OpenAI-compatible URL (the running cluster's proxy by
+//! default), with the engines' prefix-cache hit rate read before and after.
 
 pub mod args;
+pub mod dataset;
+pub mod engines;
+pub mod plot;
+pub mod report;
+pub mod runner;
+pub mod stats;
 
-/// Runs a benchmark.
-pub async fn run(_args: args::BenchArgs) -> anyhow::Result<std::process::ExitCode> {
-    anyhow::bail!("not built yet")
+use crate::cli::ExitError;
+use crate::plan::Role;
+use anyhow::Context;
+use args::{BenchArgs, Strategy};
+use report::{Report, RunInfo};
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Where to send requests and which engines to read cache figures from.
+struct Target {
+    url: String,
+    prefill: Vec<String>,
+    decode: Vec<String>,
+}
+
+/// Runs a benchmark (or `--compare`s two results).
+pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
+    if let Some(files) = &a.compare {
+        return compare(&files[0], &files[1], a.plot.as_deref());
+    }
+    check_args(&a)?;
+    let client = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(5))
+        .pool_max_idle_per_host(1024)
+        .build()?;
+    let target = target(&a).await?;
+    let model = match &a.model {
+        Some(m) => m.clone(),
+        None => first_model(&client, &target.url).await?,
+    };
+    let reqs = dataset::build(&a, &target.prefill, &target.decode)
+        .map_err(|e| ExitError::usage(e.to_string()))?;
+    let mut engines = target.prefill.clone();
+    engines.extend(target.decode.iter().cloned());
+    let engines: Vec<String> = engines.iter().map(|e| normalize(e)).collect();
+    let before = engines::snapshot(&client, &engines).await;
+
+    let load = runner::Load {
+        url: target.url.clone(),
+        model: model.clone(),
+        endpoint: a.endpoint,
+        max_concurrency: a.max_concurrency,
+        request_rate: a.request_rate,
+        seed: a.seed,
+        timeout: Duration::from_secs(a.timeout_s),
+    };
+    let total = reqs.len();
+    let tty = std::io::stderr().is_terminal();
+    eprintln!(
+        "pdctl bench: {total} requests to {} (model {model})",
+        target.url
+    );
+    let (outcomes, duration) = runner::run(&client, &load, &reqs, move |done| {
+        progress(done, total, tty)
+    })
+    .await;
+    if tty {
+        eprintln!();
+    }
+    let after = engines::snapshot(&client, &engines).await;
+    let cache = engines::deltas(&engines, &before, &after);
+    let info = RunInfo {
+        label: a.label.clone().unwrap_or_else(|| default_label(&a)),
+        url: target.url,
+        model,
+        endpoint: value_name(a.endpoint),
+        dataset: value_name(a.dataset),
+        strategy: value_name(a.strategy),
+        request_rate: a.request_rate,
+        max_concurrency: a.max_concurrency,
+    };
+    let report = Report::from_outcomes(info, &outcomes, duration, cache);
+    print!("{}", report.table());
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("figures written to {}", path.display());
+    }
+    if let Some(path) = &a.plot {
+        std::fs::write(path, plot::svg(&[&report]))
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("plot written to {}", path.display());
+    }
+    Ok(if report.completed == 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn value_name<T: clap::ValueEnum>(v: T) -> String {
+    v.to_possible_value()
+        .map(|p| p.get_name().to_string())
+        .unwrap_or_default()
+}
+
+fn default_label(a: &BenchArgs) -> String {
+    match a.dataset {
+        args::DatasetKind::Prefix => format!("prefix/{}", value_name(a.strategy)),
+        d => value_name(d),
+    }
+}
+
+fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
+    if let Some(r) = a.request_rate
+        && !(r.is_finite() && r > 0.0)
+    {
+        return Err(ExitError::usage(format!(
+            "--request-rate {r}: give a number of requests per second above 0"
+        )));
+    }
+    if a.max_concurrency == Some(0) {
+        return Err(ExitError::usage("--max-concurrency 0: give at least 1"));
+    }
+    if a.output_len == 0 {
+        return Err(ExitError::usage("--output-len 0: give at least 1 token"));
+    }
+    if a.strategy != Strategy::None && a.dataset != args::DatasetKind::Prefix {
+        return Err(ExitError::usage(
+            "--strategy applies to --dataset prefix only",
+        ));
+    }
+    if let Some(u) = &a.url {
+        let parsed = reqwest::Url::parse(u).map_err(|e| {
+            ExitError::usage(format!(
+                "--url {u}: not a URL ({e}); write e.g. http://127.0.0.1:8000"
+            ))
+        })?;
+        if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
+            return Err(ExitError::usage(format!(
+                "--url {u}: needs http://HOST:PORT"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `HOST:PORT` or a URL -> a base URL.
+fn normalize(s: &str) -> String {
+    if s.starts_with("http://") || s.starts_with("https://") {
+        s.trim_end_matches('/').to_string()
+    } else {
+        format!("http://{}", s.trim_end_matches('/'))
+    }
+}
+
+/// The URL and engines: as given, else from the running cluster.
+async fn target(a: &BenchArgs) -> anyhow::Result<Target> {
+    if let Some(url) = &a.url {
+        return Ok(Target {
+            url: url.trim_end_matches('/').to_string(),
+            prefill: a.prefill.clone(),
+            decode: a.decode.clone(),
+        });
+    }
+    let root = crate::cli::common::state_root(a.state_dir.as_deref());
+    let running = crate::control::discover::pick(&root, a.cluster.as_deref())
+        .await
+        .map_err(|e| ExitError::usage(format!("{e}; or give --url")))?;
+    let r = running.report;
+    let url = r.proxy_url.clone().ok_or_else(|| {
+        ExitError::usage(format!(
+            "cluster {} has no proxy: give --url of an engine",
+            r.cluster
+        ))
+    })?;
+    let urls = |role: Role, given: &[String]| -> Vec<String> {
+        if !given.is_empty() {
+            return given.to_vec();
+        }
+        r.services
+            .iter()
+            .filter(|s| s.role == role)
+            .filter_map(|s| s.url.clone())
+            .collect()
+    };
+    Ok(Target {
+        url,
+        prefill: urls(Role::Prefill, &a.prefill),
+        decode: urls(Role::Decode, &a.decode),
+    })
+}
+
+/// The first model the server lists; a clear error when it cannot be asked.
+async fn first_model(client: &reqwest::Client, url: &str) -> anyhow::Result<String> {
+    let models = format!("{url}/v1/models");
+    let resp = client
+        .get(&models)
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot reach {models}: {}; is the server up (pdctl status)?",
+                runner::causes(&e)
+            )
+        })?;
+    let status = resp.status();
+    let v: serde_json::Value = resp.json().await.unwrap_or_default();
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| {
+            anyhow::anyhow!("{models} answered {status} without a model; give --model NAME")
+        })
+}
+
+fn progress(done: usize, total: usize, tty: bool) {
+    if tty {
+        let width = 40;
+        let filled = done * width / total.max(1);
+        eprint!(
+            "\r[{}{}] {done}/{total}",
+            "#".repeat(filled),
+            " ".repeat(width - filled)
+        );
+    } else if done == total || done % (total / 10).max(1) == 0 {
+        eprintln!("{done}/{total} requests done");
+    }
+}
+
+fn compare(
+    a: &std::path::Path,
+    b: &std::path::Path,
+    plot: Option<&std::path::Path>,
+) -> anyhow::Result<ExitCode> {
+    let load = |p: &std::path::Path| -> anyhow::Result<Report> {
+        let text = std::fs::read_to_string(p)
+            .map_err(|e| ExitError::usage(format!("cannot read {}: {e}", p.display())))?;
+        serde_json::from_str(&text).map_err(|e| {
+            ExitError::usage(format!(
+                "{} is not a pdctl bench --json result: {e}",
+                p.display()
+            ))
+        })
+    };
+    let (mut ra, mut rb) = (load(a)?, load(b)?);
+    if ra.label == rb.label {
+        ra.label = format!("{} (A)", ra.label);
+        rb.label = format!("{} (B)", rb.label);
+    }
+    print!("{}", report::compare(&ra, &rb));
+    if let Some(path) = plot {
+        std::fs::write(path, plot::svg(&[&ra, &rb]))
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("plot written to {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -63,6 +63,17 @@ pub struct SimModel {
     /// Sequences running at once before requests wait (as vLLM's --max-num-seqs).
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: u32,
+    /// Cost of loading one handed-off KV token on the decode side, in milliseconds
+    /// (much cheaper than computing it, as a real KV transfer is).
+    #[arg(long, default_value_t = 0.005)]
+    pub kv_load_ms_per_token: f64,
+    /// How long a decode waits for a mooncake transfer before it recomputes, in ms.
+    #[arg(long, default_value_t = 30_000)]
+    pub handoff_wait_ms: u64,
+    /// How long a prefill keeps KV blocks for a decode that never pulls them, in ms
+    /// (vLLM's NIXL abort timeout plays this part).
+    #[arg(long, default_value_t = 120_000)]
+    pub kv_hold_timeout_ms: u64,
 }
 
 impl Default for SimModel {
@@ -77,6 +88,9 @@ impl Default for SimModel {
             block_size: 16,
             cache_blocks: 16384,
             max_num_seqs: 256,
+            kv_load_ms_per_token: 0.005,
+            handoff_wait_ms: 30_000,
+            kv_hold_timeout_ms: 120_000,
         }
     }
 }
@@ -89,6 +103,7 @@ impl SimModel {
             overhead_ms: 0.0,
             itl_ms: 0.0,
             batch_slowdown: 0.0,
+            kv_load_ms_per_token: 0.0,
             ..SimModel::default()
         }
     }
@@ -114,6 +129,12 @@ impl SimModel {
             self.cache_blocks.to_string(),
             "--max-num-seqs".into(),
             self.max_num_seqs.to_string(),
+            "--kv-load-ms-per-token".into(),
+            self.kv_load_ms_per_token.to_string(),
+            "--handoff-wait-ms".into(),
+            self.handoff_wait_ms.to_string(),
+            "--kv-hold-timeout-ms".into(),
+            self.kv_hold_timeout_ms.to_string(),
         ]
     }
 }
@@ -127,6 +148,7 @@ pub struct SimArgs {
     /// OpenAI-compatible HTTP port (as vLLM's --port).
     #[arg(long)]
     pub port: u16,
+    /// Which side of the PD pair this instance plays.
     #[arg(long, value_enum, default_value = "both")]
     pub role: SimRole,
     /// Served model name, reported by /v1/models and checked against requests.
@@ -135,6 +157,7 @@ pub struct SimArgs {
     /// Instance name for logs and the engine id (e.g. `prefill-0`).
     #[arg(long)]
     pub instance: Option<String>,
+    /// How KV reaches the decode side (must match the proxy's protocol).
     #[arg(long, value_enum, default_value = "none")]
     pub handoff: SimHandoff,
     /// Shared directory for the `shared-dir` handoff.
@@ -148,10 +171,24 @@ pub struct SimArgs {
     /// Fault injection: exit with status 1 after serving this many requests.
     #[arg(long)]
     pub fault_exit_after: Option<u64>,
+    /// Host that decode instances use to pull KV from this one (nixl `remote_host`).
+    /// Defaults to --host, or 127.0.0.1 when --host is a wildcard address.
+    #[arg(long)]
+    pub kv_host: Option<String>,
+    /// Interval of the periodic stats log line (throughput, running, cache hit rate);
+    /// 0 turns it off.
+    #[arg(long, default_value_t = 10_000)]
+    pub log_stats_interval_ms: u64,
+    /// Require `Authorization: Bearer KEY` on /v1/* routes, as `vllm serve --api-key`
+    /// does (/health, /metrics and /version stay open).
+    #[arg(long, env = "VLLM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
 }
 
 impl SimArgs {
-    /// The argv after `pdctl sim` that parses back into exactly these arguments.
+    /// The argv after `pdctl sim` that parses back into exactly these arguments, the API
+    /// key excepted: a secret travels in the environment (`VLLM_API_KEY`), never on a
+    /// command line that `ps` shows.
     pub fn to_argv(&self) -> Vec<String> {
         let mut v = vec![
             "--host".to_string(),
@@ -177,6 +214,13 @@ impl SimArgs {
         if let Some(n) = self.fault_exit_after {
             v.extend(["--fault-exit-after".into(), n.to_string()]);
         }
+        if let Some(h) = &self.kv_host {
+            v.extend(["--kv-host".into(), h.clone()]);
+        }
+        v.extend([
+            "--log-stats-interval-ms".into(),
+            self.log_stats_interval_ms.to_string(),
+        ]);
         v
     }
 }
@@ -187,4 +231,82 @@ pub(crate) fn value_name<T: ValueEnum>(v: T) -> String {
         .expect("no skipped variants")
         .get_name()
         .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        sim: SimArgs,
+    }
+
+    fn parse(argv: &[String]) -> SimArgs {
+        let mut full = vec!["pdctl-sim".to_string()];
+        full.extend_from_slice(argv);
+        Wrapper::try_parse_from(full)
+            .expect("to_argv output parses")
+            .sim
+    }
+
+    #[test]
+    fn to_argv_round_trips_defaults_and_every_field() {
+        let minimal = parse(&["--port".into(), "8100".into()]);
+        assert_eq!(parse(&minimal.to_argv()), minimal);
+        assert_eq!(minimal.model_params, SimModel::default());
+        let full = SimArgs {
+            host: "0.0.0.0".into(),
+            port: 8200,
+            role: SimRole::Prefill,
+            model: "qwen".into(),
+            instance: Some("prefill-1".into()),
+            handoff: SimHandoff::Mooncake,
+            kv_dir: Some(PathBuf::from("/tmp/kv dir")),
+            bootstrap_port: Some(8998),
+            model_params: SimModel {
+                prefill_ms_per_token: 0.125,
+                overhead_ms: 0.1,
+                itl_ms: 7.3,
+                batch_slowdown: 0.015,
+                startup_ms: 2500,
+                max_model_len: 4096,
+                block_size: 32,
+                cache_blocks: 9,
+                max_num_seqs: 3,
+                kv_load_ms_per_token: 0.0001,
+                handoff_wait_ms: 1234,
+                kv_hold_timeout_ms: 5678,
+            },
+            fault_exit_after: Some(7),
+            kv_host: Some("10.0.0.2".into()),
+            log_stats_interval_ms: 0,
+            api_key: None,
+        };
+        assert_eq!(parse(&full.to_argv()), full);
+        let keyed = SimArgs {
+            api_key: Some("secret".into()),
+            ..full.clone()
+        };
+        assert!(!keyed.to_argv().iter().any(|a| a.contains("secret")));
+        let zero = SimArgs {
+            model_params: SimModel::zero_latency(),
+            ..minimal
+        };
+        assert_eq!(parse(&zero.to_argv()), zero);
+    }
+
+    #[test]
+    fn topology_table_fills_defaults_and_rejects_typos() {
+        let m: SimModel = toml::from_str("itl_ms = 5.0\nhandoff_wait_ms = 100").unwrap();
+        assert_eq!(m.itl_ms, 5.0);
+        assert_eq!(m.handoff_wait_ms, 100);
+        assert_eq!(m.block_size, 16);
+        let err = toml::from_str::<SimModel>("itl = 5.0")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("itl"), "{err}");
+    }
 }

@@ -1,0 +1,99 @@
+//! Prefix-cache counters read from the engines' /metrics before and after a run, so a
+//! benchmark shows what routing did to the hit rate.
+
+use super::report::CacheFigures;
+use std::time::Duration;
+
+/// Sums the samples of `name` (any labels) in Prometheus text.
+pub fn counter(text: &str, name: &str) -> Option<f64> {
+    let mut found = false;
+    let mut sum = 0.0;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+            continue;
+        }
+        let value = rest
+            .rsplit(' ')
+            .find(|s| !s.is_empty())
+            .and_then(|v| v.parse::<f64>().ok());
+        if let Some(v) = value {
+            sum += v;
+            found = true;
+        }
+    }
+    found.then_some(sum)
+}
+
+/// (queries, hits) of one engine: vLLM V1 names, else the V0 `gpu_` ones.
+pub fn cache_counters(text: &str) -> Option<(f64, f64)> {
+    let q = counter(text, "vllm:prefix_cache_queries_total")
+        .or_else(|| counter(text, "vllm:gpu_prefix_cache_queries_total"))?;
+    let h = counter(text, "vllm:prefix_cache_hits_total")
+        .or_else(|| counter(text, "vllm:gpu_prefix_cache_hits_total"))?;
+    Some((q, h))
+}
+
+/// Reads every engine's counters; engines that do not answer are left out.
+pub async fn snapshot(client: &reqwest::Client, engines: &[String]) -> Vec<Option<(f64, f64)>> {
+    let mut out = Vec::with_capacity(engines.len());
+    for e in engines {
+        let url = format!("{}/metrics", e.trim_end_matches('/'));
+        let text = async {
+            client
+                .get(&url)
+                .timeout(Duration::from_secs(5))
+                .send()
+                .await?
+                .text()
+                .await
+        };
+        out.push(text.await.ok().and_then(|t| cache_counters(&t)));
+    }
+    out
+}
+
+/// Per-engine deltas between two snapshots.
+pub fn deltas(
+    engines: &[String],
+    before: &[Option<(f64, f64)>],
+    after: &[Option<(f64, f64)>],
+) -> Vec<CacheFigures> {
+    engines
+        .iter()
+        .zip(before.iter().zip(after))
+        .filter_map(|(e, (b, a))| {
+            let ((q0, h0), (q1, h1)) = ((*b)?, (*a)?);
+            let (q, h) = (q1 - q0, h1 - h0);
+            Some(CacheFigures {
+                instance: e.clone(),
+                queries: q,
+                hits: h,
+                hit_rate: if q > 0.0 { h / q } else { 0.0 },
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_sum_label_sets_and_ignore_lookalikes() {
+        let text = "# HELP x\nvllm:prefix_cache_queries_total{model_name=\"a\"} 100.0\nvllm:prefix_cache_queries_total{model_name=\"b\"} 50\nvllm:prefix_cache_queries_total_created 17\nvllm:prefix_cache_hits_total 75\n";
+        assert_eq!(cache_counters(text), Some((150.0, 75.0)));
+        assert_eq!(
+            cache_counters(
+                "vllm:gpu_prefix_cache_queries_total 4\nvllm:gpu_prefix_cache_hits_total 1\n"
+            ),
+            Some((4.0, 1.0))
+        );
+        assert_eq!(cache_counters("nothing 1\n"), None);
+    }
+}

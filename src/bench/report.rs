@@ -1,0 +1,391 @@
+//! The figures of one run: computed from outcomes, printed as a table, written as JSON
+//! (field names as `vllm bench serve` where they mean the same), compared side by side.
+
+use super::runner::Outcome;
+use super::stats::{Summary, summarize};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+/// Prefix-cache figures of one engine over the run (deltas of its /metrics counters).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheFigures {
+    pub instance: String,
+    pub queries: f64,
+    pub hits: f64,
+    pub hit_rate: f64,
+}
+
+/// Everything a run measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub label: String,
+    pub url: String,
+    pub model: String,
+    pub endpoint: String,
+    pub dataset: String,
+    pub strategy: String,
+    pub num_prompts: usize,
+    pub request_rate: Option<f64>,
+    pub max_concurrency: Option<usize>,
+    pub duration: f64,
+    pub completed: usize,
+    pub failed: usize,
+    /// Distinct error messages with how often each happened.
+    pub errors: BTreeMap<String, usize>,
+    pub total_input_tokens: usize,
+    pub total_output_tokens: usize,
+    pub request_throughput: f64,
+    pub output_throughput: f64,
+    pub total_token_throughput: f64,
+    pub ttft_ms: Summary,
+    pub tpot_ms: Summary,
+    pub itl_ms: Summary,
+    pub e2el_ms: Summary,
+    pub mean_ttft_ms: f64,
+    pub median_ttft_ms: f64,
+    pub p99_ttft_ms: f64,
+    pub mean_tpot_ms: f64,
+    pub median_tpot_ms: f64,
+    pub p99_tpot_ms: f64,
+    pub mean_itl_ms: f64,
+    pub median_itl_ms: f64,
+    pub p99_itl_ms: f64,
+    pub mean_e2el_ms: f64,
+    pub median_e2el_ms: f64,
+    pub p99_e2el_ms: f64,
+    /// Per engine, when the engines' URLs are known.
+    pub prefix_cache: Vec<CacheFigures>,
+    /// Hits / queries over every engine, when known.
+    pub prefix_cache_hit_rate: Option<f64>,
+    /// Per successful request, seconds (as vLLM's result JSON).
+    pub ttfts: Vec<f64>,
+    pub e2els: Vec<f64>,
+}
+
+/// Describes the run for the report header.
+#[derive(Debug, Clone, Default)]
+pub struct RunInfo {
+    pub label: String,
+    pub url: String,
+    pub model: String,
+    pub endpoint: String,
+    pub dataset: String,
+    pub strategy: String,
+    pub request_rate: Option<f64>,
+    pub max_concurrency: Option<usize>,
+}
+
+impl Report {
+    /// Computes the figures from the outcomes of a run that took `duration` seconds.
+    pub fn from_outcomes(
+        info: RunInfo,
+        outcomes: &[Outcome],
+        duration: f64,
+        cache: Vec<CacheFigures>,
+    ) -> Report {
+        let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok).collect();
+        let mut errors = BTreeMap::new();
+        for o in outcomes.iter().filter(|o| !o.ok) {
+            *errors
+                .entry(o.error.clone().unwrap_or_else(|| "unknown".into()))
+                .or_insert(0) += 1;
+        }
+        let ttfts: Vec<f64> = ok.iter().filter_map(|o| o.ttft_ms).collect();
+        let tpots: Vec<f64> = ok
+            .iter()
+            .filter(|o| o.output_tokens > 1)
+            .filter_map(|o| {
+                o.ttft_ms
+                    .map(|t| (o.e2e_ms - t) / (o.output_tokens - 1) as f64)
+            })
+            .collect();
+        let itls: Vec<f64> = ok.iter().flat_map(|o| o.itl_ms.iter().copied()).collect();
+        let e2els: Vec<f64> = ok.iter().map(|o| o.e2e_ms).collect();
+        let tin: usize = ok.iter().map(|o| o.prompt_tokens).sum();
+        let tout: usize = ok.iter().map(|o| o.output_tokens).sum();
+        let d = duration.max(1e-9);
+        let (ttft, tpot, itl, e2el) = (
+            summarize(&ttfts),
+            summarize(&tpots),
+            summarize(&itls),
+            summarize(&e2els),
+        );
+        let (q, h): (f64, f64) = cache
+            .iter()
+            .fold((0.0, 0.0), |(q, h), c| (q + c.queries, h + c.hits));
+        Report {
+            label: info.label,
+            url: info.url,
+            model: info.model,
+            endpoint: info.endpoint,
+            dataset: info.dataset,
+            strategy: info.strategy,
+            num_prompts: outcomes.len(),
+            request_rate: info.request_rate,
+            max_concurrency: info.max_concurrency,
+            duration,
+            completed: ok.len(),
+            failed: outcomes.len() - ok.len(),
+            errors,
+            total_input_tokens: tin,
+            total_output_tokens: tout,
+            request_throughput: ok.len() as f64 / d,
+            output_throughput: tout as f64 / d,
+            total_token_throughput: (tin + tout) as f64 / d,
+            mean_ttft_ms: ttft.mean,
+            median_ttft_ms: ttft.median,
+            p99_ttft_ms: ttft.p99,
+            mean_tpot_ms: tpot.mean,
+            median_tpot_ms: tpot.median,
+            p99_tpot_ms: tpot.p99,
+            mean_itl_ms: itl.mean,
+            median_itl_ms: itl.median,
+            p99_itl_ms: itl.p99,
+            mean_e2el_ms: e2el.mean,
+            median_e2el_ms: e2el.median,
+            p99_e2el_ms: e2el.p99,
+            ttft_ms: ttft,
+            tpot_ms: tpot,
+            itl_ms: itl,
+            e2el_ms: e2el,
+            prefix_cache_hit_rate: (q > 0.0).then(|| h / q),
+            prefix_cache: cache,
+            ttfts: ttfts.iter().map(|x| x / 1e3).collect(),
+            e2els: e2els.iter().map(|x| x / 1e3).collect(),
+        }
+    }
+
+    /// The table a person reads after a run.
+    pub fn table(&self) -> String {
+        let mut o = String::new();
+        let line = |o: &mut String, k: &str, v: String| {
+            let _ = writeln!(o, "{k:<40}{v:>12}");
+        };
+        let _ = writeln!(o, "{:=^52}", format!(" {} ", self.label));
+        line(&mut o, "Successful requests:", self.completed.to_string());
+        line(&mut o, "Failed requests:", self.failed.to_string());
+        line(
+            &mut o,
+            "Benchmark duration (s):",
+            format!("{:.2}", self.duration),
+        );
+        line(
+            &mut o,
+            "Total input tokens:",
+            self.total_input_tokens.to_string(),
+        );
+        line(
+            &mut o,
+            "Total generated tokens:",
+            self.total_output_tokens.to_string(),
+        );
+        line(
+            &mut o,
+            "Request throughput (req/s):",
+            format!("{:.2}", self.request_throughput),
+        );
+        line(
+            &mut o,
+            "Output token throughput (tok/s):",
+            format!("{:.2}", self.output_throughput),
+        );
+        line(
+            &mut o,
+            "Total token throughput (tok/s):",
+            format!("{:.2}", self.total_token_throughput),
+        );
+        let latencies = [
+            ("Time to First Token", &self.ttft_ms),
+            ("Time per Output Token (excl. 1st token)", &self.tpot_ms),
+            ("Inter-token Latency", &self.itl_ms),
+            ("End-to-end Latency", &self.e2el_ms),
+        ];
+        // With nothing completed there is no latency to show, only the errors.
+        let shown = if self.completed == 0 {
+            0
+        } else {
+            latencies.len()
+        };
+        for (name, s) in latencies.into_iter().take(shown) {
+            let short = match name.chars().next() {
+                Some('T') if name.starts_with("Time to") => "TTFT",
+                Some('T') => "TPOT",
+                Some('I') => "ITL",
+                _ => "E2EL",
+            };
+            let _ = writeln!(o, "{:-^52}", format!(" {name} "));
+            line(
+                &mut o,
+                &format!("Mean {short} (ms):"),
+                format!("{:.2}", s.mean),
+            );
+            line(
+                &mut o,
+                &format!("Median {short} (ms):"),
+                format!("{:.2}", s.median),
+            );
+            line(
+                &mut o,
+                &format!("P90 {short} (ms):"),
+                format!("{:.2}", s.p90),
+            );
+            line(
+                &mut o,
+                &format!("P99 {short} (ms):"),
+                format!("{:.2}", s.p99),
+            );
+        }
+        if !self.prefix_cache.is_empty() {
+            let _ = writeln!(o, "{:-^52}", " Prefix cache (engines' /metrics, this run) ");
+            for c in &self.prefix_cache {
+                line(
+                    &mut o,
+                    &format!("{}:", c.instance),
+                    format!("{:.1} %", c.hit_rate * 100.0),
+                );
+            }
+            if let Some(r) = self.prefix_cache_hit_rate {
+                line(&mut o, "All instances:", format!("{:.1} %", r * 100.0));
+            }
+        }
+        if !self.errors.is_empty() {
+            let _ = writeln!(o, "{:-^52}", " Errors ");
+            for (e, n) in &self.errors {
+                let _ = writeln!(o, "{n:>5} x {e}");
+            }
+        }
+        let _ = writeln!(o, "{}", "=".repeat(52));
+        o
+    }
+}
+
+/// Two runs side by side with B/A ratios, for `--compare`.
+pub fn compare(a: &Report, b: &Report) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "{:<32}{:>16}{:>16}{:>10}", "", a.label, b.label, "B/A");
+    let rows: [(&str, f64, f64); 14] = [
+        ("completed", a.completed as f64, b.completed as f64),
+        ("failed", a.failed as f64, b.failed as f64),
+        (
+            "request throughput (req/s)",
+            a.request_throughput,
+            b.request_throughput,
+        ),
+        (
+            "output throughput (tok/s)",
+            a.output_throughput,
+            b.output_throughput,
+        ),
+        ("mean TTFT (ms)", a.ttft_ms.mean, b.ttft_ms.mean),
+        ("median TTFT (ms)", a.ttft_ms.median, b.ttft_ms.median),
+        ("p99 TTFT (ms)", a.ttft_ms.p99, b.ttft_ms.p99),
+        ("median TPOT (ms)", a.tpot_ms.median, b.tpot_ms.median),
+        ("p99 TPOT (ms)", a.tpot_ms.p99, b.tpot_ms.p99),
+        ("median ITL (ms)", a.itl_ms.median, b.itl_ms.median),
+        ("median E2E (ms)", a.e2el_ms.median, b.e2el_ms.median),
+        ("p99 E2E (ms)", a.e2el_ms.p99, b.e2el_ms.p99),
+        (
+            "prefix cache hit rate (%)",
+            a.prefix_cache_hit_rate.unwrap_or(f64::NAN) * 100.0,
+            b.prefix_cache_hit_rate.unwrap_or(f64::NAN) * 100.0,
+        ),
+        ("duration (s)", a.duration, b.duration),
+    ];
+    for (name, x, y) in rows {
+        let ratio = if x.abs() > 1e-12 && x.is_finite() && y.is_finite() {
+            format!("{:.2}", y / x)
+        } else {
+            "-".into()
+        };
+        let fmt = |v: f64| {
+            if v.is_finite() {
+                format!("{v:.2}")
+            } else {
+                "-".into()
+            }
+        };
+        let _ = writeln!(o, "{name:<32}{:>16}{:>16}{ratio:>10}", fmt(x), fmt(y));
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(ttft: f64, e2e: f64, out: usize) -> Outcome {
+        Outcome {
+            ok: true,
+            ttft_ms: Some(ttft),
+            itl_ms: vec![(e2e - ttft) / (out - 1) as f64; out - 1],
+            e2e_ms: e2e,
+            prompt_tokens: 10,
+            output_tokens: out,
+            ..Outcome::default()
+        }
+    }
+
+    #[test]
+    fn figures_follow_from_outcomes() {
+        let mut outs = vec![outcome(100.0, 190.0, 10), outcome(200.0, 290.0, 10)];
+        outs.push(Outcome {
+            error: Some("HTTP 502: prefill down".into()),
+            ..Outcome::default()
+        });
+        let r = Report::from_outcomes(RunInfo::default(), &outs, 2.0, vec![]);
+        assert_eq!((r.completed, r.failed), (2, 1));
+        assert_eq!(r.errors["HTTP 502: prefill down"], 1);
+        assert_eq!(r.mean_ttft_ms, 150.0);
+        assert!((r.mean_tpot_ms - 10.0).abs() < 1e-9);
+        assert_eq!(r.total_output_tokens, 20);
+        assert_eq!(r.request_throughput, 1.0);
+        assert_eq!(r.ttfts, vec![0.1, 0.2]);
+        assert!(r.table().contains("Failed requests:"));
+    }
+
+    #[test]
+    fn cache_figures_add_up_over_instances() {
+        let cache = vec![
+            CacheFigures {
+                instance: "a".into(),
+                queries: 100.0,
+                hits: 90.0,
+                hit_rate: 0.9,
+            },
+            CacheFigures {
+                instance: "b".into(),
+                queries: 100.0,
+                hits: 10.0,
+                hit_rate: 0.1,
+            },
+        ];
+        let r = Report::from_outcomes(RunInfo::default(), &[outcome(1.0, 2.0, 2)], 1.0, cache);
+        assert_eq!(r.prefix_cache_hit_rate, Some(0.5));
+    }
+
+    #[test]
+    fn comparisons_show_ratios() {
+        let a = Report::from_outcomes(
+            RunInfo {
+                label: "a".into(),
+                ..RunInfo::default()
+            },
+            &[outcome(100.0, 200.0, 2)],
+            1.0,
+            vec![],
+        );
+        let b = Report::from_outcomes(
+            RunInfo {
+                label: "b".into(),
+                ..RunInfo::default()
+            },
+            &[outcome(50.0, 200.0, 2)],
+            1.0,
+            vec![],
+        );
+        let t = compare(&a, &b);
+        let row = t.lines().find(|l| l.starts_with("mean TTFT")).unwrap();
+        assert!(row.trim_end().ends_with("0.50"), "{row}");
+    }
+}

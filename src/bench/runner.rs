@@ -1,0 +1,293 @@
+//! Sends the benchmark's requests (streaming) and times each one: time to first token,
+//! the gaps between tokens, end to end, and the token counts the server reports.
+
+use super::args::Endpoint;
+use super::dataset::BenchRequest;
+use futures_util::StreamExt;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+
+/// What happened to one request.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    pub ok: bool,
+    pub error: Option<String>,
+    /// Seconds from the benchmark start to sending it.
+    pub sent_at: f64,
+    pub ttft_ms: Option<f64>,
+    /// Gaps between successive content chunks.
+    pub itl_ms: Vec<f64>,
+    pub e2e_ms: f64,
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+}
+
+/// How to send: where, which model, which route, how many at once, how fast.
+#[derive(Debug, Clone)]
+pub struct Load {
+    pub url: String,
+    pub model: String,
+    pub endpoint: Endpoint,
+    pub max_concurrency: Option<usize>,
+    pub request_rate: Option<f64>,
+    pub seed: u64,
+    pub timeout: Duration,
+}
+
+/// When each request is sent, in seconds from the start: Poisson arrivals at `rate`, or
+/// all at once.
+pub fn arrival_times(n: usize, rate: Option<f64>, seed: u64) -> Vec<f64> {
+    let Some(rate) = rate.filter(|r| r.is_finite() && *r > 0.0) else {
+        return vec![0.0; n];
+    };
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
+    let mut t = 0.0;
+    (0..n)
+        .map(|_| {
+            let at = t;
+            let u: f64 = rng.random_range(f64::EPSILON..1.0);
+            t += -u.ln() / rate;
+            at
+        })
+        .collect()
+}
+
+/// The JSON body of one request.
+pub fn body(model: &str, endpoint: Endpoint, r: &BenchRequest) -> Value {
+    let mut b = match endpoint {
+        Endpoint::Completions => json!({ "model": model, "prompt": r.prompt }),
+        Endpoint::Chat => {
+            json!({ "model": model, "messages": [{ "role": "user", "content": r.prompt }] })
+        }
+    };
+    b["max_tokens"] = r.max_tokens.into();
+    b["temperature"] = 0.0.into();
+    b["stream"] = true.into();
+    b["stream_options"] = json!({ "include_usage": true });
+    b["ignore_eos"] = true.into();
+    if let Some(u) = &r.user {
+        b["user"] = u.clone().into();
+    }
+    b
+}
+
+/// Runs every request, calling `progress` after each; returns outcomes in request order.
+pub async fn run(
+    client: &reqwest::Client,
+    load: &Load,
+    reqs: &[BenchRequest],
+    progress: impl Fn(usize) + Send + Sync + 'static,
+) -> (Vec<Outcome>, f64) {
+    let limit = Arc::new(Semaphore::new(
+        load.max_concurrency
+            .unwrap_or(Semaphore::MAX_PERMITS)
+            .max(1),
+    ));
+    let times = arrival_times(reqs.len(), load.request_rate, load.seed);
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let progress = Arc::new(progress);
+    let start = Instant::now();
+    let path = match load.endpoint {
+        Endpoint::Completions => "/v1/completions",
+        Endpoint::Chat => "/v1/chat/completions",
+    };
+    let url = format!("{}{path}", load.url.trim_end_matches('/'));
+    let mut tasks = Vec::with_capacity(reqs.len());
+    for (r, at) in reqs.iter().zip(times) {
+        let wait = Duration::from_secs_f64(at).saturating_sub(start.elapsed());
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+        let permit = limit.clone().acquire_owned().await.expect("semaphore open");
+        let (client, url, body) = (
+            client.clone(),
+            url.clone(),
+            body(&load.model, load.endpoint, r),
+        );
+        let (done, progress, timeout) = (done.clone(), progress.clone(), load.timeout);
+        let sent_at = start.elapsed().as_secs_f64();
+        tasks.push(tokio::spawn(async move {
+            let mut o = match tokio::time::timeout(timeout, one(&client, &url, &body)).await {
+                Ok(o) => o,
+                Err(_) => Outcome {
+                    error: Some(format!("no answer within {} s", timeout.as_secs())),
+                    e2e_ms: timeout.as_secs_f64() * 1e3,
+                    ..Outcome::default()
+                },
+            };
+            o.sent_at = sent_at;
+            drop(permit);
+            progress(done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1);
+            o
+        }));
+    }
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        out.push(t.await.unwrap_or_else(|e| Outcome {
+            error: Some(format!("benchmark task failed: {e}")),
+            ..Outcome::default()
+        }));
+    }
+    (out, start.elapsed().as_secs_f64())
+}
+
+/// One streaming request, timed.
+async fn one(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
+    let t0 = Instant::now();
+    let ms = |t: Instant| t.duration_since(t0).as_secs_f64() * 1e3;
+    let mut o = Outcome::default();
+    let resp = match client.post(url).json(body).send().await {
+        Ok(r) => r,
+        Err(e) => {
+            o.error = Some(format!("cannot reach {url}: {}", causes(&e)));
+            o.e2e_ms = ms(Instant::now());
+            return o;
+        }
+    };
+    let status = resp.status();
+    if !status.is_success() {
+        let text = resp.text().await.unwrap_or_default();
+        o.error = Some(format!("HTTP {status}: {}", error_message(&text)));
+        o.e2e_ms = ms(Instant::now());
+        return o;
+    }
+    let mut stream = resp.bytes_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut last: Option<Instant> = None;
+    let mut chunks = 0usize;
+    'read: while let Some(item) = stream.next().await {
+        let bytes = match item {
+            Ok(b) => b,
+            Err(e) => {
+                o.error = Some(format!("stream broke: {}", causes(&e)));
+                break;
+            }
+        };
+        buf.extend_from_slice(&bytes);
+        while let Some(pos) = find_event_end(&buf) {
+            let event: Vec<u8> = buf.drain(..pos).collect();
+            let now = Instant::now();
+            for line in String::from_utf8_lossy(&event).lines() {
+                let Some(data) = line.strip_prefix("data:").map(str::trim) else {
+                    continue;
+                };
+                if data == "[DONE]" {
+                    o.ok = o.error.is_none();
+                    break 'read;
+                }
+                let Ok(v) = serde_json::from_str::<Value>(data) else {
+                    continue;
+                };
+                if let Some(err) = v.get("error") {
+                    o.error = Some(format!(
+                        "error event: {}",
+                        err.get("message").and_then(Value::as_str).unwrap_or("?")
+                    ));
+                    break 'read;
+                }
+                if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                    o.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+                    o.output_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
+                }
+                if has_content(&v) {
+                    chunks += 1;
+                    match last {
+                        None => o.ttft_ms = Some(ms(now)),
+                        Some(prev) => o.itl_ms.push(now.duration_since(prev).as_secs_f64() * 1e3),
+                    }
+                    last = Some(now);
+                }
+            }
+        }
+    }
+    if !o.ok && o.error.is_none() {
+        o.error = Some("stream ended without [DONE]".into());
+    }
+    if o.output_tokens == 0 {
+        o.output_tokens = chunks;
+    }
+    o.e2e_ms = ms(Instant::now());
+    o
+}
+
+fn find_event_end(buf: &[u8]) -> Option<usize> {
+    buf.windows(2).position(|w| w == b"\n\n").map(|p| p + 2)
+}
+
+fn has_content(v: &Value) -> bool {
+    v["choices"].as_array().is_some_and(|cs| {
+        cs.iter().any(|c| {
+            c["text"].as_str().is_some_and(|t| !t.is_empty())
+                || c["delta"]["content"]
+                    .as_str()
+                    .is_some_and(|t| !t.is_empty())
+        })
+    })
+}
+
+/// An error with its causes, e.g. "error sending request: connection refused".
+pub fn causes(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+/// The `error.message` of an OpenAI-style error body, else the body itself (shortened).
+pub fn error_message(text: &str) -> String {
+    serde_json::from_str::<Value>(text)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+        .unwrap_or_else(|| text.chars().take(200).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poisson_arrivals_average_the_rate_and_repeat_with_the_seed() {
+        let t = arrival_times(4000, Some(50.0), 1);
+        let rate = (t.len() - 1) as f64 / t.last().unwrap();
+        assert!((rate - 50.0).abs() < 5.0, "rate {rate}");
+        assert_eq!(t, arrival_times(4000, Some(50.0), 1));
+        assert_ne!(t, arrival_times(4000, Some(50.0), 2));
+        assert!(arrival_times(3, None, 0).iter().all(|x| *x == 0.0));
+    }
+
+    #[test]
+    fn bodies_stream_with_usage_and_carry_the_designation() {
+        let r = BenchRequest {
+            prompt: "hi there".into(),
+            prompt_words: 2,
+            max_tokens: 8,
+            user: Some("prefill=a:1;decode=b:2".into()),
+            group: None,
+        };
+        let b = body("m", Endpoint::Chat, &r);
+        assert_eq!(b["messages"][0]["content"], "hi there");
+        assert_eq!(b["stream_options"]["include_usage"], true);
+        assert_eq!(b["user"], "prefill=a:1;decode=b:2");
+        assert_eq!(body("m", Endpoint::Completions, &r)["prompt"], "hi there");
+    }
+
+    #[test]
+    fn error_bodies_are_read_for_their_message() {
+        assert_eq!(
+            error_message(r#"{"error":{"message":"no such model","type":"x"}}"#),
+            "no such model"
+        );
+        assert_eq!(error_message("plain text"), "plain text");
+    }
+}

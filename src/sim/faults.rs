@@ -1,0 +1,197 @@
+//! Fault injection, so the supervisor's and the proxy's tests can make an engine crash,
+//! fail, hang, stall a stream or look unhealthy on demand (`POST /sim/fault`), or exit
+//! after a number of requests (`--fault-exit-after`).
+
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+const NONE: u64 = u64::MAX;
+
+/// The body of `POST /sim/fault`: every field is optional; several may be combined.
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultRequest {
+    /// Exit now with status 1 (after answering this request).
+    #[serde(default)]
+    pub crash: bool,
+    /// The next N completion requests answer 500 with a JSON error.
+    pub fail_next: Option<u64>,
+    /// The next N completion requests never answer (until the client gives up).
+    pub hang_next: Option<u64>,
+    /// `/health` answers 503 for this many milliseconds from now.
+    pub unhealthy_ms: Option<u64>,
+    /// The next streaming request sends this many tokens, then stops sending without
+    /// closing the stream.
+    pub stall_stream_after: Option<u64>,
+    /// Forget every pending fault first.
+    #[serde(default)]
+    pub clear: bool,
+}
+
+/// What a completion request must suffer, decided when it arrives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestFault {
+    None,
+    Fail,
+    Hang,
+}
+
+/// Pending faults, shared by all requests.
+pub struct Faults {
+    fail_next: AtomicU64,
+    hang_next: AtomicU64,
+    unhealthy_until_ms: AtomicU64,
+    stall_stream_after: AtomicU64,
+    exit_after: Option<u64>,
+    served: AtomicU64,
+}
+
+/// Takes one from `a` if it is above zero.
+fn take_one(a: &AtomicU64) -> bool {
+    a.load(Relaxed) > 0
+        && a.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
+            .is_ok()
+}
+
+impl Faults {
+    /// No faults pending; exit after `exit_after` served requests if set.
+    pub fn new(exit_after: Option<u64>) -> Faults {
+        Faults {
+            fail_next: AtomicU64::new(0),
+            hang_next: AtomicU64::new(0),
+            unhealthy_until_ms: AtomicU64::new(0),
+            stall_stream_after: AtomicU64::new(NONE),
+            exit_after,
+            served: AtomicU64::new(0),
+        }
+    }
+
+    /// Applies a fault request; `now_ms` is the time since start. Returns true when the
+    /// process must crash.
+    pub fn apply(&self, req: &FaultRequest, now_ms: u64) -> bool {
+        if req.clear {
+            self.fail_next.store(0, Relaxed);
+            self.hang_next.store(0, Relaxed);
+            self.unhealthy_until_ms.store(0, Relaxed);
+            self.stall_stream_after.store(NONE, Relaxed);
+        }
+        if let Some(n) = req.fail_next {
+            self.fail_next.store(n, Relaxed);
+        }
+        if let Some(n) = req.hang_next {
+            self.hang_next.store(n, Relaxed);
+        }
+        if let Some(ms) = req.unhealthy_ms {
+            self.unhealthy_until_ms
+                .store(now_ms.saturating_add(ms), Relaxed);
+        }
+        if let Some(k) = req.stall_stream_after {
+            self.stall_stream_after.store(k.min(NONE - 1), Relaxed);
+        }
+        req.crash
+    }
+
+    /// The fault, if any, the next completion request gets (fail before hang).
+    pub fn take_request_fault(&self) -> RequestFault {
+        if take_one(&self.fail_next) {
+            RequestFault::Fail
+        } else if take_one(&self.hang_next) {
+            RequestFault::Hang
+        } else {
+            RequestFault::None
+        }
+    }
+
+    /// For a streaming request: after how many tokens it must stall, if it must.
+    pub fn take_stall(&self) -> Option<u64> {
+        if self.stall_stream_after.load(Relaxed) == NONE {
+            return None;
+        }
+        match self.stall_stream_after.swap(NONE, Relaxed) {
+            NONE => None,
+            k => Some(k),
+        }
+    }
+
+    /// False while an `unhealthy_ms` fault lasts.
+    pub fn healthy(&self, now_ms: u64) -> bool {
+        now_ms >= self.unhealthy_until_ms.load(Relaxed)
+    }
+
+    /// Counts one served request; true when `--fault-exit-after` is reached by it.
+    pub fn count_served(&self) -> bool {
+        let Some(limit) = self.exit_after else {
+            return false;
+        };
+        self.served.fetch_add(1, Relaxed) + 1 == limit
+    }
+
+    /// The faults pending now, for `GET /sim/fault`.
+    pub fn pending(&self, now_ms: u64) -> serde_json::Value {
+        let stall = self.stall_stream_after.load(Relaxed);
+        serde_json::json!({
+            "fail_next": self.fail_next.load(Relaxed),
+            "hang_next": self.hang_next.load(Relaxed),
+            "unhealthy_ms": self.unhealthy_until_ms.load(Relaxed).saturating_sub(now_ms),
+            "stall_stream_after": (stall != NONE).then_some(stall),
+            "exit_after": self.exit_after,
+            "served": self.served.load(Relaxed),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fail_and_hang_are_counted_down() {
+        let f = Faults::new(None);
+        f.apply(
+            &FaultRequest {
+                fail_next: Some(1),
+                hang_next: Some(1),
+                ..Default::default()
+            },
+            0,
+        );
+        assert_eq!(f.take_request_fault(), RequestFault::Fail);
+        assert_eq!(f.take_request_fault(), RequestFault::Hang);
+        assert_eq!(f.take_request_fault(), RequestFault::None);
+    }
+
+    #[test]
+    fn unhealthy_window_and_stall_once() {
+        let f = Faults::new(None);
+        f.apply(
+            &FaultRequest {
+                unhealthy_ms: Some(100),
+                stall_stream_after: Some(3),
+                ..Default::default()
+            },
+            1000,
+        );
+        assert!(!f.healthy(1050));
+        assert!(f.healthy(1100));
+        assert_eq!(f.take_stall(), Some(3));
+        assert_eq!(f.take_stall(), None);
+        f.apply(
+            &FaultRequest {
+                unhealthy_ms: Some(100),
+                clear: true,
+                ..Default::default()
+            },
+            0,
+        );
+        assert!(!f.healthy(50));
+    }
+
+    #[test]
+    fn exit_after_fires_once_at_the_limit() {
+        let f = Faults::new(Some(2));
+        assert!(!f.count_served());
+        assert!(f.count_served());
+        assert!(!f.count_served());
+        assert!(!Faults::new(None).count_served());
+    }
+}

@@ -1,0 +1,49 @@
+//! The NIXL-style handoff: the prefill answers with `kv_transfer_params` naming itself
+//! (engine id, host, port, request id, block ids); the decode pulls the blocks from
+//! the prefill's HTTP port (`GET /sim/kv/{remote_request_id}`), which frees them.
+
+use super::held::KvBlocks;
+use super::{check_blocks, fetch};
+use crate::sim::engine::Sim;
+use crate::sim::openai::KvTransferParams;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+/// The `kv_transfer_params` a prefill returns, shaped as vLLM's NixlConnector's.
+pub fn transfer_params(sim: &Sim, request_id: &str, blocks: &KvBlocks) -> Value {
+    json!({
+        "do_remote_prefill": true,
+        "do_remote_decode": false,
+        "remote_block_ids": blocks.block_ids,
+        "remote_engine_id": sim.engine_id,
+        "remote_host": sim.kv_host,
+        "remote_port": sim.args.port,
+        "remote_request_id": request_id,
+        "tp_size": 1,
+    })
+}
+
+/// The decode side: pulls the blocks named in `kv`; Ok holds where they came from.
+pub async fn pull(sim: &Sim, kv: &KvTransferParams, hashes: &[u64]) -> Result<String, String> {
+    let host = kv
+        .remote_host
+        .as_deref()
+        .ok_or("kv_transfer_params has no remote_host")?;
+    let port = kv
+        .remote_port
+        .ok_or("kv_transfer_params has no remote_port")?;
+    let id = kv
+        .remote_request_id
+        .as_deref()
+        .ok_or("kv_transfer_params has no remote_request_id")?;
+    let host_part = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    };
+    let url = format!("http://{host_part}:{port}/sim/kv/{id}");
+    let timeout = Duration::from_millis(sim.args.model_params.handoff_wait_ms.max(1));
+    let blocks = fetch(sim, &url, timeout).await?;
+    check_blocks(&blocks, kv.remote_engine_id.as_deref(), hashes)?;
+    Ok(format!("{} at {host_part}:{port}", blocks.engine_id))
+}

@@ -1,0 +1,284 @@
+//! One generation request while it runs: admission, prefill (prefix cache, KV handoff,
+//! time to first token), decode steps, and the bookkeeping when it ends. Streaming and
+//! whole answers drive the same [`Job`]. Dropping a job before [`Job::finish`] is how a
+//! client disconnect aborts it: its guard counts the abort and frees its slots.
+
+use super::cache::block_hashes;
+use super::engine::{RunGuard, Sim, pause};
+use super::generate::{Pieces, natural_length, sequence_seed};
+use super::handoff::{self, Incoming, Producer};
+use super::metrics::Finish;
+use super::openai::response::Usage;
+use super::openai::{Endpoint, GenRequest};
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// One output sequence (a choice).
+pub struct Seq {
+    /// The choice index in the answer (prompt index * n + choice).
+    pub index: u32,
+    prompt_len: u32,
+    pieces: Pieces,
+    natural: u32,
+    max_tokens: u32,
+    pub text: String,
+    sent: usize,
+    pub generated: u32,
+    pub finish: Option<Finish>,
+    pub stop_reason: Option<String>,
+    /// The stream chunk with this sequence's finish_reason has gone out.
+    pub reported: bool,
+    trim_first: bool,
+}
+
+impl Seq {
+    fn advance(&mut self, req: &GenRequest, max_stop_len: usize) {
+        let mut piece = self.pieces.next_piece();
+        if self.trim_first && self.generated == 0 {
+            piece = piece.trim_start();
+        }
+        self.generated += 1;
+        let before = self.text.len();
+        self.text.push_str(piece);
+        if !req.stop.is_empty() && self.generated >= req.min_tokens {
+            let from = before.saturating_sub(max_stop_len.saturating_sub(1));
+            let hit = req
+                .stop
+                .iter()
+                .filter_map(|s| self.text[from..].find(s.as_str()).map(|p| (p, s)))
+                .min_by_key(|(p, _)| *p);
+            if let Some((pos, stop)) = hit {
+                let keep = if req.include_stop_str_in_output {
+                    stop.len()
+                } else {
+                    0
+                };
+                self.text.truncate(from + pos + keep);
+                self.sent = self.sent.min(self.text.len());
+                self.finish = Some(Finish::Stop);
+                self.stop_reason = Some(stop.clone());
+                return;
+            }
+        }
+        if self.generated >= self.max_tokens {
+            self.finish = Some(Finish::Length);
+        } else if !req.ignore_eos && self.generated >= self.natural.max(req.min_tokens) {
+            self.finish = Some(Finish::Stop);
+        }
+    }
+
+    /// The range of text not sent yet, keeping back `hold_back` bytes that could start a stop string
+    /// (all of it once finished).
+    pub fn take_delta(&mut self, hold_back: usize) -> std::ops::Range<usize> {
+        let upto = if self.finish.is_some() {
+            self.text.len()
+        } else {
+            self.text.len().saturating_sub(hold_back)
+        }
+        .max(self.sent);
+        let start = self.sent;
+        self.sent = upto;
+        start..upto
+    }
+
+    /// `finish_reason` as the API spells it.
+    pub fn finish_reason(&self) -> Option<&'static str> {
+        self.finish.map(|f| match f {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        })
+    }
+}
+
+/// A running request.
+pub struct Job {
+    pub sim: Arc<Sim>,
+    pub req: GenRequest,
+    pub id: String,
+    pub created: u64,
+    arrived: Instant,
+    guard: Option<RunGuard>,
+    producer: Option<Producer>,
+    pub seqs: Vec<Seq>,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// Bytes of text held back in streams while stop strings could still match.
+    pub hold_back: usize,
+    max_stop_len: usize,
+    first_token: Option<Instant>,
+    finished: bool,
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        // Once admitted, the run guard counts an abort; before that (still waiting for
+        // a slot) the job does.
+        if !self.finished && self.guard.is_none() {
+            self.sim.metrics.aborted.fetch_add(1, Relaxed);
+            tracing::info!("request aborted while waiting: the client went away");
+        }
+    }
+}
+
+impl Job {
+    /// A job for a checked request; nothing runs until [`prefill`](Self::prefill).
+    pub fn new(sim: Arc<Sim>, req: GenRequest, id: String, arrived: Instant) -> Job {
+        let max_model_len = sim.args.model_params.max_model_len;
+        let mut seqs = Vec::with_capacity(req.prompts.len() * req.n as usize);
+        for (p, tokens) in req.prompts.iter().enumerate() {
+            let len = tokens.len() as u32;
+            for c in 0..req.n {
+                let seed = sequence_seed(tokens, c);
+                seqs.push(Seq {
+                    index: p as u32 * req.n + c,
+                    prompt_len: len,
+                    pieces: Pieces::new(seed),
+                    natural: natural_length(seed),
+                    max_tokens: req
+                        .max_tokens
+                        .unwrap_or(max_model_len.saturating_sub(len))
+                        .max(1),
+                    text: String::new(),
+                    sent: 0,
+                    generated: 0,
+                    finish: None,
+                    stop_reason: None,
+                    reported: false,
+                    trim_first: req.endpoint == Endpoint::Chat,
+                });
+            }
+        }
+        let max_stop_len = req.stop.iter().map(String::len).max().unwrap_or(0);
+        Job {
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs(),
+            hold_back: max_stop_len.saturating_sub(1),
+            max_stop_len,
+            prompt_tokens: req.prompts.iter().map(|p| p.len() as u64).sum(),
+            cached_tokens: 0,
+            sim,
+            req,
+            id,
+            arrived,
+            guard: None,
+            producer: None,
+            seqs,
+            first_token: None,
+            finished: false,
+        }
+    }
+
+    /// Waits for a slot, looks up the prefix cache, takes or gives KV handoffs, and
+    /// waits the time to first token.
+    pub async fn prefill(&mut self) {
+        let sim = self.sim.clone();
+        let mut guard = sim.admit(self.seqs.len() as u32).await;
+        let bs = sim.args.model_params.block_size as usize;
+        let m = &sim.metrics;
+        let (mut uncached, mut loaded, mut blocks) = (0u64, 0u64, 0i64);
+        let mut all_hashes = Vec::with_capacity(self.req.prompts.len());
+        for tokens in &self.req.prompts {
+            let len = tokens.len() as u64;
+            let hashes = block_hashes(tokens, bs);
+            let local = sim.cache_lookup(&hashes);
+            let cached = (local * bs) as u64;
+            let kv = self.req.kv.as_ref();
+            let got = match handoff::receive(&sim, kv, tokens, &hashes, local, &self.id).await {
+                Incoming::Received { tokens } => tokens,
+                Incoming::NotExpected | Incoming::Missed => 0,
+            };
+            if let Some(p) = handoff::send(&sim, kv, tokens, &hashes, &self.id).await {
+                self.producer = Some(p);
+            }
+            uncached += len - cached - got;
+            loaded += got;
+            self.cached_tokens += cached;
+            m.prompt_tokens.fetch_add(len, Relaxed);
+            m.prefix_queries.fetch_add(len, Relaxed);
+            m.prefix_hits.fetch_add(cached, Relaxed);
+            blocks += len.div_ceil(bs as u64) as i64 * i64::from(self.req.n);
+            all_hashes.push(hashes);
+        }
+        guard.add_blocks(blocks);
+        self.guard = Some(guard);
+        pause(sim.prefill_time(uncached, loaded)).await;
+        for h in &all_hashes {
+            sim.cache_insert(h);
+        }
+    }
+
+    /// Generates one token for every unfinished sequence (after one step's time, except
+    /// for the first token). False when every sequence had already finished.
+    pub async fn step(&mut self) -> bool {
+        if self.seqs.iter().all(|s| s.finish.is_some()) {
+            return false;
+        }
+        if self.first_token.is_some() {
+            pause(self.sim.step_time()).await;
+        }
+        let bs = self.sim.args.model_params.block_size.max(1);
+        let mut new_blocks = 0;
+        for s in self.seqs.iter_mut().filter(|s| s.finish.is_none()) {
+            s.advance(&self.req, self.max_stop_len);
+            if (s.prompt_len + s.generated) % bs == 1 {
+                new_blocks += 1;
+            }
+        }
+        if let Some(g) = &mut self.guard {
+            g.add_blocks(new_blocks);
+        }
+        self.first_token.get_or_insert_with(Instant::now);
+        true
+    }
+
+    /// Counts the finished request, frees its slots, hands KV over if it is a prefill
+    /// leg; returns the `kv_transfer_params` for the answer, if any.
+    pub fn finish(&mut self) -> Option<serde_json::Value> {
+        let sim = self.sim.clone();
+        let m = &sim.metrics;
+        let generated: u64 = self.seqs.iter().map(|s| u64::from(s.generated)).sum();
+        m.generation_tokens.fetch_add(generated, Relaxed);
+        for s in &self.seqs {
+            m.finished(s.finish.unwrap_or(Finish::Length));
+        }
+        if let Some(t) = self.first_token {
+            m.ttft.observe(t - self.arrived);
+        }
+        m.e2e.observe(self.arrived.elapsed());
+        if let Some(mut g) = self.guard.take() {
+            g.finish();
+        }
+        self.finished = true;
+        let finish = self
+            .seqs
+            .first()
+            .and_then(|s| s.finish)
+            .unwrap_or(Finish::Length);
+        let kv = self.producer.take().and_then(|p| p.complete(finish));
+        if sim.faults.count_served() {
+            tracing::error!(
+                "fault injection: served {} requests (--fault-exit-after), exiting with status 1",
+                sim.args.fault_exit_after.unwrap_or_default()
+            );
+            exit_soon();
+        }
+        kv
+    }
+
+    /// Token counts for the answer.
+    pub fn usage(&self) -> Usage {
+        let completion = self.seqs.iter().map(|s| u64::from(s.generated)).sum();
+        Usage::new(self.prompt_tokens, completion, self.cached_tokens)
+    }
+}
+
+/// Exits with status 1 shortly, so the answer in flight still goes out.
+pub fn exit_soon() {
+    tokio::spawn(async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        std::process::exit(1);
+    });
+}

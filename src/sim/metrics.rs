@@ -1,0 +1,321 @@
+//! The simulator's counters, all atomics (no lock on the request path), rendered in
+//! Prometheus text format under vLLM's metric names plus `pdctl_sim_*` ones.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// vLLM's buckets for time to first token, in seconds.
+const TTFT_BUCKETS: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// vLLM's buckets for whole-request latency, in seconds.
+const E2E_BUCKETS: [f64; 21] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// A Prometheus histogram with fixed buckets, lock-free.
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    sum_micros: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_micros: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one observation.
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = self.bounds.iter().position(|b| secs <= *b) {
+            self.counts[i].fetch_add(1, Relaxed);
+        }
+        self.sum_micros.fetch_add(d.as_micros() as u64, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            cumulative += c.load(Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b:?}\"}} {cumulative}");
+        }
+        let count = self.count.load(Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
+        let sum = self.sum_micros.load(Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
+    }
+}
+
+/// Why a request ended, as vLLM labels `request_success_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    Stop,
+    Length,
+}
+
+/// Every number the simulator exposes on `/metrics`.
+pub struct Metrics {
+    labels: String,
+    pub running: AtomicI64,
+    pub waiting: AtomicI64,
+    /// KV blocks held by running sequences (for `vllm:kv_cache_usage_perc`).
+    pub blocks_in_use: AtomicI64,
+    cache_blocks: u32,
+    pub prompt_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    pub prefix_queries: AtomicU64,
+    pub prefix_hits: AtomicU64,
+    pub success_stop: AtomicU64,
+    pub success_length: AtomicU64,
+    pub aborted: AtomicU64,
+    pub handoffs_received: AtomicU64,
+    pub handoff_tokens_received: AtomicU64,
+    pub handoffs_missed: AtomicU64,
+    pub handoffs_sent: AtomicU64,
+    pub handoffs_expired: AtomicU64,
+    /// KV blocks a prefill keeps for decodes that have not pulled them yet.
+    pub blocks_held: AtomicI64,
+    pub faults_injected: AtomicU64,
+    pub ttft: Histogram,
+    pub e2e: Histogram,
+}
+
+impl Metrics {
+    /// Zeroed metrics for a sim serving `model` with `cache_blocks` KV blocks.
+    pub fn new(model: &str, cache_blocks: u32) -> Metrics {
+        let escaped = model
+            .replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n");
+        Metrics {
+            labels: format!("model_name=\"{escaped}\",engine=\"0\""),
+            running: AtomicI64::new(0),
+            waiting: AtomicI64::new(0),
+            blocks_in_use: AtomicI64::new(0),
+            cache_blocks,
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+            prefix_queries: AtomicU64::new(0),
+            prefix_hits: AtomicU64::new(0),
+            success_stop: AtomicU64::new(0),
+            success_length: AtomicU64::new(0),
+            aborted: AtomicU64::new(0),
+            handoffs_received: AtomicU64::new(0),
+            handoff_tokens_received: AtomicU64::new(0),
+            handoffs_missed: AtomicU64::new(0),
+            handoffs_sent: AtomicU64::new(0),
+            handoffs_expired: AtomicU64::new(0),
+            blocks_held: AtomicI64::new(0),
+            faults_injected: AtomicU64::new(0),
+            ttft: Histogram::new(&TTFT_BUCKETS),
+            e2e: Histogram::new(&E2E_BUCKETS),
+        }
+    }
+
+    /// Counts a finished sequence.
+    pub fn finished(&self, why: Finish) {
+        match why {
+            Finish::Stop => self.success_stop.fetch_add(1, Relaxed),
+            Finish::Length => self.success_length.fetch_add(1, Relaxed),
+        };
+    }
+
+    /// Fraction of KV blocks in use by running sequences, 0..=1 as vLLM reports it.
+    pub fn kv_usage(&self) -> f64 {
+        if self.cache_blocks == 0 {
+            return 0.0;
+        }
+        (self.blocks_in_use.load(Relaxed).max(0) as f64 / f64::from(self.cache_blocks)).min(1.0)
+    }
+
+    /// Cumulative prefix cache hit rate in percent (0 before any query).
+    pub fn hit_rate_percent(&self) -> f64 {
+        let q = self.prefix_queries.load(Relaxed);
+        if q == 0 {
+            return 0.0;
+        }
+        self.prefix_hits.load(Relaxed) as f64 * 100.0 / q as f64
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(8192);
+        let l = &self.labels;
+        let gauge = |out: &mut String, name: &str, help: &str, v: String| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {v}"
+            );
+        };
+        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {v}"
+            );
+        };
+        let g = |a: &AtomicI64| a.load(Relaxed).max(0).to_string();
+        let c = |a: &AtomicU64| a.load(Relaxed);
+        gauge(
+            &mut out,
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            g(&self.running),
+        );
+        gauge(
+            &mut out,
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            g(&self.waiting),
+        );
+        gauge(
+            &mut out,
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            self.kv_usage().to_string(),
+        );
+        counter(
+            &mut out,
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            c(&self.prefix_queries),
+        );
+        counter(
+            &mut out,
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            c(&self.prefix_hits),
+        );
+        counter(
+            &mut out,
+            "vllm:prompt_tokens_total",
+            "Number of prefill tokens processed.",
+            c(&self.prompt_tokens),
+        );
+        counter(
+            &mut out,
+            "vllm:generation_tokens_total",
+            "Number of generation tokens processed.",
+            c(&self.generation_tokens),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP vllm:request_success_total Count of successfully processed requests.\n\
+             # TYPE vllm:request_success_total counter\n\
+             vllm:request_success_total{{{l},finished_reason=\"stop\"}} {}\n\
+             vllm:request_success_total{{{l},finished_reason=\"length\"}} {}",
+            c(&self.success_stop),
+            c(&self.success_length)
+        );
+        self.ttft.render(
+            &mut out,
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            l,
+        );
+        self.e2e.render(
+            &mut out,
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            l,
+        );
+        counter(
+            &mut out,
+            "pdctl_sim_requests_aborted_total",
+            "Requests aborted because the client went away.",
+            c(&self.aborted),
+        );
+        counter(
+            &mut out,
+            "pdctl_sim_kv_handoffs_received_total",
+            "Requests whose prompt KV came from a prefill instance.",
+            c(&self.handoffs_received),
+        );
+        counter(
+            &mut out,
+            "pdctl_sim_kv_handoff_tokens_received_total",
+            "Prompt tokens whose KV came from a prefill instance.",
+            c(&self.handoff_tokens_received),
+        );
+        counter(
+            &mut out,
+            "pdctl_sim_kv_handoffs_missed_total",
+            "Requests that expected KV from a prefill, found none and recomputed.",
+            c(&self.handoffs_missed),
+        );
+        counter(
+            &mut out,
+            "pdctl_sim_kv_handoffs_sent_total",
+            "KV handoffs this prefill instance made available to a decode.",
+            c(&self.handoffs_sent),
+        );
+        counter(
+            &mut out,
+            "pdctl_sim_kv_handoffs_expired_total",
+            "Held KV handoffs dropped because no decode pulled them in time.",
+            c(&self.handoffs_expired),
+        );
+        gauge(
+            &mut out,
+            "pdctl_sim_kv_blocks_held",
+            "KV blocks held for decodes that have not pulled them yet.",
+            g(&self.blocks_held),
+        );
+        counter(
+            &mut out,
+            "pdctl_sim_faults_injected_total",
+            "Requests failed, hung or stalled on purpose (fault injection).",
+            c(&self.faults_injected),
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let h = Histogram::new(&TTFT_BUCKETS);
+        h.observe(Duration::from_millis(3));
+        h.observe(Duration::from_millis(30));
+        h.observe(Duration::from_secs(5000));
+        let mut s = String::new();
+        h.render(&mut s, "x", "help", "a=\"b\"");
+        assert!(s.contains("x_bucket{a=\"b\",le=\"0.001\"} 0\n"), "{s}");
+        assert!(s.contains("x_bucket{a=\"b\",le=\"0.005\"} 1\n"), "{s}");
+        assert!(s.contains("x_bucket{a=\"b\",le=\"0.04\"} 2\n"), "{s}");
+        assert!(s.contains("x_bucket{a=\"b\",le=\"2560.0\"} 2\n"), "{s}");
+        assert!(s.contains("x_bucket{a=\"b\",le=\"+Inf\"} 3\n"), "{s}");
+        assert!(s.contains("x_count{a=\"b\"} 3\n"), "{s}");
+    }
+
+    #[test]
+    fn hit_rate_and_usage() {
+        let m = Metrics::new("m\"x", 100);
+        assert_eq!(m.hit_rate_percent(), 0.0);
+        m.prefix_queries.fetch_add(40, Relaxed);
+        m.prefix_hits.fetch_add(10, Relaxed);
+        assert_eq!(m.hit_rate_percent(), 25.0);
+        m.blocks_in_use.fetch_add(25, Relaxed);
+        assert_eq!(m.kv_usage(), 0.25);
+        let text = m.render();
+        assert!(
+            text.contains("vllm:kv_cache_usage_perc{model_name=\"m\\\"x\",engine=\"0\"} 0.25\n")
+        );
+        assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter\n"));
+    }
+}

@@ -1,0 +1,193 @@
+//! The HTTP routes of a sim instance: vLLM's OpenAI-compatible surface plus `/sim/*`
+//! routes for fault injection and KV pulls. Unknown routes and methods get JSON errors.
+
+use super::args::value_name;
+use super::completion;
+use super::engine::Sim;
+use super::faults::FaultRequest;
+use super::handoff::held_response;
+use super::job::exit_soon;
+use super::openai::{ApiError, Endpoint};
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::json;
+use std::sync::Arc;
+
+/// Largest request body accepted.
+const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+
+/// All routes of the main port.
+pub fn router(sim: Arc<Sim>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/version", get(version))
+        .route("/metrics", get(metrics))
+        .route("/sim/fault", post(fault).get(fault_status))
+        .route("/sim/kv/{request_id}", get(kv_pull))
+        .fallback(|| async { ApiError::status(StatusCode::NOT_FOUND, "no such route (the simulator serves /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics)") })
+        .method_not_allowed_fallback(|| async { ApiError::status(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this route") })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(sim)
+}
+
+/// vLLM's `--api-key` check: /v1 routes need `Authorization: Bearer KEY` when a key is set.
+fn authorized(sim: &Sim, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = sim.args.api_key.as_deref() else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given == Some(key) {
+        Ok(())
+    } else {
+        Err(ApiError::status(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized: send Authorization: Bearer <the key given to --api-key / VLLM_API_KEY>",
+        ))
+    }
+}
+
+fn body_or_error(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|r| {
+        ApiError::status(
+            r.status(),
+            format!("cannot read the request body: {}", r.body_text()),
+        )
+    })
+}
+
+async fn completions(
+    State(sim): State<Arc<Sim>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    if let Err(e) = authorized(&sim, &headers) {
+        return e.into_response();
+    }
+    match body_or_error(body) {
+        Ok(b) => completion::handle(sim, Endpoint::Completions, headers, b).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat(
+    State(sim): State<Arc<Sim>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    if let Err(e) = authorized(&sim, &headers) {
+        return e.into_response();
+    }
+    match body_or_error(body) {
+        Ok(b) => completion::handle(sim, Endpoint::Chat, headers, b).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn models(State(sim): State<Arc<Sim>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorized(&sim, &headers) {
+        return e.into_response();
+    }
+    let m = &sim.args.model;
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": m,
+            "object": "model",
+            "created": sim.started_unix(),
+            "owned_by": "pdctl-sim",
+            "root": m,
+            "parent": null,
+            "max_model_len": sim.args.model_params.max_model_len,
+            "permission": [],
+        }]
+    }))
+    .into_response()
+}
+
+async fn health(State(sim): State<Arc<Sim>>) -> Response {
+    if !sim.loaded() {
+        return ApiError::status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "loading the (simulated) model",
+        )
+        .into_response();
+    }
+    if !sim.faults.healthy(sim.uptime_ms()) {
+        return ApiError::status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unhealthy (fault injection: unhealthy_ms)",
+        )
+        .into_response();
+    }
+    StatusCode::OK.into_response()
+}
+
+async fn version(State(sim): State<Arc<Sim>>) -> Response {
+    axum::Json(json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "engine": "pdctl-sim",
+        "simulator": true,
+        "role": value_name(sim.args.role),
+        "handoff": value_name(sim.args.handoff),
+        "engine_id": sim.engine_id,
+    }))
+    .into_response()
+}
+
+async fn metrics(State(sim): State<Arc<Sim>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        sim.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn fault(State(sim): State<Arc<Sim>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let body = match body_or_error(body) {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let req: FaultRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return ApiError::bad_request(
+                None,
+                format!("bad fault request: {e}; fields: crash, fail_next, hang_next, unhealthy_ms, stall_stream_after, clear"),
+            )
+            .into_response();
+        }
+    };
+    let now = sim.uptime_ms();
+    tracing::warn!(
+        "fault injection requested: {}",
+        serde_json::to_string(&req).unwrap_or_default()
+    );
+    if sim.faults.apply(&req, now) {
+        tracing::error!("fault injection: crash requested, exiting with status 1");
+        exit_soon();
+    }
+    axum::Json(json!({ "applied": req, "pending": sim.faults.pending(now) })).into_response()
+}
+
+async fn fault_status(State(sim): State<Arc<Sim>>) -> Response {
+    axum::Json(sim.faults.pending(sim.uptime_ms())).into_response()
+}
+
+async fn kv_pull(State(sim): State<Arc<Sim>>, Path(id): Path<String>) -> Response {
+    let held = sim.held.take(&sim.metrics, &id);
+    held_response(&sim, &id, held)
+}

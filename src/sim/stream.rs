@@ -1,0 +1,196 @@
+//! Streaming answers: `text/event-stream` with one `data: {json}` event per choice and
+//! step, the finish_reason on a choice's last chunk, an optional usage chunk
+//! (`stream_options.include_usage`), then `data: [DONE]`. Headers go out at once; the
+//! prefill runs inside the stream, so a client that leaves early aborts it.
+
+use super::job::Job;
+use super::openai::Endpoint;
+use super::openai::response::{ChatChunkChoice, ChatDelta, CompletionChoice, Envelope};
+use axum::body::{Body, Bytes};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use std::convert::Infallible;
+use std::sync::atomic::Ordering::Relaxed;
+
+enum Phase {
+    Prefill,
+    Tokens,
+    Done,
+    End,
+}
+
+struct State {
+    job: Job,
+    phase: Phase,
+    /// Fault injection: stop sending after this many steps.
+    stall_after: Option<u64>,
+    steps: u64,
+}
+
+/// The SSE answer for a streaming request.
+pub fn response(job: Job) -> Response {
+    let stall_after = job.sim.faults.take_stall();
+    let st = State {
+        job,
+        phase: Phase::Prefill,
+        stall_after,
+        steps: 0,
+    };
+    let events = futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            match st.phase {
+                Phase::Prefill => {
+                    st.job.prefill().await;
+                    st.phase = Phase::Tokens;
+                }
+                Phase::Tokens => {
+                    if st.stall_after.is_some_and(|k| st.steps >= k) {
+                        st.job.sim.metrics.faults_injected.fetch_add(1, Relaxed);
+                        tracing::warn!(
+                            "fault injection: stream {} stalls after {} tokens (stall_stream_after)",
+                            st.job.id,
+                            st.steps
+                        );
+                        std::future::pending::<()>().await;
+                    }
+                    if !st.job.step().await {
+                        st.phase = Phase::Done;
+                        continue;
+                    }
+                    let first = st.steps == 0;
+                    st.steps += 1;
+                    let out = render_step(&mut st.job, first);
+                    if !out.is_empty() {
+                        return Some((Ok::<Bytes, Infallible>(Bytes::from(out)), st));
+                    }
+                }
+                Phase::Done => {
+                    st.job.finish();
+                    let mut out = Vec::with_capacity(256);
+                    if st.job.req.include_usage {
+                        let usage = Some(Some(st.job.usage()));
+                        let obj = object(st.job.req.endpoint);
+                        let choices: Vec<CompletionChoice> = Vec::new();
+                        event(&mut out, &envelope(&st.job, obj, choices, usage));
+                    }
+                    out.extend_from_slice(b"data: [DONE]\n\n");
+                    st.phase = Phase::End;
+                    return Some((Ok(Bytes::from(out)), st));
+                }
+                Phase::End => return None,
+            }
+        }
+    });
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(events),
+    )
+        .into_response()
+}
+
+fn object(e: Endpoint) -> &'static str {
+    match e {
+        Endpoint::Completions => "text_completion",
+        Endpoint::Chat => "chat.completion.chunk",
+    }
+}
+
+fn envelope<'a, C: Serialize>(
+    job: &'a Job,
+    object: &'static str,
+    choices: Vec<C>,
+    usage: Option<Option<super::openai::response::Usage>>,
+) -> Envelope<'a, C> {
+    Envelope {
+        id: &job.id,
+        object,
+        created: job.created,
+        model: &job.sim.args.model,
+        choices,
+        usage,
+        kv_transfer_params: None,
+    }
+}
+
+fn event(out: &mut Vec<u8>, value: &impl Serialize) {
+    out.extend_from_slice(b"data: ");
+    // Serialising plain structs into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, value);
+    out.extend_from_slice(b"\n\n");
+}
+
+/// The events of one step: a chunk per choice that has new text or just finished.
+fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
+    let mut out = Vec::with_capacity(256 * job.seqs.len());
+    let usage_null = job.req.include_usage.then_some(None);
+    let hold = job.hold_back;
+    let endpoint = job.req.endpoint;
+    let mut seqs = std::mem::take(&mut job.seqs);
+    for s in seqs.iter_mut().filter(|s| !s.reported) {
+        let index = s.index;
+        let finish_reason = s.finish_reason();
+        if endpoint == Endpoint::Chat && first {
+            let role = ChatChunkChoice {
+                index,
+                delta: ChatDelta {
+                    role: Some("assistant"),
+                    content: Some(""),
+                },
+                logprobs: None,
+                finish_reason: None,
+                stop_reason: None,
+            };
+            event(
+                &mut out,
+                &envelope(job, object(endpoint), vec![role], usage_null),
+            );
+        }
+        let range = s.take_delta(hold);
+        let delta = &s.text[range];
+        if delta.is_empty() && finish_reason.is_none() {
+            continue;
+        }
+        let stop_reason = s.stop_reason.as_deref();
+        match endpoint {
+            Endpoint::Completions => {
+                let c = CompletionChoice {
+                    index,
+                    text: delta,
+                    logprobs: None,
+                    finish_reason,
+                    stop_reason,
+                    prompt_logprobs: None,
+                };
+                event(
+                    &mut out,
+                    &envelope(job, object(endpoint), vec![c], usage_null),
+                );
+            }
+            Endpoint::Chat => {
+                let c = ChatChunkChoice {
+                    index,
+                    delta: ChatDelta {
+                        role: None,
+                        content: Some(delta),
+                    },
+                    logprobs: None,
+                    finish_reason,
+                    stop_reason,
+                };
+                event(
+                    &mut out,
+                    &envelope(job, object(endpoint), vec![c], usage_null),
+                );
+            }
+        }
+        if finish_reason.is_some() {
+            s.reported = true;
+        }
+    }
+    job.seqs = seqs;
+    out
+}

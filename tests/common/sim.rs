@@ -1,0 +1,199 @@
+//! Helpers for the simulator's tests: a `pdctl sim` process on a free port with its log
+//! captured, JSON/SSE requests, and metric lookups.
+#![allow(dead_code)]
+
+use crate::common::{ChildGuard, TempDir, free_port, pdctl_bin};
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running `pdctl sim`, killed when dropped.
+pub struct SimProc {
+    pub child: ChildGuard,
+    pub port: u16,
+    pub base: String,
+    log: PathBuf,
+    _dir: TempDir,
+}
+
+impl SimProc {
+    /// Starts `pdctl sim --port P <args>` and waits until it answers /version.
+    pub async fn start(args: &[&str]) -> SimProc {
+        Self::start_on(free_port(), args).await
+    }
+
+    /// Same, on a given port.
+    pub async fn start_on(port: u16, args: &[&str]) -> SimProc {
+        let dir = TempDir::new("sim");
+        let log = dir.path().join("sim.log");
+        let file = std::fs::File::create(&log).unwrap();
+        let mut cmd = Command::new(pdctl_bin());
+        cmd.arg("sim")
+            .arg("--port")
+            .arg(port.to_string())
+            .args(args);
+        cmd.env("RUST_LOG", "info").env("NO_COLOR", "1");
+        // A key in the caller's environment would guard every /v1 route.
+        cmd.env_remove("VLLM_API_KEY");
+        cmd.stdout(Stdio::null()).stderr(file);
+        let child = ChildGuard(cmd.spawn().expect("spawn pdctl sim"));
+        let mut sim = SimProc {
+            child,
+            port,
+            base: format!("http://127.0.0.1:{port}"),
+            log,
+            _dir: dir,
+        };
+        let end = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(r) = client().get(sim.url("/version")).send().await {
+                if r.status().is_success() {
+                    return sim;
+                }
+            }
+            if let Ok(Some(status)) = sim.child.0.try_wait() {
+                panic!("pdctl sim exited early ({status}):\n{}", sim.log());
+            }
+            assert!(
+                Instant::now() < end,
+                "pdctl sim did not start:\n{}",
+                sim.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Everything the sim logged so far (ANSI colours stripped).
+    pub fn log(&self) -> String {
+        let raw = std::fs::read_to_string(&self.log).unwrap_or_default();
+        strip_ansi(&raw)
+    }
+
+    /// Waits up to `timeout` for `needle` to appear in the log.
+    pub async fn wait_log(&self, needle: &str, timeout: Duration) -> bool {
+        let end = Instant::now() + timeout;
+        while Instant::now() < end {
+            if self.log().contains(needle) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.log().contains(needle)
+    }
+
+    /// POSTs JSON and returns status and parsed body.
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = client()
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .expect("request");
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    /// POSTs raw bytes as JSON.
+    pub async fn post_raw(&self, path: &str, body: &str) -> (u16, Value) {
+        let r = client()
+            .post(self.url(path))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("request");
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    /// GETs a path and returns status and text.
+    pub async fn get(&self, path: &str) -> (u16, String) {
+        let r = client().get(self.url(path)).send().await.expect("request");
+        (r.status().as_u16(), r.text().await.unwrap())
+    }
+
+    /// The sum of every sample of metric `name` (any labels).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.get("/metrics").await;
+        metric_in(&text, name).unwrap_or_else(|| panic!("metric {name} not exposed:\n{text}"))
+    }
+
+    /// Waits up to `timeout` for the process to exit; its exit code.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let end = Instant::now() + timeout;
+        while Instant::now() < end {
+            if let Ok(Some(s)) = self.child.0.try_wait() {
+                return Some(s.code().unwrap_or(-1));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+/// A client with a generous overall timeout (no test may hang).
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+/// The sum of the samples of `name` in a Prometheus text exposition.
+pub fn metric_in(text: &str, name: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let (series, value) = line.rsplit_once(' ')?;
+        let series_name = series.split('{').next().unwrap_or("");
+        if series_name == name {
+            *found.get_or_insert(0.0) += value.parse::<f64>().ok()?;
+        }
+    }
+    found
+}
+
+/// The `data:` payloads of an SSE body, in order (`[DONE]` kept as a string).
+pub fn sse_events(body: &str) -> Vec<Value> {
+    body.split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).unwrap_or(Value::String(d.to_string())))
+        .collect()
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// A prompt of exactly `n` tokens under the sim's tokenizer (`n` distinct words).
+pub fn prompt_of(n: usize, tag: &str) -> String {
+    (0..n)
+        .map(|i| format!("{tag}{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
