@@ -63,6 +63,10 @@ fn vllm_cpu_mooncake_store_1p1d() {
     run_case(&MOONCAKE_STORE);
 }
 
+/// Requests each way (straight to the prefill instance, through the proxy) for the
+/// latency medians.
+const LATENCY_SAMPLES: usize = 10;
+
 // --- the run --------------------------------------------------------------------------------
 
 fn run_case(case: &Case) {
@@ -225,37 +229,44 @@ fn run_case(case: &Case) {
     println!("[{}] decode log: {}", case.name, short(&log_proof));
 
     // Latency: fresh prompts each (no cache anywhere), alternating direct and proxied.
+    let load_before = loadavg();
     let mut direct_ms = Vec::new();
     let mut proxied_ms = Vec::new();
-    for i in 0..5 {
+    let mut prompt_tokens = Vec::new();
+    for i in 0..LATENCY_SAMPLES {
         let d = request_body(
             "/v1/completions",
             &prompt(case.name, "direct", i),
             16,
             false,
         );
-        direct_ms.push(
-            rt.block_on(send(&http, &format!("{prefill}/v1/completions"), &d))
-                .ms,
-        );
+        let a = rt.block_on(send(&http, &format!("{prefill}/v1/completions"), &d));
+        direct_ms.push(round1(a.ms));
+        prompt_tokens.extend(a.prompt_tokens);
         let p = request_body(
             "/v1/completions",
             &prompt(case.name, "proxied", i),
             16,
             false,
         );
-        proxied_ms.push(
-            rt.block_on(send(&http, &format!("{proxy}/v1/completions"), &p))
-                .ms,
-        );
+        let a = rt.block_on(send(&http, &format!("{proxy}/v1/completions"), &p));
+        proxied_ms.push(round1(a.ms));
+        prompt_tokens.extend(a.prompt_tokens);
     }
     let figures = json!({
         "case": case.name,
         "vllm_version": plan["vllm_version"],
         "startup_to_healthy_s": round1(startup_s),
-        "requests": "completions, ~400-token prompt, 16 tokens out, temperature 0, one at a time",
+        "requests": format!(
+            "{LATENCY_SAMPLES} completions each way, one at a time, fresh prompts of {}-{} tokens, \
+             16 tokens out, temperature 0",
+            prompt_tokens.iter().min().unwrap_or(&0),
+            prompt_tokens.iter().max().unwrap_or(&0)
+        ),
         "direct_to_prefill_ms": {"median": median(&direct_ms), "all": direct_ms},
         "through_proxy_ms": {"median": median(&proxied_ms), "all": proxied_ms},
+        "load_average_1m": {"before": load_before, "after": loadavg()},
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         "handoffs": handoffs,
         "decode_log": log_proof,
     });
@@ -381,8 +392,9 @@ fn topology(case: &Case, cluster: &str, model: &Path, ports: &[u16]) -> String {
     toml::to_string(&t).unwrap()
 }
 
-/// A prompt of ~400 tokens (three whole 128-token KV blocks and a bit), different for
-/// every (case, label, index), so no request finds another's KV anywhere.
+/// A prompt of ~500 tokens with the tiny model's tokenizer (three whole 128-token KV
+/// blocks and more), different for every (case, label, index), so no request finds
+/// another's KV anywhere.
 fn prompt(case: &str, label: &str, i: usize) -> String {
     const WORDS: &[&str] = &[
         "prefill", "decode", "cache", "block", "token", "request", "server", "model", "memory",
@@ -391,7 +403,7 @@ fn prompt(case: &str, label: &str, i: usize) -> String {
     let seed = format!("{case} {label} {i}");
     let salt: usize = seed.bytes().map(usize::from).sum::<usize>() + i * 7919;
     let mut words = vec![seed];
-    for k in 0..130 {
+    for k in 0..240 {
         words.push(format!(
             "{}{}",
             WORDS[(k * 7 + salt) % WORDS.len()],
@@ -424,6 +436,8 @@ fn request_body(route: &str, prompt: &str, max_tokens: u32, stream: bool) -> Val
 struct Answer {
     text: String,
     ms: f64,
+    /// usage.prompt_tokens of a non-streamed answer.
+    prompt_tokens: Option<u64>,
 }
 
 /// POSTs `body` and returns the generated text, streamed or not; anything but a clean
@@ -468,6 +482,7 @@ async fn send(http: &reqwest::Client, url: &str, body: &Value) -> Answer {
         return Answer {
             text: piece(&v["choices"][0]),
             ms,
+            prompt_tokens: v["usage"]["prompt_tokens"].as_u64(),
         };
     }
     assert!(
@@ -495,7 +510,11 @@ async fn send(http: &reqwest::Client, url: &str, body: &Value) -> Answer {
         }
     }
     assert!(done, "{url}: the stream ended without [DONE]:\n{raw}");
-    Answer { text, ms }
+    Answer {
+        text,
+        ms,
+        prompt_tokens: None,
+    }
 }
 
 /// Prompt tokens the decode instance took from the KV connector so far.
@@ -735,6 +754,14 @@ fn median(v: &[f64]) -> f64 {
         (s[m - 1] + s[m]) / 2.0
     };
     round1(x)
+}
+
+/// The 1-minute load average: the figures mean little on a busy machine, so they say so.
+fn loadavg() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(-1.0)
 }
 
 fn round1(x: f64) -> f64 {
