@@ -89,6 +89,11 @@ pub(super) fn plan_support(
             &format!("{member}={peer_url}"),
             "--initial-cluster-state",
             "new",
+            // One member: nothing to elect with, so do not wait out a 1-2 s election.
+            "--heartbeat-interval",
+            "10",
+            "--election-timeout",
+            "100",
         ]
         .map(String::from)
         .to_vec();
@@ -158,7 +163,7 @@ pub(super) fn plan_support(
             probe,
         );
         svc.ports = named;
-        svc.depends_on = out.names.clone();
+        // The master needs etcd only in HA mode, which pdctl does not plan: start both at once.
         out.master = Some(Endpoint {
             host,
             port: m.rpc_port,

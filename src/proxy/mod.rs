@@ -1,8 +1,163 @@
-//! The PD proxy (`pdctl proxy`).
+//! The PD proxy (`pdctl proxy`): the one address clients send OpenAI requests to. It splits
+//! each request into a prefill leg and a decode leg for the protocol of the cluster's KV
+//! connector, picks instances with a routing policy, and relays decode's answer. It knows
+//! endpoints and a protocol, nothing of processes: health comes from its own probes or from
+//! the supervisor's control socket.
+//!
+//! Layout: [`server`] (routes) -> [`pipeline`] (flows, retries) -> [`legs`] (one attempt
+//! of one leg), using [`protocol`]
+//! (bodies per connector), [`policy`] (instance choice), [`upstream`] (HTTP client) and
+//! [`relay`] (streams); [`instances`], [`health`], [`scrape`], [`limits`], [`metrics`],
+//! [`errors`], [`designate`], [`record`] (per-request log line), [`models`], [`config`].
 
 pub mod args;
+pub mod config;
+pub mod designate;
+pub mod endpoint;
+pub mod errors;
+pub mod health;
+pub mod histogram;
+pub mod instances;
+pub mod legs;
+pub mod limits;
+pub mod metrics;
+pub mod models;
+pub mod pipeline;
+pub mod policy;
+pub mod protocol;
+pub mod record;
+pub mod relay;
+pub mod scrape;
+pub mod server;
+pub mod upstream;
 
-/// Runs the proxy until it is stopped.
-pub async fn run(_args: args::ProxyArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not built yet")
+use crate::cli::ExitError;
+use anyhow::Context;
+use axum::serve::ListenerExt;
+pub use instances::Leg;
+use instances::Pools;
+use limits::Limits;
+use metrics::Metrics;
+use policy::Policy;
+use protocol::Protocol;
+use std::sync::Arc;
+use std::time::Duration;
+use upstream::Upstream;
+
+/// How long in-flight requests may finish after SIGINT/SIGTERM before the proxy exits.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Everything a request needs, shared by all requests.
+#[derive(Debug)]
+pub struct Proxy {
+    pub settings: config::Settings,
+    pub pools: Pools,
+    pub prefill_policy: Box<dyn Policy>,
+    pub decode_policy: Box<dyn Policy>,
+    pub protocol: Box<dyn Protocol>,
+    pub upstream: Upstream,
+    pub limits: Limits,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Proxy {
+    /// Builds a proxy from checked arguments (nothing is started).
+    pub fn new(a: &args::ProxyArgs) -> anyhow::Result<Proxy> {
+        let usage = |e: config::ConfigError| ExitError::usage(e.to_string());
+        let settings = config::settings(a).map_err(usage)?;
+        let pools = config::pools(a).map_err(usage)?;
+        let metrics = Arc::new(Metrics::default());
+        let upstream = Upstream::new(settings.connect_timeout, a.engine_api_key.as_deref())
+            .map_err(|e| ExitError::usage(e.to_string()))?;
+        let bootstrap_timeout = settings.connect_timeout + Duration::from_secs(2);
+        Ok(Proxy {
+            prefill_policy: policy::build(
+                a.prefill_policy.unwrap_or(a.policy),
+                Leg::Prefill,
+                metrics.clone(),
+            ),
+            decode_policy: policy::build(
+                a.decode_policy.unwrap_or(a.policy),
+                Leg::Decode,
+                metrics.clone(),
+            ),
+            protocol: protocol::build(a.protocol, bootstrap_timeout),
+            limits: Limits::new(
+                a.rate_limit,
+                a.max_concurrent,
+                a.queue_size,
+                metrics.clone(),
+            ),
+            upstream,
+            pools,
+            settings,
+            metrics,
+        })
+    }
+
+    /// The routing policy of a leg.
+    pub fn policy(&self, leg: Leg) -> &dyn Policy {
+        match leg {
+            Leg::Prefill => self.prefill_policy.as_ref(),
+            Leg::Decode => self.decode_policy.as_ref(),
+        }
+    }
+}
+
+/// Runs the proxy until SIGINT or SIGTERM.
+pub async fn run(a: args::ProxyArgs) -> anyhow::Result<()> {
+    let proxy = Arc::new(Proxy::new(&a)?);
+    let addr = format!("{}:{}", a.host, a.port);
+    let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|e| {
+        ExitError::usage(format!(
+            "cannot listen on {addr}: {e} (is another process using port {}? choose one with --port)",
+            a.port
+        ))
+    })?;
+    health::start(proxy.clone(), a.supervisor_socket.clone()).await;
+    if proxy.settings.scrape_metrics {
+        scrape::start(proxy.clone(), proxy.settings.health_interval);
+    }
+    tracing::info!(
+        "pdctl proxy listening on http://{addr}: protocol {}, prefill policy {}, decode policy {}, {} prefill, {} decode",
+        proxy.protocol.name(),
+        proxy.prefill_policy.name(),
+        proxy.decode_policy.name(),
+        proxy.pools.prefill.len(),
+        proxy.pools.decode.len(),
+    );
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    // Streams are many small writes: without TCP_NODELAY, Nagle holds chunks back.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let server = tokio::spawn(
+        axum::serve(listener, server::router(proxy))
+            .with_graceful_shutdown(async {
+                let _ = stop_rx.await;
+            })
+            .into_future(),
+    );
+    shutdown_signal().await?;
+    tracing::info!("stopping: no new connections; in-flight requests get {SHUTDOWN_GRACE:?}");
+    let _ = stop_tx.send(());
+    match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
+        Ok(joined) => joined
+            .context("the proxy server task failed")?
+            .context("serving")?,
+        Err(_) => {
+            tracing::warn!("in-flight requests did not finish within {SHUTDOWN_GRACE:?}; exiting")
+        }
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,
+        _ = term.recv() => {}
+    }
+    Ok(())
 }

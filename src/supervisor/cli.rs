@@ -1,34 +1,337 @@
-//! `pdctl up / down / status / logs` and the hidden `supervise`.
+//! `pdctl up / down / status / logs` and the hidden `supervise`: argument parsing and
+//! turning outcomes into exit codes (0 ok, 1 failure, 2 bad input, 3 nothing running).
 
+use super::detach::{self, LogSettings};
+use super::logfile::{DEFAULT_KEEP, DEFAULT_MAX_BYTES};
+use super::runner::{self, RunOptions};
+use super::state::{ClusterLock, StateDir};
+use super::{SupervisorError, logs_cmd, preflight, select, stale, view, watchdog};
+use crate::cli::ExitError;
+use crate::cli::common::{TopologyArgs, load_plan, state_root};
+use crate::control::{Request, Response, client};
+use crate::plan::Plan;
+use anyhow::Context;
 use clap::Args;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
+/// Arguments of `pdctl up`.
 #[derive(Debug, Args)]
 pub struct UpArgs {
     #[command(flatten)]
-    pub topology: crate::cli::common::TopologyArgs,
+    pub topology: TopologyArgs,
+    /// Return once every service is healthy, leaving the supervisor running.
+    #[arg(short = 'd', long)]
+    pub detach: bool,
+    /// Run this plan (JSON, as `pdctl plan --json` prints it) instead of a topology.
+    #[arg(long, hide = true, conflicts_with_all = ["file", "profile"])]
+    pub plan: Option<PathBuf>,
+    /// Rotate a service's log file when it reaches this many bytes.
+    #[arg(long, default_value_t = DEFAULT_MAX_BYTES)]
+    pub log_max_bytes: u64,
+    /// Rotated log files kept per service.
+    #[arg(long, default_value_t = DEFAULT_KEEP)]
+    pub log_keep: u32,
 }
-#[derive(Debug, Args)]
-pub struct DownArgs {}
-#[derive(Debug, Args)]
-pub struct StatusArgs {}
-#[derive(Debug, Args)]
-pub struct LogsArgs {}
-#[derive(Debug, Args)]
-pub struct SuperviseArgs {}
 
-pub fn up(_a: UpArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not built yet")
+/// Which cluster a command acts on.
+#[derive(Debug, Clone, Args)]
+pub struct ClusterArgs {
+    /// The cluster to act on (needed when several run under the state root).
+    #[arg(long)]
+    pub cluster: Option<String>,
+    /// State root holding one directory per cluster.
+    #[arg(long, env = "PDCTL_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
 }
-pub fn down(_a: DownArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not built yet")
+
+/// Arguments of `pdctl down`.
+#[derive(Debug, Args)]
+pub struct DownArgs {
+    /// Seconds each service gets to exit after its stop signal before SIGKILL.
+    #[arg(short = 't', long = "timeout", default_value_t = 30)]
+    pub timeout: u64,
+    #[command(flatten)]
+    pub which: ClusterArgs,
 }
-pub fn status(_a: StatusArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not built yet")
+
+/// Arguments of `pdctl status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Print JSON: {"cluster", "services": [{"name", "role", "node", "pid", "state", ...}]}.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub which: ClusterArgs,
 }
-pub fn logs(_a: LogsArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not built yet")
+
+/// Arguments of `pdctl logs`.
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    /// A role (`prefill`: every prefill instance) or one service (`prefill-2`); all
+    /// services when left out.
+    pub target: Option<String>,
+    /// Keep printing new lines (across log rotation and restarts) until the cluster stops.
+    #[arg(short = 'f', long)]
+    pub follow: bool,
+    /// Only the last N lines of each service.
+    #[arg(short = 'n', long = "lines")]
+    pub lines: Option<usize>,
+    #[command(flatten)]
+    pub which: ClusterArgs,
 }
-pub fn supervise(_a: SuperviseArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not built yet")
+
+/// Arguments of the hidden `pdctl supervise` (what `up -d` leaves running).
+#[derive(Debug, Args)]
+pub struct SuperviseArgs {
+    /// The cluster's state dir, holding plan.json.
+    #[arg(long, required_unless_present = "watchdog")]
+    pub cluster_dir: Option<PathBuf>,
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Descriptor of the cluster lock inherited from `up -d`.
+    #[arg(long)]
+    pub lock_fd: Option<i32>,
+    #[arg(long, default_value_t = DEFAULT_MAX_BYTES)]
+    pub log_max_bytes: u64,
+    #[arg(long, default_value_t = DEFAULT_KEEP)]
+    pub log_keep: u32,
+    /// Run as the watchdog of the run with this id (see supervisor::watchdog).
+    #[arg(long)]
+    pub watchdog: Option<String>,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+fn usage_if(e: SupervisorError) -> anyhow::Error {
+    if e.is_usage() {
+        ExitError::usage(e.to_string())
+    } else {
+        e.into()
+    }
+}
+
+/// Reads a plan written as JSON (`--plan`, or plan.json in a state dir).
+fn read_plan(path: &Path) -> anyhow::Result<Plan> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ExitError::usage(format!("cannot read plan {}: {e}", path.display())))?;
+    serde_json::from_str(&text)
+        .map_err(|e| ExitError::usage(format!("plan {} is not a valid plan: {e}", path.display())))
+}
+
+/// `pdctl up`: plan, pre-flight, then supervise in the foreground or detached.
+pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
+    let (mut plan, note, node) = match &a.plan {
+        Some(path) => {
+            let plan = read_plan(path)?;
+            let node = a
+                .topology
+                .node
+                .clone()
+                .unwrap_or_else(|| plan.head_node.clone());
+            (plan, format!("using plan file {}", path.display()), node)
+        }
+        None => {
+            // Programs it could not find are reported by pre-flight, with the others.
+            let loaded = load_plan(&a.topology)?;
+            (loaded.plan, loaded.source_note, loaded.node)
+        }
+    };
+    if !plan.nodes.contains_key(&node) && !plan.services.iter().any(|s| s.node == node) {
+        let known: Vec<&str> = plan.nodes.keys().map(String::as_str).collect();
+        return Err(usage_if(SupervisorError::UnknownNode {
+            node,
+            known: known.join(", "),
+        }));
+    }
+    if a.plan.is_some() {
+        if let Some(root) = &a.topology.state_dir {
+            // As the planner does: <root>/<cluster>, or <root>/<cluster>-<node> when the
+            // plan spans several nodes (two nodes on one host must not share a lock).
+            let dir = if plan.nodes.len() > 1 {
+                format!("{}-{node}", plan.cluster)
+            } else {
+                plan.cluster.clone()
+            };
+            plan.state_dir = root.join(dir);
+        }
+    }
+    if plan.local_services(&node).next().is_none() {
+        return Err(ExitError::usage(format!(
+            "node `{node}` runs no service of cluster {}; the services are on {}",
+            plan.cluster,
+            plan.services
+                .iter()
+                .map(|s| s.node.as_str())
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    let state = StateDir::new(&plan.state_dir);
+    state.create()?;
+    let lock = state.lock().map_err(usage_if)?;
+    let mut out = std::io::stdout();
+    if let Some(cleaned) = stale::clean_if_stale(&state) {
+        let _ = writeln!(out, "pdctl: {cleaned}");
+    }
+    let problems = preflight::check(&mut plan, &node, a.topology.gpus.as_deref(), &state);
+    if !problems.is_empty() {
+        return Err(usage_if(SupervisorError::Preflight(problems)));
+    }
+    let local = plan.local_services(&node).count();
+    let _ = writeln!(
+        out,
+        "pdctl: cluster {} ({note}): {local} service(s) on node {node}, {} on other nodes; state in {}",
+        plan.cluster,
+        plan.services.len() - local,
+        state.dir.display()
+    );
+    for w in &plan.warnings {
+        let _ = writeln!(out, "pdctl: warning: {w}");
+    }
+    let json = serde_json::to_vec_pretty(&plan).expect("plans serialize");
+    super::state::write_atomic(&state.plan_path(), &json)
+        .with_context(|| format!("writing {}", state.plan_path().display()))?;
+    let logs = LogSettings {
+        max_bytes: a.log_max_bytes,
+        keep: a.log_keep,
+    };
+    if a.detach {
+        let mut child = detach::spawn_supervisor(&state, &node, lock, logs)?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let code = rt.block_on(detach::wait_for_start(&mut child, &state, &plan));
+        return Ok(ExitCode::from(code));
+    }
+    let opts = RunOptions {
+        node,
+        foreground: true,
+        log_max_bytes: logs.max_bytes,
+        log_keep: logs.keep,
+    };
+    let code = runtime()?.block_on(runner::run(plan, state, lock, opts))?;
+    Ok(ExitCode::from(code))
+}
+
+/// `pdctl down`: stop the running cluster, or clean up after a dead supervisor.
+pub fn down(a: DownArgs) -> anyhow::Result<ExitCode> {
+    super::down_cmd::run(&a, runtime()?)
+}
+
+/// `pdctl status`: the table or JSON; exit 0 all healthy, 1 otherwise, 3 nothing runs.
+pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
+    let root = state_root(a.which.state_dir.as_deref());
+    let Some(found) = select::running(&root, a.which.cluster.as_deref())? else {
+        let mut msg = match a.which.cluster.as_deref() {
+            Some(c) => format!("cluster {c} is not running under {}", root.display()),
+            None => format!("no cluster is running under {}", root.display()),
+        };
+        for f in select::stale(&root, a.which.cluster.as_deref()) {
+            msg.push_str(&format!(
+                "\n  {} was left behind by a supervisor that died; `pdctl down` or `pdctl up` cleans it up",
+                f.label()
+            ));
+        }
+        return Err(ExitError::nothing_running(msg));
+    };
+    let rt = runtime()?;
+    let socket = found.state.socket_path();
+    let answer = rt
+        .block_on(client::send(
+            &socket,
+            &Request::Status,
+            Duration::from_secs(5),
+        ))
+        .with_context(|| format!("asking the supervisor of {} for its status", found.label()))?;
+    let report = match answer {
+        Response::Status(r) => r,
+        Response::Error { message } => anyhow::bail!("the supervisor answered: {message}"),
+        other => anyhow::bail!("the supervisor answered something unexpected: {other:?}"),
+    };
+    let mut out = std::io::stdout();
+    if a.json {
+        let _ = writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&report).expect("reports serialize")
+        );
+    } else {
+        let _ = write!(out, "{}", view::status_table(&report));
+        if let Some(url) = &report.proxy_url {
+            if let Some(figures) = rt.block_on(view::scrape_proxy(url)) {
+                let _ = writeln!(out, "{figures}");
+            }
+        }
+    }
+    Ok(if report.all_healthy() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// `pdctl logs`: history of one service or a role's instances, optionally followed.
+pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
+    let root = state_root(a.which.state_dir.as_deref());
+    let Some(found) = select::with_logs(&root, a.which.cluster.as_deref())? else {
+        return Err(ExitError::nothing_running(format!(
+            "no cluster has logs under {}",
+            root.display()
+        )));
+    };
+    let names = logs_cmd::services_with_logs(&found.state.logs_dir());
+    let chosen = logs_cmd::resolve(&names, a.target.as_deref())
+        .map_err(|e| ExitError::usage(format!("{e} (cluster {})", found.label())))?;
+    let targets: Vec<(String, PathBuf)> = chosen
+        .iter()
+        .map(|n| (n.clone(), found.state.log_path(n)))
+        .collect();
+    let printer = logs_cmd::Printer::new(&chosen);
+    if a.follow && found.running {
+        let record = found
+            .record
+            .clone()
+            .expect("running clusters have a record");
+        logs_cmd::follow(&targets, a.lines, &printer, || record.supervisor_alive());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut stdout = std::io::stdout();
+    for (i, (name, path)) in targets.iter().enumerate() {
+        if !printer.print(&mut stdout, i, name, &logs_cmd::history(path, a.lines)) {
+            break;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `pdctl supervise`: the detached supervisor (or, with --watchdog, its watchdog).
+pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
+    if let Some(run_id) = &a.watchdog {
+        return Ok(watchdog::watch(run_id));
+    }
+    let dir = a.cluster_dir.clone().context("--cluster-dir is required")?;
+    let state = StateDir::new(dir);
+    let plan = read_plan(&state.plan_path())?;
+    let lock = match a.lock_fd {
+        // SAFETY: `up -d` passes the descriptor of the lock it holds, for us to own.
+        Some(fd) => unsafe { ClusterLock::adopt(fd) }?,
+        None => state.lock().map_err(usage_if)?,
+    };
+    let opts = RunOptions {
+        node: a.node.clone().unwrap_or_else(|| plan.head_node.clone()),
+        foreground: false,
+        log_max_bytes: a.log_max_bytes,
+        log_keep: a.log_keep,
+    };
+    let code = runtime()?.block_on(runner::run(plan, state, lock, opts))?;
+    Ok(ExitCode::from(code))
 }

@@ -1,0 +1,220 @@
+//! Checks `pdctl proxy` arguments before anything starts, turning them into endpoint
+//! pools and durations; every mistake is reported with the flag to fix.
+
+use super::args::{ProxyArgs, ProxyProtocol};
+use super::instances::{EndpointError, Instance, Leg, Pools, parse_endpoint};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Why the arguments cannot run a proxy.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("--{flag} {source}")]
+    Endpoint {
+        flag: &'static str,
+        source: EndpointError,
+    },
+    #[error("--{flag} {url} is given twice: list each instance once")]
+    Duplicate { flag: &'static str, url: String },
+    #[error("{url} is listed as both --prefill and --decode: an engine plays one role")]
+    BothRoles { url: String },
+    #[error(
+        "--protocol mooncake needs one --bootstrap-port per --prefill (in the same order): got {ports} for {prefills} prefill instance(s)"
+    )]
+    BootstrapPorts { ports: usize, prefills: usize },
+    #[error("--bootstrap-port only applies to --protocol mooncake")]
+    BootstrapUnused,
+    #[error("--{flag} must be a number >= 0 (got {value}); 0 turns the limit off")]
+    BadNumber { flag: &'static str, value: String },
+    #[error("--{flag} must be at least 1")]
+    Zero { flag: &'static str },
+    #[error("--queue-size {0} needs --max-concurrent: without a concurrency limit nothing waits")]
+    QueueWithoutLimit(usize),
+}
+
+/// Durations and switches the request path needs, read once.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub connect_timeout: Duration,
+    pub prefill_timeout: Duration,
+    pub first_byte_timeout: Duration,
+    pub total_timeout: Duration,
+    pub retries: u32,
+    pub max_body_bytes: usize,
+    pub api_key: Option<String>,
+    pub health_interval: Duration,
+    pub scrape_metrics: bool,
+}
+
+/// Builds the instance pools, checking every endpoint.
+pub fn pools(args: &ProxyArgs) -> Result<Pools, ConfigError> {
+    let mooncake = args.protocol == ProxyProtocol::Mooncake;
+    if mooncake && args.bootstrap_ports.len() != args.prefill.len() {
+        return Err(ConfigError::BootstrapPorts {
+            ports: args.bootstrap_ports.len(),
+            prefills: args.prefill.len(),
+        });
+    }
+    if !mooncake && !args.bootstrap_ports.is_empty() {
+        return Err(ConfigError::BootstrapUnused);
+    }
+    let build = |leg: Leg, flag: &'static str, raw: &[String]| {
+        let mut out: Vec<Arc<Instance>> = Vec::new();
+        for (index, r) in raw.iter().enumerate() {
+            let endpoint =
+                parse_endpoint(r).map_err(|source| ConfigError::Endpoint { flag, source })?;
+            if out.iter().any(|i| i.url == endpoint.url) {
+                return Err(ConfigError::Duplicate {
+                    flag,
+                    url: endpoint.url,
+                });
+            }
+            let boot = args
+                .bootstrap_ports
+                .get(index)
+                .copied()
+                .filter(|_| mooncake);
+            out.push(Arc::new(Instance::new(leg, index, endpoint, boot)));
+        }
+        Ok(out)
+    };
+    let prefill = build(Leg::Prefill, "prefill", &args.prefill)?;
+    let decode = build(Leg::Decode, "decode", &args.decode)?;
+    if let Some(p) = prefill
+        .iter()
+        .find(|p| decode.iter().any(|d| d.url == p.url))
+    {
+        return Err(ConfigError::BothRoles { url: p.url.clone() });
+    }
+    Ok(Pools { prefill, decode })
+}
+
+/// Reads the timeouts and limits, refusing values that cannot work.
+pub fn settings(args: &ProxyArgs) -> Result<Settings, ConfigError> {
+    if !args.rate_limit.is_finite() || args.rate_limit < 0.0 {
+        return Err(ConfigError::BadNumber {
+            flag: "rate-limit",
+            value: args.rate_limit.to_string(),
+        });
+    }
+    if args.queue_size > 0 && args.max_concurrent == 0 {
+        return Err(ConfigError::QueueWithoutLimit(args.queue_size));
+    }
+    for (flag, v) in [
+        ("connect-timeout-ms", args.connect_timeout_ms),
+        ("prefill-timeout-s", args.prefill_timeout_s),
+        ("first-byte-timeout-s", args.first_byte_timeout_s),
+        ("total-timeout-s", args.total_timeout_s),
+        ("health-interval-ms", args.health_interval_ms),
+        ("max-body-bytes", args.max_body_bytes as u64),
+    ] {
+        if v == 0 {
+            return Err(ConfigError::Zero { flag });
+        }
+    }
+    Ok(Settings {
+        connect_timeout: Duration::from_millis(args.connect_timeout_ms),
+        prefill_timeout: Duration::from_secs(args.prefill_timeout_s),
+        first_byte_timeout: Duration::from_secs(args.first_byte_timeout_s),
+        total_timeout: Duration::from_secs(args.total_timeout_s),
+        retries: args.retries,
+        max_body_bytes: args.max_body_bytes,
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        health_interval: Duration::from_millis(args.health_interval_ms),
+        scrape_metrics: args.scrape_metrics,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: ProxyArgs,
+    }
+
+    fn args(extra: &[&str]) -> ProxyArgs {
+        let mut v = vec!["proxy"];
+        v.extend_from_slice(extra);
+        Cli::try_parse_from(v).unwrap().args
+    }
+
+    #[test]
+    fn mooncake_needs_a_bootstrap_port_per_prefill() {
+        let a = args(&[
+            "--prefill",
+            "h:1",
+            "--prefill",
+            "h:2",
+            "--decode",
+            "h:3",
+            "--protocol",
+            "mooncake",
+            "--bootstrap-port",
+            "8998",
+        ]);
+        let e = pools(&a).unwrap_err().to_string();
+        assert!(e.contains("got 1 for 2"), "{e}");
+        let a = args(&[
+            "--prefill",
+            "h:1",
+            "--decode",
+            "h:3",
+            "--protocol",
+            "mooncake",
+            "--bootstrap-port",
+            "8998",
+        ]);
+        assert_eq!(pools(&a).unwrap().prefill[0].bootstrap_port, Some(8998));
+    }
+
+    #[test]
+    fn the_same_engine_cannot_be_listed_twice_or_in_both_roles() {
+        let a = args(&[
+            "--prefill",
+            "h:1",
+            "--prefill",
+            "http://h:1/",
+            "--decode",
+            "h:3",
+        ]);
+        assert!(matches!(pools(&a), Err(ConfigError::Duplicate { .. })));
+        let a = args(&["--prefill", "h:1", "--decode", "http://h:1"]);
+        assert!(matches!(pools(&a), Err(ConfigError::BothRoles { .. })));
+    }
+
+    #[test]
+    fn a_bad_endpoint_names_its_flag() {
+        let a = args(&["--prefill", "h:1", "--decode", "https://h:3"]);
+        let e = pools(&a).unwrap_err().to_string();
+        assert!(e.starts_with("--decode \"https://h:3\""), "{e}");
+    }
+
+    #[test]
+    fn limits_that_cannot_work_are_refused() {
+        let a = args(&["--prefill", "h:1", "--decode", "h:3", "--queue-size", "5"]);
+        assert!(matches!(
+            settings(&a),
+            Err(ConfigError::QueueWithoutLimit(5))
+        ));
+        let a = args(&[
+            "--prefill",
+            "h:1",
+            "--decode",
+            "h:3",
+            "--total-timeout-s",
+            "0",
+        ]);
+        assert!(
+            settings(&a)
+                .unwrap_err()
+                .to_string()
+                .contains("--total-timeout-s")
+        );
+        let a = args(&["--prefill", "h:1", "--decode", "h:3", "--rate-limit=-1"]);
+        assert!(settings(&a).is_err());
+    }
+}

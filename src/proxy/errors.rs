@@ -1,0 +1,231 @@
+//! Every way a client request can fail, as OpenAI-style JSON errors that name the leg and
+//! the instance involved, so a failed prefill is never swallowed or turned into an empty 200.
+
+use super::instances::Leg;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use serde_json::json;
+use std::time::Duration;
+
+/// What went wrong with one leg on one instance.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LegFailure {
+    #[error("could not connect: {0}")]
+    Connect(String),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    #[error("answered {status}: {message}")]
+    Status {
+        status: u16,
+        message: String,
+        /// The engine's own body and content type, passed through unchanged for 4xx.
+        body: Bytes,
+        content_type: Option<HeaderValue>,
+    },
+    #[error("the answer broke off: {0}")]
+    Body(String),
+    #[error("answered something the proxy cannot use: {0}")]
+    BadAnswer(String),
+    #[error("its mooncake bootstrap server {url} failed: {reason}")]
+    Bootstrap { url: String, reason: String },
+}
+
+impl LegFailure {
+    /// Connect errors and 502/503 are worth trying on another instance.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            LegFailure::Connect(_) | LegFailure::Bootstrap { .. } => true,
+            LegFailure::Status { status, .. } => matches!(status, 502 | 503),
+            _ => false,
+        }
+    }
+
+    /// Whether this says something about the instance's health (a client's own 4xx never does).
+    pub fn blames_instance(&self) -> bool {
+        !matches!(self, LegFailure::Status { status, .. } if *status < 500)
+    }
+}
+
+/// A leg that failed, with where.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{leg} leg failed: {instance} {failure}")]
+pub struct LegError {
+    pub leg: Leg,
+    pub instance: String,
+    pub failure: LegFailure,
+}
+
+/// Everything the proxy answers with an error status.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ProxyError {
+    #[error("{message}")]
+    BadRequest {
+        message: String,
+        param: Option<&'static str>,
+    },
+    #[error("missing or wrong API key: send the header `Authorization: Bearer <key>`")]
+    Unauthorized,
+    #[error(
+        "no route {method} {path}: this proxy serves POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
+    )]
+    NotFound { method: String, path: String },
+    #[error("the request body is larger than the limit of {limit} bytes (--max-body-bytes)")]
+    PayloadTooLarge { limit: usize },
+    #[error("{message}")]
+    RateLimited { message: String, retry_after_s: u64 },
+    #[error("no usable {leg} instance: {detail}")]
+    NoInstance { leg: Leg, detail: String },
+    #[error("{0}")]
+    Leg(Box<LegError>),
+    #[error("the request took longer than the total limit of {0:?} (--total-timeout-s)")]
+    TotalTimeout(Duration),
+}
+
+impl From<LegError> for ProxyError {
+    fn from(e: LegError) -> Self {
+        ProxyError::Leg(Box::new(e))
+    }
+}
+
+impl ProxyError {
+    /// The HTTP status the client gets.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ProxyError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ProxyError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ProxyError::NoInstance { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::TotalTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::Leg(e) => match &e.failure {
+                LegFailure::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+                LegFailure::Status { status, .. } if *status < 500 || *status == 503 => {
+                    StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
+                }
+                _ => StatusCode::BAD_GATEWAY,
+            },
+        }
+    }
+
+    /// The OpenAI error `type` field.
+    fn kind(&self) -> &'static str {
+        match self {
+            ProxyError::BadRequest { .. } | ProxyError::PayloadTooLarge { .. } => {
+                "invalid_request_error"
+            }
+            ProxyError::Unauthorized => "authentication_error",
+            ProxyError::NotFound { .. } => "not_found_error",
+            ProxyError::RateLimited { .. } => "rate_limit_error",
+            ProxyError::NoInstance { .. } => "service_unavailable",
+            ProxyError::TotalTimeout(_) => "timeout_error",
+            ProxyError::Leg(e) => match e.failure {
+                LegFailure::Timeout(_) => "timeout_error",
+                _ => "upstream_error",
+            },
+        }
+    }
+
+    /// The JSON object (`{"error": {...}}`) describing this error, also used for SSE error events.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut error = json!({
+            "message": self.to_string(),
+            "type": self.kind(),
+            "param": match self { ProxyError::BadRequest { param, .. } => *param, _ => None },
+            "code": self.status().as_u16(),
+        });
+        match self {
+            ProxyError::Leg(e) => {
+                error["leg"] = json!(e.leg.as_str());
+                error["instance"] = json!(e.instance);
+            }
+            ProxyError::NoInstance { leg, .. } => error["leg"] = json!(leg.as_str()),
+            _ => {}
+        }
+        json!({ "error": error })
+    }
+}
+
+impl IntoResponse for ProxyError {
+    fn into_response(self) -> Response {
+        // An engine's own 4xx goes to the client exactly as the engine wrote it.
+        if let ProxyError::Leg(e) = &self
+            && let LegFailure::Status {
+                status,
+                body,
+                content_type,
+                ..
+            } = &e.failure
+            && *status < 500
+            && !body.is_empty()
+        {
+            let mut r = Response::new(axum::body::Body::from(body.clone()));
+            *r.status_mut() = self.status();
+            if let Some(ct) = content_type {
+                r.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+            }
+            return r;
+        }
+        let mut r = (self.status(), axum::Json(self.to_json())).into_response();
+        if let ProxyError::RateLimited { retry_after_s, .. } = &self {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
+        }
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leg(failure: LegFailure) -> ProxyError {
+        LegError {
+            leg: Leg::Prefill,
+            instance: "http://10.0.0.1:8100".into(),
+            failure,
+        }
+        .into()
+    }
+
+    fn status(code: u16) -> LegFailure {
+        LegFailure::Status {
+            status: code,
+            message: "x".into(),
+            body: Bytes::new(),
+            content_type: None,
+        }
+    }
+
+    #[test]
+    fn upstream_statuses_map_to_what_a_client_can_act_on() {
+        assert_eq!(leg(status(400)).status(), 400);
+        assert_eq!(leg(status(503)).status(), 503);
+        assert_eq!(leg(status(500)).status(), 502);
+        assert_eq!(leg(LegFailure::Connect("refused".into())).status(), 502);
+        assert_eq!(
+            leg(LegFailure::Timeout(Duration::from_secs(1))).status(),
+            504
+        );
+    }
+
+    #[test]
+    fn the_error_body_names_leg_and_instance() {
+        let j = leg(status(500)).to_json();
+        assert_eq!(j["error"]["leg"], "prefill");
+        assert_eq!(j["error"]["instance"], "http://10.0.0.1:8100");
+        assert_eq!(j["error"]["code"], 502);
+        let msg = j["error"]["message"].as_str().unwrap();
+        assert!(msg.contains("prefill") && msg.contains("http://10.0.0.1:8100"));
+    }
+
+    #[test]
+    fn only_connect_errors_and_502_503_are_retried_and_4xx_never_blames() {
+        assert!(LegFailure::Connect("x".into()).is_retryable());
+        assert!(status(502).is_retryable() && status(503).is_retryable());
+        assert!(!status(500).is_retryable() && !status(400).is_retryable());
+        assert!(!status(400).blames_instance() && !status(429).blames_instance());
+        assert!(status(500).blames_instance());
+    }
+}

@@ -1,0 +1,178 @@
+//! Which instances are usable. Standalone, the proxy probes `GET /health` of each itself
+//! (with the engines' API key). Embedded in a cluster, it asks the supervisor instead: an
+//! instance is usable only while the service whose URL matches it is `healthy`; when the
+//! supervisor cannot be reached, or does not know an instance, own probes take over.
+
+use super::Proxy;
+use super::instances::{Instance, parse_endpoint};
+use crate::control::{self, ServiceState, StatusReport};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Probe failures in a row that take an instance out of rotation.
+pub const DOWN_AFTER: u32 = 3;
+/// Probe successes in a row that bring it back.
+pub const UP_AFTER: u32 = 2;
+/// How often the supervisor is asked for service states.
+pub const SUPERVISOR_POLL: Duration = Duration::from_millis(500);
+
+/// How long one probe may take.
+fn probe_timeout(interval: Duration) -> Duration {
+    interval.clamp(Duration::from_millis(500), Duration::from_secs(5))
+}
+
+/// One `GET /health`; Ok when it answered 200.
+async fn probe(p: &Proxy, inst: &Instance) -> Result<(), String> {
+    let url = format!("{}/health", inst.url);
+    match p
+        .upstream
+        .get(&url, probe_timeout(p.settings.health_interval))
+        .await
+    {
+        Ok((200, _)) => Ok(()),
+        Ok((status, _)) => Err(format!("/health answered {status}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn log_change(inst: &Instance, why: &str) {
+    if inst.is_usable() {
+        tracing::info!("{} instance {} is usable again ({why})", inst.leg, inst.url);
+    } else {
+        tracing::warn!(
+            "{} instance {} taken out of rotation: {why}",
+            inst.leg,
+            inst.url
+        );
+    }
+}
+
+/// Probes every instance the supervisor does not cover, once, applying the thresholds;
+/// with `first` the result is taken as is (no thresholds on the very first look).
+pub async fn probe_round(p: &Arc<Proxy>, first: bool) {
+    let own: Vec<&Arc<Instance>> = p.pools.all().filter(|i| !i.is_supervised()).collect();
+    let results = futures_util::future::join_all(own.iter().map(|i| probe(p, i))).await;
+    for (inst, result) in own.into_iter().zip(results) {
+        let changed = if first {
+            inst.set_usable(result.is_ok())
+        } else {
+            inst.record_probe(result.is_ok(), DOWN_AFTER, UP_AFTER)
+        };
+        if changed || (first && result.is_err()) {
+            let why = match &result {
+                Ok(()) => "health probes pass".to_string(),
+                Err(e) => format!("health probe failed: {e}"),
+            };
+            log_change(inst, &why);
+        }
+    }
+}
+
+/// Applies a supervisor report: matched instances follow their service's state, the rest
+/// fall back to own probes.
+pub fn apply_report(p: &Proxy, report: &StatusReport) {
+    for inst in p.pools.all() {
+        let service = report.services.iter().find(|s| {
+            s.url
+                .as_deref()
+                .and_then(|u| parse_endpoint(u).ok())
+                .is_some_and(|e| e.url == inst.url)
+        });
+        match service {
+            Some(s) => {
+                if !inst.is_supervised() {
+                    tracing::info!(
+                        "{} instance {} follows supervisor service {}",
+                        inst.leg,
+                        inst.url,
+                        s.name
+                    );
+                }
+                inst.set_supervised(true);
+                let healthy = s.state == ServiceState::Healthy;
+                if inst.is_usable() != healthy {
+                    inst.set_usable(healthy);
+                    log_change(
+                        inst,
+                        &format!("supervisor says service {} is {}", s.name, s.state),
+                    );
+                }
+            }
+            None => {
+                if inst.is_supervised() || report.services.is_empty() {
+                    tracing::warn!(
+                        "the supervisor reports no service with URL {}; probing that {} instance directly",
+                        inst.url,
+                        inst.leg
+                    );
+                }
+                inst.set_supervised(false);
+            }
+        }
+    }
+}
+
+/// Asks the supervisor once; Err says why it could not be used.
+pub async fn poll_supervisor(p: &Proxy, socket: &std::path::Path) -> Result<(), String> {
+    match control::client::send(socket, &control::Request::Status, Duration::from_secs(2)).await {
+        Ok(control::Response::Status(report)) => {
+            apply_report(p, &report);
+            Ok(())
+        }
+        Ok(other) => Err(format!("unexpected answer {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Starts the health tasks; the first look at every instance is done before this returns,
+/// so the proxy never serves with made-up health.
+pub async fn start(p: Arc<Proxy>, socket: Option<PathBuf>) {
+    if let Some(sock) = &socket
+        && let Err(e) = poll_supervisor(&p, sock).await
+    {
+        tracing::warn!(
+            "supervisor socket {} unusable ({e}); probing instances directly",
+            sock.display()
+        );
+    }
+    probe_round(&p, true).await;
+    let prober = p.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(prober.settings.health_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            probe_round(&prober, false).await;
+        }
+    });
+    if let Some(sock) = socket {
+        tokio::spawn(async move {
+            let mut reachable = true;
+            loop {
+                tokio::time::sleep(SUPERVISOR_POLL).await;
+                match poll_supervisor(&p, &sock).await {
+                    Ok(()) if !reachable => {
+                        reachable = true;
+                        tracing::info!(
+                            "supervisor socket {} answers again; following its health states",
+                            sock.display()
+                        );
+                    }
+                    Ok(()) => {}
+                    Err(e) => {
+                        if reachable {
+                            tracing::warn!(
+                                "supervisor socket {} unreachable ({e}); probing instances directly",
+                                sock.display()
+                            );
+                        }
+                        reachable = false;
+                        p.pools.all().for_each(|i| i.set_supervised(false));
+                    }
+                }
+            }
+        });
+    }
+}

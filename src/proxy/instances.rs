@@ -1,0 +1,306 @@
+//! The engine endpoints the proxy routes to, with the live facts routing needs about
+//! each: usable or not, requests in flight, engine-reported load, and error counts.
+
+pub use super::endpoint::{Endpoint, EndpointError, parse_endpoint};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+/// Which half of a PD pair an instance (or a request leg) is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Leg {
+    Prefill,
+    Decode,
+}
+
+impl Leg {
+    /// The name used in metrics labels, logs and error bodies.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Leg::Prefill => "prefill",
+            Leg::Decode => "decode",
+        }
+    }
+}
+
+impl std::fmt::Display for Leg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a leg failed on an instance, as counted per instance in metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Could not connect (refused, unreachable, connect timeout).
+    Connect,
+    /// Connected, but no answer in time.
+    Timeout,
+    /// Answered with a 5xx status.
+    Status5xx,
+    /// The answer broke off or could not be read.
+    Body,
+}
+
+impl FailureKind {
+    /// Every kind, in the order metrics print them.
+    pub const ALL: [FailureKind; 4] = [
+        FailureKind::Connect,
+        FailureKind::Timeout,
+        FailureKind::Status5xx,
+        FailureKind::Body,
+    ];
+
+    /// The metrics label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureKind::Connect => "connect",
+            FailureKind::Timeout => "timeout",
+            FailureKind::Status5xx => "status_5xx",
+            FailureKind::Body => "body",
+        }
+    }
+}
+
+/// Marker for "the engine's load has not been scraped (yet)".
+const LOAD_UNKNOWN: u32 = u32::MAX;
+
+/// One engine endpoint (a vLLM or sim HTTP server) and its live state.
+#[derive(Debug)]
+pub struct Instance {
+    pub leg: Leg,
+    /// Position in its leg's list (stable: policies and the prefix table use it).
+    pub index: usize,
+    /// Normalized base URL, `http://host:port`, no trailing slash.
+    pub url: String,
+    /// `host:port` as written in the URL, what `user` designation matches.
+    pub host_port: String,
+    pub host: String,
+    pub port: u16,
+    /// Mooncake bootstrap port of a prefill instance (protocol `mooncake`).
+    pub bootstrap_port: Option<u16>,
+    in_flight: AtomicUsize,
+    usable: AtomicBool,
+    engine_load: AtomicU32,
+    selected: AtomicU64,
+    failures: [AtomicU64; 4],
+    consecutive_failures: AtomicU32,
+    consecutive_successes: AtomicU32,
+    supervised: AtomicBool,
+}
+
+impl Instance {
+    /// A new instance, usable until health checks say otherwise.
+    pub fn new(leg: Leg, index: usize, endpoint: Endpoint, bootstrap_port: Option<u16>) -> Self {
+        Instance {
+            leg,
+            index,
+            url: endpoint.url,
+            host_port: format!("{}:{}", endpoint.host, endpoint.port),
+            host: endpoint.host,
+            port: endpoint.port,
+            bootstrap_port,
+            in_flight: AtomicUsize::new(0),
+            usable: AtomicBool::new(true),
+            engine_load: AtomicU32::new(LOAD_UNKNOWN),
+            selected: AtomicU64::new(0),
+            failures: Default::default(),
+            consecutive_failures: AtomicU32::new(0),
+            consecutive_successes: AtomicU32::new(0),
+            supervised: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether a supervisor's status report currently decides this instance's health
+    /// (then own probes leave it alone).
+    pub fn is_supervised(&self) -> bool {
+        self.supervised.load(Ordering::Relaxed)
+    }
+
+    /// Records whether the supervisor's report covers this instance.
+    pub fn set_supervised(&self, supervised: bool) {
+        self.supervised.store(supervised, Ordering::Relaxed);
+    }
+
+    /// Whether routing may send requests here now.
+    pub fn is_usable(&self) -> bool {
+        self.usable.load(Ordering::Relaxed)
+    }
+
+    /// Sets usability directly (supervisor feed, first probe, passive marking).
+    /// Returns true when this changed the state.
+    pub fn set_usable(&self, usable: bool) -> bool {
+        self.consecutive_failures.store(0, Ordering::Relaxed);
+        self.consecutive_successes.store(0, Ordering::Relaxed);
+        self.usable.swap(usable, Ordering::Relaxed) != usable
+    }
+
+    /// Records one health probe result; the instance goes down after `down_after`
+    /// failures in a row and up after `up_after` successes in a row.
+    /// Returns true when this changed the state.
+    pub fn record_probe(&self, ok: bool, down_after: u32, up_after: u32) -> bool {
+        if ok {
+            self.consecutive_failures.store(0, Ordering::Relaxed);
+            let n = self.consecutive_successes.fetch_add(1, Ordering::Relaxed) + 1;
+            if !self.is_usable() && n >= up_after {
+                self.usable.store(true, Ordering::Relaxed);
+                return true;
+            }
+        } else {
+            self.consecutive_successes.store(0, Ordering::Relaxed);
+            let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+            if self.is_usable() && n >= down_after {
+                self.usable.store(false, Ordering::Relaxed);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Requests this proxy has on this instance right now (until their responses end).
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Running + waiting requests the engine last reported, if scraped.
+    pub fn engine_load(&self) -> Option<u32> {
+        match self.engine_load.load(Ordering::Relaxed) {
+            LOAD_UNKNOWN => None,
+            n => Some(n),
+        }
+    }
+
+    /// Stores the engine-reported load (None = unknown, e.g. scrape failed).
+    pub fn set_engine_load(&self, load: Option<u32>) {
+        let v = load.map_or(LOAD_UNKNOWN, |n| n.min(LOAD_UNKNOWN - 1));
+        self.engine_load.store(v, Ordering::Relaxed);
+    }
+
+    /// The load least-loaded routing compares: own in-flight count, or the engine's
+    /// own count when it is higher (other clients, or requests not yet visible here).
+    pub fn load(&self) -> usize {
+        let own = self.in_flight();
+        self.engine_load().map_or(own, |e| own.max(e as usize))
+    }
+
+    /// Times routing chose this instance.
+    pub fn selected(&self) -> u64 {
+        self.selected.load(Ordering::Relaxed)
+    }
+
+    /// Failures of one kind seen on this instance.
+    pub fn failures(&self, kind: FailureKind) -> u64 {
+        self.failures[kind as usize].load(Ordering::Relaxed)
+    }
+
+    /// Counts one failure of a leg on this instance.
+    pub fn record_failure(&self, kind: FailureKind) {
+        self.failures[kind as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Marks this instance as chosen for a request and counts it in flight until the
+    /// returned guard is dropped (which is when the response stream ends).
+    pub fn begin(self: &Arc<Self>) -> InFlight {
+        self.selected.fetch_add(1, Ordering::Relaxed);
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self.clone())
+    }
+}
+
+/// Holds one request in an instance's in-flight count; dropping it ends the count.
+#[derive(Debug)]
+pub struct InFlight(Arc<Instance>);
+
+impl InFlight {
+    /// The instance this guard counts on.
+    pub fn instance(&self) -> &Arc<Instance> {
+        &self.0
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The prefill and decode instances, in the order they were given.
+#[derive(Debug)]
+pub struct Pools {
+    pub prefill: Vec<Arc<Instance>>,
+    pub decode: Vec<Arc<Instance>>,
+}
+
+impl Pools {
+    /// The instances of one leg.
+    pub fn of(&self, leg: Leg) -> &[Arc<Instance>] {
+        match leg {
+            Leg::Prefill => &self.prefill,
+            Leg::Decode => &self.decode,
+        }
+    }
+
+    /// Every instance, prefill first.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<Instance>> {
+        self.prefill.iter().chain(self.decode.iter())
+    }
+
+    /// The instance of `leg` whose `host:port` is `host_port` (host compared without case).
+    pub fn find(&self, leg: Leg, host_port: &str) -> Option<&Arc<Instance>> {
+        let wanted = host_port.trim().to_ascii_lowercase();
+        self.of(leg)
+            .iter()
+            .find(|i| i.host_port.to_ascii_lowercase() == wanted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_needs_n_failures_to_go_down_and_m_successes_to_come_back() {
+        let i = Instance::new(Leg::Decode, 0, parse_endpoint("h:1").unwrap(), None);
+        assert!(!i.record_probe(false, 3, 2));
+        assert!(!i.record_probe(false, 3, 2));
+        assert!(i.is_usable());
+        assert!(i.record_probe(false, 3, 2));
+        assert!(!i.is_usable());
+        assert!(!i.record_probe(true, 3, 2));
+        assert!(!i.is_usable());
+        assert!(i.record_probe(true, 3, 2));
+        assert!(i.is_usable());
+    }
+
+    #[test]
+    fn in_flight_lasts_as_long_as_the_guard() {
+        let i = Arc::new(Instance::new(
+            Leg::Decode,
+            0,
+            parse_endpoint("h:1").unwrap(),
+            None,
+        ));
+        let g = i.begin();
+        let g2 = i.begin();
+        assert_eq!(i.in_flight(), 2);
+        drop(g);
+        assert_eq!(i.in_flight(), 1);
+        drop(g2);
+        assert_eq!((i.in_flight(), i.selected()), (0, 2));
+    }
+
+    #[test]
+    fn load_takes_the_higher_of_own_and_engine_counts() {
+        let i = Arc::new(Instance::new(
+            Leg::Decode,
+            0,
+            parse_endpoint("h:1").unwrap(),
+            None,
+        ));
+        let _g = i.begin();
+        assert_eq!(i.load(), 1);
+        i.set_engine_load(Some(7));
+        assert_eq!(i.load(), 7);
+        i.set_engine_load(Some(0));
+        assert_eq!(i.load(), 1);
+    }
+}

@@ -1,0 +1,315 @@
+//! One client request through the PD pair: pick instances, send the legs in the order the
+//! protocol asks for, retry a leg elsewhere on connect errors and 502/503, and hand back
+//! either a complete answer or decode's stream with its first chunk already in hand (so a
+//! decode that fails before its first byte is still a proper JSON error, never a 200).
+
+use super::Proxy;
+use super::designate::Designation;
+use super::errors::{LegError, LegFailure, ProxyError};
+use super::instances::{FailureKind, Instance, Leg};
+use super::legs::{AbortOnDrop, Answer, decode_once, prefill_once};
+use super::policy::RouteFacts;
+use super::protocol::{Body, Flow, choices};
+use super::record::RequestRecord;
+use bytes::Bytes;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Metrics reason: n > 1 with a protocol whose handoff serves one decode only.
+pub const MISS_MULTIPLE_CHOICES: &str = "n_gt_1_recomputed";
+
+/// A client request, parsed and checked.
+#[derive(Debug)]
+pub struct ClientRequest {
+    /// Upstream path, the same as the client's (`/v1/completions`, `/v1/chat/completions`).
+    pub path: &'static str,
+    pub body: Body,
+    /// The body exactly as the client sent it (forwarded as is when a leg needs no change).
+    pub raw: Bytes,
+    pub stream: bool,
+    pub id: String,
+    pub designation: Designation,
+    pub facts: RouteFacts,
+    /// When the whole request must be over (--total-timeout-s).
+    pub deadline: Instant,
+}
+
+/// Runs the request through its legs.
+pub async fn run(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+) -> Result<Answer, ProxyError> {
+    let proto = &proxy.protocol;
+    if choices(&req.body) > 1 && !proto.handles_multiple_choices() {
+        tracing::warn!(
+            request_id = %req.id,
+            "n > 1: {} hands the KV to one decode request only, so decode recomputes the prompt (no prefill leg)",
+            proto.name()
+        );
+        proxy.metrics.handoff_miss(MISS_MULTIPLE_CHOICES);
+        rec.handoff_miss = Some(MISS_MULTIPLE_CHOICES);
+        return decode_leg(proxy, req, rec, req.raw.clone()).await;
+    }
+    match proto.flow() {
+        Flow::Sequential => sequential(proxy, req, rec).await,
+        Flow::Concurrent => concurrent(proxy, req, rec).await,
+    }
+}
+
+/// Prefill, wait for it, then decode (two-step, nixl).
+async fn sequential(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+) -> Result<Answer, ProxyError> {
+    let started = Instant::now();
+    let (prefill, (handshake, answer)) = retry_leg(proxy, req, rec, Leg::Prefill, |inst| {
+        let proxy = proxy.clone();
+        async move {
+            let handshake = proxy.protocol.prepare(&inst, &proxy.upstream).await?;
+            let body = proxy.protocol.prefill_body(&req.body, &req.id, &handshake);
+            let answer = prefill_once(proxy.clone(), inst, req.path, body, req.id.clone()).await?;
+            Ok((handshake, answer))
+        }
+    })
+    .await?;
+    rec.prefill_time = Some(started.elapsed());
+    let decode =
+        proxy
+            .protocol
+            .decode_body(&req.body, &req.id, &prefill, &handshake, Some(&answer));
+    if let Some(reason) = decode.handoff_miss {
+        tracing::warn!(
+            request_id = %req.id,
+            prefill = %prefill.url,
+            "KV handoff missed ({reason}): decode will recompute the prompt, so this request's TTFT is not disaggregated"
+        );
+        proxy.metrics.handoff_miss(reason);
+        rec.handoff_miss = Some(reason);
+    }
+    let body = encode(decode.body, req);
+    decode_leg(proxy, req, rec, body).await
+}
+
+/// Both legs at once, prefill in the background (mooncake). A failed prefill cancels the
+/// decode (which would otherwise wait for KV that never comes) and is answered as an error.
+async fn concurrent(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+) -> Result<Answer, ProxyError> {
+    let mut tried_prefill = Vec::new();
+    let mut tried_decode = Vec::new();
+    let mut attempt = 0;
+    loop {
+        let prefill = choose(proxy, req, Leg::Prefill, &tried_prefill)?;
+        tried_prefill.push(prefill.index);
+        rec.set_instance(Leg::Prefill, &prefill.url);
+        let failure = match proxy.protocol.prepare(&prefill, &proxy.upstream).await {
+            Err(f) => (Leg::Prefill, prefill.clone(), f),
+            Ok(handshake) => {
+                let decode = choose(proxy, req, Leg::Decode, &tried_decode)?;
+                tried_decode.push(decode.index);
+                rec.set_instance(Leg::Decode, &decode.url);
+                let pbody = proxy.protocol.prefill_body(&req.body, &req.id, &handshake);
+                let dbody = proxy
+                    .protocol
+                    .decode_body(&req.body, &req.id, &prefill, &handshake, None);
+                let dbytes = encode(dbody.body, req);
+                let started = Instant::now();
+                let mut background = AbortOnDrop(tokio::spawn(prefill_once(
+                    proxy.clone(),
+                    prefill.clone(),
+                    req.path,
+                    pbody,
+                    req.id.clone(),
+                )));
+                let decoding = decode_once(proxy, req, decode.clone(), dbytes);
+                tokio::pin!(decoding);
+                let mut prefill_done = false;
+                loop {
+                    tokio::select! {
+                        done = &mut background.0, if !prefill_done => match done {
+                            Ok(Ok(_)) => {
+                                prefill_done = true;
+                                rec.prefill_time = Some(started.elapsed());
+                            }
+                            Ok(Err(f)) => break (Leg::Prefill, prefill.clone(), f),
+                            Err(e) => break (Leg::Prefill, prefill.clone(), LegFailure::Body(format!("prefill task ended: {e}"))),
+                        },
+                        answer = &mut decoding => match answer {
+                            Ok((mut answer, first_byte)) => {
+                                rec.decode_first_byte = first_byte;
+                                if let Answer::Stream { keep, .. } = &mut answer
+                                    && !prefill_done
+                                {
+                                    keep.prefill = Some(background);
+                                }
+                                return Ok(answer);
+                            }
+                            Err(f) => break (Leg::Decode, decode.clone(), f),
+                        },
+                    }
+                }
+            }
+        };
+        // Leaving the block above dropped the other leg (decode or background prefill).
+        let (leg, inst, f) = failure;
+        note_failure(&inst, &f);
+        if leg == Leg::Prefill {
+            proxy.protocol.forget(&inst);
+        }
+        if !may_retry(proxy, req, &f, attempt) {
+            return Err(LegError {
+                leg,
+                instance: inst.url.clone(),
+                failure: f,
+            }
+            .into());
+        }
+        retrying(proxy, req, rec, leg, &inst, &f, attempt).await;
+        attempt += 1;
+    }
+}
+
+/// The bytes of a leg body (`None`: the client's own bytes).
+fn encode(body: Option<Body>, req: &ClientRequest) -> Bytes {
+    match body {
+        Some(b) => Bytes::from(serde_json::to_vec(&b).expect("JSON values serialize")),
+        None => req.raw.clone(),
+    }
+}
+
+/// Sends the decode leg (with retries) and returns its answer.
+async fn decode_leg(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+    body: Bytes,
+) -> Result<Answer, ProxyError> {
+    let (_, (answer, first_byte)) = retry_leg(proxy, req, rec, Leg::Decode, |inst| {
+        decode_once(proxy, req, inst, body.clone())
+    })
+    .await?;
+    rec.decode_first_byte = first_byte;
+    Ok(answer)
+}
+
+/// Runs `attempt` on an instance of `leg`, then on others while it fails in a retryable way.
+async fn retry_leg<T, F, Fut>(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+    leg: Leg,
+    mut attempt: F,
+) -> Result<(Arc<Instance>, T), ProxyError>
+where
+    F: FnMut(Arc<Instance>) -> Fut,
+    Fut: Future<Output = Result<T, LegFailure>>,
+{
+    let mut tried = Vec::new();
+    let mut n = 0;
+    loop {
+        let inst = choose(proxy, req, leg, &tried)?;
+        tried.push(inst.index);
+        rec.set_instance(leg, &inst.url);
+        match attempt(inst.clone()).await {
+            Ok(t) => return Ok((inst, t)),
+            Err(f) => {
+                note_failure(&inst, &f);
+                if leg == Leg::Prefill {
+                    proxy.protocol.forget(&inst);
+                }
+                if !may_retry(proxy, req, &f, n) {
+                    return Err(LegError {
+                        leg,
+                        instance: inst.url.clone(),
+                        failure: f,
+                    }
+                    .into());
+                }
+                retrying(proxy, req, rec, leg, &inst, &f, n).await;
+                n += 1;
+            }
+        }
+    }
+}
+
+fn may_retry(proxy: &Proxy, req: &ClientRequest, f: &LegFailure, attempt: u32) -> bool {
+    f.is_retryable() && attempt < proxy.settings.retries && Instant::now() < req.deadline
+}
+
+/// Counts and logs a retry, then waits a short, growing backoff.
+async fn retrying(
+    proxy: &Proxy,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+    leg: Leg,
+    inst: &Instance,
+    f: &LegFailure,
+    attempt: u32,
+) {
+    proxy.metrics.retry(leg);
+    rec.retries += 1;
+    let backoff = Duration::from_millis(25 << attempt.min(4));
+    tracing::warn!(request_id = %req.id, "{leg} leg failed on {}: {f}; retrying in {backoff:?}", inst.url);
+    tokio::time::sleep_until((Instant::now() + backoff).min(req.deadline)).await;
+}
+
+/// Picks the instance for a leg: the designated one, or the policy's choice among usable
+/// instances not tried yet (all usable ones once every one was tried).
+fn choose(
+    proxy: &Proxy,
+    req: &ClientRequest,
+    leg: Leg,
+    tried: &[usize],
+) -> Result<Arc<Instance>, ProxyError> {
+    if let Some(pinned) = req.designation.of(leg) {
+        return Ok(pinned.clone());
+    }
+    let pool = proxy.pools.of(leg);
+    let usable: Vec<Arc<Instance>> = pool.iter().filter(|i| i.is_usable()).cloned().collect();
+    if usable.is_empty() {
+        let states: Vec<String> = pool
+            .iter()
+            .map(|i| format!("{} (failing health checks)", i.url))
+            .collect();
+        return Err(ProxyError::NoInstance {
+            leg,
+            detail: states.join(", "),
+        });
+    }
+    let fresh: Vec<Arc<Instance>> = usable
+        .iter()
+        .filter(|i| !tried.contains(&i.index))
+        .cloned()
+        .collect();
+    let candidates = if fresh.is_empty() { usable } else { fresh };
+    Ok(proxy.policy(leg).pick(&candidates, &req.facts))
+}
+
+/// Counts a failure against the instance (never a client's 4xx) and takes an instance that
+/// refuses connections out of rotation until health checks bring it back.
+fn note_failure(inst: &Instance, f: &LegFailure) {
+    if !f.blames_instance() {
+        return;
+    }
+    let kind = match f {
+        LegFailure::Connect(_) => FailureKind::Connect,
+        LegFailure::Timeout(_) => FailureKind::Timeout,
+        LegFailure::Status { .. } => FailureKind::Status5xx,
+        LegFailure::Body(_) | LegFailure::BadAnswer(_) | LegFailure::Bootstrap { .. } => {
+            FailureKind::Body
+        }
+    };
+    inst.record_failure(kind);
+    if matches!(f, LegFailure::Connect(_)) && inst.set_usable(false) {
+        tracing::warn!(
+            "{} instance {} refused a connection ({f}); not routing to it until health checks pass",
+            inst.leg,
+            inst.url
+        );
+    }
+}

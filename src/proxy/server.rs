@@ -1,0 +1,284 @@
+//! The client-facing HTTP routes. Everything a client can send is answered: bad input
+//! with a 4xx JSON error saying what to fix, unknown routes with a 404 JSON, and the
+//! proxy stays up whatever arrives.
+
+use super::Proxy;
+use super::designate;
+use super::errors::ProxyError;
+use super::legs::Answer;
+use super::models;
+use super::pipeline::{self, ClientRequest};
+use super::policy::{RouteFacts, prefix_hash};
+use super::record::{Outcome, RequestRecord};
+use super::relay;
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use tokio::time::Instant;
+
+/// The proxy's routes.
+pub fn router(proxy: Arc<Proxy>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models::list))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(not_found)
+        .layer(DefaultBodyLimit::disable())
+        .with_state(proxy)
+}
+
+async fn not_found(method: Method, uri: Uri) -> Response {
+    ProxyError::NotFound {
+        method: method.to_string(),
+        path: uri.path().to_string(),
+    }
+    .into_response()
+}
+
+async fn completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Body) -> Response {
+    generate(p, "/v1/completions", headers, body).await
+}
+
+async fn chat_completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Body) -> Response {
+    generate(p, "/v1/chat/completions", headers, body).await
+}
+
+/// A fresh request id in UUID v4 form (shared by both legs as X-Request-Id).
+fn new_request_id() -> String {
+    let v: u128 =
+        rand::random::<u128>() & !(0xF000 << 64) & !(0xC << 60) | (0x4000 << 64) | (0x8 << 60);
+    let h = format!("{v:032x}");
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..]
+    )
+}
+
+/// Whether the client sent the proxy's API key (always true when none is configured).
+pub fn authorized(p: &Proxy, headers: &HeaderMap) -> bool {
+    let Some(key) = &p.settings.api_key else {
+        return true;
+    };
+    let sent = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    // Compare without an early exit so timing does not reveal the key.
+    sent.len() == key.len()
+        && sent
+            .bytes()
+            .zip(key.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+async fn generate(p: Arc<Proxy>, route: &'static str, headers: HeaderMap, body: Body) -> Response {
+    let mut rec = RequestRecord::new(route, new_request_id(), p.metrics.clone());
+    let prepared = prepare(&p, route, &headers, body, &mut rec).await;
+    let (req, admission) = match prepared {
+        Ok(x) => x,
+        Err(e) => return error_response(e, &mut rec),
+    };
+    let outcome = tokio::time::timeout_at(req.deadline, pipeline::run(&p, &req, &mut rec)).await;
+    let answer = match outcome {
+        Ok(Ok(a)) => a,
+        Ok(Err(e)) => return error_response(e, &mut rec),
+        Err(_) => {
+            return error_response(ProxyError::TotalTimeout(p.settings.total_timeout), &mut rec);
+        }
+    };
+    match answer {
+        Answer::Full {
+            status,
+            content_type,
+            body,
+        } => {
+            rec.status = status;
+            rec.outcome = Outcome::Complete;
+            rec.first_byte_sent();
+            let mut r = Response::new(Body::from(body));
+            *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+            let ct = content_type.unwrap_or(HeaderValue::from_static("application/json"));
+            r.headers_mut().insert(header::CONTENT_TYPE, ct);
+            with_request_id(r, &rec.id)
+        }
+        Answer::Stream { first, rest, keep } => relay::stream_response(
+            first,
+            rest,
+            keep,
+            rec,
+            admission,
+            req.deadline,
+            p.settings.total_timeout,
+        ),
+    }
+}
+
+/// Auth, body, JSON, admission, designation: everything before any leg is sent.
+async fn prepare(
+    p: &Arc<Proxy>,
+    route: &'static str,
+    headers: &HeaderMap,
+    body: Body,
+    rec: &mut RequestRecord,
+) -> Result<(ClientRequest, super::limits::Admission), ProxyError> {
+    if !authorized(p, headers) {
+        return Err(ProxyError::Unauthorized);
+    }
+    let limit = p.settings.max_body_bytes;
+    let bytes = match Limited::new(body, limit).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            return Err(ProxyError::PayloadTooLarge { limit });
+        }
+        Err(e) => {
+            return Err(bad(format!("could not read the request body: {e}"), None));
+        }
+    };
+    let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        bad(
+            format!("the request body is not valid JSON ({e}); send an OpenAI {route} request"),
+            None,
+        )
+    })?;
+    let Value::Object(body) = value else {
+        return Err(bad(
+            format!("the request body must be a JSON object (an OpenAI {route} request)"),
+            None,
+        ));
+    };
+    let stream = match body.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad("`stream` must be true or false".into(), Some("stream"))),
+    };
+    rec.stream = stream;
+    let user = match body.get("user") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.as_str()),
+        Some(_) => return Err(bad("`user` must be a string".into(), Some("user"))),
+    };
+    let designation = designate::parse(user, &p.pools)?;
+    let admission = p.limits.admit().await?;
+    let needs_prefix =
+        p.policy(super::Leg::Prefill).needs_prefix() || p.policy(super::Leg::Decode).needs_prefix();
+    let facts = RouteFacts {
+        prefix_hashes: if needs_prefix {
+            prefix_hash::chunk_hashes(&prefix_hash::prompt_bytes(&body))
+        } else {
+            Vec::new()
+        },
+    };
+    let req = ClientRequest {
+        path: route,
+        body,
+        raw: bytes,
+        stream,
+        id: rec.id.clone(),
+        designation,
+        facts,
+        deadline: Instant::now() + p.settings.total_timeout,
+    };
+    Ok((req, admission))
+}
+
+fn bad(message: String, param: Option<&'static str>) -> ProxyError {
+    ProxyError::BadRequest { message, param }
+}
+
+fn error_response(e: ProxyError, rec: &mut RequestRecord) -> Response {
+    rec.fail(e.status().as_u16(), e.to_string());
+    with_request_id(e.into_response(), &rec.id)
+}
+
+fn with_request_id(mut r: Response, id: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(id) {
+        r.headers_mut().insert("x-request-id", v);
+    }
+    r
+}
+
+/// `/health`: the proxy's own liveness; `/health?ready`: 200 only when at least one prefill
+/// and one decode instance are usable, else 503 naming what is missing.
+async fn health(State(p): State<Arc<Proxy>>, uri: Uri) -> Response {
+    let ready = uri
+        .query()
+        .is_some_and(|q| q.split('&').any(|kv| kv.split('=').next() == Some("ready")));
+    if !ready {
+        return axum::Json(json!({"status": "ok"})).into_response();
+    }
+    let usable = |leg| p.pools.of(leg).iter().filter(|i| i.is_usable()).count();
+    let (prefill, decode) = (usable(super::Leg::Prefill), usable(super::Leg::Decode));
+    let mut missing = Vec::new();
+    if prefill == 0 {
+        missing.push("prefill");
+    }
+    if decode == 0 {
+        missing.push("decode");
+    }
+    let instances: Vec<Value> = p
+        .pools
+        .all()
+        .map(|i| json!({"leg": i.leg.as_str(), "url": i.url, "usable": i.is_usable()}))
+        .collect();
+    if missing.is_empty() {
+        return axum::Json(json!({"status": "ready", "usable_prefill": prefill, "usable_decode": decode, "instances": instances})).into_response();
+    }
+    let msg = format!(
+        "not ready: no usable {} instance",
+        missing.join(" and no usable ")
+    );
+    let body = json!({
+        "status": "not-ready",
+        "missing": missing,
+        "instances": instances,
+        "error": {"message": msg, "type": "service_unavailable", "param": null, "code": 503},
+    });
+    (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()
+}
+
+async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
+    let text = p.metrics.render(&p.pools);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_look_like_uuid_v4_and_differ() {
+        let a = new_request_id();
+        let b = new_request_id();
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 36);
+        let parts: Vec<&str> = a.split('-').collect();
+        assert_eq!(
+            parts.iter().map(|p| p.len()).collect::<Vec<_>>(),
+            [8, 4, 4, 4, 12]
+        );
+        assert!(parts[2].starts_with('4'), "{a}");
+        assert!(matches!(&parts[3][..1], "8" | "9" | "a" | "b"), "{a}");
+    }
+}

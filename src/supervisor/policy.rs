@@ -1,0 +1,170 @@
+//! Whether and when a service that stopped on its own is started again: the plan's
+//! restart mode, exponential backoff with a cap, and the crash-loop limit after which a
+//! service is `failed` (and the proxy stops sending it requests).
+
+use crate::plan::{RestartMode, RestartPolicy};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// What to do after a service's process ended without being asked to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// Start it again after this delay.
+    Restart { delay: Duration },
+    /// It ended cleanly and its policy does not restart clean exits.
+    Stop,
+    /// Give up on it.
+    Fail { reason: String },
+}
+
+/// Restart history of one service.
+#[derive(Debug, Clone)]
+pub struct RestartTracker {
+    policy: RestartPolicy,
+    /// When each automatic restart within the window happened.
+    recent: VecDeque<Instant>,
+    /// Restarts since the service last stayed healthy for a while; sets the backoff.
+    consecutive: u32,
+}
+
+impl RestartTracker {
+    pub fn new(policy: RestartPolicy) -> RestartTracker {
+        RestartTracker {
+            policy,
+            recent: VecDeque::new(),
+            consecutive: 0,
+        }
+    }
+
+    /// Decides after an unrequested end. `clean` is exit status 0; `healthy_for` is how
+    /// long the run was healthy (a run that stayed up longer than the backoff cap resets
+    /// the backoff).
+    pub fn after_exit(&mut self, now: Instant, clean: bool, healthy_for: Duration) -> Verdict {
+        let p = &self.policy;
+        match p.mode {
+            RestartMode::Never if clean => return Verdict::Stop,
+            RestartMode::Never => {
+                return Verdict::Fail {
+                    reason: "it exited and its restart policy is `never`".into(),
+                };
+            }
+            RestartMode::OnFailure if clean => return Verdict::Stop,
+            RestartMode::OnFailure | RestartMode::Always => {}
+        }
+        if healthy_for >= Duration::from_millis(p.backoff_max_ms) {
+            self.consecutive = 0;
+        }
+        let window = Duration::from_secs(p.window_s);
+        while self
+            .recent
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > window)
+        {
+            self.recent.pop_front();
+        }
+        if self.recent.len() as u32 >= p.max_restarts {
+            return Verdict::Fail {
+                reason: format!(
+                    "crash loop: {} restarts within {} s (limit {})",
+                    self.recent.len(),
+                    p.window_s,
+                    p.max_restarts
+                ),
+            };
+        }
+        let factor = 2u64.saturating_pow(self.consecutive.min(32));
+        let delay_ms = p
+            .backoff_initial_ms
+            .saturating_mul(factor)
+            .min(p.backoff_max_ms.max(p.backoff_initial_ms));
+        self.consecutive += 1;
+        self.recent.push_back(now);
+        Verdict::Restart {
+            delay: Duration::from_millis(delay_ms),
+        }
+    }
+
+    /// Forgets the history (a restart asked for by a person starts afresh).
+    pub fn reset(&mut self) {
+        self.recent.clear();
+        self.consecutive = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(mode: RestartMode) -> RestartPolicy {
+        RestartPolicy {
+            mode,
+            backoff_initial_ms: 100,
+            backoff_max_ms: 350,
+            max_restarts: 4,
+            window_s: 60,
+            liveness_failures: 3,
+        }
+    }
+
+    fn delay(v: Verdict) -> u64 {
+        match v {
+            Verdict::Restart { delay } => delay.as_millis() as u64,
+            other => panic!("expected a restart, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_then_the_crash_loop_fails_it() {
+        let mut t = RestartTracker::new(policy(RestartMode::OnFailure));
+        let now = Instant::now();
+        let z = Duration::ZERO;
+        let delays: Vec<u64> = (0..4).map(|_| delay(t.after_exit(now, false, z))).collect();
+        assert_eq!(delays, vec![100, 200, 350, 350]);
+        match t.after_exit(now, false, z) {
+            Verdict::Fail { reason } => assert!(reason.contains("crash loop: 4 restarts")),
+            other => panic!("expected failure, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn restarts_outside_the_window_do_not_count() {
+        let mut t = RestartTracker::new(policy(RestartMode::Always));
+        let start = Instant::now();
+        for _ in 0..4 {
+            delay(t.after_exit(start, false, Duration::ZERO));
+        }
+        let later = start + Duration::from_secs(61);
+        // A long healthy run also resets the backoff to its first step.
+        assert_eq!(
+            delay(t.after_exit(later, false, Duration::from_secs(1))),
+            100
+        );
+    }
+
+    #[test]
+    fn clean_exits_follow_the_mode() {
+        let now = Instant::now();
+        let z = Duration::ZERO;
+        let mut on_failure = RestartTracker::new(policy(RestartMode::OnFailure));
+        assert_eq!(on_failure.after_exit(now, true, z), Verdict::Stop);
+        let mut always = RestartTracker::new(policy(RestartMode::Always));
+        assert_eq!(delay(always.after_exit(now, true, z)), 100);
+        let mut never = RestartTracker::new(policy(RestartMode::Never));
+        assert_eq!(never.after_exit(now, true, z), Verdict::Stop);
+        assert!(matches!(
+            never.after_exit(now, false, z),
+            Verdict::Fail { .. }
+        ));
+    }
+
+    #[test]
+    fn reset_forgets_the_crash_loop() {
+        let mut t = RestartTracker::new(policy(RestartMode::OnFailure));
+        let now = Instant::now();
+        for _ in 0..4 {
+            delay(t.after_exit(now, false, Duration::ZERO));
+        }
+        t.reset();
+        assert_eq!(delay(t.after_exit(now, false, Duration::ZERO)), 100);
+    }
+}

@@ -1,0 +1,290 @@
+//! Pre-flight: every reason `up` would fail, found before anything is spawned and
+//! reported all at once (exit 2) — programs, ports, GPUs, writable directories.
+
+use super::state::{MAX_SOCKET_PATH, StateDir};
+use crate::plan::Plan;
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::Path;
+
+/// `  - problem` lines.
+pub fn bullet_list(problems: &[String]) -> String {
+    problems
+        .iter()
+        .map(|p| format!("  - {p}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Checks `plan` for node `node` and resolves each local service's `argv[0]` to a full
+/// path. `declared_gpus` is `--gpus` (else NVML is asked when the plan needs GPUs).
+/// Returns every problem found; empty means go.
+pub fn check(
+    plan: &mut Plan,
+    node: &str,
+    declared_gpus: Option<&[u32]>,
+    state: &StateDir,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    check_programs(plan, node, &mut problems);
+    let plan = &*plan;
+    check_dependencies(plan, &mut problems);
+    check_signals(plan, node, &mut problems);
+    check_ports(plan, node, &mut problems);
+    check_gpus(plan, node, declared_gpus, &mut problems);
+    check_dirs(plan, node, &mut problems);
+    let sock = state.socket_path();
+    if sock.as_os_str().len() > MAX_SOCKET_PATH {
+        problems.push(format!(
+            "the control socket path {} is longer than {MAX_SOCKET_PATH} bytes, the limit of \
+             a Unix socket: use a shorter --state-dir",
+            sock.display()
+        ));
+    }
+    problems
+}
+
+fn check_programs(plan: &mut Plan, node: &str, problems: &mut Vec<String>) {
+    for svc in plan.services.iter_mut().filter(|s| s.node == node) {
+        let Some(prog) = svc.argv.first().cloned() else {
+            problems.push(format!("{}: the plan gives no command to run", svc.name));
+            continue;
+        };
+        match crate::tools::find_program(&prog) {
+            Some(path) => svc.argv[0] = path.display().to_string(),
+            None => problems.push(
+                crate::tools::MissingProgram {
+                    service: svc.name.clone(),
+                    program: prog,
+                }
+                .to_string(),
+            ),
+        }
+    }
+}
+
+fn check_dependencies(plan: &Plan, problems: &mut Vec<String>) {
+    for svc in &plan.services {
+        for dep in svc.depends_on.iter().chain(&svc.restart_with) {
+            if plan.service(dep).is_none() {
+                problems.push(format!(
+                    "{} names `{dep}` (depends_on / restart_with), which is not in the plan",
+                    svc.name
+                ));
+            }
+        }
+    }
+}
+
+fn check_signals(plan: &Plan, node: &str, problems: &mut Vec<String>) {
+    for svc in plan.local_services(node) {
+        if super::stop::parse_signal(&svc.shutdown.signal).is_none() {
+            problems.push(format!(
+                "{}: unknown shutdown signal {:?} (use a name like SIGTERM or SIGINT)",
+                svc.name, svc.shutdown.signal
+            ));
+        }
+    }
+}
+
+fn check_ports(plan: &Plan, node: &str, problems: &mut Vec<String>) {
+    let mut owners: BTreeMap<(String, u16), String> = BTreeMap::new();
+    for svc in plan.local_services(node) {
+        for (label, &port) in &svc.ports {
+            let who = format!("{} ({label})", svc.name);
+            if let Some(first) = owners.insert((svc.host.clone(), port), who.clone()) {
+                problems.push(format!(
+                    "port {port} on {} is planned twice: {first} and {who}",
+                    svc.host
+                ));
+                continue;
+            }
+            if let Err(e) = TcpListener::bind((svc.host.as_str(), port)) {
+                problems.push(port_problem(&svc.name, label, &svc.host, port, &e, node));
+            }
+        }
+    }
+}
+
+fn port_problem(
+    service: &str,
+    label: &str,
+    host: &str,
+    port: u16,
+    e: &std::io::Error,
+    node: &str,
+) -> String {
+    match e.kind() {
+        std::io::ErrorKind::AddrInUse => format!(
+            "{service}: port {port} ({label}) on {host} is already in use; stop what holds it \
+             (`ss -ltnp 'sport = :{port}'` shows it) or choose another port in the topology"
+        ),
+        std::io::ErrorKind::AddrNotAvailable => format!(
+            "{service}: cannot listen on {host}:{port}: {host} is not an address of this \
+             machine; is this machine really node `{node}`? (use --node to pick the node)"
+        ),
+        std::io::ErrorKind::PermissionDenied => format!(
+            "{service}: port {port} ({label}) on {host} needs privileges; choose a port above 1023"
+        ),
+        _ => format!("{service}: cannot listen on {host}:{port} ({label}): {e}"),
+    }
+}
+
+fn check_gpus(plan: &Plan, node: &str, declared: Option<&[u32]>, problems: &mut Vec<String>) {
+    let needed: BTreeMap<u32, &str> = plan
+        .local_services(node)
+        .flat_map(|s| s.gpus.iter().map(move |g| (*g, s.name.as_str())))
+        .collect();
+    if needed.is_empty() {
+        return;
+    }
+    match crate::gpu::inventory(declared) {
+        Err(e) => problems.push(format!(
+            "the plan needs GPU(s) {} on node {node}, but {e}",
+            needed
+                .keys()
+                .map(|g| g.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        )),
+        Ok(inv) => {
+            let have: Vec<u32> = inv.iter().map(|g| g.index).collect();
+            for (gpu, who) in &needed {
+                if !have.contains(gpu) {
+                    problems.push(format!(
+                        "{who} needs GPU {gpu}, which this machine does not have (GPUs here: {})",
+                        if have.is_empty() {
+                            "none".to_string()
+                        } else {
+                            have.iter()
+                                .map(|g| g.to_string())
+                                .collect::<Vec<_>>()
+                                .join(",")
+                        }
+                    ));
+                }
+            }
+        }
+    }
+}
+
+fn check_dirs(plan: &Plan, node: &str, problems: &mut Vec<String>) {
+    for svc in plan.local_services(node) {
+        let file_dirs = svc.files.iter().filter_map(|f| f.path.parent());
+        for dir in svc.dirs.iter().map(|d| d.as_path()).chain(file_dirs) {
+            if let Err(why) = writable_dir(dir) {
+                problems.push(format!("{}: directory {}: {why}", svc.name, dir.display()));
+            }
+        }
+    }
+}
+
+/// Creates `dir` if needed and proves it writable by creating and removing a file.
+pub fn writable_dir(dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot be created ({e})"))?;
+    let probe = dir.join(format!(".pdctl-write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .map_err(|e| format!("is not writable ({e}); fix its permissions or choose another"))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Probe, Service};
+
+    fn svc(name: &str, argv0: &str, port: u16) -> Service {
+        Service {
+            name: name.into(),
+            role: crate::plan::Role::Decode,
+            node: "main".into(),
+            host: "127.0.0.1".into(),
+            argv: vec![argv0.into()],
+            env: Default::default(),
+            gpus: vec![],
+            ports: BTreeMap::from([("http".to_string(), port)]),
+            files: vec![],
+            depends_on: vec![],
+            probe: Probe::Tcp {
+                host: "127.0.0.1".into(),
+                port,
+            },
+            url: None,
+            startup_timeout_s: 5,
+            restart: Default::default(),
+            restart_with: vec![],
+            shutdown: Default::default(),
+            dirs: vec![],
+        }
+    }
+
+    fn plan(services: Vec<Service>) -> Plan {
+        Plan {
+            cluster: "c".into(),
+            state_dir: "/tmp/c".into(),
+            head_node: "main".into(),
+            nodes: BTreeMap::new(),
+            proxy_url: None,
+            engine: "sim".into(),
+            vllm_version: None,
+            connector: "example".into(),
+            protocol: "two-step".into(),
+            services,
+            warnings: vec![],
+        }
+    }
+
+    #[test]
+    fn all_problems_are_reported_together() {
+        let busy = TcpListener::bind("127.0.0.1:0").unwrap();
+        let busy_port = busy.local_addr().unwrap().port();
+        let free = TcpListener::bind("127.0.0.1:0").unwrap();
+        let free_port = free.local_addr().unwrap().port();
+        drop(free);
+        let mut bad_gpu = svc("d1", "sh", free_port);
+        bad_gpu.gpus = vec![7];
+        bad_gpu.depends_on = vec!["ghost".into()];
+        bad_gpu.dirs = vec!["/proc/pdctl-cannot-create".into()];
+        let mut p = plan(vec![svc("d0", "no-such-program-pdctl", busy_port), bad_gpu]);
+        let state = StateDir::new("/tmp/pdctl-preflight-unit");
+        let problems = check(&mut p, "main", Some(&[0, 1]), &state);
+        let text = problems.join("\n");
+        assert_eq!(problems.len(), 5, "{text}");
+        assert!(
+            text.contains("program `no-such-program-pdctl` not found"),
+            "{text}"
+        );
+        assert!(text.contains(&format!(
+            "port {busy_port} (http) on 127.0.0.1 is already in use"
+        )));
+        assert!(text.contains("d1 needs GPU 7, which this machine does not have (GPUs here: 0,1)"));
+        assert!(text.contains("`ghost`"));
+        assert!(text.contains("/proc/pdctl-cannot-create: cannot be created"));
+        // The program that was found is now a full path.
+        assert!(p.services[1].argv[0].starts_with('/'));
+    }
+
+    #[test]
+    fn a_port_planned_twice_and_a_foreign_address_are_named() {
+        let free = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = free.local_addr().unwrap().port();
+        drop(free);
+        let mut other_host = svc("e", "sh", port + 1);
+        other_host.host = "192.0.2.1".into();
+        let mut p = plan(vec![svc("a", "sh", port), svc("b", "sh", port), other_host]);
+        let problems = check(&mut p, "main", None, &StateDir::new("/tmp/x"));
+        let text = problems.join("\n");
+        assert!(
+            text.contains(&format!(
+                "port {port} on 127.0.0.1 is planned twice: a (http) and b (http)"
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains("192.0.2.1 is not an address of this machine"),
+            "{text}"
+        );
+        assert_eq!(problems.len(), 2, "{text}");
+    }
+}

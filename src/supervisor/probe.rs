@@ -1,0 +1,193 @@
+//! Readiness and liveness checks (HTTP, TCP, a log line), and the polling schedule used
+//! while a service starts: 50 ms at first so a simulated cluster is ready in well under a
+//! second, growing to 1 s so a vLLM that loads for minutes is not hammered.
+
+use crate::plan::{Probe, Service};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// Per-attempt limit of an HTTP or TCP probe.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Time between liveness probes of a healthy service.
+pub const LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Runs probes; holds the HTTP client (no proxy: probes go straight to the services).
+#[derive(Debug, Clone)]
+pub struct Prober {
+    http: reqwest::Client,
+}
+
+impl Default for Prober {
+    fn default() -> Self {
+        Prober::new()
+    }
+}
+
+impl Prober {
+    pub fn new() -> Prober {
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(PROBE_TIMEOUT)
+            .connect_timeout(PROBE_TIMEOUT)
+            .build()
+            .expect("a plain HTTP client builds");
+        Prober { http }
+    }
+
+    /// `Ok` when the probe passes, else a short reason for progress and status displays.
+    /// `log_seen` says whether the log line of a `LogLine` probe appeared in this run.
+    pub async fn check(&self, probe: &Probe, log_seen: &AtomicBool) -> Result<(), String> {
+        match probe {
+            Probe::Http {
+                url,
+                status,
+                body_contains,
+            } => {
+                self.http_check(url, *status, body_contains.as_deref())
+                    .await
+            }
+            Probe::Tcp { host, port } => tcp_check(host, *port).await,
+            Probe::LogLine { contains } => {
+                if log_seen.load(Ordering::Relaxed) {
+                    Ok(())
+                } else {
+                    Err(format!("log has no line containing {contains:?} yet"))
+                }
+            }
+        }
+    }
+
+    async fn http_check(
+        &self,
+        url: &str,
+        want: u16,
+        body_contains: Option<&str>,
+    ) -> Result<(), String> {
+        let resp = self
+            .http
+            .get(url)
+            .send()
+            .await
+            .map_err(|e| describe_http_error(url, &e))?;
+        let got = resp.status().as_u16();
+        if got != want {
+            return Err(format!("GET {url} answered {got}, expected {want}"));
+        }
+        if let Some(text) = body_contains {
+            let body = resp
+                .text()
+                .await
+                .map_err(|e| format!("GET {url}: reading the body: {e}"))?;
+            if !body.contains(text) {
+                return Err(format!("GET {url} body lacks {text:?}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn describe_http_error(url: &str, e: &reqwest::Error) -> String {
+    if e.is_timeout() {
+        format!("GET {url} timed out")
+    } else if e.is_connect() {
+        format!("GET {url}: connection refused")
+    } else {
+        format!("GET {url}: {e}")
+    }
+}
+
+async fn tcp_check(host: &str, port: u16) -> Result<(), String> {
+    match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect((host, port))).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(format!("TCP {host}:{port}: {e}")),
+        Err(_) => Err(format!("TCP {host}:{port}: timed out")),
+    }
+}
+
+/// How a service on another node is checked: its own probe when that works from here,
+/// a TCP connect to its main port when its probe is a log line (unreadable from here).
+pub fn remote_probe(svc: &Service) -> Option<Probe> {
+    match &svc.probe {
+        Probe::LogLine { .. } => super::table::main_port(svc).map(|port| Probe::Tcp {
+            host: svc.host.clone(),
+            port,
+        }),
+        other => Some(other.clone()),
+    }
+}
+
+/// The wait before the next readiness probe, `elapsed` after the process started:
+/// 50 ms for the first quarter second, then a fifth of the time waited so far (noticing
+/// readiness at most 20 % late), at most 1 s.
+pub fn startup_delay(elapsed: Duration) -> Duration {
+    (elapsed / 5).clamp(Duration::from_millis(50), Duration::from_secs(1))
+}
+
+/// Output from a starting service often means its state changed ("ready to serve"), so
+/// it triggers an early probe — but not more often than this.
+pub const OUTPUT_PROBE_GAP: Duration = Duration::from_millis(50);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn startup_polling_starts_fast_grows_with_the_wait_and_caps_at_a_second() {
+        let ms = |m| Duration::from_millis(m);
+        assert_eq!(startup_delay(ms(0)), ms(50));
+        assert_eq!(startup_delay(ms(200)), ms(50));
+        assert_eq!(startup_delay(ms(2_000)), ms(400));
+        assert_eq!(startup_delay(ms(600_000)), ms(1_000));
+    }
+
+    #[tokio::test]
+    async fn tcp_and_http_probes_pass_and_fail_for_the_right_reasons() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            while let Ok((mut s, _)) = listener.accept().await {
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf).await;
+                let body = "{\"health\":\"true\"}";
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(resp.as_bytes()).await;
+            }
+        });
+        let p = Prober::new();
+        let seen = AtomicBool::new(false);
+        let url = format!("http://127.0.0.1:{port}/health");
+        let http = |status, body: Option<&str>| Probe::Http {
+            url: url.clone(),
+            status,
+            body_contains: body.map(String::from),
+        };
+        assert_eq!(p.check(&http(200, Some("true")), &seen).await, Ok(()));
+        let wrong = p.check(&http(204, None), &seen).await.unwrap_err();
+        assert!(wrong.contains("answered 200, expected 204"), "{wrong}");
+        let lacks = p.check(&http(200, Some("false")), &seen).await.unwrap_err();
+        assert!(lacks.contains("lacks"), "{lacks}");
+        let tcp = Probe::Tcp {
+            host: "127.0.0.1".into(),
+            port,
+        };
+        assert_eq!(p.check(&tcp, &seen).await, Ok(()));
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dead_port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let dead = Probe::Tcp {
+            host: "127.0.0.1".into(),
+            port: dead_port,
+        };
+        assert!(p.check(&dead, &seen).await.is_err());
+        let line = Probe::LogLine {
+            contains: "ready".into(),
+        };
+        assert!(p.check(&line, &seen).await.is_err());
+        seen.store(true, Ordering::Relaxed);
+        assert_eq!(p.check(&line, &seen).await, Ok(()));
+    }
+}

@@ -1,0 +1,283 @@
+//! Start-up progress a person can read while engines load for minutes:
+//! `decode-2  starting  47 s  last log: Loading weights ...`. On a terminal one line per
+//! service is redrawn in place; otherwise (CI, tests, pipes) a line is printed when a
+//! service changes state, and every 10 s for a service still starting.
+
+use crate::control::{ServiceState, StatusReport};
+use crate::plan::Plan;
+use std::collections::HashMap;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+const PLAIN_REPEAT: Duration = Duration::from_secs(10);
+
+/// One service's line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    pub name: String,
+    pub state: ServiceState,
+    /// Seconds its current process has run.
+    pub secs: Option<f64>,
+    pub detail: String,
+}
+
+/// How the start of a cluster ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StartupEnd {
+    AllHealthy,
+    /// Names and reasons of the local services that failed.
+    Failed(Vec<(String, String)>),
+}
+
+/// `Some` once every local service is healthy, or as soon as one failed or stopped.
+/// Remote services do not hold up a node's start.
+pub fn startup_verdict(report: &StatusReport) -> Option<StartupEnd> {
+    let local = report.services.iter().filter(|s| !s.remote);
+    let failed: Vec<(String, String)> = local
+        .clone()
+        .filter(|s| matches!(s.state, ServiceState::Failed | ServiceState::Stopped))
+        .map(|s| {
+            let why = s.last_exit.clone().unwrap_or_else(|| s.state.to_string());
+            (s.name.clone(), why)
+        })
+        .collect();
+    if !failed.is_empty() {
+        return Some(StartupEnd::Failed(failed));
+    }
+    local
+        .clone()
+        .all(|s| s.state == ServiceState::Healthy)
+        .then_some(StartupEnd::AllHealthy)
+}
+
+/// The rows to show for `report`. `last_line(name)` gives a service's latest log line.
+pub fn rows(
+    report: &StatusReport,
+    plan: &Plan,
+    last_line: &dyn Fn(&str) -> Option<String>,
+) -> Vec<Row> {
+    let state_of: HashMap<&str, ServiceState> = report
+        .services
+        .iter()
+        .map(|s| (s.name.as_str(), s.state))
+        .collect();
+    report
+        .services
+        .iter()
+        .map(|s| {
+            let detail = match s.state {
+                ServiceState::Pending => {
+                    let waiting: Vec<&str> = plan
+                        .service(&s.name)
+                        .map(|p| {
+                            p.depends_on
+                                .iter()
+                                .map(String::as_str)
+                                .filter(|d| state_of.get(d) != Some(&ServiceState::Healthy))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    if waiting.is_empty() {
+                        String::new()
+                    } else {
+                        format!("waiting for {}", waiting.join(", "))
+                    }
+                }
+                _ if s.remote => {
+                    let base = format!("on node {}", s.node);
+                    match (&s.state, &s.last_exit) {
+                        (ServiceState::Healthy, _) | (_, None) => base,
+                        (_, Some(why)) => format!("{base}: {why}"),
+                    }
+                }
+                ServiceState::Starting | ServiceState::Restarting | ServiceState::Unhealthy => {
+                    last_line(&s.name)
+                        .map(|l| format!("last log: {}", l.trim()))
+                        .unwrap_or_default()
+                }
+                ServiceState::Failed | ServiceState::Stopped => {
+                    s.last_exit.clone().unwrap_or_default()
+                }
+                ServiceState::Healthy => String::new(),
+            };
+            Row {
+                name: s.name.clone(),
+                state: s.state,
+                secs: s.uptime_s,
+                detail,
+            }
+        })
+        .collect()
+}
+
+/// Draws rows over and over, in place on a terminal, as change lines otherwise.
+#[derive(Debug)]
+pub struct Renderer {
+    tty: bool,
+    width: usize,
+    drawn: usize,
+    last_state: HashMap<String, ServiceState>,
+    last_print: HashMap<String, Instant>,
+}
+
+impl Renderer {
+    pub fn new(tty: bool) -> Renderer {
+        let width = std::env::var("COLUMNS")
+            .ok()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(240usize)
+            .max(40);
+        Renderer {
+            tty,
+            width,
+            drawn: 0,
+            last_state: HashMap::new(),
+            last_print: HashMap::new(),
+        }
+    }
+
+    /// Shows `rows`; write errors (a closed stdout) are ignored.
+    pub fn draw(&mut self, out: &mut dyn Write, rows: &[Row]) {
+        let name_w = rows.iter().map(|r| r.name.len()).max().unwrap_or(4);
+        if self.tty {
+            if self.drawn > 0 {
+                let _ = write!(out, "\x1b[{}A", self.drawn);
+            }
+            // Auto-wrap off while drawing: a line wider than the terminal is clipped
+            // instead of wrapping, so moving up `drawn` lines always lands on the first.
+            let _ = write!(out, "\x1b[?7l");
+            for r in rows {
+                let mut line = format_row(r, name_w);
+                truncate_chars(&mut line, self.width - 1);
+                let _ = writeln!(out, "\x1b[2K{line}");
+            }
+            let _ = write!(out, "\x1b[?7h");
+            self.drawn = rows.len();
+        } else {
+            let now = Instant::now();
+            for r in rows {
+                let changed = self.last_state.get(&r.name) != Some(&r.state);
+                let due = r.state == ServiceState::Starting
+                    && self
+                        .last_print
+                        .get(&r.name)
+                        .is_some_and(|t| now.duration_since(*t) >= PLAIN_REPEAT);
+                if changed || due {
+                    let mut line = format_row(r, name_w);
+                    truncate_chars(&mut line, 300);
+                    let _ = writeln!(out, "{line}");
+                    self.last_state.insert(r.name.clone(), r.state);
+                    self.last_print.insert(r.name.clone(), now);
+                }
+            }
+        }
+        let _ = out.flush();
+    }
+}
+
+fn format_row(r: &Row, name_w: usize) -> String {
+    let secs = r.secs.map(|s| format!("{s:.0} s")).unwrap_or_default();
+    let line = format!(
+        "{:<name_w$}  {:<10}  {:>5}  {}",
+        r.name,
+        r.state.as_str(),
+        secs,
+        r.detail
+    );
+    line.trim_end().to_string()
+}
+
+fn truncate_chars(s: &mut String, max: usize) {
+    if let Some((i, _)) = s.char_indices().nth(max) {
+        s.truncate(i);
+    }
+}
+
+/// `prefill-1 failed: exit 2 while starting` followed by its last log lines, indented.
+pub fn failure_text(name: &str, why: &str, lines: &[String]) -> String {
+    let mut t = format!("{name} failed: {why}");
+    if lines.is_empty() {
+        t.push_str("\n    (no output)");
+    } else {
+        t.push_str("\n  last log lines:");
+        for l in lines {
+            t.push_str(&format!("\n    {l}"));
+        }
+    }
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::ServiceStatus;
+    use crate::plan::Role;
+
+    fn status(name: &str, state: ServiceState, remote: bool) -> ServiceStatus {
+        ServiceStatus {
+            name: name.into(),
+            role: Role::Decode,
+            node: "n".into(),
+            pid: None,
+            state,
+            gpus: vec![],
+            port: None,
+            url: None,
+            restarts: 0,
+            uptime_s: Some(47.2),
+            last_exit: Some("exit 3".into()),
+            remote,
+        }
+    }
+
+    fn report(services: Vec<ServiceStatus>) -> StatusReport {
+        StatusReport {
+            cluster: "c".into(),
+            node: "n".into(),
+            proxy_url: None,
+            services,
+        }
+    }
+
+    #[test]
+    fn verdict_waits_for_local_services_only_and_reports_failures_at_once() {
+        let r = report(vec![
+            status("a", ServiceState::Healthy, false),
+            status("b", ServiceState::Starting, true),
+        ]);
+        assert_eq!(startup_verdict(&r), Some(StartupEnd::AllHealthy));
+        let r = report(vec![
+            status("a", ServiceState::Starting, false),
+            status("b", ServiceState::Failed, false),
+        ]);
+        assert_eq!(
+            startup_verdict(&r),
+            Some(StartupEnd::Failed(vec![("b".into(), "exit 3".into())]))
+        );
+        let r = report(vec![status("a", ServiceState::Starting, false)]);
+        assert_eq!(startup_verdict(&r), None);
+    }
+
+    #[test]
+    fn plain_mode_prints_changes_only() {
+        let plan_json = serde_json::json!({
+            "cluster": "c", "state_dir": "/tmp/c", "head_node": "n", "nodes": {},
+            "proxy_url": null, "engine": "sim", "vllm_version": null, "connector": "example",
+            "services": [], "warnings": []
+        });
+        let plan: Plan = serde_json::from_value(plan_json).unwrap();
+        let last = |_: &str| Some("Loading weights ...".to_string());
+        let r = report(vec![status("decode-2", ServiceState::Starting, false)]);
+        let mut out = Vec::new();
+        let mut p = Renderer::new(false);
+        p.draw(&mut out, &rows(&r, &plan, &last));
+        p.draw(&mut out, &rows(&r, &plan, &last));
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(text.contains("decode-2  starting"), "{text}");
+        assert!(
+            text.contains("47 s  last log: Loading weights ..."),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,62 @@
+//! Services placed on other nodes: never spawned here, only probed, so `status` on the
+//! head shows them and local services that depend on them wait for them.
+
+use super::probe::{LIVENESS_INTERVAL, remote_probe, startup_delay};
+use super::service::ServiceCtx;
+use crate::control::ServiceState;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use tokio::sync::watch;
+
+/// Probes remote service `idx` until `shutdown` turns true: fast while it has not
+/// answered yet, every second after; `healthy` on success, `unhealthy` on failure.
+pub async fn run_remote(ctx: Arc<ServiceCtx>, idx: usize, mut shutdown: watch::Receiver<bool>) {
+    let svc = &ctx.plan.services[idx];
+    let Some(probe) = remote_probe(svc) else {
+        ctx.table.update(idx, |s| {
+            s.last_exit = Some("cannot be probed from this node (no port or URL)".into());
+        });
+        return;
+    };
+    let never = AtomicBool::new(false);
+    let started = std::time::Instant::now();
+    let mut seen_healthy = false;
+    loop {
+        let delay = if seen_healthy {
+            LIVENESS_INTERVAL
+        } else {
+            startup_delay(started.elapsed())
+        };
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+        let result = ctx.prober.check(&probe, &never).await;
+        let state = ctx.table.state(idx);
+        match result {
+            Ok(()) if !seen_healthy || state != ServiceState::Healthy => {
+                if seen_healthy {
+                    ctx.table.set_state(idx, ServiceState::Healthy);
+                } else {
+                    ctx.table.run_started(idx, None, ServiceState::Healthy);
+                }
+                seen_healthy = true;
+            }
+            Ok(()) => {}
+            Err(why) => {
+                let next = if seen_healthy {
+                    ServiceState::Unhealthy
+                } else {
+                    ServiceState::Starting
+                };
+                ctx.table.update(idx, |s| {
+                    s.state = next;
+                    s.last_exit = Some(why);
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,128 @@
+//! Watching one run of a service's process: probing until it is ready, then probing its
+//! liveness, until the process exits, a probe gives up, or a command arrives.
+
+use super::probe::{LIVENESS_INTERVAL, OUTPUT_PROBE_GAP, startup_delay};
+use super::service::{Cmd, ServiceCtx};
+use super::stop::describe_exit;
+use crate::control::ServiceState;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+use tokio::sync::Notify;
+use tokio::sync::{mpsc, oneshot};
+
+/// How one run of the process ended.
+#[derive(Debug)]
+pub enum RunEnd {
+    /// The process exited: how (`exit 1`, `signal 9 (SIGKILL)`), and whether with status 0.
+    Exited(String, bool),
+    /// Too many liveness probes failed in a row; the reason of the last one.
+    LivenessFailed(String),
+    /// Not ready within its start-up timeout; the last probe's complaint.
+    StartTimeout(String),
+    /// `down`: stop within this timeout (the plan's when `None`), then acknowledge.
+    Stop(Option<Duration>, oneshot::Sender<()>),
+    /// Stop and start again, for this reason; `true` also restarts companions.
+    Restart(String, bool),
+}
+
+/// Probes until ready (`None`) or the run ends first. Probes follow
+/// [`startup_delay`], and come early when the service prints something (`output`).
+pub async fn wait_ready(
+    ctx: &ServiceCtx,
+    idx: usize,
+    rx: &mut mpsc::UnboundedReceiver<Cmd>,
+    child: &mut tokio::process::Child,
+    seen: &AtomicBool,
+    output: &Notify,
+    started: Instant,
+) -> Option<RunEnd> {
+    let probe = ctx.plan.services[idx].probe.clone();
+    let limit = Duration::from_secs(ctx.plan.services[idx].startup_timeout_s);
+    let prober = ctx.prober.clone();
+    // The first output may trigger a probe at once.
+    let mut last_probe = started.checked_sub(OUTPUT_PROBE_GAP).unwrap_or(started);
+    loop {
+        let next = async {
+            let scheduled = tokio::time::sleep(startup_delay(started.elapsed()));
+            let early = async {
+                output.notified().await;
+                tokio::time::sleep_until((last_probe + OUTPUT_PROBE_GAP).into()).await;
+            };
+            tokio::select! {
+                _ = scheduled => {}
+                _ = early => {}
+            }
+            prober.check(&probe, seen).await
+        };
+        tokio::select! {
+            st = child.wait() => return Some(exited(st)),
+            cmd = rx.recv() => return Some(command_end(cmd)),
+            res = next => {
+                last_probe = Instant::now();
+                match res {
+                    Ok(()) => return None,
+                    Err(why) if started.elapsed() >= limit => {
+                        return Some(RunEnd::StartTimeout(why));
+                    }
+                    Err(_) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Probes a healthy service every second until its run ends.
+pub async fn watch_liveness(
+    ctx: &ServiceCtx,
+    idx: usize,
+    rx: &mut mpsc::UnboundedReceiver<Cmd>,
+    child: &mut tokio::process::Child,
+    seen: &AtomicBool,
+) -> RunEnd {
+    let probe = ctx.plan.services[idx].probe.clone();
+    let allowed = ctx.plan.services[idx].restart.liveness_failures.max(1);
+    let prober = ctx.prober.clone();
+    let mut failures = 0u32;
+    loop {
+        tokio::select! {
+            st = child.wait() => return exited(st),
+            cmd = rx.recv() => return command_end(cmd),
+            res = async { tokio::time::sleep(LIVENESS_INTERVAL).await; prober.check(&probe, seen).await } => {
+                match res {
+                    Ok(()) if failures > 0 => {
+                        failures = 0;
+                        ctx.table.set_state(idx, ServiceState::Healthy);
+                    }
+                    Ok(()) => {}
+                    Err(why) => {
+                        failures += 1;
+                        ctx.table.set_state(idx, ServiceState::Unhealthy);
+                        if failures >= allowed {
+                            return RunEnd::LivenessFailed(format!(
+                                "liveness failed {failures} times: {why}"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The run end for a finished `wait()` on the process.
+pub fn exited(st: std::io::Result<std::process::ExitStatus>) -> RunEnd {
+    match st {
+        Ok(s) => RunEnd::Exited(describe_exit(&s), s.success()),
+        Err(e) => RunEnd::Exited(format!("could not be waited for: {e}"), false),
+    }
+}
+
+/// The run end a command (or the supervisor going away) asks for.
+pub fn command_end(cmd: Option<Cmd>) -> RunEnd {
+    match cmd {
+        Some(Cmd::Stop { timeout, done }) => RunEnd::Stop(timeout, done),
+        Some(Cmd::Restart { reason, cascade }) => RunEnd::Restart(reason, cascade),
+        // Every sender gone: the supervisor is ending; stop with the plan's timeout.
+        None => RunEnd::Stop(None, oneshot::channel().0),
+    }
+}

@@ -1,0 +1,342 @@
+//! The supervisor process: starts every local service task, serves the control socket,
+//! shows start-up progress, and takes the cluster down on Ctrl-C, SIGTERM, SIGHUP or
+//! `pdctl down`, leaving no process behind.
+
+use super::console::{Console, ConsoleMode, colour_wanted};
+use super::control_server::{self, DownRequest, Handlers};
+use super::logfile::ServiceLog;
+use super::probe::Prober;
+use super::progress::{self, Renderer, StartupEnd};
+use super::service::{Cmd, FAILURE_LINES, ServiceCtx, run_local};
+use super::spawner::Spawner;
+use super::state::{ClusterLock, RecordWriter, RunRecord, StateDir};
+use super::stop::stop_waves;
+use super::table::Table;
+use super::watchdog::{self, Watchdog};
+use super::{SupervisorError, remote::run_remote};
+use crate::plan::Plan;
+use futures_util::future::join_all;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::signal::unix::{Signal, SignalKind, signal};
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// How this supervisor runs.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// The node whose services run here.
+    pub node: String,
+    /// `pdctl up` in the foreground (progress, status table, log stream) rather than
+    /// the detached `pdctl supervise`.
+    pub foreground: bool,
+    pub log_max_bytes: u64,
+    pub log_keep: u32,
+}
+
+/// Why the supervisor is taking the cluster down.
+enum Trigger {
+    Signal(&'static str),
+    Down(DownRequest),
+    StartFailed,
+}
+
+/// SIGINT, SIGTERM and SIGHUP as one stream.
+struct Signals {
+    int: Signal,
+    term: Signal,
+    hup: Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Signals> {
+        Ok(Signals {
+            int: signal(SignalKind::interrupt())?,
+            term: signal(SignalKind::terminate())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.int.recv() => "SIGINT",
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.hup.recv() => "SIGHUP",
+        }
+    }
+}
+
+/// Runs `plan`'s services for `opts.node` until the cluster is taken down; returns the
+/// process exit code (0 after a requested down, 1 when a foreground start failed).
+pub async fn run(
+    plan: Plan,
+    state: StateDir,
+    lock: ClusterLock,
+    opts: RunOptions,
+) -> Result<u8, SupervisorError> {
+    let node = opts.node.clone();
+    let plan = Arc::new(plan);
+    // Bound first: if that fails nothing was started and no record needs cleaning up.
+    let socket = state.socket_path();
+    let listener = control_server::bind(&socket)
+        .map_err(|e| SupervisorError::io("listen on the control socket", &socket, e))?;
+    let record = Arc::new(RecordWriter::create(
+        &state,
+        RunRecord::new_for_this_process(&plan.cluster, &node),
+    )?);
+    let watchdog = Watchdog::spawn(&record.run_id())
+        .map_err(|e| tracing::warn!("no watchdog (grandchildren may outlive a killed pdctl): {e}"))
+        .ok();
+    let spawner = Spawner::start(tokio::runtime::Handle::current())
+        .map_err(|e| SupervisorError::io("start the spawning thread", &state.dir, e))?;
+    let names: Vec<String> = plan.services.iter().map(|s| s.name.clone()).collect();
+    let mode = if opts.foreground {
+        ConsoleMode::Foreground {
+            colour: colour_wanted(),
+        }
+    } else {
+        ConsoleMode::Detached
+    };
+    let console = Console::start(mode, names);
+    let logs = plan
+        .services
+        .iter()
+        .map(|s| {
+            Arc::new(if s.node == node {
+                ServiceLog::open(
+                    &s.name,
+                    &state.log_path(&s.name),
+                    opts.log_max_bytes,
+                    opts.log_keep,
+                )
+            } else {
+                ServiceLog::memory_only(&s.name)
+            })
+        })
+        .collect();
+    let (txs, rxs): (Vec<_>, Vec<_>) = plan
+        .services
+        .iter()
+        .map(|_| mpsc::unbounded_channel::<Cmd>())
+        .unzip();
+    let ctx = Arc::new(ServiceCtx {
+        plan: plan.clone(),
+        node: node.clone(),
+        table: Arc::new(Table::new(&plan, &node)),
+        spawner,
+        prober: Prober::new(),
+        logs,
+        record: record.clone(),
+        console: console.clone(),
+        cwd: state.dir.clone(),
+        commands: txs.clone(),
+    });
+    let (down_tx, mut downs) = mpsc::unbounded_channel();
+    let server = tokio::spawn(control_server::serve(
+        listener,
+        Handlers {
+            plan: plan.clone(),
+            node: node.clone(),
+            table: ctx.table.clone(),
+            commands: txs,
+            downs: down_tx,
+        },
+    ));
+    let mut signals =
+        Signals::new().map_err(|e| SupervisorError::io("handle signals", &state.dir, e))?;
+    let (stop_remote, remote_stopped) = watch::channel(false);
+    let mut tasks = Vec::new();
+    for (i, rx) in rxs.into_iter().enumerate() {
+        if plan.services[i].node == node {
+            tasks.push(tokio::spawn(run_local(ctx.clone(), i, rx)));
+        } else {
+            tokio::spawn(run_remote(ctx.clone(), i, remote_stopped.clone()));
+        }
+    }
+    let local = plan.local_services(&node).count();
+    console.event(&format!(
+        "supervising cluster {} on node {node}: {local} local and {} remote service(s), pid {}",
+        plan.cluster,
+        plan.services.len() - local,
+        std::process::id()
+    ));
+
+    let started = Instant::now();
+    let trigger = tokio::select! {
+        end = watch_startup(&ctx, opts.foreground) => match end {
+            StartupEnd::AllHealthy => {
+                announce_healthy(&ctx, opts.foreground, started).await;
+                wait_for_down(&mut signals, &mut downs).await
+            }
+            StartupEnd::Failed(failed) => {
+                report_start_failure(&ctx, &failed, opts.foreground);
+                if opts.foreground {
+                    Trigger::StartFailed
+                } else {
+                    // Detached: stay up so `status` and `logs` can show what happened.
+                    wait_for_down(&mut signals, &mut downs).await
+                }
+            }
+        },
+        sig = signals.recv() => Trigger::Signal(sig),
+        req = downs.recv() => req.map(Trigger::Down).unwrap_or(Trigger::Signal("EOF")),
+    };
+
+    let start_failed = matches!(trigger, Trigger::StartFailed);
+    let (timeout, mut requests) = match trigger {
+        Trigger::Down(req) => (Some(req.timeout), vec![req]),
+        Trigger::Signal(sig) => {
+            console.event(&format!("{sig} received: stopping the cluster"));
+            (None, vec![])
+        }
+        Trigger::StartFailed => (None, vec![]),
+    };
+    let t0 = Instant::now();
+    stop_everything(&ctx, timeout, &mut signals, &record).await;
+    let _ = stop_remote.send(true);
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
+    server.abort();
+    state.remove_runtime();
+    drop(watchdog);
+    let message = format!(
+        "stopped {local} service(s) of cluster {} in {:.1} s; logs kept in {}",
+        plan.cluster,
+        t0.elapsed().as_secs_f64(),
+        state.logs_dir().display()
+    );
+    if opts.foreground {
+        console.block(&message);
+    } else {
+        console.event(&message);
+    }
+    console.flush();
+    while let Ok(req) = downs.try_recv() {
+        requests.push(req);
+    }
+    reply_all(requests, &message).await;
+    drop(lock);
+    Ok(u8::from(start_failed))
+}
+
+/// Until every local service is healthy or one failed; draws progress in the foreground.
+async fn watch_startup(ctx: &ServiceCtx, foreground: bool) -> StartupEnd {
+    use std::io::IsTerminal;
+    let mut changes = ctx.table.subscribe();
+    let mut renderer = Renderer::new(std::io::stdout().is_terminal());
+    let last_line = |name: &str| {
+        let i = ctx.plan.services.iter().position(|s| s.name == name)?;
+        ctx.logs[i].last_line()
+    };
+    loop {
+        let report = ctx.table.report();
+        if foreground {
+            let rows = progress::rows(&report, &ctx.plan, &last_line);
+            renderer.draw(&mut std::io::stdout().lock(), &rows);
+        }
+        if let Some(end) = progress::startup_verdict(&report) {
+            return end;
+        }
+        tokio::select! {
+            _ = changes.changed() => {}
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+    }
+}
+
+async fn announce_healthy(ctx: &ServiceCtx, foreground: bool, started: Instant) {
+    let secs = started.elapsed().as_secs_f64();
+    if foreground {
+        let report = ctx.table.report();
+        let mut text = super::view::status_table(&report);
+        if let Some(url) = &report.proxy_url {
+            if let Some(figures) = super::view::scrape_proxy(url).await {
+                text.push_str(&figures);
+                text.push('\n');
+            }
+        }
+        text.push_str(&format!(
+            "all local services healthy in {secs:.1} s; streaming their logs (Ctrl-C stops the cluster)"
+        ));
+        ctx.console.block(&text);
+        ctx.console.start_streaming();
+    } else {
+        ctx.console
+            .event(&format!("all local services healthy in {secs:.1} s"));
+    }
+}
+
+fn report_start_failure(ctx: &ServiceCtx, failed: &[(String, String)], foreground: bool) {
+    for (name, why) in failed {
+        let lines = ctx
+            .plan
+            .services
+            .iter()
+            .position(|s| &s.name == name)
+            .map(|i| ctx.logs[i].last_lines(FAILURE_LINES))
+            .unwrap_or_default();
+        let text = progress::failure_text(name, why, &lines);
+        if foreground {
+            ctx.console.block(&text);
+        } else {
+            ctx.console.event(&text);
+        }
+    }
+    if foreground {
+        ctx.console
+            .block("stopping the cluster because it could not start");
+    }
+}
+
+async fn wait_for_down(
+    signals: &mut Signals,
+    downs: &mut mpsc::UnboundedReceiver<DownRequest>,
+) -> Trigger {
+    tokio::select! {
+        sig = signals.recv() => Trigger::Signal(sig),
+        req = downs.recv() => req.map(Trigger::Down).unwrap_or(Trigger::Signal("EOF")),
+    }
+}
+
+/// Stops local services wave by wave (dependants first). A second signal while stopping
+/// kills every process of the run at once.
+async fn stop_everything(
+    ctx: &ServiceCtx,
+    timeout: Option<Duration>,
+    signals: &mut Signals,
+    record: &RecordWriter,
+) {
+    let waves = stop_waves(&ctx.plan, &ctx.node);
+    let work = async {
+        for wave in waves {
+            join_all(wave.into_iter().map(|i| async move {
+                let (done, stopped) = oneshot::channel();
+                if ctx.commands[i].send(Cmd::Stop { timeout, done }).is_ok() {
+                    let _ = stopped.await;
+                }
+            }))
+            .await;
+        }
+    };
+    tokio::pin!(work);
+    tokio::select! {
+        _ = &mut work => return,
+        sig = signals.recv() => {
+            ctx.console.event(&format!("{sig} again: killing every process now"));
+            let run_id = record.run_id();
+            tokio::task::spawn_blocking(move || watchdog::stop_marked(&run_id, Duration::ZERO));
+        }
+    }
+    work.await;
+}
+
+async fn reply_all(requests: Vec<DownRequest>, message: &str) {
+    let mut acks = Vec::new();
+    for req in requests {
+        let (ack, written) = oneshot::channel();
+        if req.reply.send((message.to_string(), ack)).is_ok() {
+            acks.push(written);
+        }
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(1), join_all(acks)).await;
+}

@@ -1,0 +1,381 @@
+//! One task per local service: wait for its dependencies, start it, wait until it is
+//! ready, watch it, restart it by its policy, stop it when asked.
+//!
+//! The first start fails fast: a process that exits (or never gets ready) before it was
+//! ever healthy is `failed` at once with its last log lines, since a bad flag or a model
+//! that does not fit will not fix itself by restarting. After it was healthy once, exits
+//! and failed liveness probes go through the restart policy.
+
+use super::console::Console;
+use super::deps::{DepsOutcome, wait_for_dependencies};
+use super::logfile::ServiceLog;
+use super::policy::{RestartTracker, Verdict};
+use super::probe::Prober;
+use super::pump::{PumpTargets, pump};
+use super::run_watch::{RunEnd, wait_ready, watch_liveness};
+use super::spawner::{SpawnSpec, Spawned, Spawner};
+use super::state::RecordWriter;
+use super::stop::{clear_group, describe_exit, parse_signal, stop_run};
+use super::table::Table;
+use crate::control::ServiceState;
+use crate::plan::{Plan, Probe, Service};
+use nix::sys::signal::Signal;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// What a service task can be told to do.
+#[derive(Debug)]
+pub enum Cmd {
+    /// Stop for good (`down`): the timeout overrides the plan's when given.
+    Stop {
+        timeout: Option<Duration>,
+        done: oneshot::Sender<()>,
+    },
+    /// Stop and start again; `cascade` also restarts its `restart_with` companions.
+    Restart { reason: String, cascade: bool },
+}
+
+/// Everything the service tasks share.
+#[derive(Debug)]
+pub struct ServiceCtx {
+    pub plan: Arc<Plan>,
+    pub node: String,
+    pub table: Arc<Table>,
+    pub spawner: Spawner,
+    pub prober: Prober,
+    /// Per service, in plan order (remote services have one too, unused).
+    pub logs: Vec<Arc<ServiceLog>>,
+    pub record: Arc<RecordWriter>,
+    pub console: Console,
+    /// Working directory of every service: the cluster's state dir.
+    pub cwd: PathBuf,
+    /// Command channels, in plan order (closed for remote services).
+    pub commands: Vec<mpsc::UnboundedSender<Cmd>>,
+}
+
+/// Lines of output quoted when a service fails.
+pub const FAILURE_LINES: usize = 12;
+
+/// What the task does next.
+enum Next {
+    WaitDeps,
+    Start,
+    Backoff(Duration),
+    Idle,
+    Exit,
+}
+
+struct Task {
+    ctx: Arc<ServiceCtx>,
+    idx: usize,
+    rx: mpsc::UnboundedReceiver<Cmd>,
+    tracker: RestartTracker,
+    ever_healthy: bool,
+    runs: u32,
+}
+
+/// Runs service `idx` until it is told to stop.
+pub async fn run_local(ctx: Arc<ServiceCtx>, idx: usize, rx: mpsc::UnboundedReceiver<Cmd>) {
+    let policy = ctx.plan.services[idx].restart.clone();
+    let mut task = Task {
+        ctx,
+        idx,
+        rx,
+        tracker: RestartTracker::new(policy),
+        ever_healthy: false,
+        runs: 0,
+    };
+    let mut next = Next::WaitDeps;
+    loop {
+        next = match next {
+            Next::WaitDeps => task.wait_deps().await,
+            Next::Start => task.start_and_watch().await,
+            Next::Backoff(d) => task.backoff(d).await,
+            Next::Idle => task.idle().await,
+            Next::Exit => return,
+        };
+    }
+}
+
+impl Task {
+    fn svc(&self) -> &Service {
+        &self.ctx.plan.services[self.idx]
+    }
+    fn log(&self) -> &Arc<ServiceLog> {
+        &self.ctx.logs[self.idx]
+    }
+    fn signal(&self) -> Signal {
+        parse_signal(&self.svc().shutdown.signal).unwrap_or(Signal::SIGTERM)
+    }
+    fn shutdown_timeout(&self) -> Duration {
+        Duration::from_secs(self.svc().shutdown.timeout_s)
+    }
+
+    async fn wait_deps(&mut self) -> Next {
+        self.ctx.table.set_state(self.idx, ServiceState::Pending);
+        match wait_for_dependencies(&self.ctx, self.idx, &mut self.rx).await {
+            DepsOutcome::Ready => Next::Start,
+            DepsOutcome::Failed(why) => self.fail(why),
+            DepsOutcome::Stop(done) => {
+                self.ctx.table.set_state(self.idx, ServiceState::Stopped);
+                let _ = done.send(());
+                Next::Exit
+            }
+        }
+    }
+
+    /// Marks the service failed and tells the user why, with its last log lines.
+    fn fail(&mut self, why: String) -> Next {
+        let name = self.svc().name.clone();
+        let lines = self.log().last_lines(FAILURE_LINES);
+        self.log().note(&format!("failed: {why}"));
+        self.ctx
+            .table
+            .run_ended(self.idx, ServiceState::Failed, Some(why.clone()));
+        let mut text = format!("{name} failed: {why}");
+        for l in lines {
+            text.push_str(&format!("\n    {l}"));
+        }
+        self.ctx.console.event(&text);
+        Next::Idle
+    }
+
+    fn write_files(&self) -> Result<(), String> {
+        for f in &self.svc().files {
+            if let Some(parent) = f.path.parent() {
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+            }
+            std::fs::write(&f.path, &f.content)
+                .map_err(|e| format!("cannot write {}: {e}", f.path.display()))?;
+        }
+        Ok(())
+    }
+
+    async fn spawn(&mut self) -> Result<Spawned, String> {
+        self.write_files()?;
+        let mut env = self.svc().env.clone();
+        env.insert(
+            super::procfs::RUN_MARKER_ENV.to_string(),
+            self.ctx.record.run_id(),
+        );
+        let spec = SpawnSpec {
+            argv: self.svc().argv.clone(),
+            env,
+            cwd: self.ctx.cwd.clone(),
+        };
+        self.ctx.spawner.spawn(spec).await.map_err(|e| {
+            format!(
+                "could not start `{}`: {e}",
+                self.svc().argv.first().map(String::as_str).unwrap_or("")
+            )
+        })
+    }
+
+    async fn start_and_watch(&mut self) -> Next {
+        let spawned = match self.spawn().await {
+            Ok(s) => s,
+            Err(why) => return self.fail(why),
+        };
+        let Spawned {
+            mut child,
+            pid,
+            output,
+        } = spawned;
+        self.runs += 1;
+        if self.runs > 1 {
+            self.ctx.table.update(self.idx, |s| s.restarts += 1);
+        }
+        self.log().note(&format!("start #{}: pid {pid}", self.runs));
+        self.ctx.record.child_started(&self.svc().name, pid);
+        self.ctx
+            .table
+            .run_started(self.idx, Some(pid as u32), ServiceState::Starting);
+        let seen = Arc::new(AtomicBool::new(false));
+        let watch_for = match &self.svc().probe {
+            Probe::LogLine { contains } => Some((contains.clone(), seen.clone())),
+            _ => None,
+        };
+        let activity = Arc::new(tokio::sync::Notify::new());
+        let pump_task = tokio::spawn(pump(
+            output,
+            PumpTargets {
+                log: self.log().clone(),
+                console: self.ctx.console.clone(),
+                idx: self.idx,
+                watch_for,
+                activity: activity.clone(),
+            },
+        ));
+
+        let started = Instant::now();
+        let mut end = wait_ready(
+            &self.ctx,
+            self.idx,
+            &mut self.rx,
+            &mut child,
+            &seen,
+            &activity,
+            started,
+        )
+        .await;
+        let mut healthy_since = None;
+        if end.is_none() {
+            self.ever_healthy = true;
+            healthy_since = Some(Instant::now());
+            let took = format!("ready after {:.1} s", started.elapsed().as_secs_f64());
+            self.log().note(&took);
+            self.ctx
+                .console
+                .event(&format!("{} {took}", self.svc().name));
+            self.ctx.table.set_state(self.idx, ServiceState::Healthy);
+            end = Some(watch_liveness(&self.ctx, self.idx, &mut self.rx, &mut child, &seen).await);
+        }
+        let end = end.expect("a run always ends");
+        let healthy_for = healthy_since.map(|t| t.elapsed()).unwrap_or_default();
+        self.finish_run(child, pid, pump_task, end, healthy_for)
+            .await
+    }
+
+    async fn finish_run(
+        &mut self,
+        mut child: tokio::process::Child,
+        pgid: i32,
+        pump_task: tokio::task::JoinHandle<()>,
+        end: RunEnd,
+        healthy_for: Duration,
+    ) -> Next {
+        let signal = self.signal();
+        let grace = self.shutdown_timeout();
+        // Whatever happened, no process of this run may be left behind.
+        let why = match &end {
+            RunEnd::Exited(why, _) => {
+                clear_group(pgid, signal, grace).await;
+                why.clone()
+            }
+            RunEnd::Stop(t, _) => {
+                let t = t.unwrap_or(grace);
+                let st = stop_run(&mut child, pgid, signal, t).await;
+                st.map(|s| format!("stopped: {}", describe_exit(&s)))
+                    .unwrap_or_else(|| "stopped".into())
+            }
+            RunEnd::LivenessFailed(why) | RunEnd::StartTimeout(why) | RunEnd::Restart(why, _) => {
+                stop_run(&mut child, pgid, signal, grace).await;
+                why.clone()
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(1), pump_task).await;
+        self.ctx.record.child_gone(&self.svc().name);
+        self.log().note(&format!("run #{} ended: {why}", self.runs));
+        let name = self.svc().name.clone();
+        match end {
+            RunEnd::Stop(_, done) => {
+                self.ctx
+                    .table
+                    .run_ended(self.idx, ServiceState::Stopped, Some(why));
+                let _ = done.send(());
+                Next::Exit
+            }
+            RunEnd::Restart(reason, cascade) => {
+                self.ctx
+                    .table
+                    .run_ended(self.idx, ServiceState::Restarting, Some(reason.clone()));
+                self.ctx
+                    .console
+                    .event(&format!("restarting {name}: {reason}"));
+                if cascade {
+                    self.restart_companions();
+                }
+                self.tracker.reset();
+                Next::Start
+            }
+            RunEnd::StartTimeout(probe_why) if !self.ever_healthy => self.fail(format!(
+                "not ready after {} s (last probe: {probe_why})",
+                self.svc().startup_timeout_s
+            )),
+            RunEnd::Exited(why, _) if !self.ever_healthy => {
+                self.fail(format!("{why} while starting"))
+            }
+            RunEnd::Exited(_, clean) => self.after_crash(why, clean, healthy_for),
+            RunEnd::LivenessFailed(_) | RunEnd::StartTimeout(_) => {
+                self.after_crash(why, false, healthy_for)
+            }
+        }
+    }
+
+    /// Applies the restart policy after an unrequested end.
+    fn after_crash(&mut self, why: String, clean: bool, healthy_for: Duration) -> Next {
+        let name = self.svc().name.clone();
+        match self.tracker.after_exit(Instant::now(), clean, healthy_for) {
+            Verdict::Restart { delay } => {
+                self.ctx
+                    .table
+                    .run_ended(self.idx, ServiceState::Restarting, Some(why.clone()));
+                self.ctx.console.event(&format!(
+                    "{name}: {why}; restarting in {:.1} s",
+                    delay.as_secs_f64()
+                ));
+                self.restart_companions();
+                Next::Backoff(delay)
+            }
+            Verdict::Stop => {
+                self.ctx
+                    .table
+                    .run_ended(self.idx, ServiceState::Stopped, Some(why.clone()));
+                self.ctx
+                    .console
+                    .event(&format!("{name}: {why}; not restarted (restart policy)"));
+                Next::Idle
+            }
+            Verdict::Fail { reason } => self.fail(format!("{why}; {reason}")),
+        }
+    }
+
+    /// Restarts this service's `restart_with` companions (they do not cascade further).
+    fn restart_companions(&self) {
+        let me = self.svc().name.clone();
+        for other in &self.svc().restart_with {
+            if let Some(i) = self.ctx.plan.services.iter().position(|s| &s.name == other) {
+                let _ = self.ctx.commands[i].send(Cmd::Restart {
+                    reason: format!("restarted together with {me}"),
+                    cascade: false,
+                });
+            }
+        }
+    }
+
+    /// Waits out a restart delay; a stop or restart request cuts it short.
+    async fn backoff(&mut self, delay: Duration) -> Next {
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => Next::Start,
+            cmd = self.rx.recv() => match cmd {
+                Some(Cmd::Restart { .. }) => Next::Start,
+                Some(Cmd::Stop { done, .. }) => {
+                    self.ctx.table.set_state(self.idx, ServiceState::Stopped);
+                    let _ = done.send(());
+                    Next::Exit
+                }
+                None => Next::Exit,
+            }
+        }
+    }
+
+    /// Failed or stopped: waits to be stopped for good or restarted by a person.
+    async fn idle(&mut self) -> Next {
+        match self.rx.recv().await {
+            Some(Cmd::Restart { .. }) => {
+                self.tracker.reset();
+                self.ever_healthy = false;
+                Next::WaitDeps
+            }
+            Some(Cmd::Stop { done, .. }) => {
+                let _ = done.send(());
+                Next::Exit
+            }
+            None => Next::Exit,
+        }
+    }
+}

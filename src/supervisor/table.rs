@@ -1,0 +1,216 @@
+//! The one shared state of a running supervisor: a row per service, written by the
+//! service tasks and read by `status`, the proxy's health feed and the progress display.
+//! Locked briefly and never across an await; every change bumps a version others can
+//! wait on.
+
+use crate::control::{ServiceState, ServiceStatus, StatusReport};
+use crate::plan::{Plan, Service};
+use std::sync::Mutex;
+use std::time::Instant;
+use tokio::sync::watch;
+
+/// The port `status` shows for a service: `http`, else `client`, else `rpc`, else any.
+pub fn main_port(svc: &Service) -> Option<u16> {
+    ["http", "client", "rpc"]
+        .iter()
+        .find_map(|k| svc.ports.get(*k).copied())
+        .or_else(|| svc.ports.values().next().copied())
+}
+
+#[derive(Debug, Clone)]
+struct Row {
+    status: ServiceStatus,
+    /// When the current process started (uptime), while one runs.
+    run_started: Option<Instant>,
+}
+
+/// Every service's state, in plan order.
+#[derive(Debug)]
+pub struct Table {
+    cluster: String,
+    node: String,
+    proxy_url: Option<String>,
+    rows: Mutex<Vec<Row>>,
+    version: watch::Sender<u64>,
+}
+
+impl Table {
+    /// All local services `pending`, remote ones `starting` until their probe answers.
+    pub fn new(plan: &Plan, node: &str) -> Table {
+        let rows = plan
+            .services
+            .iter()
+            .map(|s| {
+                let remote = s.node != node;
+                Row {
+                    status: ServiceStatus {
+                        name: s.name.clone(),
+                        role: s.role,
+                        node: s.node.clone(),
+                        pid: None,
+                        state: if remote {
+                            ServiceState::Starting
+                        } else {
+                            ServiceState::Pending
+                        },
+                        gpus: s.gpus.clone(),
+                        port: main_port(s),
+                        url: s.url.clone(),
+                        restarts: 0,
+                        uptime_s: None,
+                        last_exit: None,
+                        remote,
+                    },
+                    run_started: None,
+                }
+            })
+            .collect();
+        Table {
+            cluster: plan.cluster.clone(),
+            node: node.to_string(),
+            proxy_url: plan.proxy_url.clone(),
+            rows: Mutex::new(rows),
+            version: watch::channel(0).0,
+        }
+    }
+
+    fn rows(&self) -> std::sync::MutexGuard<'_, Vec<Row>> {
+        self.rows.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A snapshot as `pdctl status --json` prints it.
+    pub fn report(&self) -> StatusReport {
+        let now = Instant::now();
+        let services = self
+            .rows()
+            .iter()
+            .map(|r| {
+                let mut s = r.status.clone();
+                s.uptime_s = r
+                    .run_started
+                    .map(|t| (now - t).as_secs_f64())
+                    .map(|u| (u * 10.0).round() / 10.0);
+                s
+            })
+            .collect();
+        StatusReport {
+            cluster: self.cluster.clone(),
+            node: self.node.clone(),
+            proxy_url: self.proxy_url.clone(),
+            services,
+        }
+    }
+
+    /// Current state of service `idx`.
+    pub fn state(&self, idx: usize) -> ServiceState {
+        self.rows()[idx].status.state
+    }
+
+    /// Changes service `idx`'s row and wakes everyone waiting on the table.
+    pub fn update(&self, idx: usize, change: impl FnOnce(&mut ServiceStatus)) {
+        {
+            let mut rows = self.rows();
+            change(&mut rows[idx].status);
+        }
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// Sets only the state.
+    pub fn set_state(&self, idx: usize, state: ServiceState) {
+        self.update(idx, |s| s.state = state);
+    }
+
+    /// A process for service `idx` just started: state `starting`, pid, uptime from now.
+    pub fn run_started(&self, idx: usize, pid: Option<u32>, state: ServiceState) {
+        {
+            let mut rows = self.rows();
+            rows[idx].run_started = Some(Instant::now());
+            rows[idx].status.pid = pid;
+            rows[idx].status.state = state;
+        }
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// The process of service `idx` is gone; `why` goes into `last_exit`.
+    pub fn run_ended(&self, idx: usize, state: ServiceState, why: Option<String>) {
+        {
+            let mut rows = self.rows();
+            rows[idx].run_started = None;
+            rows[idx].status.pid = None;
+            rows[idx].status.state = state;
+            if why.is_some() {
+                rows[idx].status.last_exit = why;
+            }
+        }
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// A receiver that wakes on every change.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.version.subscribe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Probe, Role};
+    use std::collections::BTreeMap;
+
+    pub(crate) fn service(name: &str, node: &str) -> Service {
+        Service {
+            name: name.into(),
+            role: Role::Prefill,
+            node: node.into(),
+            host: "127.0.0.1".into(),
+            argv: vec!["true".into()],
+            env: BTreeMap::new(),
+            gpus: vec![],
+            ports: BTreeMap::from([("metrics".to_string(), 9), ("http".to_string(), 8100)]),
+            files: vec![],
+            depends_on: vec![],
+            probe: Probe::Tcp {
+                host: "127.0.0.1".into(),
+                port: 8100,
+            },
+            url: None,
+            startup_timeout_s: 5,
+            restart: Default::default(),
+            restart_with: vec![],
+            shutdown: Default::default(),
+            dirs: vec![],
+        }
+    }
+
+    #[test]
+    fn remote_rows_are_marked_and_main_port_prefers_http() {
+        let plan = Plan {
+            cluster: "c".into(),
+            state_dir: "/tmp/x".into(),
+            head_node: "a".into(),
+            nodes: BTreeMap::new(),
+            proxy_url: None,
+            engine: "sim".into(),
+            vllm_version: None,
+            connector: "example".into(),
+            protocol: "two-step".into(),
+            services: vec![service("p0", "a"), service("p1", "b")],
+            warnings: vec![],
+        };
+        let t = Table::new(&plan, "a");
+        let r = t.report();
+        assert_eq!(r.services[0].port, Some(8100));
+        assert!(!r.services[0].remote && r.services[1].remote);
+        assert_eq!(r.services[0].state, ServiceState::Pending);
+        let rx = t.subscribe();
+        t.run_started(0, Some(42), ServiceState::Starting);
+        assert!(rx.has_changed().unwrap());
+        let r = t.report();
+        assert_eq!(r.services[0].pid, Some(42));
+        assert!(r.services[0].uptime_s.is_some());
+        t.run_ended(0, ServiceState::Failed, Some("exit 1".into()));
+        let r = t.report();
+        assert_eq!(r.services[0].last_exit.as_deref(), Some("exit 1"));
+        assert_eq!((r.services[0].pid, r.services[0].uptime_s), (None, None));
+    }
+}

@@ -1,0 +1,242 @@
+//! The status table (`pdctl status`, and after `up`), and the proxy's request figures
+//! scraped from its `/metrics` when it runs.
+
+use crate::control::{ServiceStatus, StatusReport};
+use std::fmt::Write;
+
+/// `42s`, `3m04s`, `2h01m`, `5d03h`.
+pub fn human_duration(secs: f64) -> String {
+    let s = secs.max(0.0) as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        3600..86_400 => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d{:02}h", s / 86_400, s % 86_400 / 3600),
+    }
+}
+
+fn cells(s: &ServiceStatus) -> [String; 10] {
+    let dash = || "-".to_string();
+    let mut node = s.node.clone();
+    if s.remote {
+        node.push_str(" (remote)");
+    }
+    [
+        s.name.clone(),
+        s.role.to_string(),
+        node,
+        s.pid.map(|p| p.to_string()).unwrap_or_else(dash),
+        s.state.to_string(),
+        if s.gpus.is_empty() {
+            dash()
+        } else {
+            s.gpus
+                .iter()
+                .map(|g| g.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        },
+        s.port.map(|p| p.to_string()).unwrap_or_else(dash),
+        s.restarts.to_string(),
+        s.uptime_s.map(human_duration).unwrap_or_else(dash),
+        s.last_exit.clone().unwrap_or_else(dash),
+    ]
+}
+
+/// The table `pdctl status` prints: a heading line, then one row per service.
+pub fn status_table(report: &StatusReport) -> String {
+    const HEAD: [&str; 10] = [
+        "SERVICE",
+        "ROLE",
+        "NODE",
+        "PID",
+        "STATE",
+        "GPUS",
+        "PORT",
+        "RESTARTS",
+        "UPTIME",
+        "LAST EXIT",
+    ];
+    let rows: Vec<[String; 10]> = report.services.iter().map(cells).collect();
+    let mut width = HEAD.map(str::len);
+    for r in &rows {
+        for (w, c) in width.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let healthy = report
+        .services
+        .iter()
+        .filter(|s| s.state == crate::control::ServiceState::Healthy)
+        .count();
+    let mut out = format!(
+        "cluster {} (node {}): {}/{} healthy",
+        report.cluster,
+        report.node,
+        healthy,
+        report.services.len()
+    );
+    if let Some(url) = &report.proxy_url {
+        let _ = write!(out, ", requests to {url}");
+    }
+    out.push('\n');
+    let mut line = |cols: &[String]| {
+        let mut l = String::new();
+        for (i, c) in cols.iter().enumerate() {
+            if i + 1 == cols.len() {
+                l.push_str(c);
+            } else {
+                let _ = write!(l, "{c:<w$}  ", w = width[i]);
+            }
+        }
+        out.push_str(l.trim_end());
+        out.push('\n');
+    };
+    line(&HEAD.map(String::from));
+    for r in &rows {
+        line(r);
+    }
+    out
+}
+
+/// The proxy's request figures `status` shows, summed from its `/metrics` page.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProxyFigures {
+    pub requests: f64,
+    /// Requests answered with a 4xx or 5xx status.
+    pub failed: f64,
+    pub in_flight: f64,
+    pub retries: f64,
+    /// Decode had to recompute because the KV handoff did not happen.
+    pub kv_handoff_misses: f64,
+}
+
+/// One sample line `name{labels} value`, split; `None` for comments and blank lines.
+fn sample(line: &str) -> Option<(&str, &str, f64)> {
+    if line.starts_with('#') || line.trim().is_empty() {
+        return None;
+    }
+    let name_end = line.find(['{', ' '])?;
+    let (labels, rest) = match line[name_end..].strip_prefix('{') {
+        Some(r) => r.split_once('}')?,
+        None => ("", &line[name_end..]),
+    };
+    Some((&line[..name_end], labels, rest.trim().parse().ok()?))
+}
+
+/// Reads the proxy's counters from a Prometheus text page; `None` when it has none of
+/// `pdctl_proxy_requests_total` (not the pdctl proxy, or an older one).
+pub fn proxy_figures(metrics_text: &str) -> Option<ProxyFigures> {
+    let mut f = ProxyFigures::default();
+    let mut found = false;
+    for (name, labels, value) in metrics_text.lines().filter_map(sample) {
+        match name {
+            "pdctl_proxy_requests_total" => {
+                found = true;
+                f.requests += value;
+                if labels.contains("status=\"4") || labels.contains("status=\"5") {
+                    f.failed += value;
+                }
+            }
+            "pdctl_proxy_requests_in_flight" => f.in_flight += value,
+            "pdctl_proxy_retries_total" => f.retries += value,
+            "pdctl_proxy_kv_handoff_misses_total" => f.kv_handoff_misses += value,
+            _ => {}
+        }
+    }
+    found.then_some(f)
+}
+
+/// `proxy http://..: 1200 requests (3 failed), 2 in flight, 5 retries, 0 KV handoff
+/// misses` from the running proxy, or `None` when it does not answer within half a second.
+pub async fn scrape_proxy(proxy_url: &str) -> Option<String> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(std::time::Duration::from_millis(500))
+        .build()
+        .ok()?;
+    let url = format!("{}/metrics", proxy_url.trim_end_matches('/'));
+    let text = client.get(&url).send().await.ok()?.text().await.ok()?;
+    let f = proxy_figures(&text)?;
+    Some(format!(
+        "proxy {proxy_url}: {:.0} requests ({:.0} failed), {:.0} in flight, {:.0} retries, {:.0} KV handoff misses",
+        f.requests, f.failed, f.in_flight, f.retries, f.kv_handoff_misses
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::ServiceState;
+    use crate::plan::Role;
+
+    #[test]
+    fn durations_read_like_docker() {
+        assert_eq!(human_duration(0.4), "0s");
+        assert_eq!(human_duration(184.0), "3m04s");
+        assert_eq!(human_duration(7260.0), "2h01m");
+        assert_eq!(human_duration(97_200.0 + 86_400.0), "2d03h");
+    }
+
+    #[test]
+    fn table_has_every_column_and_marks_remote_rows() {
+        let report = StatusReport {
+            cluster: "t1".into(),
+            node: "head".into(),
+            proxy_url: Some("http://127.0.0.1:8000".into()),
+            services: vec![ServiceStatus {
+                name: "decode-1".into(),
+                role: Role::Decode,
+                node: "worker".into(),
+                pid: None,
+                state: ServiceState::Healthy,
+                gpus: vec![2, 3],
+                port: Some(8201),
+                url: None,
+                restarts: 2,
+                uptime_s: Some(65.0),
+                last_exit: Some("signal 9 (SIGKILL)".into()),
+                remote: true,
+            }],
+        };
+        let t = status_table(&report);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].contains("1/1 healthy") && lines[0].contains(":8000"));
+        assert!(lines[1].starts_with("SERVICE") && lines[1].ends_with("LAST EXIT"));
+        for cell in [
+            "decode-1",
+            "worker (remote)",
+            "2,3",
+            "8201",
+            "1m05s",
+            "SIGKILL",
+        ] {
+            assert!(lines[2].contains(cell), "{cell} missing in {t}");
+        }
+    }
+
+    #[test]
+    fn proxy_counters_are_summed_over_labels() {
+        let text = "# HELP pdctl_proxy_requests_total x\n\
+                    # TYPE pdctl_proxy_requests_total counter\n\
+                    pdctl_proxy_requests_total{route=\"/v1/completions\",status=\"200\"} 10\n\
+                    pdctl_proxy_requests_total{route=\"/v1/chat/completions\",status=\"502\"} 2\n\
+                    pdctl_proxy_requests_total{route=\"/v1/completions\",status=\"429\"} 1\n\
+                    pdctl_proxy_requests_in_flight 3\n\
+                    pdctl_proxy_retries_total{leg=\"prefill\"} 1\n\
+                    pdctl_proxy_retries_total{leg=\"decode\"} 2\n\
+                    pdctl_proxy_kv_handoff_misses_total{reason=\"no_kv_transfer_params\"} 4\n";
+        let f = proxy_figures(text).unwrap();
+        assert_eq!(
+            f,
+            ProxyFigures {
+                requests: 13.0,
+                failed: 3.0,
+                in_flight: 3.0,
+                retries: 3.0,
+                kv_handoff_misses: 4.0
+            }
+        );
+        assert_eq!(proxy_figures("vllm:num_requests_running 3\n"), None);
+    }
+}

@@ -1,0 +1,430 @@
+//! Helpers for the supervisor's integration tests: hand-built plans with real etcd,
+//! real mooncake_master and small HTTP engines; a cluster guard that kills everything
+//! a test started even when it fails; status and process checks.
+#![allow(dead_code)]
+
+use crate::common::{TempDir, pdctl};
+use pdctl::control::{ServiceState, StatusReport};
+use pdctl::plan::{Plan, Probe, RestartMode, RestartPolicy, Role, Service, Shutdown};
+use pdctl::supervisor::procfs;
+use pdctl::supervisor::state::{StateDir, read_record};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+/// A tiny HTTP engine: answers every GET with 200, prints a line when listening, and
+/// with a second argument exits with status 1 after that many seconds. With CHATTY=1 it
+/// prints a numbered line every 5 ms (for log rotation). With FORK=1 it leaves a
+/// `sleep` child behind (a grandchild of the supervisor, like vLLM's engine core). With
+/// SICK_AFTER=S it answers 503 after S seconds while staying alive (a hung engine).
+pub const ENGINE_PY: &str = r#"
+import http.server, os, sys, threading, time, subprocess
+STARTED = time.time()
+host, port = sys.argv[1], int(sys.argv[2])
+exit_after = float(sys.argv[3]) if len(sys.argv) > 3 else 0
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        sick = os.environ.get("SICK_AFTER")
+        if sick and time.time() - STARTED > float(sick):
+            self.send_response(503)
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+if os.environ.get("FORK"):
+    subprocess.Popen(["sleep", "1000"])
+if exit_after:
+    threading.Timer(exit_after, lambda: os._exit(1)).start()
+if os.environ.get("CHATTY"):
+    def chat():
+        i = 0
+        while True:
+            print(f"chat {i:08d}", flush=True)
+            i += 1
+            time.sleep(0.005)
+    threading.Thread(target=chat, daemon=True).start()
+srv = http.server.HTTPServer((host, port), H)
+print(f"engine listening on {host}:{port}", flush=True)
+srv.serve_forever()
+"#;
+
+/// A temporary state root plus the engine script; on drop, stops every cluster under
+/// the root by force (supervisor and all marked processes), so a failed test leaves
+/// nothing running.
+pub struct Cluster {
+    pub root: TempDir,
+    pub engine: PathBuf,
+}
+
+impl Cluster {
+    pub fn new(tag: &str) -> Cluster {
+        let root = TempDir::new(tag);
+        let engine = root.path().join("engine.py");
+        std::fs::write(&engine, ENGINE_PY).unwrap();
+        Cluster { root, engine }
+    }
+
+    pub fn root(&self) -> &Path {
+        self.root.path()
+    }
+
+    /// The state dir `up --plan P --state-dir ROOT` uses for `plan` on `node`.
+    pub fn state(&self, plan: &Plan, node: &str) -> StateDir {
+        let dir = if plan.nodes.len() > 1 {
+            format!("{}-{node}", plan.cluster)
+        } else {
+            plan.cluster.clone()
+        };
+        StateDir::new(self.root().join(dir))
+    }
+
+    /// Writes `plan` as JSON under the root; returns its path.
+    pub fn write_plan(&self, plan: &Plan) -> PathBuf {
+        let p = self.root().join(format!("plan-{}.json", plan.cluster));
+        std::fs::write(&p, serde_json::to_vec_pretty(plan).unwrap()).unwrap();
+        p
+    }
+
+    /// Runs a pdctl command with `--state-dir ROOT` appended, to completion.
+    pub fn run(&self, args: &[&str]) -> Output {
+        let mut cmd = pdctl(args);
+        cmd.arg("--state-dir").arg(self.root());
+        cmd.env_remove("PDCTL_STATE_DIR");
+        run_bounded(cmd, Duration::from_secs(60))
+    }
+
+    /// `pdctl up -d --plan PLAN [extra]`.
+    pub fn up_detached(&self, plan: &Plan, extra: &[&str]) -> Output {
+        let p = self.write_plan(plan);
+        let mut args = vec!["up", "-d", "--plan", p.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        self.run(&args)
+    }
+
+    /// `pdctl status --json` parsed, or None when nothing runs (exit 3).
+    pub fn status(&self, extra: &[&str]) -> Option<StatusReport> {
+        let mut args = vec!["status", "--json"];
+        args.extend_from_slice(extra);
+        let out = self.run(&args);
+        if out.status.code() == Some(3) {
+            return None;
+        }
+        Some(
+            serde_json::from_slice(&out.stdout)
+                .unwrap_or_else(|e| panic!("status --json is not a report ({e}): {}", text(&out))),
+        )
+    }
+
+    /// Polls status until `check` holds or `limit` passes; returns the last report.
+    pub fn wait_status(
+        &self,
+        limit: Duration,
+        extra: &[&str],
+        mut check: impl FnMut(&StatusReport) -> bool,
+    ) -> StatusReport {
+        let end = Instant::now() + limit;
+        loop {
+            let r = self.status(extra).expect("the cluster runs");
+            if check(&r) || Instant::now() > end {
+                return r;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let Ok(dirs) = std::fs::read_dir(self.root()) else {
+            return;
+        };
+        for d in dirs.filter_map(|e| e.ok()) {
+            let state = StateDir::new(d.path());
+            if let Ok(Some(rec)) = read_record(&state) {
+                kill_run(rec.supervisor_pid, &rec.run_id);
+            }
+        }
+    }
+}
+
+/// SIGKILL to a supervisor and to every process carrying its run id.
+pub fn kill_run(supervisor_pid: i32, run_id: &str) {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let _ = kill(Pid::from_raw(supervisor_pid), Signal::SIGKILL);
+    for p in procfs::marked_processes(run_id) {
+        let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
+    }
+}
+
+/// Runs `cmd` with output captured, killing it if it runs past `limit`.
+pub fn run_bounded(mut cmd: std::process::Command, limit: Duration) -> Output {
+    use std::process::Stdio;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let child = cmd.spawn().expect("spawn pdctl");
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.expect("pdctl output"),
+        Err(_) => {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            panic!("{cmd:?} ran longer than {limit:?}");
+        }
+    }
+}
+
+/// stdout and stderr of a finished command, for assertion messages.
+pub fn text(out: &Output) -> String {
+    format!(
+        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A plan with no services yet; add them with the builders below.
+pub fn plan(cluster: &str, nodes: &[(&str, &str)]) -> Plan {
+    Plan {
+        cluster: cluster.into(),
+        state_dir: PathBuf::from("/nonexistent/overridden-by-state-dir"),
+        head_node: nodes[0].0.into(),
+        nodes: nodes
+            .iter()
+            .map(|(n, a)| (n.to_string(), a.to_string()))
+            .collect(),
+        proxy_url: None,
+        engine: "test".into(),
+        vllm_version: None,
+        connector: "mooncake-store".into(),
+        protocol: "two-step".into(),
+        services: vec![],
+        warnings: vec![],
+    }
+}
+
+/// A restart policy with short delays, so tests see restarts quickly.
+pub fn quick_restarts(max_restarts: u32) -> RestartPolicy {
+    RestartPolicy {
+        mode: RestartMode::OnFailure,
+        backoff_initial_ms: 300,
+        backoff_max_ms: 1_000,
+        max_restarts,
+        window_s: 60,
+        liveness_failures: 2,
+    }
+}
+
+fn base(name: &str, role: Role, node: &str, host: &str, argv: Vec<String>) -> Service {
+    Service {
+        name: name.into(),
+        role,
+        node: node.into(),
+        host: host.into(),
+        argv,
+        env: BTreeMap::new(),
+        gpus: vec![],
+        ports: BTreeMap::new(),
+        files: vec![],
+        depends_on: vec![],
+        probe: Probe::LogLine {
+            contains: String::new(),
+        },
+        url: None,
+        startup_timeout_s: 20,
+        restart: quick_restarts(5),
+        restart_with: vec![],
+        shutdown: Shutdown {
+            signal: "SIGTERM".into(),
+            timeout_s: 5,
+        },
+        dirs: vec![],
+    }
+}
+
+/// Real etcd (Debian etcd-server) on `host`, data under `data_dir`.
+pub fn etcd(node: &str, host: &str, client: u16, peer: u16, data_dir: &Path) -> Service {
+    let url = |p: u16, h: &str| format!("http://{h}:{p}");
+    let argv = [
+        "etcd",
+        "--name",
+        "pdctl-test",
+        "--data-dir",
+        data_dir.to_str().unwrap(),
+        "--listen-client-urls",
+        &url(client, host),
+        "--advertise-client-urls",
+        &url(client, host),
+        "--listen-peer-urls",
+        &url(peer, "127.0.0.1"),
+        "--initial-advertise-peer-urls",
+        &url(peer, "127.0.0.1"),
+        "--initial-cluster",
+        &format!("pdctl-test={}", url(peer, "127.0.0.1")),
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut s = base("etcd", Role::Etcd, node, host, argv);
+    s.ports = BTreeMap::from([("client".into(), client), ("peer".into(), peer)]);
+    s.probe = Probe::Http {
+        url: format!("{}/health", url(client, host)),
+        status: 200,
+        body_contains: Some("\"health\":\"true\"".into()),
+    };
+    s
+}
+
+/// Real mooncake_master (PyPI mooncake-transfer-engine) after etcd.
+pub fn mooncake_master(node: &str, host: &str, rpc: u16, metrics: u16) -> Service {
+    let argv = [
+        "mooncake_master".to_string(),
+        "--rpc_port".into(),
+        rpc.to_string(),
+        "--metrics_port".into(),
+        metrics.to_string(),
+    ]
+    .to_vec();
+    let mut s = base("mooncake-master", Role::MooncakeMaster, node, host, argv);
+    s.ports = BTreeMap::from([("rpc".into(), rpc), ("metrics".into(), metrics)]);
+    s.probe = Probe::Http {
+        url: format!("http://127.0.0.1:{metrics}/health"),
+        status: 200,
+        body_contains: None,
+    };
+    s.depends_on = vec!["etcd".into()];
+    s
+}
+
+/// One of the test engines, probed over HTTP.
+pub fn engine(
+    c: &Cluster,
+    name: &str,
+    role: Role,
+    node: &str,
+    host: &str,
+    port: u16,
+    exit_after_s: Option<f64>,
+) -> Service {
+    let mut argv = vec![
+        "python3".to_string(),
+        c.engine.display().to_string(),
+        host.to_string(),
+        port.to_string(),
+    ];
+    if let Some(s) = exit_after_s {
+        argv.push(s.to_string());
+    }
+    let mut s = base(name, role, node, host, argv);
+    s.ports = BTreeMap::from([("http".into(), port)]);
+    s.url = Some(format!("http://{host}:{port}"));
+    s.probe = Probe::Http {
+        url: format!("http://{host}:{port}/health"),
+        status: 200,
+        body_contains: None,
+    };
+    s
+}
+
+/// Live (non-zombie) processes carrying `run_id`.
+pub fn marked(run_id: &str) -> Vec<i32> {
+    procfs::marked_processes(run_id)
+}
+
+/// The run id of the cluster in `state`, while it has a record.
+pub fn run_id(state: &StateDir) -> String {
+    read_record(state)
+        .unwrap()
+        .expect("a running cluster has a run record")
+        .run_id
+}
+
+/// The service named `name` in a report.
+pub fn svc<'a>(r: &'a StatusReport, name: &str) -> &'a pdctl::control::ServiceStatus {
+    r.services
+        .iter()
+        .find(|s| s.name == name)
+        .unwrap_or_else(|| panic!("no {name} in {r:?}"))
+}
+
+/// True when every service in the report is healthy.
+pub fn all_healthy(r: &StatusReport) -> bool {
+    r.services.iter().all(|s| s.state == ServiceState::Healthy)
+}
+
+/// The first of `n` consecutive ports free on 127.0.0.1 right now.
+pub fn free_port_run(n: u16) -> u16 {
+    for _ in 0..200 {
+        let base = crate::common::free_port();
+        if base.checked_add(n).is_none() {
+            continue;
+        }
+        let all_free =
+            (base..base + n).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok());
+        if all_free {
+            return base;
+        }
+    }
+    panic!("no run of {n} free ports found");
+}
+
+/// A sim topology (the planner's format) on free ports: etcd, mooncake_master, `p`
+/// prefill + `d` decode `pdctl sim` engines, and the proxy; returns it and the proxy port.
+pub fn sim_topology(cluster: &str, p: u16, d: u16) -> (String, u16) {
+    let ports = crate::common::free_ports(5);
+    let text = format!(
+        "cluster = \"{cluster}\"\n\
+         [model]\nname = \"sim-model\"\n\
+         [engine]\nkind = \"sim\"\n\
+         [connector]\nkind = \"mooncake-store\"\n\
+         [etcd]\nclient_port = {}\npeer_port = {}\n\
+         [mooncake_master]\nrpc_port = {}\nmetrics_port = {}\n\
+         [prefill]\ninstances = {p}\nbase_port = {}\n\
+         [decode]\ninstances = {d}\nbase_port = {}\n\
+         [proxy]\nport = {}\n",
+        ports[0],
+        ports[1],
+        ports[2],
+        ports[3],
+        free_port_run(p),
+        free_port_run(d),
+        ports[4],
+    );
+    (text, ports[4])
+}
+
+/// `POST path` with a JSON body to 127.0.0.1:port; returns the status code.
+pub fn post_json(port: u16, path: &str, body: &str) -> u16 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut resp = String::new();
+    let _ = s.read_to_string(&mut resp);
+    resp.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+/// True when nothing listens on host:port any more.
+pub fn port_free(host: &str, port: u16) -> bool {
+    std::net::TcpListener::bind((host, port)).is_ok()
+}

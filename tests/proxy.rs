@@ -1,0 +1,1221 @@
+//! `pdctl proxy` against fake engines that record every leg they receive: what each leg
+//! carries per protocol, and every failure users of other PD routers complain about
+//! (pd-facts §8): hangs, swallowed errors, silent KV misses, wrong SSE, stranded legs on
+//! disconnect, broken request-id correlation, load counted only until headers, health
+//! tripped by client 4xx, /v1/models failing with one instance down, keys not sent.
+
+mod common;
+#[path = "common/proxy.rs"]
+mod fake;
+
+use fake::{
+    Behavior, FakeEngine, FakeSupervisor, ProxyProcess, eventually, metric_value, proxy_args,
+    sse_events,
+};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::sync::Notify;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn client() -> reqwest::Client {
+    // A generous timeout: a proxy that hangs fails the test instead of hanging it.
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap()
+}
+
+async fn post(p: &ProxyProcess, path: &str, body: &Value) -> reqwest::Response {
+    client()
+        .post(format!("{}{path}", p.url))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+fn completion(prompt: &str) -> Value {
+    json!({"model": "fake-model", "prompt": prompt, "max_tokens": 20})
+}
+
+fn ids(events: &[String]) -> Vec<Value> {
+    events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect()
+}
+
+// ---------------------------------------------------------------- protocols
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_step_prefills_a_one_token_copy_then_streams_the_original_from_decode() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &[])).await;
+    let original = json!({
+        "model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 50, "stream": true,
+        "stream_options": {"include_usage": true}, "temperature": 0.5
+    });
+    let resp = post(&proxy, "/v1/chat/completions", &original).await;
+    assert_eq!(resp.status(), 200);
+    assert!(
+        resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let request_id = resp.headers()["x-request-id"].to_str().unwrap().to_string();
+    let events = sse_events(resp).await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks = ids(&events);
+    assert!(
+        chunks[..3].iter().all(|c| c["served_by"] == "D"),
+        "{chunks:?}"
+    );
+    assert_eq!(
+        chunks[3]["usage"]["completion_tokens"], 3,
+        "decode's usage chunk is relayed as is"
+    );
+
+    let pr = p.received();
+    let dr = d.received();
+    assert_eq!((pr.len(), dr.len()), (1, 1));
+    let pb = &pr[0].body;
+    assert_eq!(pr[0].path, "/v1/chat/completions");
+    assert_eq!(pb["max_tokens"], 1);
+    assert_eq!(pb["max_completion_tokens"], 1);
+    assert_eq!(pb["stream"], false);
+    assert!(pb.get("stream_options").is_none());
+    assert_eq!(pb["messages"], original["messages"]);
+    assert_eq!(
+        dr[0].body, original,
+        "decode gets the original request unchanged"
+    );
+    assert!(dr[0].at >= pr[0].at, "decode only after prefill");
+    assert_eq!(pr[0].header("x-request-id").unwrap(), request_id);
+    assert_eq!(dr[0].header("x-request-id").unwrap(), request_id);
+
+    // One log line per request with where it went.
+    assert!(
+        eventually(WAIT, || async { proxy.log().contains(&request_id) }).await,
+        "{}",
+        proxy.log()
+    );
+    let line = proxy
+        .log()
+        .lines()
+        .find(|l| l.contains(&request_id))
+        .unwrap()
+        .to_string();
+    for part in [
+        format!("prefill={}", p.url),
+        format!("decode={}", d.url),
+        "status=200".to_string(),
+    ] {
+        assert!(line.contains(&part), "{part} missing in {line}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_hands_prefills_kv_params_to_decode_unchanged_under_one_request_id() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--protocol", "nixl"])).await;
+    let resp = post(&proxy, "/v1/completions", &completion("San Francisco is a")).await;
+    assert_eq!(resp.status(), 200);
+    let rid = resp.headers()["x-request-id"].to_str().unwrap().to_string();
+    let answer: Value = resp.json().await.unwrap();
+    assert_eq!(answer["served_by"], "D");
+    assert_eq!(answer["usage"]["total_tokens"], 10);
+
+    let pb = &p.received()[0];
+    assert_eq!(
+        pb.body["kv_transfer_params"],
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+               "remote_block_ids": null, "remote_host": null, "remote_port": null})
+    );
+    assert_eq!(
+        (&pb.body["max_tokens"], &pb.body["stream"]),
+        (&json!(1), &json!(false))
+    );
+    let db = &d.received()[0];
+    assert_eq!(
+        db.body["kv_transfer_params"],
+        json!({"do_remote_prefill": true, "do_remote_decode": false,
+               "remote_block_ids": [1, 2, 3], "remote_engine_id": "engine-P",
+               "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1,
+               "remote_request_id": "from-prefill"})
+    );
+    assert_eq!(db.body["max_tokens"], 20);
+    assert_eq!(pb.header("x-request-id").unwrap(), rid);
+    assert_eq!(db.header("x-request-id").unwrap(), rid);
+    let misses = proxy
+        .metric("pdctl_proxy_kv_handoff_misses_total{reason=\"prefill_returned_no_kv_transfer_params\"}")
+        .await;
+    assert_eq!(misses, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_without_returned_params_is_a_counted_and_logged_handoff_miss() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    p.behave(Behavior::NoKvParams);
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--protocol", "nixl"])).await;
+    let resp = post(&proxy, "/v1/completions", &completion("x")).await;
+    assert_eq!(
+        resp.status(),
+        200,
+        "decode recomputes; the answer is still fine"
+    );
+    assert!(d.received()[0].body.get("kv_transfer_params").is_none());
+    let misses = proxy
+        .metric("pdctl_proxy_kv_handoff_misses_total{reason=\"prefill_returned_no_kv_transfer_params\"}")
+        .await;
+    assert_eq!(misses, 1.0);
+    assert!(proxy.log().contains("KV handoff missed"), "{}", proxy.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_above_one_recomputes_on_decode_for_nixl_and_prefills_once_for_two_step() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let nixl = ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--protocol", "nixl"])).await;
+    let mut body = completion("x");
+    body["n"] = json!(2);
+    assert_eq!(post(&nixl, "/v1/completions", &body).await.status(), 200);
+    assert_eq!(
+        p.count(),
+        0,
+        "no prefill leg: its KV could serve one choice only"
+    );
+    assert_eq!(d.received()[0].body, body);
+    let reason = "pdctl_proxy_kv_handoff_misses_total{reason=\"n_gt_1_recomputed\"}";
+    assert_eq!(nixl.metric(reason).await, 1.0);
+    drop(nixl);
+
+    let two = ProxyProcess::start(&proxy_args(&[&p], &[&d], &[])).await;
+    assert_eq!(post(&two, "/v1/completions", &body).await.status(), 200);
+    assert_eq!(
+        p.received()[0].body["n"],
+        1,
+        "prefill computes the prompt once"
+    );
+    assert_eq!(d.received()[1].body["n"], 2);
+    assert_eq!(two.metric(reason).await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mooncake_sends_both_legs_at_once_with_the_bootstrap_handshake() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    // Prefill never answers: decode is reached anyway, so the legs really go out together.
+    p.behave(Behavior::Hang);
+    let boot = p.bootstrap_port.to_string();
+    let args = proxy_args(
+        &[&p],
+        &[&d],
+        &["--protocol", "mooncake", "--bootstrap-port", &boot],
+    );
+    let proxy = ProxyProcess::start(&args).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let rid = resp.headers()["x-request-id"].to_str().unwrap().to_string();
+    let events = sse_events(resp).await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+
+    let pb = &p.received()[0];
+    let db = &d.received()[0];
+    let xfer = format!("xfer-{rid}");
+    assert_eq!(
+        pb.body["kv_transfer_params"],
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": xfer})
+    );
+    assert_eq!(
+        (&pb.body["max_tokens"], &pb.body["stream"]),
+        (&json!(1), &json!(false))
+    );
+    assert_eq!(
+        db.body["kv_transfer_params"],
+        json!({"do_remote_prefill": true, "do_remote_decode": false,
+               "remote_bootstrap_addr": format!("http://127.0.0.1:{boot}"),
+               "remote_engine_id": "engine-P", "transfer_id": xfer})
+    );
+    assert_eq!(db.body["stream"], true);
+    // The stream is over, so the prefill still running in the background was dropped.
+    assert!(eventually(WAIT, || async { p.cancelled() == 1 }).await);
+
+    p.behave(Behavior::Normal);
+    assert_eq!(
+        post(&proxy, "/v1/completions", &completion("y"))
+            .await
+            .status(),
+        200
+    );
+    assert_eq!(
+        p.state.bootstrap_queries.load(Ordering::SeqCst),
+        1,
+        "the engine id is cached"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mooncake_prefill_failure_cancels_the_waiting_decode_and_answers_an_error() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    // Prefill fails once decode is already waiting for KV that will never come.
+    p.behave(Behavior::DelayedStatus(
+        Duration::from_millis(300),
+        500,
+        json!({"error": {"message": "KV pool exhausted"}}),
+    ));
+    d.behave(Behavior::Hang);
+    let boot = p.bootstrap_port.to_string();
+    let args = proxy_args(
+        &[&p],
+        &[&d],
+        &[
+            "--protocol",
+            "mooncake",
+            "--bootstrap-port",
+            &boot,
+            "--retries",
+            "0",
+        ],
+    );
+    let proxy = ProxyProcess::start(&args).await;
+    let resp = post(&proxy, "/v1/completions", &completion("x")).await;
+    assert_eq!(resp.status(), 502);
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["leg"], "prefill");
+    assert_eq!(err["error"]["instance"], p.url);
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("KV pool exhausted")
+    );
+    assert_eq!(d.count(), 1, "decode was sent at once");
+    assert!(
+        eventually(WAIT, || async { d.cancelled() == 1 }).await,
+        "the decode leg was cancelled"
+    );
+
+    // A failed prefill forgets its cached engine id (it may have restarted); an unreachable
+    // bootstrap server is an error that names it.
+    p.state.bootstrap_status.store(500, Ordering::SeqCst);
+    let resp = post(&proxy, "/v1/completions", &completion("x")).await;
+    assert_eq!(resp.status(), 502);
+    let err: Value = resp.json().await.unwrap();
+    let msg = err["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("http://127.0.0.1:{boot}/query")),
+        "{msg}"
+    );
+    assert_eq!(p.state.bootstrap_queries.load(Ordering::SeqCst), 2);
+}
+
+// ---------------------------------------------------------------- failures
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_prefill_is_a_json_error_naming_leg_and_instance_and_decode_is_not_called() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    p.behave(Behavior::Status(
+        500,
+        json!({"error": {"message": "CUDA out of memory"}}),
+    ));
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &[])).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 502);
+    assert!(
+        resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/json")
+    );
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["leg"], "prefill");
+    assert_eq!(err["error"]["instance"], p.url);
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("CUDA out of memory")
+    );
+    assert_eq!(d.count(), 0);
+    assert_eq!(p.count(), 1, "a 500 is not retried");
+    let errors = format!(
+        "pdctl_proxy_instance_errors_total{{leg=\"prefill\",instance=\"{}\",kind=\"status_5xx\"}}",
+        p.url
+    );
+    assert_eq!(proxy.metric(&errors).await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_prefill_times_out_with_504_and_the_leg_is_dropped() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    p.behave(Behavior::Hang);
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--prefill-timeout-s", "1"])).await;
+    let resp = post(
+        &proxy,
+        "/v1/chat/completions",
+        &json!({"messages": [], "max_tokens": 5}),
+    )
+    .await;
+    assert_eq!(resp.status(), 504);
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["leg"], "prefill");
+    assert_eq!(err["error"]["type"], "timeout_error");
+    assert!(eventually(WAIT, || async { p.cancelled() == 1 }).await);
+    assert_eq!(d.count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_silent_past_the_first_byte_timeout_is_a_504_naming_decode() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    d.behave(Behavior::Hang);
+    let proxy =
+        ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--first-byte-timeout-s", "1"])).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 504);
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["leg"], "decode");
+    assert_eq!(err["error"]["instance"], d.url);
+    assert!(eventually(WAIT, || async { d.cancelled() == 1 }).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_past_the_total_timeout_ends_with_an_error_event_and_frees_decode() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    d.behave(Behavior::Hold(Arc::new(Notify::new())));
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--total-timeout-s", "1"])).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let events = sse_events(resp).await;
+    assert_eq!(events.len(), 2, "{events:?}");
+    let last: Value = serde_json::from_str(&events[1]).unwrap();
+    assert_eq!(last["error"]["type"], "timeout_error");
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--total-timeout-s")
+    );
+    assert!(eventually(WAIT, || async { d.cancelled() == 1 }).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_4xx_reaches_the_client_unchanged_and_never_marks_the_instance_down() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let engine_error = json!({"object": "error", "message": "prompt is too long", "code": 400});
+    p.behave(Behavior::Status(400, engine_error.clone()));
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--retries", "3"])).await;
+    for _ in 0..5 {
+        let resp = post(&proxy, "/v1/completions", &completion("x")).await;
+        assert_eq!(resp.status(), 400);
+        assert_eq!(resp.json::<Value>().await.unwrap(), engine_error);
+    }
+    assert_eq!(p.count(), 5, "4xx is not retried");
+    let healthy = format!(
+        "pdctl_proxy_instance_healthy{{leg=\"prefill\",instance=\"{}\"}}",
+        p.url
+    );
+    assert_eq!(proxy.metric(&healthy).await, 1.0);
+    let m = proxy.metrics().await;
+    let errors: f64 = ["connect", "timeout", "status_5xx", "body"]
+        .iter()
+        .map(|k| {
+            metric_value(
+                &m,
+                &format!(
+                    "pdctl_proxy_instance_errors_total{{leg=\"prefill\",instance=\"{}\",kind=\"{k}\"}}",
+                    p.url
+                ),
+            )
+        })
+        .sum();
+    assert_eq!(errors, 0.0);
+    p.behave(Behavior::Normal);
+    assert_eq!(
+        post(&proxy, "/v1/completions", &completion("x"))
+            .await
+            .status(),
+        200
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_dying_mid_stream_ends_the_stream_with_an_sse_error_event() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    d.behave(Behavior::DropMidStream);
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &[])).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let events = sse_events(resp).await;
+    assert!(!events.contains(&"[DONE]".to_string()), "{events:?}");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["leg"], "decode");
+    assert_eq!(last["error"]["instance"], d.url);
+    assert_eq!(
+        events.len(),
+        3,
+        "two decode chunks, then the error: {events:?}"
+    );
+    let errors = format!(
+        "pdctl_proxy_instance_errors_total{{leg=\"decode\",instance=\"{}\",kind=\"body\"}}",
+        d.url
+    );
+    assert_eq!(proxy.metric(&errors).await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_failing_before_its_first_byte_is_a_json_error_not_a_200_stream() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    d.behave(Behavior::Status(
+        500,
+        json!({"error": {"message": "engine dead"}}),
+    ));
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &[])).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 502);
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["leg"], "decode");
+    assert_eq!(err["error"]["instance"], d.url);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_refused_is_retried_on_another_instance_which_is_then_skipped() {
+    let p = FakeEngine::start("P").await;
+    let d = FakeEngine::start("D").await;
+    // An engine that passes the start-up probe, then is gone.
+    let gone = fake_gone_engine().await;
+    let args = vec![
+        "--prefill".to_string(),
+        gone.url.clone(),
+        "--prefill".into(),
+        p.url.clone(),
+        "--decode".into(),
+        d.url.clone(),
+        "--health-interval-ms".into(),
+        "60000".into(),
+    ];
+    let proxy = ProxyProcess::start(&args).await;
+    gone.kill().await;
+    // Round robin starts with the first instance: the gone one.
+    let resp = post(&proxy, "/v1/completions", &completion("x")).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        proxy
+            .metric("pdctl_proxy_retries_total{leg=\"prefill\"}")
+            .await,
+        1.0
+    );
+    let m = proxy.metrics().await;
+    let series = |what: &str| format!("{what}{{leg=\"prefill\",instance=\"{}\"}}", gone.url);
+    assert_eq!(
+        metric_value(&m, &series("pdctl_proxy_instance_healthy")),
+        0.0
+    );
+    let connect = format!(
+        "pdctl_proxy_instance_errors_total{{leg=\"prefill\",instance=\"{}\",kind=\"connect\"}}",
+        gone.url
+    );
+    assert_eq!(metric_value(&m, &connect), 1.0);
+    for _ in 0..3 {
+        assert_eq!(
+            post(&proxy, "/v1/completions", &completion("x"))
+                .await
+                .status(),
+            200
+        );
+    }
+    assert_eq!(
+        proxy
+            .metric("pdctl_proxy_retries_total{leg=\"prefill\"}")
+            .await,
+        1.0,
+        "the refusing instance is out of rotation"
+    );
+    assert_eq!(p.count(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_503_is_retried_on_the_other_decode() {
+    let p = FakeEngine::start("P").await;
+    let (d1, d2) = (FakeEngine::start("D1").await, FakeEngine::start("D2").await);
+    d1.behave(Behavior::Status(
+        503,
+        json!({"error": {"message": "overloaded"}}),
+    ));
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d1, &d2], &[])).await;
+    for _ in 0..4 {
+        let resp = post(&proxy, "/v1/completions", &completion("x")).await;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.json::<Value>().await.unwrap()["served_by"], "D2");
+    }
+    // Every attempt on D1 was retried on D2 (503 does not take D1 out of rotation).
+    let retries = proxy
+        .metric("pdctl_proxy_retries_total{leg=\"decode\"}")
+        .await;
+    assert!(d1.count() >= 1);
+    assert_eq!(retries, d1.count() as f64);
+}
+
+// ---------------------------------------------------------------- streaming, load, disconnects
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_chunk_reaches_the_client_while_decode_is_still_generating() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let release = Arc::new(Notify::new());
+    d.behave(Behavior::Hold(release.clone()));
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &[])).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    let mut stream = resp.bytes_stream();
+    let first = stream.next().await.unwrap().unwrap();
+    assert!(
+        std::str::from_utf8(&first).unwrap().contains("D-t0"),
+        "the first chunk arrived while decode holds the rest"
+    );
+    release.notify_one();
+    let mut rest = Vec::new();
+    while let Some(c) = stream.next().await {
+        rest.extend_from_slice(&c.unwrap());
+    }
+    let rest = String::from_utf8(rest).unwrap();
+    assert!(
+        rest.contains("D-t2") && rest.ends_with("data: [DONE]\n\n"),
+        "{rest}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_is_counted_until_the_stream_ends_so_least_loaded_avoids_a_long_stream() {
+    let p = FakeEngine::start("P").await;
+    let (d1, d2) = (FakeEngine::start("D1").await, FakeEngine::start("D2").await);
+    let release = Arc::new(Notify::new());
+    d1.behave(Behavior::Hold(release.clone()));
+    d2.behave(Behavior::Hold(release.clone()));
+    let proxy = ProxyProcess::start(&proxy_args(
+        &[&p],
+        &[&d1, &d2],
+        &["--decode-policy", "least-loaded"],
+    ))
+    .await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    let mut stream = resp.bytes_stream();
+    let first = String::from_utf8(stream.next().await.unwrap().unwrap().to_vec()).unwrap();
+    let (busy, idle) = if first.contains("D1") {
+        (&d1, &d2)
+    } else {
+        (&d2, &d1)
+    };
+    let in_flight = |d: &FakeEngine| {
+        format!(
+            "pdctl_proxy_instance_in_flight{{leg=\"decode\",instance=\"{}\"}}",
+            d.url
+        )
+    };
+    assert_eq!(
+        proxy.metric(&in_flight(busy)).await,
+        1.0,
+        "headers are long gone, the stream is not"
+    );
+    for _ in 0..3 {
+        let r = post(&proxy, "/v1/completions", &completion("y")).await;
+        assert_eq!(
+            r.json::<Value>().await.unwrap()["served_by"],
+            idle.state.name
+        );
+    }
+    release.notify_one();
+    while stream.next().await.is_some() {}
+    assert!(
+        eventually(WAIT, || async {
+            proxy.metric(&in_flight(busy)).await == 0.0
+        })
+        .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_during_prefill_cancels_the_prefill_leg() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    p.behave(Behavior::Hang);
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &[])).await;
+    let url = format!("{}/v1/completions", proxy.url);
+    let request =
+        tokio::spawn(async move { client().post(url).json(&completion("x")).send().await });
+    assert!(eventually(WAIT, || async { p.count() == 1 }).await);
+    request.abort();
+    assert!(
+        eventually(WAIT, || async { p.cancelled() == 1 }).await,
+        "prefill leg still running after the client left"
+    );
+    assert_eq!(d.count(), 0);
+    assert!(
+        eventually(WAIT, || async {
+            proxy.metric("pdctl_proxy_client_disconnects_total").await == 1.0
+        })
+        .await
+    );
+    let gone = "pdctl_proxy_requests_total{route=\"/v1/completions\",status=\"499\"}";
+    assert_eq!(proxy.metric(gone).await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_mid_stream_cancels_the_decode_leg() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let release = Arc::new(Notify::new());
+    d.behave(Behavior::Hold(release.clone()));
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &[])).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    let mut stream = resp.bytes_stream();
+    stream.next().await.unwrap().unwrap();
+    drop(stream);
+    assert!(
+        eventually(WAIT, || async { d.cancelled() == 1 }).await,
+        "decode still streaming to nobody"
+    );
+    let in_flight = format!(
+        "pdctl_proxy_instance_in_flight{{leg=\"decode\",instance=\"{}\"}}",
+        d.url
+    );
+    assert!(eventually(WAIT, || async { proxy.metric(&in_flight).await == 0.0 }).await);
+}
+
+// ---------------------------------------------------------------- routing
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_user_field_pins_the_pair_and_an_unknown_instance_is_named() {
+    let (p1, p2) = (FakeEngine::start("P1").await, FakeEngine::start("P2").await);
+    let (d1, d2) = (FakeEngine::start("D1").await, FakeEngine::start("D2").await);
+    let proxy = ProxyProcess::start(&proxy_args(&[&p1, &p2], &[&d1, &d2], &[])).await;
+    let mut body = completion("x");
+    body["user"] = json!(format!("prefill={};decode={}", p2.host_port, d1.host_port));
+    for _ in 0..3 {
+        assert_eq!(post(&proxy, "/v1/completions", &body).await.status(), 200);
+    }
+    assert_eq!(
+        (p1.count(), p2.count(), d1.count(), d2.count()),
+        (0, 3, 3, 0)
+    );
+
+    body["user"] = json!(format!("decode={}", d2.host_port));
+    assert_eq!(post(&proxy, "/v1/completions", &body).await.status(), 200);
+    assert_eq!(d2.count(), 1);
+
+    body["user"] = json!("prefill=127.0.0.1:1;decode=127.0.0.1:2");
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 400);
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["param"], "user");
+    let msg = err["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("127.0.0.1:1") && msg.contains(&p1.host_port),
+        "{msg}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_and_random_choices_show_in_the_metrics() {
+    let p = FakeEngine::start("P").await;
+    let (d1, d2) = (FakeEngine::start("D1").await, FakeEngine::start("D2").await);
+    let rr = ProxyProcess::start(&proxy_args(&[&p], &[&d1, &d2], &[])).await;
+    for _ in 0..4 {
+        post(&rr, "/v1/completions", &completion("x")).await;
+    }
+    let selected = |d: &FakeEngine| {
+        format!(
+            "pdctl_proxy_instance_selected_total{{leg=\"decode\",instance=\"{}\"}}",
+            d.url
+        )
+    };
+    let m = rr.metrics().await;
+    assert_eq!(
+        (
+            metric_value(&m, &selected(&d1)),
+            metric_value(&m, &selected(&d2))
+        ),
+        (2.0, 2.0)
+    );
+    drop(rr);
+    let random =
+        ProxyProcess::start(&proxy_args(&[&p], &[&d1, &d2], &["--policy", "random"])).await;
+    for _ in 0..40 {
+        post(&random, "/v1/completions", &completion("x")).await;
+    }
+    let m = random.metrics().await;
+    let (a, b) = (
+        metric_value(&m, &selected(&d1)),
+        metric_value(&m, &selected(&d2)),
+    );
+    // 40 fair coin flips all landing on one side: probability 2^-39.
+    assert!(a > 0.0 && b > 0.0 && a + b == 40.0, "{a} {b}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_aware_keeps_a_shared_prefix_together_until_its_instance_is_overloaded() {
+    let ps = [
+        FakeEngine::start("P1").await,
+        FakeEngine::start("P2").await,
+        FakeEngine::start("P3").await,
+    ];
+    let ds = [
+        FakeEngine::start("D1").await,
+        FakeEngine::start("D2").await,
+        FakeEngine::start("D3").await,
+    ];
+    let proxy = ProxyProcess::start(&proxy_args(
+        &ps.iter().collect::<Vec<_>>(),
+        &ds.iter().collect::<Vec<_>>(),
+        &[
+            "--policy",
+            "prefix-aware",
+            "--scrape-metrics",
+            "--health-interval-ms",
+            "100",
+        ],
+    ))
+    .await;
+    let context = "Shared context #0: This is long context. ".repeat(12);
+    for q in 0..6 {
+        let body = completion(&format!("{context}Question {q}: Summarize the context."));
+        assert_eq!(post(&proxy, "/v1/completions", &body).await.status(), 200);
+    }
+    let owner = ps.iter().find(|p| p.count() > 0).unwrap();
+    assert_eq!(
+        owner.count(),
+        6,
+        "every request with the shared prefix went to one prefill"
+    );
+    assert_eq!(ds.iter().filter(|d| d.count() > 0).count(), 1);
+    assert_eq!(
+        proxy
+            .metric("pdctl_proxy_prefix_routing_total{leg=\"prefill\",outcome=\"matched\"}")
+            .await,
+        5.0
+    );
+
+    // The owner's engine reports a long queue: load wins and the prefix moves.
+    *owner.state.metrics_text.lock().unwrap() =
+        "vllm:num_requests_running 40\nvllm:num_requests_waiting 10\n".into();
+    let load = format!(
+        "pdctl_proxy_instance_engine_load{{leg=\"prefill\",instance=\"{}\"}}",
+        owner.url
+    );
+    assert!(eventually(WAIT, || async { proxy.metric(&load).await == 50.0 }).await);
+    let body = completion(&format!("{context}Question 9"));
+    assert_eq!(post(&proxy, "/v1/completions", &body).await.status(), 200);
+    assert_eq!(owner.count(), 6);
+    assert_eq!(
+        proxy
+            .metric("pdctl_proxy_prefix_routing_total{leg=\"prefill\",outcome=\"rebalanced\"}")
+            .await,
+        1.0
+    );
+}
+
+// ---------------------------------------------------------------- limits and input
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rate_limit_answers_429_with_retry_after() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--rate-limit", "0.5"])).await;
+    assert_eq!(
+        post(&proxy, "/v1/completions", &completion("x"))
+            .await
+            .status(),
+        200
+    );
+    let resp = post(&proxy, "/v1/completions", &completion("x")).await;
+    assert_eq!(resp.status(), 429);
+    let retry_after: u64 = resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=2).contains(&retry_after), "{retry_after}");
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["type"], "rate_limit_error");
+    assert_eq!(p.count(), 1);
+    assert_eq!(
+        proxy
+            .metric("pdctl_proxy_rate_limited_total{reason=\"rate\"}")
+            .await,
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_concurrent_queues_a_bounded_number_then_refuses() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let release = Arc::new(Notify::new());
+    d.behave(Behavior::Hold(release.clone()));
+    let proxy = ProxyProcess::start(&proxy_args(
+        &[&p],
+        &[&d],
+        &["--max-concurrent", "1", "--queue-size", "1"],
+    ))
+    .await;
+    let mut streaming = completion("x");
+    streaming["stream"] = json!(true);
+    let holder = post(&proxy, "/v1/completions", &streaming).await;
+    let mut held = holder.bytes_stream();
+    held.next().await.unwrap().unwrap();
+    let url = format!("{}/v1/completions", proxy.url);
+    let queued =
+        tokio::spawn(async move { client().post(url).json(&completion("q")).send().await });
+    assert!(
+        eventually(WAIT, || async {
+            proxy.metric("pdctl_proxy_queue_depth").await == 1.0
+        })
+        .await
+    );
+    let refused = post(&proxy, "/v1/completions", &completion("r")).await;
+    assert_eq!(refused.status(), 429);
+    assert!(refused.headers().contains_key("retry-after"));
+    assert_eq!(
+        proxy
+            .metric("pdctl_proxy_rate_limited_total{reason=\"concurrency\"}")
+            .await,
+        1.0
+    );
+    release.notify_one();
+    while held.next().await.is_some() {}
+    let queued = queued.await.unwrap().unwrap();
+    assert_eq!(
+        queued.status(),
+        200,
+        "the queued request ran once the slot was free"
+    );
+    assert_eq!(proxy.metric("pdctl_proxy_queued_total").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_a_4xx_json_error_and_the_proxy_stays_up() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let mut proxy =
+        ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--max-body-bytes", "2000"])).await;
+    let c = client();
+    let raw = |body: Vec<u8>| {
+        c.post(format!("{}/v1/completions", proxy.url))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let cases: Vec<(Vec<u8>, u16, &str)> = vec![
+        (b"{not json".to_vec(), 400, "not valid JSON"),
+        (b"[1, 2]".to_vec(), 400, "JSON object"),
+        (vec![0xff, 0xfe, 0x00], 400, "not valid JSON"),
+        (
+            br#"{"prompt": "x", "stream": "yes"}"#.to_vec(),
+            400,
+            "`stream`",
+        ),
+        (br#"{"prompt": "x", "user": 5}"#.to_vec(), 400, "`user`"),
+        (vec![b' '; 5000], 413, "--max-body-bytes"),
+    ];
+    for (body, status, says) in cases {
+        let resp = raw(body).await.unwrap();
+        assert_eq!(resp.status(), status);
+        let err: Value = resp.json().await.unwrap();
+        let msg = err["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(says), "{msg}");
+    }
+    for (method, path) in [
+        ("GET", "/v1/completions"),
+        ("GET", "/nope"),
+        ("POST", "/v1/embeddings"),
+    ] {
+        let resp = c
+            .request(method.parse().unwrap(), format!("{}{path}", proxy.url))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 404, "{method} {path}");
+        let err: Value = resp.json().await.unwrap();
+        assert!(err["error"]["message"].as_str().unwrap().contains(path));
+    }
+    assert_eq!(p.count() + d.count(), 0, "nothing bad reached an engine");
+    assert_eq!(
+        post(&proxy, "/v1/completions", &completion("x"))
+            .await
+            .status(),
+        200
+    );
+    assert!(proxy.alive());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_key_is_required_from_clients_and_the_engine_key_is_sent_on_legs_and_probes() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let proxy = ProxyProcess::start_with_env(
+        &proxy_args(&[&p], &[&d], &[]),
+        &[
+            ("PDCTL_API_KEY", "client-secret"),
+            ("PDCTL_ENGINE_API_KEY", "engine-secret"),
+        ],
+    )
+    .await;
+    let url = format!("{}/v1/completions", proxy.url);
+    let c = client();
+    let none = c.post(&url).json(&completion("x")).send().await.unwrap();
+    assert_eq!(none.status(), 401);
+    assert_eq!(
+        none.json::<Value>().await.unwrap()["error"]["type"],
+        "authentication_error"
+    );
+    let wrong = c
+        .post(&url)
+        .bearer_auth("client-secreT")
+        .json(&completion("x"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let models = c
+        .get(format!("{}/v1/models", proxy.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 401);
+    let ok = c
+        .post(&url)
+        .bearer_auth("client-secret")
+        .json(&completion("x"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    for r in p.received().iter().chain(d.received().iter()) {
+        assert_eq!(r.header("authorization").unwrap(), "Bearer engine-secret");
+    }
+    let probes = p.state.health_auth.lock().unwrap().clone();
+    assert!(!probes.is_empty());
+    assert!(
+        probes
+            .iter()
+            .all(|a| a.as_deref() == Some("Bearer engine-secret")),
+        "{probes:?}"
+    );
+    // Health and metrics stay open for probes and scrapers.
+    assert_eq!(
+        c.get(format!("{}/health", proxy.url))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        c.get(format!("{}/metrics", proxy.url))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+}
+
+// ---------------------------------------------------------------- health, models
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_are_merged_and_an_unreachable_instance_does_not_fail_the_list() {
+    let p = FakeEngine::start("P").await;
+    let d = FakeEngine::start("D").await;
+    *d.state.models.lock().unwrap() = vec!["fake-model".into(), "lora-a".into()];
+    let gone = fake_gone_engine().await;
+    let args = vec![
+        "--prefill".to_string(),
+        p.url.clone(),
+        "--decode".into(),
+        d.url.clone(),
+        "--decode".into(),
+        gone.url.clone(),
+        "--health-interval-ms".into(),
+        "60000".into(),
+    ];
+    let proxy = ProxyProcess::start(&args).await;
+    gone.kill().await;
+    let resp = client()
+        .get(format!("{}/v1/models", proxy.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let list: Value = resp.json().await.unwrap();
+    let ids: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["fake-model", "lora-a"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_own_probes_and_names_the_missing_leg() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let proxy =
+        ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--health-interval-ms", "50"])).await;
+    let ready = || async {
+        client()
+            .get(format!("{}/health?ready", proxy.url))
+            .send()
+            .await
+            .unwrap()
+    };
+    assert_eq!(ready().await.status(), 200);
+    d.set_health(503);
+    assert!(eventually(WAIT, || async { ready().await.status() == 503 }).await);
+    let body: Value = ready().await.json().await.unwrap();
+    assert_eq!(body["missing"], json!(["decode"]));
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("decode")
+    );
+    let live = client()
+        .get(format!("{}/health", proxy.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(live.status(), 200, "liveness is the proxy's own");
+    let resp = post(&proxy, "/v1/completions", &completion("x")).await;
+    assert_eq!(resp.status(), 503);
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["leg"], "decode");
+    assert!(err["error"]["message"].as_str().unwrap().contains(&d.url));
+    d.set_health(200);
+    assert!(eventually(WAIT, || async { ready().await.status() == 200 }).await);
+    assert_eq!(
+        post(&proxy, "/v1/completions", &completion("x"))
+            .await
+            .status(),
+        200
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_supervisor_decides_usability_and_own_probes_take_over_when_it_is_gone() {
+    let p = FakeEngine::start("P").await;
+    let (d1, d2) = (FakeEngine::start("D1").await, FakeEngine::start("D2").await);
+    let sup = FakeSupervisor::start(vec![
+        (p.url.clone(), "healthy".into()),
+        (d1.url.clone(), "healthy".into()),
+        (format!("{}/", d2.url), "failed".into()),
+    ]);
+    let sock = sup.path.display().to_string();
+    let proxy = ProxyProcess::start(&proxy_args(
+        &[&p],
+        &[&d1, &d2],
+        &["--supervisor-socket", &sock, "--health-interval-ms", "100"],
+    ))
+    .await;
+    for _ in 0..4 {
+        post(&proxy, "/v1/completions", &completion("x")).await;
+    }
+    assert_eq!(
+        (d1.count(), d2.count()),
+        (4, 0),
+        "failed per the supervisor, though its /health is 200"
+    );
+    sup.set(&format!("{}/", d2.url), "healthy");
+    let healthy = format!(
+        "pdctl_proxy_instance_healthy{{leg=\"decode\",instance=\"{}\"}}",
+        d2.url
+    );
+    assert!(eventually(WAIT, || async { proxy.metric(&healthy).await == 1.0 }).await);
+    sup.set(&d1.url, "unhealthy");
+    let d1_healthy = format!(
+        "pdctl_proxy_instance_healthy{{leg=\"decode\",instance=\"{}\"}}",
+        d1.url
+    );
+    assert!(eventually(WAIT, || async { proxy.metric(&d1_healthy).await == 0.0 }).await);
+    drop(sup);
+    // Supervisor gone: own probes see D1 answering /health, so it comes back.
+    assert!(eventually(WAIT, || async { proxy.metric(&d1_healthy).await == 1.0 }).await);
+    assert!(proxy.log().contains("unreachable"), "{}", proxy.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_arguments_exit_2_with_the_flag_to_fix() {
+    let out = common::pdctl(&[
+        "proxy",
+        "--prefill",
+        "h:1",
+        "--decode",
+        "h:2",
+        "--protocol",
+        "mooncake",
+    ])
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--bootstrap-port"), "{err}");
+    let out = common::pdctl(&["proxy", "--prefill", "https://h:1", "--decode", "h:2"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--prefill"));
+}
+
+// ---------------------------------------------------------------- helpers
+
+/// An engine that answers its start-up health probe, then refuses connections.
+struct GoneEngine {
+    url: String,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl GoneEngine {
+    async fn kill(&self) {
+        self.task.abort();
+        // Wait until the port really refuses.
+        let addr = self.url.trim_start_matches("http://").to_string();
+        assert!(
+            eventually(WAIT, || async {
+                tokio::net::TcpStream::connect(&addr).await.is_err()
+            })
+            .await
+        );
+    }
+}
+
+async fn fake_gone_engine() -> GoneEngine {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf).await;
+            let _ = s
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                .await;
+        }
+    });
+    GoneEngine { url, task }
+}

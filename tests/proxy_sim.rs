@@ -1,0 +1,373 @@
+//! `pdctl proxy` in front of real `pdctl sim` processes: each protocol with its matching
+//! simulated KV handoff (the decode sim must report a KV hit, not a recompute), policies'
+//! choices seen in the sims' own metrics, and failures and disconnects as the engines see
+//! them (aborted requests, error events).
+
+mod common;
+#[path = "common/proxy.rs"]
+mod fake;
+#[path = "common/sim.rs"]
+mod sim;
+
+use common::TempDir;
+use fake::{ProxyProcess, eventually, sse_events};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use sim::{SimProc, prompt_of};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(10);
+const ZERO: [&str; 10] = [
+    "--itl-ms",
+    "0",
+    "--overhead-ms",
+    "0",
+    "--prefill-ms-per-token",
+    "0",
+    "--kv-load-ms-per-token",
+    "0",
+    "--log-stats-interval-ms",
+    "0",
+];
+
+async fn start_sim(role: &str, handoff: &str, extra: &[&str]) -> SimProc {
+    let mut a: Vec<&str> = ZERO.to_vec();
+    a.extend(["--role", role, "--handoff", handoff]);
+    a.extend_from_slice(extra);
+    SimProc::start(&a).await
+}
+
+fn args(prefill: &[&SimProc], decode: &[&SimProc], extra: &[&str]) -> Vec<String> {
+    let mut v = Vec::new();
+    for p in prefill {
+        v.extend(["--prefill".to_string(), p.base.clone()]);
+    }
+    for d in decode {
+        v.extend(["--decode".to_string(), d.base.clone()]);
+    }
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+fn completion(prompt: &str, stream: bool) -> Value {
+    json!({"model": "sim-model", "prompt": prompt, "max_tokens": 8, "stream": stream})
+}
+
+async fn post(p: &ProxyProcess, path: &str, body: &Value) -> reqwest::Response {
+    sim::client()
+        .post(format!("{}{path}", p.url))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// Sends a streamed completion, a plain one and a chat one; each must answer in full.
+async fn three_requests(proxy: &ProxyProcess, tag: &str) {
+    let resp = post(
+        proxy,
+        "/v1/completions",
+        &completion(&prompt_of(64, tag), true),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let events = sse_events(resp).await;
+    assert_eq!(events.last().unwrap(), "[DONE]", "{events:?}");
+    let resp = post(
+        proxy,
+        "/v1/completions",
+        &completion(&prompt_of(48, &format!("{tag}b")), false),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let answer: Value = resp.json().await.unwrap();
+    assert_eq!(answer["usage"]["completion_tokens"], 8);
+    let chat = json!({"model": "sim-model", "max_completion_tokens": 8,
+        "messages": [{"role": "user", "content": prompt_of(40, &format!("{tag}c"))}]});
+    let resp = post(proxy, "/v1/chat/completions", &chat).await;
+    assert_eq!(resp.status(), 200);
+    let answer: Value = resp.json().await.unwrap();
+    assert!(
+        answer["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .len()
+            > 1
+    );
+}
+
+async fn assert_three_handoffs(p: &SimProc, d: &SimProc, proxy: &ProxyProcess) {
+    assert_eq!(
+        d.metric("pdctl_sim_kv_handoffs_received_total").await,
+        3.0,
+        "{}",
+        d.log()
+    );
+    assert_eq!(
+        d.metric("pdctl_sim_kv_handoffs_missed_total").await,
+        0.0,
+        "{}",
+        d.log()
+    );
+    assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 3.0);
+    let metrics = proxy.metrics().await;
+    assert!(
+        !metrics.contains("pdctl_proxy_kv_handoff_misses_total{"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_step_over_a_shared_dir_makes_the_decode_sim_load_the_kv() {
+    let dir = TempDir::new("kv");
+    let kv = dir.path().display().to_string();
+    let p = start_sim("prefill", "shared-dir", &["--kv-dir", &kv]).await;
+    let d = start_sim("decode", "shared-dir", &["--kv-dir", &kv]).await;
+    let proxy = ProxyProcess::start(&args(&[&p], &[&d], &[])).await;
+    three_requests(&proxy, "twostep").await;
+    assert_three_handoffs(&p, &d, &proxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recompute_only_the_decode_sim_knows_of_still_shows_in_the_proxy() {
+    // Misconfigured on purpose: prefill and decode do not share their KV directory.
+    let (pdir, ddir) = (TempDir::new("kv-p"), TempDir::new("kv-d"));
+    let (pkv, dkv) = (
+        pdir.path().display().to_string(),
+        ddir.path().display().to_string(),
+    );
+    let p = start_sim("prefill", "shared-dir", &["--kv-dir", &pkv]).await;
+    let d = start_sim("decode", "shared-dir", &["--kv-dir", &dkv]).await;
+    let proxy = ProxyProcess::start(&args(
+        &[&p],
+        &[&d],
+        &["--scrape-metrics", "--health-interval-ms", "100"],
+    ))
+    .await;
+    let resp = post(
+        &proxy,
+        "/v1/completions",
+        &completion(&prompt_of(64, "lost"), false),
+    )
+    .await;
+    assert_eq!(resp.status(), 200, "the answer is right, only slower");
+    assert_eq!(d.metric("pdctl_sim_kv_handoffs_missed_total").await, 1.0);
+    let series = "pdctl_proxy_kv_handoff_misses_total{reason=\"engine_reported\"}";
+    assert!(
+        eventually(WAIT, || async { proxy.metric(series).await == 1.0 }).await,
+        "{}",
+        proxy.metrics().await
+    );
+    assert!(
+        proxy.log().contains("KV handoff(s) it gave up on"),
+        "{}",
+        proxy.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_params_from_the_prefill_sim_let_the_decode_sim_pull_the_kv() {
+    let p = start_sim("prefill", "nixl", &[]).await;
+    let d = start_sim("decode", "nixl", &[]).await;
+    let proxy = ProxyProcess::start(&args(&[&p], &[&d], &["--protocol", "nixl"])).await;
+    three_requests(&proxy, "nixl").await;
+    assert_three_handoffs(&p, &d, &proxy).await;
+    assert_eq!(
+        p.metric("pdctl_sim_kv_blocks_held").await,
+        0.0,
+        "every held block was taken"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mooncake_transfer_ids_let_the_decode_sim_receive_the_push() {
+    let boot = common::free_port().to_string();
+    let p = start_sim("prefill", "mooncake", &["--bootstrap-port", &boot]).await;
+    let d = start_sim("decode", "mooncake", &[]).await;
+    let proxy = ProxyProcess::start(&args(
+        &[&p],
+        &[&d],
+        &["--protocol", "mooncake", "--bootstrap-port", &boot],
+    ))
+    .await;
+    three_requests(&proxy, "mooncake").await;
+    assert_three_handoffs(&p, &d, &proxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn designation_and_round_robin_show_in_the_sims_request_counts() {
+    let mut sims = Vec::new();
+    for role in ["prefill", "prefill", "decode", "decode"] {
+        sims.push(start_sim(role, "none", &[]).await);
+    }
+    let (ps, ds) = sims.split_at(2);
+    let proxy = ProxyProcess::start(&args(&[&ps[0], &ps[1]], &[&ds[0], &ds[1]], &[])).await;
+    for i in 0..4 {
+        let r = post(
+            &proxy,
+            "/v1/completions",
+            &completion(&format!("rr {i}"), false),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+    }
+    let served = "vllm:request_success_total";
+    for s in &sims {
+        assert_eq!(s.metric(served).await, 2.0, "round robin spreads evenly");
+    }
+    let host_port = |s: &SimProc| format!("127.0.0.1:{}", s.port);
+    let mut pinned = completion("pinned", false);
+    pinned["user"] = json!(format!(
+        "prefill={};decode={}",
+        host_port(&ps[1]),
+        host_port(&ds[0])
+    ));
+    for _ in 0..3 {
+        assert_eq!(post(&proxy, "/v1/completions", &pinned).await.status(), 200);
+    }
+    let counts = [
+        ps[0].metric(served).await,
+        ps[1].metric(served).await,
+        ds[0].metric(served).await,
+        ds[1].metric(served).await,
+    ];
+    assert_eq!(counts, [2.0, 5.0, 5.0, 2.0]);
+}
+
+/// Four contexts, four questions each, sent context by context to four prefill sims; the
+/// prefill sims' prefix cache hits (summed) for a policy.
+async fn prefill_cache_hits(policy: &str) -> f64 {
+    let mut prefills = Vec::new();
+    for _ in 0..4 {
+        prefills.push(start_sim("prefill", "none", &[]).await);
+    }
+    let d = start_sim("decode", "none", &[]).await;
+    let refs: Vec<&SimProc> = prefills.iter().collect();
+    let proxy = ProxyProcess::start(&args(&refs, &[&d], &["--prefill-policy", policy])).await;
+    for c in 0..4 {
+        let context = prompt_of(64, &format!("context{c}w"));
+        for q in 0..4 {
+            let body = completion(&format!("{context} question {q}"), false);
+            assert_eq!(post(&proxy, "/v1/completions", &body).await.status(), 200);
+        }
+    }
+    let mut hits = 0.0;
+    for p in &prefills {
+        hits += p.metric("vllm:prefix_cache_hits_total").await;
+    }
+    hits
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_aware_routing_turns_repeated_contexts_into_prefix_cache_hits() {
+    let round_robin = prefill_cache_hits("round-robin").await;
+    let prefix_aware = prefill_cache_hits("prefix-aware").await;
+    // Round robin sends each context's four questions to four different sims: no sim ever
+    // sees a context twice. Prefix-aware keeps each context on one sim: 3 of 4 requests
+    // reuse its 64-token (4-block) prefix.
+    assert_eq!(round_robin, 0.0);
+    assert_eq!(prefix_aware, 4.0 * 3.0 * 64.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_mid_stream_is_an_aborted_request_on_the_decode_sim() {
+    let p = start_sim("prefill", "none", &[]).await;
+    let d = SimProc::start(&[
+        "--role",
+        "decode",
+        "--itl-ms",
+        "50",
+        "--log-stats-interval-ms",
+        "0",
+    ])
+    .await;
+    let proxy = ProxyProcess::start(&args(&[&p], &[&d], &[])).await;
+    let mut body = completion("stay a while", true);
+    body["max_tokens"] = json!(200);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    let mut stream = resp.bytes_stream();
+    stream.next().await.unwrap().unwrap();
+    drop(stream);
+    assert!(
+        eventually(WAIT, || async {
+            d.metric("pdctl_sim_requests_aborted_total").await == 1.0
+        })
+        .await,
+        "{}",
+        d.log()
+    );
+    assert_eq!(d.metric("vllm:num_requests_running").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_during_prefill_is_an_aborted_request_on_the_prefill_sim() {
+    let p = start_sim("prefill", "none", &[]).await;
+    let d = start_sim("decode", "none", &[]).await;
+    let (status, _) = p.post("/sim/fault", &json!({"hang_next": 1})).await;
+    assert_eq!(status, 200);
+    let proxy = ProxyProcess::start(&args(&[&p], &[&d], &[])).await;
+    let url = format!("{}/v1/completions", proxy.url);
+    let request = tokio::spawn(async move {
+        sim::client()
+            .post(url)
+            .json(&completion("never mind", false))
+            .send()
+            .await
+    });
+    assert!(
+        eventually(WAIT, || async {
+            p.metric("vllm:num_requests_running").await == 1.0
+        })
+        .await
+    );
+    request.abort();
+    assert!(
+        eventually(WAIT, || async {
+            p.metric("pdctl_sim_requests_aborted_total").await == 1.0
+        })
+        .await,
+        "{}",
+        p.log()
+    );
+    assert_eq!(d.metric("vllm:request_success_total").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_prefill_sim_is_a_json_error_and_a_killed_decode_sim_an_error_event() {
+    let p = start_sim("prefill", "none", &[]).await;
+    let mut d = SimProc::start(&[
+        "--role",
+        "decode",
+        "--itl-ms",
+        "50",
+        "--log-stats-interval-ms",
+        "0",
+    ])
+    .await;
+    let proxy = ProxyProcess::start(&args(&[&p], &[&d], &["--health-interval-ms", "60000"])).await;
+    p.post("/sim/fault", &json!({"fail_next": 1})).await;
+    let resp = post(&proxy, "/v1/completions", &completion("x", true)).await;
+    assert_eq!(resp.status(), 502);
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["leg"], "prefill");
+    assert_eq!(err["error"]["instance"], p.base);
+
+    let mut body = completion("a long answer", true);
+    body["max_tokens"] = json!(200);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    stream.next().await.unwrap().unwrap();
+    let _ = d.child.0.kill();
+    let mut rest = Vec::new();
+    while let Some(Ok(c)) = stream.next().await {
+        rest.extend_from_slice(&c);
+    }
+    let rest = String::from_utf8(rest).unwrap();
+    let last = rest.trim_end().rsplit("\n\n").next().unwrap();
+    let event: Value = serde_json::from_str(last.trim_start_matches("data: ")).unwrap();
+    assert_eq!(event["error"]["leg"], "decode", "{rest}");
+    assert_eq!(event["error"]["instance"], d.base);
+    assert!(!rest.contains("[DONE]"));
+    let _ = d.wait_exit(WAIT);
+}

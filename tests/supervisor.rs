@@ -1,0 +1,805 @@
+//! The supervisor end to end: `pdctl up / status / logs / down` with real etcd, real
+//! mooncake_master and small HTTP engines, each test in its own state root on free ports.
+
+mod common;
+#[path = "common/supervisor.rs"]
+mod sup;
+
+use common::{free_ports, wait_until};
+use pdctl::control::ServiceState;
+use pdctl::plan::Role;
+use std::time::{Duration, Instant};
+use sup::*;
+
+const UP_LIMIT: Duration = Duration::from_secs(30);
+
+fn stdout(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn up_status_logs_down_with_real_etcd_and_mooncake_master_leaves_nothing() {
+    let c = Cluster::new("lifecycle");
+    let p = free_ports(6);
+    let mut plan = plan("life", &[("main", "127.0.0.1")]);
+    plan.services = vec![
+        etcd("main", "127.0.0.1", p[0], p[1], &c.root().join("etcd-data")),
+        mooncake_master("main", "127.0.0.1", p[2], p[3]),
+        engine(
+            &c,
+            "prefill-0",
+            Role::Prefill,
+            "main",
+            "127.0.0.1",
+            p[4],
+            None,
+        ),
+        engine(
+            &c,
+            "decode-0",
+            Role::Decode,
+            "main",
+            "127.0.0.1",
+            p[5],
+            None,
+        ),
+    ];
+    for i in [2, 3] {
+        plan.services[i].depends_on = vec!["etcd".into(), "mooncake-master".into()];
+    }
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    assert!(stdout(&up).contains("4/4 healthy"), "{}", text(&up));
+
+    let state = c.state(&plan, "main");
+    let run = run_id(&state);
+    let report = c.status(&[]).expect("running");
+    assert_eq!(report.cluster, "life");
+    assert!(all_healthy(&report), "{report:?}");
+    let etcd_row = svc(&report, "etcd");
+    assert_eq!((etcd_row.role, etcd_row.port), (Role::Etcd, Some(p[0])));
+    assert!(etcd_row.pid.is_some() && !etcd_row.remote);
+    assert_eq!(svc(&report, "decode-0").port, Some(p[5]));
+    // The JSON has exactly the documented keys (and may have more).
+    let raw = c.run(&["status", "--json"]);
+    assert_eq!(raw.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&raw.stdout).unwrap();
+    for key in [
+        "name",
+        "role",
+        "node",
+        "pid",
+        "state",
+        "gpus",
+        "port",
+        "restarts",
+        "uptime_s",
+        "last_exit",
+    ] {
+        assert!(v["services"][0].get(key).is_some(), "{key} missing in {v}");
+    }
+    let table = c.run(&["status"]);
+    assert_eq!(table.status.code(), Some(0));
+    assert!(stdout(&table).contains("SERVICE") && stdout(&table).contains("mooncake-master"));
+    // All four processes carry the run marker.
+    assert!(marked(&run).len() >= 4, "{:?}", marked(&run));
+
+    let logs = c.run(&["logs", "mooncake-master"]);
+    assert!(
+        stdout(&logs).contains("Master service started on port"),
+        "{}",
+        text(&logs)
+    );
+    let role_logs = c.run(&["logs", "prefill"]);
+    assert!(stdout(&role_logs).contains("engine listening on 127.0.0.1"));
+    let tail = c.run(&["logs", "etcd", "-n", "3"]);
+    assert_eq!(stdout(&tail).lines().count(), 3, "{}", text(&tail));
+    let unknown = c.run(&["logs", "nosuch"]);
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("decode-0, etcd"));
+
+    let t = Instant::now();
+    let down = c.run(&["down"]);
+    assert_eq!(down.status.code(), Some(0), "{}", text(&down));
+    assert!(t.elapsed() < Duration::from_secs(10));
+    assert!(marked(&run).is_empty(), "left behind: {:?}", marked(&run));
+    assert!(p.iter().all(|&port| port_free("127.0.0.1", port)));
+    assert!(!state.socket_path().exists() && !state.record_path().exists());
+    assert!(state.log_path("etcd").exists(), "logs are kept");
+    assert_eq!(c.status(&[]), None, "status exits 3 once nothing runs");
+    let again = c.run(&["down"]);
+    assert_eq!(again.status.code(), Some(0), "down is idempotent");
+    assert!(stdout(&again).contains("nothing to stop"));
+    // Logs stay readable after down.
+    assert!(stdout(&c.run(&["logs", "decode-0"])).contains("engine listening"));
+}
+
+#[test]
+fn a_sim_topology_comes_up_through_the_planner_and_a_crashed_engine_comes_back() {
+    let c = Cluster::new("topology");
+    let topo = c.root().join("pd.toml");
+    let (text_toml, proxy_port) = sim_topology("simtopo", 2, 2);
+    std::fs::write(&topo, text_toml).unwrap();
+    let up = c.run(&["up", "-d", "-f", topo.to_str().unwrap()]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    assert!(
+        stdout(&up).contains("pd.toml"),
+        "says which topology: {}",
+        text(&up)
+    );
+    let r = c.status(&[]).unwrap();
+    assert_eq!(r.cluster, "simtopo");
+    let names: Vec<&str> = r.services.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "etcd",
+            "mooncake-master",
+            "prefill-0",
+            "prefill-1",
+            "decode-0",
+            "decode-1",
+            "proxy"
+        ]
+    );
+    assert!(all_healthy(&r), "{r:?}");
+    assert_eq!(r.proxy_url, Some(format!("http://127.0.0.1:{proxy_port}")));
+
+    // A request through the embedded proxy shows up in status.
+    let body = r#"{"model": "sim-model", "prompt": "hello pd", "max_tokens": 4}"#;
+    assert_eq!(post_json(proxy_port, "/v1/completions", body), 200);
+    let table = stdout(&c.run(&["status"]));
+    assert!(table.contains("1 requests (0 failed)"), "{table}");
+    // The planner puts a one-node cluster in <root>/<cluster>.
+    let run = run_id(&pdctl::supervisor::state::StateDir::new(
+        c.root().join("simtopo"),
+    ));
+
+    // The simulator's own crash fault: exits with status 1.
+    let port = svc(&r, "prefill-1").port.unwrap();
+    assert_eq!(post_json(port, "/sim/fault", r#"{"crash": true}"#), 200);
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        svc(r, "prefill-1").restarts == 1 && all_healthy(r)
+    });
+    assert_eq!(
+        svc(&r, "prefill-1").last_exit.as_deref(),
+        Some("exit 1"),
+        "{r:?}"
+    );
+    let logs = stdout(&c.run(&["logs", "prefill"]));
+    assert!(
+        logs.contains("prefill-0 | ") && logs.contains("prefill-1 | "),
+        "{logs}"
+    );
+    assert!(logs.contains("SIMULATED engine"), "{logs}");
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+    assert!(marked(&run).is_empty(), "{:?}", marked(&run));
+}
+
+#[test]
+fn a_killed_engine_is_restarted_after_its_backoff_and_its_companion_with_it() {
+    let c = Cluster::new("restart");
+    let p = free_ports(2);
+    let mut plan = plan("rst", &[("main", "127.0.0.1")]);
+    let mut prefill = engine(
+        &c,
+        "prefill-0",
+        Role::Prefill,
+        "main",
+        "127.0.0.1",
+        p[0],
+        None,
+    );
+    prefill.restart_with = vec!["decode-0".into()];
+    let decode = engine(
+        &c,
+        "decode-0",
+        Role::Decode,
+        "main",
+        "127.0.0.1",
+        p[1],
+        None,
+    );
+    plan.services = vec![prefill, decode];
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+
+    let before = c.status(&[]).unwrap();
+    let old_pid = svc(&before, "prefill-0").pid.unwrap();
+    let killed_at = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(old_pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let mut saw_restarting = false;
+    let after = c.wait_status(UP_LIMIT, &[], |r| {
+        saw_restarting |= svc(r, "prefill-0").state == ServiceState::Restarting;
+        svc(r, "prefill-0").restarts == 1 && all_healthy(r)
+    });
+    let healthy_again = killed_at.elapsed();
+    let pre = svc(&after, "prefill-0");
+    assert_eq!(pre.state, ServiceState::Healthy, "{after:?}");
+    assert_eq!(pre.restarts, 1);
+    assert_ne!(pre.pid, Some(old_pid));
+    assert_eq!(pre.last_exit.as_deref(), Some("signal 9 (SIGKILL)"));
+    assert!(saw_restarting, "the restarting state was never visible");
+    // backoff_initial_ms is 300: no restart before it.
+    assert!(
+        healthy_again >= Duration::from_millis(300),
+        "{healthy_again:?}"
+    );
+    let dec = svc(&after, "decode-0");
+    assert_eq!(dec.restarts, 1, "restart_with companion: {after:?}");
+    assert!(
+        dec.last_exit
+            .as_deref()
+            .unwrap()
+            .contains("together with prefill-0")
+    );
+    let log = stdout(&c.run(&["logs", "prefill-0"]));
+    assert!(log.contains("start #2"), "{log}");
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
+
+#[test]
+fn an_engine_that_keeps_crashing_ends_failed_and_status_says_so() {
+    let c = Cluster::new("crashloop");
+    let p = free_ports(2);
+    let mut plan = plan("loop", &[("main", "127.0.0.1")]);
+    // Healthy at first, then exits with status 1 after 0.6 s, every time.
+    let mut flaky = engine(
+        &c,
+        "decode-0",
+        Role::Decode,
+        "main",
+        "127.0.0.1",
+        p[0],
+        Some(0.6),
+    );
+    flaky.restart.max_restarts = 2;
+    flaky.restart.backoff_initial_ms = 50;
+    let steady = engine(
+        &c,
+        "prefill-0",
+        Role::Prefill,
+        "main",
+        "127.0.0.1",
+        p[1],
+        None,
+    );
+    plan.services = vec![steady, flaky];
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        svc(r, "decode-0").state == ServiceState::Failed
+    });
+    let d = svc(&r, "decode-0");
+    assert_eq!(d.state, ServiceState::Failed, "{r:?}");
+    assert_eq!(d.restarts, 2);
+    let why = d.last_exit.as_deref().unwrap();
+    assert!(
+        why.contains("exit 1") && why.contains("crash loop"),
+        "{why}"
+    );
+    assert_eq!(d.pid, None);
+    assert_eq!(svc(&r, "prefill-0").state, ServiceState::Healthy);
+    let st = c.run(&["status"]);
+    assert_eq!(st.status.code(), Some(1), "not all healthy: exit 1");
+    assert!(stdout(&st).contains("failed"));
+
+    // A restart asked for over the control socket (what the proxy or a person uses).
+    let socket = c.state(&plan, "main").socket_path();
+    let ask = |service: &str| {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let req = pdctl::control::Request::Restart {
+            service: service.into(),
+        };
+        rt.block_on(pdctl::control::client::send(
+            &socket,
+            &req,
+            Duration::from_secs(5),
+        ))
+        .unwrap()
+    };
+    let old_pid = svc(&r, "prefill-0").pid;
+    match ask("prefill-0") {
+        pdctl::control::Response::Done { message } => assert!(message.contains("prefill-0")),
+        other => panic!("{other:?}"),
+    }
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        let p = svc(r, "prefill-0");
+        p.restarts == 1 && p.state == ServiceState::Healthy
+    });
+    assert_ne!(svc(&r, "prefill-0").pid, old_pid, "{r:?}");
+    assert_eq!(
+        svc(&r, "prefill-0").last_exit.as_deref(),
+        Some("restart requested")
+    );
+    match ask("nosuch") {
+        pdctl::control::Response::Error { message } => {
+            assert!(message.contains("prefill-0, decode-0"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
+
+#[test]
+fn an_engine_that_stops_answering_is_restarted_by_its_liveness_probe() {
+    let c = Cluster::new("liveness");
+    let p = free_ports(1);
+    let mut plan = plan("live", &[("main", "127.0.0.1")]);
+    let mut sick = engine(
+        &c,
+        "decode-0",
+        Role::Decode,
+        "main",
+        "127.0.0.1",
+        p[0],
+        None,
+    );
+    sick.env.insert("SICK_AFTER".into(), "1.5".into());
+    plan.services = vec![sick];
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let first_pid = svc(&c.status(&[]).unwrap(), "decode-0").pid;
+    let mut saw_unhealthy = false;
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        saw_unhealthy |= svc(r, "decode-0").state == ServiceState::Unhealthy;
+        svc(r, "decode-0").restarts >= 1
+    });
+    let d = svc(&r, "decode-0");
+    assert!(d.restarts >= 1, "{r:?}");
+    let why = d.last_exit.as_deref().unwrap();
+    assert!(
+        why.contains("liveness failed 2 times") && why.contains("503"),
+        "{why}"
+    );
+    assert!(
+        saw_unhealthy,
+        "unhealthy was never shown before the restart"
+    );
+    assert_ne!(d.pid, first_pid);
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
+
+#[test]
+fn a_sigkilled_supervisor_leaves_no_orphans_and_the_next_up_cleans_its_state() {
+    let c = Cluster::new("sigkill");
+    let p = free_ports(2);
+    let mut plan = plan("orph", &[("main", "127.0.0.1")]);
+    let mut forking = engine(
+        &c,
+        "prefill-0",
+        Role::Prefill,
+        "main",
+        "127.0.0.1",
+        p[0],
+        None,
+    );
+    forking.env.insert("FORK".into(), "1".into());
+    plan.services = vec![
+        forking,
+        engine(
+            &c,
+            "decode-0",
+            Role::Decode,
+            "main",
+            "127.0.0.1",
+            p[1],
+            None,
+        ),
+    ];
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let state = c.state(&plan, "main");
+    let record = pdctl::supervisor::state::read_record(&state)
+        .unwrap()
+        .unwrap();
+    // Two engines and the engine's own child (a grandchild of the supervisor).
+    assert!(wait_until(Duration::from_secs(5), || marked(
+        &record.run_id
+    )
+    .len()
+        >= 3));
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(record.supervisor_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let gone = wait_until(Duration::from_secs(2), || marked(&record.run_id).is_empty());
+    assert!(gone, "orphans after 2 s: {:?}", marked(&record.run_id));
+    assert_eq!(c.status(&[]), None, "a dead supervisor is not running");
+    assert!(
+        state.record_path().exists(),
+        "stale record left for the next up"
+    );
+
+    let again = c.up_detached(&plan, &[]);
+    assert_eq!(again.status.code(), Some(0), "{}", text(&again));
+    assert!(
+        stdout(&again).contains(&format!(
+            "cleaned up after a supervisor (pid {})",
+            record.supervisor_pid
+        )),
+        "{}",
+        text(&again)
+    );
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
+
+#[test]
+fn preflight_reports_a_busy_port_and_a_missing_program_together_and_spawns_nothing() {
+    let c = Cluster::new("preflight");
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy_port = busy.local_addr().unwrap().port();
+    let p = free_ports(1);
+    let mut plan = plan("pre", &[("main", "127.0.0.1")]);
+    let mut missing = engine(
+        &c,
+        "decode-0",
+        Role::Decode,
+        "main",
+        "127.0.0.1",
+        p[0],
+        None,
+    );
+    missing.argv[0] = "vllm-not-installed-here".into();
+    plan.services = vec![
+        engine(
+            &c,
+            "prefill-0",
+            Role::Prefill,
+            "main",
+            "127.0.0.1",
+            busy_port,
+            None,
+        ),
+        missing,
+    ];
+    let out = c.up_detached(&plan, &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("2 problem(s), nothing was started"), "{err}");
+    assert!(err.contains(&format!(
+        "port {busy_port} (http) on 127.0.0.1 is already in use"
+    )));
+    assert!(err.contains("program `vllm-not-installed-here` not found"));
+    let state = c.state(&plan, "main");
+    assert!(!state.record_path().exists(), "no supervisor was started");
+    assert!(
+        !state.log_path("prefill-0").exists(),
+        "no service was started"
+    );
+    assert_eq!(c.status(&[]), None);
+
+    let garbled = c.root().join("garbled.json");
+    std::fs::write(&garbled, "{\"cluster\": 1").unwrap();
+    let bad = c.run(&["up", "-d", "--plan", garbled.to_str().unwrap()]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("garbled.json is not a valid plan"));
+
+    // A topology mistake is reported with file, line and key, before any state exists.
+    let topo = c.root().join("typo.toml");
+    std::fs::write(&topo, "cluster = \"typo\"\n[model]\nname = \"m\"\n[engine]\nkind = \"sim\"\n[prefill]\ninstnces = 2\n").unwrap();
+    let typo = c.run(&["up", "-d", "-f", topo.to_str().unwrap()]);
+    assert_eq!(typo.status.code(), Some(2), "{}", text(&typo));
+    let err = String::from_utf8_lossy(&typo.stderr);
+    assert!(
+        err.contains("typo.toml:7:1: prefill.instnces: unknown key"),
+        "{err}"
+    );
+    assert!(
+        !c.root().join("typo").exists(),
+        "nothing was created for it"
+    );
+}
+
+#[test]
+fn a_start_failure_is_reported_fast_with_the_last_log_lines() {
+    let c = Cluster::new("startfail");
+    let p = free_ports(2);
+    let mut plan = plan("sfail", &[("main", "127.0.0.1")]);
+    let mut broken = engine(
+        &c,
+        "decode-0",
+        Role::Decode,
+        "main",
+        "127.0.0.1",
+        p[0],
+        None,
+    );
+    broken.argv = [
+        "sh",
+        "-c",
+        "echo loading weights; echo 'CUDA out of memory' >&2; exit 3",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut proxy = engine(&c, "proxy", Role::Proxy, "main", "127.0.0.1", p[1], None);
+    proxy.depends_on = vec!["decode-0".into()];
+    plan.services = vec![broken, proxy];
+    let t = Instant::now();
+    let out = c.up_detached(&plan, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("decode-0 failed: exit 3 while starting"),
+        "{err}"
+    );
+    assert!(err.contains("CUDA out of memory"), "{err}");
+    // The supervisor stays for inspection; the dependant never started.
+    let r = c.status(&[]).expect("supervisor still up");
+    assert_eq!(svc(&r, "decode-0").state, ServiceState::Failed);
+    assert_eq!(svc(&r, "proxy").state, ServiceState::Failed);
+    assert!(
+        svc(&r, "proxy")
+            .last_exit
+            .as_deref()
+            .unwrap()
+            .contains("dependency decode-0")
+    );
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+
+    // In the foreground the same failure takes everything down and exits 1.
+    let path = c.write_plan(&plan);
+    let fg = c.run(&["up", "--plan", path.to_str().unwrap()]);
+    assert_eq!(fg.status.code(), Some(1), "{}", text(&fg));
+    let out = stdout(&fg);
+    assert!(
+        out.contains("decode-0 failed: exit 3 while starting"),
+        "{out}"
+    );
+    assert!(out.contains("CUDA out of memory"), "{out}");
+    assert!(
+        out.contains("stopping the cluster because it could not start"),
+        "{out}"
+    );
+    assert_eq!(c.status(&[]), None);
+}
+
+#[test]
+fn foreground_up_streams_prefixed_logs_and_sigint_takes_the_cluster_down() {
+    use std::io::{BufRead, BufReader};
+    let c = Cluster::new("foreground");
+    let p = free_ports(1);
+    let mut plan = plan("fg", &[("main", "127.0.0.1")]);
+    let mut chatty = engine(
+        &c,
+        "prefill-0",
+        Role::Prefill,
+        "main",
+        "127.0.0.1",
+        p[0],
+        None,
+    );
+    chatty.env.insert("CHATTY".into(), "1".into());
+    plan.services = vec![chatty];
+    let path = c.write_plan(&plan);
+    let mut cmd = common::pdctl(&["up", "--plan", path.to_str().unwrap()]);
+    cmd.arg("--state-dir").arg(c.root());
+    cmd.stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
+    let mut guard = common::ChildGuard(cmd.spawn().unwrap());
+    let reader = BufReader::new(guard.0.stdout.take().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in reader.lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + UP_LIMIT;
+    while !seen
+        .iter()
+        .any(|l: &String| l.starts_with("prefill-0 | chat "))
+    {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => seen.push(l),
+            Err(_) => panic!("no prefixed log line; output so far:\n{}", seen.join("\n")),
+        }
+    }
+    let all = seen.join("\n");
+    assert!(all.contains("all local services healthy"), "{all}");
+    assert!(
+        all.contains("SERVICE"),
+        "status table before the logs: {all}"
+    );
+    let run = run_id(&c.state(&plan, "main"));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(guard.pid() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let status = wait_exit(&mut guard.0, Duration::from_secs(10)).expect("up exits after SIGINT");
+    assert_eq!(status.code(), Some(0));
+    // The reader ends at EOF, once every writer of the pipe (the supervisor) is gone.
+    let rest: Vec<String> =
+        std::iter::from_fn(|| rx.recv_timeout(Duration::from_secs(5)).ok()).collect();
+    assert!(
+        rest.iter().any(|l| l.contains("stopped 1 service(s)")),
+        "{rest:?}"
+    );
+    assert!(marked(&run).is_empty());
+    assert_eq!(c.status(&[]), None);
+}
+
+fn wait_exit(child: &mut std::process::Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if let Ok(Some(s)) = child.try_wait() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+#[test]
+fn two_nodes_on_loopback_addresses_start_in_either_order_and_see_each_other() {
+    // Two "machines": each node's supervisor has its own state root.
+    let c = Cluster::new("twonode-head");
+    let w = Cluster::new("twonode-worker");
+    let p = free_ports(4);
+    let (head, worker) = (("head", "127.0.0.2"), ("worker", "127.0.0.3"));
+    let mut plan = plan("duo", &[head, worker]);
+    let mut decode = engine(&c, "decode-0", Role::Decode, worker.0, worker.1, p[3], None);
+    decode.depends_on = vec!["etcd".into()];
+    let mut prefill = engine(&c, "prefill-0", Role::Prefill, head.0, head.1, p[2], None);
+    prefill.depends_on = vec!["etcd".into()];
+    plan.services = vec![
+        etcd(head.0, head.1, p[0], p[1], &c.root().join("etcd-data")),
+        prefill,
+        decode,
+    ];
+    let nowhere = c.up_detached(&plan, &["--node", "nowhere"]);
+    assert_eq!(nowhere.status.code(), Some(2), "{}", text(&nowhere));
+    assert!(String::from_utf8_lossy(&nowhere.stderr).contains("(nodes: head, worker)"));
+
+    // The worker first: its decode waits for etcd on the head.
+    let worker_plan = plan.clone();
+    let worker_up = std::thread::scope(|scope| {
+        let waiting = scope.spawn(|| w.up_detached(&worker_plan, &["--node", "worker"]));
+        let mut seen = None;
+        wait_until(UP_LIMIT, || {
+            seen = w.status(&[]);
+            seen.is_some()
+        });
+        let r = seen.expect("the worker's supervisor runs");
+        assert_eq!(svc(&r, "decode-0").state, ServiceState::Pending, "{r:?}");
+        assert!(svc(&r, "etcd").remote);
+
+        let head_up = c.up_detached(&plan, &["--node", "head"]);
+        assert_eq!(head_up.status.code(), Some(0), "{}", text(&head_up));
+        waiting.join().unwrap()
+    });
+    assert_eq!(worker_up.status.code(), Some(0), "{}", text(&worker_up));
+    let on_worker = w.status(&[]).unwrap();
+    assert!(!svc(&on_worker, "decode-0").remote && svc(&on_worker, "etcd").remote);
+
+    let r = c.wait_status(UP_LIMIT, &[], all_healthy);
+    assert!(all_healthy(&r), "head sees every instance healthy: {r:?}");
+    let remote = svc(&r, "decode-0");
+    assert!(remote.remote && remote.node == "worker");
+    assert_eq!(remote.pid, None, "remote: not the head's process");
+    assert_eq!(c.run(&["status"]).status.code(), Some(0));
+
+    // The worker goes away: the head shows its instance unhealthy, status exits 1.
+    assert_eq!(w.run(&["down"]).status.code(), Some(0));
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        svc(r, "decode-0").state == ServiceState::Unhealthy
+    });
+    assert_eq!(svc(&r, "decode-0").state, ServiceState::Unhealthy);
+    assert_eq!(c.run(&["status"]).status.code(), Some(1));
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+    assert!(
+        p.iter()
+            .all(|&port| port_free("127.0.0.2", port) && port_free("127.0.0.3", port))
+    );
+}
+
+#[test]
+fn a_second_up_is_refused_and_several_clusters_need_a_name() {
+    let c = Cluster::new("twice");
+    let p = free_ports(2);
+    let mut once = plan("once", &[("main", "127.0.0.1")]);
+    once.services = vec![engine(
+        &c,
+        "prefill-0",
+        Role::Prefill,
+        "main",
+        "127.0.0.1",
+        p[0],
+        None,
+    )];
+    assert_eq!(c.up_detached(&once, &[]).status.code(), Some(0));
+    let again = c.up_detached(&once, &[]);
+    assert_eq!(again.status.code(), Some(2), "{}", text(&again));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("is already running"));
+    assert_eq!(
+        svc(&c.status(&[]).unwrap(), "prefill-0").state,
+        ServiceState::Healthy
+    );
+
+    let mut other = plan("other", &[("main", "127.0.0.1")]);
+    other.services = vec![engine(
+        &c,
+        "decode-0",
+        Role::Decode,
+        "main",
+        "127.0.0.1",
+        p[1],
+        None,
+    )];
+    assert_eq!(c.up_detached(&other, &[]).status.code(), Some(0));
+    for cmd in [&["status"][..], &["down"], &["logs", "prefill"]] {
+        let out = c.run(cmd);
+        assert_eq!(out.status.code(), Some(2), "{cmd:?}: {}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("once, other") && err.contains("--cluster"),
+            "{err}"
+        );
+    }
+    assert_eq!(c.status(&["--cluster", "other"]).unwrap().cluster, "other");
+    assert_eq!(c.run(&["down", "--cluster", "once"]).status.code(), Some(0));
+    // One left: no name needed any more.
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+    assert_eq!(c.status(&[]), None);
+}
+
+#[test]
+fn logs_rotate_by_size_and_follow_continues_across_rotations() {
+    use std::io::{BufRead, BufReader};
+    let c = Cluster::new("rotate");
+    let p = free_ports(1);
+    let mut plan = plan("rot", &[("main", "127.0.0.1")]);
+    let mut chatty = engine(
+        &c,
+        "prefill-0",
+        Role::Prefill,
+        "main",
+        "127.0.0.1",
+        p[0],
+        None,
+    );
+    chatty.env.insert("CHATTY".into(), "1".into());
+    plan.services = vec![chatty];
+    let up = c.up_detached(&plan, &["--log-max-bytes", "2000", "--log-keep", "2"]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let state = c.state(&plan, "main");
+    let mut cmd = common::pdctl(&["logs", "prefill-0", "-f", "-n", "1"]);
+    cmd.arg("--state-dir").arg(c.root());
+    cmd.stdout(std::process::Stdio::piped());
+    let mut follower = common::ChildGuard(cmd.spawn().unwrap());
+    let lines = BufReader::new(follower.0.stdout.take().unwrap()).lines();
+    // 600 lines of 14 bytes is 8400 bytes: four rotations while following.
+    let numbers: Vec<u64> = lines
+        .map_while(Result::ok)
+        .filter_map(|l| l.strip_prefix("chat ").and_then(|n| n.parse().ok()))
+        .take(600)
+        .collect();
+    drop(follower);
+    assert_eq!(numbers.len(), 600);
+    assert!(
+        numbers.windows(2).all(|w| w[1] == w[0] + 1),
+        "lines were lost or repeated across rotation"
+    );
+    let rotated =
+        |i: u32| pdctl::supervisor::logfile::rotated_path(&state.log_path("prefill-0"), i);
+    assert!(rotated(1).exists() && rotated(2).exists());
+    assert!(!rotated(3).exists(), "only --log-keep 2 copies are kept");
+    assert!(
+        std::fs::metadata(state.log_path("prefill-0"))
+            .unwrap()
+            .len()
+            < 4000 + 200
+    );
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
