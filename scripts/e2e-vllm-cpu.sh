@@ -77,8 +77,9 @@ for f in "$FIGS"/e2e-vllm-cpu-*.json; do
 import json, sys
 f = json.load(open(sys.argv[1]))
 print(f"{f['case']:>15}: vLLM {f['vllm_version']}, healthy after {f['startup_to_healthy_s']} s; "
-      f"median latency direct {f['direct_to_prefill_ms']['median']} ms, "
-      f"through the proxy {f['through_proxy_ms']['median']} ms "
+      f"latency median (min) direct {f['direct_to_prefill_ms']['median']} "
+      f"({f['direct_to_prefill_ms']['min']}) ms, through the proxy "
+      f"{f['through_proxy_ms']['median']} ({f['through_proxy_ms']['min']}) ms "
       f"(load {f['load_average_1m']['before']} on {f['cpus']} CPUs; {f['requests']})")
 EOF
 done
