@@ -204,6 +204,24 @@ fn run_case(case: &Case) {
         handoffs.push(json!({"kind": kind, "kv_tokens": moved}));
     }
 
+    // The control: a fresh prompt sent straight to decode finds nothing to load, so the
+    // counter above moves only when the prefill instance handed KV over.
+    let before = rt.block_on(external_kv_tokens(&http, &decode));
+    let body = request_body(
+        "/v1/completions",
+        &prompt(case.name, "control", 0),
+        4,
+        false,
+    );
+    rt.block_on(send(&http, &format!("{decode}/v1/completions"), &body));
+    std::thread::sleep(Duration::from_secs(2));
+    let after = rt.block_on(external_kv_tokens(&http, &decode));
+    assert_eq!(
+        after - before,
+        0.0,
+        "a prompt no prefill instance saw was counted as loaded from the KV connector"
+    );
+
     // The connector says so in the decode instance's log too.
     let log_proof = rt.block_on(async {
         let end = Instant::now() + Duration::from_secs(40);
@@ -265,6 +283,10 @@ fn run_case(case: &Case) {
         ),
         "direct_to_prefill_ms": summary(&direct_ms),
         "through_proxy_ms": summary(&proxied_ms),
+        // Each proxied request minus the direct one just before it (same load, roughly).
+        "added_by_proxy_ms_median_of_pairs": median(
+            &proxied_ms.iter().zip(&direct_ms).map(|(p, d)| p - d).collect::<Vec<_>>()
+        ),
         "load_average_1m": {"before": load_before, "after": loadavg()},
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         "handoffs": handoffs,
