@@ -271,6 +271,24 @@ fn run_case(case: &Case) {
         proxied_ms.push(round1(a.ms));
         prompt_tokens.extend(a.prompt_tokens);
     }
+    // Where proxied time goes, from the proxy's own per-request log lines (the last ones
+    // are the latency requests): the prefill leg, and the whole request as the proxy saw it.
+    let proxy_log = run(pdctl_in(&guard, &["logs", "proxy"]), 30);
+    let lines: Vec<String> = String::from_utf8_lossy(&proxy_log.stdout)
+        .lines()
+        .filter(|l| l.contains("request ok") && l.contains("route=/v1/completions"))
+        .map(str::to_string)
+        .collect();
+    let last = &lines[lines.len().saturating_sub(LATENCY_SAMPLES)..];
+    let field = |key: &str| -> Vec<f64> {
+        last.iter()
+            .filter_map(|l| {
+                let rest = &l[l.find(&format!(" {key}="))? + key.len() + 2..];
+                rest.split_whitespace().next()?.parse().ok()
+            })
+            .collect()
+    };
+    let (prefill_leg, proxy_total) = (field("prefill_ms"), field("total_ms"));
     let figures = json!({
         "case": case.name,
         "vllm_version": plan["vllm_version"],
@@ -287,6 +305,11 @@ fn run_case(case: &Case) {
         "added_by_proxy_ms_median_of_pairs": median(
             &proxied_ms.iter().zip(&direct_ms).map(|(p, d)| p - d).collect::<Vec<_>>()
         ),
+        "proxy_log_ms": if prefill_leg.len() == LATENCY_SAMPLES && proxy_total.len() == LATENCY_SAMPLES {
+            json!({"prefill_leg_median": median(&prefill_leg), "total_median": median(&proxy_total)})
+        } else {
+            json!(null)
+        },
         "load_average_1m": {"before": load_before, "after": loadavg()},
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         "handoffs": handoffs,
