@@ -3,16 +3,17 @@
 # (both cached), then runs the ignored tests of tests/e2e_vllm_cpu.rs, which `pdctl up -d`
 # a 1P1D, send requests through the proxy, prove the KV handoff and `pdctl down`.
 #
-#   scripts/e2e-vllm-cpu.sh [--only example|mooncake-store] [--model DIR] [--venv DIR]
+#   scripts/e2e-vllm-cpu.sh [--only CASE] [--model DIR] [--venv DIR]
 #
-#   --only K     run one case: example (ExampleConnector, shared directory) or
-#                mooncake-store (MooncakeStoreConnector, etcd + mooncake_master)
+#   --only CASE  run one case: example (ExampleConnector, shared directory),
+#                mooncake-store (MooncakeStoreConnector, etcd + mooncake_master) or
+#                mooncake-store-http (the same, mooncake_master's HTTP metadata, no etcd)
 #   --model DIR  where the tiny model lives (default: /opt/pdctl/models/tiny-llama as root,
 #                ~/.local/share/pdctl/models/tiny-llama otherwise)
 #   --venv DIR   pdctl's tools virtualenv (default: the one ./install.sh creates)
 #
 # Needs: ./install.sh done (etcd, mooncake_master), ~9 GB of free memory, ~6 GB of disk for
-# the venv and ~3 GB for the download cache the first time. Takes 5-10 minutes on 2 cores.
+# the venv and ~3 GB for the download cache the first time. Takes 6-12 minutes on 2 cores.
 # Figures (start-up time, latency through the proxy and direct) are printed at the end.
 set -euo pipefail
 
@@ -23,7 +24,7 @@ MODEL=""
 VENV=""
 while (($#)); do
   case "$1" in
-    --only) ONLY="${2:?--only needs example or mooncake-store}"; shift 2 ;;
+    --only) ONLY="${2:?--only needs a case: example, mooncake-store, mooncake-store-http}"; shift 2 ;;
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
     --venv) VENV="${2:?--venv needs a directory}"; shift 2 ;;
     -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -34,7 +35,8 @@ case "$ONLY" in
   "") FILTER="vllm_cpu_" ;;
   example) FILTER="vllm_cpu_example_connector_1p1d" ;;
   mooncake-store) FILTER="vllm_cpu_mooncake_store_1p1d" ;;
-  *) echo "e2e-vllm-cpu.sh: --only takes example or mooncake-store, not '$ONLY'" >&2; exit 2 ;;
+  mooncake-store-http) FILTER="vllm_cpu_mooncake_store_http_metadata_1p1d" ;;
+  *) echo "e2e-vllm-cpu.sh: --only takes example, mooncake-store or mooncake-store-http, not '$ONLY'" >&2; exit 2 ;;
 esac
 
 step() { printf '\n==> %s\n' "$*"; }
@@ -53,11 +55,13 @@ step "vLLM's CPU build in $VENV"
 step "The tiny model in $MODEL"
 "$VENV/bin/python" "$HERE/make-tiny-model.py" "$MODEL" || fail "building the tiny model failed (see above)"
 
-if [ "$FILTER" != vllm_cpu_example_connector_1p1d ]; then
+if [ -z "$ONLY" ] || [ "$ONLY" = mooncake-store ]; then
   command -v etcd >/dev/null || [ -x "$VENV/bin/etcd" ] \
     || fail "etcd is not installed: run ./install.sh first (the mooncake-store case needs it)"
+fi
+if [ "$ONLY" != example ]; then
   [ -x "$VENV/bin/mooncake_master" ] || command -v mooncake_master >/dev/null \
-    || fail "mooncake_master is not installed: run ./install.sh first (the mooncake-store case needs it)"
+    || fail "mooncake_master is not installed: run ./install.sh first (the mooncake-store cases need it)"
 fi
 
 step "Running the end-to-end tests (cargo test --test e2e_vllm_cpu -- --ignored $FILTER)"

@@ -51,6 +51,14 @@ const MOONCAKE_STORE: Case = Case {
     support: &["etcd", "mooncake-master"],
 };
 
+/// The same store with mooncake_master's built-in HTTP metadata server instead of etcd.
+const MOONCAKE_STORE_HTTP: Case = Case {
+    name: "mooncake-store-http",
+    connector: "kind = \"mooncake-store\"\nmetadata = \"http\"\nglobal_segment_size = \"256MB\"\nlocal_buffer_size = \"64MB\"\n",
+    programs: &["mooncake_master"],
+    support: &["mooncake-master"],
+};
+
 #[test]
 #[ignore = "needs vLLM's CPU build and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
 fn vllm_cpu_example_connector_1p1d() {
@@ -63,6 +71,12 @@ fn vllm_cpu_mooncake_store_1p1d() {
     run_case(&MOONCAKE_STORE);
 }
 
+#[test]
+#[ignore = "needs vLLM's CPU build, mooncake_master and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
+fn vllm_cpu_mooncake_store_http_metadata_1p1d() {
+    run_case(&MOONCAKE_STORE_HTTP);
+}
+
 /// Requests each way (straight to the prefill instance, through the proxy) for the
 /// latency medians.
 const LATENCY_SAMPLES: usize = 20;
@@ -73,11 +87,12 @@ fn run_case(case: &Case) {
     let model = prerequisites(case);
     let ports = free_ports(8);
     let (prefill_port, decode_port, proxy_port) = (ports[0], ports[1], ports[2]);
-    let cluster = format!("e2e-{}-{}", case.name, std::process::id());
-    let root = TempDir::new(&format!("e2e-{}", case.name));
+    // Short names: the control socket's path must fit a Unix socket's 107 bytes.
+    let cluster = "e2e-vllm-cpu";
+    let root = TempDir::new("e2e");
     let topo = root.path().join("topology.toml");
-    std::fs::write(&topo, topology(case, &cluster, &model, &ports)).unwrap();
-    let tag = format!("{cluster}-{}", ports[7]);
+    std::fs::write(&topo, topology(case, cluster, &model, &ports)).unwrap();
+    let tag = format!("{}-{}-{}", case.name, std::process::id(), ports[7]);
     let mut guard = Running {
         state: root.path().to_path_buf(),
         tag: tag.clone(),
@@ -859,11 +874,20 @@ fn metric_parsing_and_handoff_lines() {
     assert!(prompt("example", "chat", 0).split(' ').count() > 128);
 }
 
-/// The topology the run writes plans with both connectors on the ports it chose.
+fn names_of(plan: &Value) -> Vec<String> {
+    plan["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The topology the run writes plans with each case's connector on the ports it chose.
 #[test]
 fn topology_is_cpu_1p1d_with_this_runs_ports_and_connector() {
     let ports = [18100, 18200, 18000, 12379, 12380, 15051, 19003, 18080];
-    for case in [&EXAMPLE, &MOONCAKE_STORE] {
+    for case in [&EXAMPLE, &MOONCAKE_STORE, &MOONCAKE_STORE_HTTP] {
         let dir = TempDir::new("e2e-topo");
         let file = dir.path().join("t.toml");
         std::fs::write(
@@ -926,6 +950,15 @@ fn topology_is_cpu_1p1d_with_this_runs_ports_and_connector() {
             assert!(svc("etcd")["argv"].to_string().contains("12379"));
             assert_eq!(svc("mooncake-master")["ports"]["rpc"], 15051);
             assert!(argv.contains("MooncakeStoreConnector"), "{argv}");
+        } else if case.name == "mooncake-store-http" {
+            assert!(!names_of(&plan).contains(&"etcd".to_string()));
+            let master = svc("mooncake-master")["argv"].to_string();
+            assert!(
+                master.contains("18080") && master.contains("http_metadata"),
+                "{master}"
+            );
+            let file = svc("decode-0")["files"][0]["content"].to_string();
+            assert!(file.contains("http://127.0.0.1:18080/metadata"), "{file}");
         } else {
             assert!(argv.contains("ExampleConnector"), "{argv}");
         }
