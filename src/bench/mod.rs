@@ -167,10 +167,25 @@ async fn target(a: &BenchArgs) -> anyhow::Result<Target> {
         });
     }
     let root = crate::cli::common::state_root(a.state_dir.as_deref());
-    let running = crate::control::discover::pick(&root, a.cluster.as_deref())
-        .await
-        .map_err(|e| ExitError::usage(format!("{e}; or give --url")))?;
-    let r = running.report;
+    let found =
+        crate::supervisor::select::running(&root, a.cluster.as_deref())?.ok_or_else(|| {
+            ExitError::usage(format!(
+                "no pdctl cluster is running under {} (start one with `pdctl up`, or give --url)",
+                root.display()
+            ))
+        })?;
+    let answer = crate::control::client::send(
+        &found.state.socket_path(),
+        &crate::control::Request::Status,
+        Duration::from_secs(5),
+    )
+    .await?;
+    let crate::control::Response::Status(r) = answer else {
+        anyhow::bail!(
+            "the supervisor of {} did not answer with its status",
+            found.label()
+        );
+    };
     let url = r.proxy_url.clone().ok_or_else(|| {
         ExitError::usage(format!(
             "cluster {} has no proxy: give --url of an engine",
