@@ -273,7 +273,8 @@ pub fn compare(runs: &[&Report]) -> String {
     }
     o.push('\n');
     let hit = |r: &Report| r.prefix_cache_hit_rate.unwrap_or(f64::NAN) * 100.0;
-    let rows: [(&str, fn(&Report) -> f64); 14] = [
+    type Figure = fn(&Report) -> f64;
+    let rows: [(&str, Figure); 14] = [
         ("completed", |r| r.completed as f64),
         ("failed", |r| r.failed as f64),
         ("request throughput (req/s)", |r| r.request_throughput),
