@@ -88,12 +88,15 @@ pub fn load_topology(args: &TopologyArgs) -> anyhow::Result<(LoadedTopology, Str
             "1p1d",
             format!("no ./pdctl.toml; {} GPU(s) found", gpus.len()),
         ),
+        // NVML's own words are long; `pdctl gpus` shows them, this line says what matters.
         (_, note) => (
             "sim-1p1d",
-            format!(
-                "no ./pdctl.toml and no GPU found ({})",
-                note.unwrap_or_else(|| "none listed".into())
-            ),
+            match note {
+                Some(n) if n.contains("could not be loaded") => {
+                    "no ./pdctl.toml and no GPU found (no NVIDIA driver)".to_string()
+                }
+                _ => "no ./pdctl.toml and no GPU found".to_string(),
+            },
         ),
     };
     Ok((load_profile(name)?, format!("using profile {name}: {why}")))
