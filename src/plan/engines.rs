@@ -120,6 +120,9 @@ pub(super) fn plan_engines(
         claim(ports, &p.host, http_port(t, p), &svc, "http")?;
     }
     check_gpu_counts(t, placements, pool)?;
+    if let (EngineKind::Vllm, Some(v)) = (t.engine.kind, cx.version) {
+        warnings.extend(conn.warnings(t, v));
+    }
     let mut gpu_use = GpuUse::default();
     let mut warned_nodes = BTreeSet::new();
     let mut per_node: BTreeMap<&str, u32> = BTreeMap::new();
