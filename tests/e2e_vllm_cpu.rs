@@ -33,6 +33,13 @@ struct Case {
     programs: &'static [&'static str],
     /// Services the plan must have besides prefill-0, decode-0 and proxy.
     support: &'static [&'static str],
+    /// Whether vLLM stores a prompt's KV before it answers the prefill request. The
+    /// ExampleConnector writes its files in the forward pass; the MooncakeStoreConnector
+    /// (vLLM 0.32) puts into the store from a sender thread after answering, so a decode
+    /// request sent at once can miss and recompute (3-6 of 20-30 on this loaded machine;
+    /// `pdctl plan` warns). Guaranteed: every request must hand over. Not: at least one
+    /// must, and the count is reported.
+    handoff_guaranteed: bool,
 }
 
 const EXAMPLE: Case = Case {
@@ -40,6 +47,7 @@ const EXAMPLE: Case = Case {
     connector: "kind = \"example\"\n",
     programs: &[],
     support: &[],
+    handoff_guaranteed: true,
 };
 
 const MOONCAKE_STORE: Case = Case {
@@ -49,6 +57,7 @@ const MOONCAKE_STORE: Case = Case {
     connector: "kind = \"mooncake-store\"\nmetadata = \"etcd\"\nglobal_segment_size = \"256MB\"\nlocal_buffer_size = \"64MB\"\n",
     programs: &["etcd", "mooncake_master"],
     support: &["etcd", "mooncake-master"],
+    handoff_guaranteed: false,
 };
 
 /// The same store with mooncake_master's built-in HTTP metadata server instead of etcd.
@@ -57,6 +66,7 @@ const MOONCAKE_STORE_HTTP: Case = Case {
     connector: "kind = \"mooncake-store\"\nmetadata = \"http\"\nglobal_segment_size = \"256MB\"\nlocal_buffer_size = \"64MB\"\n",
     programs: &["mooncake_master"],
     support: &["mooncake-master"],
+    handoff_guaranteed: false,
 };
 
 #[test]
@@ -198,7 +208,7 @@ fn run_case(case: &Case) {
         let via_proxy = rt.block_on(send(&http, &format!("{proxy}{route}"), &body));
         let moved = rt.block_on(wait_for_more_kv(&http, &decode, before));
         assert!(
-            moved >= 128.0,
+            moved >= 128.0 || !case.handoff_guaranteed,
             "{kind}: the decode instance took {moved} prompt tokens from the KV connector (want at \
              least one 128-token block): the KV handoff did not happen"
         );
@@ -211,13 +221,27 @@ fn run_case(case: &Case) {
             via_proxy.text, direct.text,
             "{kind}: the answer through the proxy differs from the prefill instance's own"
         );
+        let handoff = if moved >= 128.0 {
+            format!("{moved} prompt tokens handed over")
+        } else {
+            "no KV handed over (decode recomputed: the store race)".to_string()
+        };
         println!(
-            "[{}] {kind}: {moved} prompt tokens handed over, answer {:?} equal to prefill's",
+            "[{}] {kind}: {handoff}, answer {:?} equal to prefill's",
             case.name,
             short(&via_proxy.text)
         );
         handoffs.push(json!({"kind": kind, "kv_tokens": moved}));
     }
+    let handed = handoffs
+        .iter()
+        .filter(|h| h["kv_tokens"].as_f64().unwrap() >= 128.0)
+        .count();
+    assert!(
+        handed > 0,
+        "none of the {} requests handed KV over: {handoffs:?}",
+        handoffs.len()
+    );
 
     // The control: a fresh prompt sent straight to decode finds nothing to load, so the
     // counter above moves only when the prefill instance handed KV over.
@@ -266,6 +290,7 @@ fn run_case(case: &Case) {
     let mut direct_ms = Vec::new();
     let mut proxied_ms = Vec::new();
     let mut prompt_tokens = Vec::new();
+    let mut latency_handoffs = 0;
     for i in 0..LATENCY_SAMPLES {
         let d = request_body(
             "/v1/completions",
@@ -282,10 +307,18 @@ fn run_case(case: &Case) {
             16,
             false,
         );
+        let before = rt.block_on(external_kv_tokens(&http, &decode));
         let a = rt.block_on(send(&http, &format!("{proxy}/v1/completions"), &p));
         proxied_ms.push(round1(a.ms));
         prompt_tokens.extend(a.prompt_tokens);
+        if rt.block_on(wait_for_more_kv(&http, &decode, before)) >= 128.0 {
+            latency_handoffs += 1;
+        }
     }
+    assert!(
+        latency_handoffs == LATENCY_SAMPLES || !case.handoff_guaranteed,
+        "only {latency_handoffs} of {LATENCY_SAMPLES} proxied requests handed KV over"
+    );
     // Where proxied time goes, from the proxy's own per-request log lines (the last ones
     // are the latency requests): the prefill leg, and the whole request as the proxy saw it.
     let proxy_log = run(pdctl_in(&guard, &["logs", "proxy"]), 30);
@@ -328,6 +361,11 @@ fn run_case(case: &Case) {
         "load_average_1m": {"before": load_before, "after": loadavg()},
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         "handoffs": handoffs,
+        "handed_over": format!(
+            "{} of {} checked requests, {latency_handoffs} of {LATENCY_SAMPLES} timed ones",
+            handed,
+            handoffs.len()
+        ),
         "decode_log": log_proof,
     });
     println!("[{}] figures: {figures}", case.name);
@@ -601,9 +639,9 @@ async fn external_kv_tokens(http: &reqwest::Client, base: &str) -> f64 {
 }
 
 /// How many more external-KV prompt tokens the decode instance counts than `before`, once
-/// the counter moved (metrics are published a moment after the answer) or 10 s passed.
+/// the counter moved (metrics are published a moment after the answer) or 3 s passed.
 async fn wait_for_more_kv(http: &reqwest::Client, base: &str, before: f64) -> f64 {
-    let end = Instant::now() + Duration::from_secs(10);
+    let end = Instant::now() + Duration::from_secs(3);
     loop {
         let now = external_kv_tokens(http, base).await;
         if now > before || Instant::now() >= end {
@@ -683,8 +721,22 @@ impl Drop for Running {
             return;
         }
         if std::thread::panicking() {
-            let logs = run(pdctl_in(self, &["logs", "-n", "30"]), 30);
-            eprintln!("--- last log lines of every service ---\n{}", text(&logs));
+            // The last lines that say something (not the test's own metric and health polls),
+            // and a copy of every log, since the state dir is a temporary one.
+            let logs = run(pdctl_in(self, &["logs", "-n", "400"]), 30);
+            let all = text(&logs);
+            let lines: Vec<&str> = all
+                .lines()
+                .filter(|l| !l.contains("GET /metrics") && !l.contains("GET /health"))
+                .collect();
+            eprintln!(
+                "--- last log lines of every service ---\n{}",
+                lines[lines.len().saturating_sub(60)..].join("\n")
+            );
+            let keep = std::env::temp_dir().join(format!("pdctl-e2e-failed-{}", self.tag));
+            if copy_logs(&self.state, &keep) {
+                eprintln!("every service's log is kept in {}", keep.display());
+            }
         }
         let _ = run(pdctl_in(self, &["down", "-t", "10"]), 60);
         for (pid, cmd) in tagged_processes(&self.tag) {
@@ -695,6 +747,22 @@ impl Drop for Running {
             );
         }
     }
+}
+
+/// Copies each `<cluster>/logs` under `state` into `to`; true when something was copied.
+fn copy_logs(state: &Path, to: &Path) -> bool {
+    let mut copied = false;
+    for cluster in std::fs::read_dir(state).into_iter().flatten().flatten() {
+        let logs = cluster.path().join("logs");
+        for f in std::fs::read_dir(&logs).into_iter().flatten().flatten() {
+            if std::fs::create_dir_all(to).is_ok()
+                && std::fs::copy(f.path(), to.join(f.file_name())).is_ok()
+            {
+                copied = true;
+            }
+        }
+    }
+    copied
 }
 
 /// pdctl with this cluster's state root, and the tag every process it starts inherits.
