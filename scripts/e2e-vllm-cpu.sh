@@ -8,8 +8,8 @@
 #   --only CASE  run one case: example (ExampleConnector, shared directory),
 #                mooncake-store (MooncakeStoreConnector, etcd + mooncake_master) or
 #                mooncake-store-http (the same, mooncake_master's HTTP metadata, no etcd)
-#   --model DIR  where the tiny model lives (default: /opt/pdctl/models/tiny-llama as root,
-#                ~/.local/share/pdctl/models/tiny-llama otherwise)
+#   --model DIR  where the tiny model lives (default: ~/.local/share/pdctl/models/tiny-llama,
+#                where profiles/cpu-1p1d.toml looks)
 #   --venv DIR   pdctl's tools virtualenv (default: the one ./install.sh creates)
 #
 # Needs: ./install.sh done (etcd, mooncake_master), ~9 GB of free memory, ~6 GB of disk for
@@ -46,7 +46,7 @@ if [ -z "$VENV" ]; then
   if [ "$(id -u)" -eq 0 ]; then VENV=/opt/pdctl/venv; else VENV="${HOME}/.local/share/pdctl/venv"; fi
 fi
 if [ -z "$MODEL" ]; then
-  if [ "$(id -u)" -eq 0 ]; then MODEL=/opt/pdctl/models/tiny-llama; else MODEL="${HOME}/.local/share/pdctl/models/tiny-llama"; fi
+  MODEL="${HOME}/.local/share/pdctl/models/tiny-llama"
 fi
 
 step "vLLM's CPU build in $VENV"

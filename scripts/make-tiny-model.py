@@ -3,8 +3,7 @@
 
     python3 scripts/make-tiny-model.py [DIR] [--force]
 
-DIR defaults to /opt/pdctl/models/tiny-llama as root (where profiles/cpu-1p1d.toml looks),
-else ~/.local/share/pdctl/models/tiny-llama. Nothing is downloaded: the tokenizer is a
+DIR defaults to ~/.local/share/pdctl/models/tiny-llama (where profiles/cpu-1p1d.toml looks). Nothing is downloaded: the tokenizer is a
 byte-level BPE trained on text this script generates, the weights are random. Everything is
 seeded, so two runs write the same files (same sha256), and a model that is already there
 and complete is left alone unless --force is given.
@@ -54,8 +53,6 @@ COMMON = (
 
 
 def default_dir() -> Path:
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        return Path("/opt/pdctl/models/tiny-llama")
     return Path.home() / ".local/share/pdctl/models/tiny-llama"
 
 

@@ -437,12 +437,8 @@ fn prerequisites(case: &Case) -> PathBuf {
 }
 
 fn default_model_dir() -> PathBuf {
-    if nix::unistd::geteuid().is_root() {
-        PathBuf::from("/opt/pdctl/models/tiny-llama")
-    } else {
-        PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-            .join(".local/share/pdctl/models/tiny-llama")
-    }
+    PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+        .join(".local/share/pdctl/models/tiny-llama")
 }
 
 fn mem_available_gib() -> f64 {

@@ -122,6 +122,12 @@ pub fn gpu_inventory(args: &TopologyArgs) -> (Vec<Gpu>, Option<String>) {
 /// Plans a loaded topology for this machine.
 pub fn plan_topology(t: &LoadedTopology, args: &TopologyArgs) -> anyhow::Result<LoadedPlan> {
     let mut spec = t.spec.clone();
+    // A model path written `~/...` is the user's home, as a shell would read it.
+    if let Some(rest) = spec.model.name.strip_prefix("~/")
+        && let Some(home) = std::env::var_os("HOME")
+    {
+        spec.model.name = PathBuf::from(home).join(rest).display().to_string();
+    }
     let needs_gpus =
         spec.engine.kind == EngineKind::Vllm && spec.engine.device == topology::Device::Cuda;
     let (gpus, gpu_note) = if needs_gpus {
