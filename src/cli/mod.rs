@@ -29,6 +29,8 @@ pub enum Command {
     Down(crate::supervisor::cli::DownArgs),
     /// Show the state of every service (table, or --json).
     Status(crate::supervisor::cli::StatusArgs),
+    /// Restart services (`decode-1`) or roles (`prefill`) of the running cluster.
+    Restart(crate::supervisor::cli::RestartArgs),
     /// Show the logs of a role (`prefill`) or one service (`prefill-2`).
     Logs(crate::supervisor::cli::LogsArgs),
     /// List the GPUs this machine has (NVML), or say why none can be read.
@@ -90,6 +92,7 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Down(a) => crate::supervisor::cli::down(a),
         Command::Status(a) => crate::supervisor::cli::status(a),
         Command::Logs(a) => crate::supervisor::cli::logs(a),
+        Command::Restart(a) => crate::supervisor::cli::restart(a),
         Command::Supervise(a) => crate::supervisor::cli::supervise(a),
         Command::Proxy(a) => runtime()?
             .block_on(crate::proxy::run(a))

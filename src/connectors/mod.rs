@@ -109,6 +109,11 @@ pub trait Connector: Sync {
     fn check(&self, _t: &Topology, _v: Option<&Version>) -> Result<(), Problem> {
         Ok(())
     }
+    /// What plans but will not always do what a user expects with real vLLM `v`; shown
+    /// with the plan.
+    fn warnings(&self, _t: &Topology, _v: &Version) -> Vec<String> {
+        Vec::new()
+    }
     /// Support services the engines need.
     fn needs(&self, c: &ConnectorSection, v: Option<&Version>) -> Needs;
     /// How the proxy must split requests.

@@ -35,6 +35,18 @@ pub(super) fn v1_env(inst: &InstanceCtx, launch: &mut Launch) {
     }
 }
 
+/// MooncakeConnector V1 on vLLM's CPU build. vLLM 0.32's connector asks torch for the
+/// current CUDA device when it starts (`torch.accelerator.current_device_index()` in
+/// mooncake_connector.py), so the CPU build fails at engine start with "Found no NVIDIA
+/// driver on your system" (seen with `connector.multi = true`, which wraps it).
+pub(super) fn cpu_problem(key: &str, what: &str) -> Problem {
+    Problem::new(
+        key,
+        format!("{what} needs CUDA: vLLM's MooncakeConnector looks up the current CUDA device when it starts, so vLLM's CPU build (device = \"cpu\") cannot load it"),
+    )
+    .hint("on device = \"cpu\" use connector kind \"example\", or \"mooncake-store\" without multi")
+}
+
 impl Connector for MooncakeV1 {
     fn kind(&self) -> ConnectorKind {
         ConnectorKind::Mooncake
@@ -44,6 +56,12 @@ impl Connector for MooncakeV1 {
     }
     fn versions(&self) -> &'static [VersionRange] {
         &[BOOTSTRAP]
+    }
+    fn check(&self, t: &Topology, v: Option<&Version>) -> Result<(), Problem> {
+        if v.is_some() && t.engine.device == crate::topology::Device::Cpu {
+            return Err(cpu_problem("connector.kind", "MooncakeConnector"));
+        }
+        Ok(())
     }
     fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
         Needs::default()

@@ -3,7 +3,6 @@
 //! object per line over the Unix socket `<state_dir>/control.sock` (mode 0600).
 
 pub mod client;
-pub mod discover;
 
 use crate::plan::Role;
 use serde::{Deserialize, Serialize};

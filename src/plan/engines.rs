@@ -120,8 +120,15 @@ pub(super) fn plan_engines(
         claim(ports, &p.host, http_port(t, p), &svc, "http")?;
     }
     check_gpu_counts(t, placements, pool)?;
+    if let (EngineKind::Vllm, Some(v)) = (t.engine.kind, cx.version) {
+        warnings.extend(conn.warnings(t, v));
+    }
     let mut gpu_use = GpuUse::default();
     let mut warned_nodes = BTreeSet::new();
+    let mut per_node: BTreeMap<&str, u32> = BTreeMap::new();
+    for p in placements {
+        *per_node.entry(&p.node).or_default() += 1;
+    }
     let mut out = Vec::new();
     for p in placements {
         let r = role_section(t, p.role);
@@ -180,7 +187,8 @@ pub(super) fn plan_engines(
         let mut svc = match (t.engine.kind, cx.version) {
             (EngineKind::Vllm, Some(v)) => {
                 let launch = conn.launch(cx, v, &inst, ports)?;
-                vllm_service(t, p, &inst, &gpus, launch)
+                let shares_node = per_node[p.node.as_str()] > 1;
+                vllm_service(t, p, &inst, &gpus, launch, shares_node)
             }
             _ => sim_service(cx, p, &inst, protocol),
         };
@@ -317,6 +325,7 @@ fn vllm_service(
     inst: &InstanceCtx,
     gpus: &[u32],
     launch: crate::connectors::Launch,
+    shares_node: bool,
 ) -> Service {
     let r = role_section(t, p.role);
     let port = http_port(t, p);
@@ -362,6 +371,8 @@ fn vllm_service(
         let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
         svc.env
             .insert("CUDA_VISIBLE_DEVICES".into(), list.join(","));
+    } else {
+        svc.env.extend(cpu_env(t, r, shares_node));
     }
     svc.env.extend(launch.env);
     svc.env.extend(t.engine.env.clone());
@@ -376,6 +387,38 @@ fn vllm_service(
         .or(t.engine.startup_timeout_s)
         .unwrap_or(900);
     svc
+}
+
+/// Environment vLLM's CPU build needs to serve PD, where its defaults get it wrong; the
+/// topology's own `env` (applied later) and the flags named below win.
+///
+/// - `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache): without it (vLLM 0.32) each instance
+///   reserves `gpu_memory_utilization` (0.92) of its NUMA node's RAM and refuses to start
+///   when that much is not free: a second instance never starts, often not even one. 4 GiB
+///   is what vLLM used before it sized the cache itself. Left out when the topology sets
+///   `engine.gpu_memory_utilization` or passes `--kv-cache-memory-bytes` (the variable
+///   would override both).
+/// - `VLLM_CPU_OMP_THREADS_BIND=nobind` when instances share a machine: the default
+///   `auto` pins every instance's threads to the same cores.
+fn cpu_env(t: &Topology, r: &RoleSection, shares_node: bool) -> BTreeMap<String, String> {
+    let has_flag = |f: &str| {
+        t.engine
+            .args
+            .iter()
+            .chain(&r.args)
+            .any(|a| a == f || a.starts_with(&format!("{f}=")))
+    };
+    let mut env = BTreeMap::new();
+    if t.engine.gpu_memory_utilization.is_none()
+        && !has_flag("--kv-cache-memory-bytes")
+        && !has_flag("--gpu-memory-utilization")
+    {
+        env.insert("VLLM_CPU_KVCACHE_SPACE".into(), "4".into());
+    }
+    if shares_node {
+        env.insert("VLLM_CPU_OMP_THREADS_BIND".into(), "nobind".into());
+    }
+    env
 }
 
 /// Wraps SimArgs so they can be built from their own defaults.

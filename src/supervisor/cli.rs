@@ -67,6 +67,22 @@ pub struct StatusArgs {
     pub which: ClusterArgs,
 }
 
+/// Arguments of `pdctl restart`.
+#[derive(Debug, Args)]
+pub struct RestartArgs {
+    /// Services (`decode-1`) or roles (`prefill`: every prefill instance) to restart; their
+    /// `restart_with` companions are restarted with them.
+    #[arg(required = true)]
+    pub targets: Vec<String>,
+    #[command(flatten)]
+    pub which: ClusterArgs,
+}
+
+/// Restarts services of the running cluster.
+pub fn restart(a: RestartArgs) -> anyhow::Result<ExitCode> {
+    super::restart_cmd::run(&a, runtime()?)
+}
+
 /// Arguments of `pdctl logs`.
 #[derive(Debug, Args)]
 pub struct LogsArgs {

