@@ -467,8 +467,14 @@ fn main() {
         .collect();
     for (i, p) in paced_proxies.iter().enumerate() {
         let (a, b) = (&runs[0][i], &runs[1][i]);
-        let per_chunk = (b.cpu_per_request_us() - a.cpu_per_request_us())
-            / (b.chunks_per_request() - a.chunks_per_request());
+        let extra_chunks = b.chunks_per_request() - a.chunks_per_request();
+        assert!(
+            extra_chunks > 1.0,
+            "the longer completions brought no more chunks ({:.1} vs {:.1}): the engine ignores max_tokens",
+            b.chunks_per_request(),
+            a.chunks_per_request()
+        );
+        let per_chunk = (b.cpu_per_request_us() - a.cpu_per_request_us()) / extra_chunks;
         let fixed = a.cpu_per_request_us() - per_chunk * a.chunks_per_request();
         println!(
             "| {} | {:.0} µs | {:.0} µs | {:.1} / {:.1} | **{per_chunk:.1} µs** | **{fixed:.0} µs** | {:.0} % |",

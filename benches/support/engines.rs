@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 pub const CHUNKS: usize = 16;
 /// Time between the chunks of a paced decode stream (the simulator's default ITL).
 pub const PACED_ITL: Duration = Duration::from_millis(10);
-const PACED_CHUNKS: usize = CHUNKS;
 
 /// A running engine: its port, and its process when it is one (killed on drop).
 pub struct Engine {
@@ -143,20 +142,36 @@ async fn completions(body: axum::body::Bytes) -> Response {
         .unwrap()
 }
 
-/// A decode stream paced like a real engine: a chunk at once, then one every PACED_ITL.
+/// The `max_tokens` of a benchmark request body (written by the bench without spaces).
+fn max_tokens(body: &[u8]) -> usize {
+    const KEY: &[u8] = b"\"max_tokens\":";
+    body.windows(KEY.len())
+        .position(|w| w == KEY)
+        .map(|at| {
+            body[at + KEY.len()..]
+                .iter()
+                .take_while(|b| b.is_ascii_digit())
+                .fold(0, |n, d| n * 10 + usize::from(d - b'0'))
+        })
+        .unwrap_or(CHUNKS)
+}
+
+/// A decode stream paced like a real engine: a chunk at once, then one every PACED_ITL,
+/// `max_tokens` chunks in all, then `data: [DONE]`.
 async fn paced(body: axum::body::Bytes) -> Response {
     if body.windows(14).any(|w| w == b"\"stream\":false") {
         return completions(body).await;
     }
+    let tokens = max_tokens(&body);
     let chunk = "data: {\"id\":\"b\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\" a\",\"finish_reason\":null}]}\n\n";
     let stream = futures_util::stream::unfold(0usize, move |i| async move {
-        if i > PACED_CHUNKS {
+        if i > tokens {
             return None;
         }
         if i > 0 {
             tokio::time::sleep(PACED_ITL).await;
         }
-        let bytes = if i == PACED_CHUNKS {
+        let bytes = if i == tokens {
             "data: [DONE]\n\n"
         } else {
             chunk
