@@ -700,6 +700,34 @@ async fn a_client_leaving_mid_stream_cancels_the_decode_leg() {
     assert!(eventually(WAIT, || async { proxy.metric(&in_flight).await == 0.0 }).await);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_closing_after_done_completed_even_if_decode_lingers() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    d.behave(Behavior::LingerAfterDone(Duration::from_secs(5)));
+    let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &[])).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    let mut stream = resp.bytes_stream();
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("data: [DONE]") {
+        let chunk = stream.next().await.expect("stream ended before [DONE]");
+        seen.extend_from_slice(&chunk.unwrap());
+    }
+    drop(stream);
+    let ok = "pdctl_proxy_requests_total{route=\"/v1/completions\",status=\"200\"}";
+    assert!(
+        eventually(WAIT, || async { proxy.metric(ok).await == 1.0 }).await,
+        "a stream read to [DONE] was not counted as a success"
+    );
+    assert_eq!(
+        proxy.metric("pdctl_proxy_client_disconnects_total").await,
+        0.0
+    );
+    let gone = "pdctl_proxy_requests_total{route=\"/v1/completions\",status=\"499\"}";
+    assert_eq!(proxy.metric(gone).await, 0.0);
+}
+
 // ---------------------------------------------------------------- routing
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -162,6 +162,21 @@ impl Relay {
     }
 }
 
+impl Relay {
+    /// Notes a chunk handed to the client. Once the last event is `[DONE]` the client has
+    /// the whole answer: a client that closes then (most do, at once) completed, it did not
+    /// disconnect, even if decode has not closed its end yet.
+    fn push(&mut self, chunk: &[u8]) {
+        self.end.push(chunk);
+        if self.end.is_done() {
+            self.rec.outcome = Outcome::Complete;
+        } else if self.rec.outcome == Outcome::Complete {
+            // Events after [DONE]: not complete after all.
+            self.rec.outcome = Outcome::Pending;
+        }
+    }
+}
+
 impl Stream for Relay {
     type Item = Result<Bytes, std::convert::Infallible>;
 
@@ -172,7 +187,7 @@ impl Stream for Relay {
         }
         if let Some(first) = this.first.take() {
             this.rec.first_byte_sent();
-            this.end.push(&first);
+            this.push(&first);
             return Poll::Ready(Some(Ok(first)));
         }
         if this.deadline.as_mut().poll(cx).is_ready() {
@@ -184,7 +199,7 @@ impl Stream for Relay {
                 Poll::Pending => Poll::Pending,
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(chunk) => {
-                        this.end.push(&chunk);
+                        this.push(&chunk);
                         Poll::Ready(Some(Ok(chunk)))
                     }
                     Err(_trailers) => continue,

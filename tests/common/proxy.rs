@@ -37,6 +37,8 @@ pub enum Behavior {
     Delay(Duration),
     /// Answers a nixl prefill without kv_transfer_params (as vLLM does after an early EOS).
     NoKvParams,
+    /// Streams normally, then keeps the connection open this long after `[DONE]`.
+    LingerAfterDone(Duration),
 }
 
 /// One generation request a fake engine received.
@@ -326,6 +328,9 @@ async fn generate(
             let _ = tx.send(Ok(sse(&usage))).await;
         }
         let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+        if let Behavior::LingerAfterDone(d) = &behavior {
+            tokio::time::sleep(*d).await;
+        }
         tracker.finish();
     });
     Response::builder()
