@@ -87,6 +87,14 @@ async fn figures_match_the_configured_latencies() {
         table.contains("Median TTFT (ms):") && table.contains("Successful requests:"),
         "{table}"
     );
+    // One stream at a time over kept-alive connections: the TTFT above is the engine's,
+    // not eight TCP handshakes, and the engine saw no client hang up after [DONE].
+    let conns = sim.metric("pdctl_sim_connections_accepted_total").await;
+    assert!(
+        (1.0..=4.0).contains(&conns),
+        "{conns} connections for 8 sequential requests (+ probes, + this scrape)"
+    );
+    assert_eq!(sim.metric("pdctl_sim_requests_aborted_total").await, 0.0);
 }
 
 /// Repeating one context on one engine: the cache figures come from the engine's /metrics

@@ -490,6 +490,7 @@ async fn it_says_it_is_a_simulator_and_exposes_vllm_metric_names() {
         "pdctl_sim_kv_handoffs_sent_total",
         "pdctl_sim_kv_blocks_held",
         "pdctl_sim_requests_aborted_total",
+        "pdctl_sim_connections_accepted_total",
     ] {
         assert!(
             simh::metric_in(&text, name).is_some(),

@@ -89,6 +89,9 @@ pub struct Metrics {
     /// KV blocks a prefill keeps for decodes that have not pulled them yet.
     pub blocks_held: AtomicI64,
     pub faults_injected: AtomicU64,
+    /// TCP connections accepted on the API port: a client that reuses its connections keeps
+    /// this far below the number of requests.
+    pub connections_accepted: AtomicU64,
     pub ttft: Histogram,
     pub e2e: Histogram,
 }
@@ -120,6 +123,7 @@ impl Metrics {
             handoffs_expired: AtomicU64::new(0),
             blocks_held: AtomicI64::new(0),
             faults_injected: AtomicU64::new(0),
+            connections_accepted: AtomicU64::new(0),
             ttft: Histogram::new(&TTFT_BUCKETS),
             e2e: Histogram::new(&E2E_BUCKETS),
         }
@@ -278,6 +282,14 @@ impl Metrics {
             "pdctl_sim_faults_injected_total",
             "Requests failed, hung or stalled on purpose (fault injection).",
             c(&self.faults_injected),
+        );
+        // Not per model: a plain counter without the vLLM labels.
+        let _ = writeln!(
+            out,
+            "# HELP pdctl_sim_connections_accepted_total TCP connections accepted on the API port.\n\
+             # TYPE pdctl_sim_connections_accepted_total counter\n\
+             pdctl_sim_connections_accepted_total {}",
+            c(&self.connections_accepted)
         );
         out
     }

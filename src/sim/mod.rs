@@ -147,8 +147,15 @@ pub async fn run(args: SimArgs) -> anyhow::Result<()> {
         tokio::spawn(stats_loop(sim.clone()));
     }
     let app = server::router(sim.clone());
-    let serve = axum::serve(listener.tap_io(|t| drop(t.set_nodelay(true))), app)
-        .with_graceful_shutdown(shutdown_signal());
+    let accepted = sim.clone();
+    let listener = listener.tap_io(move |t| {
+        drop(t.set_nodelay(true));
+        accepted
+            .metrics
+            .connections_accepted
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    });
+    let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown_signal());
     serve.await.context("the HTTP server failed")?;
     tracing::info!("stopped");
     Ok(())
