@@ -25,24 +25,8 @@ fn up_status_logs_down_with_real_etcd_and_mooncake_master_leaves_nothing() {
     plan.services = vec![
         etcd("main", "127.0.0.1", p[0], p[1], &c.root().join("etcd-data")),
         mooncake_master("main", "127.0.0.1", p[2], p[3]),
-        engine(
-            &c,
-            "prefill-0",
-            Role::Prefill,
-            "main",
-            "127.0.0.1",
-            p[4],
-            None,
-        ),
-        engine(
-            &c,
-            "decode-0",
-            Role::Decode,
-            "main",
-            "127.0.0.1",
-            p[5],
-            None,
-        ),
+        local_engine(&c, "prefill-0", Role::Prefill, p[4]),
+        local_engine(&c, "decode-0", Role::Decode, p[5]),
     ];
     for i in [2, 3] {
         plan.services[i].depends_on = vec!["etcd".into(), "mooncake-master".into()];
@@ -181,25 +165,9 @@ fn a_killed_engine_is_restarted_after_its_backoff_and_its_companion_with_it() {
     let c = Cluster::new("restart");
     let p = free_ports(2);
     let mut plan = plan("rst", &[("main", "127.0.0.1")]);
-    let mut prefill = engine(
-        &c,
-        "prefill-0",
-        Role::Prefill,
-        "main",
-        "127.0.0.1",
-        p[0],
-        None,
-    );
+    let mut prefill = local_engine(&c, "prefill-0", Role::Prefill, p[0]);
     prefill.restart_with = vec!["decode-0".into()];
-    let decode = engine(
-        &c,
-        "decode-0",
-        Role::Decode,
-        "main",
-        "127.0.0.1",
-        p[1],
-        None,
-    );
+    let decode = local_engine(&c, "decode-0", Role::Decode, p[1]);
     plan.services = vec![prefill, decode];
     let up = c.up_detached(&plan, &[]);
     assert_eq!(up.status.code(), Some(0), "{}", text(&up));
@@ -259,15 +227,7 @@ fn an_engine_that_keeps_crashing_ends_failed_and_status_says_so() {
     );
     flaky.restart.max_restarts = 2;
     flaky.restart.backoff_initial_ms = 50;
-    let steady = engine(
-        &c,
-        "prefill-0",
-        Role::Prefill,
-        "main",
-        "127.0.0.1",
-        p[1],
-        None,
-    );
+    let steady = local_engine(&c, "prefill-0", Role::Prefill, p[1]);
     plan.services = vec![steady, flaky];
     let up = c.up_detached(&plan, &[]);
     assert_eq!(up.status.code(), Some(0), "{}", text(&up));
@@ -330,15 +290,7 @@ fn an_engine_that_stops_answering_is_restarted_by_its_liveness_probe() {
     let c = Cluster::new("liveness");
     let p = free_ports(1);
     let mut plan = plan("live", &[("main", "127.0.0.1")]);
-    let mut sick = engine(
-        &c,
-        "decode-0",
-        Role::Decode,
-        "main",
-        "127.0.0.1",
-        p[0],
-        None,
-    );
+    let mut sick = local_engine(&c, "decode-0", Role::Decode, p[0]);
     sick.env.insert("SICK_AFTER".into(), "1.5".into());
     plan.services = vec![sick];
     let up = c.up_detached(&plan, &[]);
@@ -369,28 +321,9 @@ fn a_sigkilled_supervisor_leaves_no_orphans_and_the_next_up_cleans_its_state() {
     let c = Cluster::new("sigkill");
     let p = free_ports(2);
     let mut plan = plan("orph", &[("main", "127.0.0.1")]);
-    let mut forking = engine(
-        &c,
-        "prefill-0",
-        Role::Prefill,
-        "main",
-        "127.0.0.1",
-        p[0],
-        None,
-    );
+    let mut forking = local_engine(&c, "prefill-0", Role::Prefill, p[0]);
     forking.env.insert("FORK".into(), "1".into());
-    plan.services = vec![
-        forking,
-        engine(
-            &c,
-            "decode-0",
-            Role::Decode,
-            "main",
-            "127.0.0.1",
-            p[1],
-            None,
-        ),
-    ];
+    plan.services = vec![forking, local_engine(&c, "decode-0", Role::Decode, p[1])];
     let up = c.up_detached(&plan, &[]);
     assert_eq!(up.status.code(), Some(0), "{}", text(&up));
     let state = c.state(&plan, "main");
@@ -437,26 +370,10 @@ fn preflight_reports_a_busy_port_and_a_missing_program_together_and_spawns_nothi
     let busy_port = busy.local_addr().unwrap().port();
     let p = free_ports(1);
     let mut plan = plan("pre", &[("main", "127.0.0.1")]);
-    let mut missing = engine(
-        &c,
-        "decode-0",
-        Role::Decode,
-        "main",
-        "127.0.0.1",
-        p[0],
-        None,
-    );
+    let mut missing = local_engine(&c, "decode-0", Role::Decode, p[0]);
     missing.argv[0] = "vllm-not-installed-here".into();
     plan.services = vec![
-        engine(
-            &c,
-            "prefill-0",
-            Role::Prefill,
-            "main",
-            "127.0.0.1",
-            busy_port,
-            None,
-        ),
+        local_engine(&c, "prefill-0", Role::Prefill, busy_port),
         missing,
     ];
     let out = c.up_detached(&plan, &[]);
@@ -502,15 +419,7 @@ fn a_start_failure_is_reported_fast_with_the_last_log_lines() {
     let c = Cluster::new("startfail");
     let p = free_ports(2);
     let mut plan = plan("sfail", &[("main", "127.0.0.1")]);
-    let mut broken = engine(
-        &c,
-        "decode-0",
-        Role::Decode,
-        "main",
-        "127.0.0.1",
-        p[0],
-        None,
-    );
+    let mut broken = local_engine(&c, "decode-0", Role::Decode, p[0]);
     broken.argv = [
         "sh",
         "-c",
@@ -518,7 +427,7 @@ fn a_start_failure_is_reported_fast_with_the_last_log_lines() {
     ]
     .map(String::from)
     .to_vec();
-    let mut proxy = engine(&c, "proxy", Role::Proxy, "main", "127.0.0.1", p[1], None);
+    let mut proxy = local_engine(&c, "proxy", Role::Proxy, p[1]);
     proxy.depends_on = vec!["decode-0".into()];
     plan.services = vec![broken, proxy];
     let t = Instant::now();
@@ -567,15 +476,7 @@ fn foreground_up_streams_prefixed_logs_and_sigint_takes_the_cluster_down() {
     let c = Cluster::new("foreground");
     let p = free_ports(1);
     let mut plan = plan("fg", &[("main", "127.0.0.1")]);
-    let mut chatty = engine(
-        &c,
-        "prefill-0",
-        Role::Prefill,
-        "main",
-        "127.0.0.1",
-        p[0],
-        None,
-    );
+    let mut chatty = local_engine(&c, "prefill-0", Role::Prefill, p[0]);
     chatty.env.insert("CHATTY".into(), "1".into());
     plan.services = vec![chatty];
     let path = c.write_plan(&plan);
@@ -709,15 +610,7 @@ fn a_second_up_is_refused_and_several_clusters_need_a_name() {
     let c = Cluster::new("twice");
     let p = free_ports(2);
     let mut once = plan("once", &[("main", "127.0.0.1")]);
-    once.services = vec![engine(
-        &c,
-        "prefill-0",
-        Role::Prefill,
-        "main",
-        "127.0.0.1",
-        p[0],
-        None,
-    )];
+    once.services = vec![local_engine(&c, "prefill-0", Role::Prefill, p[0])];
     assert_eq!(c.up_detached(&once, &[]).status.code(), Some(0));
     let again = c.up_detached(&once, &[]);
     assert_eq!(again.status.code(), Some(2), "{}", text(&again));
@@ -728,15 +621,7 @@ fn a_second_up_is_refused_and_several_clusters_need_a_name() {
     );
 
     let mut other = plan("other", &[("main", "127.0.0.1")]);
-    other.services = vec![engine(
-        &c,
-        "decode-0",
-        Role::Decode,
-        "main",
-        "127.0.0.1",
-        p[1],
-        None,
-    )];
+    other.services = vec![local_engine(&c, "decode-0", Role::Decode, p[1])];
     assert_eq!(c.up_detached(&other, &[]).status.code(), Some(0));
     for cmd in [&["status"][..], &["down"], &["logs", "prefill"]] {
         let out = c.run(cmd);
@@ -760,15 +645,7 @@ fn logs_rotate_by_size_and_follow_continues_across_rotations() {
     let c = Cluster::new("rotate");
     let p = free_ports(1);
     let mut plan = plan("rot", &[("main", "127.0.0.1")]);
-    let mut chatty = engine(
-        &c,
-        "prefill-0",
-        Role::Prefill,
-        "main",
-        "127.0.0.1",
-        p[0],
-        None,
-    );
+    let mut chatty = local_engine(&c, "prefill-0", Role::Prefill, p[0]);
     chatty.env.insert("CHATTY".into(), "1".into());
     plan.services = vec![chatty];
     let up = c.up_detached(&plan, &["--log-max-bytes", "2000", "--log-keep", "2"]);

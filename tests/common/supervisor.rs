@@ -339,6 +339,12 @@ pub fn engine(
     s
 }
 
+/// A test engine on node "main" at 127.0.0.1 that runs until stopped: most tests need no
+/// more.
+pub fn local_engine(c: &Cluster, name: &str, role: Role, port: u16) -> Service {
+    engine(c, name, role, "main", "127.0.0.1", port, None)
+}
+
 /// Live (non-zombie) processes carrying `run_id`.
 pub fn marked(run_id: &str) -> Vec<i32> {
     procfs::marked_processes(run_id)
