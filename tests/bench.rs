@@ -63,6 +63,11 @@ async fn figures_match_the_configured_latencies() {
     let r = read_json(&json);
     assert_eq!(r["completed"], 8);
     assert_eq!(r["failed"], 0);
+    // What was run, at the top level as `vllm bench serve` writes it.
+    assert_eq!(r["model"], "sim-model");
+    assert_eq!(r["max_concurrency"], 1);
+    assert_eq!(r["url"], sim.base.as_str());
+    assert!(r["label"].as_str().is_some_and(|l| !l.is_empty()), "{r}");
     assert_eq!(r["total_output_tokens"], 8 * 20);
     let input = r["total_input_tokens"].as_u64().unwrap();
     assert!((8 * 200..=8 * 202).contains(&input), "input tokens {input}");

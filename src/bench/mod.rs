@@ -267,8 +267,13 @@ fn compare(
         .collect::<anyhow::Result<Vec<Report>>>()?;
     // Runs with the same label are told apart by their position.
     for i in 0..runs.len() {
-        if runs.iter().filter(|r| r.label == runs[i].label).count() > 1 {
-            runs[i].label = format!("{} ({})", runs[i].label, (b'A' + i as u8) as char);
+        if runs
+            .iter()
+            .filter(|r| r.run.label == runs[i].run.label)
+            .count()
+            > 1
+        {
+            runs[i].run.label = format!("{} ({})", runs[i].run.label, (b'A' + i as u8) as char);
         }
     }
     let refs: Vec<&Report> = runs.iter().collect();

@@ -142,11 +142,11 @@ pub fn svg(runs: &[&Report]) -> String {
     let ms = |v: &[f64]| v.iter().map(|s| s * 1e3).collect::<Vec<_>>();
     let ttft: Vec<(&str, Vec<f64>)> = runs
         .iter()
-        .map(|r| (r.label.as_str(), ms(&r.ttfts)))
+        .map(|r| (r.run.label.as_str(), ms(&r.ttfts)))
         .collect();
     let e2e: Vec<(&str, Vec<f64>)> = runs
         .iter()
-        .map(|r| (r.label.as_str(), ms(&r.e2els)))
+        .map(|r| (r.run.label.as_str(), ms(&r.e2els)))
         .collect();
     panel(&mut o, 0.0, "Time to first token (CDF)", &ttft);
     panel(&mut o, W, "End-to-end latency (CDF)", &e2e);
@@ -163,7 +163,7 @@ pub fn svg(runs: &[&Report]) -> String {
             r#"<text x="{}" y="{}" font-size="12">{}: median TTFT {:.1} ms, p99 {:.1} ms; median E2E {:.1} ms; {:.1} req/s</text>"#,
             PAD_L + 32.0,
             y + 4.0,
-            escape(&r.label),
+            escape(&r.run.label),
             r.ttft_ms.median,
             r.ttft_ms.p99,
             r.e2el_ms.median,

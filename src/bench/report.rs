@@ -19,15 +19,10 @@ pub struct CacheFigures {
 /// Everything a run measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Report {
-    pub label: String,
-    pub url: String,
-    pub model: String,
-    pub endpoint: String,
-    pub dataset: String,
-    pub strategy: String,
+    /// What was run against what (its fields sit at the top level of the JSON).
+    #[serde(flatten)]
+    pub run: RunInfo,
     pub num_prompts: usize,
-    pub request_rate: Option<f64>,
-    pub max_concurrency: Option<usize>,
     pub duration: f64,
     pub completed: usize,
     pub failed: usize,
@@ -64,7 +59,7 @@ pub struct Report {
 }
 
 /// Describes the run for the report header.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RunInfo {
     pub label: String,
     pub url: String,
@@ -115,15 +110,8 @@ impl Report {
             .iter()
             .fold((0.0, 0.0), |(q, h), c| (q + c.queries, h + c.hits));
         Report {
-            label: info.label,
-            url: info.url,
-            model: info.model,
-            endpoint: info.endpoint,
-            dataset: info.dataset,
-            strategy: info.strategy,
+            run: info,
             num_prompts: outcomes.len(),
-            request_rate: info.request_rate,
-            max_concurrency: info.max_concurrency,
             duration,
             completed: ok.len(),
             failed: outcomes.len() - ok.len(),
@@ -162,7 +150,7 @@ impl Report {
         let line = |o: &mut String, k: &str, v: String| {
             let _ = writeln!(o, "{k:<40}{v:>12}");
         };
-        let _ = writeln!(o, "{:=^52}", format!(" {} ", self.label));
+        let _ = writeln!(o, "{:=^52}", format!(" {} ", self.run.label));
         line(&mut o, "Successful requests:", self.completed.to_string());
         line(&mut o, "Failed requests:", self.failed.to_string());
         line(
@@ -266,7 +254,7 @@ pub fn compare(runs: &[&Report]) -> String {
     let mut o = String::new();
     let _ = write!(o, "{:<32}", "");
     for r in runs {
-        let _ = write!(o, "{:>16}", r.label);
+        let _ = write!(o, "{:>16}", r.run.label);
     }
     if runs.len() == 2 {
         let _ = write!(o, "{:>10}", "B/A");
