@@ -12,7 +12,7 @@ pub fn check(t: &Topology, head: &str) -> Result<(), Problem> {
     check_placements(t)?;
     check_ports(t)?;
     check_engine(t)?;
-    check_connector(t)?;
+    check_connector(t, head)?;
     check_proxy(t)?;
     Ok(())
 }
@@ -237,7 +237,7 @@ fn check_engine(t: &Topology) -> Result<(), Problem> {
     Ok(())
 }
 
-fn check_connector(t: &Topology) -> Result<(), Problem> {
+fn check_connector(t: &Topology, head: &str) -> Result<(), Problem> {
     let c = &t.connector;
     if c.kind == ConnectorKind::P2pNccl {
         return Err(Problem::new(
@@ -260,10 +260,11 @@ fn check_connector(t: &Topology) -> Result<(), Problem> {
         ));
     }
     if c.kind == ConnectorKind::Example && c.shared_storage_path.is_none() {
+        // A role placed nowhere runs on the head node.
         let nodes_of = |r: &RoleSection| -> Vec<String> {
             r.nodes
                 .clone()
-                .unwrap_or_else(|| r.node.iter().cloned().collect())
+                .unwrap_or_else(|| vec![r.node.clone().unwrap_or_else(|| head.to_string())])
         };
         let mut all = nodes_of(&t.prefill);
         all.extend(nodes_of(&t.decode));
