@@ -236,6 +236,45 @@ fn mooncake_store_alone_on_v1_warns_that_decode_can_miss() {
     assert!(!v0.warnings.iter().any(|w| w.contains("decode can miss")));
 }
 
+/// `connector.extra_config` reaches vLLM as kv_connector_extra_config with every connector
+/// and version that has the field (the V0 templates once dropped it without a word).
+#[test]
+fn extra_config_reaches_every_connector_that_can_take_it() {
+    for (kind, version) in [
+        ("lmcache", "0.9.2"),
+        ("lmcache", "0.11.0"),
+        ("mooncake-store", "0.9.2"),
+        ("mooncake-store", "0.21.0"),
+        ("mooncake-te", "0.9.2"),
+        ("example", "0.13.0"),
+        ("nixl", "0.11.0"),
+        ("mooncake", "0.21.0"),
+    ] {
+        let text = format!(
+            "[model]\nname = \"/m\"\n[engine]\nkind = \"vllm\"\n[connector]\nkind = \"{kind}\"\n[connector.extra_config]\nmy_key = 7\n"
+        );
+        let plan = try_plan_text(&text, version, 2)
+            .unwrap_or_else(|e| panic!("{kind} on {version} does not plan: {e}"));
+        for s in plan
+            .services
+            .iter()
+            .filter(|s| s.name.starts_with("prefill") || s.name.starts_with("decode"))
+        {
+            let at = s
+                .argv
+                .iter()
+                .position(|a| a == "--kv-transfer-config")
+                .unwrap();
+            let cfg: Value = serde_json::from_str(&s.argv[at + 1]).unwrap();
+            assert_eq!(
+                cfg["kv_connector_extra_config"]["my_key"], 7,
+                "{kind} on vLLM {version}, {}: {cfg}",
+                s.name
+            );
+        }
+    }
+}
+
 fn env_of<'a>(plan: &'a Plan, service: &str, key: &str) -> Option<&'a str> {
     let s = plan.services.iter().find(|s| s.name == service).unwrap();
     s.env.get(key).map(String::as_str)

@@ -85,7 +85,12 @@ impl Connector for Lmcache {
                 json!({}),
             );
         } else {
-            launch.kv_transfer_config = json!({ "kv_connector": "LMCacheConnector", "kv_role": producer_consumer(inst.role) });
+            launch.kv_transfer_config = transfer_config(
+                &cx.topology.connector,
+                "LMCacheConnector",
+                producer_consumer(inst.role),
+                json!({}),
+            );
             launch.env.insert("VLLM_USE_V1".into(), "0".into());
             launch
                 .env

@@ -201,6 +201,24 @@ pub fn check_version(conn: &dyn Connector, v: &Version) -> Result<(), Problem> {
     )))
 }
 
+/// vLLM that reads `kv_connector_extra_config`: the field came with 0.8.0.
+const EXTRA_CONFIG: VersionRange = VersionRange::from((0, 8, 0));
+
+/// Fails when the topology sets `connector.extra_config` for a vLLM without the field it is
+/// passed in (vLLM would refuse to start on the unknown key).
+pub fn check_extra_config(c: &ConnectorSection, v: &Version) -> Result<(), Problem> {
+    if c.extra_config.is_empty() || EXTRA_CONFIG.contains(v) {
+        return Ok(());
+    }
+    Err(Problem::new(
+        "connector.extra_config",
+        format!(
+            "vLLM {v} has no kv_connector_extra_config to pass these keys in (it came with 0.8.0)"
+        ),
+    )
+    .hint("remove connector.extra_config, or pin engine.vllm_version to 0.8.0 or later"))
+}
+
 /// `kv_producer` for prefill, `kv_consumer` for decode.
 fn producer_consumer(role: Role) -> &'static str {
     if role == Role::Prefill {

@@ -119,7 +119,7 @@ impl Connector for MooncakeStore {
         if !V1.contains(v) {
             launch.env.insert("VLLM_USE_V1".into(), "0".into());
             launch.kv_transfer_config =
-                json!({ "kv_connector": "MooncakeStoreConnector", "kv_role": role });
+                transfer_config(c, "MooncakeStoreConnector", role, json!({}));
         } else if c.multi {
             let store = transfer_config(c, "MooncakeStoreConnector", "kv_both", json!({}));
             let p2p = super::mooncake::v1_config(c, inst.role);

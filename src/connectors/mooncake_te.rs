@@ -106,14 +106,17 @@ impl Connector for MooncakeTe {
             "device_name": c.device_name,
         });
         let path = cx.files_dir.join("mooncake-te.json");
+        let mut kv = transfer_config(
+            c,
+            "MooncakeConnector",
+            producer_consumer(inst.role),
+            json!({}),
+        );
+        kv["kv_rank"] = json!(rank);
+        kv["kv_parallel_size"] = json!(2);
+        kv["kv_buffer_size"] = json!(2e9);
         let mut launch = Launch {
-            kv_transfer_config: json!({
-                "kv_connector": "MooncakeConnector",
-                "kv_role": producer_consumer(inst.role),
-                "kv_rank": rank,
-                "kv_parallel_size": 2,
-                "kv_buffer_size": 2e9,
-            }),
+            kv_transfer_config: kv,
             ..Launch::default()
         };
         launch

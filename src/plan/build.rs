@@ -63,6 +63,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     };
     if let Some(v) = &version {
         connectors::check_version(conn, v)?;
+        connectors::check_extra_config(&t.connector, v)?;
     }
     conn.check(t, version.as_ref())?;
     let needs = conn.needs(&t.connector, version.as_ref());
