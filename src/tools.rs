@@ -86,13 +86,16 @@ impl MissingProgram {
 
 impl std::fmt::Display for MissingProgram {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let order = if self.program.starts_with("python") {
+            format!("PATH, PDCTL_TOOLS_PATH, {SYSTEM_VENV}/bin, ~/.local/share/pdctl/venv/bin")
+        } else {
+            format!("PDCTL_TOOLS_PATH, {SYSTEM_VENV}/bin, ~/.local/share/pdctl/venv/bin, PATH")
+        };
         write!(
             f,
-            "{}: program `{}` not found in {} (searched PDCTL_TOOLS_PATH, {}/bin, ~/.local/share/pdctl/venv/bin, PATH): {}",
+            "{}: program `{}` not found (searched {order}): {}",
             self.service,
             self.program,
-            self.program,
-            SYSTEM_VENV,
             self.hint()
         )
     }

@@ -168,6 +168,9 @@ pub(super) fn port_key(service: &str, port_name: &str) -> String {
         ("lmcache-server", _) => "lmcache_server.port".into(),
         ("proxy", _) => "proxy.port".into(),
         (_, "http") => format!("{role}.base_port"),
+        (_, "bootstrap") => "connector.bootstrap_port".into(),
+        (_, "transfer engine") => "connector.te_port".into(),
+        (_, n) if n.starts_with("side-channel") => "connector.side_channel_port".into(),
         _ => "connector".into(),
     }
 }
