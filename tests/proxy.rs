@@ -316,6 +316,43 @@ async fn mooncake_prefill_failure_cancels_the_waiting_decode_and_answers_an_erro
     assert_eq!(p.state.bootstrap_queries.load(Ordering::SeqCst), 2);
 }
 
+/// Mooncake sends decode at once; when decode streams before prefill has answered and
+/// prefill then fails, the failure is still the prefill instance's: counted against it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mooncake_prefill_failing_after_decode_streams_is_counted_against_prefill() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    p.behave(Behavior::DelayedStatus(
+        Duration::from_millis(300),
+        500,
+        json!({"error": {"message": "KV pool exhausted"}}),
+    ));
+    let release = Arc::new(Notify::new());
+    d.behave(Behavior::Hold(release.clone()));
+    let boot = p.bootstrap_port.to_string();
+    let args = proxy_args(
+        &[&p],
+        &[&d],
+        &["--protocol", "mooncake", "--bootstrap-port", &boot],
+    );
+    let proxy = ProxyProcess::start(&args).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    stream.next().await.unwrap().unwrap();
+    let errors = format!(
+        "pdctl_proxy_instance_errors_total{{leg=\"prefill\",instance=\"{}\",kind=\"status_5xx\"}}",
+        p.url
+    );
+    assert!(
+        eventually(WAIT, || async { proxy.metric(&errors).await == 1.0 }).await,
+        "the prefill failure behind a streaming decode went uncounted"
+    );
+    release.notify_one();
+    while stream.next().await.is_some() {}
+}
+
 // ---------------------------------------------------------------- failures
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

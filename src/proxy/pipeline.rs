@@ -145,7 +145,12 @@ async fn concurrent(
                                 if let Answer::Stream { keep, .. } = &mut answer
                                     && !prefill_done
                                 {
-                                    keep.prefill = Some(background);
+                                    keep.prefill = Some(watch_background_prefill(
+                                        proxy.clone(),
+                                        prefill.clone(),
+                                        background,
+                                        req.id.clone(),
+                                    ));
                                 }
                                 return Ok(answer);
                             }
@@ -172,6 +177,33 @@ async fn concurrent(
         retrying(proxy, req, rec, leg, &inst, &f, attempt).await;
         attempt += 1;
     }
+}
+
+/// Keeps a prefill that is still running once decode's stream has begun: its failure is
+/// still the instance's (counted, logged, its engine id forgotten), and it is cancelled
+/// when the stream is dropped, since dropping the watcher drops `background`.
+fn watch_background_prefill(
+    proxy: Arc<Proxy>,
+    inst: Arc<Instance>,
+    mut background: AbortOnDrop,
+    request_id: String,
+) -> AbortOnDrop {
+    AbortOnDrop(tokio::spawn(async move {
+        let result = match (&mut background.0).await {
+            Ok(r) => r,
+            Err(e) => Err(LegFailure::Body(format!("prefill task ended: {e}"))),
+        };
+        if let Err(f) = &result {
+            note_failure(&inst, f);
+            proxy.protocol.forget(&inst);
+            tracing::warn!(
+                request_id = %request_id,
+                "prefill leg on {} failed while decode was already streaming: {f}",
+                inst.url
+            );
+        }
+        result
+    }))
 }
 
 /// The bytes of a leg body (`None`: the client's own bytes).
