@@ -1163,8 +1163,18 @@ fn the_official_openai_client_works_against_the_sim() {
         eprintln!("skipped: PDCTL_SKIP_PYTHON_TESTS=1");
         return;
     }
-    let python =
-        std::env::var("PDCTL_TEST_PYTHON").unwrap_or_else(|_| "/opt/pdctl/venv/bin/python".into());
+    // install.sh's tools venv: system-wide as root, per user otherwise.
+    let python = std::env::var("PDCTL_TEST_PYTHON").unwrap_or_else(|_| {
+        let system = format!("{}/bin/python", pdctl::tools::SYSTEM_VENV);
+        let user = std::env::var("HOME")
+            .map(|h| format!("{h}/.local/share/pdctl/venv/bin/python"))
+            .unwrap_or_default();
+        if std::path::Path::new(&system).exists() || user.is_empty() {
+            system
+        } else {
+            user
+        }
+    });
     let probe = std::process::Command::new(&python)
         .args(["-c", "import openai"])
         .output();
