@@ -43,7 +43,8 @@ elif command -v sudo >/dev/null 2>&1; then
   SUDO="sudo -n"
   $SUDO true 2>/dev/null || fail "this needs root for Debian packages: run it as root, or allow passwordless sudo"
   VENV="${HOME}/.local/share/pdctl/venv"
-  BIN_DIR="${HOME}/.local/bin"
+  # /usr/local/bin (through sudo) is on PATH in this very shell, so `pdctl up` works next.
+  BIN_DIR=/usr/local/bin
 else
   fail "this needs root for Debian packages (apt-get): run it as root or install sudo"
 fi
@@ -53,6 +54,8 @@ fi
 # shared libraries mooncake_master links against (also on machines without RDMA).
 PKGS=(etcd-server etcd-client libibverbs1 libnuma1 libcurl4 ca-certificates)
 python3 -c 'import ensurepip, venv' 2>/dev/null || PKGS+=(python3-venv)
+# cargo needs a C linker to build pdctl and its tests; a minimal Debian has none.
+command -v cc >/dev/null || PKGS+=(gcc libc6-dev)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -67,6 +70,14 @@ else
   step "Debian packages already installed: ${PKGS[*]}"
 fi
 command -v etcd >/dev/null || fail "etcd is still not on PATH after installing etcd-server"
+
+# pdctl needs Rust 1.85 (edition 2024); Debian 12's own cargo is older.
+if command -v cargo >/dev/null; then
+  cargo_version=$(cargo --version | awk '{print $2}')
+  if [ "$(printf '%s\n1.85.0\n' "$cargo_version" | sort -V | head -n1)" != "1.85.0" ]; then
+    fail "cargo $cargo_version is too old: pdctl needs Rust 1.85 or later (rustup update, or get it from https://rustup.rs)"
+  fi
+fi
 
 # Debian starts its own etcd on port 2379, which pdctl's topologies use by default.
 if [ "$KEEP_SYSTEM_ETCD" -eq 0 ] && command -v systemctl >/dev/null 2>&1 \
