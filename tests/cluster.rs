@@ -254,7 +254,12 @@ async fn proxy_limits_from_the_topology_answer_429() {
         let (url, slow) = (url.clone(), slow.clone());
         async move { post(&url, &slow).await }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The first one holds the only slot (a 25-token stream at 40 ms a token) once counted.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&up.proxy, "pdctl_proxy_requests_in_flight").await < 1.0 {
+        assert!(Instant::now() < deadline, "the first request never got in");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let r = client().post(&url).json(&slow).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 429);
     assert!(r.headers().contains_key("retry-after"));
