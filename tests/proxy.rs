@@ -55,6 +55,9 @@ fn ids(events: &[String]) -> Vec<Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_step_prefills_a_one_token_copy_then_streams_the_original_from_decode() {
     let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    // Prefill takes a while to answer: decode must not be asked before it has.
+    let prefill_time = Duration::from_millis(200);
+    p.behave(Behavior::Delay(prefill_time));
     let proxy = ProxyProcess::start(&proxy_args(&[&p], &[&d], &[])).await;
     let original = json!({
         "model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
@@ -96,7 +99,11 @@ async fn two_step_prefills_a_one_token_copy_then_streams_the_original_from_decod
         dr[0].body, original,
         "decode gets the original request unchanged"
     );
-    assert!(dr[0].at >= pr[0].at, "decode only after prefill");
+    assert!(
+        dr[0].at >= pr[0].at + prefill_time,
+        "decode was asked {:?} after prefill, before prefill answered",
+        dr[0].at - pr[0].at
+    );
     assert_eq!(pr[0].header("x-request-id").unwrap(), request_id);
     assert_eq!(dr[0].header("x-request-id").unwrap(), request_id);
 

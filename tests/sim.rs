@@ -1107,8 +1107,6 @@ async fn client_disconnect_aborts_the_request() {
         .send()
         .await;
     assert!(r.is_err());
-    let mut stream_body = body.clone();
-    stream_body["stream"] = json!(true);
     let mut r = client().post(sim.url("/v1/chat/completions")).json(&json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stream": true})).send().await.unwrap();
     assert!(r.chunk().await.unwrap().is_some());
     drop(r);

@@ -4,7 +4,7 @@
 
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 /// The pdctl binary cargo built for these tests.
@@ -43,14 +43,6 @@ pub fn free_ports(n: usize) -> Vec<u16> {
 pub struct ChildGuard(pub Child);
 
 impl ChildGuard {
-    /// Spawns `cmd` with stdout/stderr discarded unless PDCTL_TEST_VERBOSE is set.
-    pub fn spawn(mut cmd: Command) -> ChildGuard {
-        if std::env::var_os("PDCTL_TEST_VERBOSE").is_none() {
-            cmd.stdout(Stdio::null()).stderr(Stdio::null());
-        }
-        ChildGuard(cmd.spawn().expect("spawn child process"))
-    }
-
     pub fn pid(&self) -> u32 {
         self.0.id()
     }
