@@ -107,6 +107,17 @@ fn value_name<T: clap::ValueEnum>(v: T) -> String {
         .unwrap_or_default()
 }
 
+/// Runs that share a label get their position among the files after it (`x (#1)`,
+/// `x (#3)`), so every column and plot line can be told apart.
+fn distinguish_labels(runs: &mut [Report]) {
+    let labels: Vec<String> = runs.iter().map(|r| r.run.label.clone()).collect();
+    for (i, r) in runs.iter_mut().enumerate() {
+        if labels.iter().filter(|l| **l == labels[i]).count() > 1 {
+            r.run.label = format!("{} (#{})", labels[i], i + 1);
+        }
+    }
+}
+
 fn default_label(a: &BenchArgs) -> String {
     match a.dataset {
         args::DatasetKind::Prefix => format!("prefix/{}", value_name(a.strategy)),
@@ -265,17 +276,7 @@ fn compare(
         .iter()
         .map(|f| load(f))
         .collect::<anyhow::Result<Vec<Report>>>()?;
-    // Runs with the same label are told apart by their position.
-    for i in 0..runs.len() {
-        if runs
-            .iter()
-            .filter(|r| r.run.label == runs[i].run.label)
-            .count()
-            > 1
-        {
-            runs[i].run.label = format!("{} ({})", runs[i].run.label, (b'A' + i as u8) as char);
-        }
-    }
+    distinguish_labels(&mut runs);
     let refs: Vec<&Report> = runs.iter().collect();
     print!("{}", report::compare(&refs));
     if let Some(path) = plot {
@@ -284,4 +285,25 @@ fn compare(
         eprintln!("plot written to {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(label: &str) -> Report {
+        let info = RunInfo {
+            label: label.into(),
+            ..RunInfo::default()
+        };
+        Report::from_outcomes(info, &[], 1.0, Vec::new())
+    }
+
+    #[test]
+    fn runs_sharing_a_label_all_get_their_position() {
+        let mut runs = vec![run("x"), run("y"), run("x"), run("x")];
+        distinguish_labels(&mut runs);
+        let labels: Vec<&str> = runs.iter().map(|r| r.run.label.as_str()).collect();
+        assert_eq!(labels, ["x (#1)", "y", "x (#3)", "x (#4)"]);
+    }
 }
