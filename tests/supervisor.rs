@@ -210,6 +210,41 @@ fn a_killed_engine_is_restarted_after_its_backoff_and_its_companion_with_it() {
     assert_eq!(c.run(&["down"]).status.code(), Some(0));
 }
 
+/// Two services restarted together (`restart_with` both ways) that both keep crashing:
+/// restarting one along with the other must not wipe its crash count, or neither would
+/// ever reach the crash-loop limit.
+#[test]
+fn coupled_services_that_keep_crashing_both_end_failed() {
+    let c = Cluster::new("coupledloop");
+    let p = free_ports(2);
+    let mut plan = plan("cpl", &[("main", "127.0.0.1")]);
+    let mut services = Vec::new();
+    for (i, (name, role, other)) in [
+        ("prefill-0", Role::Prefill, "decode-0"),
+        ("decode-0", Role::Decode, "prefill-0"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut s = engine(&c, name, role, "main", "127.0.0.1", p[i], Some(0.6));
+        s.restart.max_restarts = 2;
+        s.restart.backoff_initial_ms = 50;
+        s.restart_with = vec![other.into()];
+        services.push(s);
+    }
+    plan.services = services;
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        r.services.iter().all(|s| s.state == ServiceState::Failed)
+    });
+    assert!(
+        r.services.iter().all(|s| s.state == ServiceState::Failed),
+        "a coupled crash loop was never stopped: {r:?}"
+    );
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
+
 #[test]
 fn an_engine_that_keeps_crashing_ends_failed_and_status_says_so() {
     let c = Cluster::new("crashloop");

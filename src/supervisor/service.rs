@@ -287,9 +287,12 @@ impl Task {
                     .console
                     .event(&format!("restarting {name}: {reason}"));
                 if cascade {
+                    // Asked for by a person: a fresh start, crash history forgotten. A
+                    // companion's restart (no cascade) keeps it, or two coupled services
+                    // that crash in turn would wipe each other's count forever.
                     self.restart_companions();
+                    self.tracker.reset();
                 }
-                self.tracker.reset();
                 Next::Start
             }
             RunEnd::StartTimeout(probe_why) if !self.ever_healthy => self.fail(format!(
