@@ -253,8 +253,11 @@ impl RecordWriter {
         self.record.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Writes the record with its lock held, so two services' updates cannot interleave:
+    /// an older copy landing after a newer one would leave a live child out of the file.
     fn flush(&self) -> std::io::Result<()> {
-        let bytes = serde_json::to_vec_pretty(&*self.lock()).expect("records serialize");
+        let record = self.lock();
+        let bytes = serde_json::to_vec_pretty(&*record).expect("records serialize");
         write_atomic(&self.path, &bytes)
     }
 
@@ -305,6 +308,37 @@ mod tests {
         assert!(read_record(&s).unwrap().unwrap().children.is_empty());
         s.remove_runtime();
         assert!(read_record(&s).unwrap().is_none());
+        let _ = std::fs::remove_dir_all(&s.dir);
+    }
+
+    #[test]
+    fn concurrent_updates_leave_every_live_child_in_the_file() {
+        let s = temp_state("concurrent");
+        let w = std::sync::Arc::new(
+            RecordWriter::create(&s, RunRecord::new_for_this_process("c3", "main")).unwrap(),
+        );
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let (w, state) = (w.clone(), StateDir::new(s.dir.clone()));
+                std::thread::spawn(move || {
+                    for i in 0..200 {
+                        let name = format!("svc-{t}-{i}");
+                        w.child_started(&name, 1);
+                        // Whole every time: writers never leave a torn file behind.
+                        read_record(&state).expect("a readable record");
+                        w.child_gone(&name);
+                    }
+                    w.child_started(&format!("live-{t}"), 1);
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let r = read_record(&s).unwrap().unwrap();
+        let names: Vec<&String> = r.children.keys().collect();
+        assert_eq!(names.len(), 8, "{names:?}");
+        assert!(names.iter().all(|n| n.starts_with("live-")), "{names:?}");
         let _ = std::fs::remove_dir_all(&s.dir);
     }
 
