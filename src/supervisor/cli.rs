@@ -339,7 +339,7 @@ pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
     let plan = read_plan(&state.plan_path())?;
     let lock = match a.lock_fd {
         // SAFETY: `up -d` passes the descriptor of the lock it holds, for us to own.
-        Some(fd) => unsafe { ClusterLock::adopt(fd) }?,
+        Some(fd) => unsafe { ClusterLock::adopt(fd, state.lock_path()) }?,
         None => state.lock().map_err(usage_if)?,
     };
     let opts = RunOptions {

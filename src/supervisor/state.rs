@@ -75,7 +75,7 @@ impl StateDir {
             .open(&path)
             .map_err(|e| SupervisorError::io("open the cluster lock", &path, e))?;
         match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(lock) => Ok(ClusterLock(lock)),
+            Ok(lock) => Ok(ClusterLock { lock, path }),
             Err((_, nix::errno::Errno::EWOULDBLOCK)) => Err(SupervisorError::AlreadyRunning {
                 dir: self.dir.clone(),
                 pid: read_record(self).ok().flatten().map(|r| r.supervisor_pid),
@@ -101,35 +101,39 @@ pub const SUPERVISOR_LOG_NAME: &str = "supervisor";
 
 /// The exclusive flock on `<state_dir>/lock`; released when the holding process exits.
 #[derive(Debug)]
-pub struct ClusterLock(Flock<File>);
+pub struct ClusterLock {
+    lock: Flock<File>,
+    /// For error messages.
+    path: PathBuf,
+}
 
 impl ClusterLock {
     /// Lets a child process inherit the lock: clears close-on-exec and leaks this handle
     /// so dropping it never unlocks the open file the child now shares. Returns the fd.
     pub fn hand_off(self) -> Result<RawFd, SupervisorError> {
         use nix::fcntl::{FcntlArg, FdFlag, fcntl};
-        let fd = self.0.as_raw_fd();
-        fcntl(&*self.0, FcntlArg::F_SETFD(FdFlag::empty())).map_err(|e| {
-            SupervisorError::io("pass the cluster lock on", Path::new("lock"), e.into())
-        })?;
+        let fd = self.lock.as_raw_fd();
+        fcntl(&*self.lock, FcntlArg::F_SETFD(FdFlag::empty()))
+            .map_err(|e| SupervisorError::io("pass the cluster lock on", &self.path, e.into()))?;
         std::mem::forget(self);
         Ok(fd)
     }
 
-    /// Adopts a lock inherited from `up -d` as file descriptor `fd`.
+    /// Adopts a lock inherited from `up -d` as file descriptor `fd`, an open description
+    /// of `path`.
     ///
     /// # Safety
     /// `fd` must be an open descriptor of the lock file that this process owns.
-    pub unsafe fn adopt(fd: RawFd) -> Result<ClusterLock, SupervisorError> {
+    pub unsafe fn adopt(fd: RawFd, path: PathBuf) -> Result<ClusterLock, SupervisorError> {
         use nix::fcntl::{FcntlArg, FdFlag, fcntl};
         // SAFETY: the caller passes a descriptor it owns.
         let file = unsafe { File::from_raw_fd(fd) };
         let _ = fcntl(&file, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC));
         match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(lock) => Ok(ClusterLock(lock)),
+            Ok(lock) => Ok(ClusterLock { lock, path }),
             Err((_, errno)) => Err(SupervisorError::io(
                 "take over the cluster lock",
-                Path::new("lock"),
+                &path,
                 std::io::Error::from(errno),
             )),
         }
