@@ -164,11 +164,7 @@ impl Stages {
             .text()
             .await
             .expect("metrics text");
-        let value = |name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
+        let value = |name: &str| pdctl::prometheus::sum(&text, &[name]).unwrap_or(0.0);
         let histogram = |name: &str| {
             (
                 value(&format!("pdctl_proxy_{name}_sum")),

@@ -13,6 +13,7 @@ pub mod control;
 pub mod gpu;
 pub mod plan;
 pub mod profiles;
+pub mod prometheus;
 pub mod proxy;
 pub mod sim;
 pub mod supervisor;

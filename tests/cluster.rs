@@ -106,7 +106,7 @@ async fn metric(base: &str, name: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    pdctl::bench::engines::counter(&text, name).unwrap_or_else(|| panic!("{base} has no {name}"))
+    pdctl::prometheus::sum(&text, &[name]).unwrap_or_else(|| panic!("{base} has no {name}"))
 }
 
 async fn post(url: &str, body: &Value) -> (u16, String, String) {

@@ -4,30 +4,9 @@
 use super::report::CacheFigures;
 use std::time::Duration;
 
-/// Sums the samples of `name` (any labels) in Prometheus text.
-pub fn counter(text: &str, name: &str) -> Option<f64> {
-    let mut found = false;
-    let mut sum = 0.0;
-    for line in text.lines() {
-        if line.starts_with('#') {
-            continue;
-        }
-        let Some(rest) = line.strip_prefix(name) else {
-            continue;
-        };
-        if !(rest.starts_with('{') || rest.starts_with(' ')) {
-            continue;
-        }
-        let value = rest
-            .rsplit(' ')
-            .find(|s| !s.is_empty())
-            .and_then(|v| v.parse::<f64>().ok());
-        if let Some(v) = value {
-            sum += v;
-            found = true;
-        }
-    }
-    found.then_some(sum)
+/// The sum of the samples of `name` (any labels) in Prometheus text.
+fn counter(text: &str, name: &str) -> Option<f64> {
+    crate::prometheus::sum(text, &[name])
 }
 
 /// (queries, hits) of one engine: vLLM V1 names, else the V0 `gpu_` ones.

@@ -4,6 +4,7 @@
 
 pub use super::histogram::Histogram;
 use super::instances::{FailureKind, Leg, Pools};
+use crate::prometheus::header;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
@@ -225,16 +226,19 @@ impl Metrics {
             &mut o,
             &format!("{p}_prefill_duration_seconds"),
             "Prefill leg: sent until its answer was complete.",
+            "",
         );
         self.decode_ttft.render(
             &mut o,
             &format!("{p}_decode_ttft_seconds"),
             "Decode leg: sent until its first byte.",
+            "",
         );
         self.ttft.render(
             &mut o,
             &format!("{p}_ttft_seconds"),
             "End to end: client request received until the first byte was sent back.",
+            "",
         );
 
         header(
@@ -329,10 +333,6 @@ impl Metrics {
         );
         o
     }
-}
-
-fn header(o: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
 #[cfg(test)]

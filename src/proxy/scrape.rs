@@ -7,6 +7,7 @@
 
 use super::Proxy;
 use super::instances::Leg;
+use crate::prometheus::sum;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,46 +22,12 @@ pub const MISS_ENGINE_REPORTED: &str = "engine_reported";
 /// Sums the load gauges over every label set in a Prometheus text exposition; None when
 /// neither gauge is present (not a vLLM-compatible engine).
 pub fn engine_load(text: &str) -> Option<u32> {
-    sum_series(text, &LOAD_GAUGES).map(|v| v.max(0.0).round() as u32)
+    sum(text, &LOAD_GAUGES).map(|v| v.max(0.0).round() as u32)
 }
 
 /// The engine's own count of KV handoffs it gave up on, if it exposes one.
 pub fn engine_misses(text: &str) -> Option<u64> {
-    sum_series(text, &MISS_COUNTERS).map(|v| v.max(0.0).round() as u64)
-}
-
-/// Sums every sample of the named series (any labels); None when none is present.
-fn sum_series(text: &str, names: &[&str]) -> Option<f64> {
-    let mut total = 0.0;
-    let mut found = false;
-    for line in text.lines() {
-        let line = line.trim();
-        if line.starts_with('#') {
-            continue;
-        }
-        let is_load_gauge = names.iter().any(|g| {
-            line.strip_prefix(*g)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        });
-        if !is_load_gauge {
-            continue;
-        }
-        // The value follows the (optional) label set; a timestamp may follow the value.
-        let after_labels = match line.rfind('}') {
-            Some(i) => &line[i + 1..],
-            None => line.split_once(' ').map_or("", |(_, v)| v),
-        };
-        if let Some(v) = after_labels
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-            && v.is_finite()
-        {
-            total += v;
-            found = true;
-        }
-    }
-    found.then_some(total)
+    sum(text, &MISS_COUNTERS).map(|v| v.max(0.0).round() as u64)
 }
 
 /// Scrapes every instance every `interval`, forever.

@@ -1,9 +1,9 @@
 //! The simulator's counters, all atomics (no lock on the request path), rendered in
 //! Prometheus text format under vLLM's metric names plus `pdctl_sim_*` ones.
 
+use crate::prometheus::{Histogram, header};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
-use std::time::Duration;
 
 /// vLLM's buckets for time to first token, in seconds.
 const TTFT_BUCKETS: [f64; 22] = [
@@ -15,49 +15,6 @@ const E2E_BUCKETS: [f64; 21] = [
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
 ];
-
-/// A Prometheus histogram with fixed buckets, lock-free.
-pub struct Histogram {
-    bounds: &'static [f64],
-    counts: Vec<AtomicU64>,
-    sum_micros: AtomicU64,
-    count: AtomicU64,
-}
-
-impl Histogram {
-    fn new(bounds: &'static [f64]) -> Histogram {
-        Histogram {
-            bounds,
-            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
-            sum_micros: AtomicU64::new(0),
-            count: AtomicU64::new(0),
-        }
-    }
-
-    /// Records one observation.
-    pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        if let Some(i) = self.bounds.iter().position(|b| secs <= *b) {
-            self.counts[i].fetch_add(1, Relaxed);
-        }
-        self.sum_micros.fetch_add(d.as_micros() as u64, Relaxed);
-        self.count.fetch_add(1, Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            cumulative += c.load(Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b:?}\"}} {cumulative}");
-        }
-        let count = self.count.load(Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
-        let sum = self.sum_micros.load(Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
-    }
-}
 
 /// Why a request ended, as vLLM labels `request_success_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,16 +116,12 @@ impl Metrics {
         let mut out = String::with_capacity(8192);
         let l = &self.labels;
         let gauge = |out: &mut String, name: &str, help: &str, v: String| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {v}"
-            );
+            header(out, name, "gauge", help);
+            let _ = writeln!(out, "{name}{{{l}}} {v}");
         };
         let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {v}"
-            );
+            header(out, name, "counter", help);
+            let _ = writeln!(out, "{name}{{{l}}} {v}");
         };
         let g = |a: &AtomicI64| a.load(Relaxed).max(0).to_string();
         let c = |a: &AtomicU64| a.load(Relaxed);
@@ -214,11 +167,15 @@ impl Metrics {
             "Number of generation tokens processed.",
             c(&self.generation_tokens),
         );
+        header(
+            &mut out,
+            "vllm:request_success_total",
+            "counter",
+            "Count of successfully processed requests.",
+        );
         let _ = writeln!(
             out,
-            "# HELP vllm:request_success_total Count of successfully processed requests.\n\
-             # TYPE vllm:request_success_total counter\n\
-             vllm:request_success_total{{{l},finished_reason=\"stop\"}} {}\n\
+            "vllm:request_success_total{{{l},finished_reason=\"stop\"}} {}\n\
              vllm:request_success_total{{{l},finished_reason=\"length\"}} {}",
             c(&self.success_stop),
             c(&self.success_length)
@@ -284,11 +241,15 @@ impl Metrics {
             c(&self.faults_injected),
         );
         // Not per model: a plain counter without the vLLM labels.
+        header(
+            &mut out,
+            "pdctl_sim_connections_accepted_total",
+            "counter",
+            "TCP connections accepted on the API port.",
+        );
         let _ = writeln!(
             out,
-            "# HELP pdctl_sim_connections_accepted_total TCP connections accepted on the API port.\n\
-             # TYPE pdctl_sim_connections_accepted_total counter\n\
-             pdctl_sim_connections_accepted_total {}",
+            "pdctl_sim_connections_accepted_total {}",
             c(&self.connections_accepted)
         );
         out
@@ -298,22 +259,6 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn histogram_buckets_are_cumulative() {
-        let h = Histogram::new(&TTFT_BUCKETS);
-        h.observe(Duration::from_millis(3));
-        h.observe(Duration::from_millis(30));
-        h.observe(Duration::from_secs(5000));
-        let mut s = String::new();
-        h.render(&mut s, "x", "help", "a=\"b\"");
-        assert!(s.contains("x_bucket{a=\"b\",le=\"0.001\"} 0\n"), "{s}");
-        assert!(s.contains("x_bucket{a=\"b\",le=\"0.005\"} 1\n"), "{s}");
-        assert!(s.contains("x_bucket{a=\"b\",le=\"0.04\"} 2\n"), "{s}");
-        assert!(s.contains("x_bucket{a=\"b\",le=\"2560.0\"} 2\n"), "{s}");
-        assert!(s.contains("x_bucket{a=\"b\",le=\"+Inf\"} 3\n"), "{s}");
-        assert!(s.contains("x_count{a=\"b\"} 3\n"), "{s}");
-    }
 
     #[test]
     fn hit_rate_and_usage() {

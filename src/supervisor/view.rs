@@ -111,25 +111,17 @@ pub struct ProxyFigures {
     pub kv_handoff_misses: f64,
 }
 
-/// One sample line `name{labels} value`, split; `None` for comments and blank lines.
-fn sample(line: &str) -> Option<(&str, &str, f64)> {
-    if line.starts_with('#') || line.trim().is_empty() {
-        return None;
-    }
-    let name_end = line.find(['{', ' '])?;
-    let (labels, rest) = match line[name_end..].strip_prefix('{') {
-        Some(r) => r.split_once('}')?,
-        None => ("", &line[name_end..]),
-    };
-    Some((&line[..name_end], labels, rest.trim().parse().ok()?))
-}
-
 /// Reads the proxy's counters from a Prometheus text page; `None` when it has none of
 /// `pdctl_proxy_requests_total` (not the pdctl proxy, or an older one).
 pub fn proxy_figures(metrics_text: &str) -> Option<ProxyFigures> {
     let mut f = ProxyFigures::default();
     let mut found = false;
-    for (name, labels, value) in metrics_text.lines().filter_map(sample) {
+    for crate::prometheus::Sample {
+        name,
+        labels,
+        value,
+    } in crate::prometheus::samples(metrics_text)
+    {
         match name {
             "pdctl_proxy_requests_total" => {
                 found = true;

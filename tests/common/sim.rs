@@ -154,15 +154,7 @@ pub fn client() -> reqwest::Client {
 
 /// The sum of the samples of `name` in a Prometheus text exposition.
 pub fn metric_in(text: &str, name: &str) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines().filter(|l| !l.starts_with('#')) {
-        let (series, value) = line.rsplit_once(' ')?;
-        let series_name = series.split('{').next().unwrap_or("");
-        if series_name == name {
-            *found.get_or_insert(0.0) += value.parse::<f64>().ok()?;
-        }
-    }
-    found
+    pdctl::prometheus::sum(text, &[name])
 }
 
 /// The `data:` payloads of an SSE body, in order (`[DONE]` kept as a string).

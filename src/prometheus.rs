@@ -1,0 +1,165 @@
+//! Prometheus text format, both ways: the lock-free histogram and type headers the proxy
+//! and the simulator expose, and the reader that the proxy's scraper, `pdctl bench` and
+//! `pdctl status` use on other processes' `/metrics` pages.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// Writes the `# HELP` and `# TYPE` lines of a metric.
+pub fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// A latency histogram with fixed buckets (upper bounds in seconds), lock-free.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    sum_micros: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_micros: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one observation.
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = self.bounds.iter().position(|b| secs <= *b) {
+            self.counts[i].fetch_add(1, Relaxed);
+        }
+        self.sum_micros.fetch_add(d.as_micros() as u64, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.count.load(Relaxed)
+    }
+
+    /// Appends the histogram under `name`; `labels` (e.g. `model_name="m"`, or empty) go
+    /// on every series. Bounds are written as Python's client writes them (`1.0`, `0.25`).
+    pub fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+        header(out, name, "histogram", help);
+        let sep = if labels.is_empty() { "" } else { "," };
+        let mut cumulative = 0;
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            cumulative += c.load(Relaxed);
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{sep}le=\"{b:?}\"}} {cumulative}"
+            );
+        }
+        let count = self.count();
+        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
+        let sum = self.sum_micros.load(Relaxed) as f64 / 1e6;
+        let labels = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}}}")
+        };
+        let _ = writeln!(
+            out,
+            "{name}_count{labels} {count}\n{name}_sum{labels} {sum}"
+        );
+    }
+}
+
+/// One sample line of a page: `name{labels} value [timestamp]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample<'a> {
+    pub name: &'a str,
+    /// Between the braces, empty when there are none.
+    pub labels: &'a str,
+    pub value: f64,
+}
+
+/// The sample lines of a page, comments, blank lines and unreadable values left out.
+pub fn samples(text: &str) -> impl Iterator<Item = Sample<'_>> {
+    text.lines().filter_map(|line| {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            return None;
+        }
+        let name_end = line.find(['{', ' '])?;
+        let (labels, rest) = match line[name_end..].strip_prefix('{') {
+            // The last `}`: label values may contain one.
+            Some(r) => {
+                let close = r.rfind('}')?;
+                (&r[..close], &r[close + 1..])
+            }
+            None => ("", &line[name_end..]),
+        };
+        let value: f64 = rest.split_whitespace().next()?.parse().ok()?;
+        value.is_finite().then_some(Sample {
+            name: &line[..name_end],
+            labels,
+            value,
+        })
+    })
+}
+
+/// The sum of every sample of the named series (any labels); `None` when none is there.
+pub fn sum(text: &str, names: &[&str]) -> Option<f64> {
+    samples(text)
+        .filter(|s| names.contains(&s.name))
+        .map(|s| s.value)
+        .reduce(|a, b| a + b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative_and_count_everything() {
+        const B: [f64; 3] = [0.001, 0.25, 60.0];
+        let h = Histogram::new(&B);
+        h.observe(Duration::from_micros(300));
+        h.observe(Duration::from_millis(20));
+        h.observe(Duration::from_secs(600));
+        let mut s = String::new();
+        h.render(&mut s, "x", "help", "a=\"b\"");
+        assert!(s.contains("# TYPE x histogram\n"), "{s}");
+        assert!(s.contains("x_bucket{a=\"b\",le=\"0.001\"} 1\n"), "{s}");
+        assert!(s.contains("x_bucket{a=\"b\",le=\"0.25\"} 2\n"), "{s}");
+        assert!(s.contains("x_bucket{a=\"b\",le=\"60.0\"} 2\n"), "{s}");
+        assert!(s.contains("x_bucket{a=\"b\",le=\"+Inf\"} 3\n"), "{s}");
+        assert!(s.contains("x_count{a=\"b\"} 3\n"), "{s}");
+        let mut bare = String::new();
+        h.render(&mut bare, "y", "help", "");
+        assert!(bare.contains("y_bucket{le=\"+Inf\"} 3\n"), "{bare}");
+        assert!(bare.contains("y_count 3\n"), "{bare}");
+        assert_eq!(sum(&bare, &["y_count"]), Some(3.0));
+    }
+
+    #[test]
+    fn samples_are_summed_over_label_sets_timestamps_and_braces_in_values() {
+        let text = "# HELP vllm:num_requests_running Number of requests running.\n\
+            # TYPE vllm:num_requests_running gauge\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3.0\n\
+            vllm:num_requests_running{engine=\"1\",model_name=\"a}b\"} 2.0\n\
+            vllm:num_requests_waiting{model_name=\"m\"} 4.0 1712345678\n\
+            vllm:num_requests_running_other 100\n\
+            plain 7\n";
+        assert_eq!(
+            sum(
+                text,
+                &["vllm:num_requests_running", "vllm:num_requests_waiting"]
+            ),
+            Some(9.0)
+        );
+        assert_eq!(sum(text, &["plain"]), Some(7.0));
+        assert_eq!(sum(text, &["absent"]), None);
+        let s: Vec<Sample> = samples(text).collect();
+        assert_eq!(s[1].labels, "engine=\"1\",model_name=\"a}b\"");
+    }
+}
