@@ -136,16 +136,21 @@ async fn prefix_dataset_reads_the_engines_hit_rate() {
         "200",
         "--prefill",
         &sim.base,
+        // An engine that does not answer: left out of the figures, and said so.
+        "--decode",
+        "127.0.0.1:9",
         "--json",
         json.to_str().unwrap(),
     ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
     assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        stderr.contains("cannot read http://127.0.0.1:9/metrics"),
+        "{stderr}"
     );
     let r = read_json(&json);
     assert_eq!(r["completed"], 20);
+    assert_eq!(r["prefix_cache"].as_array().unwrap().len(), 1);
     let rate = r["prefix_cache_hit_rate"]
         .as_f64()
         .expect("hit rate known when an engine is given");
@@ -290,7 +295,7 @@ async fn results_compare_and_plot() {
 /// Errors say what is wrong and exit 2 (bad input) or 1 (the server failed every request).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_arguments_and_urls_get_clear_errors() {
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 7] = [
         (&["--url", "localhost:8000"], "needs http://HOST:PORT"),
         (
             &["--url", "http://127.0.0.1:9", "--max-concurrency", "0"],
@@ -327,6 +332,17 @@ async fn bad_arguments_and_urls_get_clear_errors() {
         (
             &["--compare", "/nonexistent/a.json", "/nonexistent/b.json"],
             "cannot read /nonexistent/a.json",
+        ),
+        (
+            &[
+                "--url",
+                "http://127.0.0.1:9",
+                "--model",
+                "m",
+                "--prefill",
+                "127.0.0.1:8100/v1",
+            ],
+            "--prefill 127.0.0.1:8100/v1: \"127.0.0.1:8100/v1\" has a path",
         ),
     ];
     for (args, needle) in cases {

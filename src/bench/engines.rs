@@ -18,7 +18,7 @@ pub fn cache_counters(text: &str) -> Option<(f64, f64)> {
     Some((q, h))
 }
 
-/// Reads every engine's counters; engines that do not answer are left out.
+/// Reads every engine's counters; an engine that does not answer is left out, and said so.
 pub async fn snapshot(client: &reqwest::Client, engines: &[String]) -> Vec<Option<(f64, f64)>> {
     let mut out = Vec::with_capacity(engines.len());
     for e in engines {
@@ -32,7 +32,22 @@ pub async fn snapshot(client: &reqwest::Client, engines: &[String]) -> Vec<Optio
                 .text()
                 .await
         };
-        out.push(text.await.ok().and_then(|t| cache_counters(&t)));
+        let counters = match text.await {
+            Ok(t) => cache_counters(&t).or_else(|| {
+                eprintln!(
+                    "pdctl bench: {url} has no prefix-cache counters; its hit rate is left out"
+                );
+                None
+            }),
+            Err(err) => {
+                eprintln!(
+                    "pdctl bench: cannot read {url} ({}); its hit rate is left out",
+                    super::runner::causes(&err)
+                );
+                None
+            }
+        };
+        out.push(counters);
     }
     out
 }

@@ -45,7 +45,6 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         .map_err(|e| ExitError::usage(e.to_string()))?;
     let mut engines = target.prefill.clone();
     engines.extend(target.decode.iter().cloned());
-    let engines: Vec<String> = engines.iter().map(|e| normalize(e)).collect();
     let before = engines::snapshot(&client, &engines).await;
 
     let load = runner::Load {
@@ -159,13 +158,16 @@ fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `HOST:PORT` or a URL -> a base URL.
-fn normalize(s: &str) -> String {
-    if s.starts_with("http://") || s.starts_with("https://") {
-        s.trim_end_matches('/').to_string()
-    } else {
-        format!("http://{}", s.trim_end_matches('/'))
-    }
+/// Engine addresses as `http://HOST:PORT`, checked the way `pdctl proxy` checks its own.
+fn engine_urls(flag: &str, given: &[String]) -> anyhow::Result<Vec<String>> {
+    given
+        .iter()
+        .map(|e| {
+            crate::proxy::endpoint::parse_endpoint(e)
+                .map(|e| e.url)
+                .map_err(|err| ExitError::usage(format!("{flag} {e}: {err}")))
+        })
+        .collect()
 }
 
 /// The URL and engines: as given, else from the running cluster.
@@ -173,8 +175,8 @@ async fn target(a: &BenchArgs) -> anyhow::Result<Target> {
     if let Some(url) = &a.url {
         return Ok(Target {
             url: url.trim_end_matches('/').to_string(),
-            prefill: a.prefill.clone(),
-            decode: a.decode.clone(),
+            prefill: engine_urls("--prefill", &a.prefill)?,
+            decode: engine_urls("--decode", &a.decode)?,
         });
     }
     let root = crate::cli::common::state_root(a.state_dir.as_deref());
@@ -215,8 +217,8 @@ async fn target(a: &BenchArgs) -> anyhow::Result<Target> {
     };
     Ok(Target {
         url,
-        prefill: urls(Role::Prefill, &a.prefill),
-        decode: urls(Role::Decode, &a.decode),
+        prefill: engine_urls("--prefill", &urls(Role::Prefill, &a.prefill))?,
+        decode: engine_urls("--decode", &urls(Role::Decode, &a.decode))?,
     })
 }
 
