@@ -413,6 +413,8 @@ async fn a_hanging_prefill_times_out_with_504_and_the_leg_is_dropped() {
     let err: Value = resp.json().await.unwrap();
     assert_eq!(err["error"]["leg"], "prefill");
     assert_eq!(err["error"]["type"], "timeout_error");
+    let msg = err["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("--prefill-timeout-s"), "{msg}");
     assert!(eventually(WAIT, || async { p.cancelled() == 1 }).await);
     assert_eq!(d.count(), 0);
 }
@@ -430,6 +432,8 @@ async fn a_decode_silent_past_the_first_byte_timeout_is_a_504_naming_decode() {
     let err: Value = resp.json().await.unwrap();
     assert_eq!(err["error"]["leg"], "decode");
     assert_eq!(err["error"]["instance"], d.url);
+    let msg = err["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("--first-byte-timeout-s"), "{msg}");
     assert!(eventually(WAIT, || async { d.cancelled() == 1 }).await);
 }
 

@@ -13,8 +13,12 @@ use std::time::Duration;
 pub enum LegFailure {
     #[error("could not connect: {0}")]
     Connect(String),
-    #[error("no answer within {0:?}")]
-    Timeout(Duration),
+    /// `raise` names the setting that bounds the wait (empty where none applies).
+    #[error("no answer within {limit:?}{raise}")]
+    Timeout {
+        limit: Duration,
+        raise: &'static str,
+    },
     #[error("answered {status}: {message}")]
     Status {
         status: u16,
@@ -30,6 +34,16 @@ pub enum LegFailure {
     #[error("its mooncake bootstrap server {url} failed: {reason}")]
     Bootstrap { url: String, reason: String },
 }
+
+/// Where to raise the prefill leg's limit.
+pub const RAISE_PREFILL: &str =
+    " (raise --prefill-timeout-s, or proxy.prefill_timeout_s in the topology)";
+/// Where to raise the limit on decode's first byte.
+pub const RAISE_FIRST_BYTE: &str =
+    " (raise --first-byte-timeout-s, or proxy.first_byte_timeout_s in the topology)";
+/// Where to raise the limit on a whole request.
+pub const RAISE_TOTAL: &str =
+    " (raise --total-timeout-s, or proxy.total_timeout_s in the topology)";
 
 impl LegFailure {
     /// Connect errors and 502/503 are worth trying on another instance.
@@ -100,7 +114,7 @@ impl ProxyError {
             ProxyError::NoInstance { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::TotalTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Leg(e) => match &e.failure {
-                LegFailure::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+                LegFailure::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
                 LegFailure::Status { status, .. } if *status < 500 || *status == 503 => {
                     StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
                 }
@@ -121,7 +135,7 @@ impl ProxyError {
             ProxyError::NoInstance { .. } => "service_unavailable",
             ProxyError::TotalTimeout(_) => "timeout_error",
             ProxyError::Leg(e) => match e.failure {
-                LegFailure::Timeout(_) => "timeout_error",
+                LegFailure::Timeout { .. } => "timeout_error",
                 _ => "upstream_error",
             },
         }
@@ -205,7 +219,11 @@ mod tests {
         assert_eq!(leg(status(500)).status(), 502);
         assert_eq!(leg(LegFailure::Connect("refused".into())).status(), 502);
         assert_eq!(
-            leg(LegFailure::Timeout(Duration::from_secs(1))).status(),
+            leg(LegFailure::Timeout {
+                limit: Duration::from_secs(1),
+                raise: "",
+            })
+            .status(),
             504
         );
     }

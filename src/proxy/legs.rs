@@ -3,7 +3,7 @@
 //! its first stream chunk).
 
 use super::Proxy;
-use super::errors::LegFailure;
+use super::errors::{LegFailure, RAISE_FIRST_BYTE, RAISE_PREFILL, RAISE_TOTAL};
 use super::instances::{InFlight, Instance};
 use super::pipeline::ClientRequest;
 use super::protocol::{Body, PrefillAnswer};
@@ -75,7 +75,10 @@ pub async fn prefill_once(
     };
     let answer = tokio::time::timeout_at(deadline, work)
         .await
-        .map_err(|_| LegFailure::Timeout(limit))??;
+        .map_err(|_| LegFailure::Timeout {
+            limit,
+            raise: RAISE_PREFILL,
+        })??;
     proxy.metrics.prefill_duration.observe(started.elapsed());
     serde_json::from_slice(&answer).map_err(|e| {
         LegFailure::BadAnswer(format!("a prefill answer that is not a JSON object ({e})"))
@@ -94,13 +97,18 @@ pub async fn decode_once(
     let guard = inst.begin();
     let url = format!("{}{}", inst.url, req.path);
     let sent = Instant::now();
-    let (limit, deadline) = if req.stream {
-        let limit = proxy.settings.first_byte_timeout;
-        (limit, (sent + limit).min(req.deadline))
+    let first_byte = sent + proxy.settings.first_byte_timeout;
+    // Whichever limit ends the wait first is the one to name.
+    let (limit, raise, deadline) = if req.stream && first_byte <= req.deadline {
+        (
+            proxy.settings.first_byte_timeout,
+            RAISE_FIRST_BYTE,
+            first_byte,
+        )
     } else {
-        (proxy.settings.total_timeout, req.deadline)
+        (proxy.settings.total_timeout, RAISE_TOTAL, req.deadline)
     };
-    let timed_out = |_| LegFailure::Timeout(limit);
+    let timed_out = |_| LegFailure::Timeout { limit, raise };
     let resp = tokio::time::timeout_at(deadline, proxy.upstream.post_json(&url, body, &req.id))
         .await
         .map_err(timed_out)??;
@@ -129,7 +137,7 @@ pub async fn decode_once(
     let mut rest = resp.into_body();
     let first = loop {
         match tokio::time::timeout_at(deadline, rest.frame()).await {
-            Err(_) => return Err(LegFailure::Timeout(limit)),
+            Err(_) => return Err(LegFailure::Timeout { limit, raise }),
             Ok(None) => {
                 return Err(LegFailure::Body(
                     "it ended the stream without sending anything".into(),

@@ -330,7 +330,7 @@ fn note_failure(inst: &Instance, f: &LegFailure) {
     }
     let kind = match f {
         LegFailure::Connect(_) => FailureKind::Connect,
-        LegFailure::Timeout(_) => FailureKind::Timeout,
+        LegFailure::Timeout { .. } => FailureKind::Timeout,
         LegFailure::Status { .. } => FailureKind::Status5xx,
         LegFailure::Body(_) | LegFailure::BadAnswer(_) | LegFailure::Bootstrap { .. } => {
             FailureKind::Body

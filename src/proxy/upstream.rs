@@ -114,7 +114,10 @@ impl Upstream {
         };
         match tokio::time::timeout(timeout, work).await {
             Ok(r) => r,
-            Err(_) => Err(LegFailure::Timeout(timeout)),
+            Err(_) => Err(LegFailure::Timeout {
+                limit: timeout,
+                raise: "",
+            }),
         }
     }
 }
