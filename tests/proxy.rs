@@ -1110,6 +1110,34 @@ async fn the_api_key_is_required_from_clients_and_the_engine_key_is_sent_on_legs
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_whose_metrics_cannot_be_scraped_is_named_once_per_outage() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let gone = fake_gone_engine().await;
+    let args = vec![
+        "--prefill".to_string(),
+        p.url.clone(),
+        "--decode".into(),
+        d.url.clone(),
+        "--decode".into(),
+        gone.url.clone(),
+        "--scrape-metrics".into(),
+        "--health-interval-ms".into(),
+        "100".into(),
+    ];
+    let proxy = ProxyProcess::start(&args).await;
+    gone.kill().await;
+    let said = format!("cannot read {}/metrics", gone.url);
+    assert!(
+        eventually(WAIT, || async { proxy.log().contains(&said) }).await,
+        "a failing scrape was silent:\n{}",
+        proxy.log()
+    );
+    // Ten more scrape rounds: still said once.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(proxy.log().matches(&said).count(), 1, "{}", proxy.log());
+}
+
 // ---------------------------------------------------------------- health, models
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -100,7 +100,9 @@ pub fn apply_report(p: &Proxy, report: &StatusReport) {
                 }
             }
             None => {
-                if inst.is_supervised() || report.services.is_empty() {
+                // Said once, when the instance stops following the supervisor (not on
+                // every poll, twice a second, while the report stays empty).
+                if inst.is_supervised() {
                     tracing::warn!(
                         "the supervisor reports no service with URL {}; probing that {} instance directly",
                         inst.url,

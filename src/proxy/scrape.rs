@@ -35,6 +35,8 @@ pub fn start(p: Arc<Proxy>, interval: Duration) {
     tokio::spawn(async move {
         let timeout = interval.clamp(Duration::from_millis(200), Duration::from_secs(5));
         let mut misses_seen: HashMap<usize, u64> = HashMap::new();
+        // Instances whose page could not be read last time, so each outage is said once.
+        let mut unreadable: HashMap<usize, bool> = HashMap::new();
         loop {
             let all: Vec<_> = p.pools.all().cloned().collect();
             let results = futures_util::future::join_all(all.iter().map(|i| {
@@ -44,10 +46,22 @@ pub fn start(p: Arc<Proxy>, interval: Duration) {
             }))
             .await;
             for (inst, r) in all.iter().zip(results) {
-                let text = match r {
-                    Ok((200, body)) => String::from_utf8_lossy(&body).into_owned(),
-                    _ => String::new(),
+                let (text, why_not) = match r {
+                    Ok((200, body)) => (String::from_utf8_lossy(&body).into_owned(), None),
+                    Ok((status, _)) => (String::new(), Some(format!("it answered {status}"))),
+                    Err(e) => (String::new(), Some(e.to_string())),
                 };
+                let was_unreadable = unreadable.insert(inst.index, why_not.is_some());
+                match (&why_not, was_unreadable) {
+                    (Some(why), None | Some(false)) => tracing::warn!(
+                        "cannot read {}/metrics ({why}): routing by its engine-reported load stops until it can",
+                        inst.url
+                    ),
+                    (None, Some(true)) => {
+                        tracing::info!("{}/metrics is readable again", inst.url)
+                    }
+                    _ => {}
+                }
                 inst.set_engine_load(engine_load(&text));
                 if inst.leg == Leg::Decode
                     && let Some(now) = engine_misses(&text)
