@@ -1207,7 +1207,13 @@ async fn readiness_follows_own_probes_and_names_the_missing_leg() {
     assert_eq!(resp.status(), 503);
     let err: Value = resp.json().await.unwrap();
     assert_eq!(err["error"]["leg"], "decode");
-    assert!(err["error"]["message"].as_str().unwrap().contains(&d.url));
+    // It names the instance, why it is out, and where to look.
+    let msg = err["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("{} (health probe failed", d.url)),
+        "{msg}"
+    );
+    assert!(msg.contains("/health?ready"), "{msg}");
     d.set_health(200);
     assert!(eventually(WAIT, || async { ready().await.status() == 200 }).await);
     assert_eq!(

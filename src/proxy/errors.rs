@@ -88,7 +88,9 @@ pub enum ProxyError {
     PayloadTooLarge { limit: usize },
     #[error("{message}")]
     RateLimited { message: String, retry_after_s: u64 },
-    #[error("no usable {leg} instance: {detail}")]
+    #[error(
+        "no usable {leg} instance: {detail}; GET /health?ready says when one is back, and the proxy's log says why each left"
+    )]
     NoInstance { leg: Leg, detail: String },
     #[error("{0}")]
     Leg(Box<LegError>),

@@ -40,6 +40,7 @@ fn log_change(inst: &Instance, why: &str) {
     if inst.is_usable() {
         tracing::info!("{} instance {} is usable again ({why})", inst.leg, inst.url);
     } else {
+        inst.set_out_reason(why);
         tracing::warn!(
             "{} instance {} taken out of rotation: {why}",
             inst.leg,

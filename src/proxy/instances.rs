@@ -86,6 +86,8 @@ pub struct Instance {
     consecutive_failures: AtomicU32,
     consecutive_successes: AtomicU32,
     supervised: AtomicBool,
+    /// Why it was last taken out of rotation, for the error when no instance is left.
+    out_reason: std::sync::Mutex<String>,
 }
 
 impl Instance {
@@ -107,6 +109,22 @@ impl Instance {
             consecutive_failures: AtomicU32::new(0),
             consecutive_successes: AtomicU32::new(0),
             supervised: AtomicBool::new(false),
+            out_reason: std::sync::Mutex::new(String::new()),
+        }
+    }
+
+    /// Records why the instance was taken out of rotation.
+    pub fn set_out_reason(&self, why: &str) {
+        *self.out_reason.lock().unwrap_or_else(|p| p.into_inner()) = why.to_string();
+    }
+
+    /// Why the instance was last taken out of rotation ("not usable" if never said).
+    pub fn out_reason(&self) -> String {
+        let why = self.out_reason.lock().unwrap_or_else(|p| p.into_inner());
+        if why.is_empty() {
+            "not usable".to_string()
+        } else {
+            why.clone()
         }
     }
 

@@ -306,7 +306,7 @@ fn choose(
     if usable.is_empty() {
         let states: Vec<String> = pool
             .iter()
-            .map(|i| format!("{} (failing health checks)", i.url))
+            .map(|i| format!("{} ({})", i.url, i.out_reason()))
             .collect();
         return Err(ProxyError::NoInstance {
             leg,
@@ -338,6 +338,7 @@ fn note_failure(inst: &Instance, f: &LegFailure) {
     };
     inst.record_failure(kind);
     if matches!(f, LegFailure::Connect(_)) && inst.set_usable(false) {
+        inst.set_out_reason(&format!("refused a connection ({f})"));
         tracing::warn!(
             "{} instance {} refused a connection ({f}); not routing to it until health checks pass",
             inst.leg,
