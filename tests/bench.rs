@@ -176,11 +176,15 @@ async fn sharegpt_files_drive_the_run() {
     .await;
     let dir = TempDir::new("bench-sharegpt");
     let data = dir.path().join("sharegpt.json");
+    // A reply longer than the random datasets' default output length (64).
+    let long_reply = vec!["word"; 70].join(" ");
     std::fs::write(
         &data,
-        r#"[{"id":"1","conversations":[{"from":"human","value":"Tell me about the absolute legend Roger Federer"},{"from":"gpt","value":"one two three four five six"}]},
-            {"id":"2","conversations":[{"from":"system","value":"be brief"},{"from":"human","value":"San Francisco is a city in California"},{"from":"gpt","value":"a b c d e f g h i j"}]},
-            {"id":"3","conversations":[{"from":"human","value":"too short"}]}]"#,
+        format!(
+            r#"[{{"id":"1","conversations":[{{"from":"human","value":"Tell me about the absolute legend Roger Federer"}},{{"from":"gpt","value":"one two three four five six"}}]}},
+            {{"id":"2","conversations":[{{"from":"system","value":"be brief"}},{{"from":"human","value":"San Francisco is a city in California"}},{{"from":"gpt","value":"{long_reply}"}}]}},
+            {{"id":"3","conversations":[{{"from":"human","value":"too short"}}]}}]"#
+        ),
     )
     .unwrap();
     let json = dir.path().join("s.json");
@@ -193,8 +197,6 @@ async fn sharegpt_files_drive_the_run() {
         data.to_str().unwrap(),
         "--num-prompts",
         "4",
-        "--output-len",
-        "100",
         "--endpoint",
         "chat",
         "--json",
@@ -207,9 +209,31 @@ async fn sharegpt_files_drive_the_run() {
     );
     let r = read_json(&json);
     assert_eq!(r["completed"], 4);
-    // Two usable conversations, used twice each: replies of 6 and 10 words.
-    assert_eq!(r["total_output_tokens"], 2 * (6 + 10));
+    // Two usable conversations, used twice each: replies of 6 and 70 words, whole.
+    assert_eq!(r["total_output_tokens"], 2 * (6 + 70));
     assert_eq!(r["endpoint"], "chat");
+
+    // --output-len caps each reply.
+    let out = bench(&[
+        "--url",
+        &sim.base,
+        "--dataset",
+        "sharegpt",
+        "--dataset-path",
+        data.to_str().unwrap(),
+        "--num-prompts",
+        "4",
+        "--output-len",
+        "8",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(read_json(&json)["total_output_tokens"], 2 * (6 + 8));
 }
 
 /// --json results compare side by side and plot as an SVG with both runs.

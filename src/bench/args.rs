@@ -60,9 +60,10 @@ pub struct BenchArgs {
     /// Prompt length in tokens (random dataset) or question length (prefix dataset).
     #[arg(long, default_value_t = 128)]
     pub input_len: usize,
-    /// Completion length in tokens.
-    #[arg(long, default_value_t = 64)]
-    pub output_len: usize,
+    /// Completion length in tokens (default 64). ShareGPT: each reply's own length, capped
+    /// by this when given.
+    #[arg(long)]
+    pub output_len: Option<usize>,
     #[arg(long, value_enum, default_value = "completions")]
     pub endpoint: Endpoint,
     /// Prefix dataset: number of groups sharing a context.

@@ -6,6 +6,9 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use std::path::Path;
 
+/// Completion length when `--output-len` is not given (random and prefix datasets).
+pub const DEFAULT_OUTPUT_LEN: usize = 64;
+
 /// One request of a benchmark.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchRequest {
@@ -149,7 +152,7 @@ pub fn build(
             .map(|_| BenchRequest {
                 prompt: words(&mut rng, args.input_len),
                 prompt_words: args.input_len,
-                max_tokens: args.output_len,
+                max_tokens: args.output_len.unwrap_or(DEFAULT_OUTPUT_LEN),
                 user: None,
                 group: None,
             })
@@ -164,11 +167,9 @@ pub fn build(
                     BenchRequest {
                         prompt: c.prompt.clone(),
                         prompt_words: c.prompt_words,
-                        max_tokens: if args.output_len > 0 {
-                            c.reply_words.min(args.output_len)
-                        } else {
-                            c.reply_words
-                        },
+                        max_tokens: args
+                            .output_len
+                            .map_or(c.reply_words, |cap| c.reply_words.min(cap)),
                         user: None,
                         group: None,
                     }
@@ -194,7 +195,7 @@ fn prefix_groups(args: &BenchArgs, rng: &mut StdRng) -> Vec<BenchRequest> {
             BenchRequest {
                 prompt: format!("{} Question {i}: {question}", contexts[g]),
                 prompt_words: args.prefix_len + args.input_len + 5,
-                max_tokens: args.output_len,
+                max_tokens: args.output_len.unwrap_or(DEFAULT_OUTPUT_LEN),
                 user: None,
                 group: Some(g),
             }

@@ -135,7 +135,7 @@ fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
     if a.max_concurrency == Some(0) {
         return Err(ExitError::usage("--max-concurrency 0: give at least 1"));
     }
-    if a.output_len == 0 {
+    if a.output_len == Some(0) {
         return Err(ExitError::usage("--output-len 0: give at least 1 token"));
     }
     if a.strategy != Strategy::None && a.dataset != args::DatasetKind::Prefix {
