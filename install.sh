@@ -95,10 +95,14 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
+# The versions the tests were run with, pinned so a new release cannot change CI under us
+# (PDCTL_MOONCAKE_PIN=, PDCTL_OPENAI_PIN= empty take the newest).
+NONCUDA_PIN=${PDCTL_MOONCAKE_PIN-==0.3.13.post1}
+OPENAI_PIN=${PDCTL_OPENAI_PIN-==3.54.0}
 if [ -e /dev/nvidiactl ] || command -v nvidia-smi >/dev/null 2>&1; then
   MOONCAKE=mooncake-transfer-engine
 else
-  MOONCAKE=mooncake-transfer-engine-non-cuda
+  MOONCAKE="mooncake-transfer-engine-non-cuda$NONCUDA_PIN"
 fi
 if "$VENV/bin/mooncake_master" --version >/dev/null 2>&1; then
   step "mooncake_master already installed in $VENV"
@@ -114,7 +118,7 @@ if [ "$TEST_DEPS" -eq 1 ]; then
     step "openai client already installed (test dependency)"
   else
     step "Installing the openai Python client into $VENV (the tests drive the simulator with it)"
-    "${PIP[@]}" openai || fail "pip install openai failed: check access to PyPI"
+    "${PIP[@]}" "openai$OPENAI_PIN" || fail "pip install openai$OPENAI_PIN failed: check access to PyPI"
   fi
 fi
 
