@@ -56,11 +56,14 @@ impl Connector for MooncakeStore {
         &[V0, V1]
     }
     fn check(&self, t: &Topology, v: Option<&Version>) -> Result<(), Problem> {
-        if t.connector.multi && v.is_some_and(|v| !V1.contains(v)) {
+        if let Some(v) = v.filter(|v| t.connector.multi && !V1.contains(v)) {
             return Err(Problem::new(
                 "connector.multi",
-                "MultiConnector with MooncakeConnector needs vLLM 0.21.0 or later",
-            ));
+                format!(
+                    "MultiConnector with MooncakeConnector needs vLLM 0.21.0 or later, not {v}"
+                ),
+            )
+            .hint("set multi = false, or pin engine.vllm_version to 0.21.0 or later"));
         }
         if t.connector.multi && v.is_some() && t.engine.device == crate::topology::Device::Cpu {
             return Err(super::mooncake::cpu_problem(

@@ -39,7 +39,8 @@ impl Connector for MooncakeTe {
             return Err(Problem::new(
                 "connector.metadata",
                 "the V0 transfer engine needs a metadata server: etcd or http",
-            ));
+            )
+            .hint("set connector.metadata = \"etcd\" (or \"http\": mooncake_master's)"));
         }
         Ok(())
     }

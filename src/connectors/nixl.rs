@@ -55,8 +55,12 @@ impl Connector for Nixl {
             .ok_or_else(|| {
                 Problem::new(
                     "connector.side_channel_port",
-                    "no free side-channel ports left below 65536",
+                    format!(
+                        "no {width} free side-channel port(s) for {} on {} at or above {base}",
+                        inst.name, inst.host
+                    ),
                 )
+                .hint("set connector.side_channel_port lower, below the ports in use")
             })?;
         let mut launch = Launch {
             kv_transfer_config: transfer_config(c, "NixlConnector", "kv_both", json!({})),

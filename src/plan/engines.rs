@@ -169,8 +169,12 @@ pub(super) fn plan_engines(
                     .ok_or_else(|| {
                         Problem::new(
                             "connector.bootstrap_port",
-                            "no free bootstrap port left below 65536",
+                            format!(
+                                "no free bootstrap port for {name} on {} at or above {}",
+                                p.host, t.connector.bootstrap_port
+                            ),
                         )
+                        .hint("set connector.bootstrap_port lower, below the ports in use")
                     })?,
             )
         } else {
