@@ -10,32 +10,7 @@ mod suph;
 use common::TempDir;
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
-use suph::{Cluster, free_port_run, text};
-
-/// A sim topology on free ports; `extra` is appended (more tables or keys).
-fn topology(cluster: &str, connector: &str, p: u16, d: u16, extra: &str) -> (String, u16) {
-    let ports = common::free_ports(5);
-    let text = format!(
-        "cluster = \"{cluster}\"\n\
-         [model]\nname = \"sim-model\"\n\
-         [engine]\nkind = \"sim\"\n\
-         [connector]\nkind = \"{connector}\"\nbootstrap_port = {}\n\
-         [etcd]\nclient_port = {}\npeer_port = {}\n\
-         [mooncake_master]\nrpc_port = {}\nmetrics_port = {}\n\
-         [prefill]\ninstances = {p}\nbase_port = {}\n\
-         [decode]\ninstances = {d}\nbase_port = {}\n\
-         {extra}",
-        free_port_run(p),
-        ports[0],
-        ports[1],
-        ports[2],
-        ports[3],
-        free_port_run(p),
-        free_port_run(d),
-    );
-    let proxy = ports[4];
-    (format!("{text}\n[proxy]\nport = {proxy}\n"), proxy)
-}
+use suph::{Cluster, sim_topology, text};
 
 /// A running cluster brought up with `pdctl up -d -f`, taken down on drop.
 struct Up {
@@ -201,7 +176,7 @@ async fn four_requests_all_hand_off(up: &Up) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_step_protocol_hands_kv_over_through_a_shared_directory() {
-    let (t, port) = topology("c-two-step", "example", 1, 1, "");
+    let (t, port) = sim_topology("c-two-step", "example", 1, 1, "");
     let up = Up::start("c2s", &t, port);
     four_requests_all_hand_off(&up).await;
     // `pdctl restart ROLE` restarts every instance of it; they come back healthy.
@@ -228,14 +203,14 @@ async fn two_step_protocol_hands_kv_over_through_a_shared_directory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nixl_protocol_hands_kv_over_by_kv_transfer_params() {
-    let (t, port) = topology("c-nixl", "nixl", 1, 1, "");
+    let (t, port) = sim_topology("c-nixl", "nixl", 1, 1, "");
     let up = Up::start("cnx", &t, port);
     four_requests_all_hand_off(&up).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mooncake_protocol_hands_kv_over_by_transfer_id() {
-    let (t, port) = topology("c-mooncake", "mooncake", 1, 1, "");
+    let (t, port) = sim_topology("c-mooncake", "mooncake", 1, 1, "");
     let up = Up::start("cmc", &t, port);
     four_requests_all_hand_off(&up).await;
 }
@@ -244,7 +219,7 @@ async fn mooncake_protocol_hands_kv_over_by_transfer_id() {
 /// in flight and no queue, a second concurrent request gets 429 with retry-after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_limits_from_the_topology_answer_429() {
-    let (t, port) = topology("c-limits", "example", 1, 1, "[engine.sim]\nitl_ms = 40.0\n");
+    let (t, port) = sim_topology("c-limits", "example", 1, 1, "[engine.sim]\nitl_ms = 40.0\n");
     let t = t.replace("[proxy]\n", "[proxy]\nmax_concurrent = 1\n");
     let up = Up::start("clim", &t, port);
     let url = format!("{}/v1/completions", up.proxy);
@@ -274,7 +249,7 @@ async fn proxy_limits_from_the_topology_answer_429() {
 
 /// 4P4D sims with real etcd + mooncake_master behind a prefix-aware proxy.
 fn four_by_four(tag: &str, extra: &str) -> Up {
-    let (t, port) = topology(&format!("c-4p4d-{tag}"), "mooncake-store", 4, 4, extra);
+    let (t, port) = sim_topology(&format!("c-4p4d-{tag}"), "mooncake-store", 4, 4, extra);
     let t = t.replace(
         "[proxy]\n",
         "[proxy]\nprefill_policy = \"prefix-aware\"\ndecode_policy = \"least-loaded\"\n",
@@ -449,7 +424,7 @@ async fn four_by_four_routes_designates_and_survives_failures() {
 /// client leaves during prefill, and decode its stream when the client leaves during decode.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnects_cancel_both_legs() {
-    let (t, port) = topology(
+    let (t, port) = sim_topology(
         "c-cancel",
         "example",
         1,

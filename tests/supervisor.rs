@@ -102,7 +102,7 @@ fn up_status_logs_down_with_real_etcd_and_mooncake_master_leaves_nothing() {
 fn a_sim_topology_comes_up_through_the_planner_and_a_crashed_engine_comes_back() {
     let c = Cluster::new("topology");
     let topo = c.root().join("pd.toml");
-    let (text_toml, proxy_port) = sim_topology("simtopo", 2, 2);
+    let (text_toml, proxy_port) = sim_topology("simtopo", "mooncake-store", 2, 2, "");
     std::fs::write(&topo, text_toml).unwrap();
     let up = c.run(&["up", "-d", "-f", topo.to_str().unwrap()]);
     assert_eq!(up.status.code(), Some(0), "{}", text(&up));

@@ -387,29 +387,31 @@ pub fn free_port_run(n: u16) -> u16 {
     panic!("no run of {n} free ports found");
 }
 
-/// A sim topology (the planner's format) on free ports: etcd, mooncake_master, `p`
-/// prefill + `d` decode `pdctl sim` engines, and the proxy; returns it and the proxy port.
-pub fn sim_topology(cluster: &str, p: u16, d: u16) -> (String, u16) {
-    let ports = crate::common::free_ports(5);
+/// A sim topology (the planner's format): etcd, mooncake_master, `p` prefill + `d` decode
+/// `pdctl sim` engines over `connector`, and the proxy, every port from one run of free
+/// ports so no two can collide; `extra` (more tables or keys) goes before `[proxy]`, which
+/// comes last. Returns it and the proxy port.
+pub fn sim_topology(cluster: &str, connector: &str, p: u16, d: u16, extra: &str) -> (String, u16) {
+    let run = free_port_run(5 + 2 * p + d);
+    let (bootstrap, prefill, decode) = (run + 5, run + 5 + p, run + 5 + 2 * p);
+    let proxy = run + 4;
     let text = format!(
         "cluster = \"{cluster}\"\n\
          [model]\nname = \"sim-model\"\n\
          [engine]\nkind = \"sim\"\n\
-         [connector]\nkind = \"mooncake-store\"\n\
+         [connector]\nkind = \"{connector}\"\nbootstrap_port = {bootstrap}\n\
          [etcd]\nclient_port = {}\npeer_port = {}\n\
          [mooncake_master]\nrpc_port = {}\nmetrics_port = {}\n\
-         [prefill]\ninstances = {p}\nbase_port = {}\n\
-         [decode]\ninstances = {d}\nbase_port = {}\n\
-         [proxy]\nport = {}\n",
-        ports[0],
-        ports[1],
-        ports[2],
-        ports[3],
-        free_port_run(p),
-        free_port_run(d),
-        ports[4],
+         [prefill]\ninstances = {p}\nbase_port = {prefill}\n\
+         [decode]\ninstances = {d}\nbase_port = {decode}\n\
+         {extra}\n\
+         [proxy]\nport = {proxy}\n",
+        run,
+        run + 1,
+        run + 2,
+        run + 3,
     );
-    (text, ports[4])
+    (text, proxy)
 }
 
 /// `POST path` with a JSON body to 127.0.0.1:port; returns the status code.
