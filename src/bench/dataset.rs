@@ -13,8 +13,6 @@ pub const DEFAULT_OUTPUT_LEN: usize = 64;
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchRequest {
     pub prompt: String,
-    /// Estimated prompt tokens (words); servers report the real count in `usage`.
-    pub prompt_words: usize,
     pub max_tokens: usize,
     /// `prefill=HOST:PORT;decode=HOST:PORT` when the strategy designates a pair.
     pub user: Option<String>,
@@ -151,7 +149,6 @@ pub fn build(
         DatasetKind::Random => (0..args.num_prompts)
             .map(|_| BenchRequest {
                 prompt: words(&mut rng, args.input_len),
-                prompt_words: args.input_len,
                 max_tokens: args.output_len.unwrap_or(DEFAULT_OUTPUT_LEN),
                 user: None,
                 group: None,
@@ -166,7 +163,6 @@ pub fn build(
                     let c = &convs[i % convs.len()];
                     BenchRequest {
                         prompt: c.prompt.clone(),
-                        prompt_words: c.prompt_words,
                         max_tokens: args
                             .output_len
                             .map_or(c.reply_words, |cap| c.reply_words.min(cap)),
@@ -194,7 +190,6 @@ fn prefix_groups(args: &BenchArgs, rng: &mut StdRng) -> Vec<BenchRequest> {
             let question = words(rng, args.input_len);
             BenchRequest {
                 prompt: format!("{} Question {i}: {question}", contexts[g]),
-                prompt_words: args.prefix_len + args.input_len + 5,
                 max_tokens: args.output_len.unwrap_or(DEFAULT_OUTPUT_LEN),
                 user: None,
                 group: Some(g),

@@ -16,8 +16,6 @@ use tokio::sync::Semaphore;
 pub struct Outcome {
     pub ok: bool,
     pub error: Option<String>,
-    /// Seconds from the benchmark start to sending it.
-    pub sent_at: f64,
     pub ttft_ms: Option<f64>,
     /// Gaps between successive content chunks.
     pub itl_ms: Vec<f64>,
@@ -109,9 +107,8 @@ pub async fn run(
             body(&load.model, load.endpoint, r),
         );
         let (done, progress, timeout) = (done.clone(), progress.clone(), load.timeout);
-        let sent_at = start.elapsed().as_secs_f64();
         tasks.push(tokio::spawn(async move {
-            let mut o = match tokio::time::timeout(timeout, one(&client, &url, &body)).await {
+            let o = match tokio::time::timeout(timeout, one(&client, &url, &body)).await {
                 Ok(o) => o,
                 Err(_) => Outcome {
                     error: Some(format!("no answer within {} s", timeout.as_secs())),
@@ -119,7 +116,6 @@ pub async fn run(
                     ..Outcome::default()
                 },
             };
-            o.sent_at = sent_at;
             drop(permit);
             progress(done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1);
             o
@@ -270,7 +266,6 @@ mod tests {
     fn bodies_stream_with_usage_and_carry_the_designation() {
         let r = BenchRequest {
             prompt: "hi there".into(),
-            prompt_words: 2,
             max_tokens: 8,
             user: Some("prefill=a:1;decode=b:2".into()),
             group: None,

@@ -72,7 +72,6 @@ pub struct ClusterCtx<'a> {
 #[derive(Debug, Clone)]
 pub struct InstanceCtx {
     pub role: Role,
-    pub index: u32,
     /// Service name, e.g. `prefill-0`.
     pub name: String,
     /// The address of its node.

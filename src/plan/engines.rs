@@ -182,7 +182,6 @@ pub(super) fn plan_engines(
         };
         let inst = InstanceCtx {
             role: p.role,
-            index: p.index,
             name: name.clone(),
             host: p.host.clone(),
             tp: r.gpus_per_instance,

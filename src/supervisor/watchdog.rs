@@ -14,7 +14,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use std::io::Read;
 use std::os::fd::OwnedFd;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Grace between SIGTERM and SIGKILL after the supervisor died (the 2 s budget for "no
@@ -25,7 +25,6 @@ pub const GRACE: Duration = Duration::from_millis(1000);
 #[derive(Debug)]
 pub struct Watchdog {
     _alive: OwnedFd,
-    child: Child,
 }
 
 impl Watchdog {
@@ -35,7 +34,8 @@ impl Watchdog {
         use std::os::unix::process::CommandExt;
         let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
         let exe = std::env::current_exe()?;
-        let child = Command::new(exe)
+        // Not waited for: it outlives this process when that dies, which is its purpose.
+        Command::new(exe)
             .args(["supervise", "--watchdog", run_id])
             .stdin(Stdio::from(read))
             .stdout(Stdio::null())
@@ -43,15 +43,7 @@ impl Watchdog {
             .env_remove(procfs::RUN_MARKER_ENV)
             .process_group(0)
             .spawn()?;
-        Ok(Watchdog {
-            _alive: write,
-            child,
-        })
-    }
-
-    /// True while the watchdog process runs.
-    pub fn is_running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
+        Ok(Watchdog { _alive: write })
     }
 }
 
