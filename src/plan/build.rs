@@ -34,10 +34,15 @@ pub struct PlanInput<'a> {
 /// The state dir of `node`'s supervisor: `<root>/<cluster>`, or `<root>/<cluster>-<node>`
 /// when the topology has several nodes (two nodes on one host must not share a lock).
 pub fn state_dir_for(t: &Topology, root: &Path, node: &str) -> PathBuf {
-    if t.nodes.len() > 1 {
-        root.join(format!("{}-{node}", t.cluster))
+    state_dir_of(&t.cluster, t.nodes.len() > 1, root, node)
+}
+
+/// [`state_dir_for`] from the names alone (for a plan read back from a file).
+pub fn state_dir_of(cluster: &str, several_nodes: bool, root: &Path, node: &str) -> PathBuf {
+    if several_nodes {
+        root.join(format!("{cluster}-{node}"))
     } else {
-        root.join(&t.cluster)
+        root.join(cluster)
     }
 }
 

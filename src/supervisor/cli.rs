@@ -168,14 +168,12 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     }
     if a.plan.is_some() {
         if let Some(root) = &a.topology.state_dir {
-            // As the planner does: <root>/<cluster>, or <root>/<cluster>-<node> when the
-            // plan spans several nodes (two nodes on one host must not share a lock).
-            let dir = if plan.nodes.len() > 1 {
-                format!("{}-{node}", plan.cluster)
-            } else {
-                plan.cluster.clone()
-            };
-            plan.state_dir = root.join(dir);
+            plan.state_dir = crate::plan::build::state_dir_of(
+                &plan.cluster,
+                plan.nodes.len() > 1,
+                root,
+                &node,
+            );
         }
     }
     if plan.local_services(&node).next().is_none() {
