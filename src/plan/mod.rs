@@ -49,6 +49,12 @@ impl Plan {
         self.services.iter().find(|s| s.name == name)
     }
 
+    /// The position of the service of that name (the supervisor's per-service tables
+    /// follow plan order).
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.services.iter().position(|s| s.name == name)
+    }
+
     /// Services of one role, in plan order.
     pub fn by_role(&self, role: Role) -> impl Iterator<Item = &Service> {
         self.services.iter().filter(move |s| s.role == role)

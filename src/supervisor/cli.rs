@@ -168,12 +168,8 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     }
     if a.plan.is_some() {
         if let Some(root) = &a.topology.state_dir {
-            plan.state_dir = crate::plan::build::state_dir_of(
-                &plan.cluster,
-                plan.nodes.len() > 1,
-                root,
-                &node,
-            );
+            plan.state_dir =
+                crate::plan::build::state_dir_of(&plan.cluster, plan.nodes.len() > 1, root, &node);
         }
     }
     if plan.local_services(&node).next().is_none() {

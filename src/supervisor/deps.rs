@@ -27,7 +27,7 @@ pub async fn wait_for_dependencies(
     let svc = &ctx.plan.services[idx];
     let mut deps = Vec::with_capacity(svc.depends_on.len());
     for name in &svc.depends_on {
-        match ctx.plan.services.iter().position(|s| &s.name == name) {
+        match ctx.plan.index_of(name) {
             Some(i) => deps.push(i),
             None => {
                 return DepsOutcome::Failed(format!(

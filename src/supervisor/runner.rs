@@ -225,7 +225,7 @@ async fn watch_startup(ctx: &ServiceCtx, foreground: bool) -> StartupEnd {
     let mut changes = ctx.table.subscribe();
     let mut renderer = Renderer::new(std::io::stdout().is_terminal());
     let last_line = |name: &str| {
-        let i = ctx.plan.services.iter().position(|s| s.name == name)?;
+        let i = ctx.plan.index_of(&name)?;
         ctx.logs[i].last_line()
     };
     loop {
@@ -270,9 +270,7 @@ fn report_start_failure(ctx: &ServiceCtx, failed: &[(String, String)], foregroun
     for (name, why) in failed {
         let lines = ctx
             .plan
-            .services
-            .iter()
-            .position(|s| &s.name == name)
+            .index_of(name)
             .map(|i| ctx.logs[i].last_lines(FAILURE_LINES))
             .unwrap_or_default();
         let text = progress::failure_text(name, why, &lines);

@@ -341,7 +341,7 @@ impl Task {
     fn restart_companions(&self) {
         let me = self.svc().name.clone();
         for other in &self.svc().restart_with {
-            if let Some(i) = self.ctx.plan.services.iter().position(|s| &s.name == other) {
+            if let Some(i) = self.ctx.plan.index_of(other) {
                 let _ = self.ctx.commands[i].send(Cmd::Restart {
                     reason: format!("restarted together with {me}"),
                     cascade: false,
