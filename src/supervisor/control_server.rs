@@ -91,7 +91,7 @@ async fn connection(stream: UnixStream, h: Handlers) {
 }
 
 fn restart(h: &Handlers, name: &str) -> Response {
-    let Some(idx) = h.plan.index_of(&name) else {
+    let Some(idx) = h.plan.index_of(name) else {
         let known: Vec<&str> = h.plan.services.iter().map(|s| s.name.as_str()).collect();
         return Response::Error {
             message: format!("no service `{name}`; services: {}", known.join(", ")),

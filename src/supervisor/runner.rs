@@ -225,7 +225,7 @@ async fn watch_startup(ctx: &ServiceCtx, foreground: bool) -> StartupEnd {
     let mut changes = ctx.table.subscribe();
     let mut renderer = Renderer::new(std::io::stdout().is_terminal());
     let last_line = |name: &str| {
-        let i = ctx.plan.index_of(&name)?;
+        let i = ctx.plan.index_of(name)?;
         ctx.logs[i].last_line()
     };
     loop {

@@ -366,19 +366,24 @@ impl Task {
         }
     }
 
-    /// Failed or stopped: waits to be stopped for good or restarted by a person.
+    /// Failed or stopped: waits to be stopped for good or restarted by a person. A
+    /// companion's restart does not revive it: a service that failed its crash-loop limit
+    /// would otherwise be started again each time its partner crashed.
     async fn idle(&mut self) -> Next {
-        match self.rx.recv().await {
-            Some(Cmd::Restart { .. }) => {
-                self.tracker.reset();
-                self.ever_healthy = false;
-                Next::WaitDeps
+        loop {
+            match self.rx.recv().await {
+                Some(Cmd::Restart { cascade: false, .. }) => continue,
+                Some(Cmd::Restart { .. }) => {
+                    self.tracker.reset();
+                    self.ever_healthy = false;
+                    return Next::WaitDeps;
+                }
+                Some(Cmd::Stop { done, .. }) => {
+                    let _ = done.send(());
+                    return Next::Exit;
+                }
+                None => return Next::Exit,
             }
-            Some(Cmd::Stop { done, .. }) => {
-                let _ = done.send(());
-                Next::Exit
-            }
-            None => Next::Exit,
         }
     }
 }
