@@ -37,8 +37,9 @@ impl Mooncake {
 
 /// `http://HOST:BOOTSTRAP_PORT` of a prefill instance.
 pub fn bootstrap_addr(prefill: &Instance) -> String {
-    // Checked at start-up: mooncake needs one bootstrap port per prefill.
-    let port = prefill.bootstrap_port.unwrap_or(8998);
+    let port = prefill
+        .bootstrap_port
+        .expect("config::pools gives every mooncake prefill a bootstrap port");
     format!("http://{}:{port}", prefill.host)
 }
 
