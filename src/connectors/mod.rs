@@ -288,6 +288,14 @@ impl Connector for Unsupported {
     fn versions(&self) -> &'static [VersionRange] {
         &[]
     }
+    /// Refused for every engine and version, before anything else is looked at.
+    fn check(&self, _: &Topology, _: Option<&Version>) -> Result<(), Problem> {
+        Err(Problem::new(
+            "connector.kind",
+            "p2p-nccl is not supported by pdctl yet: its proxy must register instances over ZMQ and encode routes in X-Request-Id",
+        )
+        .hint("use nixl or mooncake for direct GPU-to-GPU transfer"))
+    }
     fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
         Needs::default()
     }
@@ -301,10 +309,7 @@ impl Connector for Unsupported {
         _: &InstanceCtx,
         _: &mut PortBook,
     ) -> Result<Launch, Problem> {
-        Err(Problem::new(
-            "connector.kind",
-            "p2p-nccl is not supported by pdctl yet",
-        ))
+        unreachable!("check refuses p2p-nccl before any launch is planned")
     }
 }
 

@@ -66,11 +66,12 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
                 .hint("pin engine.vllm_version, or install vLLM into engine.python")
         })?),
     };
+    // The connector's own refusals first: they say more than "no template for vLLM X".
+    conn.check(t, version.as_ref())?;
     if let Some(v) = &version {
         connectors::check_version(conn, v)?;
         connectors::check_extra_config(&t.connector, v)?;
     }
-    conn.check(t, version.as_ref())?;
     let needs = conn.needs(&t.connector, version.as_ref());
     let protocol = conn.protocol(&t.connector, version.as_ref());
     let state_dir = state_dir_for(t, &input.state_root, local);

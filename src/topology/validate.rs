@@ -239,13 +239,6 @@ fn check_engine(t: &Topology) -> Result<(), Problem> {
 
 fn check_connector(t: &Topology, head: &str) -> Result<(), Problem> {
     let c = &t.connector;
-    if c.kind == ConnectorKind::P2pNccl {
-        return Err(Problem::new(
-            "connector.kind",
-            "p2p-nccl is not supported by pdctl yet: its proxy must register instances over ZMQ and encode routes in X-Request-Id",
-        )
-        .hint("use nixl or mooncake for direct GPU-to-GPU transfer"));
-    }
     if !matches!(c.transport.as_str(), "tcp" | "rdma") {
         return Err(Problem::new(
             "connector.transport",
