@@ -252,6 +252,15 @@ pub enum MooncakeMetadata {
     P2p,
 }
 
+/// How the Mooncake transfer engine moves bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Transport {
+    Tcp,
+    /// Needs `device_name` (the RDMA NICs).
+    Rdma,
+}
+
 /// The KV connector and its settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -260,7 +269,7 @@ pub struct ConnectorSection {
     pub kind: ConnectorKind,
     /// Mooncake transport: `tcp` or `rdma`.
     #[serde(default = "ConnectorSection::default_transport")]
-    pub transport: String,
+    pub transport: Transport,
     /// RDMA device names (e.g. `erdma_0`); empty for tcp.
     #[serde(default)]
     pub device_name: String,
@@ -303,8 +312,8 @@ impl ConnectorSection {
     fn default_kind() -> ConnectorKind {
         ConnectorKind::Example
     }
-    fn default_transport() -> String {
-        "tcp".into()
+    fn default_transport() -> Transport {
+        Transport::Tcp
     }
     fn default_metadata() -> MooncakeMetadata {
         MooncakeMetadata::Etcd

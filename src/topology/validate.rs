@@ -239,14 +239,7 @@ fn check_engine(t: &Topology) -> Result<(), Problem> {
 
 fn check_connector(t: &Topology, head: &str) -> Result<(), Problem> {
     let c = &t.connector;
-    if !matches!(c.transport.as_str(), "tcp" | "rdma") {
-        return Err(Problem::new(
-            "connector.transport",
-            format!("unknown transport `{}`", c.transport),
-        )
-        .hint("one of: tcp, rdma"));
-    }
-    if c.transport == "rdma" && c.device_name.is_empty() {
+    if c.transport == super::Transport::Rdma && c.device_name.is_empty() {
         return Err(Problem::new(
             "connector.device_name",
             "rdma needs the RDMA device names (e.g. \"mlx5_0\" or \"erdma_0\")",
