@@ -10,6 +10,7 @@ pub mod bench;
 pub mod cli;
 pub mod connectors;
 pub mod control;
+pub mod error_text;
 pub mod gpu;
 pub mod plan;
 pub mod profiles;

@@ -42,7 +42,7 @@ pub async fn snapshot(client: &reqwest::Client, engines: &[String]) -> Vec<Optio
             Err(err) => {
                 eprintln!(
                     "pdctl bench: cannot read {url} ({}); its hit rate is left out",
-                    super::runner::causes(&err)
+                    crate::error_text::chain(&err)
                 );
                 None
             }

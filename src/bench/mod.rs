@@ -233,7 +233,7 @@ async fn first_model(client: &reqwest::Client, url: &str) -> anyhow::Result<Stri
         .map_err(|e| {
             anyhow::anyhow!(
                 "cannot reach {models}: {}; is the server up (pdctl status)?",
-                runner::causes(&e)
+                crate::error_text::chain(&e)
             )
         })?;
     let status = resp.status();

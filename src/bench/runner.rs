@@ -3,6 +3,7 @@
 
 use super::args::Endpoint;
 use super::dataset::BenchRequest;
+use crate::error_text::chain;
 use futures_util::StreamExt;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -139,7 +140,7 @@ async fn one(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
     let resp = match client.post(url).json(body).send().await {
         Ok(r) => r,
         Err(e) => {
-            o.error = Some(format!("cannot reach {url}: {}", causes(&e)));
+            o.error = Some(format!("cannot reach {url}: {}", chain(&e)));
             o.e2e_ms = ms(Instant::now());
             return o;
         }
@@ -147,7 +148,10 @@ async fn one(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
     let status = resp.status();
     if !status.is_success() {
         let text = resp.text().await.unwrap_or_default();
-        o.error = Some(format!("HTTP {status}: {}", error_message(&text)));
+        o.error = Some(format!(
+            "HTTP {status}: {}",
+            crate::error_text::answer_message(text.as_bytes())
+        ));
         o.e2e_ms = ms(Instant::now());
         return o;
     }
@@ -159,7 +163,7 @@ async fn one(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
         let bytes = match item {
             Ok(b) => b,
             Err(e) => {
-                o.error = Some(format!("stream broke: {}", causes(&e)));
+                o.error = Some(format!("stream broke: {}", chain(&e)));
                 break;
             }
         };
@@ -225,29 +229,6 @@ fn has_content(v: &Value) -> bool {
     })
 }
 
-/// An error with its causes, e.g. "error sending request: connection refused".
-pub fn causes(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let t = c.to_string();
-        if !s.contains(&t) {
-            s.push_str(": ");
-            s.push_str(&t);
-        }
-        cur = c.source();
-    }
-    s
-}
-
-/// The `error.message` of an OpenAI-style error body, else the body itself (shortened).
-pub fn error_message(text: &str) -> String {
-    serde_json::from_str::<Value>(text)
-        .ok()
-        .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
-        .unwrap_or_else(|| text.chars().take(200).collect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,14 +256,5 @@ mod tests {
         assert_eq!(b["stream_options"]["include_usage"], true);
         assert_eq!(b["user"], "prefill=a:1;decode=b:2");
         assert_eq!(body("m", Endpoint::Completions, &r)["prompt"], "hi there");
-    }
-
-    #[test]
-    fn error_bodies_are_read_for_their_message() {
-        assert_eq!(
-            error_message(r#"{"error":{"message":"no such model","type":"x"}}"#),
-            "no such model"
-        );
-        assert_eq!(error_message("plain text"), "plain text");
     }
 }

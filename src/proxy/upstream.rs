@@ -180,48 +180,8 @@ pub async fn status_failure(resp: EngineResponse, deadline: Instant) -> LegFailu
         .unwrap_or_default();
     LegFailure::Status {
         status,
-        message: error_message(&body),
+        message: crate::error_text::answer_message(&body),
         body,
         content_type,
-    }
-}
-
-/// The human part of an engine's error body: `error.message`, `message`, or the text.
-fn error_message(body: &[u8]) -> String {
-    let from_json = serde_json::from_slice::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| {
-            v.pointer("/error/message")
-                .or_else(|| v.get("message"))
-                .or_else(|| v.get("detail"))
-                .and_then(|m| m.as_str().map(str::to_string))
-        });
-    let text = from_json.unwrap_or_else(|| String::from_utf8_lossy(body).trim().to_string());
-    let mut short: String = text.chars().take(300).collect();
-    if short.is_empty() {
-        short = "(empty body)".into();
-    }
-    short
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn engine_error_messages_are_found_in_the_usual_places() {
-        assert_eq!(
-            error_message(br#"{"error":{"message":"too long"}}"#),
-            "too long"
-        );
-        assert_eq!(
-            error_message(br#"{"object":"error","message":"bad"}"#),
-            "bad"
-        );
-        assert_eq!(
-            error_message(b"Internal Server Error"),
-            "Internal Server Error"
-        );
-        assert_eq!(error_message(b""), "(empty body)");
     }
 }

@@ -12,6 +12,7 @@ use super::args::{SimHandoff, SimRole, value_name};
 use super::engine::Sim;
 use super::metrics::Finish;
 use super::openai::KvTransferParams;
+use crate::error_text::chain;
 use held::{Held, KvBlocks};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -234,17 +235,14 @@ pub(crate) async fn fetch(sim: &Sim, url: &str, timeout: Duration) -> Result<KvB
         .timeout(timeout)
         .send()
         .await
-        .map_err(|e| format!("cannot reach {url}: {}", error_chain(&e)))?;
+        .map_err(|e| format!("cannot reach {url}: {}", chain(&e)))?;
     let status = resp.status();
     let body = resp
         .bytes()
         .await
-        .map_err(|e| format!("reading {url}: {}", error_chain(&e)))?;
+        .map_err(|e| format!("reading {url}: {}", chain(&e)))?;
     if !status.is_success() {
-        let msg = serde_json::from_slice::<serde_json::Value>(&body)
-            .ok()
-            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
-            .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
+        let msg = crate::error_text::answer_message(&body);
         return Err(format!("{url} answered {status}: {msg}"));
     }
     serde_json::from_slice(&body).map_err(|e| format!("{url} sent an unreadable answer: {e}"))
@@ -272,18 +270,6 @@ pub(crate) fn check_blocks(
         ));
     }
     Ok(())
-}
-
-/// An error with its causes on one line.
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// The answer of a route that serves held KV.

@@ -4,7 +4,8 @@
 //! The proxy sends both legs at once; the decode checks the engine id, then waits for
 //! the prefill to publish the transfer (bounded by `handoff_wait_ms`).
 
-use super::{check_blocks, error_chain, fetch, held_response};
+use super::{check_blocks, fetch, held_response};
+use crate::error_text::chain;
 use crate::sim::engine::Sim;
 use crate::sim::openai::{ApiError, KvTransferParams};
 use axum::Router;
@@ -90,7 +91,7 @@ pub async fn pull(sim: &Sim, kv: &KvTransferParams, hashes: &[u64]) -> Result<St
         .send()
         .await
         .and_then(|r| r.error_for_status())
-        .map_err(|e| format!("cannot query {query_url}: {}", error_chain(&e)))?
+        .map_err(|e| format!("cannot query {query_url}: {}", chain(&e)))?
         .json()
         .await
         .map_err(|e| format!("{query_url} sent an unreadable answer: {e}"))?;
