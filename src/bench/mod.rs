@@ -100,11 +100,7 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-fn value_name<T: clap::ValueEnum>(v: T) -> String {
-    v.to_possible_value()
-        .map(|p| p.get_name().to_string())
-        .unwrap_or_default()
-}
+use crate::cli::common::value_name;
 
 /// Runs that share a label get their position among the files after it (`x (#1)`,
 /// `x (#3)`), so every column and plot line can be told apart.

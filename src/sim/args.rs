@@ -1,6 +1,7 @@
 //! Command-line contract of `pdctl sim`, shared by the planner (which builds the argv)
 //! and the simulator (which parses it), so the two can never drift apart.
 
+use crate::cli::common::value_name;
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -223,14 +224,6 @@ impl SimArgs {
         ]);
         v
     }
-}
-
-/// The command-line spelling of a clap value enum.
-pub(crate) fn value_name<T: ValueEnum>(v: T) -> String {
-    v.to_possible_value()
-        .expect("no skipped variants")
-        .get_name()
-        .to_string()
 }
 
 #[cfg(test)]

@@ -22,8 +22,9 @@ pub mod server;
 pub mod stream;
 pub mod tokenizer;
 
+use crate::cli::common::value_name;
 use anyhow::Context;
-use args::{SimArgs, SimHandoff, SimRole, value_name};
+use args::{SimArgs, SimHandoff, SimRole};
 use axum::serve::ListenerExt;
 use engine::Sim;
 use std::sync::Arc;

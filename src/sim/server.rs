@@ -1,13 +1,13 @@
 //! The HTTP routes of a sim instance: vLLM's OpenAI-compatible surface plus `/sim/*`
 //! routes for fault injection and KV pulls. Unknown routes and methods get JSON errors.
 
-use super::args::value_name;
 use super::completion;
 use super::engine::Sim;
 use super::faults::FaultRequest;
 use super::handoff::held_response;
 use super::job::exit_soon;
 use super::openai::{ApiError, Endpoint};
+use crate::cli::common::value_name;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;

@@ -8,10 +8,11 @@ pub mod mooncake;
 pub mod nixl;
 pub mod shared_dir;
 
-use super::args::{SimHandoff, SimRole, value_name};
+use super::args::{SimHandoff, SimRole};
 use super::engine::Sim;
 use super::metrics::Finish;
 use super::openai::KvTransferParams;
+use crate::cli::common::value_name;
 use crate::error_text::chain;
 use held::{Held, KvBlocks};
 use std::sync::Arc;
