@@ -57,7 +57,7 @@ pub fn clean_if_stale(state: &StateDir) -> Option<StaleCleanup> {
     if record.supervisor_alive() {
         return None;
     }
-    let killed = kill_leftovers(&record, Duration::ZERO);
+    let killed = kill_leftovers(&record);
     state.remove_runtime();
     Some(StaleCleanup {
         supervisor_pid: record.supervisor_pid,
@@ -65,18 +65,14 @@ pub fn clean_if_stale(state: &StateDir) -> Option<StaleCleanup> {
     })
 }
 
-/// Kills every process of `record`'s run: the recorded process groups whose leader is
-/// still the same process, and every process carrying the run marker (children that
-/// left their group too). Sends SIGTERM first when `grace` is non-zero, SIGKILL after it.
-/// Returns the pids that were alive. Waits (at most 2 s) until they are gone.
-pub fn kill_leftovers(record: &RunRecord, grace: Duration) -> Vec<i32> {
+/// Kills (SIGKILL: their supervisor is dead, nobody is waiting for a graceful exit) every
+/// process of `record`'s run: the recorded process groups whose leader is still the same
+/// process, and every process carrying the run marker (children that left their group
+/// too). Returns the pids that were alive. Waits (at most 2 s) until they are gone.
+pub fn kill_leftovers(record: &RunRecord) -> Vec<i32> {
     let victims = leftover_pids(record);
     if victims.is_empty() {
         return victims;
-    }
-    if !grace.is_zero() {
-        signal_all(&victims, Signal::SIGTERM);
-        wait_gone(&victims, grace);
     }
     signal_all(&victims, Signal::SIGKILL);
     wait_gone(&victims, Duration::from_secs(2));
