@@ -183,18 +183,8 @@ async fn target(a: &BenchArgs) -> anyhow::Result<Target> {
                 root.display()
             ))
         })?;
-    let answer = crate::control::client::send(
-        &found.state.socket_path(),
-        &crate::control::Request::Status,
-        Duration::from_secs(5),
-    )
-    .await?;
-    let crate::control::Response::Status(r) = answer else {
-        anyhow::bail!(
-            "the supervisor of {} did not answer with its status",
-            found.label()
-        );
-    };
+    let r =
+        crate::control::client::status(&found.state.socket_path(), Duration::from_secs(5)).await?;
     let url = r.proxy_url.clone().ok_or_else(|| {
         ExitError::usage(format!(
             "cluster {} has no proxy: give --url of an engine",

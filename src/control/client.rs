@@ -1,6 +1,6 @@
 //! Client side of the control socket: one request, one response.
 
-use super::{Request, Response};
+use super::{Request, Response, StatusReport};
 use std::path::Path;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -28,6 +28,26 @@ pub enum ControlError {
         path: String,
         source: serde_json::Error,
     },
+    #[error("the supervisor on {path} answered: {message}")]
+    Refused { path: String, message: String },
+    #[error("the supervisor on {path} answered {what} where its status was asked for")]
+    Unexpected { path: String, what: String },
+}
+
+/// Asks the supervisor on `socket` for its status report.
+pub async fn status(socket: &Path, timeout: Duration) -> Result<StatusReport, ControlError> {
+    let path = || socket.display().to_string();
+    match send(socket, &Request::Status, timeout).await? {
+        Response::Status(report) => Ok(report),
+        Response::Error { message } => Err(ControlError::Refused {
+            path: path(),
+            message,
+        }),
+        other => Err(ControlError::Unexpected {
+            path: path(),
+            what: format!("{other:?}"),
+        }),
+    }
 }
 
 /// Sends `req` to the supervisor listening on `socket` and waits up to `timeout` for its answer.

@@ -118,14 +118,11 @@ pub fn apply_report(p: &Proxy, report: &StatusReport) {
 
 /// Asks the supervisor once; Err says why it could not be used.
 pub async fn poll_supervisor(p: &Proxy, socket: &std::path::Path) -> Result<(), String> {
-    match control::client::send(socket, &control::Request::Status, Duration::from_secs(2)).await {
-        Ok(control::Response::Status(report)) => {
-            apply_report(p, &report);
-            Ok(())
-        }
-        Ok(other) => Err(format!("unexpected answer {other:?}")),
-        Err(e) => Err(e.to_string()),
-    }
+    let report = control::client::status(socket, Duration::from_secs(2))
+        .await
+        .map_err(|e| e.to_string())?;
+    apply_report(p, &report);
+    Ok(())
 }
 
 /// Starts the health tasks; the first look at every instance is done before this returns,

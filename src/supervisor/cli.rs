@@ -8,7 +8,7 @@ use super::state::{ClusterLock, StateDir};
 use super::{SupervisorError, logs_cmd, preflight, select, stale, view, watchdog};
 use crate::cli::ExitError;
 use crate::cli::common::{TopologyArgs, load_plan, state_root};
-use crate::control::{Request, Response, client};
+use crate::control::client;
 use crate::plan::Plan;
 use anyhow::Context;
 use clap::Args;
@@ -255,18 +255,9 @@ pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
     };
     let rt = runtime()?;
     let socket = found.state.socket_path();
-    let answer = rt
-        .block_on(client::send(
-            &socket,
-            &Request::Status,
-            Duration::from_secs(5),
-        ))
+    let report = rt
+        .block_on(client::status(&socket, Duration::from_secs(5)))
         .with_context(|| format!("asking the supervisor of {} for its status", found.label()))?;
-    let report = match answer {
-        Response::Status(r) => r,
-        Response::Error { message } => anyhow::bail!("the supervisor answered: {message}"),
-        other => anyhow::bail!("the supervisor answered something unexpected: {other:?}"),
-    };
     let mut out = std::io::stdout();
     if a.json {
         let _ = writeln!(

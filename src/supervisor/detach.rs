@@ -6,7 +6,7 @@ use super::logs_cmd::history;
 use super::progress::{self, Renderer, StartupEnd};
 use super::state::{ClusterLock, StateDir};
 use super::view::status_table;
-use crate::control::{Request, Response, client};
+use crate::control::client;
 use crate::plan::Plan;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
@@ -79,8 +79,8 @@ pub async fn wait_for_start(child: &mut Child, state: &StateDir, plan: &Plan) ->
             );
             return 1;
         }
-        let answer = client::send(&socket, &Request::Status, Duration::from_secs(2)).await;
-        if !matches!(answer, Ok(Response::Status(_))) && last_answer.elapsed() > SILENCE_LIMIT {
+        let answer = client::status(&socket, Duration::from_secs(2)).await;
+        if answer.is_err() && last_answer.elapsed() > SILENCE_LIMIT {
             eprintln!(
                 "error: the supervisor (pid {}) has not answered on {} for {} s; see {}",
                 child.id(),
@@ -90,7 +90,7 @@ pub async fn wait_for_start(child: &mut Child, state: &StateDir, plan: &Plan) ->
             );
             return 1;
         }
-        if let Ok(Response::Status(report)) = answer {
+        if let Ok(report) = answer {
             last_answer = std::time::Instant::now();
             let rows = progress::rows(&report, plan, &last_line);
             renderer.draw(&mut std::io::stdout().lock(), &rows);
