@@ -10,9 +10,16 @@ pub struct Lmcache;
 const V0: VersionRange = VersionRange::between((0, 7, 0), (0, 10, 0));
 const V1: VersionRange = VersionRange::from((0, 10, 1));
 
-/// The lmcache server's command line (it ships in the lmcache package of the engine's python).
-pub fn server_argv(python: &str, v1: bool, host: &str, port: u16) -> Vec<String> {
-    if v1 {
+/// The lmcache server's command line and environment for vLLM `v` (None: the newest form):
+/// `python -m lmcache.v1.server HOST PORT cpu` for V1, `lmcache_server HOST PORT` before.
+/// PYTHONHASHSEED=0 as for the engines, so every process hashes chunks alike.
+pub fn server_command(
+    python: &str,
+    v: Option<&Version>,
+    host: &str,
+    port: u16,
+) -> (Vec<String>, BTreeMap<String, String>) {
+    let argv = if is_v1(v) {
         vec![
             python.to_string(),
             "-m".into(),
@@ -23,12 +30,18 @@ pub fn server_argv(python: &str, v1: bool, host: &str, port: u16) -> Vec<String>
         ]
     } else {
         vec!["lmcache_server".into(), host.to_string(), port.to_string()]
-    }
+    };
+    (argv, hash_seed_env())
+}
+
+/// The environment both the engines and the server need.
+fn hash_seed_env() -> BTreeMap<String, String> {
+    BTreeMap::from([("PYTHONHASHSEED".to_string(), "0".to_string())])
 }
 
 /// True when the planned version uses LMCacheConnectorV1 (and the v1 server); the
 /// simulator and unknown versions get the V1 form.
-pub fn is_v1(v: Option<&Version>) -> bool {
+fn is_v1(v: Option<&Version>) -> bool {
     v.is_none_or(|v| V1.contains(v))
 }
 
@@ -99,7 +112,7 @@ impl Connector for Lmcache {
         launch
             .env
             .insert("LMCACHE_CONFIG_FILE".into(), path.display().to_string());
-        launch.env.insert("PYTHONHASHSEED".into(), "0".into());
+        launch.env.extend(hash_seed_env());
         launch.files.push(GeneratedFile {
             path,
             content: yaml(cx, v1),

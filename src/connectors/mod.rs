@@ -13,7 +13,7 @@ mod mooncake_te;
 mod nixl;
 mod ports;
 
-pub use lmcache::{is_v1 as lmcache_is_v1, server_argv as lmcache_server_argv};
+pub use lmcache::server_command as lmcache_server_command;
 pub use ports::PortBook;
 
 use crate::plan::{GeneratedFile, Role};

@@ -187,12 +187,8 @@ pub(super) fn plan_support(
                     .into(),
             );
         } else {
-            let argv = crate::connectors::lmcache_server_argv(
-                &t.engine.python,
-                crate::connectors::lmcache_is_v1(version),
-                &host,
-                l.port,
-            );
+            let (argv, env) =
+                crate::connectors::lmcache_server_command(&t.engine.python, version, &host, l.port);
             let probe = Probe::Tcp {
                 host: host.clone(),
                 port: l.port,
@@ -206,7 +202,7 @@ pub(super) fn plan_support(
                 probe,
             );
             svc.ports = BTreeMap::from([("server".into(), l.port)]);
-            svc.env.insert("PYTHONHASHSEED".into(), "0".into());
+            svc.env.extend(env);
             out.names.push(svc.name.clone());
             out.services.push(svc);
         }
