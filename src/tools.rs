@@ -40,17 +40,23 @@ pub fn find_program(program: &str) -> Option<PathBuf> {
         let p = PathBuf::from(program);
         return is_executable(&p).then_some(p);
     }
+    search_dirs_for(program)
+        .into_iter()
+        .map(|d| d.join(program))
+        .find(|p| is_executable(p))
+}
+
+/// The directories searched for `program`, in order: [`search_dirs`], with PATH first for
+/// `python*` (the python that runs vLLM is the user's, an activated venv, before pdctl's).
+pub fn search_dirs_for(program: &str) -> Vec<PathBuf> {
     let mut dirs = search_dirs();
     if program.starts_with("python") {
-        // The python that runs vLLM is the user's (an activated venv) before pdctl's own.
         let path: Vec<PathBuf> = std::env::var_os("PATH")
             .map(|p| std::env::split_paths(&p).collect())
             .unwrap_or_default();
         dirs.splice(0..0, path);
     }
-    dirs.into_iter()
-        .map(|d| d.join(program))
-        .find(|p| is_executable(p))
+    dirs
 }
 
 fn is_executable(p: &Path) -> bool {

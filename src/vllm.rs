@@ -234,10 +234,7 @@ pub fn find_python(configured: &str) -> Result<(String, Version), DetectError> {
     if configured.contains('/') {
         return detect(configured).map(|v| (configured.to_string(), v));
     }
-    let mut dirs: Vec<std::path::PathBuf> = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).collect())
-        .unwrap_or_default();
-    dirs.extend(crate::tools::search_dirs());
+    let dirs = crate::tools::search_dirs_for(configured);
     let mut first_err = None;
     let mut tried = std::collections::HashSet::new();
     for dir in dirs {
