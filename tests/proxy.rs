@@ -468,6 +468,9 @@ async fn engine_4xx_reaches_the_client_unchanged_and_never_marks_the_instance_do
     for _ in 0..5 {
         let resp = post(&proxy, "/v1/completions", &completion("x")).await;
         assert_eq!(resp.status(), 400);
+        // Which leg and instance said so, beside the engine's own body.
+        assert_eq!(resp.headers()["x-pdctl-leg"], "prefill");
+        assert_eq!(resp.headers()["x-pdctl-instance"], p.url.as_str());
         assert_eq!(resp.json::<Value>().await.unwrap(), engine_error);
     }
     assert_eq!(p.count(), 5, "4xx is not retried");

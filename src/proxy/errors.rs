@@ -163,9 +163,16 @@ impl ProxyError {
     }
 }
 
+/// On an engine's own error passed through: which leg answered it.
+pub const LEG_HEADER: &str = "x-pdctl-leg";
+/// On an engine's own error passed through: which instance answered it.
+pub const INSTANCE_HEADER: &str = "x-pdctl-instance";
+
 impl IntoResponse for ProxyError {
     fn into_response(self) -> Response {
-        // An engine's own 4xx goes to the client exactly as the engine wrote it.
+        // An engine's own 4xx goes to the client exactly as the engine wrote it, with
+        // headers saying which leg and instance wrote it (a 400 to the prefill copy is about
+        // a request the client never sent as such).
         if let ProxyError::Leg(e) = &self
             && let LegFailure::Status {
                 status,
@@ -178,8 +185,13 @@ impl IntoResponse for ProxyError {
         {
             let mut r = Response::new(axum::body::Body::from(body.clone()));
             *r.status_mut() = self.status();
+            let h = r.headers_mut();
             if let Some(ct) = content_type {
-                r.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+                h.insert(header::CONTENT_TYPE, ct.clone());
+            }
+            h.insert(LEG_HEADER, HeaderValue::from_static(e.leg.as_str()));
+            if let Ok(v) = HeaderValue::from_str(&e.instance) {
+                h.insert(INSTANCE_HEADER, v);
             }
             return r;
         }
