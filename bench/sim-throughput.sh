@@ -24,11 +24,14 @@ BIN=target/release/pdctl
   --log-stats-interval-ms 0 2>/tmp/pdctl-sim-bench.log &
 SIM=$!
 trap 'kill $SIM 2>/dev/null; wait $SIM 2>/dev/null || true' EXIT
-for _ in $(seq 100); do curl -fs "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 0.05; done
+up=0
+for _ in $(seq 100); do curl -fs "http://127.0.0.1:$PORT/health" >/dev/null && { up=1; break; }; sleep 0.05; done
+[ "$up" -eq 1 ] || { echo "the sim did not answer on port $PORT within 5 s; see /tmp/pdctl-sim-bench.log (SIM_BENCH_PORT picks another port)" >&2; exit 1; }
 
 # Sanity: the answer is a real completion.
 curl -fs "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
-  -d '{"prompt":"San Francisco is a","max_tokens":16}' | grep -q '"completion_tokens":16'
+  -d '{"prompt":"San Francisco is a","max_tokens":16}' | grep -q '"completion_tokens":16' \
+  || { echo "the sim's answer is not a 16-token completion; see /tmp/pdctl-sim-bench.log" >&2; exit 1; }
 
 echo "cores: $(nproc); sim pid $SIM; wrk -t$THREADS -c$CONNS -d${DURATION}s, $RUNS runs"
 wrk -t"$THREADS" -c"$CONNS" -d2s -s bench/sim-completion.lua "http://127.0.0.1:$PORT/v1/completions" >/dev/null # warm-up
@@ -46,7 +49,7 @@ for i in $(seq "$RUNS"); do
   rate=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
   p50=$(awk '$1=="50%" {print $2}' <<<"$out")
   errs=$(awk -F': ' '/non-2xx or socket errors/ {print $2}' <<<"$out")
-  us=$(awk -v c=$((c1-c0)) -v n=$((n1-n0)) -v t="$tick" 'BEGIN {printf "%.1f", c/t*1e6/n}')
+  us=$(awk -v c=$((c1-c0)) -v n=$((n1-n0)) -v t="$tick" 'BEGIN {if (n > 0) printf "%.1f", c/t*1e6/n; else printf "n/a (nothing served)"}')
   echo "run $i: $rate req/s, p50 latency $p50, errors $errs, sim cpu $us us/request, load average before $load"
   rates+=("$rate")
 done
