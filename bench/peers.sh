@@ -9,7 +9,7 @@
 #   PEERS_ROUNDS=5 bench/peers.sh
 #   PEERS_PY_PROXY=/path/proxy.py PEERS_PY_PROXY_PORT=8000 bench/peers.sh
 #       runs `python3 /path/proxy.py`, which must listen on PEERS_PY_PROXY_PORT and send
-#       prefill to 127.0.0.1:8100 and decode to 127.0.0.1:8200 (the seeds' ports; the
+#       prefill to 127.0.0.1:8100 and decode to 127.0.0.1:8200 (the usual hand-run ports; the
 #       simulated engines then take those ports)
 #
 # Output: a markdown table of TTFT p50/p99 (streams paced 10 ms per token) at 1 and 64

@@ -288,7 +288,7 @@ async fn four_by_four_routes_designates_and_survives_failures() {
     );
     let url = format!("{}/v1/completions", up.proxy);
 
-    // Designation through `user`, exactly as seed 001: only the named pair works.
+    // Designation through `user`, as hand-written PD proxies take it: only the named pair works.
     let (p0, d0) = (successes(&prefill).await, successes(&decode).await);
     let user = format!(
         "prefill={};decode={}",
@@ -481,7 +481,7 @@ async fn client_disconnects_cancel_both_legs() {
     );
 }
 
-/// Seed 001's prefix-caching experiment on a 4P4D sim: 3 groups sharing long contexts,
+/// The prefix-caching experiment on a 4P4D sim: 3 groups sharing long contexts,
 /// engines whose cache holds about one context. Designating a group to one pair keeps its
 /// context cached; round-robin and random spread every group over every instance and
 /// evict each other's blocks. The benchmark reads the hit rate from the engines' /metrics.

@@ -1,4 +1,4 @@
-//! Real vLLM end to end without a GPU (issue 7): `pdctl up -d` a 1P1D of vLLM's CPU build
+//! Real vLLM end to end without a GPU: `pdctl up -d` a 1P1D of vLLM's CPU build
 //! serving a tiny local model, send completions and chat (streamed and not) through pdctl's
 //! proxy, prove on the decode instance that the prompt's KV came from the prefill instance,
 //! check each answer equals the prefill instance's own answer to the same request at

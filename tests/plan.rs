@@ -1,5 +1,5 @@
 //! `pdctl plan`: located errors for bad topologies, golden plans for every profile, and the
-//! seeds' flags carried into the generated commands.
+//! flags of the usual hand-run setups carried into the generated commands.
 
 mod common;
 
@@ -339,7 +339,7 @@ fn cpu_engines_get_a_kv_cache_size_and_unpinned_threads() {
     );
 }
 
-/// Issue 2's acceptance check, through the CLI as a user runs it.
+/// The store-form 4P4D acceptance check, through the CLI as a user runs it.
 #[test]
 fn mooncake_store_4p4d_plans_like_seed_001() {
     let plan = plan_json(&[
@@ -414,7 +414,7 @@ fn mooncake_store_4p4d_plans_like_seed_001() {
     assert_eq!(names.last(), Some(&"proxy"));
 }
 
-/// Seeds 001/003: V0 MooncakeConnector with a transfer-engine mooncake.json shared by both.
+/// The hand-run transfer-engine setup: V0 MooncakeConnector with a transfer-engine mooncake.json shared by both.
 #[test]
 fn mooncake_te_1p1d_carries_the_seed_flags() {
     let plan = pure_plan("mooncake-te-1p1d");
@@ -444,7 +444,7 @@ fn mooncake_te_1p1d_carries_the_seed_flags() {
     assert_eq!(p.depends_on, ["etcd"]);
 }
 
-/// Seed 002: LMCache server, DeepSeek-V2-Lite with MLA disabled, chunk size 32.
+/// The LMCache demo: LMCache server, DeepSeek-V2-Lite with MLA disabled, chunk size 32.
 #[test]
 fn lmcache_1p1d_carries_the_seed_flags() {
     let plan = pure_plan("lmcache-1p1d");
@@ -469,7 +469,7 @@ fn lmcache_1p1d_carries_the_seed_flags() {
     assert_eq!(plan.proxy_url.as_deref(), Some("http://127.0.0.1:8030"));
 }
 
-/// Seed 004: shared storage at /mnt/pd_kv, proxy at 40 req/s and 100 concurrent.
+/// The shared-storage setup: shared storage at /mnt/pd_kv, proxy at 40 req/s and 100 concurrent.
 #[test]
 fn shared_storage_1p1d_carries_the_seed_flags() {
     let plan = pure_plan("shared-storage-1p1d");

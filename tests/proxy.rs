@@ -1,6 +1,6 @@
 //! `pdctl proxy` against fake engines that record every leg they receive: what each leg
 //! carries per protocol, and every failure users of other PD routers complain about
-//! (pd-facts §8): hangs, swallowed errors, silent KV misses, wrong SSE, stranded legs on
+//!: hangs, swallowed errors, silent KV misses, wrong SSE, stranded legs on
 //! disconnect, broken request-id correlation, load counted only until headers, health
 //! tripped by client 4xx, /v1/models failing with one instance down, keys not sent.
 

@@ -8,13 +8,13 @@ use std::path::PathBuf;
 pub enum DatasetKind {
     /// Random words, `--input-len` tokens in, `--output-len` out.
     Random,
-    /// Seed 001's prefix-caching workload: groups sharing a long context.
+    /// The prefix-caching workload: groups sharing a long context.
     Prefix,
     /// ShareGPT JSON (`--dataset-path`): first human turn in, reply length out.
     Sharegpt,
 }
 
-/// How the `prefix` dataset assigns instances through the `user` field (seed 001).
+/// How the `prefix` dataset assigns instances through the `user` field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Strategy {
     /// No designation: the proxy's routing policy decides.

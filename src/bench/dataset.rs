@@ -1,4 +1,4 @@
-//! The requests a benchmark sends: random prompts, seed 001's shared-prefix groups, or
+//! The requests a benchmark sends: random prompts, shared-prefix groups, or
 //! ShareGPT conversations. Deterministic for a given seed.
 
 use super::args::{BenchArgs, DatasetKind, Strategy};
@@ -177,7 +177,7 @@ pub fn build(
     Ok(reqs)
 }
 
-/// Seed 001's workload: G groups, each a long shared context; request i belongs to group
+/// The prefix-caching workload: G groups, each a long shared context; request i belongs to group
 /// i mod G and adds its own question, so groups interleave as users' traffic would.
 fn prefix_groups(args: &BenchArgs, rng: &mut StdRng) -> Vec<BenchRequest> {
     let groups = args.prefix_groups.max(1);
@@ -198,7 +198,7 @@ fn prefix_groups(args: &BenchArgs, rng: &mut StdRng) -> Vec<BenchRequest> {
         .collect()
 }
 
-/// Sets `user` per the strategy, as seed 001's test script does.
+/// Sets `user` per the strategy, as hand-written PD test scripts do.
 fn designate(
     reqs: &mut [BenchRequest],
     strategy: Strategy,

@@ -1,4 +1,4 @@
-//! LMCache with a remote lmcache server (seed 002): prefill stores KV to the server, decode
+//! LMCache with a remote lmcache server: prefill stores KV to the server, decode
 //! retrieves it; two-step proxy protocol. LMCacheConnector (V0, vLLM up to 0.10.0,
 //! VLLM_USE_V1=0, experimental yaml keys) and LMCacheConnectorV1 (0.10.1 and later).
 //! Both sides need PYTHONHASHSEED=0 so chunk hashes agree.

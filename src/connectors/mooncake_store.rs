@@ -1,5 +1,5 @@
 //! MooncakeStoreConnector: KV goes through a Mooncake store (mooncake_master + metadata
-//! server) that every instance mounts. V0 (vLLM up to 0.10.0, VLLM_USE_V1=0, seed 001) and
+//! server) that every instance mounts. V0 (vLLM up to 0.10.0, VLLM_USE_V1=0) and
 //! V1 (0.21.0 and later); both use the two-step proxy protocol, unless `connector.multi` on
 //! V1 wraps it in a MultiConnector with MooncakeConnector (transfer_id protocol).
 //!

@@ -1,5 +1,5 @@
 //! MooncakeConnector V0 over the Mooncake transfer engine (vLLM 0.6.4 to 0.10.0 with
-//! VLLM_USE_V1=0; seeds 001 and 003). One prefill and one decode share a transfer-engine
+//! VLLM_USE_V1=0). One prefill and one decode share a transfer-engine
 //! form mooncake.json; the pair is fixed (kv_parallel_size 2), so only 1P1D.
 //!
 //! Ports: each side listens on te_port + TP rank; on a shared host decode's port is +100

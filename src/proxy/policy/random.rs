@@ -1,4 +1,4 @@
-//! Random: a uniform pick, the seeds' `Random` strategy (stateless, no coordination).
+//! Random: a uniform pick, the `Random` strategy of hand-written proxies (stateless, no coordination).
 
 use super::{Policy, RouteFacts};
 use crate::proxy::instances::Instance;

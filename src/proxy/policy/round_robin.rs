@@ -1,4 +1,4 @@
-//! Round robin: each usable instance in turn, as the seeds' Python proxies do.
+//! Round robin: each usable instance in turn, as the usual hand-written Python proxies do.
 
 use super::{Policy, RouteFacts};
 use crate::proxy::instances::Instance;

@@ -1,5 +1,5 @@
 //! The proxy protocols: how one client request becomes a prefill leg and a decode leg for
-//! a given KV connector (see pd-facts §1). Each protocol only shapes bodies and says
+//! a given KV connector. Each protocol only shapes bodies and says
 //! whether the legs run one after the other or at once; sending, retrying, timing and
 //! relaying are the pipeline's job, so each protocol stays a page long.
 
