@@ -162,19 +162,7 @@ async fn concurrent(
         };
         // Leaving the block above dropped the other leg (decode or background prefill).
         let (leg, inst, f) = failure;
-        note_failure(&inst, &f);
-        if leg == Leg::Prefill {
-            proxy.protocol.forget(&inst);
-        }
-        if !may_retry(proxy, req, &f, attempt) {
-            return Err(LegError {
-                leg,
-                instance: inst.url.clone(),
-                failure: f,
-            }
-            .into());
-        }
-        retrying(proxy, req, rec, leg, &inst, &f, attempt).await;
+        retry_or_give_up(proxy, req, rec, leg, &inst, f, attempt).await?;
         attempt += 1;
     }
 }
@@ -194,8 +182,7 @@ fn watch_background_prefill(
             Err(e) => Err(LegFailure::Body(format!("prefill task ended: {e}"))),
         };
         if let Err(f) = &result {
-            note_failure(&inst, f);
-            proxy.protocol.forget(&inst);
+            blame(&proxy, Leg::Prefill, &inst, f);
             tracing::warn!(
                 request_id = %request_id,
                 "prefill leg on {} failed while decode was already streaming: {f}",
@@ -250,19 +237,7 @@ where
         match attempt(inst.clone()).await {
             Ok(t) => return Ok((inst, t)),
             Err(f) => {
-                note_failure(&inst, &f);
-                if leg == Leg::Prefill {
-                    proxy.protocol.forget(&inst);
-                }
-                if !may_retry(proxy, req, &f, n) {
-                    return Err(LegError {
-                        leg,
-                        instance: inst.url.clone(),
-                        failure: f,
-                    }
-                    .into());
-                }
-                retrying(proxy, req, rec, leg, &inst, &f, n).await;
+                retry_or_give_up(proxy, req, rec, leg, &inst, f, n).await?;
                 n += 1;
             }
         }
@@ -274,6 +249,39 @@ fn may_retry(proxy: &Proxy, req: &ClientRequest, f: &LegFailure, attempt: u32) -
 }
 
 /// Counts and logs a retry, then waits a short, growing backoff.
+/// After a leg failed on `inst`: blames the instance, then either waits out the backoff
+/// before the next attempt (Ok) or gives the failure up as the request's error.
+async fn retry_or_give_up(
+    proxy: &Proxy,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+    leg: Leg,
+    inst: &Instance,
+    f: LegFailure,
+    attempt: u32,
+) -> Result<(), ProxyError> {
+    blame(proxy, leg, inst, &f);
+    if !may_retry(proxy, req, &f, attempt) {
+        return Err(LegError {
+            leg,
+            instance: inst.url.clone(),
+            failure: f,
+        }
+        .into());
+    }
+    retrying(proxy, req, rec, leg, inst, &f, attempt).await;
+    Ok(())
+}
+
+/// Counts a failure against the instance; a failed prefill's cached engine id is
+/// forgotten (it may have restarted).
+fn blame(proxy: &Proxy, leg: Leg, inst: &Instance, f: &LegFailure) {
+    note_failure(inst, f);
+    if leg == Leg::Prefill {
+        proxy.protocol.forget(inst);
+    }
+}
+
 async fn retrying(
     proxy: &Proxy,
     req: &ClientRequest,
