@@ -9,7 +9,7 @@ use super::errors::{LegError, LegFailure, ProxyError};
 use super::instances::{FailureKind, Instance, Leg};
 use super::legs::{AbortOnDrop, Answer, decode_once, prefill_once};
 use super::policy::RouteFacts;
-use super::protocol::{Body, Flow, choices};
+use super::protocol::{Body, Flow, Handshake, choices};
 use super::record::RequestRecord;
 use bytes::Bytes;
 use std::sync::Arc;
@@ -93,8 +93,7 @@ async fn sequential(
     decode_leg(proxy, req, rec, body).await
 }
 
-/// Both legs at once, prefill in the background (mooncake). A failed prefill cancels the
-/// decode (which would otherwise wait for KV that never comes) and is answered as an error.
+/// Both legs at once (mooncake), retried as a pair on other instances while that helps.
 async fn concurrent(
     proxy: &Arc<Proxy>,
     req: &ClientRequest,
@@ -113,50 +112,9 @@ async fn concurrent(
                 let decode = choose(proxy, req, Leg::Decode, &tried_decode)?;
                 tried_decode.push(decode.index);
                 rec.set_instance(Leg::Decode, &decode.url);
-                let pbody = proxy.protocol.prefill_body(&req.body, &req.id, &handshake);
-                let dbody = proxy
-                    .protocol
-                    .decode_body(&req.body, &req.id, &prefill, &handshake, None);
-                let dbytes = encode(dbody.body, req);
-                let started = Instant::now();
-                let mut background = AbortOnDrop(tokio::spawn(prefill_once(
-                    proxy.clone(),
-                    prefill.clone(),
-                    req.path,
-                    pbody,
-                    req.id.clone(),
-                )));
-                let decoding = decode_once(proxy, req, decode.clone(), dbytes);
-                tokio::pin!(decoding);
-                let mut prefill_done = false;
-                loop {
-                    tokio::select! {
-                        done = &mut background.0, if !prefill_done => match done {
-                            Ok(Ok(_)) => {
-                                prefill_done = true;
-                                rec.prefill_time = Some(started.elapsed());
-                            }
-                            Ok(Err(f)) => break (Leg::Prefill, prefill.clone(), f),
-                            Err(e) => break (Leg::Prefill, prefill.clone(), LegFailure::Body(format!("prefill task ended: {e}"))),
-                        },
-                        answer = &mut decoding => match answer {
-                            Ok((mut answer, first_byte)) => {
-                                rec.decode_first_byte = first_byte;
-                                if let Answer::Stream { keep, .. } = &mut answer
-                                    && !prefill_done
-                                {
-                                    keep.prefill = Some(watch_background_prefill(
-                                        proxy.clone(),
-                                        prefill.clone(),
-                                        background,
-                                        req.id.clone(),
-                                    ));
-                                }
-                                return Ok(answer);
-                            }
-                            Err(f) => break (Leg::Decode, decode.clone(), f),
-                        },
-                    }
+                match both_legs(proxy, req, rec, &prefill, &decode, &handshake).await {
+                    Ok(answer) => return Ok(answer),
+                    Err(failure) => failure,
                 }
             }
         };
@@ -164,6 +122,67 @@ async fn concurrent(
         let (leg, inst, f) = failure;
         retry_or_give_up(proxy, req, rec, leg, &inst, f, attempt).await?;
         attempt += 1;
+    }
+}
+
+/// One attempt of both legs at once: prefill in the background, decode awaited. A failed
+/// prefill cancels the decode (it would wait for KV that never comes); a decode stream that
+/// starts before prefill has answered keeps the prefill running, watched. Err names the
+/// leg that failed.
+async fn both_legs(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+    prefill: &Arc<Instance>,
+    decode: &Arc<Instance>,
+    handshake: &Handshake,
+) -> Result<Answer, (Leg, Arc<Instance>, LegFailure)> {
+    let pbody = proxy.protocol.prefill_body(&req.body, &req.id, handshake);
+    let dbody = proxy
+        .protocol
+        .decode_body(&req.body, &req.id, prefill, handshake, None);
+    let dbytes = encode(dbody.body, req);
+    let started = Instant::now();
+    let mut background = AbortOnDrop(tokio::spawn(prefill_once(
+        proxy.clone(),
+        prefill.clone(),
+        req.path,
+        pbody,
+        req.id.clone(),
+    )));
+    let decoding = decode_once(proxy, req, decode.clone(), dbytes);
+    tokio::pin!(decoding);
+    let mut prefill_done = false;
+    loop {
+        tokio::select! {
+            done = &mut background.0, if !prefill_done => match done {
+                Ok(Ok(_)) => {
+                    prefill_done = true;
+                    rec.prefill_time = Some(started.elapsed());
+                }
+                Ok(Err(f)) => return Err((Leg::Prefill, prefill.clone(), f)),
+                Err(e) => {
+                    let f = LegFailure::Body(format!("prefill task ended: {e}"));
+                    return Err((Leg::Prefill, prefill.clone(), f));
+                }
+            },
+            answer = &mut decoding => {
+                let (mut answer, first_byte) =
+                    answer.map_err(|f| (Leg::Decode, decode.clone(), f))?;
+                rec.decode_first_byte = first_byte;
+                if let Answer::Stream { keep, .. } = &mut answer
+                    && !prefill_done
+                {
+                    keep.prefill = Some(watch_background_prefill(
+                        proxy.clone(),
+                        prefill.clone(),
+                        background,
+                        req.id.clone(),
+                    ));
+                }
+                return Ok(answer);
+            }
+        }
     }
 }
 
