@@ -3,7 +3,7 @@
 //! every KV handoff that did not happen.
 
 pub use super::histogram::Histogram;
-use super::instances::{FailureKind, Leg, Pools};
+use super::instances::{FailureKind, Instance, Leg, Pools};
 use crate::prometheus::header;
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -144,36 +144,36 @@ impl Metrics {
             self.in_flight.load(Ordering::Relaxed)
         );
 
-        header(
+        let per_instance = |o: &mut String,
+                            name: &str,
+                            kind: &str,
+                            help: &str,
+                            v: &dyn Fn(&Instance) -> String| {
+            header(o, &format!("{p}_{name}"), kind, help);
+            for i in pools.all() {
+                let _ = writeln!(
+                    o,
+                    "{p}_{name}{{leg=\"{}\",instance=\"{}\"}} {}",
+                    i.leg,
+                    i.url,
+                    v(i)
+                );
+            }
+        };
+        per_instance(
             &mut o,
-            &format!("{p}_instance_selected_total"),
+            "instance_selected_total",
             "counter",
             "Times routing chose an instance.",
+            &|i| i.selected().to_string(),
         );
-        for i in pools.all() {
-            let _ = writeln!(
-                o,
-                "{p}_instance_selected_total{{leg=\"{}\",instance=\"{}\"}} {}",
-                i.leg,
-                i.url,
-                i.selected()
-            );
-        }
-        header(
+        per_instance(
             &mut o,
-            &format!("{p}_instance_in_flight"),
+            "instance_in_flight",
             "gauge",
             "Requests on an instance now, counted until the response stream ends.",
+            &|i| i.in_flight().to_string(),
         );
-        for i in pools.all() {
-            let _ = writeln!(
-                o,
-                "{p}_instance_in_flight{{leg=\"{}\",instance=\"{}\"}} {}",
-                i.leg,
-                i.url,
-                i.in_flight()
-            );
-        }
         header(
             &mut o,
             &format!("{p}_instance_errors_total"),
@@ -192,35 +192,20 @@ impl Metrics {
                 );
             }
         }
-        header(
+        per_instance(
             &mut o,
-            &format!("{p}_instance_healthy"),
+            "instance_healthy",
             "gauge",
             "1 when routing may use the instance, 0 when health checks took it out.",
+            &|i| u8::from(i.is_usable()).to_string(),
         );
-        for i in pools.all() {
-            let _ = writeln!(
-                o,
-                "{p}_instance_healthy{{leg=\"{}\",instance=\"{}\"}} {}",
-                i.leg,
-                i.url,
-                u8::from(i.is_usable())
-            );
-        }
-        header(
+        per_instance(
             &mut o,
-            &format!("{p}_instance_engine_load"),
+            "instance_engine_load",
             "gauge",
             "Running + waiting requests the engine reported (--scrape-metrics); -1 unknown.",
+            &|i| i.engine_load().map_or(-1, i64::from).to_string(),
         );
-        for i in pools.all() {
-            let v = i.engine_load().map_or(-1, i64::from);
-            let _ = writeln!(
-                o,
-                "{p}_instance_engine_load{{leg=\"{}\",instance=\"{}\"}} {v}",
-                i.leg, i.url
-            );
-        }
 
         self.prefill_duration.render(
             &mut o,
