@@ -32,7 +32,7 @@ pub fn router(sim: Arc<Sim>) -> Router {
         .route("/metrics", get(metrics))
         .route("/sim/fault", post(fault).get(fault_status))
         .route("/sim/kv/{request_id}", get(kv_pull))
-        .fallback(|| async { ApiError::status(StatusCode::NOT_FOUND, "no such route (the simulator serves /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics)") })
+        .fallback(|| async { ApiError::status(StatusCode::NOT_FOUND, "no such route (the simulator serves /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics, /sim/fault, /sim/kv/REQUEST_ID)") })
         .method_not_allowed_fallback(|| async { ApiError::status(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this route") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(sim)
@@ -71,13 +71,7 @@ async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    if let Err(e) = authorized(&sim, &headers) {
-        return e.into_response();
-    }
-    match body_or_error(body) {
-        Ok(b) => completion::handle(sim, Endpoint::Completions, headers, b).await,
-        Err(e) => e.into_response(),
-    }
+    generate(sim, Endpoint::Completions, headers, body).await
 }
 
 async fn chat(
@@ -85,11 +79,21 @@ async fn chat(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    generate(sim, Endpoint::Chat, headers, body).await
+}
+
+/// Both generation routes: the key, then the body, then the completion itself.
+async fn generate(
+    sim: Arc<Sim>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     if let Err(e) = authorized(&sim, &headers) {
         return e.into_response();
     }
     match body_or_error(body) {
-        Ok(b) => completion::handle(sim, Endpoint::Chat, headers, b).await,
+        Ok(b) => completion::handle(sim, endpoint, headers, b).await,
         Err(e) => e.into_response(),
     }
 }
