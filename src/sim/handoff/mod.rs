@@ -180,14 +180,7 @@ impl Producer {
                 "KV handoff not offered for {}: the prefill ended by a stop condition, not the length cap; the decode will recompute",
                 self.key
             );
-            if let ProducerKind::Mooncake = self.kind {
-                sim.held.hold(
-                    &sim.metrics,
-                    &self.key,
-                    Held::Refused("the prefill ended by a stop condition".into()),
-                    ttl,
-                );
-            }
+            self.refuse("the prefill ended by a stop condition");
             return None;
         }
         let n = self.blocks.block_hashes.len();
@@ -212,18 +205,23 @@ impl Producer {
     }
 }
 
+impl Producer {
+    /// Mooncake's decode is already waiting on the bootstrap/transfer route: tell it why
+    /// no KV will come rather than let it time out. (Nixl's decode never asks.)
+    fn refuse(&self, why: &str) {
+        if let ProducerKind::Mooncake = self.kind {
+            let ttl = Duration::from_millis(self.sim.args.model_params.kv_hold_timeout_ms);
+            self.sim
+                .held
+                .hold(&self.sim.metrics, &self.key, Held::Refused(why.into()), ttl);
+        }
+    }
+}
+
 impl Drop for Producer {
     fn drop(&mut self) {
         if !self.done {
-            if let ProducerKind::Mooncake = self.kind {
-                let ttl = Duration::from_millis(self.sim.args.model_params.kv_hold_timeout_ms);
-                self.sim.held.hold(
-                    &self.sim.metrics,
-                    &self.key,
-                    Held::Refused("the prefill request was aborted".into()),
-                    ttl,
-                );
-            }
+            self.refuse("the prefill request was aborted");
         }
     }
 }
