@@ -34,22 +34,6 @@ fn args<'a>(base: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
     out
 }
 
-/// Polls `check` for up to 5 s (state changes that follow a disconnect or a timer).
-async fn eventually<F, Fut>(mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let end = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < end {
-        if check().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    false
-}
-
 fn text_of(v: &Value) -> String {
     v["choices"][0]["text"]
         .as_str()
@@ -646,7 +630,10 @@ async fn max_num_seqs_makes_requests_wait() {
         .await;
     assert!(r.is_err());
     assert!(
-        eventually(|| async { sim.metric("pdctl_sim_requests_aborted_total").await == 1.0 }).await
+        common::eventually(Duration::from_secs(5), || async {
+            sim.metric("pdctl_sim_requests_aborted_total").await == 1.0
+        })
+        .await
     );
     assert_eq!(h3.await.unwrap().unwrap().status(), 200);
     assert_eq!(sim.metric("vllm:num_requests_waiting").await, 0.0);
@@ -837,7 +824,12 @@ async fn nixl_prefill_that_ends_by_a_stop_string_offers_no_kv_and_held_kv_expire
         2.0,
         "stranded until a decode pulls or it expires"
     );
-    assert!(eventually(|| async { p.metric("pdctl_sim_kv_blocks_held").await == 0.0 }).await);
+    assert!(
+        common::eventually(Duration::from_secs(5), || async {
+            p.metric("pdctl_sim_kv_blocks_held").await == 0.0
+        })
+        .await
+    );
     assert_eq!(p.metric("pdctl_sim_kv_handoffs_expired_total").await, 1.0);
     assert!(p.log().contains("expired: no decode took it in time"));
 }
@@ -989,13 +981,21 @@ async fn faults_fail_hang_unhealthy_and_crash() {
         .await;
     assert!(r.unwrap_err().is_timeout());
     assert!(
-        eventually(|| async { sim.metric("pdctl_sim_requests_aborted_total").await == 1.0 }).await
+        common::eventually(Duration::from_secs(5), || async {
+            sim.metric("pdctl_sim_requests_aborted_total").await == 1.0
+        })
+        .await
     );
     assert_eq!(sim.metric("vllm:num_requests_running").await, 0.0);
     // unhealthy_ms: /health 503 for a while, then 200 again.
     sim.post("/sim/fault", &json!({"unhealthy_ms": 1000})).await;
     assert_eq!(sim.get("/health").await.0, 503);
-    assert!(eventually(|| async { sim.get("/health").await.0 == 200 }).await);
+    assert!(
+        common::eventually(Duration::from_secs(5), || async {
+            sim.get("/health").await.0 == 200
+        })
+        .await
+    );
     // A bad fault body is explained.
     let (s, r) = sim.post("/sim/fault", &json!({"explode": true})).await;
     assert_eq!(s, 400);
@@ -1034,7 +1034,10 @@ async fn stalled_stream_sends_k_tokens_then_nothing_and_counts_an_abort() {
     assert_eq!(sim.metric("vllm:num_requests_running").await, 1.0);
     drop(r);
     assert!(
-        eventually(|| async { sim.metric("pdctl_sim_requests_aborted_total").await == 1.0 }).await
+        common::eventually(Duration::from_secs(5), || async {
+            sim.metric("pdctl_sim_requests_aborted_total").await == 1.0
+        })
+        .await
     );
     assert_eq!(sim.metric("vllm:num_requests_running").await, 0.0);
     // The next stream is normal again.
@@ -1243,7 +1246,7 @@ async fn api_key_guards_the_v1_routes_only() {
     let base = format!("http://127.0.0.1:{port}");
     let c = client();
     assert!(
-        eventually(|| async {
+        common::eventually(Duration::from_secs(5), || async {
             c.get(format!("{base}/health"))
                 .send()
                 .await

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 use crate::common::{TempDir, free_port, pdctl_bin};
+pub use crate::common::{eventually, strip_ansi};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::State;
@@ -450,24 +451,6 @@ impl Drop for ProxyProcess {
     }
 }
 
-/// `text` without ANSI escape sequences (ESC [ ... letter).
-pub fn strip_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for n in chars.by_ref() {
-                if n.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 /// The value of `series` (name with its exact label set) in a Prometheus text.
 pub fn metric_value(text: &str, series: &str) -> f64 {
     text.lines()
@@ -569,23 +552,5 @@ impl FakeSupervisor {
                 s.1 = state.to_string();
             }
         }
-    }
-}
-
-/// Polls an async condition every 20 ms until true or `timeout`.
-pub async fn eventually<F, Fut>(timeout: Duration, mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let end = Instant::now() + timeout;
-    loop {
-        if check().await {
-            return true;
-        }
-        if Instant::now() > end {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

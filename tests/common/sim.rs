@@ -2,6 +2,7 @@
 //! captured, JSON/SSE requests, and metric lookups.
 #![allow(dead_code)]
 
+use crate::common::strip_ansi;
 use crate::common::{ChildGuard, TempDir, free_port, pdctl_bin};
 use serde_json::Value;
 use std::path::PathBuf;
@@ -163,23 +164,6 @@ pub fn sse_events(body: &str) -> Vec<Value> {
         .filter_map(|e| e.strip_prefix("data: "))
         .map(|d| serde_json::from_str(d).unwrap_or(Value::String(d.to_string())))
         .collect()
-}
-
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut chars = s.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for d in chars.by_ref() {
-                if d.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// A prompt of exactly `n` tokens under the sim's tokenizer (`n` distinct words).
