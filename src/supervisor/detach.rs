@@ -2,8 +2,10 @@
 //! `pdctl supervise`, then shows its start-up progress over the control socket and
 //! returns once every local service is healthy (exit 0) or one failed (exit 1).
 
+use super::logfile::NOTE_PREFIX;
 use super::logs_cmd::history;
 use super::progress::{self, Renderer, StartupEnd};
+use super::service::FAILURE_LINES;
 use super::state::{ClusterLock, StateDir};
 use super::view::status_table;
 use crate::control::client;
@@ -112,10 +114,10 @@ pub async fn wait_for_start(child: &mut Child, state: &StateDir, plan: &Plan) ->
                         let lines = history(&state.log_path(&name), Some(40));
                         let lines: Vec<String> = lines
                             .iter()
-                            .filter(|l| !l.starts_with("[pdctl] "))
+                            .filter(|l| !l.starts_with(NOTE_PREFIX))
                             .map(|l| super::logfile::strip_ansi(l))
                             .collect();
-                        let shown = &lines[lines.len().saturating_sub(12)..];
+                        let shown = &lines[lines.len().saturating_sub(FAILURE_LINES)..];
                         eprintln!("{}", progress::failure_text(&name, &why, shown));
                     }
                     eprintln!(
@@ -144,6 +146,6 @@ pub fn last_line(path: &Path) -> Option<String> {
     text.lines()
         .rev()
         .map(|l| l.rsplit('\r').next().unwrap_or(l).trim())
-        .find(|l| !l.is_empty() && !l.starts_with("[pdctl] "))
+        .find(|l| !l.is_empty() && !l.starts_with(NOTE_PREFIX))
         .map(str::to_string)
 }

@@ -11,6 +11,9 @@ use std::sync::Mutex;
 pub const DEFAULT_MAX_BYTES: u64 = 20 * 1024 * 1024;
 /// Rotated files kept (`.1` newest .. `.N` oldest), unless `--log-keep` says otherwise.
 pub const DEFAULT_KEEP: u32 = 3;
+/// Starts the lines the supervisor writes into a service's log itself (they are not the
+/// service's output, and failure reports leave them out).
+pub const NOTE_PREFIX: &str = "[pdctl] ";
 /// Lines remembered per service for "last log" displays.
 const RECENT_LINES: usize = 40;
 
@@ -167,7 +170,7 @@ impl ServiceLog {
             .unwrap_or_else(|e| e.into_inner())
             .at_line_start;
         let sep = if fresh_line { "" } else { "\n" };
-        self.append(format!("{sep}[pdctl] {} {text}\n", utc_timestamp()).as_bytes());
+        self.append(format!("{sep}{NOTE_PREFIX}{} {text}\n", utc_timestamp()).as_bytes());
     }
 
     /// The last `n` output lines, oldest first.

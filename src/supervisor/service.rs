@@ -135,11 +135,9 @@ impl Task {
         self.ctx
             .table
             .run_ended(self.idx, ServiceState::Failed, Some(why.clone()));
-        let mut text = format!("{name} failed: {why}");
-        for l in lines {
-            text.push_str(&format!("\n    {l}"));
-        }
-        self.ctx.console.event(&text);
+        self.ctx
+            .console
+            .event(&super::progress::failure_text(&name, &why, &lines));
         Next::Idle
     }
 
