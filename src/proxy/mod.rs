@@ -15,6 +15,7 @@ pub mod config;
 pub mod designate;
 pub mod endpoint;
 pub mod errors;
+pub mod figures;
 pub mod health;
 pub mod histogram;
 pub mod instances;

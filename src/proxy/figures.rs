@@ -1,0 +1,73 @@
+//! The request figures `pdctl status` shows for a running proxy, read back from its
+//! `/metrics` page: here, beside the metric names the proxy writes (metrics.rs), so the two
+//! change together.
+
+/// The proxy's request figures `status` shows, summed from its `/metrics` page.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProxyFigures {
+    pub requests: f64,
+    /// Requests answered with a 4xx or 5xx status.
+    pub failed: f64,
+    pub in_flight: f64,
+    pub retries: f64,
+    /// Decode had to recompute because the KV handoff did not happen.
+    pub kv_handoff_misses: f64,
+}
+
+/// Reads the proxy's counters from a Prometheus text page; `None` when it has none of
+/// `pdctl_proxy_requests_total` (not the pdctl proxy, or an older one).
+pub fn read(metrics_text: &str) -> Option<ProxyFigures> {
+    let mut f = ProxyFigures::default();
+    let mut found = false;
+    for crate::prometheus::Sample {
+        name,
+        labels,
+        value,
+    } in crate::prometheus::samples(metrics_text)
+    {
+        match name {
+            "pdctl_proxy_requests_total" => {
+                found = true;
+                f.requests += value;
+                if labels.contains("status=\"4") || labels.contains("status=\"5") {
+                    f.failed += value;
+                }
+            }
+            "pdctl_proxy_requests_in_flight" => f.in_flight += value,
+            "pdctl_proxy_retries_total" => f.retries += value,
+            "pdctl_proxy_kv_handoff_misses_total" => f.kv_handoff_misses += value,
+            _ => {}
+        }
+    }
+    found.then_some(f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proxy_counters_are_summed_over_labels() {
+        let text = "# HELP pdctl_proxy_requests_total x\n\
+                    # TYPE pdctl_proxy_requests_total counter\n\
+                    pdctl_proxy_requests_total{route=\"/v1/completions\",status=\"200\"} 10\n\
+                    pdctl_proxy_requests_total{route=\"/v1/chat/completions\",status=\"502\"} 2\n\
+                    pdctl_proxy_requests_total{route=\"/v1/completions\",status=\"429\"} 1\n\
+                    pdctl_proxy_requests_in_flight 3\n\
+                    pdctl_proxy_retries_total{leg=\"prefill\"} 1\n\
+                    pdctl_proxy_retries_total{leg=\"decode\"} 2\n\
+                    pdctl_proxy_kv_handoff_misses_total{reason=\"no_kv_transfer_params\"} 4\n";
+        let f = read(text).unwrap();
+        assert_eq!(
+            f,
+            ProxyFigures {
+                requests: 13.0,
+                failed: 3.0,
+                in_flight: 3.0,
+                retries: 3.0,
+                kv_handoff_misses: 4.0
+            }
+        );
+        assert_eq!(read("vllm:num_requests_running 3\n"), None);
+    }
+}
