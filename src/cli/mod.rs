@@ -1,9 +1,12 @@
 //! Command-line entry: parses arguments, runs one command, maps its outcome to an exit code
 //! the way docker compose users expect (0 ok, 1 failure, 2 bad input, 3 nothing running).
 
+pub mod cluster;
 pub mod common;
+mod down;
 pub mod exit;
 mod info;
+mod restart;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -24,15 +27,15 @@ pub enum Command {
     /// Print what `up` would run: commands, env, GPUs, ports, probes, generated files.
     Plan(info::PlanArgs),
     /// Start the cluster and keep it up (foreground, or -d to detach).
-    Up(crate::supervisor::cli::UpArgs),
+    Up(cluster::UpArgs),
     /// Stop every service of the running cluster and remove its runtime state.
-    Down(crate::supervisor::cli::DownArgs),
+    Down(cluster::DownArgs),
     /// Show the state of every service (table, or --json).
-    Status(crate::supervisor::cli::StatusArgs),
+    Status(cluster::StatusArgs),
     /// Restart services (`decode-1`) or roles (`prefill`) of the running cluster.
-    Restart(crate::supervisor::cli::RestartArgs),
+    Restart(cluster::RestartArgs),
     /// Show the logs of a role (`prefill`) or one service (`prefill-2`).
-    Logs(crate::supervisor::cli::LogsArgs),
+    Logs(cluster::LogsArgs),
     /// List the GPUs this machine has (NVML), or say why none can be read.
     Gpus(info::GpusArgs),
     /// List the built-in topologies with one line each.
@@ -45,7 +48,7 @@ pub enum Command {
     Bench(crate::bench::args::BenchArgs),
     /// Internal: the supervisor process that `up -d` leaves running.
     #[command(hide = true)]
-    Supervise(crate::supervisor::cli::SuperviseArgs),
+    Supervise(cluster::SuperviseArgs),
 }
 
 /// Parses the command line and runs it; never panics on user error.
@@ -88,12 +91,12 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Plan(a) => info::plan(a),
         Command::Gpus(a) => info::gpus(a),
         Command::Profiles(a) => info::profiles(a),
-        Command::Up(a) => crate::supervisor::cli::up(a),
-        Command::Down(a) => crate::supervisor::cli::down(a),
-        Command::Status(a) => crate::supervisor::cli::status(a),
-        Command::Logs(a) => crate::supervisor::cli::logs(a),
-        Command::Restart(a) => crate::supervisor::cli::restart(a),
-        Command::Supervise(a) => crate::supervisor::cli::supervise(a),
+        Command::Up(a) => cluster::up(a),
+        Command::Down(a) => cluster::down(a),
+        Command::Status(a) => cluster::status(a),
+        Command::Logs(a) => cluster::logs(a),
+        Command::Restart(a) => cluster::restart(a),
+        Command::Supervise(a) => cluster::supervise(a),
         Command::Proxy(a) => runtime()?
             .block_on(crate::proxy::run(a))
             .map(|_| ExitCode::SUCCESS),

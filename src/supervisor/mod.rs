@@ -1,7 +1,9 @@
 //! The supervisor: runs a plan's services, probes them, restarts them, stops them.
 //!
 //! It executes a [`crate::plan::Plan`] and knows nothing of vLLM. Layout:
-//! - [`cli`], [`down_cmd`]: `pdctl up / down / status / logs` and the hidden `supervise`;
+//! - the commands that drive it (`pdctl up / down / status / logs / restart`, the hidden
+//!   `supervise`) live in `crate::cli::cluster`, so this module depends on no CLI code but
+//!   [`select`]'s usage errors;
 //! - [`state`], [`stale`], [`procfs`], [`select`]: the state dir, its lock and run record,
 //!   cleaning up after a killed supervisor, finding running clusters;
 //! - [`preflight`]: every problem found before anything is spawned;
@@ -13,12 +15,10 @@
 //! - [`runner`], [`stop`], [`control_server`]: the supervisor process itself;
 //! - [`logfile`], [`console`], [`progress`], [`view`], [`logs_cmd`], [`detach`]: what users see.
 
-pub mod cli;
 pub mod console;
 pub mod control_server;
 pub mod deps;
 pub mod detach;
-pub mod down_cmd;
 pub mod logfile;
 pub mod logs_cmd;
 pub mod policy;
@@ -28,7 +28,6 @@ pub mod procfs;
 pub mod progress;
 pub mod pump;
 pub mod remote;
-pub mod restart_cmd;
 pub mod run_watch;
 pub mod runner;
 pub mod select;

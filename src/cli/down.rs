@@ -2,11 +2,11 @@
 //! exited; a supervisor that does not answer is signalled, and a dead one's leftovers are
 //! cleaned up.
 
-use super::cli::DownArgs;
-use super::state::RunRecord;
-use super::{select, stale};
-use crate::cli::common::state_root;
+use super::cluster::DownArgs;
+use super::common::state_root;
 use crate::control::{Request, Response, client};
+use crate::supervisor::state::RunRecord;
+use crate::supervisor::{select, stale};
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};

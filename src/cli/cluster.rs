@@ -1,15 +1,15 @@
 //! `pdctl up / down / status / logs` and the hidden `supervise`: argument parsing and
 //! turning outcomes into exit codes (0 ok, 1 failure, 2 bad input, 3 nothing running).
 
-use super::detach::{self, LogSettings};
-use super::logfile::{DEFAULT_KEEP, DEFAULT_MAX_BYTES};
-use super::runner::{self, RunOptions};
-use super::state::{ClusterLock, StateDir};
-use super::{SupervisorError, logs_cmd, preflight, select, stale, view, watchdog};
-use crate::cli::ExitError;
-use crate::cli::common::{TopologyArgs, load_plan, state_root};
+use super::ExitError;
+use super::common::{TopologyArgs, load_plan, state_root};
 use crate::control::client;
 use crate::plan::Plan;
+use crate::supervisor::detach::{self, LogSettings};
+use crate::supervisor::logfile::{DEFAULT_KEEP, DEFAULT_MAX_BYTES};
+use crate::supervisor::runner::{self, RunOptions};
+use crate::supervisor::state::{ClusterLock, StateDir};
+use crate::supervisor::{SupervisorError, logs_cmd, preflight, select, stale, view, watchdog};
 use anyhow::Context;
 use clap::Args;
 use std::io::Write;
@@ -80,7 +80,7 @@ pub struct RestartArgs {
 
 /// Restarts services of the running cluster.
 pub fn restart(a: RestartArgs) -> anyhow::Result<ExitCode> {
-    super::restart_cmd::run(&a, runtime()?)
+    super::restart::run(&a, runtime()?)
 }
 
 /// Arguments of `pdctl logs`.
@@ -208,7 +208,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         let _ = writeln!(out, "pdctl: warning: {w}");
     }
     let json = serde_json::to_vec_pretty(&plan).expect("plans serialize");
-    super::state::write_atomic(&state.plan_path(), &json)
+    crate::supervisor::state::write_atomic(&state.plan_path(), &json)
         .with_context(|| format!("writing {}", state.plan_path().display()))?;
     let logs = LogSettings {
         max_bytes: a.log_max_bytes,
@@ -234,7 +234,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
 
 /// `pdctl down`: stop the running cluster, or clean up after a dead supervisor.
 pub fn down(a: DownArgs) -> anyhow::Result<ExitCode> {
-    super::down_cmd::run(&a, runtime()?)
+    super::down::run(&a, runtime()?)
 }
 
 /// `pdctl status`: the table or JSON; exit 0 all healthy, 1 otherwise, 3 nothing runs.

@@ -1,11 +1,11 @@
 //! `pdctl restart SERVICE|ROLE...`: restarts services of the running cluster (with their
 //! `restart_with` companions), as `docker compose restart` does.
 
-use super::cli::RestartArgs;
-use super::select;
-use crate::cli::ExitError;
-use crate::cli::common::state_root;
+use super::ExitError;
+use super::cluster::RestartArgs;
+use super::common::state_root;
 use crate::control::{Request, Response, StatusReport, client};
+use crate::supervisor::select;
 use std::process::ExitCode;
 use std::time::Duration;
 
