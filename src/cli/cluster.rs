@@ -125,14 +125,6 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-fn usage_if(e: SupervisorError) -> anyhow::Error {
-    if e.is_usage() {
-        ExitError::usage(e.to_string())
-    } else {
-        e.into()
-    }
-}
-
 /// Reads a plan written as JSON (`--plan`, or plan.json in a state dir).
 fn read_plan(path: &Path) -> anyhow::Result<Plan> {
     let text = std::fs::read_to_string(path)
@@ -161,7 +153,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     };
     if !plan.nodes.contains_key(&node) && !plan.services.iter().any(|s| s.node == node) {
         let known: Vec<&str> = plan.nodes.keys().map(String::as_str).collect();
-        return Err(usage_if(SupervisorError::UnknownNode {
+        return Err(anyhow::Error::from(SupervisorError::UnknownNode {
             node,
             known: known.join(", "),
         }));
@@ -187,14 +179,14 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     }
     let state = StateDir::new(&plan.state_dir);
     state.create()?;
-    let lock = state.lock().map_err(usage_if)?;
+    let lock = state.lock()?;
     let mut out = std::io::stdout();
     if let Some(cleaned) = stale::clean_if_stale(&state) {
         let _ = writeln!(out, "pdctl: {cleaned}");
     }
     let problems = preflight::check(&mut plan, &node, a.topology.gpus.as_deref(), &state);
     if !problems.is_empty() {
-        return Err(usage_if(SupervisorError::Preflight(problems)));
+        return Err(anyhow::Error::from(SupervisorError::Preflight(problems)));
     }
     let local = plan.local_services(&node).count();
     let _ = writeln!(
@@ -325,7 +317,7 @@ pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
     let lock = match a.lock_fd {
         // SAFETY: `up -d` passes the descriptor of the lock it holds, for us to own.
         Some(fd) => unsafe { ClusterLock::adopt(fd, state.lock_path()) }?,
-        None => state.lock().map_err(usage_if)?,
+        None => state.lock()?,
     };
     let opts = RunOptions {
         node: a.node.clone().unwrap_or_else(|| plan.head_node.clone()),
