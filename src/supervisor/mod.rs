@@ -63,6 +63,13 @@ pub enum SupervisorError {
     Preflight(Vec<String>),
     #[error("node `{node}` is not in the topology (nodes: {known}); pass --node with one of them")]
     UnknownNode { node: String, known: String },
+    #[error("{count} clusters {what} under {}: {names}; name one with --cluster NAME", root.display())]
+    WhichCluster {
+        count: usize,
+        what: &'static str,
+        root: PathBuf,
+        names: String,
+    },
 }
 
 impl SupervisorError {
@@ -82,6 +89,7 @@ impl SupervisorError {
             SupervisorError::AlreadyRunning { .. }
                 | SupervisorError::Preflight(_)
                 | SupervisorError::UnknownNode { .. }
+                | SupervisorError::WhichCluster { .. }
         )
     }
 }

@@ -1,8 +1,8 @@
 //! Which cluster `down`, `status` and `logs` act on: the only one running under the state
 //! root, or the one named with `--cluster`.
 
+use super::SupervisorError;
 use super::state::{RunRecord, StateDir, read_record};
-use crate::cli::ExitError;
 use std::path::Path;
 
 /// A cluster directory found under the state root.
@@ -70,13 +70,13 @@ pub fn scan(root: &Path) -> Vec<Found> {
 
 /// The running cluster to act on. `Ok(None)` when none runs (or not the named one);
 /// exit 2 when several run and none was named.
-pub fn running(root: &Path, cluster: Option<&str>) -> anyhow::Result<Option<Found>> {
+pub fn running(root: &Path, cluster: Option<&str>) -> Result<Option<Found>, SupervisorError> {
     let live: Vec<Found> = scan(root).into_iter().filter(|f| f.running).collect();
     choose(live, cluster, root, "running")
 }
 
 /// A cluster that has logs (running or not), for `pdctl logs` after a `down`.
-pub fn with_logs(root: &Path, cluster: Option<&str>) -> anyhow::Result<Option<Found>> {
+pub fn with_logs(root: &Path, cluster: Option<&str>) -> Result<Option<Found>, SupervisorError> {
     let all = scan(root);
     if let Some(live) = choose(
         all.iter().filter(|f| f.running).cloned().collect(),
@@ -97,8 +97,8 @@ fn choose(
     candidates: Vec<Found>,
     cluster: Option<&str>,
     root: &Path,
-    what: &str,
-) -> anyhow::Result<Option<Found>> {
+    what: &'static str,
+) -> Result<Option<Found>, SupervisorError> {
     let mut matching: Vec<Found> = match cluster {
         Some(name) => candidates.into_iter().filter(|f| f.matches(name)).collect(),
         None => candidates,
@@ -106,16 +106,16 @@ fn choose(
     match matching.len() {
         0 => Ok(None),
         1 => Ok(matching.pop()),
-        _ => Err(ExitError::usage(format!(
-            "{} clusters {what} under {}: {}; name one with --cluster NAME",
-            matching.len(),
-            root.display(),
-            matching
+        _ => Err(SupervisorError::WhichCluster {
+            count: matching.len(),
+            what,
+            root: root.to_path_buf(),
+            names: matching
                 .iter()
                 .map(Found::label)
                 .collect::<Vec<_>>()
-                .join(", ")
-        ))),
+                .join(", "),
+        }),
     }
 }
 
