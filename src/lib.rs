@@ -17,6 +17,7 @@ pub mod profiles;
 pub mod prometheus;
 pub mod proxy;
 pub mod sim;
+pub mod spelling;
 pub mod supervisor;
 pub mod tools;
 pub mod topology;

@@ -100,7 +100,7 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-use crate::cli::common::value_name;
+use crate::spelling::value_name;
 
 /// Runs that share a label get their position among the files after it (`x (#1)`,
 /// `x (#3)`), so every column and plot line can be told apart.

@@ -179,12 +179,3 @@ pub fn plan_topology(t: &LoadedTopology, args: &TopologyArgs) -> anyhow::Result<
         node,
     })
 }
-
-/// The command-line spelling of a clap value enum (`two-step`, `prefix-aware`): what the
-/// planner writes into argv and what reports print.
-pub fn value_name<T: clap::ValueEnum>(v: T) -> String {
-    v.to_possible_value()
-        .expect("no skipped variants")
-        .get_name()
-        .to_string()
-}

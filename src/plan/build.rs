@@ -159,7 +159,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
 }
 
 fn protocol_name(p: crate::proxy::args::ProxyProtocol) -> String {
-    crate::cli::common::value_name(p)
+    crate::spelling::value_name(p)
 }
 
 /// The key that sets a planned port, for clash messages.

@@ -1,7 +1,7 @@
 //! Command-line contract of `pdctl proxy`, shared by the planner (which builds the argv
 //! for the embedded proxy) and the proxy (which parses it).
 
-use crate::cli::common::value_name;
+use crate::spelling::value_name;
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;

@@ -1,7 +1,7 @@
 //! Command-line contract of `pdctl sim`, shared by the planner (which builds the argv)
 //! and the simulator (which parses it), so the two can never drift apart.
 
-use crate::cli::common::value_name;
+use crate::spelling::value_name;
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;

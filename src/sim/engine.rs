@@ -46,13 +46,10 @@ impl Sim {
         let tag = super::tokenizer::fnv1a(
             format!("{}-{}-{}", std::process::id(), now.as_nanos(), args.port).as_bytes(),
         ) as u32;
-        let instance = args.instance.clone().unwrap_or_else(|| {
-            format!(
-                "{}-{}",
-                crate::cli::common::value_name(args.role),
-                args.port
-            )
-        });
+        let instance = args
+            .instance
+            .clone()
+            .unwrap_or_else(|| format!("{}-{}", crate::spelling::value_name(args.role), args.port));
         let kv_host = args
             .kv_host
             .clone()

@@ -22,7 +22,7 @@ pub mod server;
 pub mod stream;
 pub mod tokenizer;
 
-use crate::cli::common::value_name;
+use crate::spelling::value_name;
 use anyhow::Context;
 use args::{SimArgs, SimHandoff, SimRole};
 use axum::serve::ListenerExt;

@@ -7,7 +7,7 @@ use super::faults::FaultRequest;
 use super::handoff::held_response;
 use super::job::exit_soon;
 use super::openai::{ApiError, Endpoint};
-use crate::cli::common::value_name;
+use crate::spelling::value_name;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
