@@ -20,10 +20,6 @@ pub(super) struct Placement {
     pub host: String,
 }
 
-fn role_key(role: Role) -> &'static str {
-    role.as_str()
-}
-
 /// Every prefill instance, then every decode instance, each on its node: `node`, else
 /// round-robin over `nodes`, else the head.
 pub(super) fn place(t: &Topology, head: &str) -> Vec<Placement> {
@@ -116,7 +112,7 @@ pub(super) fn plan_engines(
     let t = cx.topology;
     // Fixed HTTP ports first, so clashes name the keys the user wrote.
     for p in placements {
-        let svc = format!("{}-{}", role_key(p.role), p.index);
+        let svc = p.role.instance_name(p.index);
         claim(ports, &p.host, http_port(t, p), &svc, "http")?;
     }
     check_gpu_counts(t, placements, pool)?;
@@ -132,7 +128,7 @@ pub(super) fn plan_engines(
     let mut out = Vec::new();
     for p in placements {
         let r = role_section(t, p.role);
-        let name = format!("{}-{}", role_key(p.role), p.index);
+        let name = p.role.instance_name(p.index);
         let needs_gpus = t.engine.kind == EngineKind::Vllm && t.engine.device == Device::Cuda;
         let gpus = if needs_gpus {
             gpu_use
@@ -247,7 +243,7 @@ fn gpu_shortage(
     node: &str,
     pool: &GpuPool,
 ) -> Problem {
-    let key = format!("{}.instances", role_key(role));
+    let key = format!("{}.instances", role.as_str());
     if pool.inventory.is_empty() {
         let why = pool
             .note
@@ -284,8 +280,10 @@ fn expand_restart_with(t: &Topology, r: &RoleSection, me: &str) -> Vec<String> {
     let mut out = Vec::new();
     for w in &r.restart_with {
         match w.as_str() {
-            "prefill" => out.extend((0..t.prefill.instances).map(|i| format!("prefill-{i}"))),
-            "decode" => out.extend((0..t.decode.instances).map(|i| format!("decode-{i}"))),
+            "prefill" => {
+                out.extend((0..t.prefill.instances).map(|i| Role::Prefill.instance_name(i)))
+            }
+            "decode" => out.extend((0..t.decode.instances).map(|i| Role::Decode.instance_name(i))),
             other => out.push(other.to_string()),
         }
     }

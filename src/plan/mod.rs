@@ -80,6 +80,11 @@ pub enum Role {
 
 impl Role {
     /// The name used in the CLI, JSON and service names.
+    /// The service name of instance `index` of this role: `prefill-0`, `decode-3`.
+    pub fn instance_name(self, index: u32) -> String {
+        format!("{}-{index}", self.as_str())
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Role::Etcd => "etcd",
