@@ -1290,6 +1290,13 @@ async fn bad_arguments_exit_2_with_the_flag_to_fix() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--prefill"));
+    let out = common::pdctl(&["proxy", "--prefill", "h:1", "--decode", "h:2"])
+        .env("PDCTL_ENGINE_API_KEY", "line\nbreak")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("PDCTL_ENGINE_API_KEY"), "{err}");
 }
 
 // ---------------------------------------------------------------- helpers

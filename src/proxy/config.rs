@@ -30,6 +30,10 @@ pub enum ConfigError {
     Zero { flag: &'static str },
     #[error("--queue-size {0} needs --max-concurrent: without a concurrency limit nothing waits")]
     QueueWithoutLimit(usize),
+    #[error(
+        "--engine-api-key (or PDCTL_ENGINE_API_KEY) contains characters not allowed in an HTTP header"
+    )]
+    EngineKey,
 }
 
 /// Durations and switches the request path needs, read once.

@@ -68,8 +68,8 @@ impl Proxy {
         let settings = config::settings(a).map_err(usage)?;
         let pools = config::pools(a).map_err(usage)?;
         let metrics = Arc::new(Metrics::default());
-        let upstream = Upstream::new(settings.connect_timeout, a.engine_api_key.as_deref())
-            .map_err(|e| ExitError::usage(e.to_string()))?;
+        let upstream =
+            Upstream::new(settings.connect_timeout, a.engine_api_key.as_deref()).map_err(usage)?;
         let bootstrap_timeout = settings.connect_timeout + Duration::from_secs(2);
         Ok(Proxy {
             prefill_policy: policy::build(

@@ -46,7 +46,10 @@ pub struct Upstream {
 
 impl Upstream {
     /// A client with the given connect timeout that sends `engine_key` as a bearer token.
-    pub fn new(connect_timeout: Duration, engine_key: Option<&str>) -> anyhow::Result<Self> {
+    pub fn new(
+        connect_timeout: Duration,
+        engine_key: Option<&str>,
+    ) -> Result<Self, super::config::ConfigError> {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(connect_timeout));
         connector.set_nodelay(true);
@@ -62,11 +65,7 @@ impl Upstream {
         let engine_key = engine_key
             .map(|k| HeaderValue::from_str(&format!("Bearer {k}")))
             .transpose()
-            .map_err(|_| {
-                anyhow::anyhow!(
-                    "the engine API key contains characters not allowed in an HTTP header"
-                )
-            })?;
+            .map_err(|_| super::config::ConfigError::EngineKey)?;
         Ok(Upstream { client, engine_key })
     }
 
