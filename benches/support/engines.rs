@@ -68,7 +68,8 @@ pub fn start(kind: Kind, rt: &tokio::runtime::Runtime, role: &str, paced: bool) 
     }
 }
 
-fn free_port() -> u16 {
+/// A port free on loopback right now.
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -111,12 +112,17 @@ fn start_sim(role: &str, paced: bool) -> Engine {
         port,
         child: Some(child),
     };
+    wait_listening(port, "pdctl sim");
+    engine
+}
+
+/// Waits (at most 20 s) until something listens on loopback `port`.
+pub fn wait_listening(port: u16, what: &str) {
     let end = Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < end, "pdctl sim did not start");
+        assert!(Instant::now() < end, "{what} did not start on port {port}");
         std::thread::sleep(Duration::from_millis(20));
     }
-    engine
 }
 
 const STREAM_BODY: &str = concat!(

@@ -4,7 +4,7 @@
 //! process's CPU time from /proc.
 
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A running `pdctl proxy` (killed on drop).
 pub struct ProxyUnderTest {
@@ -40,11 +40,7 @@ pub fn binaries() -> Vec<(&'static str, String)> {
 
 /// Starts `bin proxy` (two-step) in front of one prefill and one decode port.
 pub fn start(label: &'static str, bin: &str, prefill: u16, decode: u16) -> ProxyUnderTest {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = super::engines::free_port();
     let log = std::env::var("PROXY_BENCH_LOG").unwrap_or_else(|_| "info".into());
     let mut cmd = Command::new(bin);
     if let Ok(n) = std::env::var("PROXY_BENCH_WORKERS") {
@@ -64,11 +60,7 @@ pub fn start(label: &'static str, bin: &str, prefill: u16, decode: u16) -> Proxy
         url: format!("http://127.0.0.1:{port}"),
         child,
     };
-    let end = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < end, "the proxy ({bin}) did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    super::engines::wait_listening(port, &format!("the proxy ({bin})"));
     proxy
 }
 
