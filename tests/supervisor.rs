@@ -44,10 +44,13 @@ fn up_status_logs_down_with_real_etcd_and_mooncake_master_leaves_nothing() {
     assert_eq!((etcd_row.role, etcd_row.port), (Role::Etcd, Some(p[0])));
     assert!(etcd_row.pid.is_some() && !etcd_row.remote);
     assert_eq!(svc(&report, "decode-0").port, Some(p[5]));
-    // The JSON has exactly the documented keys (and may have more).
+    // The JSON has the cluster and, for every service, each documented key.
     let raw = c.run(&["status", "--json"]);
     assert_eq!(raw.status.code(), Some(0));
     let v: serde_json::Value = serde_json::from_slice(&raw.stdout).unwrap();
+    assert_eq!(v["cluster"], "life");
+    let services = v["services"].as_array().expect("services");
+    assert_eq!(services.len(), 4, "{v}");
     for key in [
         "name",
         "role",
@@ -60,7 +63,9 @@ fn up_status_logs_down_with_real_etcd_and_mooncake_master_leaves_nothing() {
         "uptime_s",
         "last_exit",
     ] {
-        assert!(v["services"][0].get(key).is_some(), "{key} missing in {v}");
+        for s in services {
+            assert!(s.get(key).is_some(), "{key} missing in {s}");
+        }
     }
     let table = c.run(&["status"]);
     assert_eq!(table.status.code(), Some(0));
