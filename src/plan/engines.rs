@@ -376,18 +376,24 @@ fn vllm_service(
         svc.env.extend(cpu_env(t, r, shares_node));
     }
     svc.env.extend(launch.env);
-    svc.env.extend(t.engine.env.clone());
-    svc.env.extend(r.env.clone());
     svc.gpus = gpus.to_vec();
     svc.ports.extend(launch.ports);
     svc.files = launch.files;
     svc.dirs = launch.dirs;
+    apply_user_settings(&mut svc, t, r, 900);
+    svc
+}
+
+/// What the topology sets for every engine of a role, on top of what pdctl planned: its
+/// env (which wins), restart policy and start-up timeout (`default_s` when it sets none).
+fn apply_user_settings(svc: &mut Service, t: &Topology, r: &RoleSection, default_s: u64) {
+    svc.env.extend(t.engine.env.clone());
+    svc.env.extend(r.env.clone());
     svc.restart.mode = r.restart;
     svc.startup_timeout_s = r
         .startup_timeout_s
         .or(t.engine.startup_timeout_s)
-        .unwrap_or(900);
-    svc
+        .unwrap_or(default_s);
 }
 
 /// Environment vLLM's CPU build needs to serve PD, where its defaults get it wrong; the
@@ -462,14 +468,8 @@ fn sim_service(
     let mut argv = vec![crate::tools::SELF_PROGRAM.to_string(), "sim".to_string()];
     argv.extend(a.to_argv());
     svc.argv = argv;
-    svc.env.extend(t.engine.env.clone());
-    svc.env.extend(r.env.clone());
-    svc.restart.mode = r.restart;
     svc.shutdown.timeout_s = 10;
     let startup = t.engine.sim.startup_ms.div_ceil(1000);
-    svc.startup_timeout_s = r
-        .startup_timeout_s
-        .or(t.engine.startup_timeout_s)
-        .unwrap_or(60 + startup);
+    apply_user_settings(&mut svc, t, r, 60 + startup);
     svc
 }
