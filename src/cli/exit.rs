@@ -32,14 +32,17 @@ impl ExitError {
 }
 
 /// The exit code an error stands for: its own when it carries one, 2 for the library errors
-/// that are bad input (a topology, a pre-flight problem, a running cluster, an unknown
-/// node), else 1.
+/// that are bad input (a topology, `pdctl proxy` / `pdctl sim` arguments, a pre-flight
+/// problem, a running cluster, an unknown node), else 1.
 pub fn code_of(err: &anyhow::Error) -> u8 {
     err.chain()
         .find_map(|e| {
             if let Some(x) = e.downcast_ref::<ExitError>() {
                 Some(x.code)
-            } else if e.is::<crate::topology::TopologyError>() {
+            } else if e.is::<crate::topology::TopologyError>()
+                || e.is::<crate::proxy::config::ConfigError>()
+                || e.is::<crate::sim::SimConfigError>()
+            {
                 Some(2)
             } else {
                 e.downcast_ref::<crate::supervisor::SupervisorError>()
@@ -53,11 +56,21 @@ pub fn code_of(err: &anyhow::Error) -> u8 {
 /// Prints `err` with its causes and returns the exit code it stands for.
 pub fn report(err: anyhow::Error) -> ExitCode {
     let code = code_of(&err);
-    eprintln!("error: {err}");
-    for cause in err.chain().skip(1) {
-        eprintln!("  caused by: {cause}");
-    }
+    eprintln!("{}", message(&err));
     ExitCode::from(code)
+}
+
+/// `error: ...` with each cause on a line of its own, leaving out a cause whose text the
+/// lines before already carry (thiserror messages often spell out their source).
+fn message(err: &anyhow::Error) -> String {
+    let mut text = format!("error: {err}");
+    for cause in err.chain().skip(1) {
+        let line = cause.to_string();
+        if !text.contains(&line) {
+            text.push_str(&format!("\n  caused by: {line}"));
+        }
+    }
+    text
 }
 
 #[cfg(test)]
@@ -65,6 +78,24 @@ mod tests {
     use super::*;
     use crate::supervisor::SupervisorError;
     use anyhow::Context;
+
+    #[test]
+    fn causes_already_in_the_message_are_not_repeated() {
+        let busy = std::io::Error::other("address in use");
+        let e = anyhow::Error::from(crate::proxy::config::ConfigError::Listen {
+            addr: "127.0.0.1:8000".into(),
+            port: 8000,
+            source: busy,
+        });
+        assert_eq!(
+            message(&e).matches("address in use").count(),
+            1,
+            "{}",
+            message(&e)
+        );
+        let wrapped = anyhow::Error::from(std::io::Error::other("refused")).context("connecting");
+        assert_eq!(message(&wrapped), "error: connecting\n  caused by: refused");
+    }
 
     #[test]
     fn codes_follow_the_error_wherever_it_sits_in_the_chain() {

@@ -34,6 +34,14 @@ pub enum ConfigError {
         "--engine-api-key (or PDCTL_ENGINE_API_KEY) contains characters not allowed in an HTTP header"
     )]
     EngineKey,
+    #[error(
+        "cannot listen on {addr}: {source} (is another process using port {port}? choose one with --port)"
+    )]
+    Listen {
+        addr: String,
+        port: u16,
+        source: std::io::Error,
+    },
 }
 
 /// Durations and switches the request path needs, read once.

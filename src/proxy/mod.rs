@@ -32,7 +32,6 @@ pub mod scrape;
 pub mod server;
 pub mod upstream;
 
-use crate::cli::ExitError;
 use anyhow::Context;
 use axum::serve::ListenerExt;
 pub use instances::Leg;
@@ -64,12 +63,10 @@ pub struct Proxy {
 impl Proxy {
     /// Builds a proxy from checked arguments (nothing is started).
     pub fn new(a: &args::ProxyArgs) -> anyhow::Result<Proxy> {
-        let usage = |e: config::ConfigError| ExitError::usage(e.to_string());
-        let settings = config::settings(a).map_err(usage)?;
-        let pools = config::pools(a).map_err(usage)?;
+        let settings = config::settings(a)?;
+        let pools = config::pools(a)?;
         let metrics = Arc::new(Metrics::default());
-        let upstream =
-            Upstream::new(settings.connect_timeout, a.engine_api_key.as_deref()).map_err(usage)?;
+        let upstream = Upstream::new(settings.connect_timeout, a.engine_api_key.as_deref())?;
         let bootstrap_timeout = settings.connect_timeout + Duration::from_secs(2);
         Ok(Proxy {
             prefill_policy: policy::build(
@@ -109,12 +106,13 @@ impl Proxy {
 pub async fn run(a: args::ProxyArgs) -> anyhow::Result<()> {
     let proxy = Arc::new(Proxy::new(&a)?);
     let addr = format!("{}:{}", a.host, a.port);
-    let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|e| {
-        ExitError::usage(format!(
-            "cannot listen on {addr}: {e} (is another process using port {}? choose one with --port)",
-            a.port
-        ))
-    })?;
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|source| config::ConfigError::Listen {
+            addr: addr.clone(),
+            port: a.port,
+            source,
+        })?;
     health::start(proxy.clone(), a.supervisor_socket.clone()).await;
     if proxy.settings.scrape_metrics {
         scrape::start(proxy.clone(), proxy.settings.health_interval);

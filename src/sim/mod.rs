@@ -102,7 +102,7 @@ async fn bind(host: &str, port: u16, what: &str) -> anyhow::Result<tokio::net::T
 
 /// Runs the simulator until SIGINT or SIGTERM.
 pub async fn run(args: SimArgs) -> anyhow::Result<()> {
-    check(&args).map_err(|e| crate::cli::ExitError::usage(e.to_string()))?;
+    check(&args)?;
     let listener = bind(&args.host, args.port, "OpenAI API").await?;
     let port = listener.local_addr()?.port();
     let bootstrap = match args.bootstrap_port {
