@@ -105,6 +105,12 @@ pub fn detect() -> Result<Vec<Gpu>, GpuError> {
 pub fn inventory(declared: Option<&[u32]>) -> Result<Vec<Gpu>, GpuError> {
     match declared {
         Some(list) => Ok(list.iter().copied().map(Gpu::declared).collect()),
+        None if crate::vllm::ignoring_installed() => Err(GpuError {
+            reason: format!(
+                "NVML is not asked because {} is set; use --gpus 0,1,... or PDCTL_GPUS to plan with GPUs",
+                crate::vllm::IGNORE_INSTALLED_ENV
+            ),
+        }),
         None => detect(),
     }
 }

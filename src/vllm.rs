@@ -159,11 +159,120 @@ pub enum DetectError {
         source: std::io::Error,
     },
     #[error(
-        "`{python}` has no importable vllm ({detail}); install it (./install.sh --with-vllm), set engine.python, or pin engine.vllm_version to plan without it"
+        "`{python}` has no importable vllm ({detail}); install it (./install.sh --with-vllm), set engine.python, or pin engine.vllm_version"
     )]
     NotInstalled { python: String, detail: String },
+    #[error(
+        "the search for `{python}` on PATH and in pdctl's venvs is turned off ({IGNORE_INSTALLED_ENV} is set)"
+    )]
+    LookupOff { python: String },
     #[error(transparent)]
     Bad(#[from] BadVersion),
+}
+
+/// Set (to anything but empty or `0`), pdctl plans as on a bare machine: `python3` is not
+/// looked up on PATH or in pdctl's venvs to ask for a vLLM version, and NVML is not asked
+/// for GPUs. A configured `engine.python` path and `--gpus` still count. The tests set it
+/// so they give the same result on every machine; a user can set it to see the plan a
+/// machine without vLLM or GPUs would get.
+pub const IGNORE_INSTALLED_ENV: &str = "PDCTL_IGNORE_INSTALLED";
+
+/// True when [`IGNORE_INSTALLED_ENV`] asks pdctl to ignore what this machine has.
+pub fn ignoring_installed() -> bool {
+    std::env::var_os(IGNORE_INSTALLED_ENV).is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Where the vLLM version a plan is made for came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VersionSource {
+    /// Read from the vLLM installed in `engine.python` (`vllm_version = "auto"`).
+    Installed,
+    /// Written in the topology.
+    Pinned,
+    /// `"auto"` found no vLLM: the newest version pdctl has templates for. A plan made
+    /// so can be read but not run (`up` refuses it).
+    Assumed,
+}
+
+/// The version to plan for, the python that runs vLLM, and why the version was assumed.
+#[derive(Debug)]
+pub struct Resolved {
+    /// The python to run vLLM with: where `"auto"` found vLLM, else as configured.
+    pub python: String,
+    pub version: Version,
+    pub source: VersionSource,
+    /// Why no installed vLLM answered, when the version is assumed.
+    pub not_found: Option<DetectError>,
+}
+
+impl Resolved {
+    /// One line for a person when the version was assumed: where pdctl looked, what it
+    /// assumed, and how to plan for the real thing.
+    pub fn assumed_note(&self) -> Option<String> {
+        let why = self.not_found.as_ref()?;
+        Some(format!(
+            "no vLLM found ({}; looked in {}): planned for vLLM {}, the newest pdctl has templates for; pin engine.vllm_version or install vLLM (./install.sh --with-vllm) to plan for the one you will run",
+            why.reason(),
+            where_looked(&self.python),
+            self.version
+        ))
+    }
+}
+
+impl DetectError {
+    /// The error without its advice (for lines that give their own).
+    pub fn reason(&self) -> String {
+        match self {
+            DetectError::Spawn { python, source } => format!("cannot run `{python}`: {source}"),
+            DetectError::NotInstalled { python, detail } => {
+                format!("`{python}` has no importable vllm: {detail}")
+            }
+            other => other.to_string(),
+        }
+    }
+}
+
+/// Where [`find_python`] looks for `configured`, in words.
+pub fn where_looked(configured: &str) -> String {
+    if configured.contains('/') {
+        configured.to_string()
+    } else if ignoring_installed() {
+        format!("nowhere: {IGNORE_INSTALLED_ENV} is set")
+    } else {
+        format!(
+            "PATH, PDCTL_TOOLS_PATH, {}/bin and ~/.local/share/pdctl/venv/bin",
+            crate::tools::SYSTEM_VENV
+        )
+    }
+}
+
+/// The vLLM version to plan for: a pinned one as written; for `"auto"`, the one installed
+/// in `python` (see [`find_python`]), else `newest` marked [`VersionSource::Assumed`], so a
+/// plan can be read on a machine that has no vLLM yet.
+pub fn resolve(vllm_version: &str, python: &str, newest: &Version) -> Result<Resolved, BadVersion> {
+    if vllm_version != "auto" {
+        return Ok(Resolved {
+            python: python.to_string(),
+            version: vllm_version.parse()?,
+            source: VersionSource::Pinned,
+            not_found: None,
+        });
+    }
+    Ok(match find_python(python) {
+        Ok((found, version)) => Resolved {
+            python: found,
+            version,
+            source: VersionSource::Installed,
+            not_found: None,
+        },
+        Err(e) => Resolved {
+            python: python.to_string(),
+            version: newest.clone(),
+            source: VersionSource::Assumed,
+            not_found: Some(e),
+        },
+    })
 }
 
 /// The Python that prints the vLLM version of the interpreter running it.
@@ -233,6 +342,11 @@ fn detect_with_env(python: &str, env: &[(&str, &str)]) -> Result<Version, Detect
 pub fn find_python(configured: &str) -> Result<(String, Version), DetectError> {
     if configured.contains('/') {
         return detect(configured).map(|v| (configured.to_string(), v));
+    }
+    if ignoring_installed() {
+        return Err(DetectError::LookupOff {
+            python: configured.to_string(),
+        });
     }
     let dirs = crate::tools::search_dirs_for(configured);
     let mut first_err = None;

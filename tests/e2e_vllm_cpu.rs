@@ -756,7 +756,9 @@ fn copy_logs(state: &Path, to: &Path) -> bool {
 /// pdctl with this cluster's state root, and the tag every process it starts inherits.
 fn pdctl_in(r: &Running, args: &[&str]) -> Command {
     let mut c = pdctl(args);
-    c.arg("--state-dir")
+    // These runs start the real vLLM: let pdctl find it.
+    c.env_remove(pdctl::vllm::IGNORE_INSTALLED_ENV)
+        .arg("--state-dir")
         .arg(&r.state)
         .env("PDCTL_E2E_TAG", &r.tag)
         .env("NO_COLOR", "1")
@@ -961,25 +963,6 @@ fn topology_is_cpu_1p1d_with_this_runs_ports_and_connector() {
         ])
         .output()
         .unwrap();
-        // Without vLLM installed "auto" cannot be planned; pin it only then.
-        let out = if out.status.success() {
-            out
-        } else {
-            let pinned = std::fs::read_to_string(&file)
-                .unwrap()
-                .replace("vllm_version = \"auto\"", "vllm_version = \"0.32.0\"");
-            std::fs::write(&file, pinned).unwrap();
-            pdctl(&[
-                "plan",
-                "-f",
-                path(&file),
-                "--json",
-                "--state-dir",
-                path(dir.path()),
-            ])
-            .output()
-            .unwrap()
-        };
         assert!(out.status.success(), "{}", text(&out));
         let plan: Value = serde_json::from_slice(&out.stdout).unwrap();
         let svc = |n: &str| {

@@ -15,11 +15,19 @@ fn manifest(p: &str) -> PathBuf {
 }
 
 /// Every file in tests/topologies/bad starts with `# expect: LINE:COL KEY: MESSAGE-START`;
-/// `pdctl plan` must exit 2 and print exactly that location, key and message.
+/// `pdctl plan` must exit 2 and print exactly that location, key and message, the same on
+/// a machine without vLLM and on one where `python3` on PATH has vLLM.
 #[test]
 fn every_bad_topology_gets_its_precise_error() {
     let dir = manifest("tests/topologies/bad");
     let state = TempDir::new("bad");
+    let fake = TempDir::new("bad-fake-vllm");
+    fake_python(&fake.path().join("python3"), "0.13.0");
+    let path_with_vllm = format!(
+        "{}:{}",
+        fake.path().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -32,36 +40,48 @@ fn every_bad_topology_gets_its_precise_error() {
         files.len()
     );
     let mut failures = Vec::new();
-    for f in &files {
-        let text = std::fs::read_to_string(f).unwrap();
-        let expect = text
-            .lines()
-            .next()
-            .and_then(|l| l.strip_prefix("# expect: "))
-            .unwrap_or_else(|| panic!("{} has no `# expect:` header", f.display()));
-        let out = pdctl(&["plan", "-f", f.to_str().unwrap(), "--gpus", "0,1"])
-            .arg("--state-dir")
-            .arg(state.path())
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let (loc, rest) = expect.split_once(' ').unwrap();
-        let wanted = format!("error: {}:{loc}: {rest}", f.display());
-        if out.status.code() != Some(2) || !stderr.starts_with(&wanted) {
-            failures.push(format!(
-                "{}: exit {:?}\n  wanted: {wanted}\n  got:    {}",
-                f.display(),
-                out.status.code(),
-                stderr.lines().next().unwrap_or("")
-            ));
+    for (machine, vllm_on_path) in [("no vLLM", false), ("vLLM 0.13.0 on PATH", true)] {
+        for f in &files {
+            let text = std::fs::read_to_string(f).unwrap();
+            let expect = text
+                .lines()
+                .next()
+                .and_then(|l| l.strip_prefix("# expect: "))
+                .unwrap_or_else(|| panic!("{} has no `# expect:` header", f.display()));
+            let mut cmd = pdctl(&["plan", "-f", f.to_str().unwrap(), "--gpus", "0,1"]);
+            cmd.arg("--state-dir").arg(state.path());
+            if vllm_on_path {
+                cmd.env_remove(pdctl::vllm::IGNORE_INSTALLED_ENV)
+                    .env("PATH", &path_with_vllm);
+            }
+            let out = cmd.output().unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let (loc, rest) = expect.split_once(' ').unwrap();
+            let wanted = format!("error: {}:{loc}: {rest}", f.display());
+            if out.status.code() != Some(2) || !stderr.starts_with(&wanted) {
+                failures.push(format!(
+                    "{} ({machine}): exit {:?}\n  wanted: {wanted}\n  got:    {}",
+                    f.display(),
+                    out.status.code(),
+                    stderr.lines().next().unwrap_or("")
+                ));
+            }
+            assert!(
+                out.stdout.is_empty(),
+                "{}: a failed plan printed a plan",
+                f.display()
+            );
         }
-        assert!(
-            out.stdout.is_empty(),
-            "{}: a failed plan printed a plan",
-            f.display()
-        );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Writes an executable that answers pdctl's version question as a python with vLLM
+/// `version` would (it prints the version whatever it is asked).
+fn fake_python(path: &Path, version: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, format!("#!/bin/sh\nprintf '%s' '{version}'\n")).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
 /// The version a golden plan is made for: pinned profiles use theirs; "auto" ones a
@@ -84,6 +104,7 @@ fn pure_plan(profile: &str) -> Plan {
         gpus: &gpus,
         gpu_note: None,
         version: Some(version_for(profile, &t.spec).parse().unwrap()),
+        version_source: pdctl::vllm::VersionSource::Pinned,
         state_root: "/state".into(),
         local_node: None,
     })
@@ -169,6 +190,7 @@ fn try_plan_text(text: &str, version: &str, gpus: u32) -> Result<Plan, pdctl::to
         gpus: &gpus,
         gpu_note: None,
         version: Some(version.parse().unwrap()),
+        version_source: pdctl::vllm::VersionSource::Pinned,
         state_root: "/state".into(),
         local_node: None,
     })
@@ -509,9 +531,11 @@ fn shared_storage_1p1d_carries_the_seed_flags() {
     );
 }
 
-/// "auto" with a python that has no vLLM is a clear error naming the key to pin.
+/// "auto" with a python that has no vLLM still plans (for the newest version pdctl knows,
+/// marked assumed, with one warning line saying where it looked); `up` refuses the same
+/// file before starting anything, naming the key to pin and the version it assumed.
 #[test]
-fn auto_version_without_vllm_says_to_pin_it() {
+fn auto_version_without_vllm_plans_for_the_newest_and_up_refuses() {
     let dir = TempDir::new("novllm");
     let file = dir.path().join("t.toml");
     std::fs::write(
@@ -519,7 +543,33 @@ fn auto_version_without_vllm_says_to_pin_it() {
         "[model]\nname = \"m\"\n[engine]\npython = \"/nonexistent/python3\"\n",
     )
     .unwrap();
-    let out = pdctl(&["plan", "-f", file.to_str().unwrap(), "--gpus", "0,1"])
+    let out = pdctl(&[
+        "plan",
+        "-f",
+        file.to_str().unwrap(),
+        "--gpus",
+        "0,1",
+        "--json",
+    ])
+    .env("PDCTL_STATE_DIR", dir.path())
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let plan: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let newest = pdctl::connectors::NEWEST_TEMPLATED.to_string();
+    assert_eq!(plan["vllm_version"], newest.as_str());
+    assert_eq!(plan["vllm_version_source"], "assumed");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("pdctl: warning: no vLLM found")
+            && err.contains("/nonexistent/python3")
+            && err.contains(&format!("vLLM {newest}"))
+            && err.contains("pin engine.vllm_version"),
+        "{err}"
+    );
+
+    let out = pdctl(&["up", "-f", file.to_str().unwrap(), "--gpus", "0,1", "-d"])
         .env("PDCTL_STATE_DIR", dir.path())
         .output()
         .unwrap();
@@ -530,9 +580,128 @@ fn auto_version_without_vllm_says_to_pin_it() {
         "{err}"
     );
     assert!(
-        err.contains("/nonexistent/python3") && err.contains("pin"),
+        err.contains("/nonexistent/python3") && err.contains(&newest) && err.contains("pin"),
         "{err}"
     );
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let status = pdctl(&["status"])
+        .env("PDCTL_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(status.status.code(), Some(3), "a refused up left a cluster");
+}
+
+/// "auto" asks the python in engine.python (here a fake one) and says the version was read.
+#[test]
+fn auto_version_is_read_from_the_installed_vllm() {
+    let dir = TempDir::new("fakevllm");
+    let python = dir.path().join("python3");
+    fake_python(&python, "0.12.0");
+    let file = dir.path().join("t.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[model]\nname = \"m\"\n[engine]\npython = \"{}\"\n[connector]\nkind = \"example\"\n",
+            python.display()
+        ),
+    )
+    .unwrap();
+    let out = pdctl(&[
+        "plan",
+        "-f",
+        file.to_str().unwrap(),
+        "--gpus",
+        "0,1",
+        "--json",
+    ])
+    .env("PDCTL_STATE_DIR", dir.path())
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(plan["vllm_version"], "0.12.0");
+    assert_eq!(plan["vllm_version_source"], "installed");
+    // 0.12 still calls the example connector SharedStorageConnector.
+    assert_eq!(
+        kv_config(services(&plan, "prefill")[0])["kv_connector"],
+        "SharedStorageConnector"
+    );
+}
+
+/// On a machine where no vLLM can be found, every built-in profile plans: the real-vLLM
+/// ones with "auto" for an assumed version and a warning, the pinned ones as pinned, the
+/// simulated ones with no version and nothing on stderr.
+#[test]
+fn every_profile_plans_on_a_machine_without_vllm() {
+    let dir = TempDir::new("allprofiles");
+    let empty_path = TempDir::new("emptypath");
+    for p in pdctl::profiles::ALL {
+        let out = pdctl(&["plan", "-p", p.name, "--json", "--gpus", "0,1,2,3,4,5,6,7"])
+            .env("PDCTL_STATE_DIR", dir.path())
+            .env("PATH", empty_path.path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{}: {err}", p.name);
+        let plan: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let t = load_str(p.text, Source::Profile(p.name.into()), p.name.into()).unwrap();
+        match (t.spec.engine.kind, t.spec.engine.vllm_version.as_str()) {
+            (pdctl::topology::EngineKind::Sim, _) => {
+                assert_eq!(plan["vllm_version_source"], Value::Null, "{}", p.name);
+                assert!(err.is_empty(), "{}: {err}", p.name);
+            }
+            (_, "auto") => {
+                assert_eq!(plan["vllm_version_source"], "assumed", "{}", p.name);
+                assert_eq!(
+                    plan["vllm_version"],
+                    pdctl::connectors::NEWEST_TEMPLATED.to_string().as_str()
+                );
+                assert_eq!(err.lines().count(), 1, "{}: {err}", p.name);
+                assert!(err.contains("warning: no vLLM found"), "{}: {err}", p.name);
+            }
+            (_, pinned) => {
+                assert_eq!(plan["vllm_version_source"], "pinned", "{}", p.name);
+                assert_eq!(plan["vllm_version"], pinned, "{}", p.name);
+                assert!(err.is_empty(), "{}: {err}", p.name);
+            }
+        }
+    }
+}
+
+/// `up` of a real-vLLM profile on a machine without vLLM refuses before anything starts.
+#[test]
+fn up_without_vllm_starts_nothing() {
+    let dir = TempDir::new("upnovllm");
+    let out = pdctl(&["up", "-p", "1p1d", "--gpus", "0,1", "-d"])
+        .env("PDCTL_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("engine.vllm_version") && err.contains("found no vLLM"),
+        "{err}"
+    );
+    // No state dir was even created: no supervisor, no etcd, nothing to clean.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    let status = pdctl(&["status"])
+        .env("PDCTL_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(status.status.code(), Some(3));
 }
 
 /// The same profile on vLLM 0.12 uses the old class name.

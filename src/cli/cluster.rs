@@ -10,6 +10,7 @@ use crate::supervisor::logfile::{DEFAULT_KEEP, DEFAULT_MAX_BYTES};
 use crate::supervisor::runner::{self, RunOptions};
 use crate::supervisor::state::{ClusterLock, StateDir};
 use crate::supervisor::{SupervisorError, logs_cmd, preflight, select, stale, view, watchdog};
+use crate::vllm::VersionSource;
 use anyhow::Context;
 use clap::Args;
 use std::io::Write;
@@ -148,9 +149,19 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         None => {
             // Programs it could not find are reported by pre-flight, with the others.
             let loaded = load_plan(&a.topology)?;
+            // A plan for an assumed vLLM can be read, not run: nothing starts.
+            if let Some(v) = loaded.version_note {
+                return Err(anyhow::Error::new(v.refusal));
+            }
             (loaded.plan, loaded.source_note, loaded.node)
         }
     };
+    if plan.vllm_version_source == Some(VersionSource::Assumed) {
+        return Err(ExitError::usage(format!(
+            "the plan assumes vLLM {} because none was found when it was made; make it again where vLLM is installed, or with engine.vllm_version pinned",
+            plan.vllm_version.as_deref().unwrap_or("?")
+        )));
+    }
     if !plan.nodes.contains_key(&node) && !plan.services.iter().any(|s| s.node == node) {
         let known: Vec<&str> = plan.nodes.keys().map(String::as_str).collect();
         return Err(anyhow::Error::from(SupervisorError::UnknownNode {

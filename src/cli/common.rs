@@ -7,6 +7,7 @@ use crate::plan::{Plan, PlanInput, build_plan};
 use crate::profiles;
 use crate::tools::{self, MissingProgram};
 use crate::topology::{self, EngineKind, LoadedTopology, Source};
+use crate::vllm::VersionSource;
 use clap::Args;
 use std::path::{Path, PathBuf};
 
@@ -56,6 +57,17 @@ pub struct LoadedPlan {
     pub missing: Vec<MissingProgram>,
     /// The node this machine runs (`--node`, else the head).
     pub node: String,
+    /// Set when `vllm_version = "auto"` found no vLLM and the version was assumed.
+    pub version_note: Option<VersionNote>,
+}
+
+/// What to say when the vLLM version was assumed: a warning for `plan`, an error for `up`.
+#[derive(Debug, Clone)]
+pub struct VersionNote {
+    /// One line for stderr: where pdctl looked, what it assumed, what to do.
+    pub note: String,
+    /// The located error `up` refuses with.
+    pub refusal: topology::TopologyError,
 }
 
 /// Topology args -> topology -> GPU inventory and vLLM version -> plan, tools resolved.
@@ -135,29 +147,38 @@ pub fn plan_topology(t: &LoadedTopology, args: &TopologyArgs) -> anyhow::Result<
     } else {
         (Vec::new(), None)
     };
-    let version = match spec.engine.kind {
-        EngineKind::Sim => None,
-        EngineKind::Vllm if spec.engine.vllm_version == "auto" => {
-            let (python, v) = crate::vllm::find_python(&spec.engine.python).map_err(|e| {
-                t.locate(
-                    topology::Problem::new(
-                        "engine.vllm_version",
-                        format!("\"auto\" could not ask vLLM its version: {e}"),
-                    )
-                    .hint(
-                        "pin engine.vllm_version (e.g. \"0.9.2\") to plan without vLLM installed",
+    let mut version_note = None;
+    let (version, version_source) = match spec.engine.kind {
+        EngineKind::Sim => (None, VersionSource::Pinned),
+        EngineKind::Vllm => {
+            let resolved = crate::vllm::resolve(
+                &spec.engine.vllm_version,
+                &spec.engine.python,
+                &crate::connectors::NEWEST_TEMPLATED,
+            )
+            .expect("vllm_version is validated when loaded");
+            if let Some(note) = resolved.assumed_note() {
+                let why = resolved.not_found.as_ref().map(|e| e.reason());
+                version_note = Some(VersionNote {
+                    note,
+                    refusal: t.locate(
+                        topology::Problem::new(
+                            "engine.vllm_version",
+                            format!(
+                                "\"auto\" found no vLLM to run: {}; the plan assumed vLLM {}, the newest pdctl has templates for",
+                                why.unwrap_or_default(),
+                                resolved.version
+                            ),
+                        )
+                        .hint(
+                            "install vLLM (./install.sh --with-vllm), set engine.python to the python that has it, or pin engine.vllm_version (then `up` starts it as pinned)",
+                        ),
                     ),
-                )
-            })?;
-            spec.engine.python = python;
-            Some(v)
+                });
+            }
+            spec.engine.python = resolved.python;
+            (Some(resolved.version), resolved.source)
         }
-        EngineKind::Vllm => Some(
-            spec.engine
-                .vllm_version
-                .parse()
-                .expect("validated when loaded"),
-        ),
     };
     let node = args.node.clone().unwrap_or_else(|| t.head.clone());
     let root = state_root(args.state_dir.as_deref());
@@ -167,6 +188,7 @@ pub fn plan_topology(t: &LoadedTopology, args: &TopologyArgs) -> anyhow::Result<
         gpus: &gpus,
         gpu_note,
         version,
+        version_source,
         state_root: root,
         local_node: Some(&node),
     })
@@ -177,5 +199,6 @@ pub fn plan_topology(t: &LoadedTopology, args: &TopologyArgs) -> anyhow::Result<
         source_note: String::new(),
         missing,
         node,
+        version_note,
     })
 }

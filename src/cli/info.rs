@@ -29,6 +29,9 @@ pub struct ProfilesArgs {}
 /// Prints what `up` would run.
 pub fn plan(a: PlanArgs) -> anyhow::Result<ExitCode> {
     let loaded = load_plan(&a.topology)?;
+    if let Some(v) = &loaded.version_note {
+        eprintln!("pdctl: warning: {}", v.note);
+    }
     let missing: Vec<String> = loaded.missing.iter().map(|m| m.to_string()).collect();
     if a.json {
         let mut doc = serde_json::to_value(&loaded.plan)?;

@@ -140,6 +140,11 @@ pub fn for_kind(kind: ConnectorKind) -> &'static dyn Connector {
     }
 }
 
+/// The newest vLLM release the templates here were written and checked against (vLLM
+/// 0.32.0's CPU build end to end; 0.26.0 on a GPU). `vllm_version = "auto"` plans for it
+/// when no vLLM is installed, so a plan can be read before vLLM is.
+pub const NEWEST_TEMPLATED: Version = Version::new(0, 32, 0);
+
 /// Every connector pdctl can plan, for "which connectors does vLLM X have" hints.
 pub fn all() -> [&'static dyn Connector; 6] {
     [

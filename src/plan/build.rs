@@ -7,7 +7,7 @@ use super::{Plan, Service};
 use crate::connectors::{self, ClusterCtx, Endpoint, PortBook};
 use crate::gpu::Gpu;
 use crate::topology::{EngineKind, Problem, Topology};
-use crate::vllm::Version;
+use crate::vllm::{Version, VersionSource};
 use std::path::{Path, PathBuf};
 
 /// A topology that cannot be planned: a [`Problem`] naming the key at fault.
@@ -25,6 +25,8 @@ pub struct PlanInput<'a> {
     pub gpu_note: Option<String>,
     /// The vLLM version templates are chosen for (required for engine = "vllm").
     pub version: Option<Version>,
+    /// Where `version` came from (said in the plan beside it).
+    pub version_source: VersionSource,
     /// Root of the per-cluster state dirs.
     pub state_root: PathBuf,
     /// The node this machine is (`up --node`); default the head.
@@ -150,6 +152,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
             EngineKind::Vllm => "vllm".into(),
             EngineKind::Sim => "sim".into(),
         },
+        vllm_version_source: version.as_ref().map(|_| input.version_source),
         vllm_version: version.map(|v| v.to_string()),
         connector: connectors::kind_name(t.connector.kind),
         protocol: protocol_name(protocol),
@@ -233,6 +236,7 @@ mod tests {
             gpus: &inv,
             gpu_note: None,
             version: Some("0.9.2".parse().unwrap()),
+            version_source: VersionSource::Pinned,
             state_root: "/state".into(),
             local_node: None,
         })

@@ -32,6 +32,10 @@ pub struct Plan {
     pub engine: String,
     /// The vLLM version the templates were chosen for (None for the simulator).
     pub vllm_version: Option<String>,
+    /// Where that version came from: `installed` (asked the vLLM in engine.python),
+    /// `pinned` (the topology says) or `assumed` (no vLLM found; `up` refuses such a plan).
+    #[serde(default)]
+    pub vllm_version_source: Option<crate::vllm::VersionSource>,
     /// The connector name from the topology (`example`, `mooncake-store`, ...).
     pub connector: String,
     /// The proxy protocol the connector needs (`two-step`, `nixl`, `mooncake`).

@@ -79,9 +79,13 @@ pub fn describe_probe(p: &Probe) -> String {
 pub fn render(plan: &Plan, source_note: &str, missing: &[String]) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "cluster {} ({source_note})", plan.cluster);
-    let engine = match &plan.vllm_version {
-        Some(v) => format!("vllm {v}"),
-        None => "sim (simulated engines)".to_string(),
+    let engine = match (&plan.vllm_version, plan.vllm_version_source) {
+        (Some(v), Some(crate::vllm::VersionSource::Assumed)) => {
+            format!("vllm {v} (assumed: no vLLM found; `up` needs it)")
+        }
+        (Some(v), Some(crate::vllm::VersionSource::Installed)) => format!("vllm {v} (installed)"),
+        (Some(v), _) => format!("vllm {v}"),
+        (None, _) => "sim (simulated engines)".to_string(),
     };
     let _ = writeln!(
         o,

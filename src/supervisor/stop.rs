@@ -170,6 +170,7 @@ mod tests {
             proxy_url: None,
             engine: "sim".into(),
             vllm_version: None,
+            vllm_version_source: None,
             connector: "mooncake-store".into(),
             protocol: "two-step".into(),
             services: vec![

@@ -192,6 +192,7 @@ mod tests {
             proxy_url: None,
             engine: "sim".into(),
             vllm_version: None,
+            vllm_version_source: None,
             connector: "example".into(),
             protocol: "two-step".into(),
             services: vec![service("p0", "a"), service("p1", "b")],

@@ -12,11 +12,22 @@ pub fn pdctl_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_pdctl"))
 }
 
-/// A `Command` for pdctl with the given arguments.
+/// A `Command` for pdctl with the given arguments, blind to what this machine has
+/// installed: no vLLM lookup on PATH or in pdctl's venvs, no NVML (`PDCTL_IGNORE_INSTALLED`),
+/// and a state root of the test run's own instead of the developer's ~/.local/state. A
+/// test that wants detection builds a fake interpreter and names it in engine.python; one
+/// that wants GPUs passes `--gpus`; one that wants the real machine removes the variable.
 pub fn pdctl(args: &[&str]) -> Command {
     let mut c = Command::new(pdctl_bin());
-    c.args(args);
+    c.args(args)
+        .env(pdctl::vllm::IGNORE_INSTALLED_ENV, "1")
+        .env("XDG_STATE_HOME", test_state_home());
     c
+}
+
+/// The state root pdctl falls back to in tests (one per test binary run).
+pub fn test_state_home() -> PathBuf {
+    std::env::temp_dir().join(format!("pdctl-test-xdg-{}", std::process::id()))
 }
 
 /// A TCP port free on 127.0.0.1 right now (the OS picks it; reuse soon after is unlikely).

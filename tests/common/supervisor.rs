@@ -210,6 +210,7 @@ pub fn plan(cluster: &str, nodes: &[(&str, &str)]) -> Plan {
         proxy_url: None,
         engine: "test".into(),
         vllm_version: None,
+        vllm_version_source: None,
         connector: "mooncake-store".into(),
         protocol: "two-step".into(),
         services: vec![],
