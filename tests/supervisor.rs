@@ -99,8 +99,16 @@ fn up_status_logs_down_with_real_etcd_and_mooncake_master_leaves_nothing() {
     let again = c.run(&["down"]);
     assert_eq!(again.status.code(), Some(0), "down is idempotent");
     assert!(stdout(&again).contains("nothing to stop"));
-    // Logs stay readable after down.
-    assert!(stdout(&c.run(&["logs", "decode-0"])).contains("engine listening"));
+    // Logs stay readable after down: a service named alone is unprefixed, a role is
+    // prefixed even with one instance.
+    let by_name = stdout(&c.run(&["logs", "decode-0"]));
+    assert!(by_name.contains("engine listening"), "{by_name}");
+    assert!(!by_name.contains("decode-0 |"), "{by_name}");
+    let by_role = stdout(&c.run(&["logs", "decode"]));
+    assert!(
+        !by_role.is_empty() && by_role.lines().all(|l| l.starts_with("decode-0 | ")),
+        "{by_role}"
+    );
 }
 
 #[test]

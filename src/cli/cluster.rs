@@ -299,7 +299,11 @@ pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
         .iter()
         .map(|n| (n.clone(), found.state.log_path(n)))
         .collect();
-    let printer = logs_cmd::Printer::new(&chosen);
+    let by_name = a
+        .target
+        .as_deref()
+        .is_some_and(|t| names.iter().any(|n| n == t));
+    let printer = logs_cmd::Printer::new(&chosen, by_name);
     if a.follow && found.running {
         let record = found
             .record

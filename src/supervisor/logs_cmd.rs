@@ -202,7 +202,7 @@ impl Follower {
     }
 }
 
-/// Prints lines with an aligned `name | ` prefix when several services are shown.
+/// Prints lines with an aligned `name | ` prefix, unless one service was asked for by name.
 #[derive(Debug)]
 pub struct Printer {
     prefix: bool,
@@ -211,9 +211,11 @@ pub struct Printer {
 }
 
 impl Printer {
-    pub fn new(names: &[String]) -> Printer {
+    /// `by_name`: the user named one service (`pdctl logs decode-0`), so its lines need no
+    /// prefix; a role (`pdctl logs decode`) is prefixed even when it has one instance.
+    pub fn new(names: &[String], by_name: bool) -> Printer {
         Printer {
-            prefix: names.len() > 1,
+            prefix: !(by_name && names.len() == 1),
             width: names.iter().map(|n| n.len()).max().unwrap_or(0),
             colour: super::console::colour_wanted(),
         }
