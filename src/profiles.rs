@@ -21,6 +21,7 @@ profiles!(
     "sim-1p1d",
     "sim-4p4d",
     "1p1d",
+    "1gpu-1p1d",
     "4p4d",
     "2node-4p4d",
     "nixl-1p1d",

@@ -857,3 +857,219 @@ fn human_plan_shows_runnable_commands_and_files() {
     );
     assert!(text.contains("ready    GET http://127.0.0.1:2379/health -> 200 containing \"true\""));
 }
+
+/// The vLLM flag value of a planned service.
+fn flag_of(s: &pdctl::plan::Service, name: &str) -> Option<String> {
+    s.argv
+        .windows(2)
+        .find(|w| w[0] == name)
+        .map(|w| w[1].clone())
+}
+
+/// One GPU: the one-GPU profile puts prefill and decode both on GPU 0, splits vLLM's memory
+/// share between them, and starts decode once prefill is healthy.
+#[test]
+fn one_gpu_is_shared_by_prefill_and_decode() {
+    let plan = plan_json(&["plan", "-p", "1gpu-1p1d", "--gpus", "0"]);
+    let engines: Vec<&Value> = services(&plan, "prefill")
+        .into_iter()
+        .chain(services(&plan, "decode"))
+        .collect();
+    assert_eq!(engines.len(), 2);
+    let mut total = 0.0;
+    for e in &engines {
+        assert_eq!(e["env"]["CUDA_VISIBLE_DEVICES"], "0", "{}", e["name"]);
+        assert_eq!(e["gpus"], serde_json::json!([0]));
+        assert_eq!(flag(&argv(e), "--gpu-memory-utilization"), Some("0.45"));
+        total += e["gpu_memory_share"].as_f64().unwrap();
+    }
+    assert!(total <= 0.9, "shares add up to {total}");
+    assert!(
+        services(&plan, "decode")[0]["depends_on"]
+            .as_array()
+            .unwrap()
+            .contains(&Value::from("prefill-0")),
+        "decode must start after prefill on a shared GPU"
+    );
+    // The same profile on two GPUs gives each instance its own.
+    let plan = plan_json(&["plan", "-p", "1gpu-1p1d", "--gpus", "0,1"]);
+    assert_eq!(
+        services(&plan, "prefill")[0]["env"]["CUDA_VISIBLE_DEVICES"],
+        "0"
+    );
+    assert_eq!(
+        services(&plan, "decode")[0]["env"]["CUDA_VISIBLE_DEVICES"],
+        "1"
+    );
+    assert_eq!(
+        flag(
+            &argv(services(&plan, "decode")[0]),
+            "--gpu-memory-utilization"
+        ),
+        None
+    );
+}
+
+/// Eight instances on one GPU: shares within the topology's utilization, started one by
+/// one; a fixed KV cache size lets them start together; one GPU per instance stays the
+/// default.
+#[test]
+fn packing_splits_the_memory_and_a_fixed_kv_cache_starts_together() {
+    let text = "[model]\nname = \"m\"\n[engine]\nvllm_version = \"0.26.0\"\ninstances_per_gpu = 8\ngpu_memory_utilization = 0.8\n[connector]\nkind = \"nixl\"\n[prefill]\ninstances = 4\n[decode]\ninstances = 4\n";
+    let plan = try_plan_text(text, "0.26.0", 1).unwrap();
+    let engines: Vec<_> = plan
+        .services
+        .iter()
+        .filter(|s| s.role.is_engine())
+        .collect();
+    assert_eq!(engines.len(), 8);
+    let sum: f64 = engines.iter().map(|s| s.gpu_memory_share.unwrap()).sum();
+    assert!(sum <= 0.8 && sum > 0.79, "shares add up to {sum}");
+    for (i, s) in engines.iter().enumerate() {
+        assert_eq!(s.env["CUDA_VISIBLE_DEVICES"], "0");
+        assert_eq!(
+            flag_of(s, "--gpu-memory-utilization").as_deref(),
+            Some("0.1")
+        );
+        if i > 0 {
+            assert!(
+                s.depends_on.contains(&engines[i - 1].name),
+                "{:?}",
+                s.depends_on
+            );
+        }
+    }
+
+    let fixed = text.replace(
+        "instances_per_gpu = 8\n",
+        "instances_per_gpu = 8\nkv_cache_memory = \"1GB\"\n",
+    );
+    let plan = try_plan_text(&fixed, "0.26.0", 1).unwrap();
+    for s in plan.services.iter().filter(|s| s.role.is_engine()) {
+        assert_eq!(
+            flag_of(s, "--kv-cache-memory-bytes").as_deref(),
+            Some("1073741824")
+        );
+        assert!(
+            !s.depends_on
+                .iter()
+                .any(|d| d.starts_with("prefill") || d.starts_with("decode")),
+            "{}: {:?}",
+            s.name,
+            s.depends_on
+        );
+    }
+    let old = fixed.replace("0.26.0", "0.9.2");
+    let e = try_plan_text(&old, "0.9.2", 1).unwrap_err();
+    assert_eq!(e.key, "engine.kv_cache_memory");
+
+    let default = text.replace("instances_per_gpu = 8\n", "");
+    let e = try_plan_text(&default, "0.26.0", 1).unwrap_err();
+    assert!(e.message.contains("more GPUs than it has"), "{}", e.message);
+}
+
+/// With NVML's memory figures, engines that will not fit in a GPU's free memory are an
+/// error naming the GPU, what is free and who holds the rest.
+#[test]
+fn engines_that_do_not_fit_the_free_memory_are_refused() {
+    let t = load_str(
+        "[model]\nname = \"m\"\n[engine]\ninstances_per_gpu = 2\n[connector]\nkind = \"nixl\"\n",
+        Source::Profile("inline".into()),
+        "inline.toml".into(),
+    )
+    .unwrap();
+    let busy = Gpu {
+        index: 0,
+        uuid: None,
+        name: Some("H100".into()),
+        memory_total_mib: Some(81920),
+        memory_used_mib: Some(40960),
+        processes: vec![31337],
+    };
+    let input = |gpus: &[Gpu]| {
+        build_plan(&PlanInput {
+            topology: &t.spec,
+            head: &t.head,
+            gpus,
+            gpu_note: None,
+            version: Some("0.26.0".parse().unwrap()),
+            version_source: pdctl::vllm::VersionSource::Pinned,
+            state_root: "/state".into(),
+            local_node: None,
+        })
+    };
+    let e = input(std::slice::from_ref(&busy)).unwrap_err();
+    assert_eq!(e.key, "engine.gpu_memory_utilization");
+    assert!(
+        e.message.contains("GPU 0 has 40960 MiB free of 81920 MiB")
+            && e.message.contains("pid 31337"),
+        "{}",
+        e.message
+    );
+    let idle = Gpu {
+        memory_used_mib: Some(512),
+        processes: vec![],
+        ..busy
+    };
+    assert!(input(&[idle]).is_ok());
+}
+
+/// With no file, one GPU chooses the one-GPU profile and more choose 1p1d, each said.
+#[test]
+fn without_a_file_the_gpu_count_chooses_the_profile() {
+    let dir = TempDir::new("default-gpus");
+    for (gpus, profile, why) in [
+        (
+            "0",
+            "1gpu-1p1d",
+            "1 GPU found, so prefill and decode share it",
+        ),
+        ("0,1", "1p1d", "2 GPU(s) found"),
+    ] {
+        let out = pdctl(&["plan", "--gpus", gpus])
+            .current_dir(dir.path())
+            .env("PDCTL_STATE_DIR", dir.path())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains(&format!("using profile {profile}: no ./pdctl.toml; {why}")),
+            "{stdout}"
+        );
+    }
+}
+
+/// The shared-directory connector stores a prompt whole only without chunked prefill: the
+/// producer gets it off and a batch token budget of the model length; decode is untouched.
+#[test]
+fn example_connector_producer_schedules_prompts_whole() {
+    let text = "[model]\nname = \"m\"\nmax_model_len = 2048\n[connector]\nkind = \"example\"\n";
+    for version in ["0.12.0", "0.26.0"] {
+        let plan = try_plan_text(text, version, 2).unwrap();
+        let prefill = plan.service("prefill-0").unwrap();
+        let decode = plan.service("decode-0").unwrap();
+        assert!(
+            prefill
+                .argv
+                .contains(&"--no-enable-chunked-prefill".to_string()),
+            "{version}"
+        );
+        assert_eq!(
+            flag_of(prefill, "--max-num-batched-tokens").as_deref(),
+            Some("2048")
+        );
+        assert!(
+            !decode
+                .argv
+                .contains(&"--no-enable-chunked-prefill".to_string())
+        );
+        // The topology's own args come later, so a user can still override the choice.
+        let at = |s: &str| prefill.argv.iter().position(|a| a == s);
+        assert!(at("--no-enable-chunked-prefill") < at("--kv-transfer-config"));
+    }
+}

@@ -96,6 +96,10 @@ pub fn load_topology(args: &TopologyArgs) -> anyhow::Result<(LoadedTopology, Str
         ));
     }
     let (name, why) = match gpu_inventory(args) {
+        (gpus, _) if gpus.len() == 1 => (
+            "1gpu-1p1d",
+            "no ./pdctl.toml; 1 GPU found, so prefill and decode share it".to_string(),
+        ),
         (gpus, _) if !gpus.is_empty() => (
             "1p1d",
             format!("no ./pdctl.toml; {} GPU(s) found", gpus.len()),

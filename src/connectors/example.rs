@@ -52,6 +52,11 @@ impl Connector for Example {
         };
         let dir = cx.shared_dir.display().to_string();
         Ok(Launch {
+            args: if inst.role == Role::Prefill {
+                producer_args(cx)
+            } else {
+                Vec::new()
+            },
             kv_transfer_config: transfer_config(
                 &cx.topology.connector,
                 class,
@@ -62,4 +67,19 @@ impl Connector for Example {
             ..Launch::default()
         })
     }
+}
+
+/// The producer stores a request's KV when the request is first scheduled. With chunked
+/// prefill (on by default in every vLLM that has this connector) a prompt longer than one
+/// step's token budget is stored cut short, and decode dies loading it (`shape mismatch` in
+/// `inject_kv_into_layer`, seen on vLLM 0.26 with an 880-token prompt and a 272-token
+/// piece). So prefill schedules every prompt whole: chunked prefill off, and a batch token
+/// budget of at least the model length (vLLM's own default when chunking is off and the
+/// length is not given here).
+fn producer_args(cx: &ClusterCtx) -> Vec<String> {
+    let mut args = vec!["--no-enable-chunked-prefill".to_string()];
+    if let Some(n) = cx.topology.model.max_model_len {
+        args.extend(["--max-num-batched-tokens".to_string(), n.to_string()]);
+    }
+    args
 }

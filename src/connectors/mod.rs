@@ -87,6 +87,9 @@ pub struct InstanceCtx {
 pub struct Launch {
     /// The `--kv-transfer-config` JSON.
     pub kv_transfer_config: Value,
+    /// vLLM flags the connector needs to work at all (before the topology's own args, so a
+    /// user can still override them), each with its reason in the connector's file.
+    pub args: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub files: Vec<GeneratedFile>,
     /// Extra ports the engine opens, by name (checked for clashes per node).
@@ -251,7 +254,7 @@ fn transfer_config(c: &ConnectorSection, name: &str, role: &str, extra: Value) -
 
 /// Bytes of a size such as `4GB`, `256MB`, `1073741824` (Mooncake's readers differ in
 /// which string forms they take; every version takes an integer).
-fn size_bytes(key: &str, s: &str) -> Result<u64, Problem> {
+pub(crate) fn size_bytes(key: &str, s: &str) -> Result<u64, Problem> {
     let t = s.trim();
     let split = t
         .find(|c: char| !c.is_ascii_digit() && c != '.')

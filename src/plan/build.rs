@@ -140,6 +140,16 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     } else {
         None
     };
+    // Only this machine's GPUs are known; other nodes are checked when planned there.
+    let local_services = services.iter().filter(|s| s.node == local);
+    if let Some(short) = super::gpu_fit::check(local_services, input.gpus).first() {
+        return Err(Problem::new(
+            "engine.gpu_memory_utilization",
+            format!("the engines do not fit: {short}"),
+        )
+        .also("engine.instances_per_gpu")
+        .hint("free that GPU, lower engine.gpu_memory_utilization (shared GPUs split it), or set engine.kv_cache_memory"));
+    }
     let proxy_url = proxy.as_ref().and_then(|p| p.url.clone());
     services.extend(proxy);
     Ok(Plan {

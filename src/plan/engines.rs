@@ -8,6 +8,7 @@ use crate::gpu::Gpu;
 use crate::proxy::args::ProxyProtocol;
 use crate::sim::args::{SimArgs, SimHandoff, SimRole};
 use crate::topology::{Device, EngineKind, Problem, RoleSection, Topology};
+use crate::vllm::{Version, VersionRange};
 use clap::Parser;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -59,41 +60,130 @@ impl GpuPool {
     }
 }
 
-/// GPUs already given out on each node.
+/// How many instances hold each GPU, per node.
 #[derive(Default)]
 struct GpuUse {
-    taken: BTreeMap<String, BTreeSet<u32>>,
+    load: BTreeMap<String, BTreeMap<u32, u32>>,
 }
 
 impl GpuUse {
-    /// `tp` GPUs for one instance: adjacent indices when possible.
+    /// `tp` GPUs for one instance, each holding fewer than `per_gpu` instances so far: the
+    /// least-loaded ones (so sharing starts only once every allowed GPU holds one),
+    /// adjacent indices when possible.
     fn take(
         &mut self,
         pool: &GpuPool,
         node: &str,
         role: &RoleSection,
         tp: u32,
+        per_gpu: u32,
     ) -> Option<Vec<u32>> {
-        let taken = self.taken.entry(node.to_string()).or_default();
+        let load = self.load.entry(node.to_string()).or_default();
+        let load_of = |i: &u32| load.get(i).copied().unwrap_or(0);
         let allowed: Vec<u32> = pool
             .inventory
             .iter()
             .map(|g| g.index)
             .filter(|i| role.gpus.as_ref().is_none_or(|list| list.contains(i)))
-            .filter(|i| !taken.contains(i))
+            .filter(|i| load_of(i) < per_gpu)
             .collect();
         let tp = tp as usize;
-        if allowed.len() < tp {
-            return None;
+        let mut levels: Vec<u32> = allowed.iter().map(load_of).collect();
+        levels.sort_unstable();
+        levels.dedup();
+        let pick = levels.into_iter().find_map(|level| {
+            let set: Vec<u32> = allowed
+                .iter()
+                .copied()
+                .filter(|i| load_of(i) <= level)
+                .collect();
+            if set.len() < tp {
+                return None;
+            }
+            let adjacent = set
+                .windows(tp)
+                .find(|w| w.windows(2).all(|p| p[1] == p[0] + 1))
+                .map(|w| w.to_vec());
+            Some(adjacent.unwrap_or_else(|| {
+                let mut by_load = set.clone();
+                by_load.sort_by_key(|i| (load_of(i), *i));
+                let mut first = by_load[..tp].to_vec();
+                first.sort_unstable();
+                first
+            }))
+        })?;
+        for g in &pick {
+            *load.entry(*g).or_default() += 1;
         }
-        let adjacent = allowed
-            .windows(tp)
-            .find(|w| w.windows(2).all(|p| p[1] == p[0] + 1))
-            .map(|w| w.to_vec());
-        let pick = adjacent.unwrap_or_else(|| allowed[..tp].to_vec());
-        taken.extend(pick.iter().copied());
         Some(pick)
     }
+}
+
+/// vLLM's own `--gpu-memory-utilization` when none is given.
+const VLLM_DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
+
+/// vLLM that takes `--kv-cache-memory-bytes` (it came with the 0.11 series; 0.26 and 0.32
+/// were run with it).
+const KV_CACHE_MEMORY_BYTES: VersionRange = VersionRange::from((0, 11, 0));
+
+/// How one instance shares its GPUs: the fraction of each GPU's memory it may take, and
+/// the instance that must be healthy before it starts (vLLM's start-up memory profiling
+/// counts a neighbour's allocations as its own when both start at once).
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Sharing {
+    /// Set when the instance shares a GPU: its slice of `gpu_memory_utilization`.
+    split_utilization: Option<f64>,
+    /// The fraction of each of its GPUs it will hold (None when the KV cache size is
+    /// fixed: then only vLLM knows).
+    memory_share: Option<f64>,
+    start_after: Option<String>,
+}
+
+/// The sharing of every placed instance, from the GPUs each was given.
+fn sharing(t: &Topology, placements: &[Placement], gpus: &[Vec<u32>]) -> Vec<Sharing> {
+    let mut holders: BTreeMap<(&str, u32), Vec<usize>> = BTreeMap::new();
+    for (i, (p, gs)) in placements.iter().zip(gpus).enumerate() {
+        for g in gs {
+            holders.entry((p.node.as_str(), *g)).or_default().push(i);
+        }
+    }
+    let util = t
+        .engine
+        .gpu_memory_utilization
+        .unwrap_or(VLLM_DEFAULT_GPU_MEMORY_UTILIZATION);
+    let fixed_kv = t.engine.kv_cache_memory.is_some();
+    placements
+        .iter()
+        .zip(gpus)
+        .enumerate()
+        .map(|(i, (p, gs))| {
+            if gs.is_empty() {
+                return Sharing::default();
+            }
+            let neighbours = |g: &u32| &holders[&(p.node.as_str(), *g)];
+            let most = gs.iter().map(|g| neighbours(g).len()).max().unwrap_or(1);
+            let split = (most > 1).then(|| round3(util / most as f64));
+            let start_after = if fixed_kv {
+                None
+            } else {
+                gs.iter()
+                    .flat_map(|g| neighbours(g).iter().copied())
+                    .filter(|j| *j < i)
+                    .max()
+                    .map(|j| placements[j].role.instance_name(placements[j].index))
+            };
+            Sharing {
+                split_utilization: split,
+                memory_share: (!fixed_kv).then_some(split.unwrap_or(util)),
+                start_after,
+            }
+        })
+        .collect()
+}
+
+/// Rounded down to 3 decimals, so the shares of a GPU never add up to more than the whole.
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).floor() / 1000.0
 }
 
 /// Plans every engine instance.
@@ -119,24 +209,36 @@ pub(super) fn plan_engines(
     if let (EngineKind::Vllm, Some(v)) = (t.engine.kind, cx.version) {
         warnings.extend(conn.warnings(t, v));
     }
+    let needs_gpus = t.engine.kind == EngineKind::Vllm && t.engine.device == Device::Cuda;
     let mut gpu_use = GpuUse::default();
+    let mut gpus_of = Vec::new();
+    for p in placements {
+        let r = role_section(t, p.role);
+        gpus_of.push(if needs_gpus {
+            gpu_use
+                .take(
+                    pool,
+                    &p.node,
+                    r,
+                    r.gpus_per_instance,
+                    t.engine.instances_per_gpu,
+                )
+                .ok_or_else(|| gpu_shortage(t, placements, p.role, &p.node, pool))?
+        } else {
+            Vec::new()
+        });
+    }
+    let shares = sharing(t, placements, &gpus_of);
+    let kv_cache_bytes = kv_cache_bytes(t, cx.version)?;
     let mut warned_nodes = BTreeSet::new();
     let mut per_node: BTreeMap<&str, u32> = BTreeMap::new();
     for p in placements {
         *per_node.entry(&p.node).or_default() += 1;
     }
     let mut out = Vec::new();
-    for p in placements {
+    for ((p, gpus), share) in placements.iter().zip(gpus_of).zip(shares) {
         let r = role_section(t, p.role);
         let name = p.role.instance_name(p.index);
-        let needs_gpus = t.engine.kind == EngineKind::Vllm && t.engine.device == Device::Cuda;
-        let gpus = if needs_gpus {
-            gpu_use
-                .take(pool, &p.node, r, r.gpus_per_instance)
-                .ok_or_else(|| gpu_shortage(t, placements, p.role, &p.node, pool))?
-        } else {
-            Vec::new()
-        };
         if needs_gpus && p.node != local_node && warned_nodes.insert(p.node.clone()) {
             warnings.push(format!(
                 "node {}: GPUs assumed to match this machine's; plan on that node (pdctl plan --node {}) to check",
@@ -187,15 +289,68 @@ pub(super) fn plan_engines(
             (EngineKind::Vllm, Some(v)) => {
                 let launch = conn.launch(cx, v, &inst, ports)?;
                 let shares_node = per_node[p.node.as_str()] > 1;
-                vllm_service(t, p, &inst, &gpus, launch, shares_node)
+                let mut svc = vllm_service(t, p, &inst, &gpus, launch, shares_node);
+                memory_flags(&mut svc, &share, kv_cache_bytes);
+                svc
             }
             _ => sim_service(cx, p, &inst, protocol),
         };
         svc.depends_on = support.to_vec();
+        svc.depends_on.extend(share.start_after);
         svc.restart_with = expand_restart_with(t, r, &name);
         out.push(svc);
     }
     Ok(out)
+}
+
+/// `engine.kv_cache_memory` in bytes, for a vLLM that takes `--kv-cache-memory-bytes`.
+fn kv_cache_bytes(t: &Topology, v: Option<&Version>) -> Result<Option<u64>, Problem> {
+    let (Some(size), EngineKind::Vllm) = (&t.engine.kv_cache_memory, t.engine.kind) else {
+        return Ok(None);
+    };
+    let bytes = crate::connectors::size_bytes("engine.kv_cache_memory", size)?;
+    if let Some(v) = v
+        && !KV_CACHE_MEMORY_BYTES.contains(v)
+    {
+        return Err(Problem::new(
+            "engine.kv_cache_memory",
+            format!("vLLM {v} has no --kv-cache-memory-bytes (vLLM {KV_CACHE_MEMORY_BYTES} has)"),
+        )
+        .hint(
+            "remove engine.kv_cache_memory and size the cache with engine.gpu_memory_utilization",
+        ));
+    }
+    Ok(Some(bytes))
+}
+
+/// The memory flags of a vLLM instance: its slice of the GPU when it shares one, or the
+/// fixed KV cache size; and the share the plan records for the free-memory check.
+fn memory_flags(svc: &mut Service, share: &Sharing, kv_cache_bytes: Option<u64>) {
+    if let Some(u) = share.split_utilization {
+        set_flag(&mut svc.argv, "--gpu-memory-utilization", &u.to_string());
+    }
+    if let Some(b) = kv_cache_bytes {
+        set_flag(&mut svc.argv, "--kv-cache-memory-bytes", &b.to_string());
+    }
+    if !svc.gpus.is_empty() {
+        svc.gpu_memory_share = share.memory_share;
+    }
+}
+
+/// Sets `flag value` in a vLLM argv: replaces the value where the flag is already given,
+/// else inserts it before `--kv-transfer-config` (which stays last, as users write it).
+fn set_flag(argv: &mut Vec<String>, flag: &str, value: &str) {
+    if let Some(i) = argv.iter().position(|a| a == flag)
+        && i + 1 < argv.len()
+    {
+        argv[i + 1] = value.to_string();
+        return;
+    }
+    let at = argv
+        .iter()
+        .position(|a| a == "--kv-transfer-config")
+        .unwrap_or(argv.len());
+    argv.splice(at..at, [flag.to_string(), value.to_string()]);
 }
 
 fn role_section(t: &Topology, role: Role) -> &RoleSection {
@@ -224,7 +379,7 @@ fn check_gpu_counts(t: &Topology, placements: &[Placement], pool: &GpuPool) -> R
         *per_node.entry(&p.node).or_default() += role_section(t, p.role).gpus_per_instance;
     }
     for (node, wanted) in per_node {
-        if wanted as usize > pool.inventory.len() {
+        if wanted as usize > pool.inventory.len() * t.engine.instances_per_gpu as usize {
             let last = placements
                 .iter()
                 .rev()
@@ -302,6 +457,7 @@ fn base_service(p: &Placement, inst: &InstanceCtx, port: u16) -> Service {
         argv: Vec::new(),
         env: BTreeMap::new(),
         gpus: Vec::new(),
+        gpu_memory_share: None,
         ports: BTreeMap::from([("http".to_string(), port)]),
         files: Vec::new(),
         depends_on: Vec::new(),
@@ -360,6 +516,7 @@ fn vllm_service(
     if inst.tp > 1 {
         argv.extend(["--tensor-parallel-size".into(), inst.tp.to_string()]);
     }
+    argv.extend(launch.args.iter().cloned());
     argv.extend(t.engine.args.iter().cloned());
     argv.extend(r.args.iter().cloned());
     argv.extend([

@@ -6,6 +6,7 @@
 
 pub mod build;
 mod engines;
+pub mod gpu_fit;
 pub mod render;
 mod support;
 
@@ -129,6 +130,10 @@ pub struct Service {
     pub env: BTreeMap<String, String>,
     /// GPU indices this service holds (also in CUDA_VISIBLE_DEVICES for engines).
     pub gpus: Vec<u32>,
+    /// The fraction of each of its GPUs' memory it will take, when known: checked against
+    /// the memory free on those GPUs before anything starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_share: Option<f64>,
     /// Named ports this service listens on: `http`, `client`, `peer`, `rpc`, `metrics`,
     /// `bootstrap`, `side-channel`, `kv`, ... (all checked free before `up`).
     pub ports: BTreeMap<String, u16>,

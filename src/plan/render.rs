@@ -102,7 +102,10 @@ pub fn render(plan: &Plan, source_note: &str, missing: &[String]) -> String {
             String::new()
         } else {
             let list: Vec<String> = svc.gpus.iter().map(u32::to_string).collect();
-            format!("  GPU {}", list.join(","))
+            match svc.gpu_memory_share {
+                Some(share) => format!("  GPU {} ({share} of its memory)", list.join(",")),
+                None => format!("  GPU {}", list.join(",")),
+            }
         };
         let _ = writeln!(
             o,

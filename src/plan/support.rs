@@ -27,6 +27,7 @@ fn support_service(
         argv,
         env: BTreeMap::new(),
         gpus: Vec::new(),
+        gpu_memory_share: None,
         ports: BTreeMap::new(),
         files: Vec::new(),
         depends_on: Vec::new(),

@@ -148,6 +148,11 @@ fn check_gpus(plan: &Plan, node: &str, declared: Option<&[u32]>, problems: &mut 
                 .join(",")
         )),
         Ok(inv) => {
+            for short in crate::plan::gpu_fit::check(plan.local_services(node), &inv) {
+                problems.push(format!(
+                    "{short}: free that GPU, lower engine.gpu_memory_utilization, or set engine.kv_cache_memory"
+                ));
+            }
             let have: Vec<u32> = inv.iter().map(|g| g.index).collect();
             for (gpu, who) in &needed {
                 if !have.contains(gpu) {
@@ -203,6 +208,7 @@ mod tests {
             argv: vec![argv0.into()],
             env: Default::default(),
             gpus: vec![],
+            gpu_memory_share: None,
             ports: BTreeMap::from([("http".to_string(), port)]),
             files: vec![],
             depends_on: vec![],

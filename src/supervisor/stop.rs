@@ -145,6 +145,7 @@ mod tests {
             argv: vec!["true".into()],
             env: BTreeMap::new(),
             gpus: vec![],
+            gpu_memory_share: None,
             ports: BTreeMap::new(),
             files: vec![],
             depends_on: deps.iter().map(|d| d.to_string()).collect(),

@@ -166,6 +166,7 @@ mod tests {
             argv: vec!["true".into()],
             env: BTreeMap::new(),
             gpus: vec![],
+            gpu_memory_share: None,
             ports: BTreeMap::from([("metrics".to_string(), 9), ("http".to_string(), 8100)]),
             files: vec![],
             depends_on: vec![],

@@ -174,6 +174,17 @@ pub struct EngineSection {
     /// vLLM's --gpu-memory-utilization.
     #[serde(default)]
     pub gpu_memory_utilization: Option<f64>,
+    /// How many engine instances (of either role) one GPU may hold. 1 (the default) gives
+    /// each instance GPUs of its own; 2 lets a one-GPU workstation run 1P1D. Instances
+    /// sharing a GPU split `gpu_memory_utilization` (vLLM's 0.9 when unset) equally and
+    /// start one after another, unless `kv_cache_memory` fixes their KV cache size.
+    #[serde(default = "EngineSection::default_instances_per_gpu")]
+    pub instances_per_gpu: u32,
+    /// A fixed KV cache size per instance, e.g. "2GB" (vLLM's --kv-cache-memory-bytes):
+    /// vLLM then skips its start-up memory profiling, so instances sharing a GPU can start
+    /// together.
+    #[serde(default)]
+    pub kv_cache_memory: Option<String>,
     /// Extra arguments for every engine.
     #[serde(default)]
     pub args: Vec<String>,
@@ -201,6 +212,9 @@ impl EngineSection {
     fn default_device() -> Device {
         Device::Cuda
     }
+    fn default_instances_per_gpu() -> u32 {
+        1
+    }
 }
 
 impl Default for EngineSection {
@@ -211,6 +225,8 @@ impl Default for EngineSection {
             python: Self::default_python(),
             device: Self::default_device(),
             gpu_memory_utilization: None,
+            instances_per_gpu: Self::default_instances_per_gpu(),
+            kv_cache_memory: None,
             args: Vec::new(),
             env: BTreeMap::new(),
             startup_timeout_s: None,

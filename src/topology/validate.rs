@@ -214,6 +214,12 @@ fn check_engine(t: &Topology) -> Result<(), Problem> {
             format!("{u} is not a fraction in (0, 1]"),
         ));
     }
+    if e.instances_per_gpu == 0 {
+        return Err(
+            Problem::new("engine.instances_per_gpu", "must be at least 1")
+                .hint("1 gives each instance GPUs of its own; 2 lets prefill and decode share one"),
+        );
+    }
     let s = &e.sim;
     for (key, v) in [
         ("engine.sim.prefill_ms_per_token", s.prefill_ms_per_token),

@@ -239,6 +239,7 @@ fn base(name: &str, role: Role, node: &str, host: &str, argv: Vec<String>) -> Se
         argv,
         env: BTreeMap::new(),
         gpus: vec![],
+        gpu_memory_share: None,
         ports: BTreeMap::new(),
         files: vec![],
         depends_on: vec![],
