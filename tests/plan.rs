@@ -1073,3 +1073,12 @@ fn example_connector_producer_schedules_prompts_whole() {
         assert!(at("--no-enable-chunked-prefill") < at("--kv-transfer-config"));
     }
 }
+
+/// A CUDA_VISIBLE_DEVICES set in the topology is the GPU the plan (and so status) reports.
+#[test]
+fn a_cuda_visible_devices_of_the_topology_is_the_gpu_reported() {
+    let text = "[model]\nname = \"m\"\n[connector]\nkind = \"nixl\"\n[decode.env]\nCUDA_VISIBLE_DEVICES = \"0\"\n";
+    let plan = try_plan_text(text, "0.26.0", 2).unwrap();
+    assert_eq!(plan.service("decode-0").unwrap().gpus, vec![0]);
+    assert_eq!(plan.service("prefill-0").unwrap().gpus, vec![0]);
+}

@@ -538,6 +538,15 @@ fn vllm_service(
     svc.files = launch.files;
     svc.dirs = launch.dirs;
     apply_user_settings(&mut svc, t, r, 900);
+    // A CUDA_VISIBLE_DEVICES the topology sets itself is where the engine really runs.
+    if let Some(list) = svc.env.get("CUDA_VISIBLE_DEVICES")
+        && let Ok(own) = list
+            .split(',')
+            .map(|g| g.trim().parse::<u32>())
+            .collect::<Result<Vec<_>, _>>()
+    {
+        svc.gpus = own;
+    }
     svc
 }
 
