@@ -1082,3 +1082,105 @@ fn a_cuda_visible_devices_of_the_topology_is_the_gpu_reported() {
     assert_eq!(plan.service("decode-0").unwrap().gpus, vec![0]);
     assert_eq!(plan.service("prefill-0").unwrap().gpus, vec![0]);
 }
+
+/// Pre-flight finds what would surely fail before anything is spawned: a python without
+/// vLLM or the connector's package (also with the version pinned) and a local model path
+/// without a model, each naming the key to fix; exit 2 and no cluster left.
+#[test]
+fn up_refuses_a_python_without_vllm_and_a_missing_model_before_starting() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new("preflight");
+    let python = dir.path().join("python3");
+    // Answers every find_spec with "not found" (exit 3), as a python without vLLM does.
+    std::fs::write(&python, "#!/bin/sh\nexit 3\n").unwrap();
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let file = dir.path().join("t.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[model]\nname = \"/nonexistent/models/tiny\"\n[engine]\nvllm_version = \"0.26.0\"\npython = \"{}\"\n[connector]\nkind = \"nixl\"\n",
+            python.display()
+        ),
+    )
+    .unwrap();
+    let out = pdctl(&["up", "-f", file.to_str().unwrap(), "--gpus", "0,1", "-d"])
+        .env("PDCTL_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(
+            "prefill-0, decode-0: /nonexistent/models/tiny/config.json does not exist; [model] name"
+        ),
+        "{err}"
+    );
+    assert!(
+        err.contains("cannot import vllm") && err.contains("engine.python"),
+        "{err}"
+    );
+    assert!(
+        err.contains("cannot import nixl") && err.contains("connector.kind"),
+        "{err}"
+    );
+    let status = pdctl(&["status"])
+        .env("PDCTL_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(status.status.code(), Some(3), "a refused up left a cluster");
+
+    // A python that has them and a real model directory: those checks pass (the port held
+    // below is what stops this `up`, so nothing is started either way).
+    fake_python(&python, "0.26.0");
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(model.join("config.json"), "{}").unwrap();
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = holder.local_addr().unwrap().port();
+    std::fs::write(
+        &file,
+        format!(
+            "[model]\nname = \"{}\"\n[engine]\nvllm_version = \"0.26.0\"\npython = \"{}\"\n[connector]\nkind = \"nixl\"\n[proxy]\nport = {port}\n",
+            model.display(),
+            python.display()
+        ),
+    )
+    .unwrap();
+    let out = pdctl(&["up", "-f", file.to_str().unwrap(), "--gpus", "0,1", "-d"])
+        .env("PDCTL_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains(&format!("port {port}")), "{err}");
+    assert!(
+        !err.contains("config.json") && !err.contains("cannot import"),
+        "{err}"
+    );
+}
+
+/// A pinned version that differs from the installed one plans as pinned, with a warning
+/// naming both.
+#[test]
+fn a_pinned_version_other_than_the_installed_one_is_a_warning() {
+    let dir = TempDir::new("pinned-differs");
+    let python = dir.path().join("python3");
+    fake_python(&python, "0.26.0");
+    let file = dir.path().join("t.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[model]\nname = \"m\"\n[engine]\nvllm_version = \"0.13.0\"\npython = \"{}\"\n",
+            python.display()
+        ),
+    )
+    .unwrap();
+    let plan = plan_json(&["plan", "-f", file.to_str().unwrap(), "--gpus", "0,1"]);
+    assert_eq!(plan["vllm_version"], "0.13.0");
+    assert_eq!(plan["vllm_version_source"], "pinned");
+    let warnings = plan["warnings"].to_string();
+    assert!(
+        warnings.contains("pins 0.13.0") && warnings.contains("has vLLM 0.26.0"),
+        "{warnings}"
+    );
+}

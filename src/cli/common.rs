@@ -191,12 +191,22 @@ pub fn plan_topology(t: &LoadedTopology, args: &TopologyArgs) -> anyhow::Result<
         head: &t.head,
         gpus: &gpus,
         gpu_note,
-        version,
+        version: version.clone(),
         version_source,
         state_root: root,
         local_node: Some(&node),
     })
     .map_err(|p| anyhow::Error::new(t.locate(p)))?;
+    if version_source == VersionSource::Pinned
+        && spec.engine.kind == EngineKind::Vllm
+        && let Ok((python, installed)) = crate::vllm::find_python(&spec.engine.python)
+        && Some(&installed) != version.as_ref()
+    {
+        plan.warnings.push(format!(
+            "engine.vllm_version pins {} but `{python}` has vLLM {installed}: the commands are planned for {}",
+            spec.engine.vllm_version, spec.engine.vllm_version
+        ));
+    }
     let missing = tools::resolve_programs(&mut plan);
     Ok(LoadedPlan {
         plan,

@@ -77,6 +77,12 @@ impl Connector for Lmcache {
             ..Needs::default()
         }
     }
+    fn python_module(&self) -> Option<(&'static str, &'static str)> {
+        Some((
+            "lmcache",
+            "the LMCache connectors import it (pip install lmcache)",
+        ))
+    }
     fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
         ProxyProtocol::TwoStep
     }

@@ -116,6 +116,11 @@ pub trait Connector: Sync {
     fn warnings(&self, _t: &Topology, _v: &Version) -> Vec<String> {
         Vec::new()
     }
+    /// The Python package the connector imports inside vLLM, and how to get it: `up`
+    /// checks `engine.python` can import it before starting anything.
+    fn python_module(&self) -> Option<(&'static str, &'static str)> {
+        None
+    }
     /// Support services the engines need.
     fn needs(&self, c: &ConnectorSection, v: Option<&Version>) -> Needs;
     /// How the proxy must split requests.

@@ -66,6 +66,12 @@ impl Connector for MooncakeV1 {
     fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
         Needs::default()
     }
+    fn python_module(&self) -> Option<(&'static str, &'static str)> {
+        Some((
+            "mooncake",
+            "MooncakeConnector imports its transfer engine (pip install mooncake-transfer-engine)",
+        ))
+    }
     fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
         ProxyProtocol::Mooncake
     }

@@ -95,6 +95,12 @@ impl Connector for MooncakeStore {
             lmcache_server: false,
         }
     }
+    fn python_module(&self) -> Option<(&'static str, &'static str)> {
+        Some((
+            "mooncake",
+            "MooncakeStoreConnector imports its store client (pip install mooncake-transfer-engine)",
+        ))
+    }
     fn protocol(&self, c: &ConnectorSection, v: Option<&Version>) -> ProxyProtocol {
         if c.multi && (v.is_none() || is_v1(v)) {
             ProxyProtocol::Mooncake

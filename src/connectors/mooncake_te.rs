@@ -52,6 +52,12 @@ impl Connector for MooncakeTe {
             lmcache_server: false,
         }
     }
+    fn python_module(&self) -> Option<(&'static str, &'static str)> {
+        Some((
+            "mooncake",
+            "MooncakeConnector V0 imports its transfer engine (pip install mooncake-transfer-engine)",
+        ))
+    }
     fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
         ProxyProtocol::TwoStep
     }

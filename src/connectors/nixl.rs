@@ -29,6 +29,9 @@ impl Connector for Nixl {
     fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
         Needs::default()
     }
+    fn python_module(&self) -> Option<(&'static str, &'static str)> {
+        Some(("nixl", "NixlConnector imports it (pip install nixl)"))
+    }
     fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
         ProxyProtocol::Nixl
     }

@@ -2,7 +2,7 @@
 //! command line (real vLLM, or the simulator speaking the same protocol).
 
 use super::build::claim;
-use super::{Probe, RestartPolicy, Role, Service, Shutdown};
+use super::{Check, Probe, RestartPolicy, Role, Service, Shutdown};
 use crate::connectors::{ClusterCtx, Connector, InstanceCtx, PortBook};
 use crate::gpu::Gpu;
 use crate::proxy::args::ProxyProtocol;
@@ -291,6 +291,7 @@ pub(super) fn plan_engines(
                 let shares_node = per_node[p.node.as_str()] > 1;
                 let mut svc = vllm_service(t, p, &inst, &gpus, launch, shares_node);
                 memory_flags(&mut svc, &share, kv_cache_bytes);
+                svc.checks = engine_checks(t, conn);
                 svc
             }
             _ => sim_service(cx, p, &inst, protocol),
@@ -301,6 +302,33 @@ pub(super) fn plan_engines(
         out.push(svc);
     }
     Ok(out)
+}
+
+/// What a real vLLM engine needs on its machine to start at all: vLLM in `engine.python`,
+/// the connector's Python package, and a local model's config.json (a hub id such as
+/// `Qwen/Qwen2.5-7B-Instruct` is left to vLLM, which may fetch it).
+fn engine_checks(t: &Topology, conn: &dyn Connector) -> Vec<Check> {
+    let python = &t.engine.python;
+    let mut checks = vec![Check::PythonModule {
+        python: python.clone(),
+        module: "vllm".into(),
+        fix: "engine.python must be the python that has vLLM: install it (./install.sh --with-vllm) or point engine.python at it".into(),
+    }];
+    if let Some((module, why)) = conn.python_module() {
+        checks.push(Check::PythonModule {
+            python: python.clone(),
+            module: module.into(),
+            fix: format!("connector.kind needs it: {why} into engine.python"),
+        });
+    }
+    let model = &t.model.name;
+    if model.starts_with('/') || model.starts_with("./") || model.starts_with("../") {
+        checks.push(Check::FileExists {
+            path: std::path::Path::new(model).join("config.json"),
+            fix: format!("[model] name is the local path {model}: put the model there, or name a model id vLLM can fetch"),
+        });
+    }
+    checks
 }
 
 /// `engine.kv_cache_memory` in bytes, for a vLLM that takes `--kv-cache-memory-bytes`.
@@ -472,6 +500,7 @@ fn base_service(p: &Placement, inst: &InstanceCtx, port: u16) -> Service {
         restart_with: Vec::new(),
         shutdown: Shutdown::default(),
         dirs: Vec::new(),
+        checks: Vec::new(),
     }
 }
 

@@ -154,6 +154,28 @@ pub struct Service {
     pub shutdown: Shutdown,
     /// Directories that must exist and be writable before start (shared KV storage).
     pub dirs: Vec<PathBuf>,
+    /// What must hold on this machine for the service to start at all (a model's files, a
+    /// Python package), checked by `up` before anything is spawned.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub checks: Vec<Check>,
+}
+
+/// One thing `up` verifies before spawning anything, with what to do when it fails.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Check {
+    /// A file must exist.
+    FileExists {
+        path: PathBuf,
+        /// Which setting names it and what to do, for the error.
+        fix: String,
+    },
+    /// `python` must be able to import `module` (found without importing it).
+    PythonModule {
+        python: String,
+        module: String,
+        fix: String,
+    },
 }
 
 /// A file the service reads, written by `up` into the state dir.

@@ -139,6 +139,15 @@ pub fn render(plan: &Plan, source_note: &str, missing: &[String]) -> String {
             format!(", together with {}", svc.restart_with.join(", "))
         };
         let _ = writeln!(o, "   restart  {mode}{with}");
+        for c in &svc.checks {
+            let what = match c {
+                crate::plan::Check::FileExists { path, .. } => format!("{} exists", path.display()),
+                crate::plan::Check::PythonModule { python, module, .. } => {
+                    format!("{python} can import {module}")
+                }
+            };
+            let _ = writeln!(o, "   needs    {what}");
+        }
         for d in &svc.dirs {
             let _ = writeln!(o, "   dir      {} (must be writable)", d.display());
         }

@@ -41,6 +41,7 @@ fn support_service(
             timeout_s: 10,
         },
         dirs: Vec::new(),
+        checks: Vec::new(),
     }
 }
 

@@ -2,7 +2,7 @@
 //! reported all at once (exit 2) — programs, ports, GPUs, writable directories.
 
 use super::state::{MAX_SOCKET_PATH, StateDir};
-use crate::plan::Plan;
+use crate::plan::{Check, Plan};
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::Path;
@@ -33,6 +33,7 @@ pub fn check(
     check_ports(plan, node, &mut problems);
     check_gpus(plan, node, declared_gpus, &mut problems);
     check_dirs(plan, node, &mut problems);
+    check_requirements(plan, node, &mut problems);
     let sock = state.socket_path();
     if sock.as_os_str().len() > MAX_SOCKET_PATH {
         problems.push(format!(
@@ -60,6 +61,66 @@ fn check_programs(plan: &mut Plan, node: &str, problems: &mut Vec<String>) {
                 .to_string(),
             ),
         }
+    }
+}
+
+/// The plan's own checks (a model's files, Python packages), each asked once however many
+/// services need it, and reported with the services that need it.
+fn check_requirements(plan: &Plan, node: &str, problems: &mut Vec<String>) {
+    let mut needed: Vec<(&Check, Vec<&str>)> = Vec::new();
+    for svc in plan.local_services(node) {
+        for c in &svc.checks {
+            match needed.iter_mut().find(|(k, _)| *k == c) {
+                Some((_, who)) => who.push(&svc.name),
+                None => needed.push((c, vec![&svc.name])),
+            }
+        }
+    }
+    for (check, who) in needed {
+        let who = who.join(", ");
+        match check {
+            Check::FileExists { path, fix } => {
+                if !path.is_file() {
+                    problems.push(format!("{who}: {} does not exist; {fix}", path.display()));
+                }
+            }
+            Check::PythonModule {
+                python,
+                module,
+                fix,
+            } => {
+                if let Err(why) = python_finds(python, module) {
+                    problems.push(format!(
+                        "{who}: `{python}` cannot import {module} ({why}); {fix}"
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// Whether `python` finds `module`, without importing it (importing vllm takes seconds).
+fn python_finds(python: &str, module: &str) -> Result<(), String> {
+    let program = crate::tools::find_program(python).ok_or("not found")?;
+    let out = std::process::Command::new(program)
+        .args([
+            "-c",
+            "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)",
+            module,
+        ])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| e.to_string())?;
+    match out.status.code() {
+        Some(0) => Ok(()),
+        Some(3) => Err(format!("no module named '{module}'")),
+        _ => Err(String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("it failed")
+            .trim()
+            .to_string()),
     }
 }
 
@@ -222,6 +283,7 @@ mod tests {
             restart_with: vec![],
             shutdown: Default::default(),
             dirs: vec![],
+            checks: Vec::new(),
         }
     }
 

@@ -158,6 +158,7 @@ mod tests {
             restart_with: vec![],
             shutdown: Default::default(),
             dirs: vec![],
+            checks: Vec::new(),
         }
     }
 

@@ -180,6 +180,7 @@ mod tests {
             restart_with: vec![],
             shutdown: Default::default(),
             dirs: vec![],
+            checks: Vec::new(),
         }
     }
 

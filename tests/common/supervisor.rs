@@ -255,6 +255,7 @@ fn base(name: &str, role: Role, node: &str, host: &str, argv: Vec<String>) -> Se
             timeout_s: 5,
         },
         dirs: vec![],
+        checks: Vec::new(),
     }
 }
 
