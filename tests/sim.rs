@@ -1299,3 +1299,38 @@ async fn api_key_guards_the_v1_routes_only() {
         );
     }
 }
+
+/// Sampling fields of the wrong type or out of vLLM's range get vLLM's 400 naming the
+/// field; numbers written as strings pass, as vLLM's lax parsing lets them.
+#[tokio::test]
+async fn sampling_fields_are_checked_as_vllm_checks_them() {
+    let sim = SimProc::start(&args(ZERO, &[])).await;
+    for (field, bad, needle) in [
+        ("temperature", json!("hot"), "temperature"),
+        ("top_p", json!("abc"), "top_p"),
+        ("seed", json!("s"), "seed"),
+        ("top_k", json!(1.5), "top_k"),
+        ("presence_penalty", json!(true), "presence_penalty"),
+        ("temperature", json!(-1), "temperature must be non-negative"),
+        ("top_p", json!(0), "top_p must be in (0, 1]"),
+        (
+            "frequency_penalty",
+            json!(3),
+            "frequency_penalty must be in [-2, 2]",
+        ),
+    ] {
+        for path in ["/v1/completions", "/v1/chat/completions"] {
+            let mut body = json!({"prompt": "x", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2});
+            body[field] = bad.clone();
+            let (s, r) = sim.post(path, &body).await;
+            assert_eq!(s, 400, "{path} {body} -> {r}");
+            let msg = r["error"]["message"].as_str().unwrap();
+            assert!(msg.contains(needle), "{path} {body}: {msg}");
+            assert_eq!(r["error"]["type"], "BadRequestError", "{r}");
+        }
+    }
+    let ok = json!({"prompt": "x", "max_tokens": 2, "temperature": "0.7", "top_p": 0.9,
+                    "seed": "42", "top_k": 5.0, "repetition_penalty": 1.1});
+    let (s, r) = sim.post("/v1/completions", &ok).await;
+    assert_eq!(s, 200, "{r}");
+}

@@ -112,3 +112,43 @@ pub(crate) fn kind(v: &Value) -> &'static str {
         Value::Object(_) => "an object",
     }
 }
+
+/// A number as vLLM's request models take it (pydantic's lax mode): a JSON number, or a
+/// string that reads as one (`"0.7"`); anything else (`"hot"`, `true`) is a 400.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LaxNumber(pub f64);
+
+impl<'de> serde::Deserialize<'de> for LaxNumber {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match Value::deserialize(d)? {
+            Value::Number(n) => Ok(LaxNumber(n.as_f64().unwrap_or(f64::NAN))),
+            Value::String(s) => s.trim().parse::<f64>().map(LaxNumber).map_err(|_| {
+                serde::de::Error::custom(format!("input should be a valid number, got \"{s}\""))
+            }),
+            other => Err(serde::de::Error::custom(format!(
+                "input should be a valid number, got {other}"
+            ))),
+        }
+    }
+}
+
+/// An integer as vLLM's request models take it: a JSON integer, a float with no fraction,
+/// or a string that reads as one (`"42"`); anything else is a 400.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaxInteger(pub i64);
+
+impl<'de> serde::Deserialize<'de> for LaxInteger {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = Value::deserialize(d)?;
+        let n = match &v {
+            Value::Number(n) => n
+                .as_i64()
+                .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64)),
+            Value::String(s) => s.trim().parse::<i64>().ok(),
+            _ => None,
+        };
+        n.map(LaxInteger).ok_or_else(|| {
+            serde::de::Error::custom(format!("input should be a valid integer, got {v}"))
+        })
+    }
+}

@@ -3,7 +3,7 @@
 
 use super::chat_template;
 use super::error::ApiError;
-use super::fields::{parse_prompt, parse_stop};
+use super::fields::{LaxInteger, LaxNumber, parse_prompt, parse_stop};
 use crate::sim::tokenizer;
 use serde::Deserialize;
 use serde_json::Value;
@@ -100,6 +100,17 @@ struct RawRequest {
     kv_transfer_params: Option<Value>,
     #[allow(dead_code)]
     user: Option<String>,
+    /// Sampling fields the simulator does not use, checked as vLLM checks them so a client
+    /// bug that vLLM answers with a 400 does not pass the simulator.
+    temperature: Option<LaxNumber>,
+    top_p: Option<LaxNumber>,
+    top_k: Option<LaxInteger>,
+    min_p: Option<LaxNumber>,
+    #[allow(dead_code)] // its type is the check
+    seed: Option<LaxInteger>,
+    presence_penalty: Option<LaxNumber>,
+    frequency_penalty: Option<LaxNumber>,
+    repetition_penalty: Option<LaxNumber>,
 }
 
 /// Parses and checks a request body.
@@ -115,6 +126,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: Limits) -> Result<GenReque
         Ok(r) => r,
         Err(_) => return Err(explain(body)),
     };
+    check_sampling(&raw)?;
     let prompts = match endpoint {
         Endpoint::Completions => parse_prompt(raw.prompt)?,
         Endpoint::Chat => {
@@ -217,6 +229,52 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: Limits) -> Result<GenReque
             .unwrap_or(false),
         kv,
     })
+}
+
+/// The ranges vLLM's SamplingParams enforce for the fields the simulator ignores.
+fn check_sampling(raw: &RawRequest) -> Result<(), ApiError> {
+    let out_of_range = |field: &str, rule: &str, v: f64| {
+        Err(ApiError::bad_request(
+            Some(field),
+            format!("{field} must be {rule}, got {v}"),
+        ))
+    };
+    if let Some(LaxNumber(t)) = raw.temperature
+        && !(t >= 0.0)
+    {
+        return out_of_range("temperature", "non-negative", t);
+    }
+    if let Some(LaxNumber(p)) = raw.top_p
+        && !(p > 0.0 && p <= 1.0)
+    {
+        return out_of_range("top_p", "in (0, 1]", p);
+    }
+    if let Some(LaxNumber(p)) = raw.min_p
+        && !(0.0..=1.0).contains(&p)
+    {
+        return out_of_range("min_p", "in [0, 1]", p);
+    }
+    if let Some(LaxInteger(k)) = raw.top_k
+        && k < -1
+    {
+        return out_of_range("top_k", "-1 (disable), 0 or at least 1", k as f64);
+    }
+    for (field, v) in [
+        ("presence_penalty", raw.presence_penalty),
+        ("frequency_penalty", raw.frequency_penalty),
+    ] {
+        if let Some(LaxNumber(x)) = v
+            && !(-2.0..=2.0).contains(&x)
+        {
+            return out_of_range(field, "in [-2, 2]", x);
+        }
+    }
+    if let Some(LaxNumber(r)) = raw.repetition_penalty
+        && !(r > 0.0)
+    {
+        return out_of_range("repetition_penalty", "greater than 0", r);
+    }
+    Ok(())
 }
 
 /// The 400 for a body the fast parser refused, naming the field at fault.
