@@ -240,7 +240,7 @@ fn check_sampling(raw: &RawRequest) -> Result<(), ApiError> {
         ))
     };
     if let Some(LaxNumber(t)) = raw.temperature
-        && !(t >= 0.0)
+        && (t.is_nan() || t < 0.0)
     {
         return out_of_range("temperature", "non-negative", t);
     }
@@ -270,7 +270,7 @@ fn check_sampling(raw: &RawRequest) -> Result<(), ApiError> {
         }
     }
     if let Some(LaxNumber(r)) = raw.repetition_penalty
-        && !(r > 0.0)
+        && (r.is_nan() || r <= 0.0)
     {
         return out_of_range("repetition_penalty", "greater than 0", r);
     }
