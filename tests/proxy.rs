@@ -1339,3 +1339,87 @@ async fn fake_gone_engine() -> GoneEngine {
     });
     GoneEngine { url, task }
 }
+
+/// With the only decode instance restarting, a request waits for it (up to
+/// --restart-wait-s) and is answered once it is back; with it failed, or with no wait
+/// allowed, the client gets the 503 JSON error with retry-after at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_wait_for_an_instance_that_is_restarting() {
+    let p = FakeEngine::start("P").await;
+    let d = FakeEngine::start("D").await;
+    let sup = FakeSupervisor::start(vec![
+        (p.url.clone(), "healthy".into()),
+        (d.url.clone(), "healthy".into()),
+    ]);
+    let sock = sup.path.display().to_string();
+    let proxy = ProxyProcess::start(&proxy_args(
+        &[&p],
+        &[&d],
+        &["--supervisor-socket", &sock, "--restart-wait-s", "20"],
+    ))
+    .await;
+    let healthy = format!(
+        "pdctl_proxy_instance_healthy{{leg=\"decode\",instance=\"{}\"}}",
+        d.url
+    );
+    sup.set(&d.url, "restarting");
+    assert!(eventually(WAIT, || async { proxy.metric(&healthy).await == 0.0 }).await);
+    let started = std::time::Instant::now();
+    let waiting = tokio::spawn({
+        let url = proxy.url.clone();
+        async move {
+            reqwest::Client::new()
+                .post(format!("{url}/v1/completions"))
+                .json(&completion("x"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(
+        !waiting.is_finished(),
+        "the request did not wait for the restart"
+    );
+    sup.set(&d.url, "healthy");
+    assert_eq!(waiting.await.unwrap(), 200);
+    assert!(started.elapsed() >= Duration::from_millis(800));
+    assert_eq!(
+        proxy
+            .metric("pdctl_proxy_restart_waits_total{leg=\"decode\"}")
+            .await,
+        1.0
+    );
+
+    // Failed: nothing to wait for.
+    sup.set(&d.url, "failed");
+    assert!(eventually(WAIT, || async { proxy.metric(&healthy).await == 0.0 }).await);
+    let r = post(&proxy, "/v1/completions", &completion("x")).await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "5");
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["leg"], "decode");
+}
+
+/// --restart-wait-s 0: a restarting instance is not waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_restart_wait_fails_at_once() {
+    let p = FakeEngine::start("P").await;
+    let d = FakeEngine::start("D").await;
+    let sup = FakeSupervisor::start(vec![
+        (p.url.clone(), "healthy".into()),
+        (d.url.clone(), "restarting".into()),
+    ]);
+    let sock = sup.path.display().to_string();
+    let proxy = ProxyProcess::start(&proxy_args(
+        &[&p],
+        &[&d],
+        &["--supervisor-socket", &sock, "--restart-wait-s", "0"],
+    ))
+    .await;
+    let started = std::time::Instant::now();
+    let r = post(&proxy, "/v1/completions", &completion("x")).await;
+    assert_eq!(r.status(), 503);
+    assert!(started.elapsed() < Duration::from_secs(5));
+}

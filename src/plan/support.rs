@@ -276,6 +276,9 @@ pub(super) fn plan_proxy(
     if let Some(v) = p.max_body_bytes {
         args.max_body_bytes = v;
     }
+    if let Some(v) = p.restart_wait_s {
+        args.restart_wait_s = v;
+    }
     args.supervisor_socket = Some(socket.to_path_buf());
     let mut argv = vec![crate::tools::SELF_PROGRAM.to_string(), "proxy".to_string()];
     argv.extend(args.to_argv());

@@ -82,6 +82,10 @@ pub struct ProxyArgs {
     /// Retries of a leg on connect errors and 502/503, each on another instance.
     #[arg(long, default_value_t = 2)]
     pub retries: u32,
+    /// When no instance of a leg is healthy but one is starting or restarting (as the
+    /// supervisor reports), how long a request waits for it before the 503; 0 = fail at once.
+    #[arg(long, default_value_t = 30)]
+    pub restart_wait_s: u64,
     /// Largest accepted request body.
     #[arg(long, default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -129,7 +133,7 @@ impl ProxyArgs {
         if self.scrape_metrics {
             v.push("--scrape-metrics".into());
         }
-        let nums: [(&str, String); 10] = [
+        let nums: [(&str, String); 11] = [
             ("--rate-limit", self.rate_limit.to_string()),
             ("--max-concurrent", self.max_concurrent.to_string()),
             ("--queue-size", self.queue_size.to_string()),
@@ -141,6 +145,7 @@ impl ProxyArgs {
             ),
             ("--total-timeout-s", self.total_timeout_s.to_string()),
             ("--retries", self.retries.to_string()),
+            ("--restart-wait-s", self.restart_wait_s.to_string()),
             ("--max-body-bytes", self.max_body_bytes.to_string()),
             ("--health-interval-ms", self.health_interval_ms.to_string()),
         ];

@@ -52,6 +52,8 @@ pub struct Settings {
     pub first_byte_timeout: Duration,
     pub total_timeout: Duration,
     pub retries: u32,
+    /// How long a request waits for an instance that is coming back (`--restart-wait-s`).
+    pub restart_wait: Duration,
     pub max_body_bytes: usize,
     pub api_key: Option<String>,
     pub health_interval: Duration,
@@ -130,6 +132,7 @@ pub fn settings(args: &ProxyArgs) -> Result<Settings, ConfigError> {
         first_byte_timeout: Duration::from_secs(args.first_byte_timeout_s),
         total_timeout: Duration::from_secs(args.total_timeout_s),
         retries: args.retries,
+        restart_wait: Duration::from_secs(args.restart_wait_s),
         max_body_bytes: args.max_body_bytes,
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         health_interval: Duration::from_millis(args.health_interval_ms),

@@ -163,6 +163,9 @@ impl ProxyError {
     }
 }
 
+/// `retry-after` seconds on a 503 for "no usable instance".
+pub const NO_INSTANCE_RETRY_AFTER_S: u64 = 5;
+
 /// On an engine's own error passed through: which leg answered it.
 pub const LEG_HEADER: &str = "x-pdctl-leg";
 /// On an engine's own error passed through: which instance answered it.
@@ -196,9 +199,15 @@ impl IntoResponse for ProxyError {
             return r;
         }
         let mut r = (self.status(), axum::Json(self.to_json())).into_response();
-        if let ProxyError::RateLimited { retry_after_s, .. } = &self {
+        let retry_after = match &self {
+            ProxyError::RateLimited { retry_after_s, .. } => Some(*retry_after_s),
+            // An instance may be back soon (a restart, a start-up): ask clients to come back.
+            ProxyError::NoInstance { .. } => Some(NO_INSTANCE_RETRY_AFTER_S),
+            _ => None,
+        };
+        if let Some(s) = retry_after {
             r.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         r
     }

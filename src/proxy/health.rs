@@ -91,6 +91,13 @@ pub fn apply_report(p: &Proxy, report: &StatusReport) {
                     );
                 }
                 inst.set_supervised(true);
+                inst.set_coming_back(matches!(
+                    s.state,
+                    ServiceState::Pending
+                        | ServiceState::Starting
+                        | ServiceState::Unhealthy
+                        | ServiceState::Restarting
+                ));
                 let healthy = s.state == ServiceState::Healthy;
                 if inst.is_usable() != healthy {
                     inst.set_usable(healthy);
@@ -111,6 +118,7 @@ pub fn apply_report(p: &Proxy, report: &StatusReport) {
                     );
                 }
                 inst.set_supervised(false);
+                inst.set_coming_back(false);
             }
         }
     }

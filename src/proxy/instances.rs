@@ -86,6 +86,8 @@ pub struct Instance {
     consecutive_failures: AtomicU32,
     consecutive_successes: AtomicU32,
     supervised: AtomicBool,
+    /// The supervisor says it is starting or restarting: worth waiting for.
+    coming_back: AtomicBool,
     /// Why it was last taken out of rotation, for the error when no instance is left.
     out_reason: std::sync::Mutex<String>,
 }
@@ -109,6 +111,7 @@ impl Instance {
             consecutive_failures: AtomicU32::new(0),
             consecutive_successes: AtomicU32::new(0),
             supervised: AtomicBool::new(false),
+            coming_back: AtomicBool::new(false),
             out_reason: std::sync::Mutex::new(String::new()),
         }
     }
@@ -137,6 +140,16 @@ impl Instance {
     /// Records whether the supervisor's report covers this instance.
     pub fn set_supervised(&self, supervised: bool) {
         self.supervised.store(supervised, Ordering::Relaxed);
+    }
+
+    /// Whether the supervisor reports it on its way (back) up, so a request may wait for it.
+    pub fn is_coming_back(&self) -> bool {
+        self.coming_back.load(Ordering::Relaxed)
+    }
+
+    /// Records whether it is on its way (back) up.
+    pub fn set_coming_back(&self, yes: bool) {
+        self.coming_back.store(yes, Ordering::Relaxed);
     }
 
     /// Whether routing may send requests here now.

@@ -35,6 +35,7 @@ pub struct Metrics {
     queued: AtomicU64,
     queue_depth: AtomicI64,
     retries: [AtomicU64; 2],
+    restart_waits: [AtomicU64; 2],
     prefix_routing: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
     client_disconnects: AtomicU64,
 }
@@ -94,6 +95,11 @@ impl Metrics {
     /// Counts one retry of a leg on another instance.
     pub fn retry(&self, leg: Leg) {
         self.retries[leg as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one request that waited for an instance of `leg` coming back.
+    pub fn restart_wait(&self, leg: Leg) {
+        self.restart_waits[leg as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts one prefix-aware routing decision (`matched`, `cold` or `rebalanced`).
@@ -286,6 +292,19 @@ impl Metrics {
                 o,
                 "{p}_retries_total{{leg=\"{leg}\"}} {}",
                 self.retries[leg as usize].load(Ordering::Relaxed)
+            );
+        }
+        header(
+            &mut o,
+            &format!("{p}_restart_waits_total"),
+            "counter",
+            "Requests that found no healthy instance of a leg and waited for one the supervisor reports coming back.",
+        );
+        for leg in [Leg::Prefill, Leg::Decode] {
+            let _ = writeln!(
+                o,
+                "{p}_restart_waits_total{{leg=\"{leg}\"}} {}",
+                self.restart_waits[leg as usize].load(Ordering::Relaxed)
             );
         }
         header(

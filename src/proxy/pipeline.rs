@@ -103,13 +103,13 @@ async fn concurrent(
     let mut tried_decode = Vec::new();
     let mut attempt = 0;
     loop {
-        let prefill = choose(proxy, req, Leg::Prefill, &tried_prefill)?;
+        let prefill = choose(proxy, req, Leg::Prefill, &tried_prefill).await?;
         tried_prefill.push(prefill.index);
         rec.set_instance(Leg::Prefill, &prefill.url);
         let failure = match proxy.protocol.prepare(&prefill, &proxy.upstream).await {
             Err(f) => (Leg::Prefill, prefill.clone(), f),
             Ok(handshake) => {
-                let decode = choose(proxy, req, Leg::Decode, &tried_decode)?;
+                let decode = choose(proxy, req, Leg::Decode, &tried_decode).await?;
                 tried_decode.push(decode.index);
                 rec.set_instance(Leg::Decode, &decode.url);
                 match both_legs(proxy, req, rec, &prefill, &decode, &handshake).await {
@@ -250,7 +250,7 @@ where
     let mut tried = Vec::new();
     let mut n = 0;
     loop {
-        let inst = choose(proxy, req, leg, &tried)?;
+        let inst = choose(proxy, req, leg, &tried).await?;
         tried.push(inst.index);
         rec.set_instance(leg, &inst.url);
         match attempt(inst.clone()).await {
@@ -317,9 +317,50 @@ async fn retrying(
     tokio::time::sleep_until((Instant::now() + backoff).min(req.deadline)).await;
 }
 
+/// Picks the instance for a leg as [`choose_now`] does; when none is usable but the
+/// supervisor reports one starting or restarting, waits for it (up to `--restart-wait-s`
+/// and the request's own deadline) instead of failing at once.
+async fn choose(
+    proxy: &Proxy,
+    req: &ClientRequest,
+    leg: Leg,
+    tried: &[usize],
+) -> Result<Arc<Instance>, ProxyError> {
+    let give_up = (Instant::now() + proxy.settings.restart_wait).min(req.deadline);
+    let mut said = false;
+    loop {
+        let err = match choose_now(proxy, req, leg, tried) {
+            Err(e @ ProxyError::NoInstance { .. }) => e,
+            done => return done,
+        };
+        let pool = proxy.pools.of(leg);
+        let Some(awaited) = pool.iter().find(|i| i.is_coming_back()) else {
+            return Err(err);
+        };
+        if Instant::now() >= give_up {
+            return Err(err);
+        }
+        if !said {
+            said = true;
+            proxy.metrics.restart_wait(leg);
+            tracing::info!(
+                request_id = %req.id,
+                "no healthy {leg} instance; waiting up to {:?} for {}, which is coming back",
+                give_up.saturating_duration_since(Instant::now()),
+                awaited.url
+            );
+        }
+        tokio::time::sleep(RESTART_POLL.min(give_up.saturating_duration_since(Instant::now())))
+            .await;
+    }
+}
+
+/// How often a request waiting for a restarting instance looks again.
+const RESTART_POLL: Duration = Duration::from_millis(25);
+
 /// Picks the instance for a leg: the designated one, or the policy's choice among usable
 /// instances not tried yet (all usable ones once every one was tried).
-fn choose(
+fn choose_now(
     proxy: &Proxy,
     req: &ClientRequest,
     leg: Leg,

@@ -546,6 +546,10 @@ pub struct ProxySection {
     pub total_timeout_s: Option<u64>,
     #[serde(default)]
     pub max_body_bytes: Option<usize>,
+    /// How long a request waits for an instance that is starting or restarting when no
+    /// other instance of its role is healthy (default 30 s; 0 fails at once with a 503).
+    #[serde(default)]
+    pub restart_wait_s: Option<u64>,
 }
 
 impl ProxySection {
