@@ -1423,3 +1423,79 @@ async fn no_restart_wait_fails_at_once() {
     assert_eq!(r.status(), 503);
     assert!(started.elapsed() < Duration::from_secs(5));
 }
+
+/// SIGTERM (what `pdctl down` sends): new requests get a 503 JSON with retry-after, a
+/// stream still open when the supervisor's deadline nears ends with an error event and
+/// `data: [DONE]`, and the proxy is gone before that deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_refuses_new_requests_and_ends_cut_streams_with_an_error_and_done() {
+    let p = FakeEngine::start("P").await;
+    let d = FakeEngine::start("D").await;
+    d.behave(Behavior::Hold(Arc::new(tokio::sync::Notify::new())));
+    let dir = common::TempDir::new("proxy-stop");
+    let deadline_file = dir.path().join("stop-by");
+    let proxy = ProxyProcess::start_with_env(
+        &proxy_args(&[&p], &[&d], &[]),
+        &[(
+            pdctl::proxy::drain::STOP_DEADLINE_ENV,
+            deadline_file.to_str().unwrap(),
+        )],
+    )
+    .await;
+    let mut stream = reqwest::Client::new()
+        .post(format!("{}/v1/completions", proxy.url))
+        .json(&json!({"model": "m", "prompt": "x", "stream": true, "max_tokens": 8}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    let first = stream.chunk().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).starts_with("data: "));
+
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    std::fs::write(&deadline_file, (now_ms + 2_000).to_string()).unwrap();
+    let sent = std::time::Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(proxy.pid() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let refused = post(&proxy, "/v1/completions", &completion("x")).await;
+    assert_eq!(refused.status(), 503);
+    assert_eq!(refused.headers()["retry-after"], "5");
+    let body: Value = refused.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("shutting down"),
+        "{body}"
+    );
+
+    let mut rest = String::new();
+    while let Ok(Some(chunk)) = stream.chunk().await {
+        rest.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let waited = sent.elapsed();
+    assert!(
+        waited < Duration::from_millis(2_000),
+        "cut after {waited:?}, past the deadline"
+    );
+    assert!(
+        waited >= Duration::from_millis(1_000),
+        "cut after {waited:?}: in-flight requests get the grace"
+    );
+    let events: Vec<&str> = rest.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 2, "{rest}");
+    let err: Value = serde_json::from_str(events[0].strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(err["error"]["code"], 503, "{err}");
+    assert!(
+        err["error"]["message"].as_str().unwrap().contains("cut"),
+        "{err}"
+    );
+    assert_eq!(events[1], "data: [DONE]");
+}

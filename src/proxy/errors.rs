@@ -92,6 +92,14 @@ pub enum ProxyError {
         "no usable {leg} instance: {detail}; GET /health?ready says when one is back, and the proxy's log says why each left"
     )]
     NoInstance { leg: Leg, detail: String },
+    #[error(
+        "the proxy is shutting down (pdctl down, restart or a drain): this request was not served; retry once it is back or on another proxy"
+    )]
+    ShuttingDown,
+    #[error(
+        "the proxy is shutting down: this stream was cut before the answer was complete; retry once it is back or on another proxy"
+    )]
+    CutByShutdown,
     #[error("{0}")]
     Leg(Box<LegError>),
     #[error("the request took longer than the total limit of {0:?} (--total-timeout-s)")]
@@ -113,7 +121,9 @@ impl ProxyError {
             ProxyError::NotFound { .. } => StatusCode::NOT_FOUND,
             ProxyError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ProxyError::NoInstance { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::NoInstance { .. }
+            | ProxyError::ShuttingDown
+            | ProxyError::CutByShutdown => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::TotalTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Leg(e) => match &e.failure {
                 LegFailure::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
@@ -134,7 +144,9 @@ impl ProxyError {
             ProxyError::Unauthorized => "authentication_error",
             ProxyError::NotFound { .. } => "not_found_error",
             ProxyError::RateLimited { .. } => "rate_limit_error",
-            ProxyError::NoInstance { .. } => "service_unavailable",
+            ProxyError::NoInstance { .. }
+            | ProxyError::ShuttingDown
+            | ProxyError::CutByShutdown => "service_unavailable",
             ProxyError::TotalTimeout(_) => "timeout_error",
             ProxyError::Leg(e) => match e.failure {
                 LegFailure::Timeout { .. } => "timeout_error",
@@ -202,7 +214,9 @@ impl IntoResponse for ProxyError {
         let retry_after = match &self {
             ProxyError::RateLimited { retry_after_s, .. } => Some(*retry_after_s),
             // An instance may be back soon (a restart, a start-up): ask clients to come back.
-            ProxyError::NoInstance { .. } => Some(NO_INSTANCE_RETRY_AFTER_S),
+            ProxyError::NoInstance { .. } | ProxyError::ShuttingDown => {
+                Some(NO_INSTANCE_RETRY_AFTER_S)
+            }
             _ => None,
         };
         if let Some(s) = retry_after {

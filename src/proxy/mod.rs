@@ -13,6 +13,7 @@
 pub mod args;
 pub mod config;
 pub mod designate;
+pub mod drain;
 pub mod endpoint;
 pub mod errors;
 pub mod figures;
@@ -44,9 +45,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use upstream::Upstream;
 
-/// How long in-flight requests may finish after SIGINT/SIGTERM before the proxy exits.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
-
 /// Everything a request needs, shared by all requests.
 #[derive(Debug)]
 pub struct Proxy {
@@ -58,6 +56,8 @@ pub struct Proxy {
     pub upstream: Upstream,
     pub limits: Limits,
     pub metrics: Arc<Metrics>,
+    /// Shutdown: refusing new requests, cutting streams at the end of the grace.
+    pub drain: drain::Drain,
 }
 
 impl Proxy {
@@ -90,6 +90,7 @@ impl Proxy {
             pools,
             settings,
             metrics,
+            drain: drain::Drain::default(),
         })
     }
 
@@ -131,22 +132,21 @@ pub async fn run(a: args::ProxyArgs) -> anyhow::Result<()> {
         let _ = tcp.set_nodelay(true);
     });
     let server = tokio::spawn(
-        axum::serve(listener, server::router(proxy))
+        axum::serve(listener, server::router(proxy.clone()))
             .with_graceful_shutdown(async {
                 let _ = stop_rx.await;
             })
             .into_future(),
     );
     shutdown_signal().await?;
-    tracing::info!("stopping: no new connections; in-flight requests get {SHUTDOWN_GRACE:?}");
+    // Until the drain ends, connections are still taken: new requests get a 503 saying why.
+    proxy.drain.run(drain::grace_from_env()).await;
     let _ = stop_tx.send(());
-    match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
+    match tokio::time::timeout(Duration::from_secs(1), server).await {
         Ok(joined) => joined
             .context("the proxy server task failed")?
             .context("serving")?,
-        Err(_) => {
-            tracing::warn!("in-flight requests did not finish within {SHUTDOWN_GRACE:?}; exiting")
-        }
+        Err(_) => tracing::warn!("connections still open after the drain; exiting"),
     }
     Ok(())
 }

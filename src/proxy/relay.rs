@@ -92,6 +92,14 @@ pub struct Relay {
     /// The end of what was relayed, to tell a complete stream from one cut short.
     end: StreamEnd,
     finished: bool,
+    shutdown: Shutdown,
+}
+
+/// What ties a stream to the proxy's shutdown: it counts as in flight until it ends, and
+/// is cut with an error event and `[DONE]` when the shutdown grace runs out.
+pub struct Shutdown {
+    pub in_flight: super::drain::InFlight,
+    pub cut: super::drain::CutSignal,
 }
 
 /// The response for a decode stream whose first chunk has arrived.
@@ -103,6 +111,7 @@ pub fn stream_response(
     admission: Admission,
     deadline: Instant,
     total_limit: std::time::Duration,
+    shutdown: Shutdown,
 ) -> Response {
     rec.status = 200;
     let request_id = rec.id.clone();
@@ -116,6 +125,7 @@ pub fn stream_response(
         total_limit,
         end: StreamEnd::default(),
         finished: false,
+        shutdown,
     };
     let mut r = Response::new(axum::body::Body::from_stream(relay));
     let h = r.headers_mut();
@@ -139,10 +149,15 @@ pub fn error_event(err: &ProxyError) -> Bytes {
 impl Relay {
     /// Ends the stream with an error event for the client.
     fn fail(&mut self, err: ProxyError) -> Poll<Option<Result<Bytes, std::convert::Infallible>>> {
+        Poll::Ready(Some(Ok(self.last_event(err))))
+    }
+
+    /// Records the stream as failed and gives its last event: the error.
+    fn last_event(&mut self, err: ProxyError) -> Bytes {
         tracing::warn!(request_id = %self.rec.id, "stream to the client ends with an error: {err}");
         self.finished = true;
         self.rec.outcome = Outcome::Failed(err.to_string());
-        Poll::Ready(Some(Ok(error_event(&err))))
+        error_event(&err)
     }
 
     fn decode_failed(
@@ -193,6 +208,15 @@ impl Stream for Relay {
         if this.deadline.as_mut().poll(cx).is_ready() {
             let limit = this.total_limit;
             return this.fail(ProxyError::TotalTimeout(limit));
+        }
+        if this.shutdown.cut.as_mut().poll(cx).is_ready() {
+            // Like vLLM's own error ends: the error event, then [DONE], so a client reading
+            // to [DONE] stops there and knows why the answer is short.
+            let event = this.last_event(ProxyError::CutByShutdown);
+            let mut both = Vec::with_capacity(event.len() + 14);
+            both.extend_from_slice(&event);
+            both.extend_from_slice(b"data: [DONE]\n\n");
+            return Poll::Ready(Some(Ok(Bytes::from(both))));
         }
         loop {
             return match Pin::new(&mut this.rest).poll_frame(cx) {

@@ -91,12 +91,20 @@ pub fn authorized(p: &Proxy, headers: &HeaderMap) -> bool {
 
 async fn generate(p: Arc<Proxy>, route: &'static str, headers: HeaderMap, body: Body) -> Response {
     let mut rec = RequestRecord::new(route, new_request_id(), p.metrics.clone());
+    if p.drain.is_draining() {
+        return error_response(ProxyError::ShuttingDown, &mut rec);
+    }
+    let in_flight = p.drain.enter();
+    let mut cut = p.drain.cut_signal();
     let prepared = prepare(&p, route, &headers, body, &mut rec).await;
     let (req, admission) = match prepared {
         Ok(x) => x,
         Err(e) => return error_response(e, &mut rec),
     };
-    let outcome = tokio::time::timeout_at(req.deadline, pipeline::run(&p, &req, &mut rec)).await;
+    let outcome = tokio::select! {
+        o = tokio::time::timeout_at(req.deadline, pipeline::run(&p, &req, &mut rec)) => o,
+        () = &mut cut => Ok(Err(ProxyError::ShuttingDown)),
+    };
     let answer = match outcome {
         Ok(Ok(a)) => a,
         Ok(Err(e)) => return error_response(e, &mut rec),
@@ -127,6 +135,7 @@ async fn generate(p: Arc<Proxy>, route: &'static str, headers: HeaderMap, body: 
             admission,
             req.deadline,
             p.settings.total_timeout,
+            relay::Shutdown { in_flight, cut },
         ),
     }
 }
@@ -221,6 +230,9 @@ async fn health(State(p): State<Arc<Proxy>>, uri: Uri) -> Response {
     let ready = uri
         .query()
         .is_some_and(|q| q.split('&').any(|kv| kv.split('=').next() == Some("ready")));
+    if p.drain.is_draining() {
+        return ProxyError::ShuttingDown.into_response();
+    }
     if !ready {
         return axum::Json(json!({"status": "ok"})).into_response();
     }

@@ -439,6 +439,11 @@ impl ProxyProcess {
     }
 
     /// Whether the process is still running.
+    /// The proxy's process id (to signal it).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
