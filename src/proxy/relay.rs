@@ -86,18 +86,19 @@ pub struct Relay {
     rest: Incoming,
     keep: Keep,
     rec: RequestRecord,
-    _admission: Admission,
     deadline: Pin<Box<Sleep>>,
     total_limit: std::time::Duration,
     /// The end of what was relayed, to tell a complete stream from one cut short.
     end: StreamEnd,
     finished: bool,
-    shutdown: Shutdown,
+    ties: Ties,
 }
 
-/// What ties a stream to the proxy's shutdown: it counts as in flight until it ends, and
-/// is cut with an error event and `[DONE]` when the shutdown grace runs out.
-pub struct Shutdown {
+/// What a stream holds until it ends: its admission slot and its place among the requests
+/// in flight that a shutdown waits for; and the signal that cuts it (with an error event
+/// and `[DONE]`) when the shutdown grace runs out.
+pub struct Ties {
+    pub admission: Admission,
     pub in_flight: super::drain::InFlight,
     pub cut: super::drain::CutSignal,
 }
@@ -108,10 +109,9 @@ pub fn stream_response(
     rest: Incoming,
     keep: Keep,
     mut rec: RequestRecord,
-    admission: Admission,
     deadline: Instant,
     total_limit: std::time::Duration,
-    shutdown: Shutdown,
+    ties: Ties,
 ) -> Response {
     rec.status = 200;
     let request_id = rec.id.clone();
@@ -120,12 +120,11 @@ pub fn stream_response(
         rest,
         keep,
         rec,
-        _admission: admission,
         deadline: Box::pin(tokio::time::sleep_until(deadline)),
         total_limit,
         end: StreamEnd::default(),
         finished: false,
-        shutdown,
+        ties,
     };
     let mut r = Response::new(axum::body::Body::from_stream(relay));
     let h = r.headers_mut();
@@ -209,7 +208,7 @@ impl Stream for Relay {
             let limit = this.total_limit;
             return this.fail(ProxyError::TotalTimeout(limit));
         }
-        if this.shutdown.cut.as_mut().poll(cx).is_ready() {
+        if this.ties.cut.as_mut().poll(cx).is_ready() {
             // Like vLLM's own error ends: the error event, then [DONE], so a client reading
             // to [DONE] stops there and knows why the answer is short.
             let event = this.last_event(ProxyError::CutByShutdown);

@@ -132,10 +132,13 @@ async fn generate(p: Arc<Proxy>, route: &'static str, headers: HeaderMap, body: 
             rest,
             keep,
             rec,
-            admission,
             req.deadline,
             p.settings.total_timeout,
-            relay::Shutdown { in_flight, cut },
+            relay::Ties {
+                admission,
+                in_flight,
+                cut,
+            },
         ),
     }
 }
