@@ -7,7 +7,7 @@ mod sup;
 
 use common::{free_ports, wait_until};
 use pdctl::control::ServiceState;
-use pdctl::plan::Role;
+use pdctl::plan::{RestartMode, Role};
 use std::time::{Duration, Instant};
 use sup::*;
 
@@ -212,6 +212,89 @@ fn a_killed_engine_is_restarted_after_its_backoff_and_its_companion_with_it() {
     );
     let log = stdout(&c.run(&["logs", "prefill-0"]));
     assert!(log.contains("start #2"), "{log}");
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
+
+/// A test engine that, on its first run only, prints an error line and exits with
+/// status 0 by itself shortly after it was found healthy.
+fn engine_that_exits_0_once(c: &Cluster, port: u16) -> pdctl::plan::Service {
+    let mut s = local_engine(c, "decode-0", Role::Decode, port);
+    let marker = c.root().join("decode-0-exited-once");
+    s.env
+        .insert("EXIT0_ONCE".into(), marker.display().to_string());
+    s
+}
+
+/// A server that exits with status 0 without being asked to has failed (a vLLM API
+/// server whose engine core died does exactly that): `on-failure` restarts it.
+#[test]
+fn an_engine_that_exits_0_on_its_own_is_restarted() {
+    let c = Cluster::new("exit0");
+    let p = free_ports(1);
+    let mut plan = plan("exz", &[("main", "127.0.0.1")]);
+    plan.services = vec![engine_that_exits_0_once(&c, p[0])];
+    assert_eq!(plan.services[0].restart.mode, RestartMode::OnFailure);
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        let d = svc(r, "decode-0");
+        d.restarts == 1 && d.state == ServiceState::Healthy
+    });
+    let d = svc(&r, "decode-0");
+    assert_eq!(
+        (d.state, d.restarts),
+        (ServiceState::Healthy, 1),
+        "an exit 0 was not restarted: {r:?}"
+    );
+    assert!(d.pid.is_some());
+    assert_eq!(d.last_exit.as_deref(), Some("exit 0"), "{r:?}");
+    let log = stdout(&c.run(&["logs", "decode-0"]));
+    assert!(
+        log.contains("run #1 ended: exit 0") && log.contains("start #2"),
+        "{log}"
+    );
+    let sup_log = stdout(&c.run(&["logs", "supervisor"]));
+    assert!(
+        sup_log.contains("decode-0: exit 0") && sup_log.contains("restarting in"),
+        "{sup_log}"
+    );
+    assert_eq!(c.run(&["status"]).status.code(), Some(0));
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
+
+/// With restart mode `never` the same exit 0 is not restarted: the service is `failed`
+/// and `status` says so.
+#[test]
+fn with_restart_never_an_engine_that_exits_0_stays_down_failed() {
+    let c = Cluster::new("exit0never");
+    let p = free_ports(1);
+    let mut plan = plan("exn", &[("main", "127.0.0.1")]);
+    let mut dying = engine_that_exits_0_once(&c, p[0]);
+    dying.restart.mode = RestartMode::Never;
+    plan.services = vec![dying];
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        svc(r, "decode-0").state == ServiceState::Failed
+    });
+    let d = svc(&r, "decode-0");
+    assert_eq!(d.state, ServiceState::Failed, "{r:?}");
+    let why = d.last_exit.as_deref().unwrap();
+    assert!(
+        why.starts_with("exit 0") && why.contains("`never`"),
+        "{why}"
+    );
+    // Longer than the 300 ms backoff: no restart came.
+    std::thread::sleep(Duration::from_millis(1500));
+    let r = c.status(&[]).unwrap();
+    let d = svc(&r, "decode-0");
+    assert_eq!(
+        (d.state, d.restarts, d.pid),
+        (ServiceState::Failed, 0, None)
+    );
+    let st = c.run(&["status"]);
+    assert_eq!(st.status.code(), Some(1), "{}", text(&st));
+    assert!(stdout(&st).contains("failed"), "{}", text(&st));
     assert_eq!(c.run(&["down"]).status.code(), Some(0));
 }
 

@@ -4,7 +4,9 @@
 //! The first start fails fast: a process that exits (or never gets ready) before it was
 //! ever healthy is `failed` at once with its last log lines, since a bad flag or a model
 //! that does not fit will not fix itself by restarting. After it was healthy once, exits
-//! and failed liveness probes go through the restart policy.
+//! and failed liveness probes go through the restart policy. An exit pdctl did not ask
+//! for is a failure whatever its status: these are servers, and one that exits 0 (a vLLM
+//! API server whose engine core died does) is as down as one that crashed.
 
 use super::console::Console;
 use super::deps::{DepsOutcome, wait_for_dependencies};
@@ -250,7 +252,7 @@ impl Task {
         let grace = self.shutdown_timeout();
         // Whatever happened, no process of this run may be left behind.
         let why = match &end {
-            RunEnd::Exited(why, _) => {
+            RunEnd::Exited(why) => {
                 clear_group(pgid, signal, grace).await;
                 why.clone()
             }
@@ -297,20 +299,18 @@ impl Task {
                 "not ready after {} s (last probe: {probe_why})",
                 self.svc().startup_timeout_s
             )),
-            RunEnd::Exited(why, _) if !self.ever_healthy => {
-                self.fail(format!("{why} while starting"))
-            }
-            RunEnd::Exited(_, clean) => self.after_crash(why, clean, healthy_for),
-            RunEnd::LivenessFailed(_) | RunEnd::StartTimeout(_) => {
-                self.after_crash(why, false, healthy_for)
+            RunEnd::Exited(why) if !self.ever_healthy => self.fail(format!("{why} while starting")),
+            RunEnd::Exited(_) | RunEnd::LivenessFailed(_) | RunEnd::StartTimeout(_) => {
+                self.after_crash(why, healthy_for)
             }
         }
     }
 
-    /// Applies the restart policy after an unrequested end.
-    fn after_crash(&mut self, why: String, clean: bool, healthy_for: Duration) -> Next {
+    /// Applies the restart policy after an end nobody asked for (an exit with any status,
+    /// status 0 included, or failed liveness probes).
+    fn after_crash(&mut self, why: String, healthy_for: Duration) -> Next {
         let name = self.svc().name.clone();
-        match self.tracker.after_exit(Instant::now(), clean, healthy_for) {
+        match self.tracker.after_exit(Instant::now(), healthy_for) {
             Verdict::Restart { delay } => {
                 self.ctx
                     .table
@@ -321,15 +321,6 @@ impl Task {
                 ));
                 self.restart_companions();
                 Next::Backoff(delay)
-            }
-            Verdict::Stop => {
-                self.ctx
-                    .table
-                    .run_ended(self.idx, ServiceState::Stopped, Some(why.clone()));
-                self.ctx
-                    .console
-                    .event(&format!("{name}: {why}; not restarted (restart policy)"));
-                Next::Idle
             }
             Verdict::Fail { reason } => self.fail(format!("{why}; {reason}")),
         }

@@ -462,6 +462,8 @@ pub struct RoleSection {
     pub args: Vec<String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// What happens when an instance ends without being asked to (`on-failure`, the
+    /// default, and `always` restart it, whatever its exit status; `never` marks it failed).
     #[serde(default = "RoleSection::default_restart")]
     pub restart: RestartMode,
     /// Roles or services restarted together with each instance of this role.
