@@ -62,6 +62,7 @@ fn up_status_logs_down_with_real_etcd_and_mooncake_master_leaves_nothing() {
         "restarts",
         "uptime_s",
         "last_exit",
+        "last_error",
     ] {
         for s in services {
             assert!(s.get(key).is_some(), "{key} missing in {s}");
@@ -215,6 +216,20 @@ fn a_killed_engine_is_restarted_after_its_backoff_and_its_companion_with_it() {
     assert_eq!(c.run(&["down"]).status.code(), Some(0));
 }
 
+/// The error line [`engine_that_exits_0_once`] prints before it exits.
+const ENGINE_CORE_DIED: &str =
+    "ERROR 11-22 05:19:57 [core.py:812] RuntimeError: shape mismatch in layer 3";
+
+/// The LAST EXIT cell of `service`'s row in the `pdctl status` table.
+fn last_exit_cell(table: &str, service: &str) -> String {
+    let row = table
+        .lines()
+        .find(|l| l.starts_with(&format!("{service} ")))
+        .unwrap_or_else(|| panic!("no row for {service}: {table}"));
+    let at = table.lines().nth(1).unwrap().find("LAST EXIT").unwrap();
+    row.get(at..).unwrap_or("").to_string()
+}
+
 /// A test engine that, on its first run only, prints an error line and exits with
 /// status 0 by itself shortly after it was found healthy.
 fn engine_that_exits_0_once(c: &Cluster, port: u16) -> pdctl::plan::Service {
@@ -248,6 +263,14 @@ fn an_engine_that_exits_0_on_its_own_is_restarted() {
     );
     assert!(d.pid.is_some());
     assert_eq!(d.last_exit.as_deref(), Some("exit 0"), "{r:?}");
+    // The error line is the last one that looked like an error, not the last line.
+    assert_eq!(d.last_error.as_deref(), Some(ENGINE_CORE_DIED), "{r:?}");
+    let table = stdout(&c.run(&["status"]));
+    assert_eq!(
+        last_exit_cell(&table, "decode-0"),
+        "exit 0: RuntimeError: shape mismatch in layer 3",
+        "{table}"
+    );
     let log = stdout(&c.run(&["logs", "decode-0"]));
     assert!(
         log.contains("run #1 ended: exit 0") && log.contains("start #2"),
@@ -255,7 +278,9 @@ fn an_engine_that_exits_0_on_its_own_is_restarted() {
     );
     let sup_log = stdout(&c.run(&["logs", "supervisor"]));
     assert!(
-        sup_log.contains("decode-0: exit 0") && sup_log.contains("restarting in"),
+        sup_log.contains(
+            "decode-0: exit 0 (last error: RuntimeError: shape mismatch in layer 3); restarting in"
+        ),
         "{sup_log}"
     );
     assert_eq!(c.run(&["status"]).status.code(), Some(0));
@@ -279,11 +304,12 @@ fn with_restart_never_an_engine_that_exits_0_stays_down_failed() {
     });
     let d = svc(&r, "decode-0");
     assert_eq!(d.state, ServiceState::Failed, "{r:?}");
-    let why = d.last_exit.as_deref().unwrap();
-    assert!(
-        why.starts_with("exit 0") && why.contains("`never`"),
-        "{why}"
+    assert_eq!(
+        d.last_exit.as_deref(),
+        Some("exit 0; restart policy is `never`"),
+        "{r:?}"
     );
+    assert_eq!(d.last_error.as_deref(), Some(ENGINE_CORE_DIED), "{r:?}");
     // Longer than the 300 ms backoff: no restart came.
     std::thread::sleep(Duration::from_millis(1500));
     let r = c.status(&[]).unwrap();
@@ -294,6 +320,12 @@ fn with_restart_never_an_engine_that_exits_0_stays_down_failed() {
     );
     let st = c.run(&["status"]);
     assert_eq!(st.status.code(), Some(1), "{}", text(&st));
+    assert_eq!(
+        last_exit_cell(&stdout(&st), "decode-0"),
+        "exit 0; restart policy is `never`: RuntimeError: shape mismatch in layer 3",
+        "{}",
+        text(&st)
+    );
     assert!(stdout(&st).contains("failed"), "{}", text(&st));
     assert_eq!(c.run(&["down"]).status.code(), Some(0));
 }

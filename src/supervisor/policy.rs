@@ -48,8 +48,7 @@ impl RestartTracker {
         match p.mode {
             RestartMode::Never => {
                 return Verdict::Fail {
-                    reason: "it ended without being asked to and its restart policy is `never`"
-                        .into(),
+                    reason: "restart policy is `never`".into(),
                 };
             }
             RestartMode::OnFailure | RestartMode::Always => {}
