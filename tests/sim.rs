@@ -1053,6 +1053,32 @@ async fn stalled_stream_sends_k_tokens_then_nothing_and_counts_an_abort() {
     );
 }
 
+/// `{"exit": 0}` plays a vLLM API server whose engine core died: an error line in the
+/// log, then a clean exit status.
+#[tokio::test]
+async fn exit_fault_logs_an_error_and_exits_with_the_status_asked_for() {
+    let mut sim = SimProc::start(ZERO).await;
+    let (s, r) = sim.post("/sim/fault", &json!({"exit": 0})).await;
+    assert_eq!(s, 200, "the request is answered before the exit: {r}");
+    assert_eq!(sim.wait_exit(Duration::from_secs(5)), Some(0));
+    let log = sim.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("exit requested"))
+        .unwrap_or_else(|| panic!("no exit line in:\n{log}"));
+    assert!(
+        line.contains("ERROR")
+            && line.contains("RuntimeError: the simulated engine core died")
+            && line.ends_with("exiting with status 0"),
+        "{line}"
+    );
+    let mut sim = SimProc::start(ZERO).await;
+    let (s, r) = sim.post("/sim/fault", &json!({"exit": 256})).await;
+    assert_eq!(s, 400, "{r}");
+    assert_eq!(sim.post("/sim/fault", &json!({"exit": 7})).await.0, 200);
+    assert_eq!(sim.wait_exit(Duration::from_secs(5)), Some(7));
+}
+
 #[tokio::test]
 async fn fault_exit_after_n_requests() {
     let mut sim = SimProc::start(&args(ZERO, &["--fault-exit-after", "2"])).await;

@@ -330,6 +330,48 @@ fn with_restart_never_an_engine_that_exits_0_stays_down_failed() {
     assert_eq!(c.run(&["down"]).status.code(), Some(0));
 }
 
+/// The simulated engine exiting 0 by itself (the sim's `exit` fault, as a vLLM server
+/// whose engine core died) is restarted like any other failure, through the planner's
+/// default restart policy, and the cluster serves again.
+#[test]
+fn a_sim_engine_that_exits_0_is_restarted_and_serves_again() {
+    let c = Cluster::new("simexit0");
+    let topo = c.root().join("pd.toml");
+    let (text_toml, proxy_port) = sim_topology("simexit", "mooncake-store", 1, 1, "");
+    std::fs::write(&topo, text_toml).unwrap();
+    let up = c.run(&["up", "-d", "-f", topo.to_str().unwrap()]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let r = c.status(&[]).unwrap();
+    let port = svc(&r, "decode-0").port.unwrap();
+    assert_eq!(post_json(port, "/sim/fault", r#"{"exit": 0}"#), 200);
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        svc(r, "decode-0").restarts == 1 && all_healthy(r)
+    });
+    let d = svc(&r, "decode-0");
+    assert_eq!((d.state, d.restarts), (ServiceState::Healthy, 1), "{r:?}");
+    assert_eq!(d.last_exit.as_deref(), Some("exit 0"), "{r:?}");
+    let error = d.last_error.as_deref().unwrap_or_default();
+    assert!(
+        error.contains("ERROR") && error.contains("RuntimeError: the simulated engine core died"),
+        "{r:?}"
+    );
+    let table = stdout(&c.run(&["status"]));
+    assert!(
+        last_exit_cell(&table, "decode-0")
+            .starts_with("exit 0: fault injection: exit requested: RuntimeError"),
+        "{table}"
+    );
+    // The proxy learns of the healthy instance from its next poll of the supervisor.
+    let body = r#"{"model": "sim-model", "prompt": "hello again", "max_tokens": 4}"#;
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            post_json(proxy_port, "/v1/completions", body) == 200
+        }),
+        "the proxy never served again after the restart"
+    );
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
+
 /// Two services restarted together (`restart_with` both ways) that both keep crashing:
 /// restarting one along with the other must not wipe its crash count, or neither would
 /// ever reach the crash-loop limit.
