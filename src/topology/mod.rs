@@ -123,7 +123,8 @@ pub struct ModelSection {
     /// Name clients use (vLLM's --served-model-name). Default: `name`.
     #[serde(default)]
     pub served_name: Option<String>,
-    /// vLLM's --max-model-len.
+    /// vLLM's --max-model-len; simulated engines get it too (their `--max-model-len`),
+    /// so they refuse the prompts vLLM would.
     #[serde(default)]
     pub max_model_len: Option<u32>,
     /// vLLM's --trust-remote-code.
