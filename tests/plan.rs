@@ -745,7 +745,47 @@ fn nixl_instances_get_their_own_side_channel_ports() {
     );
 }
 
-/// Two nodes: each node's instances on its own address, the proxy on the head.
+/// `--max-model-len` of every engine of a plan, by service name.
+fn context_lengths(plan: &Plan) -> Vec<(String, Option<String>)> {
+    plan.services
+        .iter()
+        .filter(|s| s.role.is_engine())
+        .map(|s| {
+            let v = flag(&s.argv, "--max-model-len").map(str::to_string);
+            (s.name.clone(), v)
+        })
+        .collect()
+}
+
+/// A sim stands in for vLLM, so it gets the model's context length from `[model]`, as
+/// vLLM would, instead of its own default of 8192.
+#[test]
+fn simulated_engines_get_the_models_max_model_len() {
+    let sim = "[model]\nname = \"m\"\nmax_model_len = 1024\n[engine]\nkind = \"sim\"\n\
+               [prefill]\ninstances = 2\n[decode]\ninstances = 2\n";
+    let lengths = context_lengths(&plan_text(sim, "0.13.0"));
+    assert_eq!(lengths.len(), 4);
+    for (name, len) in &lengths {
+        assert_eq!(len.as_deref(), Some("1024"), "{name}: {lengths:?}");
+    }
+    // Without it, [engine.sim] decides, else the sim's default.
+    let own =
+        "[model]\nname = \"m\"\n[engine]\nkind = \"sim\"\n[engine.sim]\nmax_model_len = 2048\n";
+    for (name, len) in context_lengths(&plan_text(own, "0.13.0")) {
+        assert_eq!(len.as_deref(), Some("2048"), "{name}");
+    }
+    let bare = "[model]\nname = \"m\"\n[engine]\nkind = \"sim\"\n";
+    for (name, len) in context_lengths(&plan_text(bare, "0.13.0")) {
+        assert_eq!(len.as_deref(), Some("8192"), "{name}");
+    }
+    // The same value in both places is no contradiction.
+    let both = sim.replace("[prefill]", "[engine.sim]\nmax_model_len = 1024\n[prefill]");
+    for (name, len) in context_lengths(&plan_text(&both, "0.13.0")) {
+        assert_eq!(len.as_deref(), Some("1024"), "{name}");
+    }
+}
+
+/// Two nodes: each node's instances on its own address, the proxy on the head./// Two nodes: each node's instances on its own address, the proxy on the head.
 #[test]
 fn two_node_profile_places_roles_on_their_nodes() {
     let plan = pure_plan("2node-4p4d");

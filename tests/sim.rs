@@ -437,6 +437,70 @@ async fn bad_requests_get_vllm_shaped_errors() {
     assert_eq!(s, 200);
 }
 
+/// `[model] max_model_len` reaches the sim the planner starts, which then refuses what
+/// vLLM would: a prompt (or prompt plus max_tokens) longer than 1024 tokens gets a 400.
+#[tokio::test]
+async fn a_planned_sim_refuses_prompts_beyond_the_models_max_model_len() {
+    use pdctl::plan::{PlanInput, build_plan};
+    use pdctl::topology::{Source, load_str};
+    let port = free_port();
+    let text = format!(
+        "[model]\nname = \"sim-model\"\nmax_model_len = 1024\n[engine]\nkind = \"sim\"\n\
+         [connector]\nkind = \"nixl\"\n[decode]\nbase_port = {port}\n"
+    );
+    let t = load_str(
+        &text,
+        Source::Profile("inline".into()),
+        "inline.toml".into(),
+    )
+    .unwrap();
+    let plan = build_plan(&PlanInput {
+        topology: &t.spec,
+        head: &t.head,
+        gpus: &[],
+        gpu_note: None,
+        version: None,
+        version_source: pdctl::vllm::VersionSource::Pinned,
+        state_root: std::env::temp_dir(),
+        local_node: None,
+    })
+    .unwrap();
+    let argv = &plan.service("decode-0").unwrap().argv;
+    assert_eq!(argv[..2], ["pdctl", "sim"], "{argv:?}");
+    let sim = SimProc::start_argv(port, &argv[2..]).await;
+    let (s, r) = sim
+        .post("/v1/completions", &json!({"prompt": prompt_of(1025, "w")}))
+        .await;
+    assert_eq!(s, 400, "{r}");
+    let message = r["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("1025 tokens") && message.contains("context length of 1024"),
+        "{r}"
+    );
+    let (s, r) = sim
+        .post(
+            "/v1/completions",
+            &json!({"prompt": prompt_of(1000, "w"), "max_tokens": 30}),
+        )
+        .await;
+    assert_eq!(s, 400, "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("1030 tokens exceed the context length of 1024"),
+        "{r}"
+    );
+    let (s, r) = sim
+        .post(
+            "/v1/completions",
+            &json!({"prompt": prompt_of(1000, "w"), "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens"], 1000);
+}
+
 #[tokio::test]
 async fn it_says_it_is_a_simulator_and_exposes_vllm_metric_names() {
     let sim = SimProc::start(ZERO).await;
@@ -1051,6 +1115,32 @@ async fn stalled_stream_sends_k_tokens_then_nothing_and_counts_an_abort() {
         sse_events(&r.text().await.unwrap()).last().unwrap(),
         &json!("[DONE]")
     );
+}
+
+/// `{"exit": 0}` plays a vLLM API server whose engine core died: an error line in the
+/// log, then a clean exit status.
+#[tokio::test]
+async fn exit_fault_logs_an_error_and_exits_with_the_status_asked_for() {
+    let mut sim = SimProc::start(ZERO).await;
+    let (s, r) = sim.post("/sim/fault", &json!({"exit": 0})).await;
+    assert_eq!(s, 200, "the request is answered before the exit: {r}");
+    assert_eq!(sim.wait_exit(Duration::from_secs(5)), Some(0));
+    let log = sim.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("exit requested"))
+        .unwrap_or_else(|| panic!("no exit line in:\n{log}"));
+    assert!(
+        line.contains("ERROR")
+            && line.contains("RuntimeError: the simulated engine core died")
+            && line.ends_with("exiting with status 0"),
+        "{line}"
+    );
+    let mut sim = SimProc::start(ZERO).await;
+    let (s, r) = sim.post("/sim/fault", &json!({"exit": 256})).await;
+    assert_eq!(s, 400, "{r}");
+    assert_eq!(sim.post("/sim/fault", &json!({"exit": 7})).await.0, 200);
+    assert_eq!(sim.wait_exit(Duration::from_secs(5)), Some(7));
 }
 
 #[tokio::test]

@@ -7,7 +7,7 @@ mod sup;
 
 use common::{free_ports, wait_until};
 use pdctl::control::ServiceState;
-use pdctl::plan::Role;
+use pdctl::plan::{RestartMode, Role};
 use std::time::{Duration, Instant};
 use sup::*;
 
@@ -62,6 +62,7 @@ fn up_status_logs_down_with_real_etcd_and_mooncake_master_leaves_nothing() {
         "restarts",
         "uptime_s",
         "last_exit",
+        "last_error",
     ] {
         for s in services {
             assert!(s.get(key).is_some(), "{key} missing in {s}");
@@ -220,6 +221,162 @@ fn a_killed_engine_is_restarted_after_its_backoff_and_its_companion_with_it() {
     );
     let log = stdout(&c.run(&["logs", "prefill-0"]));
     assert!(log.contains("start #2"), "{log}");
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
+
+/// The error line [`engine_that_exits_0_once`] prints before it exits.
+const ENGINE_CORE_DIED: &str =
+    "ERROR 11-22 05:19:57 [core.py:812] RuntimeError: shape mismatch in layer 3";
+
+/// The LAST EXIT cell of `service`'s row in the `pdctl status` table.
+fn last_exit_cell(table: &str, service: &str) -> String {
+    let row = table
+        .lines()
+        .find(|l| l.starts_with(&format!("{service} ")))
+        .unwrap_or_else(|| panic!("no row for {service}: {table}"));
+    let at = table.lines().nth(1).unwrap().find("LAST EXIT").unwrap();
+    row.get(at..).unwrap_or("").to_string()
+}
+
+/// A test engine that, on its first run only, prints an error line and exits with
+/// status 0 by itself shortly after it was found healthy.
+fn engine_that_exits_0_once(c: &Cluster, port: u16) -> pdctl::plan::Service {
+    let mut s = local_engine(c, "decode-0", Role::Decode, port);
+    let marker = c.root().join("decode-0-exited-once");
+    s.env
+        .insert("EXIT0_ONCE".into(), marker.display().to_string());
+    s
+}
+
+/// A server that exits with status 0 without being asked to has failed (a vLLM API
+/// server whose engine core died does exactly that): `on-failure` restarts it.
+#[test]
+fn an_engine_that_exits_0_on_its_own_is_restarted() {
+    let c = Cluster::new("exit0");
+    let p = free_ports(1);
+    let mut plan = plan("exz", &[("main", "127.0.0.1")]);
+    plan.services = vec![engine_that_exits_0_once(&c, p[0])];
+    assert_eq!(plan.services[0].restart.mode, RestartMode::OnFailure);
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        let d = svc(r, "decode-0");
+        d.restarts == 1 && d.state == ServiceState::Healthy
+    });
+    let d = svc(&r, "decode-0");
+    assert_eq!(
+        (d.state, d.restarts),
+        (ServiceState::Healthy, 1),
+        "an exit 0 was not restarted: {r:?}"
+    );
+    assert!(d.pid.is_some());
+    assert_eq!(d.last_exit.as_deref(), Some("exit 0"), "{r:?}");
+    // The error line is the last one that looked like an error, not the last line.
+    assert_eq!(d.last_error.as_deref(), Some(ENGINE_CORE_DIED), "{r:?}");
+    let table = stdout(&c.run(&["status"]));
+    assert_eq!(
+        last_exit_cell(&table, "decode-0"),
+        "exit 0: RuntimeError: shape mismatch in layer 3",
+        "{table}"
+    );
+    let log = stdout(&c.run(&["logs", "decode-0"]));
+    assert!(
+        log.contains("run #1 ended: exit 0") && log.contains("start #2"),
+        "{log}"
+    );
+    let sup_log = stdout(&c.run(&["logs", "supervisor"]));
+    assert!(
+        sup_log.contains(
+            "decode-0: exit 0 (last error: RuntimeError: shape mismatch in layer 3); restarting in"
+        ),
+        "{sup_log}"
+    );
+    assert_eq!(c.run(&["status"]).status.code(), Some(0));
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
+
+/// With restart mode `never` the same exit 0 is not restarted: the service is `failed`
+/// and `status` says so.
+#[test]
+fn with_restart_never_an_engine_that_exits_0_stays_down_failed() {
+    let c = Cluster::new("exit0never");
+    let p = free_ports(1);
+    let mut plan = plan("exn", &[("main", "127.0.0.1")]);
+    let mut dying = engine_that_exits_0_once(&c, p[0]);
+    dying.restart.mode = RestartMode::Never;
+    plan.services = vec![dying];
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        svc(r, "decode-0").state == ServiceState::Failed
+    });
+    let d = svc(&r, "decode-0");
+    assert_eq!(d.state, ServiceState::Failed, "{r:?}");
+    assert_eq!(
+        d.last_exit.as_deref(),
+        Some("exit 0; restart policy is `never`"),
+        "{r:?}"
+    );
+    assert_eq!(d.last_error.as_deref(), Some(ENGINE_CORE_DIED), "{r:?}");
+    // Longer than the 300 ms backoff: no restart came.
+    std::thread::sleep(Duration::from_millis(1500));
+    let r = c.status(&[]).unwrap();
+    let d = svc(&r, "decode-0");
+    assert_eq!(
+        (d.state, d.restarts, d.pid),
+        (ServiceState::Failed, 0, None)
+    );
+    let st = c.run(&["status"]);
+    assert_eq!(st.status.code(), Some(1), "{}", text(&st));
+    assert_eq!(
+        last_exit_cell(&stdout(&st), "decode-0"),
+        "exit 0; restart policy is `never`: RuntimeError: shape mismatch in layer 3",
+        "{}",
+        text(&st)
+    );
+    assert!(stdout(&st).contains("failed"), "{}", text(&st));
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}
+
+/// The simulated engine exiting 0 by itself (the sim's `exit` fault, as a vLLM server
+/// whose engine core died) is restarted like any other failure, through the planner's
+/// default restart policy, and the cluster serves again.
+#[test]
+fn a_sim_engine_that_exits_0_is_restarted_and_serves_again() {
+    let c = Cluster::new("simexit0");
+    let topo = c.root().join("pd.toml");
+    let (text_toml, proxy_port) = sim_topology("simexit", "mooncake-store", 1, 1, "");
+    std::fs::write(&topo, text_toml).unwrap();
+    let up = c.run(&["up", "-d", "-f", topo.to_str().unwrap()]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let r = c.status(&[]).unwrap();
+    let port = svc(&r, "decode-0").port.unwrap();
+    assert_eq!(post_json(port, "/sim/fault", r#"{"exit": 0}"#), 200);
+    let r = c.wait_status(UP_LIMIT, &[], |r| {
+        svc(r, "decode-0").restarts == 1 && all_healthy(r)
+    });
+    let d = svc(&r, "decode-0");
+    assert_eq!((d.state, d.restarts), (ServiceState::Healthy, 1), "{r:?}");
+    assert_eq!(d.last_exit.as_deref(), Some("exit 0"), "{r:?}");
+    let error = d.last_error.as_deref().unwrap_or_default();
+    assert!(
+        error.contains("ERROR") && error.contains("RuntimeError: the simulated engine core died"),
+        "{r:?}"
+    );
+    let table = stdout(&c.run(&["status"]));
+    assert!(
+        last_exit_cell(&table, "decode-0")
+            .starts_with("exit 0: fault injection: exit requested: RuntimeError"),
+        "{table}"
+    );
+    // The proxy learns of the healthy instance from its next poll of the supervisor.
+    let body = r#"{"model": "sim-model", "prompt": "hello again", "max_tokens": 4}"#;
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            post_json(proxy_port, "/v1/completions", body) == 200
+        }),
+        "the proxy never served again after the restart"
+    );
     assert_eq!(c.run(&["down"]).status.code(), Some(0));
 }
 

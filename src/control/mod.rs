@@ -71,8 +71,14 @@ pub struct ServiceStatus {
     pub url: Option<String>,
     pub restarts: u32,
     pub uptime_s: Option<f64>,
-    /// How the last run ended, e.g. `exit 1`, `signal SIGKILL`, `liveness failed`.
+    /// How the last run ended, e.g. `exit 0`, `signal 9 (SIGKILL)`, `liveness failed ...`,
+    /// `restart requested`.
     pub last_exit: Option<String>,
+    /// The last error-looking line the service printed in the run `last_exit` describes,
+    /// whole (e.g. `ERROR ... [core.py:812] RuntimeError: shape mismatch`), when that run
+    /// ended on its own and printed one.
+    #[serde(default)]
+    pub last_error: Option<String>,
     /// Runs on another node; its state comes from probing its endpoint.
     pub remote: bool,
 }

@@ -630,7 +630,8 @@ struct SimCmd {
     args: SimArgs,
 }
 
-/// A simulated instance: `pdctl sim ...` with the handoff matching the proxy protocol.
+/// A simulated instance: `pdctl sim ...` with the handoff matching the proxy protocol and
+/// the context length of `[model] max_model_len` when the topology sets it.
 fn sim_service(
     cx: &ClusterCtx,
     p: &Placement,
@@ -660,6 +661,11 @@ fn sim_service(
         svc.ports.insert("bootstrap".into(), b);
     }
     a.model_params = t.engine.sim.clone();
+    // The model's context length is the cluster's, whichever engine serves it: a sim
+    // stand-in must refuse the prompts the real vLLM would.
+    if let Some(n) = t.model.max_model_len {
+        a.model_params.max_model_len = n;
+    }
     let mut argv = vec![crate::tools::SELF_PROGRAM.to_string(), "sim".to_string()];
     argv.extend(a.to_argv());
     svc.argv = argv;

@@ -201,12 +201,20 @@ pub enum Probe {
     LogLine { contains: String },
 }
 
-/// When a service that stopped is started again.
+/// When a service that ended without being asked to is started again.
+///
+/// Every service pdctl runs is a long-running server, so an end pdctl did not ask for is
+/// a failure whatever the exit status: a vLLM API server whose engine core died exits
+/// with status 0 and serves nothing. `on-failure` and `always` therefore behave the same.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum RestartMode {
+    /// Restart after an unrequested exit (status 0 included), a signal, or failed
+    /// liveness probes, within the crash-loop limit (the default).
     OnFailure,
+    /// The same as `on-failure` for pdctl's services: any unrequested end restarts.
     Always,
+    /// Never restart: an unrequested end marks the service `failed`.
     Never,
 }
 

@@ -1,4 +1,5 @@
 //! Fault injection, so the supervisor's and the proxy's tests can make an engine crash,
+//! exit with a chosen status (0 too, as a vLLM API server whose engine core died does),
 //! fail, hang, stall a stream or look unhealthy on demand (`POST /sim/fault`), or exit
 //! after a number of requests (`--fault-exit-after`).
 
@@ -14,6 +15,9 @@ pub struct FaultRequest {
     /// Exit now with status 1 (after answering this request).
     #[serde(default)]
     pub crash: bool,
+    /// Exit now with this status (after answering this request), logging an error line
+    /// first. `0` plays a vLLM API server whose engine core died: it exits 0.
+    pub exit: Option<u8>,
     /// The next N completion requests answer 500 with a JSON error.
     pub fail_next: Option<u64>,
     /// The next N completion requests never answer (until the client gives up).
@@ -66,9 +70,9 @@ impl Faults {
         }
     }
 
-    /// Applies a fault request; `now_ms` is the time since start. Returns true when the
-    /// process must crash.
-    pub fn apply(&self, req: &FaultRequest, now_ms: u64) -> bool {
+    /// Applies a fault request; `now_ms` is the time since start. Returns the status the
+    /// process must exit with, if it must (`exit` when given, else 1 for `crash`).
+    pub fn apply(&self, req: &FaultRequest, now_ms: u64) -> Option<i32> {
         if req.clear {
             self.fail_next.store(0, Relaxed);
             self.hang_next.store(0, Relaxed);
@@ -88,7 +92,7 @@ impl Faults {
         if let Some(k) = req.stall_stream_after {
             self.stall_stream_after.store(k.min(NONE - 1), Relaxed);
         }
-        req.crash
+        req.exit.map(i32::from).or(req.crash.then_some(1))
     }
 
     /// The fault, if any, the next completion request gets (fail before hang).
@@ -184,6 +188,28 @@ mod tests {
             0,
         );
         assert!(!f.healthy(50));
+    }
+
+    #[test]
+    fn exit_and_crash_name_the_exit_status() {
+        let f = Faults::new(None);
+        assert_eq!(f.apply(&FaultRequest::default(), 0), None);
+        let crash = FaultRequest {
+            crash: true,
+            ..Default::default()
+        };
+        assert_eq!(f.apply(&crash, 0), Some(1));
+        let exit0 = FaultRequest {
+            exit: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(f.apply(&exit0, 0), Some(0));
+        let both = FaultRequest {
+            exit: Some(3),
+            crash: true,
+            ..Default::default()
+        };
+        assert_eq!(f.apply(&both, 0), Some(3));
     }
 
     #[test]

@@ -263,7 +263,7 @@ impl Job {
                 "fault injection: served {} requests (--fault-exit-after), exiting with status 1",
                 sim.args.fault_exit_after.unwrap_or_default()
             );
-            exit_soon();
+            exit_soon(1);
         }
         kv
     }
@@ -275,10 +275,10 @@ impl Job {
     }
 }
 
-/// Exits with status 1 shortly, so the answer in flight still goes out.
-pub fn exit_soon() {
-    tokio::spawn(async {
+/// Exits with `status` shortly, so the answer in flight still goes out.
+pub fn exit_soon(status: i32) {
+    tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        std::process::exit(1);
+        std::process::exit(status);
     });
 }

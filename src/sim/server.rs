@@ -170,7 +170,7 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Result<Bytes, BytesRejection>)
         Err(e) => {
             return ApiError::bad_request(
                 None,
-                format!("bad fault request: {e}; fields: crash, fail_next, hang_next, unhealthy_ms, stall_stream_after, clear"),
+                format!("bad fault request: {e}; fields: crash, exit, fail_next, hang_next, unhealthy_ms, stall_stream_after, clear"),
             )
             .into_response();
         }
@@ -180,9 +180,15 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Result<Bytes, BytesRejection>)
         "fault injection requested: {}",
         serde_json::to_string(&req).unwrap_or_default()
     );
-    if sim.faults.apply(&req, now) {
-        tracing::error!("fault injection: crash requested, exiting with status 1");
-        exit_soon();
+    if let Some(status) = sim.faults.apply(&req, now) {
+        if req.exit.is_some() {
+            tracing::error!(
+                "fault injection: exit requested: RuntimeError: the simulated engine core died; exiting with status {status}"
+            );
+        } else {
+            tracing::error!("fault injection: crash requested, exiting with status {status}");
+        }
+        exit_soon(status);
     }
     axum::Json(json!({ "applied": req, "pending": sim.faults.pending(now) })).into_response()
 }

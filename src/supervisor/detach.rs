@@ -110,15 +110,16 @@ pub async fn wait_for_start(child: &mut Child, state: &StateDir, plan: &Plan) ->
                     return 0;
                 }
                 Some(StartupEnd::Failed(failed)) => {
-                    for (name, why) in failed {
-                        let lines = history(&state.log_path(&name), Some(40));
+                    for f in failed {
+                        let lines = history(&state.log_path(&f.name), Some(40));
                         let lines: Vec<String> = lines
                             .iter()
                             .filter(|l| !l.starts_with(NOTE_PREFIX))
                             .map(|l| super::logfile::strip_ansi(l))
                             .collect();
                         let shown = &lines[lines.len().saturating_sub(FAILURE_LINES)..];
-                        eprintln!("{}", progress::failure_text(&name, &why, shown));
+                        let error = f.error.as_deref();
+                        eprintln!("{}", progress::failure_text(&f.name, &f.why, error, shown));
                     }
                     eprintln!(
                         "the supervisor (pid {}) keeps running so you can look: `pdctl status`, \

@@ -96,12 +96,17 @@ struct Sink {
     at_line_start: bool,
 }
 
-/// One service's log: the rotating file and its most recent lines.
+/// One service's log: the rotating file, its most recent lines, and the last line that
+/// looked like an error.
 #[derive(Debug)]
 pub struct ServiceLog {
+    /// The service's name (in warnings about the file).
     pub name: String,
     file: Mutex<Sink>,
     recent: Mutex<VecDeque<String>>,
+    /// The last error-looking output line since [`Self::forget_errors`], however many
+    /// lines came after it (a traceback's last line is often followed by shutdown chatter).
+    last_error: Mutex<Option<String>>,
 }
 
 impl ServiceLog {
@@ -121,6 +126,7 @@ impl ServiceLog {
                 at_line_start: true,
             }),
             recent: Mutex::new(VecDeque::with_capacity(RECENT_LINES)),
+            last_error: Mutex::new(None),
         }
     }
 
@@ -133,6 +139,7 @@ impl ServiceLog {
                 at_line_start: true,
             }),
             recent: Mutex::new(VecDeque::new()),
+            last_error: Mutex::new(None),
         }
     }
 
@@ -150,10 +157,15 @@ impl ServiceLog {
         }
     }
 
-    /// Remembers a complete output line for [`Self::last_lines`], without colour codes
-    /// (they would garble progress lines and failure reports).
+    /// Remembers a complete output line for [`Self::last_lines`] (and, if it looks like
+    /// an error, for [`Self::last_error`]), without colour codes (they would garble
+    /// progress lines and failure reports).
     pub fn remember(&self, line: &str) {
         let plain = strip_ansi(line);
+        if looks_like_error(&plain) {
+            *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some(plain.trim().to_string());
+        }
         let mut r = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         if r.len() == RECENT_LINES {
             r.pop_front();
@@ -184,6 +196,82 @@ impl ServiceLog {
         let r = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         r.iter().rev().find(|l| !l.trim().is_empty()).cloned()
     }
+
+    /// The last output line that looked like an error (see [`looks_like_error`]) since
+    /// [`Self::forget_errors`].
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Forgets the last error line: a new run starts, and an error of the run before must
+    /// not be blamed for how this one ends.
+    pub fn forget_errors(&self) {
+        *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
+/// Whether an output line looks like an error report: a Python exception or traceback
+/// (`RuntimeError: ...`, `Traceback (most recent call last):`), an error or fatal log
+/// level (`ERROR`, `CRITICAL`, `FATAL`), a Rust panic, or the words `error` / `fatal`
+/// (`error: unrecognized arguments`). Words that merely contain them (`errors=0`,
+/// `stderr`) do not count.
+pub fn looks_like_error(line: &str) -> bool {
+    const MARKS: [&str; 8] = [
+        "Error",
+        "ERROR",
+        "Exception",
+        "Traceback",
+        "CRITICAL",
+        "FATAL",
+        "Fatal",
+        "panicked at",
+    ];
+    MARKS.iter().any(|m| line.contains(m)) || has_word(line, "error") || has_word(line, "fatal")
+}
+
+/// `word` in `line` with no letter or digit right before or after it.
+fn has_word(line: &str, word: &str) -> bool {
+    let alnum = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+    line.match_indices(word).any(|(i, _)| {
+        !alnum(line[..i].chars().next_back()) && !alnum(line[i + word.len()..].chars().next())
+    })
+}
+
+/// The message of a log line without the logger's prefix, for short displays:
+/// `RuntimeError: x` from vLLM's `ERROR 11-22 05:19:57 [core.py:812] RuntimeError: x`
+/// (also behind a worker's `(EngineCore_DP0 pid=12) ` tag) and from pdctl's own
+/// `2026-01-02T03:04:05.123456Z ERROR pdctl::sim::server: RuntimeError: x`. Any other
+/// line comes back as it is, trimmed.
+pub fn log_message(line: &str) -> &str {
+    const LEVELS: [&str; 8] = [
+        "ERROR", "CRITICAL", "FATAL", "WARNING", "WARN", "INFO", "DEBUG", "TRACE",
+    ];
+    let mut s = line.trim();
+    if s.starts_with('(') {
+        if let Some(i) = s.find(") ") {
+            s = s[i + 2..].trim_start();
+        }
+    }
+    let mut words = s.split_whitespace();
+    let (first, second) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+    if LEVELS.contains(&first) {
+        // vLLM: `LEVEL MM-DD HH:MM:SS [file.py:line] message`.
+        if let Some(i) = s.find("] ") {
+            return s[i + 2..].trim_start();
+        }
+    } else if LEVELS.contains(&second) {
+        // tracing: `TIMESTAMP LEVEL target: message`.
+        let rest = s[first.len()..].trim_start()[second.len()..].trim_start();
+        if let Some((target, message)) = rest.split_once(": ") {
+            if !target.is_empty() && !target.contains(char::is_whitespace) {
+                return message.trim_start();
+            }
+        }
+    }
+    s
 }
 
 /// Splits a byte stream into display lines. A carriage return (progress bars redrawing
@@ -342,6 +430,74 @@ mod tests {
         assert_eq!(log.last_lines(2), vec!["line 98", "line 99"]);
         assert_eq!(log.last_line().as_deref(), Some("line 99"));
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn error_lines_are_told_from_ordinary_ones() {
+        for line in [
+            "RuntimeError: shape mismatch",
+            "Traceback (most recent call last):",
+            "ERROR 11-22 05:19:57 [core.py:812] EngineCore failed",
+            "torch.OutOfMemoryError: CUDA out of memory",
+            "vllm: error: unrecognized arguments: --bogus",
+            "fatal: not a git repository",
+            "thread 'main' panicked at src/main.rs:2:5:",
+            "Exception in thread Thread-1",
+        ] {
+            assert!(looks_like_error(line), "{line}");
+        }
+        for line in [
+            "INFO:     Shutting down",
+            "INFO 11-22 05:19:57 [api_server.py:1] non-default args: errors=0",
+            "writing to stderr",
+            "Loading weights took 41.2 seconds",
+        ] {
+            assert!(!looks_like_error(line), "{line}");
+        }
+    }
+
+    #[test]
+    fn the_last_error_line_outlives_later_output_until_forgotten() {
+        let d = temp("lasterror");
+        let log = ServiceLog::open("x", &d.join("x.log"), 1 << 20, 1);
+        log.remember("starting");
+        assert_eq!(log.last_error(), None);
+        log.remember("\x1b[31mERROR\x1b[0m first failure");
+        log.remember("RuntimeError: shape mismatch");
+        for i in 0..100 {
+            log.remember(&format!("INFO shutting down step {i}"));
+        }
+        assert_eq!(
+            log.last_error().as_deref(),
+            Some("RuntimeError: shape mismatch")
+        );
+        log.forget_errors();
+        assert_eq!(log.last_error(), None);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn log_prefixes_are_dropped_from_the_message() {
+        assert_eq!(
+            log_message("ERROR 11-22 05:19:57 [core.py:812] RuntimeError: shape mismatch"),
+            "RuntimeError: shape mismatch"
+        );
+        assert_eq!(
+            log_message("(EngineCore_DP0 pid=123) ERROR 11-22 05:19:57 [core.py:812] boom: x"),
+            "boom: x"
+        );
+        assert_eq!(
+            log_message("2026-01-02T03:04:05.123456Z ERROR pdctl::sim::server: fault: exiting"),
+            "fault: exiting"
+        );
+        assert_eq!(
+            log_message("  RuntimeError: plain  "),
+            "RuntimeError: plain"
+        );
+        assert_eq!(
+            log_message("INFO:     Shutting down"),
+            "INFO:     Shutting down"
+        );
     }
 
     #[test]

@@ -1,6 +1,11 @@
 //! Whether and when a service that stopped on its own is started again: the plan's
 //! restart mode, exponential backoff with a cap, and the crash-loop limit after which a
 //! service is `failed` (and the proxy stops sending it requests).
+//!
+//! Every service pdctl runs is a long-running server, so any end pdctl did not ask for is
+//! a failure, whatever the exit status: a vLLM API server whose engine core died can exit
+//! with status 0, and a cluster that took that for a clean finish would serve 503s for
+//! good.
 
 use crate::plan::{RestartMode, RestartPolicy};
 use std::collections::VecDeque;
@@ -11,9 +16,7 @@ use std::time::{Duration, Instant};
 pub enum Verdict {
     /// Start it again after this delay.
     Restart { delay: Duration },
-    /// It ended cleanly and its policy does not restart clean exits.
-    Stop,
-    /// Give up on it.
+    /// Give up on it: its policy is `never`, or it is in a crash loop.
     Fail { reason: String },
 }
 
@@ -28,6 +31,7 @@ pub struct RestartTracker {
 }
 
 impl RestartTracker {
+    /// No restarts yet.
     pub fn new(policy: RestartPolicy) -> RestartTracker {
         RestartTracker {
             policy,
@@ -36,19 +40,17 @@ impl RestartTracker {
         }
     }
 
-    /// Decides after an unrequested end. `clean` is exit status 0; `healthy_for` is how
-    /// long the run was healthy (a run that stayed up longer than the backoff cap resets
-    /// the backoff).
-    pub fn after_exit(&mut self, now: Instant, clean: bool, healthy_for: Duration) -> Verdict {
+    /// Decides after an end nobody asked for: an exit with any status (0 included), a
+    /// signal, failed liveness probes. `healthy_for` is how long the run was healthy (a
+    /// run that stayed up longer than the backoff cap resets the backoff).
+    pub fn after_exit(&mut self, now: Instant, healthy_for: Duration) -> Verdict {
         let p = &self.policy;
         match p.mode {
-            RestartMode::Never if clean => return Verdict::Stop,
             RestartMode::Never => {
                 return Verdict::Fail {
-                    reason: "it exited and its restart policy is `never`".into(),
+                    reason: "restart policy is `never`".into(),
                 };
             }
-            RestartMode::OnFailure if clean => return Verdict::Stop,
             RestartMode::OnFailure | RestartMode::Always => {}
         }
         if healthy_for >= Duration::from_millis(p.backoff_max_ms) {
@@ -118,9 +120,9 @@ mod tests {
         let mut t = RestartTracker::new(policy(RestartMode::OnFailure));
         let now = Instant::now();
         let z = Duration::ZERO;
-        let delays: Vec<u64> = (0..4).map(|_| delay(t.after_exit(now, false, z))).collect();
+        let delays: Vec<u64> = (0..4).map(|_| delay(t.after_exit(now, z))).collect();
         assert_eq!(delays, vec![100, 200, 350, 350]);
-        match t.after_exit(now, false, z) {
+        match t.after_exit(now, z) {
             Verdict::Fail { reason } => assert!(reason.contains("crash loop: 4 restarts")),
             other => panic!("expected failure, got {other:?}"),
         }
@@ -131,30 +133,26 @@ mod tests {
         let mut t = RestartTracker::new(policy(RestartMode::Always));
         let start = Instant::now();
         for _ in 0..4 {
-            delay(t.after_exit(start, false, Duration::ZERO));
+            delay(t.after_exit(start, Duration::ZERO));
         }
         let later = start + Duration::from_secs(61);
         // A long healthy run also resets the backoff to its first step.
-        assert_eq!(
-            delay(t.after_exit(later, false, Duration::from_secs(1))),
-            100
-        );
+        assert_eq!(delay(t.after_exit(later, Duration::from_secs(1))), 100);
     }
 
     #[test]
-    fn clean_exits_follow_the_mode() {
+    fn an_unrequested_end_restarts_unless_the_mode_is_never() {
         let now = Instant::now();
         let z = Duration::ZERO;
         let mut on_failure = RestartTracker::new(policy(RestartMode::OnFailure));
-        assert_eq!(on_failure.after_exit(now, true, z), Verdict::Stop);
+        assert_eq!(delay(on_failure.after_exit(now, z)), 100);
         let mut always = RestartTracker::new(policy(RestartMode::Always));
-        assert_eq!(delay(always.after_exit(now, true, z)), 100);
+        assert_eq!(delay(always.after_exit(now, z)), 100);
         let mut never = RestartTracker::new(policy(RestartMode::Never));
-        assert_eq!(never.after_exit(now, true, z), Verdict::Stop);
-        assert!(matches!(
-            never.after_exit(now, false, z),
-            Verdict::Fail { .. }
-        ));
+        match never.after_exit(now, z) {
+            Verdict::Fail { reason } => assert!(reason.contains("`never`"), "{reason}"),
+            other => panic!("expected failure, got {other:?}"),
+        }
     }
 
     #[test]
@@ -162,9 +160,9 @@ mod tests {
         let mut t = RestartTracker::new(policy(RestartMode::OnFailure));
         let now = Instant::now();
         for _ in 0..4 {
-            delay(t.after_exit(now, false, Duration::ZERO));
+            delay(t.after_exit(now, Duration::ZERO));
         }
         t.reset();
-        assert_eq!(delay(t.after_exit(now, false, Duration::ZERO)), 100);
+        assert_eq!(delay(t.after_exit(now, Duration::ZERO)), 100);
     }
 }

@@ -24,21 +24,34 @@ pub struct Row {
 /// How the start of a cluster ended.
 #[derive(Debug, Clone, PartialEq)]
 pub enum StartupEnd {
+    /// Every local service is healthy.
     AllHealthy,
-    /// Names and reasons of the local services that failed.
-    Failed(Vec<(String, String)>),
+    /// The local services that failed (or stopped).
+    Failed(Vec<StartFailure>),
+}
+
+/// A local service that did not start.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StartFailure {
+    /// The service's name.
+    pub name: String,
+    /// How its run ended (`exit 3 while starting`), or its state when nothing says more.
+    pub why: String,
+    /// The last error-looking line it printed, if any.
+    pub error: Option<String>,
 }
 
 /// `Some` once every local service is healthy, or as soon as one failed or stopped.
 /// Remote services do not hold up a node's start.
 pub fn startup_verdict(report: &StatusReport) -> Option<StartupEnd> {
     let local = report.services.iter().filter(|s| !s.remote);
-    let failed: Vec<(String, String)> = local
+    let failed: Vec<StartFailure> = local
         .clone()
         .filter(|s| matches!(s.state, ServiceState::Failed | ServiceState::Stopped))
-        .map(|s| {
-            let why = s.last_exit.clone().unwrap_or_else(|| s.state.to_string());
-            (s.name.clone(), why)
+        .map(|s| StartFailure {
+            name: s.name.clone(),
+            why: s.last_exit.clone().unwrap_or_else(|| s.state.to_string()),
+            error: s.last_error.clone(),
         })
         .collect();
     if !failed.is_empty() {
@@ -96,7 +109,7 @@ pub fn rows(
                         .unwrap_or_default()
                 }
                 ServiceState::Failed | ServiceState::Stopped => {
-                    s.last_exit.clone().unwrap_or_default()
+                    super::view::exit_summary(s).unwrap_or_default()
                 }
                 ServiceState::Healthy => String::new(),
             };
@@ -193,9 +206,13 @@ fn truncate_chars(s: &mut String, max: usize) {
     }
 }
 
-/// `prefill-1 failed: exit 2 while starting` followed by its last log lines, indented.
-pub fn failure_text(name: &str, why: &str, lines: &[String]) -> String {
+/// `prefill-1 failed: exit 2 while starting` followed by its last error line when the
+/// last log lines no longer show it, then those lines, indented.
+pub fn failure_text(name: &str, why: &str, error: Option<&str>, lines: &[String]) -> String {
     let mut t = format!("{name} failed: {why}");
+    if let Some(e) = error.filter(|e| !lines.iter().any(|l| l.trim() == *e)) {
+        t.push_str(&format!("\n  last error line: {e}"));
+    }
     if lines.is_empty() {
         t.push_str("\n    (no output)");
     } else {
@@ -226,6 +243,7 @@ mod tests {
             restarts: 0,
             uptime_s: Some(47.2),
             last_exit: Some("exit 3".into()),
+            last_error: None,
             remote,
         }
     }
@@ -252,10 +270,28 @@ mod tests {
         ]);
         assert_eq!(
             startup_verdict(&r),
-            Some(StartupEnd::Failed(vec![("b".into(), "exit 3".into())]))
+            Some(StartupEnd::Failed(vec![StartFailure {
+                name: "b".into(),
+                why: "exit 3".into(),
+                error: None
+            }]))
         );
         let r = report(vec![status("a", ServiceState::Starting, false)]);
         assert_eq!(startup_verdict(&r), None);
+    }
+
+    #[test]
+    fn a_failure_names_the_error_line_unless_the_last_lines_show_it() {
+        let lines = vec!["INFO:     Shutting down".to_string()];
+        let t = failure_text("decode-0", "exit 0; x", Some("RuntimeError: bad"), &lines);
+        assert_eq!(
+            t,
+            "decode-0 failed: exit 0; x\n  last error line: RuntimeError: bad\n  last log lines:\n    INFO:     Shutting down"
+        );
+        let shown = vec!["RuntimeError: bad".to_string()];
+        let t = failure_text("decode-0", "exit 1", Some("RuntimeError: bad"), &shown);
+        assert!(!t.contains("last error line"), "{t}");
+        assert!(failure_text("p", "exit 2", None, &[]).ends_with("(no output)"));
     }
 
     #[test]

@@ -13,8 +13,9 @@ use tokio::sync::{mpsc, oneshot};
 /// How one run of the process ended.
 #[derive(Debug)]
 pub enum RunEnd {
-    /// The process exited: how (`exit 1`, `signal 9 (SIGKILL)`), and whether with status 0.
-    Exited(String, bool),
+    /// The process exited on its own: how (`exit 0`, `exit 1`, `signal 9 (SIGKILL)`). Any
+    /// status is a failure: a server is not meant to finish.
+    Exited(String),
     /// Too many liveness probes failed in a row; the reason of the last one.
     LivenessFailed(String),
     /// Not ready within its start-up timeout; the last probe's complaint.
@@ -112,8 +113,8 @@ pub async fn watch_liveness(
 /// The run end for a finished `wait()` on the process.
 pub fn exited(st: std::io::Result<std::process::ExitStatus>) -> RunEnd {
     match st {
-        Ok(s) => RunEnd::Exited(describe_exit(&s), s.success()),
-        Err(e) => RunEnd::Exited(format!("could not be waited for: {e}"), false),
+        Ok(s) => RunEnd::Exited(describe_exit(&s)),
+        Err(e) => RunEnd::Exited(format!("could not be waited for: {e}")),
     }
 }
 

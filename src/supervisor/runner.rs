@@ -6,7 +6,7 @@ use super::console::{Console, ConsoleMode, colour_wanted};
 use super::control_server::{self, DownRequest, Handlers};
 use super::logfile::ServiceLog;
 use super::probe::Prober;
-use super::progress::{self, Renderer, StartupEnd};
+use super::progress::{self, Renderer, StartFailure, StartupEnd};
 use super::service::{Cmd, FAILURE_LINES, ServiceCtx, run_local};
 use super::spawner::Spawner;
 use super::state::{ClusterLock, RecordWriter, RunRecord, StateDir};
@@ -266,14 +266,14 @@ async fn announce_healthy(ctx: &ServiceCtx, foreground: bool, started: Instant) 
     }
 }
 
-fn report_start_failure(ctx: &ServiceCtx, failed: &[(String, String)], foreground: bool) {
-    for (name, why) in failed {
+fn report_start_failure(ctx: &ServiceCtx, failed: &[StartFailure], foreground: bool) {
+    for f in failed {
         let lines = ctx
             .plan
-            .index_of(name)
+            .index_of(&f.name)
             .map(|i| ctx.logs[i].last_lines(FAILURE_LINES))
             .unwrap_or_default();
-        let text = progress::failure_text(name, why, &lines);
+        let text = progress::failure_text(&f.name, &f.why, f.error.as_deref(), &lines);
         if foreground {
             ctx.console.block(&text);
         } else {

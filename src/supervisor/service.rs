@@ -4,11 +4,13 @@
 //! The first start fails fast: a process that exits (or never gets ready) before it was
 //! ever healthy is `failed` at once with its last log lines, since a bad flag or a model
 //! that does not fit will not fix itself by restarting. After it was healthy once, exits
-//! and failed liveness probes go through the restart policy.
+//! and failed liveness probes go through the restart policy. An exit pdctl did not ask
+//! for is a failure whatever its status: these are servers, and one that exits 0 (a vLLM
+//! API server whose engine core died does) is as down as one that crashed.
 
 use super::console::Console;
 use super::deps::{DepsOutcome, wait_for_dependencies};
-use super::logfile::ServiceLog;
+use super::logfile::{ServiceLog, log_message};
 use super::policy::{RestartTracker, Verdict};
 use super::probe::Prober;
 use super::pump::{PumpTargets, pump};
@@ -118,7 +120,7 @@ impl Task {
         self.ctx.table.set_state(self.idx, ServiceState::Pending);
         match wait_for_dependencies(&self.ctx, self.idx, &mut self.rx).await {
             DepsOutcome::Ready => Next::Start,
-            DepsOutcome::Failed(why) => self.fail(why),
+            DepsOutcome::Failed(why) => self.fail(why, None),
             DepsOutcome::Stop(done) => {
                 self.ctx.table.set_state(self.idx, ServiceState::Stopped);
                 let _ = done.send(());
@@ -127,17 +129,17 @@ impl Task {
         }
     }
 
-    /// Marks the service failed and tells the user why, with its last log lines.
-    fn fail(&mut self, why: String) -> Next {
+    /// Marks the service failed and tells the user why, with its last log lines and the
+    /// run's last error line (`error`), if it printed one.
+    fn fail(&mut self, why: String, error: Option<String>) -> Next {
         let name = self.svc().name.clone();
         let lines = self.log().last_lines(FAILURE_LINES);
         self.log().note(&format!("failed: {why}"));
+        let text = super::progress::failure_text(&name, &why, error.as_deref(), &lines);
         self.ctx
             .table
-            .run_ended(self.idx, ServiceState::Failed, Some(why.clone()));
-        self.ctx
-            .console
-            .event(&super::progress::failure_text(&name, &why, &lines));
+            .run_ended(self.idx, ServiceState::Failed, Some(why), error);
+        self.ctx.console.event(&text);
         Next::Idle
     }
 
@@ -176,7 +178,7 @@ impl Task {
     async fn start_and_watch(&mut self) -> Next {
         let spawned = match self.spawn().await {
             Ok(s) => s,
-            Err(why) => return self.fail(why),
+            Err(why) => return self.fail(why, None),
         };
         let Spawned {
             mut child,
@@ -184,6 +186,7 @@ impl Task {
             output,
         } = spawned;
         self.runs += 1;
+        self.log().forget_errors();
         if self.runs > 1 {
             self.ctx.table.update(self.idx, |s| s.restarts += 1);
         }
@@ -250,7 +253,7 @@ impl Task {
         let grace = self.shutdown_timeout();
         // Whatever happened, no process of this run may be left behind.
         let why = match &end {
-            RunEnd::Exited(why, _) => {
+            RunEnd::Exited(why) => {
                 clear_group(pgid, signal, grace).await;
                 why.clone()
             }
@@ -266,6 +269,14 @@ impl Task {
             }
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), pump_task).await;
+        // The last error line the service printed, when it ended on its own (after a
+        // requested stop, shutdown chatter would be blamed for nothing).
+        let error = match &end {
+            RunEnd::Exited(_) | RunEnd::LivenessFailed(_) | RunEnd::StartTimeout(_) => {
+                self.log().last_error()
+            }
+            RunEnd::Stop(..) | RunEnd::Restart(..) => None,
+        };
         self.ctx.record.child_gone(&self.svc().name);
         self.log().note(&format!("run #{} ended: {why}", self.runs));
         let name = self.svc().name.clone();
@@ -273,14 +284,17 @@ impl Task {
             RunEnd::Stop(_, done) => {
                 self.ctx
                     .table
-                    .run_ended(self.idx, ServiceState::Stopped, Some(why));
+                    .run_ended(self.idx, ServiceState::Stopped, Some(why), None);
                 let _ = done.send(());
                 Next::Exit
             }
             RunEnd::Restart(reason, cascade) => {
-                self.ctx
-                    .table
-                    .run_ended(self.idx, ServiceState::Restarting, Some(reason.clone()));
+                self.ctx.table.run_ended(
+                    self.idx,
+                    ServiceState::Restarting,
+                    Some(reason.clone()),
+                    None,
+                );
                 self.ctx
                     .console
                     .event(&format!("restarting {name}: {reason}"));
@@ -293,45 +307,43 @@ impl Task {
                 }
                 Next::Start
             }
-            RunEnd::StartTimeout(probe_why) if !self.ever_healthy => self.fail(format!(
-                "not ready after {} s (last probe: {probe_why})",
-                self.svc().startup_timeout_s
-            )),
-            RunEnd::Exited(why, _) if !self.ever_healthy => {
-                self.fail(format!("{why} while starting"))
+            RunEnd::StartTimeout(probe_why) if !self.ever_healthy => self.fail(
+                format!(
+                    "not ready after {} s (last probe: {probe_why})",
+                    self.svc().startup_timeout_s
+                ),
+                error,
+            ),
+            RunEnd::Exited(why) if !self.ever_healthy => {
+                self.fail(format!("{why} while starting"), error)
             }
-            RunEnd::Exited(_, clean) => self.after_crash(why, clean, healthy_for),
-            RunEnd::LivenessFailed(_) | RunEnd::StartTimeout(_) => {
-                self.after_crash(why, false, healthy_for)
+            RunEnd::Exited(_) | RunEnd::LivenessFailed(_) | RunEnd::StartTimeout(_) => {
+                self.after_crash(why, error, healthy_for)
             }
         }
     }
 
-    /// Applies the restart policy after an unrequested end.
-    fn after_crash(&mut self, why: String, clean: bool, healthy_for: Duration) -> Next {
+    /// Applies the restart policy after an end nobody asked for (an exit with any status,
+    /// status 0 included, or failed liveness probes); `error` is the run's last error line.
+    fn after_crash(&mut self, why: String, error: Option<String>, healthy_for: Duration) -> Next {
         let name = self.svc().name.clone();
-        match self.tracker.after_exit(Instant::now(), clean, healthy_for) {
+        match self.tracker.after_exit(Instant::now(), healthy_for) {
             Verdict::Restart { delay } => {
-                self.ctx
-                    .table
-                    .run_ended(self.idx, ServiceState::Restarting, Some(why.clone()));
+                let last_error = error
+                    .as_deref()
+                    .map(|e| format!(" (last error: {})", log_message(e)))
+                    .unwrap_or_default();
                 self.ctx.console.event(&format!(
-                    "{name}: {why}; restarting in {:.1} s",
+                    "{name}: {why}{last_error}; restarting in {:.1} s",
                     delay.as_secs_f64()
                 ));
+                self.ctx
+                    .table
+                    .run_ended(self.idx, ServiceState::Restarting, Some(why), error);
                 self.restart_companions();
                 Next::Backoff(delay)
             }
-            Verdict::Stop => {
-                self.ctx
-                    .table
-                    .run_ended(self.idx, ServiceState::Stopped, Some(why.clone()));
-                self.ctx
-                    .console
-                    .event(&format!("{name}: {why}; not restarted (restart policy)"));
-                Next::Idle
-            }
-            Verdict::Fail { reason } => self.fail(format!("{why}; {reason}")),
+            Verdict::Fail { reason } => self.fail(format!("{why}; {reason}"), error),
         }
     }
 

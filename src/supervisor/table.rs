@@ -59,6 +59,7 @@ impl Table {
                         restarts: 0,
                         uptime_s: None,
                         last_exit: None,
+                        last_error: None,
                         remote,
                     },
                     run_started: None,
@@ -131,8 +132,16 @@ impl Table {
         self.version.send_modify(|v| *v += 1);
     }
 
-    /// The process of service `idx` is gone; `why` goes into `last_exit`.
-    pub fn run_ended(&self, idx: usize, state: ServiceState, why: Option<String>) {
+    /// The process of service `idx` is gone; `why` goes into `last_exit` and, with it,
+    /// `error` (the run's last error line) into `last_error`. Without a `why` both keep
+    /// what they said.
+    pub fn run_ended(
+        &self,
+        idx: usize,
+        state: ServiceState,
+        why: Option<String>,
+        error: Option<String>,
+    ) {
         {
             let mut rows = self.rows();
             rows[idx].run_started = None;
@@ -140,6 +149,7 @@ impl Table {
             rows[idx].status.state = state;
             if why.is_some() {
                 rows[idx].status.last_exit = why;
+                rows[idx].status.last_error = error;
             }
         }
         self.version.send_modify(|v| *v += 1);
@@ -211,9 +221,18 @@ mod tests {
         let r = t.report();
         assert_eq!(r.services[0].pid, Some(42));
         assert!(r.services[0].uptime_s.is_some());
-        t.run_ended(0, ServiceState::Failed, Some("exit 1".into()));
+        t.run_ended(
+            0,
+            ServiceState::Failed,
+            Some("exit 1".into()),
+            Some("RuntimeError: x".into()),
+        );
         let r = t.report();
         assert_eq!(r.services[0].last_exit.as_deref(), Some("exit 1"));
+        assert_eq!(r.services[0].last_error.as_deref(), Some("RuntimeError: x"));
+        // A later end without an error line does not keep the old one.
+        t.run_ended(0, ServiceState::Stopped, Some("stopped".into()), None);
+        assert_eq!(t.report().services[0].last_error, None);
         assert_eq!((r.services[0].pid, r.services[0].uptime_s), (None, None));
     }
 }

@@ -1,8 +1,31 @@
 //! The status table (`pdctl status`, and after `up`), and the proxy's request figures
 //! scraped from its `/metrics` when it runs.
 
+use super::logfile::log_message;
 use crate::control::{ServiceStatus, StatusReport};
 use std::fmt::Write;
+
+/// Characters of the LAST EXIT column at most; `status --json` has the whole text.
+pub const LAST_EXIT_WIDTH: usize = 80;
+
+/// How the last run ended and, beside it, the message of its last error line:
+/// `exit 0: RuntimeError: shape mismatch`. `None` before any run ended.
+pub fn exit_summary(s: &ServiceStatus) -> Option<String> {
+    let exit = s.last_exit.as_deref()?;
+    Some(match s.last_error.as_deref() {
+        Some(e) => format!("{exit}: {}", log_message(e)),
+        None => exit.to_string(),
+    })
+}
+
+/// `text` cut to `max` characters, the cut marked with `...`.
+fn shorten(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        return text.to_string();
+    }
+    let kept: String = text.chars().take(max.saturating_sub(3)).collect();
+    format!("{}...", kept.trim_end())
+}
 
 /// `42s`, `3m04s`, `2h01m`, `5d03h`.
 pub fn human_duration(secs: f64) -> String {
@@ -39,7 +62,9 @@ fn cells(s: &ServiceStatus) -> [String; 10] {
         s.port.map(|p| p.to_string()).unwrap_or_else(dash),
         s.restarts.to_string(),
         s.uptime_s.map(human_duration).unwrap_or_else(dash),
-        s.last_exit.clone().unwrap_or_else(dash),
+        exit_summary(s)
+            .map(|t| shorten(&t, LAST_EXIT_WIDTH))
+            .unwrap_or_else(dash),
     ]
 }
 
@@ -148,6 +173,7 @@ mod tests {
                 restarts: 2,
                 uptime_s: Some(65.0),
                 last_exit: Some("signal 9 (SIGKILL)".into()),
+                last_error: None,
                 remote: true,
             }],
         };
@@ -165,5 +191,51 @@ mod tests {
         ] {
             assert!(lines[2].contains(cell), "{cell} missing in {t}");
         }
+    }
+
+    #[test]
+    fn last_exit_shows_the_error_message_short() {
+        let mut s = ServiceStatus {
+            name: "decode-0".into(),
+            role: Role::Decode,
+            node: "n".into(),
+            pid: None,
+            state: ServiceState::Restarting,
+            gpus: vec![],
+            port: None,
+            url: None,
+            restarts: 1,
+            uptime_s: None,
+            last_exit: Some("exit 0".into()),
+            last_error: Some(
+                "ERROR 11-22 05:19:57 [core.py:812] RuntimeError: shape mismatch".into(),
+            ),
+            remote: false,
+        };
+        assert_eq!(
+            exit_summary(&s).as_deref(),
+            Some("exit 0: RuntimeError: shape mismatch")
+        );
+        let long = format!("RuntimeError: {}", "x".repeat(200));
+        s.last_error = Some(long.clone());
+        let report = StatusReport {
+            cluster: "c".into(),
+            node: "n".into(),
+            proxy_url: None,
+            services: vec![s.clone()],
+        };
+        let row = status_table(&report).lines().nth(2).unwrap().to_string();
+        let cell = row.split("  ").last().unwrap().trim();
+        assert!(cell.starts_with("exit 0: RuntimeError: xxx"), "{row}");
+        assert!(
+            cell.ends_with("...") && cell.chars().count() == LAST_EXIT_WIDTH,
+            "{row}"
+        );
+        // The JSON keeps the whole line.
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["last_error"], long.as_str());
+        assert_eq!(json["last_exit"], "exit 0");
+        s.last_exit = None;
+        assert_eq!(exit_summary(&s), None);
     }
 }

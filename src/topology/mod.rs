@@ -123,7 +123,8 @@ pub struct ModelSection {
     /// Name clients use (vLLM's --served-model-name). Default: `name`.
     #[serde(default)]
     pub served_name: Option<String>,
-    /// vLLM's --max-model-len.
+    /// vLLM's --max-model-len; simulated engines get it too (their `--max-model-len`),
+    /// so they refuse the prompts vLLM would.
     #[serde(default)]
     pub max_model_len: Option<u32>,
     /// vLLM's --trust-remote-code.
@@ -478,6 +479,8 @@ pub struct RoleSection {
     pub args: Vec<String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// What happens when an instance ends without being asked to (`on-failure`, the
+    /// default, and `always` restart it, whatever its exit status; `never` marks it failed).
     #[serde(default = "RoleSection::default_restart")]
     pub restart: RestartMode,
     /// Roles or services restarted together with each instance of this role.

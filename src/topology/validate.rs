@@ -2,7 +2,7 @@
 //! that must make sense together. Checks that need the vLLM version or the GPU inventory
 //! happen while planning.
 
-use super::{ConnectorKind, Problem, RoleSection, Topology};
+use super::{ConnectorKind, EngineKind, Problem, RoleSection, Topology};
 
 /// The first problem found, if any.
 pub fn check(t: &Topology, head: &str) -> Result<(), Problem> {
@@ -239,6 +239,29 @@ fn check_engine(t: &Topology) -> Result<(), Problem> {
             "engine.sim.max_num_seqs",
             "must be at least 1",
         ));
+    }
+    check_context_length(t)
+}
+
+/// A simulated engine serves `model.max_model_len` when it is set, so a different
+/// `engine.sim.max_model_len` beside it would be silently ignored: refused instead.
+/// (`engine.sim.max_model_len` left at its default of 8192 is not a contradiction.)
+fn check_context_length(t: &Topology) -> Result<(), Problem> {
+    let (Some(model), sim) = (t.model.max_model_len, t.engine.sim.max_model_len) else {
+        return Ok(());
+    };
+    if model == 0 {
+        return Err(Problem::new("model.max_model_len", "must be at least 1"));
+    }
+    let default = crate::sim::args::SimModel::default().max_model_len;
+    if t.engine.kind == EngineKind::Sim && sim != default && sim != model {
+        return Err(Problem::new(
+            "engine.sim.max_model_len",
+            format!(
+                "{sim} contradicts model.max_model_len = {model}, which the simulated engines serve"
+            ),
+        )
+        .hint("remove engine.sim.max_model_len, or set both to the same value"));
     }
     Ok(())
 }

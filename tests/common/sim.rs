@@ -26,14 +26,19 @@ impl SimProc {
 
     /// Same, on a given port.
     pub async fn start_on(port: u16, args: &[&str]) -> SimProc {
+        let mut argv = vec!["--port".to_string(), port.to_string()];
+        argv.extend(args.iter().map(|a| a.to_string()));
+        Self::start_argv(port, &argv).await
+    }
+
+    /// Starts `pdctl sim <argv>` where `argv` names its own `--port port` (a command line
+    /// the planner wrote) and waits until it answers /version.
+    pub async fn start_argv(port: u16, argv: &[String]) -> SimProc {
         let dir = TempDir::new("sim");
         let log = dir.path().join("sim.log");
         let file = std::fs::File::create(&log).unwrap();
         let mut cmd = Command::new(pdctl_bin());
-        cmd.arg("sim")
-            .arg("--port")
-            .arg(port.to_string())
-            .args(args);
+        cmd.arg("sim").args(argv);
         cmd.env("RUST_LOG", "info").env("NO_COLOR", "1");
         // A key in the caller's environment would guard every /v1 route.
         cmd.env_remove("VLLM_API_KEY");

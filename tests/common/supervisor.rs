@@ -17,14 +17,27 @@ use std::time::{Duration, Instant};
 /// with a second argument exits with status 1 after that many seconds. With CHATTY=1 it
 /// prints a numbered line every 5 ms (for log rotation). With FORK=1 it leaves a
 /// `sleep` child behind (a grandchild of the supervisor, like vLLM's engine core). With
-/// SICK_AFTER=S it answers 503 after S seconds while staying alive (a hung engine).
+/// SICK_AFTER=S it answers 503 after S seconds while staying alive (a hung engine). With
+/// EXIT0_ONCE=PATH, on its first run only (while PATH does not exist), it answers one GET,
+/// then prints a vLLM-style error line and a harmless line after it and exits with
+/// status 0, as a vLLM API server whose engine core died does.
 pub const ENGINE_PY: &str = r#"
 import http.server, os, sys, threading, time, subprocess
 STARTED = time.time()
 host, port = sys.argv[1], int(sys.argv[2])
 exit_after = float(sys.argv[3]) if len(sys.argv) > 3 else 0
+EXIT0_ONCE = os.environ.get("EXIT0_ONCE")
+def die_cleanly():
+    print("ERROR 11-22 05:19:57 [core.py:812] RuntimeError: shape mismatch in layer 3", file=sys.stderr, flush=True)
+    print("INFO:     Shutting down", flush=True)
+    os._exit(0)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        global EXIT0_ONCE
+        if EXIT0_ONCE and not os.path.exists(EXIT0_ONCE):
+            open(EXIT0_ONCE, "w").close()
+            EXIT0_ONCE = None
+            threading.Timer(0.3, die_cleanly).start()
         sick = os.environ.get("SICK_AFTER")
         if sick and time.time() - STARTED > float(sick):
             self.send_response(503)
