@@ -7,6 +7,15 @@ pub mod client;
 use crate::plan::Role;
 use serde::{Deserialize, Serialize};
 
+/// The environment variable the supervisor gives every service: the file in which it
+/// writes, just before asking the service to stop, when it will SIGKILL it (Unix time in
+/// milliseconds). A service that must finish work in time (the proxy ending streams with a
+/// word for the client) reads it on SIGTERM, so `pdctl down -t N` is honoured whole.
+pub const STOP_DEADLINE_ENV: &str = "PDCTL_STOP_DEADLINE_FILE";
+
+/// Directory of those files inside a cluster's state dir, one per service.
+pub const STOP_DEADLINE_DIR: &str = "stop-by";
+
 /// Socket file name inside a cluster's state dir.
 pub const SOCKET_NAME: &str = "control.sock";
 

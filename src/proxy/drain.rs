@@ -12,9 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 
-/// The environment variable naming the file in which the supervisor writes, just before it
-/// asks a service to stop, when it will SIGKILL it (Unix time in milliseconds).
-pub const STOP_DEADLINE_ENV: &str = "PDCTL_STOP_DEADLINE_FILE";
+pub use crate::control::STOP_DEADLINE_ENV;
 
 /// How long in-flight requests get when nobody says (a proxy run by hand, Ctrl-C).
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);

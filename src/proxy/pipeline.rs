@@ -406,6 +406,12 @@ fn note_failure(inst: &Instance, f: &LegFailure) {
     };
     inst.record_failure(kind);
     if matches!(f, LegFailure::Connect(_)) && inst.set_usable(false) {
+        // A supervised engine that refuses connections has most likely died, and its
+        // supervisor is restarting it: requests may wait for it until its next report
+        // says otherwise (`failed`, or healthy again).
+        if inst.is_supervised() {
+            inst.set_coming_back(true);
+        }
         inst.set_out_reason(&format!("refused a connection ({f})"));
         tracing::warn!(
             "{} instance {} refused a connection ({f}); not routing to it until health checks pass",

@@ -11,6 +11,13 @@ use crate::plan::{RestartMode, RestartPolicy};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+/// A run healthy for at least this long was serving, not crashing: it does not count
+/// toward the crash-loop limit, and the backoff after it starts again from its first step
+/// (as Kubernetes forgets a crash after a stable run). So an engine killed from outside
+/// every few seconds (an OOM killer, a driver reset, a person) is restarted every time,
+/// while one that dies before it is healthy, or right after, still ends `failed`.
+pub const SERVING_RUN: Duration = Duration::from_secs(2);
+
 /// What to do after a service's process ended without being asked to.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {
@@ -26,7 +33,7 @@ pub struct RestartTracker {
     policy: RestartPolicy,
     /// When each automatic restart within the window happened.
     recent: VecDeque<Instant>,
-    /// Restarts since the service last stayed healthy for a while; sets the backoff.
+    /// Restarts since the service last served ([`SERVING_RUN`]); sets the backoff.
     consecutive: u32,
 }
 
@@ -41,8 +48,9 @@ impl RestartTracker {
     }
 
     /// Decides after an end nobody asked for: an exit with any status (0 included), a
-    /// signal, failed liveness probes. `healthy_for` is how long the run was healthy (a
-    /// run that stayed up longer than the backoff cap resets the backoff).
+    /// signal, failed liveness probes. `healthy_for` is how long the run was healthy: a
+    /// run that served ([`SERVING_RUN`]) is restarted after the first backoff step and is
+    /// not counted toward the crash-loop limit.
     pub fn after_exit(&mut self, now: Instant, healthy_for: Duration) -> Verdict {
         let p = &self.policy;
         match p.mode {
@@ -53,8 +61,11 @@ impl RestartTracker {
             }
             RestartMode::OnFailure | RestartMode::Always => {}
         }
-        if healthy_for >= Duration::from_millis(p.backoff_max_ms) {
-            self.consecutive = 0;
+        if healthy_for >= SERVING_RUN {
+            self.consecutive = 1;
+            return Verdict::Restart {
+                delay: Duration::from_millis(p.backoff_initial_ms),
+            };
         }
         let window = Duration::from_secs(p.window_s);
         while self
@@ -136,8 +147,10 @@ mod tests {
             delay(t.after_exit(start, Duration::ZERO));
         }
         let later = start + Duration::from_secs(61);
-        // A long healthy run also resets the backoff to its first step.
-        assert_eq!(delay(t.after_exit(later, Duration::from_secs(1))), 100);
+        assert_eq!(delay(t.after_exit(later, Duration::ZERO)), 350);
+        // A run that served resets the backoff to its first step.
+        assert_eq!(delay(t.after_exit(later, SERVING_RUN)), 100);
+        assert_eq!(delay(t.after_exit(later, Duration::ZERO)), 200);
     }
 
     #[test]
@@ -153,6 +166,29 @@ mod tests {
             Verdict::Fail { reason } => assert!(reason.contains("`never`"), "{reason}"),
             other => panic!("expected failure, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn an_engine_killed_while_serving_is_restarted_every_time() {
+        let mut t = RestartTracker::new(policy(RestartMode::OnFailure));
+        let start = Instant::now();
+        // Killed every 5 s after 4 s of serving, far more often than the limit of 4.
+        for i in 0..20 {
+            let now = start + Duration::from_secs(5 * i);
+            assert_eq!(
+                delay(t.after_exit(now, Duration::from_secs(4))),
+                100,
+                "kill {i}"
+            );
+        }
+        // One that dies before it is healthy still counts.
+        for _ in 0..4 {
+            delay(t.after_exit(start + Duration::from_secs(101), Duration::ZERO));
+        }
+        assert!(matches!(
+            t.after_exit(start + Duration::from_secs(101), Duration::ZERO),
+            Verdict::Fail { .. }
+        ));
     }
 
     #[test]

@@ -116,6 +116,31 @@ impl Task {
         Duration::from_secs(self.svc().shutdown.timeout_s)
     }
 
+    /// Where this service learns when it will be SIGKILLed (see
+    /// [`crate::control::STOP_DEADLINE_ENV`]).
+    fn stop_deadline_file(&self) -> std::path::PathBuf {
+        self.ctx
+            .cwd
+            .join(crate::control::STOP_DEADLINE_DIR)
+            .join(&self.svc().name)
+    }
+
+    /// Writes when the stop about to be asked for turns into SIGKILL.
+    fn announce_stop(&self, within: Duration) {
+        let path = self.stop_deadline_file();
+        let at = std::time::SystemTime::now() + within;
+        let ms = at
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis())
+            .unwrap_or(0);
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        if let Err(e) = std::fs::write(&path, ms.to_string()) {
+            tracing::warn!("cannot write {}: {e}", path.display());
+        }
+    }
+
     async fn wait_deps(&mut self) -> Next {
         self.ctx.table.set_state(self.idx, ServiceState::Pending);
         match wait_for_dependencies(&self.ctx, self.idx, &mut self.rx).await {
@@ -161,6 +186,12 @@ impl Task {
         env.insert(
             super::procfs::RUN_MARKER_ENV.to_string(),
             self.ctx.record.run_id(),
+        );
+        let deadline_file = self.stop_deadline_file();
+        let _ = std::fs::remove_file(&deadline_file);
+        env.insert(
+            crate::control::STOP_DEADLINE_ENV.to_string(),
+            deadline_file.display().to_string(),
         );
         let spec = SpawnSpec {
             argv: self.svc().argv.clone(),
@@ -259,11 +290,13 @@ impl Task {
             }
             RunEnd::Stop(t, _) => {
                 let t = t.unwrap_or(grace);
+                self.announce_stop(t);
                 let st = stop_run(&mut child, pgid, signal, t).await;
                 st.map(|s| format!("stopped: {}", describe_exit(&s)))
                     .unwrap_or_else(|| "stopped".into())
             }
             RunEnd::LivenessFailed(why) | RunEnd::StartTimeout(why) | RunEnd::Restart(why, _) => {
+                self.announce_stop(grace);
                 stop_run(&mut child, pgid, signal, grace).await;
                 why.clone()
             }

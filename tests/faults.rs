@@ -1,0 +1,189 @@
+//! Faults as a user meets them, on whole sim clusters brought up with `pdctl up`: an
+//! engine killed from outside again and again while serving costs seconds, not the
+//! cluster; `pdctl down` during streams ends each with an error event and `[DONE]`.
+
+mod common;
+#[path = "common/supervisor.rs"]
+mod suph;
+
+use common::TempDir;
+use pdctl::control::ServiceState;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use suph::{Cluster, sim_topology, text};
+
+fn up(cluster: &Cluster, dir: &TempDir, topology: &str) {
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, topology).unwrap();
+    let out = cluster.run(&["up", "-d", "-f", file.to_str().unwrap()]);
+    assert!(out.status.success(), "up -d failed:\n{}", text(&out));
+}
+
+/// Outcomes of the load: answered 200, answered with a JSON error, no answer in time.
+#[derive(Default)]
+struct Tally {
+    ok: AtomicU64,
+    json_errors: AtomicU64,
+    hung: AtomicU64,
+    other: AtomicU64,
+}
+
+/// The decode engine killed with SIGKILL every 5 s for 60 s under load, on 1P1D (the
+/// shape of most workstation demos): the supervisor restarts it every time, requests wait
+/// for it instead of failing, and the cluster ends healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_decode_engine_killed_every_5_s_costs_seconds_not_the_cluster() {
+    let (t, port) = sim_topology("f-kill", "example", 1, 1, "");
+    let cluster = Cluster::new("fkill");
+    let dir = TempDir::new("fkill-topo");
+    up(&cluster, &dir, &t);
+    let url = format!("http://127.0.0.1:{port}/v1/completions");
+    let tally = Arc::new(Tally::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(45))
+        .build()
+        .unwrap();
+    let mut workers = Vec::new();
+    for w in 0..4 {
+        let (tally, stop, client, url) = (tally.clone(), stop.clone(), client.clone(), url.clone());
+        workers.push(tokio::spawn(async move {
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let body = json!({"model": "sim-model", "prompt": format!("worker {w} request {i}"), "max_tokens": 8});
+                match client.post(&url).json(&body).send().await {
+                    Ok(r) if r.status() == 200 => {
+                        let v: Value = r.json().await.unwrap_or(Value::Null);
+                        if v["choices"][0]["text"].is_string() {
+                            tally.ok.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            tally.other.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Ok(r) => {
+                        let v: Value = r.json().await.unwrap_or(Value::Null);
+                        if v["error"]["message"].is_string() {
+                            tally.json_errors.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            tally.other.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Err(e) if e.is_timeout() => {
+                        tally.hung.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        tally.other.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }));
+    }
+    let started = Instant::now();
+    let mut kills = 0;
+    while started.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let report = cluster.status(&[]).expect("the cluster is still there");
+        if let Some(pid) = suph::svc(&report, "decode-0").pid {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            kills += 1;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.await.unwrap();
+    }
+    let report = cluster.wait_status(Duration::from_secs(20), &[], suph::all_healthy);
+    let decode = suph::svc(&report, "decode-0");
+    assert_eq!(decode.state, ServiceState::Healthy, "{report:?}");
+    assert!(
+        decode.restarts >= kills - 1,
+        "{kills} kills, {} restarts",
+        decode.restarts
+    );
+    let (ok, errors, hung, other) = (
+        tally.ok.load(Ordering::Relaxed),
+        tally.json_errors.load(Ordering::Relaxed),
+        tally.hung.load(Ordering::Relaxed),
+        tally.other.load(Ordering::Relaxed),
+    );
+    let total = ok + errors + hung + other;
+    eprintln!(
+        "kill loop: {ok} of {total} answered, {errors} JSON errors, {hung} hung, {kills} kills, {} restarts",
+        decode.restarts
+    );
+    assert!(total > 100, "too little load to judge: {total}");
+    assert_eq!((hung, other), (0, 0), "every failure must be a JSON error");
+    assert!(
+        ok * 100 >= total * 80,
+        "{ok} of {total} answered ({errors} JSON errors) over {kills} kills"
+    );
+    // `status` says why the last run ended.
+    let last = decode.last_exit.clone().unwrap_or_default();
+    assert!(
+        last.contains("SIGKILL") || last.contains("signal"),
+        "{last}"
+    );
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// `pdctl down -t 3` with streams in flight: each ends within the 3 s with an SSE error
+/// event saying the proxy is shutting down, then `data: [DONE]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn down_during_streams_ends_each_with_an_error_event_and_done() {
+    let (t, port) = sim_topology("f-down", "example", 1, 1, "[engine.sim]\nitl_ms = 50.0\n");
+    let cluster = Cluster::new("fdown");
+    let dir = TempDir::new("fdown-topo");
+    up(&cluster, &dir, &t);
+    let url = format!("http://127.0.0.1:{port}/v1/completions");
+    let client = reqwest::Client::new();
+    let mut streams = Vec::new();
+    for i in 0..8 {
+        let body = json!({"model": "sim-model", "prompt": format!("stream {i}"), "max_tokens": 1000, "stream": true});
+        let mut r = client.post(&url).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let first = r.chunk().await.unwrap().unwrap();
+        assert!(first.starts_with(b"data: "));
+        streams.push(tokio::spawn(async move {
+            let mut all = String::new();
+            while let Ok(Some(c)) = r.chunk().await {
+                all.push_str(&String::from_utf8_lossy(&c));
+            }
+            (all, Instant::now())
+        }));
+    }
+    let sent = Instant::now();
+    let out = cluster.run(&["down", "-t", "3"]);
+    assert!(out.status.success(), "{}", text(&out));
+    for s in streams {
+        let (all, ended) = s.await.unwrap();
+        let took = ended.duration_since(sent);
+        assert!(
+            took < Duration::from_secs(3),
+            "a stream ended after {took:?}"
+        );
+        let events: Vec<&str> = all.split("\n\n").filter(|e| !e.trim().is_empty()).collect();
+        let n = events.len();
+        assert!(n >= 2, "{all}");
+        assert_eq!(events[n - 1], "data: [DONE]", "{all}");
+        let err: Value = serde_json::from_str(events[n - 2].strip_prefix("data: ").unwrap())
+            .unwrap_or(Value::Null);
+        assert!(
+            err["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("shutting down")),
+            "{}",
+            events[n - 2]
+        );
+    }
+    assert!(
+        cluster.status(&[]).is_none(),
+        "down left the cluster running"
+    );
+}
