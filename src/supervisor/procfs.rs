@@ -155,3 +155,53 @@ mod tests {
         assert_eq!(found, vec![marked.id() as i32]);
     }
 }
+
+/// Whether the kernel log says its OOM killer killed `pid` (read from /dev/kmsg, which
+/// needs root or CAP_SYSLOG: without it the answer is "not known", false).
+pub fn oom_killed(pid: u32) -> bool {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(mut kmsg) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::fcntl::OFlag::O_NONBLOCK.bits())
+        .open("/dev/kmsg")
+    else {
+        return false;
+    };
+    // One record per read; EAGAIN at the end of the buffer.
+    let mut buf = vec![0u8; 8192];
+    let mut found = false;
+    for _ in 0..100_000 {
+        match kmsg.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => found |= mentions_oom_kill(&String::from_utf8_lossy(&buf[..n]), pid),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            // EPIPE: a record was overwritten while reading; the rest is still readable.
+            Err(e) if e.raw_os_error() == Some(nix::libc::EPIPE) => continue,
+            Err(_) => break,
+        }
+    }
+    found
+}
+
+/// Whether one kernel log record is the OOM killer's report on `pid`.
+fn mentions_oom_kill(record: &str, pid: u32) -> bool {
+    record.contains(&format!("Killed process {pid} "))
+        || (record.contains("oom-kill:") && record.contains(&format!(",pid={pid},")))
+}
+
+#[cfg(test)]
+mod oom_tests {
+    use super::*;
+
+    #[test]
+    fn the_oom_killers_report_names_the_pid() {
+        let line =
+            "3,1234,5678,-;Out of memory: Killed process 4242 (python3) total-vm:1kB, anon-rss:1kB";
+        assert!(mentions_oom_kill(line, 4242));
+        assert!(!mentions_oom_kill(line, 424));
+        let line = "6,1,2,-;oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),task=python3,pid=4242,uid=0";
+        assert!(mentions_oom_kill(line, 4242));
+        assert!(!oom_killed(u32::MAX));
+    }
+}

@@ -37,6 +37,7 @@ pub async fn wait_ready(
     output: &Notify,
     started: Instant,
 ) -> Option<RunEnd> {
+    let pid = child.id();
     let probe = ctx.plan.services[idx].probe.clone();
     let limit = Duration::from_secs(ctx.plan.services[idx].startup_timeout_s);
     let prober = ctx.prober.clone();
@@ -56,7 +57,7 @@ pub async fn wait_ready(
             prober.check(&probe, seen).await
         };
         tokio::select! {
-            st = child.wait() => return Some(exited(st)),
+            st = child.wait() => return Some(exited(st, pid)),
             cmd = rx.recv() => return Some(command_end(cmd)),
             res = next => {
                 last_probe = Instant::now();
@@ -80,13 +81,14 @@ pub async fn watch_liveness(
     child: &mut tokio::process::Child,
     seen: &AtomicBool,
 ) -> RunEnd {
+    let pid = child.id();
     let probe = ctx.plan.services[idx].probe.clone();
     let allowed = ctx.plan.services[idx].restart.liveness_failures.max(1);
     let prober = ctx.prober.clone();
     let mut failures = 0u32;
     loop {
         tokio::select! {
-            st = child.wait() => return exited(st),
+            st = child.wait() => return exited(st, pid),
             cmd = rx.recv() => return command_end(cmd),
             res = async { tokio::time::sleep(LIVENESS_INTERVAL).await; prober.check(&probe, seen).await } => {
                 match res {
@@ -110,10 +112,18 @@ pub async fn watch_liveness(
     }
 }
 
-/// The run end for a finished `wait()` on the process.
-pub fn exited(st: std::io::Result<std::process::ExitStatus>) -> RunEnd {
+/// The run end for a finished `wait()` on the process `pid`: its exit status or signal,
+/// and "killed by the kernel's OOM killer" where the kernel log says so.
+pub fn exited(st: std::io::Result<std::process::ExitStatus>, pid: Option<u32>) -> RunEnd {
     match st {
-        Ok(s) => RunEnd::Exited(describe_exit(&s)),
+        Ok(s) => {
+            use std::os::unix::process::ExitStatusExt;
+            let mut why = describe_exit(&s);
+            if s.signal() == Some(9) && pid.is_some_and(super::procfs::oom_killed) {
+                why.push_str(", killed by the kernel's OOM killer (out of memory)");
+            }
+            RunEnd::Exited(why)
+        }
         Err(e) => RunEnd::Exited(format!("could not be waited for: {e}")),
     }
 }
