@@ -75,6 +75,18 @@ pub struct RestartArgs {
     /// `restart_with` companions are restarted with them.
     #[arg(required = true)]
     pub targets: Vec<String>,
+    /// One at a time: take the service out of the proxy's routing, let its requests in
+    /// flight finish (up to --timeout), restart it, and wait until it is healthy again
+    /// before the next. New requests go to the other instances, or wait in the proxy
+    /// while the only one restarts.
+    #[arg(long)]
+    pub drain: bool,
+    /// `--drain` over every instance of one ROLE, one after another.
+    #[arg(long, conflicts_with = "drain")]
+    pub rolling: bool,
+    /// Seconds a draining service's requests in flight get before it is restarted anyway.
+    #[arg(long, default_value_t = 60)]
+    pub timeout: u64,
     #[command(flatten)]
     pub which: ClusterArgs,
 }

@@ -29,6 +29,9 @@ pub enum Request {
     Down { timeout_s: u64 },
     /// Restart one service (and its `restart_with` companions).
     Restart { service: String },
+    /// Take one healthy service out of the proxy's routing (reported `draining`) until its
+    /// run ends, so requests in flight can finish before it is restarted or stopped.
+    Drain { service: String },
 }
 
 /// What the supervisor answers.
@@ -100,6 +103,8 @@ pub enum ServiceState {
     Pending,
     Starting,
     Healthy,
+    /// Healthy, but out of routing while its requests in flight finish.
+    Draining,
     Unhealthy,
     Restarting,
     /// Crash loop or start-up failure: given up on; the proxy stops using it.
@@ -113,6 +118,7 @@ impl ServiceState {
             ServiceState::Pending => "pending",
             ServiceState::Starting => "starting",
             ServiceState::Healthy => "healthy",
+            ServiceState::Draining => "draining",
             ServiceState::Unhealthy => "unhealthy",
             ServiceState::Restarting => "restarting",
             ServiceState::Failed => "failed",

@@ -97,6 +97,7 @@ pub fn apply_report(p: &Proxy, report: &StatusReport) {
                         | ServiceState::Starting
                         | ServiceState::Unhealthy
                         | ServiceState::Restarting
+                        | ServiceState::Draining
                 ));
                 let healthy = s.state == ServiceState::Healthy;
                 if inst.is_usable() != healthy {

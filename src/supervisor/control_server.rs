@@ -68,6 +68,7 @@ async fn connection(stream: UnixStream, h: Handlers) {
         let response = match serde_json::from_str::<Request>(&line) {
             Ok(Request::Status) => Response::Status(h.table.report()),
             Ok(Request::Restart { service }) => restart(&h, &service),
+            Ok(Request::Drain { service }) => drain(&h, &service),
             Ok(Request::Down { timeout_s }) => {
                 let (resp, a) = down(&h, timeout_s).await;
                 ack = a;
@@ -90,22 +91,28 @@ async fn connection(stream: UnixStream, h: Handlers) {
     }
 }
 
-fn restart(h: &Handlers, name: &str) -> Response {
+/// The index of a service this supervisor runs, or the error to answer.
+fn local_index(h: &Handlers, name: &str) -> Result<usize, Response> {
     let Some(idx) = h.plan.index_of(name) else {
         let known: Vec<&str> = h.plan.services.iter().map(|s| s.name.as_str()).collect();
-        return Response::Error {
+        return Err(Response::Error {
             message: format!("no service `{name}`; services: {}", known.join(", ")),
-        };
+        });
     };
     let svc = &h.plan.services[idx];
     if svc.node != h.node {
-        return Response::Error {
-            message: format!(
-                "{name} runs on node {}; restart it with the supervisor there",
-                svc.node
-            ),
-        };
+        return Err(Response::Error {
+            message: format!("{name} runs on node {}; ask the supervisor there", svc.node),
+        });
     }
+    Ok(idx)
+}
+
+fn restart(h: &Handlers, name: &str) -> Response {
+    let idx = match local_index(h, name) {
+        Ok(i) => i,
+        Err(e) => return e,
+    };
     let sent = h.commands[idx].send(Cmd::Restart {
         reason: "restart requested".into(),
         cascade: true,
@@ -117,6 +124,25 @@ fn restart(h: &Handlers, name: &str) -> Response {
         Err(_) => Response::Error {
             message: format!("{name} is shutting down"),
         },
+    }
+}
+
+fn drain(h: &Handlers, name: &str) -> Response {
+    let idx = match local_index(h, name) {
+        Ok(i) => i,
+        Err(e) => return e,
+    };
+    if h.table.drain(idx) {
+        Response::Done {
+            message: format!("draining {name}: out of routing until it restarts"),
+        }
+    } else {
+        Response::Error {
+            message: format!(
+                "{name} is {}, not healthy: there is nothing to drain",
+                h.table.state(idx)
+            ),
+        }
     }
 }
 

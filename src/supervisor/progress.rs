@@ -111,7 +111,7 @@ pub fn rows(
                 ServiceState::Failed | ServiceState::Stopped => {
                     super::view::exit_summary(s).unwrap_or_default()
                 }
-                ServiceState::Healthy => String::new(),
+                ServiceState::Healthy | ServiceState::Draining => String::new(),
             };
             Row {
                 name: s.name.clone(),

@@ -22,6 +22,8 @@ struct Row {
     status: ServiceStatus,
     /// When the current process started (uptime), while one runs.
     run_started: Option<Instant>,
+    /// Taken out of routing while requests in flight finish (until its run ends).
+    draining: bool,
 }
 
 /// Every service's state, in plan order.
@@ -63,6 +65,7 @@ impl Table {
                         remote,
                     },
                     run_started: None,
+                    draining: false,
                 }
             })
             .collect();
@@ -87,6 +90,9 @@ impl Table {
             .iter()
             .map(|r| {
                 let mut s = r.status.clone();
+                if r.draining && s.state == ServiceState::Healthy {
+                    s.state = ServiceState::Draining;
+                }
                 s.uptime_s = r
                     .run_started
                     .map(|t| (now - t).as_secs_f64())
@@ -121,6 +127,21 @@ impl Table {
         self.update(idx, |s| s.state = state);
     }
 
+    /// Takes service `idx` out of routing (reported `draining` while healthy) until its
+    /// current run ends; false when it has no healthy run to drain.
+    pub fn drain(&self, idx: usize) -> bool {
+        let ok = {
+            let mut rows = self.rows();
+            let healthy = rows[idx].status.state == ServiceState::Healthy;
+            if healthy {
+                rows[idx].draining = true;
+            }
+            healthy
+        };
+        self.version.send_modify(|v| *v += 1);
+        ok
+    }
+
     /// A process for service `idx` just started: state `starting`, pid, uptime from now.
     pub fn run_started(&self, idx: usize, pid: Option<u32>, state: ServiceState) {
         {
@@ -145,6 +166,7 @@ impl Table {
         {
             let mut rows = self.rows();
             rows[idx].run_started = None;
+            rows[idx].draining = false;
             rows[idx].status.pid = None;
             rows[idx].status.state = state;
             if why.is_some() {

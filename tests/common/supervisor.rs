@@ -106,10 +106,15 @@ impl Cluster {
 
     /// Runs a pdctl command with `--state-dir ROOT` appended, to completion.
     pub fn run(&self, args: &[&str]) -> Output {
+        run_bounded(self.command(args), Duration::from_secs(60))
+    }
+
+    /// A pdctl command with `--state-dir ROOT` appended, not started.
+    pub fn command(&self, args: &[&str]) -> std::process::Command {
         let mut cmd = pdctl(args);
         cmd.arg("--state-dir").arg(self.root());
         cmd.env_remove("PDCTL_STATE_DIR");
-        run_bounded(cmd, Duration::from_secs(60))
+        cmd
     }
 
     /// `pdctl up -d --plan PLAN [extra]`.
