@@ -107,6 +107,8 @@ pub enum ServiceState {
     Draining,
     Unhealthy,
     Restarting,
+    /// Asked to stop (`pdctl down`): its shutdown signal sent, not gone yet.
+    Stopping,
     /// Crash loop or start-up failure: given up on; the proxy stops using it.
     Failed,
     Stopped,
@@ -121,6 +123,7 @@ impl ServiceState {
             ServiceState::Draining => "draining",
             ServiceState::Unhealthy => "unhealthy",
             ServiceState::Restarting => "restarting",
+            ServiceState::Stopping => "stopping",
             ServiceState::Failed => "failed",
             ServiceState::Stopped => "stopped",
         }

@@ -111,7 +111,9 @@ pub fn rows(
                 ServiceState::Failed | ServiceState::Stopped => {
                     super::view::exit_summary(s).unwrap_or_default()
                 }
-                ServiceState::Healthy | ServiceState::Draining => String::new(),
+                ServiceState::Healthy | ServiceState::Draining | ServiceState::Stopping => {
+                    String::new()
+                }
             };
             Row {
                 name: s.name.clone(),

@@ -291,6 +291,7 @@ impl Task {
             RunEnd::Stop(t, _) => {
                 let t = t.unwrap_or(grace);
                 self.announce_stop(t);
+                self.ctx.table.set_state(self.idx, ServiceState::Stopping);
                 let st = stop_run(&mut child, pgid, signal, t).await;
                 st.map(|s| format!("stopped: {}", describe_exit(&s)))
                     .unwrap_or_else(|| "stopped".into())
