@@ -14,13 +14,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use suph::{Cluster, sim_topology, text};
 
-fn up(cluster: &Cluster, dir: &TempDir, topology: &str) {
-    let file = dir.path().join("topology.toml");
-    std::fs::write(&file, topology).unwrap();
-    let out = cluster.run(&["up", "-d", "-f", file.to_str().unwrap()]);
-    assert!(out.status.success(), "up -d failed:\n{}", text(&out));
-}
-
 /// Outcomes of the load: answered 200, answered with a JSON error, no answer in time.
 #[derive(Default)]
 struct Tally {
@@ -38,7 +31,7 @@ async fn a_decode_engine_killed_every_5_s_costs_seconds_not_the_cluster() {
     let (t, port) = sim_topology("f-kill", "example", 1, 1, "");
     let cluster = Cluster::new("fkill");
     let dir = TempDir::new("fkill-topo");
-    up(&cluster, &dir, &t);
+    cluster.up_topology(dir.path(), &t);
     let url = format!("http://127.0.0.1:{port}/v1/completions");
     let tally = Arc::new(Tally::default());
     let stop = Arc::new(AtomicBool::new(false));
@@ -140,7 +133,7 @@ async fn down_during_streams_ends_each_with_an_error_event_and_done() {
     let (t, port) = sim_topology("f-down", "example", 1, 1, "[engine.sim]\nitl_ms = 50.0\n");
     let cluster = Cluster::new("fdown");
     let dir = TempDir::new("fdown-topo");
-    up(&cluster, &dir, &t);
+    cluster.up_topology(dir.path(), &t);
     let url = format!("http://127.0.0.1:{port}/v1/completions");
     let client = reqwest::Client::new();
     let mut streams = Vec::new();

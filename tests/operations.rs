@@ -12,13 +12,6 @@ use std::process::{Child, Stdio};
 use std::time::Duration;
 use suph::{Cluster, sim_topology, text};
 
-fn up(cluster: &Cluster, dir: &TempDir, topology: &str) {
-    let file = dir.path().join("topology.toml");
-    std::fs::write(&file, topology).unwrap();
-    let out = cluster.run(&["up", "-d", "-f", file.to_str().unwrap()]);
-    assert!(out.status.success(), "up -d failed:\n{}", text(&out));
-}
-
 /// `pdctl bench` against the proxy, 16 streams at a time, its JSON written to `json`.
 fn bench(port: u16, prompts: usize, json: &std::path::Path) -> Child {
     common::pdctl(&[
@@ -64,7 +57,7 @@ fn a_rolling_restart_of_decode_under_load_fails_no_request() {
     let (t, port) = sim_topology("o-roll", "nixl", 1, 4, "[engine.sim]\nitl_ms = 4.0\n");
     let cluster = Cluster::new("oroll");
     let dir = TempDir::new("oroll-topo");
-    up(&cluster, &dir, &t);
+    cluster.up_topology(dir.path(), &t);
     let json = dir.path().join("bench.json");
     let load = bench(port, 1200, &json);
     std::thread::sleep(Duration::from_millis(800));
@@ -99,7 +92,7 @@ fn draining_the_only_decode_instance_fails_no_request() {
     let (t, port) = sim_topology("o-drain", "example", 1, 1, "[engine.sim]\nitl_ms = 4.0\n");
     let cluster = Cluster::new("odrain");
     let dir = TempDir::new("odrain-topo");
-    up(&cluster, &dir, &t);
+    cluster.up_topology(dir.path(), &t);
     let json = dir.path().join("bench.json");
     let load = bench(port, 400, &json);
     std::thread::sleep(Duration::from_millis(500));

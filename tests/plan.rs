@@ -76,6 +76,11 @@ fn every_bad_topology_gets_its_precise_error() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// `pdctl ARGS` with its state root in `dir`, run to completion.
+fn run_in(dir: &Path, args: &[&str]) -> std::process::Output {
+    pdctl(args).env("PDCTL_STATE_DIR", dir).output().unwrap()
+}
+
 /// Writes an executable that answers pdctl's version question as a python with vLLM
 /// `version` would (it prints the version whatever it is asked).
 fn fake_python(path: &Path, version: &str) {
@@ -543,17 +548,17 @@ fn auto_version_without_vllm_plans_for_the_newest_and_up_refuses() {
         "[model]\nname = \"m\"\n[engine]\npython = \"/nonexistent/python3\"\n",
     )
     .unwrap();
-    let out = pdctl(&[
-        "plan",
-        "-f",
-        file.to_str().unwrap(),
-        "--gpus",
-        "0,1",
-        "--json",
-    ])
-    .env("PDCTL_STATE_DIR", dir.path())
-    .output()
-    .unwrap();
+    let out = run_in(
+        dir.path(),
+        &[
+            "plan",
+            "-f",
+            file.to_str().unwrap(),
+            "--gpus",
+            "0,1",
+            "--json",
+        ],
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
     let plan: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -569,10 +574,10 @@ fn auto_version_without_vllm_plans_for_the_newest_and_up_refuses() {
         "{err}"
     );
 
-    let out = pdctl(&["up", "-f", file.to_str().unwrap(), "--gpus", "0,1", "-d"])
-        .env("PDCTL_STATE_DIR", dir.path())
-        .output()
-        .unwrap();
+    let out = run_in(
+        dir.path(),
+        &["up", "-f", file.to_str().unwrap(), "--gpus", "0,1", "-d"],
+    );
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -588,10 +593,7 @@ fn auto_version_without_vllm_plans_for_the_newest_and_up_refuses() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
-    let status = pdctl(&["status"])
-        .env("PDCTL_STATE_DIR", dir.path())
-        .output()
-        .unwrap();
+    let status = run_in(dir.path(), &["status"]);
     assert_eq!(status.status.code(), Some(3), "a refused up left a cluster");
 }
 
@@ -610,17 +612,17 @@ fn auto_version_is_read_from_the_installed_vllm() {
         ),
     )
     .unwrap();
-    let out = pdctl(&[
-        "plan",
-        "-f",
-        file.to_str().unwrap(),
-        "--gpus",
-        "0,1",
-        "--json",
-    ])
-    .env("PDCTL_STATE_DIR", dir.path())
-    .output()
-    .unwrap();
+    let out = run_in(
+        dir.path(),
+        &[
+            "plan",
+            "-f",
+            file.to_str().unwrap(),
+            "--gpus",
+            "0,1",
+            "--json",
+        ],
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -685,10 +687,7 @@ fn every_profile_plans_on_a_machine_without_vllm() {
 #[test]
 fn up_without_vllm_starts_nothing() {
     let dir = TempDir::new("upnovllm");
-    let out = pdctl(&["up", "-p", "1p1d", "--gpus", "0,1", "-d"])
-        .env("PDCTL_STATE_DIR", dir.path())
-        .output()
-        .unwrap();
+    let out = run_in(dir.path(), &["up", "-p", "1p1d", "--gpus", "0,1", "-d"]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -697,10 +696,7 @@ fn up_without_vllm_starts_nothing() {
     );
     // No state dir was even created: no supervisor, no etcd, nothing to clean.
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
-    let status = pdctl(&["status"])
-        .env("PDCTL_STATE_DIR", dir.path())
-        .output()
-        .unwrap();
+    let status = run_in(dir.path(), &["status"]);
     assert_eq!(status.status.code(), Some(3));
 }
 
@@ -884,10 +880,10 @@ fn gpus_without_a_driver_says_so_in_one_line() {
 #[test]
 fn human_plan_shows_runnable_commands_and_files() {
     let dir = TempDir::new("human");
-    let out = pdctl(&["plan", "-p", "mooncake-te-1p1d", "--gpus", "0,1"])
-        .env("PDCTL_STATE_DIR", dir.path())
-        .output()
-        .unwrap();
+    let out = run_in(
+        dir.path(),
+        &["plan", "-p", "mooncake-te-1p1d", "--gpus", "0,1"],
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("CUDA_VISIBLE_DEVICES=0 "), "{text}");
     assert!(text.contains("--kv-transfer-config '{"), "{text}");
@@ -1143,10 +1139,10 @@ fn up_refuses_a_python_without_vllm_and_a_missing_model_before_starting() {
         ),
     )
     .unwrap();
-    let out = pdctl(&["up", "-f", file.to_str().unwrap(), "--gpus", "0,1", "-d"])
-        .env("PDCTL_STATE_DIR", dir.path())
-        .output()
-        .unwrap();
+    let out = run_in(
+        dir.path(),
+        &["up", "-f", file.to_str().unwrap(), "--gpus", "0,1", "-d"],
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(
@@ -1163,10 +1159,7 @@ fn up_refuses_a_python_without_vllm_and_a_missing_model_before_starting() {
         err.contains("cannot import nixl") && err.contains("connector.kind"),
         "{err}"
     );
-    let status = pdctl(&["status"])
-        .env("PDCTL_STATE_DIR", dir.path())
-        .output()
-        .unwrap();
+    let status = run_in(dir.path(), &["status"]);
     assert_eq!(status.status.code(), Some(3), "a refused up left a cluster");
 
     // A python that has them and a real model directory: those checks pass (the port held
@@ -1186,10 +1179,10 @@ fn up_refuses_a_python_without_vllm_and_a_missing_model_before_starting() {
         ),
     )
     .unwrap();
-    let out = pdctl(&["up", "-f", file.to_str().unwrap(), "--gpus", "0,1", "-d"])
-        .env("PDCTL_STATE_DIR", dir.path())
-        .output()
-        .unwrap();
+    let out = run_in(
+        dir.path(),
+        &["up", "-f", file.to_str().unwrap(), "--gpus", "0,1", "-d"],
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains(&format!("port {port}")), "{err}");

@@ -109,6 +109,14 @@ impl Cluster {
         run_bounded(self.command(args), Duration::from_secs(60))
     }
 
+    /// `pdctl up -d -f FILE` of a topology written into `dir`; panics when it fails.
+    pub fn up_topology(&self, dir: &Path, topology: &str) {
+        let file = dir.join("topology.toml");
+        std::fs::write(&file, topology).unwrap();
+        let out = self.run(&["up", "-d", "-f", file.to_str().unwrap()]);
+        assert!(out.status.success(), "up -d failed:\n{}", text(&out));
+    }
+
     /// A pdctl command with `--state-dir ROOT` appended, not started.
     pub fn command(&self, args: &[&str]) -> std::process::Command {
         let mut cmd = pdctl(args);
