@@ -219,6 +219,11 @@ impl ServiceLog {
 /// (`error: unrecognized arguments`). Words that merely contain them (`errors=0`,
 /// `stderr`) do not count.
 pub fn looks_like_error(line: &str) -> bool {
+    // An HTTP access log line (`"POST /v1/completions HTTP/1.1" 500 Internal Server
+    // Error`) reports a response, not the error behind it, which comes on its own line.
+    if line.contains(" HTTP/1.1\" ") || line.contains(" HTTP/1.0\" ") {
+        return false;
+    }
     const MARKS: [&str; 8] = [
         "Error",
         "ERROR",
@@ -451,6 +456,7 @@ mod tests {
             "INFO 11-22 05:19:57 [api_server.py:1] non-default args: errors=0",
             "writing to stderr",
             "Loading weights took 41.2 seconds",
+            "INFO:     127.0.0.1:34120 - \"POST /v1/completions HTTP/1.1\" 500 Internal Server Error",
         ] {
             assert!(!looks_like_error(line), "{line}");
         }
