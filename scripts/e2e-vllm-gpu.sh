@@ -1,0 +1,274 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2015,SC2317
+# (SC2015: `check && pass || fail` is meant, pass only prints; SC2317: functions run from
+# traps and wait_for look unreachable to shellcheck.)
+# Real vLLM end to end on ONE NVIDIA GPU: for each connector, `pdctl up` a 1P1D whose prefill
+# and decode share the GPU (instances_per_gpu = 2), prove it serves and hands KV over, that a
+# killed engine comes back without leaking GPU memory, that a SIGKILLed supervisor leaves
+# nothing behind, and that `down` does not either. Opt-in: not part of `cargo test` or CI.
+#
+#   scripts/e2e-vllm-gpu.sh --model DIR [--python PATH] [--only CASE] [--gpu N] [--pdctl PATH] [--keep]
+#
+#   --model DIR    a local model directory (or PDCTL_E2E_MODEL); nothing is fetched at run time
+#   --python PATH  the python that has vLLM and the connectors' packages (default: python3)
+#   --only CASE    example (ExampleConnector, shared directory), nixl (NixlConnector) or
+#                  mooncake (MooncakeConnector V1 over tcp); default: all three
+#   --gpu N        the GPU to share (default 0)
+#   --pdctl PATH   the pdctl binary (default: pdctl on PATH, else this checkout's target/release
+#                  or target/debug build)
+#   --keep         keep each case's state directory (logs) even when it passed
+#   --cpu          rehearse the script on vLLM's CPU build (engine.device = "cpu", no GPU
+#                  figures): checks the script itself on a machine without a GPU
+#
+# Needs: nvidia-smi, vLLM in --python (and nixl / mooncake for those cases), etcd is not
+# needed. Each case takes 2-4 minutes (two vLLM start-ups, one restart). Prints a PASS or FAIL
+# line per check and a summary table; exits 0 only when every check passed. Everything it
+# started is stopped on exit, also on failure or Ctrl-C.
+set -uo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="$(dirname "$HERE")"
+MODEL="${PDCTL_E2E_MODEL:-}"
+PYTHON=python3
+ONLY=""
+GPU=0
+PDCTL=""
+KEEP=0
+CPU=0
+while (($#)); do
+  case "$1" in
+    --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
+    --python) PYTHON="${2:?--python needs a path}"; shift 2 ;;
+    --only) ONLY="${2:?--only needs a case: example, nixl or mooncake}"; shift 2 ;;
+    --gpu) GPU="${2:?--gpu needs an index}"; shift 2 ;;
+    --pdctl) PDCTL="${2:?--pdctl needs a path}"; shift 2 ;;
+    --keep) KEEP=1; shift ;;
+    --cpu) CPU=1; shift ;;
+    -h|--help) sed -n '5,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "e2e-vllm-gpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+die() { echo "e2e-vllm-gpu.sh: $*" >&2; exit 2; }
+[ -n "$MODEL" ] || die "--model DIR is required (a local model directory; nothing is downloaded)"
+[ -f "$MODEL/config.json" ] || die "$MODEL has no config.json: --model must be a local model directory"
+MODEL="$(cd "$MODEL" && pwd)"
+[ "$CPU" = 1 ] || command -v nvidia-smi >/dev/null || die "nvidia-smi not found: this check needs an NVIDIA GPU and its driver (or --cpu to rehearse)"
+PYTHON_PATH="$(command -v "$PYTHON")" || die "--python $PYTHON not found"
+"$PYTHON_PATH" -c 'import importlib.util, sys; sys.exit(0 if importlib.util.find_spec("vllm") else 1)' \
+  || die "$PYTHON_PATH cannot import vllm: install vLLM there or pass --python"
+if [ -z "$PDCTL" ]; then
+  PDCTL="$(command -v pdctl || true)"
+  for b in "$REPO/target/release/pdctl" "$REPO/target/debug/pdctl"; do
+    [ -n "$PDCTL" ] || { [ -x "$b" ] && PDCTL="$b"; }
+  done
+fi
+[ -x "$PDCTL" ] || die "no pdctl binary: build it (cargo build --release) or pass --pdctl"
+case "$ONLY" in
+  "") CASES=(example nixl mooncake) ;;
+  example|nixl|mooncake) CASES=("$ONLY") ;;
+  *) die "--only takes example, nixl or mooncake, not '$ONLY'" ;;
+esac
+
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/pdctl-e2e-gpu.XXXXXX")"
+CURRENT_STATE=""
+cleanup() {
+  if [ -n "$CURRENT_STATE" ]; then "$PDCTL" down --state-dir "$CURRENT_STATE" -t 10 >/dev/null 2>&1 || true; fi
+  if [ "$KEEP" = 0 ] && [ "${FAILED_ANY:-0}" = 0 ]; then rm -rf "$WORK"; else echo "state and logs kept in $WORK"; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+FAILED_ANY=0
+declare -A SUMMARY
+pass() { echo "PASS $*"; }
+fail() { echo "FAIL $*"; FAILED_ANY=1; CASE_FAILED=1; }
+
+if [ "$CPU" = 1 ]; then
+  gpu_mem_mib() { echo 0; }
+  gpu_pids() { true; }
+else
+  gpu_mem_mib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i "$GPU" | tr -d ' '; }
+  gpu_pids() { nvidia-smi --query-compute-apps=pid --format=csv,noheader -i "$GPU" | tr -d ' ' | grep -v '^$' || true; }
+fi
+status_json() { "$PDCTL" status --json --state-dir "$1" 2>/dev/null; }
+# `field SERVICE KEY` from a status --json document on stdin.
+field() { "$PYTHON_PATH" -c 'import json,sys; r=json.load(sys.stdin); s=[x for x in r["services"] if x["name"]==sys.argv[1]]; print(s[0].get(sys.argv[2]) if s else "")' "$1" "$2"; }
+# Processes whose environment carries this cluster's run id (what pdctl started).
+cluster_pids() {
+  local run_id="$1" p
+  for p in /proc/[0-9]*; do
+    { tr '\0' '\n' < "$p/environ"; } 2>/dev/null | grep -qx "PDCTL_RUN_ID=$run_id" && echo "${p#/proc/}"
+  done
+}
+# The engine core child of a vLLM API server (vLLM names its process VLLM::EngineCore).
+engine_core() {
+  local p
+  for p in $(pgrep -P "$1"); do
+    grep -q 'EngineCor' "/proc/$p/comm" 2>/dev/null && { echo "$p"; return; }
+  done
+}
+# `record STATE_ROOT KEY`: a value of the running supervisor's record (run.json).
+record() { "$PYTHON_PATH" -c 'import glob,json,sys; print(json.load(open(glob.glob(sys.argv[1]+"/*/run.json")[0]))[sys.argv[2]])' "$1" "$2"; }
+wait_for() { # wait_for SECONDS COMMAND...: true once COMMAND succeeds
+  local end=$((SECONDS + $1)); shift
+  while ((SECONDS < end)); do "$@" && return 0; sleep 1; done
+  return 1
+}
+decode_healthy_after() { # decode-0 healthy with more than $2 restarts
+  local js; js="$(status_json "$1")" || return 1
+  [ "$(field decode-0 state <<<"$js")" = healthy ] && [ "$(field decode-0 restarts <<<"$js")" -gt "$2" ]
+}
+
+topology() { # topology CASE PORT_BASE
+  local case="$1" b="$2" kind extra=""
+  case "$case" in
+    example) kind=example ;;
+    nixl) kind=nixl; extra=$'[engine.env]\nUCX_TLS = "all"\nUCX_NET_DEVICES = "all"\n' ;;
+    mooncake) kind=mooncake; extra=$'[connector]\nkind = "mooncake"\ntransport = "tcp"\nbootstrap_port = '"$((b + 98))"$'\n' ;;
+  esac
+  cat <<EOF
+cluster = "e2e-gpu-$case"
+
+[model]
+name = "$MODEL"
+served_name = "e2e-model"
+max_model_len = 2048
+
+[engine]
+kind = "vllm"
+vllm_version = "auto"
+python = "$PYTHON_PATH"
+instances_per_gpu = 2
+startup_timeout_s = 900
+$DEVICE_LINES
+$( [ "$case" = mooncake ] || printf '\n[connector]\nkind = "%s"\n' "$kind" )
+$extra
+[prefill]
+instances = 1
+base_port = $((b + 100))
+
+[decode]
+instances = 1
+base_port = $((b + 200))
+
+[proxy]
+port = $b
+EOF
+}
+
+run_case() {
+  local case="$1" base="$2"
+  local dir="$WORK/$case" state="$WORK/$case/state"
+  mkdir -p "$dir"
+  CASE_FAILED=0
+  CURRENT_STATE="$state"
+  topology "$case" "$base" > "$dir/topology.toml"
+  echo; echo "== $case: 1P1D sharing GPU $GPU ($dir/topology.toml)"
+  local mem0 t0 up_s
+  mem0="$(gpu_mem_mib)"
+  t0=$SECONDS
+  if "$PDCTL" up -d -f "$dir/topology.toml" --gpus "$GPU" --state-dir "$state" > "$dir/up.log" 2>&1; then
+    up_s=$((SECONDS - t0)); pass "$case: pdctl up -d healthy in ${up_s} s"
+  else
+    fail "$case: pdctl up -d failed (last lines below; logs in $state/logs)"; tail -20 "$dir/up.log"
+    SUMMARY[$case]="up failed"; return
+  fi
+  local js proxy prefill decode
+  js="$(status_json "$state")"
+  proxy="http://127.0.0.1:$base"
+  prefill="$(field prefill-0 url <<<"$js")"; decode="$(field decode-0 url <<<"$js")"
+  if [ "$CPU" = 0 ]; then
+    [ "$(field prefill-0 gpus <<<"$js")" = "[$GPU]" ] && [ "$(field decode-0 gpus <<<"$js")" = "[$GPU]" ] \
+      && pass "$case: status shows both instances on GPU $GPU" || fail "$case: status does not show both on GPU $GPU"
+  fi
+
+  local figures
+  "$PYTHON_PATH" "$HERE/e2e_gpu_checks.py" answers "$proxy" "$prefill" "$decode" e2e-model > "$dir/answers.log" 2>&1
+  grep -E '^(PASS|FAIL)' "$dir/answers.log" | sed "s/^\(PASS\|FAIL\) /\1 $case: /"
+  grep -q '^FAIL' "$dir/answers.log" && { FAILED_ANY=1; CASE_FAILED=1; }
+  figures="$(sed -n 's/^FIGURES //p' "$dir/answers.log")"
+
+  local bench="-"
+  if "$PDCTL" bench --url "$proxy" --model e2e-model --num-prompts 64 --max-concurrency 8 \
+      --input-len 256 --output-len 32 --json "$dir/bench.json" > "$dir/bench.log" 2>&1; then
+    read -r completed failed rps ttft < <("$PYTHON_PATH" "$HERE/e2e_gpu_checks.py" bench-result "$dir/bench.json")
+    bench="$rps req/s, TTFT p50 $ttft ms, $failed failed"
+    [ "$failed" = 0 ] && [ "$completed" = 64 ] && pass "$case: pdctl bench 64 at concurrency 8: $bench" \
+      || fail "$case: pdctl bench: $completed completed, $failed failed"
+  else
+    fail "$case: pdctl bench failed: $(tail -3 "$dir/bench.log")"
+  fi
+
+  # kill -9 of decode's engine core (the API server's child): restarted, memory as before.
+  local mem_before api core restarts restart_s="-" leak="-"
+  mem_before="$(gpu_mem_mib)"
+  api="$(field decode-0 pid <<<"$(status_json "$state")")"
+  restarts="$(field decode-0 restarts <<<"$(status_json "$state")")"
+  core="$(engine_core "$api")"
+  if [ -n "$core" ]; then
+    t0=$SECONDS
+    kill -9 "$core"
+    if wait_for 600 decode_healthy_after "$state" "$restarts"; then
+      restart_s=$((SECONDS - t0))
+      sleep 5
+      leak=$(( $(gpu_mem_mib) - mem_before ))
+      pass "$case: decode's engine core killed (pid $core): healthy again in ${restart_s} s"
+      (( ${leak#-} < 1024 )) && pass "$case: GPU memory after the restart within 1 GiB of before (${leak} MiB)" \
+        || fail "$case: GPU memory after the restart differs by ${leak} MiB"
+    else
+      fail "$case: decode not healthy again within 600 s after its engine core was killed"
+    fi
+  else
+    fail "$case: decode's API server (pid $api) has no VLLM::EngineCore child to kill"
+  fi
+
+  # SIGKILL of the supervisor: nothing of the cluster may outlive it.
+  local sup run_id left gpu_left
+  sup="$(record "$state" supervisor_pid)"
+  run_id="$(record "$state" run_id)"
+  kill -9 "$sup"
+  sleep 10
+  left="$(cluster_pids "$run_id" | wc -l)"
+  gpu_left="$(gpu_pids | wc -l)"
+  [ "$left" = 0 ] && [ "$gpu_left" = 0 ] \
+    && pass "$case: supervisor SIGKILLed: 10 s later no process of the cluster and none on the GPU" \
+    || fail "$case: supervisor SIGKILLed: $left process(es) of the cluster and $gpu_left on the GPU left"
+  "$PDCTL" down --state-dir "$state" >/dev/null 2>&1 || true
+
+  # Up again, then down: nothing left, GPU memory back to where it started.
+  if "$PDCTL" up -d -f "$dir/topology.toml" --gpus "$GPU" --state-dir "$state" > "$dir/up2.log" 2>&1; then
+    run_id="$(record "$state" run_id)"
+    t0=$SECONDS
+    "$PDCTL" down --state-dir "$state" > "$dir/down.log" 2>&1
+    local down_s=$((SECONDS - t0))
+    sleep 3
+    left="$(cluster_pids "$run_id" | wc -l)"; gpu_left="$(gpu_pids | wc -l)"
+    local mem_end; mem_end="$(gpu_mem_mib)"
+    [ "$left" = 0 ] && [ "$gpu_left" = 0 ] && (( mem_end - mem0 < 512 )) \
+      && pass "$case: down in ${down_s} s: no process, nothing on the GPU (${mem_end} MiB used, ${mem0} before)" \
+      || fail "$case: after down: $left process(es), $gpu_left on the GPU, ${mem_end} MiB used (${mem0} before)"
+  else
+    fail "$case: the second pdctl up failed: $(tail -3 "$dir/up2.log")"
+  fi
+  CURRENT_STATE=""
+  SUMMARY[$case]="up ${up_s}s | ${figures:-no figures} | bench $bench | restart ${restart_s}s, leak ${leak} MiB | $([ "$CASE_FAILED" = 0 ] && echo ok || echo FAILED)"
+}
+
+DEVICE_LINES=""
+if [ "$CPU" = 1 ]; then
+  # The CPU build: float32, eager, a small KV cache, threads not pinned to the same cores.
+  DEVICE_LINES=$'device = "cpu"\nargs = ["--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8"]\nenv = { VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", HF_HUB_OFFLINE = "1", VLLM_HOST_IP = "127.0.0.1" }'
+  echo "pdctl $("$PDCTL" --version | awk '{print $2}'), vLLM via $PYTHON_PATH, model $MODEL, rehearsal on the CPU build"
+else
+  echo "pdctl $("$PDCTL" --version | awk '{print $2}'), vLLM via $PYTHON_PATH, model $MODEL, GPU $GPU: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader -i "$GPU")"
+fi
+port=18000
+for c in "${CASES[@]}"; do
+  run_case "$c" "$port"
+  port=$((port + 1000))
+done
+
+echo; echo "== summary"
+for c in "${CASES[@]}"; do printf '%-9s %s\n' "$c" "${SUMMARY[$c]}"; done
+exit "$FAILED_ANY"
