@@ -88,6 +88,8 @@ pub struct Instance {
     supervised: AtomicBool,
     /// Why it was last taken out of rotation, for the error when no instance is left.
     out_reason: std::sync::Mutex<String>,
+    /// KV handoffs due to it as a decode, and what its counters showed (recompute.rs).
+    pub ledger: super::recompute::HandoffLedger,
 }
 
 impl Instance {
@@ -110,6 +112,7 @@ impl Instance {
             consecutive_successes: AtomicU32::new(0),
             supervised: AtomicBool::new(false),
             out_reason: std::sync::Mutex::new(String::new()),
+            ledger: Default::default(),
         }
     }
 
