@@ -115,6 +115,37 @@ pub fn sum(text: &str, names: &[&str]) -> Option<f64> {
         .reduce(|a, b| a + b)
 }
 
+/// The value of label `key` in a sample's label text (what [`Sample::labels`] holds), with
+/// Prometheus escapes (`\\`, `\"`, `\n`) undone; `None` when the label is not there. Label
+/// values are read pair by pair, so a value that merely contains `key="` is not mistaken
+/// for the label.
+pub fn label_value(labels: &str, key: &str) -> Option<String> {
+    let mut rest = labels.trim_start();
+    while !rest.is_empty() {
+        let eq = rest.find('=')?;
+        let name = rest[..eq].trim();
+        let after = rest[eq + 1..].trim_start().strip_prefix('"')?;
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let end = loop {
+            match chars.next()? {
+                (i, '"') => break i,
+                (_, '\\') => match chars.next()?.1 {
+                    'n' => value.push('\n'),
+                    c => value.push(c),
+                },
+                (_, c) => value.push(c),
+            }
+        };
+        if name == key {
+            return Some(value);
+        }
+        rest = after[end + 1..].trim_start();
+        rest = rest.strip_prefix(',').unwrap_or(rest).trim_start();
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,6 +170,24 @@ mod tests {
         assert!(bare.contains("y_bucket{le=\"+Inf\"} 3\n"), "{bare}");
         assert!(bare.contains("y_count 3\n"), "{bare}");
         assert_eq!(sum(&bare, &["y_count"]), Some(3.0));
+    }
+
+    #[test]
+    fn label_values_are_read_pair_by_pair_with_escapes_undone() {
+        let labels = r#"model_name="a source=\"x\" b\\",engine="0",source="local_compute""#;
+        assert_eq!(
+            label_value(labels, "source").as_deref(),
+            Some("local_compute")
+        );
+        assert_eq!(
+            label_value(labels, "model_name").as_deref(),
+            Some(r#"a source="x" b\"#)
+        );
+        assert_eq!(label_value(labels, "engine").as_deref(), Some("0"));
+        assert_eq!(label_value(labels, "absent"), None);
+        assert_eq!(label_value("", "source"), None);
+        assert_eq!(label_value(r#"a="unterminated"#, "a"), None);
+        assert_eq!(label_value(r#"a = "1" , b="2""#, "b").as_deref(), Some("2"));
     }
 
     #[test]

@@ -185,6 +185,89 @@ async fn nixl_without_returned_params_is_a_counted_and_logged_handoff_miss() {
     assert!(proxy.log().contains("KV handoff missed"), "{}", proxy.log());
 }
 
+/// A fake decode's /metrics as vLLM 0.26+ writes its prompt token counters, and nothing
+/// else: no engine-specific miss counter to lean on.
+fn vllm_prompt_sources(compute: u64, external: u64) -> String {
+    let mut page = String::from(
+        "# HELP vllm:prompt_tokens_by_source Number of prompt tokens by source.\n\
+         # TYPE vllm:prompt_tokens_by_source counter\n",
+    );
+    for (source, n) in [
+        ("local_compute", compute),
+        ("local_cache_hit", 0),
+        ("external_kv_transfer", external),
+    ] {
+        page.push_str(&format!(
+            "vllm:prompt_tokens_by_source_total{{engine=\"0\",model_name=\"m\",source=\"{source}\"}} {n}.0\n"
+        ));
+    }
+    page + "vllm:cache_config_info{block_size=\"16\",engine=\"0\"} 1.0\n"
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_a_counted_miss() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let set_page = |page: String| *d.state.metrics_text.lock().unwrap() = page;
+    set_page(vllm_prompt_sources(0, 0));
+    // Without --scrape-metrics: decode counters are read anyway.
+    let proxy =
+        ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--health-interval-ms", "300"])).await;
+    let misses = "pdctl_proxy_kv_handoff_misses_total{reason=\"engine_reported\"}";
+    let received = format!(
+        "pdctl_proxy_decode_prompt_tokens_total{{instance=\"{}\",source=\"external_kv_transfer\"}}",
+        d.url
+    );
+    // Let the scraper take its baseline.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    // A working handoff: 64 tokens arrive, 3 of the last partial block are computed.
+    assert_eq!(
+        post(&proxy, "/v1/completions", &completion("x"))
+            .await
+            .status(),
+        200
+    );
+    set_page(vllm_prompt_sources(3, 64));
+    assert!(
+        eventually(WAIT, || async { proxy.metric(&received).await == 64.0 }).await,
+        "{}",
+        proxy.metrics().await
+    );
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(proxy.metric(misses).await, 0.0, "{}", proxy.metrics().await);
+    // A silent recompute: decode answers normally but computed all 70 tokens itself.
+    assert_eq!(
+        post(&proxy, "/v1/completions", &completion("y"))
+            .await
+            .status(),
+        200
+    );
+    set_page(vllm_prompt_sources(73, 64));
+    assert!(
+        eventually(WAIT, || async { proxy.metric(misses).await == 1.0 }).await,
+        "{}\n{}",
+        proxy.metrics().await,
+        proxy.log()
+    );
+    assert_eq!(
+        proxy
+            .metric("pdctl_proxy_kv_handoff_recomputed_tokens_total")
+            .await,
+        70.0 - 16.0,
+        "beyond the one block a handoff leaves"
+    );
+    let log = proxy.log();
+    assert!(
+        log.contains(&format!("KV handoff missed: decode {} computed 54", d.url)),
+        "{log}"
+    );
+    // Growth with no handoff due (traffic that did not pass this proxy) is not a miss,
+    // once the interval after the last handoff has passed.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    set_page(vllm_prompt_sources(1073, 64));
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(proxy.metric(misses).await, 1.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn n_above_one_recomputes_on_decode_for_nixl_and_prefills_once_for_two_step() {
     let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);

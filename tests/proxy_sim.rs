@@ -128,6 +128,32 @@ async fn two_step_over_a_shared_dir_makes_the_decode_sim_load_the_kv() {
     assert_three_handoffs(&p, &d, &proxy).await;
 }
 
+const ENGINE_REPORTED: &str = "pdctl_proxy_kv_handoff_misses_total{reason=\"engine_reported\"}";
+const USAGE_LOW: &str = "pdctl_proxy_kv_handoff_misses_total{reason=\"decode_cached_tokens_low\"}";
+
+/// The proxy's view of a decode's `vllm:prompt_tokens_by_source_total` growth.
+async fn proxy_seen(proxy: &ProxyProcess, d: &SimProc, source: &str) -> f64 {
+    let series = format!(
+        "pdctl_proxy_decode_prompt_tokens_total{{instance=\"{}\",source=\"{source}\"}}",
+        d.base
+    );
+    proxy.metric(&series).await
+}
+
+/// A nixl pair and a proxy that scrapes the decode every 100 ms, its baseline taken.
+async fn nixl_pair() -> (SimProc, SimProc, ProxyProcess) {
+    let p = start_sim("prefill", "nixl", &[]).await;
+    let d = start_sim("decode", "nixl", &[]).await;
+    let proxy = ProxyProcess::start(&args(
+        &[&p],
+        &[&d],
+        &["--protocol", "nixl", "--health-interval-ms", "100"],
+    ))
+    .await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    (p, d, proxy)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recompute_only_the_decode_sim_knows_of_still_shows_in_the_proxy() {
     // Misconfigured on purpose: prefill and decode do not share their KV directory.
@@ -144,6 +170,7 @@ async fn a_recompute_only_the_decode_sim_knows_of_still_shows_in_the_proxy() {
         &["--scrape-metrics", "--health-interval-ms", "100"],
     ))
     .await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
     let resp = post(
         &proxy,
         "/v1/completions",
@@ -151,17 +178,188 @@ async fn a_recompute_only_the_decode_sim_knows_of_still_shows_in_the_proxy() {
     )
     .await;
     assert_eq!(resp.status(), 200, "the answer is right, only slower");
-    assert_eq!(d.metric("pdctl_sim_kv_handoffs_missed_total").await, 1.0);
-    let series = "pdctl_proxy_kv_handoff_misses_total{reason=\"engine_reported\"}";
+    assert_eq!(d.prompt_tokens("local_compute").await, 64.0);
+    // The decode was never seen to report cached_tokens before, so its usage only names
+    // the request in the log; the count comes from its vLLM counters.
     assert!(
-        eventually(WAIT, || async { proxy.metric(series).await == 1.0 }).await,
+        eventually(WAIT, || async {
+            proxy.metric(ENGINE_REPORTED).await == 1.0
+        })
+        .await,
+        "{}\n{}",
+        proxy.metrics().await,
+        proxy.log()
+    );
+    assert_eq!(proxy.metric(USAGE_LOW).await, 0.0);
+    let log = proxy.log();
+    assert!(
+        log.contains(&format!("KV handoff missed: decode {} computed 48", d.base)),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!(
+            "KV handoff missed: decode {} computed 64 of 64",
+            d.base
+        )),
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn working_handoffs_leave_misses_at_zero_and_the_prompt_arrives_by_kv_transfer() {
+    let (_p, d, proxy) = nixl_pair().await;
+    // 70-token prompts: 4 full blocks (64 tokens) are handed off, 6 tokens computed.
+    let mut stream_usage = completion(&prompt_of(70, "oka"), true);
+    stream_usage["stream_options"] = json!({"include_usage": true});
+    for body in [
+        completion(&prompt_of(70, "okb"), false),
+        completion(&prompt_of(70, "okc"), true),
+        stream_usage,
+    ] {
+        let resp = post(&proxy, "/v1/completions", &body).await;
+        assert_eq!(resp.status(), 200);
+        resp.bytes().await.unwrap();
+    }
+    assert_eq!(d.prompt_tokens("external_kv_transfer").await, 3.0 * 64.0);
+    assert_eq!(d.prompt_tokens("local_compute").await, 3.0 * 6.0);
+    assert!(
+        eventually(WAIT, || async {
+            proxy_seen(&proxy, &d, "external_kv_transfer").await == 3.0 * 64.0
+        })
+        .await,
         "{}",
         proxy.metrics().await
     );
+    // A few more intervals to settle: still no miss of any kind.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let metrics = proxy.metrics().await;
     assert!(
-        proxy.log().contains("KV handoff(s) it gave up on"),
+        !metrics.contains("pdctl_proxy_kv_handoff_misses_total{"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("pdctl_proxy_kv_handoff_recomputed_tokens_total 0\n"),
+        "{metrics}"
+    );
+    assert!(
+        !proxy.log().contains("KV handoff missed"),
         "{}",
         proxy.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_handoff_on_a_stream_without_usage_is_found_in_the_decode_counters() {
+    let (p, d, proxy) = nixl_pair().await;
+    let (s, _) = d.post("/sim/fault", &json!({"fail_handoff_next": 1})).await;
+    assert_eq!(s, 200);
+    let resp = post(
+        &proxy,
+        "/v1/completions",
+        &completion(&prompt_of(70, "lost"), true),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let events = sse_events(resp).await;
+    assert_eq!(
+        events.last().unwrap(),
+        "[DONE]",
+        "the client sees nothing wrong"
+    );
+    assert_eq!(d.prompt_tokens("local_compute").await, 70.0);
+    assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 1.0);
+    assert!(
+        eventually(WAIT, || async {
+            proxy.metric(ENGINE_REPORTED).await == 1.0
+        })
+        .await,
+        "{}\n{}",
+        proxy.metrics().await,
+        proxy.log()
+    );
+    assert_eq!(
+        proxy
+            .metric("pdctl_proxy_kv_handoff_recomputed_tokens_total")
+            .await,
+        70.0 - 16.0
+    );
+    assert_eq!(proxy_seen(&proxy, &d, "local_compute").await, 70.0);
+    assert!(
+        proxy
+            .log()
+            .contains(&format!("KV handoff missed: decode {} computed 54", d.base)),
+        "{}",
+        proxy.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_handoff_shows_in_the_decode_answer_usage_once_and_names_the_request() {
+    let (_p, d, proxy) = nixl_pair().await;
+    // A working handoff first: the decode is seen to report cached_tokens (64 of 70).
+    let resp = post(
+        &proxy,
+        "/v1/completions",
+        &completion(&prompt_of(70, "first"), false),
+    )
+    .await;
+    let answer: Value = resp.json().await.unwrap();
+    assert_eq!(
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"],
+        64
+    );
+    d.post("/sim/fault", &json!({"fail_handoff_next": 1})).await;
+    let resp = post(
+        &proxy,
+        "/v1/completions",
+        &completion(&prompt_of(70, "gone"), false),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let rid = resp.headers()["x-request-id"].to_str().unwrap().to_string();
+    let answer: Value = resp.json().await.unwrap();
+    assert_eq!(answer["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(
+        proxy.metric(USAGE_LOW).await,
+        1.0,
+        "{}",
+        proxy.metrics().await
+    );
+    let log = proxy.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("KV handoff missed: decode") && l.contains(&rid))
+        .unwrap_or_else(|| panic!("no miss line naming {rid}:\n{log}"));
+    assert!(
+        line.contains(&d.base) && line.contains("computed 70 of 70"),
+        "{line}"
+    );
+    assert!(
+        eventually(WAIT, || async {
+            proxy
+                .log()
+                .lines()
+                .any(|l| l.contains(&rid) && l.contains("kv_handoff=decode_cached_tokens_low"))
+        })
+        .await,
+        "{}",
+        proxy.log()
+    );
+    // The counters show the same 70 tokens: once the scraper has seen them, it must not
+    // count the request a second time.
+    assert!(
+        eventually(WAIT, || async {
+            proxy_seen(&proxy, &d, "local_compute").await == 6.0 + 70.0
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(proxy.metric(ENGINE_REPORTED).await, 0.0, "{}", proxy.log());
+    assert_eq!(
+        proxy
+            .metric("pdctl_proxy_kv_handoff_recomputed_tokens_total")
+            .await,
+        70.0
     );
 }
 

@@ -528,6 +528,10 @@ async fn it_says_it_is_a_simulator_and_exposes_vllm_metric_names() {
         "vllm:prefix_cache_queries_total",
         "vllm:prefix_cache_hits_total",
         "vllm:prompt_tokens_total",
+        "vllm:prompt_tokens_by_source_total",
+        "vllm:external_prefix_cache_queries_total",
+        "vllm:external_prefix_cache_hits_total",
+        "vllm:cache_config_info",
         "vllm:generation_tokens_total",
         "vllm:request_success_total",
         "vllm:time_to_first_token_seconds_bucket",
@@ -776,6 +780,72 @@ async fn shared_dir_handoff_two_step() {
         dsim.log()
     );
     assert!(dsim.log().contains("recomputing 40 tokens"));
+}
+
+/// What vLLM's decode counters would say, read from the sim's: prompt tokens by source
+/// and the external prefix cache lookups.
+async fn by_source(sim: &SimProc) -> [f64; 5] {
+    [
+        sim.prompt_tokens("local_compute").await,
+        sim.prompt_tokens("local_cache_hit").await,
+        sim.prompt_tokens("external_kv_transfer").await,
+        sim.metric("vllm:external_prefix_cache_queries_total").await,
+        sim.metric("vllm:external_prefix_cache_hits_total").await,
+    ]
+}
+
+#[tokio::test]
+async fn a_decode_counts_prompt_tokens_by_source_and_a_lost_handoff_as_local_compute() {
+    let dir = TempDir::new("kv");
+    let d = dir.path().to_str().unwrap();
+    let role = |r| {
+        args(
+            ZERO,
+            &["--role", r, "--handoff", "shared-dir", "--kv-dir", d],
+        )
+    };
+    let p = SimProc::start(&role("prefill")).await;
+    let dsim = SimProc::start(&role("decode")).await;
+    let (s, _) = p
+        .post(
+            "/v1/completions",
+            &json!({"prompt": prompt_of(70, "src"), "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(s, 200);
+    assert_eq!(by_source(&dsim).await, [0.0; 5]);
+    // Working handoff: 4 full blocks arrive, the 6-token tail is computed here.
+    let req = json!({"prompt": prompt_of(70, "src"), "max_tokens": 2});
+    let (_, r) = dsim.post("/v1/completions", &req).await;
+    assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 64);
+    assert_eq!(by_source(&dsim).await, [6.0, 0.0, 64.0, 70.0, 64.0]);
+    // The same prompt again: its blocks are in the decode's own cache now, no handoff.
+    let (_, r) = dsim.post("/v1/completions", &req).await;
+    assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 64);
+    assert_eq!(by_source(&dsim).await, [12.0, 64.0, 64.0, 70.0, 64.0]);
+    // A lost handoff: the answer is normal, the whole prompt is computed locally.
+    let (s, _) = dsim
+        .post("/sim/fault", &json!({"fail_handoff_next": 1}))
+        .await;
+    assert_eq!(s, 200);
+    let other = json!({"prompt": prompt_of(70, "other"), "max_tokens": 2});
+    p.post("/v1/completions", &other).await;
+    let (s, r) = dsim.post("/v1/completions", &other).await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(by_source(&dsim).await, [82.0, 64.0, 64.0, 140.0, 64.0]);
+    assert_eq!(dsim.metric("pdctl_sim_faults_injected_total").await, 1.0);
+    assert!(
+        dsim.log()
+            .contains("KV handoff missed (fault injection (fail_handoff_next)"),
+        "{}",
+        dsim.log()
+    );
+    // The fault was used up: the next handoff of that prompt works again.
+    let third = json!({"prompt": prompt_of(70, "third"), "max_tokens": 2});
+    p.post("/v1/completions", &third).await;
+    dsim.post("/v1/completions", &third).await;
+    assert_eq!(by_source(&dsim).await, [88.0, 64.0, 128.0, 210.0, 128.0]);
 }
 
 async fn engine_id(sim: &SimProc) -> String {

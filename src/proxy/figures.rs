@@ -10,8 +10,11 @@ pub struct ProxyFigures {
     pub failed: f64,
     pub in_flight: f64,
     pub retries: f64,
-    /// Decode had to recompute because the KV handoff did not happen.
+    /// Decode had to recompute because the KV handoff did not happen: those the proxy
+    /// caused or saw coming, and those found in decode's own vLLM counters and usage.
     pub kv_handoff_misses: f64,
+    /// Prompt tokens decodes computed themselves in those misses (found ones only).
+    pub recomputed_tokens: f64,
 }
 
 /// Reads the proxy's counters from a Prometheus text page; `None` when it has none of
@@ -36,6 +39,7 @@ pub fn read(metrics_text: &str) -> Option<ProxyFigures> {
             "pdctl_proxy_requests_in_flight" => f.in_flight += value,
             "pdctl_proxy_retries_total" => f.retries += value,
             "pdctl_proxy_kv_handoff_misses_total" => f.kv_handoff_misses += value,
+            "pdctl_proxy_kv_handoff_recomputed_tokens_total" => f.recomputed_tokens += value,
             _ => {}
         }
     }
@@ -56,7 +60,9 @@ mod tests {
                     pdctl_proxy_requests_in_flight 3\n\
                     pdctl_proxy_retries_total{leg=\"prefill\"} 1\n\
                     pdctl_proxy_retries_total{leg=\"decode\"} 2\n\
-                    pdctl_proxy_kv_handoff_misses_total{reason=\"no_kv_transfer_params\"} 4\n";
+                    pdctl_proxy_kv_handoff_misses_total{reason=\"no_kv_transfer_params\"} 4\n\
+                    pdctl_proxy_kv_handoff_misses_total{reason=\"engine_reported\"} 2\n\
+                    pdctl_proxy_kv_handoff_recomputed_tokens_total 900\n";
         let f = read(text).unwrap();
         assert_eq!(
             f,
@@ -65,7 +71,8 @@ mod tests {
                 failed: 3.0,
                 in_flight: 3.0,
                 retries: 3.0,
-                kv_handoff_misses: 4.0
+                kv_handoff_misses: 6.0,
+                recomputed_tokens: 900.0
             }
         );
         assert_eq!(read("vllm:num_requests_running 3\n"), None);

@@ -90,6 +90,8 @@ pub struct Instance {
     coming_back: AtomicBool,
     /// Why it was last taken out of rotation, for the error when no instance is left.
     out_reason: std::sync::Mutex<String>,
+    /// KV handoffs due to it as a decode, and what its counters showed (recompute.rs).
+    pub ledger: super::recompute::HandoffLedger,
 }
 
 impl Instance {
@@ -113,6 +115,7 @@ impl Instance {
             supervised: AtomicBool::new(false),
             coming_back: AtomicBool::new(false),
             out_reason: std::sync::Mutex::new(String::new()),
+            ledger: Default::default(),
         }
     }
 

@@ -7,6 +7,7 @@ use super::errors::{LegFailure, RAISE_FIRST_BYTE, RAISE_PREFILL, RAISE_TOTAL};
 use super::instances::{InFlight, Instance};
 use super::pipeline::ClientRequest;
 use super::protocol::{Body, PrefillAnswer};
+use super::recompute::{self, Expect, Judgment};
 use super::upstream::{MAX_ANSWER_BYTES, innermost_cause, read_body, status_failure};
 use axum::http::HeaderValue;
 use bytes::Bytes;
@@ -24,6 +25,8 @@ pub enum Answer {
         status: u16,
         content_type: Option<HeaderValue>,
         body: Bytes,
+        /// Set when its usage shows that decode recomputed the prompt (the miss reason).
+        recompute: Option<&'static str>,
     },
     /// A stream whose first chunk has arrived; `rest` is decode's body after it, `keep`
     /// holds what must live as long as the stream.
@@ -34,11 +37,13 @@ pub enum Answer {
     },
 }
 
-/// What a relayed stream keeps alive: decode's in-flight count and, in a concurrent flow,
-/// the prefill leg still running in the background (cancelled if the stream is dropped).
+/// What a relayed stream keeps alive: decode's in-flight count, in a concurrent flow the
+/// prefill leg still running in the background (cancelled if the stream is dropped), and
+/// the check of the usage chunk for a recompute when the client asked for usage.
 pub struct Keep {
     pub decode: InFlight,
     pub prefill: Option<AbortOnDrop>,
+    pub judgment: Option<Judgment>,
 }
 
 /// A background task cancelled when this handle is dropped.
@@ -87,13 +92,17 @@ pub async fn prefill_once(
 
 /// One decode attempt. Streams: wait for the first chunk within --first-byte-timeout-s.
 /// Non-streamed answers: read it all within the total deadline (vLLM sends nothing before
-/// it has finished generating).
+/// it has finished generating), and check its usage for a recompute. `expect` says what
+/// the proxy expects of decode's KV, for the recompute check (recompute.rs).
 pub async fn decode_once(
     proxy: &Proxy,
     req: &ClientRequest,
     inst: Arc<Instance>,
     body: Bytes,
+    expect: Expect,
 ) -> Result<(Answer, Option<Duration>), LegFailure> {
+    let usage_expected = !req.stream || recompute::asks_usage(&req.body);
+    let judgment = recompute::leg_sent(&proxy.metrics, &inst, expect, usage_expected, &req.id);
     let guard = inst.begin();
     let url = format!("{}{}", inst.url, req.path);
     let sent = Instant::now();
@@ -125,11 +134,13 @@ pub async fn decode_once(
             .await
             .map_err(timed_out)??;
         let took = sent.elapsed();
+        let recompute = judgment.and_then(|j| j.judge(recompute::usage_in(&body)));
         return Ok((
             Answer::Full {
                 status,
                 content_type,
                 body,
+                recompute,
             },
             Some(took),
         ));
@@ -159,6 +170,7 @@ pub async fn decode_once(
             keep: Keep {
                 decode: guard,
                 prefill: None,
+                judgment,
             },
         },
         Some(took),

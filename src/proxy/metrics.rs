@@ -31,6 +31,7 @@ pub struct Metrics {
     /// Client request received until the first byte of the answer goes out.
     pub ttft: Histogram,
     handoff_misses: Mutex<BTreeMap<&'static str, u64>>,
+    recomputed_tokens: AtomicU64,
     rate_limited: [AtomicU64; 2],
     queued: AtomicU64,
     queue_depth: AtomicI64,
@@ -75,6 +76,12 @@ impl Metrics {
             .unwrap_or_else(|p| p.into_inner())
             .entry(reason)
             .or_default() += n;
+    }
+
+    /// Counts prompt tokens a decode computed itself in KV handoff misses found from its
+    /// usage or counters (recompute.rs).
+    pub fn recomputed_tokens(&self, n: u64) {
+        self.recomputed_tokens.fetch_add(n, Ordering::Relaxed);
     }
 
     /// Counts one 429.
@@ -245,6 +252,32 @@ impl Metrics {
             .iter()
         {
             let _ = writeln!(o, "{p}_kv_handoff_misses_total{{reason=\"{reason}\"}} {n}");
+        }
+        header(
+            &mut o,
+            &format!("{p}_kv_handoff_recomputed_tokens_total"),
+            "counter",
+            "Prompt tokens decodes computed themselves in the misses found from their usage (all of them) or counters (those beyond one block per handoff).",
+        );
+        let _ = writeln!(
+            o,
+            "{p}_kv_handoff_recomputed_tokens_total {}",
+            self.recomputed_tokens.load(Ordering::Relaxed)
+        );
+        header(
+            &mut o,
+            &format!("{p}_decode_prompt_tokens_total"),
+            "counter",
+            "Prompt tokens of each decode by source, from its vllm:prompt_tokens_by_source_total, since this proxy started watching it.",
+        );
+        for i in &pools.decode {
+            for (source, n) in super::recompute::SOURCES.iter().zip(i.ledger.seen()) {
+                let _ = writeln!(
+                    o,
+                    "{p}_decode_prompt_tokens_total{{instance=\"{}\",source=\"{source}\"}} {n}",
+                    i.url
+                );
+            }
         }
         header(
             &mut o,

@@ -7,8 +7,9 @@
 //! Layout: [`server`] (routes) -> [`pipeline`] (flows, retries) -> [`legs`] (one attempt
 //! of one leg), using [`protocol`]
 //! (bodies per connector), [`policy`] (instance choice), [`upstream`] (HTTP client) and
-//! [`relay`] (streams); [`instances`], [`health`], [`scrape`], [`limits`], [`metrics`],
-//! [`errors`], [`designate`], [`record`] (per-request log line), [`models`], [`config`].
+//! [`relay`] (streams); [`instances`], [`health`], [`scrape`], [`recompute`] (KV handoff
+//! misses decode hides), [`limits`], [`metrics`], [`errors`], [`designate`], [`record`]
+//! (per-request log line), [`models`], [`config`].
 
 pub mod args;
 pub mod config;
@@ -27,6 +28,7 @@ pub mod models;
 pub mod pipeline;
 pub mod policy;
 pub mod protocol;
+pub mod recompute;
 pub mod record;
 pub mod relay;
 pub mod scrape;
@@ -115,9 +117,11 @@ pub async fn run(a: args::ProxyArgs) -> anyhow::Result<()> {
             source,
         })?;
     health::start(proxy.clone(), a.supervisor_socket.clone()).await;
-    if proxy.settings.scrape_metrics {
-        scrape::start(proxy.clone(), proxy.settings.health_interval);
-    }
+    scrape::start(
+        proxy.clone(),
+        proxy.settings.health_interval,
+        proxy.settings.scrape_metrics,
+    );
     tracing::info!(
         "pdctl proxy listening on http://{addr}: protocol {}, prefill policy {}, decode policy {}, {} prefill, {} decode",
         proxy.protocol.name(),

@@ -10,6 +10,7 @@ use super::instances::{FailureKind, Instance, Leg};
 use super::legs::{AbortOnDrop, Answer, decode_once, prefill_once};
 use super::policy::RouteFacts;
 use super::protocol::{Body, Flow, Handshake, choices};
+use super::recompute::{self, Expect};
 use super::record::RequestRecord;
 use bytes::Bytes;
 use std::sync::Arc;
@@ -50,7 +51,7 @@ pub async fn run(
         );
         proxy.metrics.handoff_miss(MISS_MULTIPLE_CHOICES);
         rec.handoff_miss = Some(MISS_MULTIPLE_CHOICES);
-        return decode_leg(proxy, req, rec, req.raw.clone()).await;
+        return decode_leg(proxy, req, rec, req.raw.clone(), Expect::Recompute).await;
     }
     match proto.flow() {
         Flow::Sequential => sequential(proxy, req, rec).await,
@@ -80,7 +81,7 @@ async fn sequential(
         proxy
             .protocol
             .decode_body(&req.body, &req.id, &prefill, &handshake, Some(&answer));
-    if let Some(reason) = decode.handoff_miss {
+    let expect = if let Some(reason) = decode.handoff_miss {
         tracing::warn!(
             request_id = %req.id,
             prefill = %prefill.url,
@@ -88,9 +89,12 @@ async fn sequential(
         );
         proxy.metrics.handoff_miss(reason);
         rec.handoff_miss = Some(reason);
-    }
+        Expect::Recompute
+    } else {
+        handoff_due(req)
+    };
     let body = encode(decode.body, req);
-    decode_leg(proxy, req, rec, body).await
+    decode_leg(proxy, req, rec, body, expect).await
 }
 
 /// Both legs at once (mooncake), retried as a pair on other instances while that helps.
@@ -150,7 +154,7 @@ async fn both_legs(
         pbody,
         req.id.clone(),
     )));
-    let decoding = decode_once(proxy, req, decode.clone(), dbytes);
+    let decoding = decode_once(proxy, req, decode.clone(), dbytes, handoff_due(req));
     tokio::pin!(decoding);
     let mut prefill_done = false;
     loop {
@@ -170,6 +174,7 @@ async fn both_legs(
                 let (mut answer, first_byte) =
                     answer.map_err(|f| (Leg::Decode, decode.clone(), f))?;
                 rec.decode_first_byte = first_byte;
+                note_recompute(rec, &answer);
                 if let Answer::Stream { keep, .. } = &mut answer
                     && !prefill_done
                 {
@@ -220,18 +225,38 @@ fn encode(body: Option<Body>, req: &ClientRequest) -> Bytes {
     }
 }
 
+/// A KV handoff due for each of the request's prompts.
+fn handoff_due(req: &ClientRequest) -> Expect {
+    Expect::Handoff {
+        prompts: recompute::prompts(&req.body),
+    }
+}
+
+/// A whole answer whose usage showed a recompute marks the request's log line.
+fn note_recompute(rec: &mut RequestRecord, answer: &Answer) {
+    if let Answer::Full {
+        recompute: Some(reason),
+        ..
+    } = answer
+    {
+        rec.handoff_miss = Some(reason);
+    }
+}
+
 /// Sends the decode leg (with retries) and returns its answer.
 async fn decode_leg(
     proxy: &Arc<Proxy>,
     req: &ClientRequest,
     rec: &mut RequestRecord,
     body: Bytes,
+    expect: Expect,
 ) -> Result<Answer, ProxyError> {
     let (_, (answer, first_byte)) = retry_leg(proxy, req, rec, Leg::Decode, |inst| {
-        decode_once(proxy, req, inst, body.clone())
+        decode_once(proxy, req, inst, body.clone(), expect)
     })
     .await?;
     rec.decode_first_byte = first_byte;
+    note_recompute(rec, &answer);
     Ok(answer)
 }
 

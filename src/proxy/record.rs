@@ -38,7 +38,8 @@ pub struct RequestRecord {
     pub decode_first_byte: Option<Duration>,
     pub ttft: Option<Duration>,
     pub retries: u32,
-    /// Why decode had to recompute, if it did.
+    /// Why decode had to recompute, if it did: known when the leg was sent, or seen in
+    /// decode's usage (`cached_tokens`) when its answer came (recompute.rs).
     pub handoff_miss: Option<&'static str>,
     pub outcome: Outcome,
     metrics: Arc<Metrics>,

@@ -8,6 +8,7 @@ use super::errors::{LegError, LegFailure, ProxyError};
 use super::instances::{FailureKind, Leg};
 use super::legs::Keep;
 use super::limits::Admission;
+use super::recompute::{UsageSeen, usage_in};
 use super::record::{Outcome, RequestRecord};
 use super::upstream::innermost_cause;
 use axum::http::{HeaderValue, header};
@@ -90,6 +91,8 @@ pub struct Relay {
     total_limit: std::time::Duration,
     /// The end of what was relayed, to tell a complete stream from one cut short.
     end: StreamEnd,
+    /// The last usage seen in the stream (looked for only when `keep.judgment` is set).
+    usage: Option<UsageSeen>,
     finished: bool,
     ties: Ties,
 }
@@ -123,6 +126,7 @@ pub fn stream_response(
         deadline: Box::pin(tokio::time::sleep_until(deadline)),
         total_limit,
         end: StreamEnd::default(),
+        usage: None,
         finished: false,
         ties,
     };
@@ -181,9 +185,20 @@ impl Relay {
     /// the whole answer: a client that closes then (most do, at once) completed, it did not
     /// disconnect, even if decode has not closed its end yet.
     fn push(&mut self, chunk: &[u8]) {
+        if self.keep.judgment.is_some()
+            && let Some(u) = usage_in(chunk)
+        {
+            self.usage = Some(u);
+        }
         self.end.push(chunk);
         if self.end.is_done() {
             self.rec.outcome = Outcome::Complete;
+            // The usage chunk comes right before [DONE]: judge decode's KV once.
+            if let Some(j) = self.keep.judgment.take()
+                && let Some(reason) = j.judge(self.usage)
+            {
+                self.rec.handoff_miss = Some(reason);
+            }
         } else if self.rec.outcome == Outcome::Complete {
             // Events after [DONE]: not complete after all.
             self.rec.outcome = Outcome::Pending;

@@ -1,12 +1,13 @@
-//! `--scrape-metrics`: reads each engine's own queue (`vllm:num_requests_running` +
-//! `vllm:num_requests_waiting` from its `/metrics`) so least-loaded and prefix-aware
-//! routing also see load that did not come through this proxy. Where a decode engine
-//! counts the KV handoffs it had to give up on (the simulator's
-//! `pdctl_sim_kv_handoffs_missed_total`), new ones are logged and counted as misses too:
-//! a decode that silently recomputed is exactly what users cannot see otherwise.
+//! Reads engines' `/metrics` every health interval. Decode instances always: their own
+//! `vllm:prompt_tokens_by_source_total` is where a KV handoff that silently turned into a
+//! recompute shows (recompute.rs judges it; nothing else of vLLM's says so). With
+//! `--scrape-metrics`, every instance's queue too (`vllm:num_requests_running` +
+//! `vllm:num_requests_waiting`), so least-loaded and prefix-aware routing also see load that
+//! did not come through this proxy.
 
 use super::Proxy;
-use super::instances::Leg;
+use super::instances::{Instance, Leg};
+use super::recompute::{self, BY_SOURCE, DecodeWatch, PromptSources};
 use crate::prometheus::sum;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,9 +15,7 @@ use std::time::Duration;
 
 /// The gauges summed into an instance's engine load.
 const LOAD_GAUGES: [&str; 2] = ["vllm:num_requests_running", "vllm:num_requests_waiting"];
-/// Counters of KV handoffs an engine gave up on (decode recomputed).
-const MISS_COUNTERS: [&str; 1] = ["pdctl_sim_kv_handoffs_missed_total"];
-/// Metrics reason for misses the engines reported themselves.
+/// Metrics reason for misses found in the decode engines' own counters.
 pub const MISS_ENGINE_REPORTED: &str = "engine_reported";
 
 /// Sums the load gauges over every label set in a Prometheus text exposition; None when
@@ -25,20 +24,21 @@ pub fn engine_load(text: &str) -> Option<u32> {
     sum(text, &LOAD_GAUGES).map(|v| v.max(0.0).round() as u32)
 }
 
-/// The engine's own count of KV handoffs it gave up on, if it exposes one.
-pub fn engine_misses(text: &str) -> Option<u64> {
-    sum(text, &MISS_COUNTERS).map(|v| v.max(0.0).round() as u64)
-}
-
-/// Scrapes every instance every `interval`, forever.
-pub fn start(p: Arc<Proxy>, interval: Duration) {
+/// Scrapes decode instances (and, with `load`, prefill ones for their load) every
+/// `interval`, forever.
+pub fn start(p: Arc<Proxy>, interval: Duration, load: bool) {
     tokio::spawn(async move {
         let timeout = interval.clamp(Duration::from_millis(200), Duration::from_secs(5));
-        let mut misses_seen: HashMap<usize, u64> = HashMap::new();
+        let mut watches: HashMap<usize, DecodeWatch> = HashMap::new();
         // Instances whose page could not be read last time, so each outage is said once.
-        let mut unreadable: HashMap<usize, bool> = HashMap::new();
+        let mut unreadable: HashMap<(Leg, usize), bool> = HashMap::new();
         loop {
-            let all: Vec<_> = p.pools.all().cloned().collect();
+            let all: Vec<_> = p
+                .pools
+                .all()
+                .filter(|i| load || i.leg == Leg::Decode)
+                .cloned()
+                .collect();
             let results = futures_util::future::join_all(all.iter().map(|i| {
                 let url = format!("{}/metrics", i.url);
                 let up = p.upstream.clone();
@@ -51,10 +51,17 @@ pub fn start(p: Arc<Proxy>, interval: Duration) {
                     Ok((status, _)) => (String::new(), Some(format!("it answered {status}"))),
                     Err(e) => (String::new(), Some(e.to_string())),
                 };
-                let was_unreadable = unreadable.insert(inst.index, why_not.is_some());
+                let was_unreadable = unreadable.insert((inst.leg, inst.index), why_not.is_some());
+                let lost = match (load, inst.leg) {
+                    (true, Leg::Decode) => {
+                        "routing by its engine-reported load and counting KV handoff misses from its counters stop"
+                    }
+                    (true, Leg::Prefill) => "routing by its engine-reported load stops",
+                    (false, _) => "counting KV handoff misses from its counters stops",
+                };
                 match (&why_not, was_unreadable) {
                     (Some(why), None | Some(false)) => tracing::warn!(
-                        "cannot read {}/metrics ({why}): routing by its engine-reported load stops until it can",
+                        "cannot read {}/metrics ({why}): {lost} until it can",
                         inst.url
                     ),
                     (None, Some(true)) => {
@@ -62,27 +69,62 @@ pub fn start(p: Arc<Proxy>, interval: Duration) {
                     }
                     _ => {}
                 }
-                inst.set_engine_load(engine_load(&text));
-                if inst.leg == Leg::Decode
-                    && let Some(now) = engine_misses(&text)
-                {
-                    // The first look is a baseline: misses from before this proxy are not ours.
-                    let before = misses_seen.insert(inst.index, now);
-                    if let Some(before) = before
-                        && now > before
-                    {
-                        let new = now - before;
-                        p.metrics.handoff_misses_n(MISS_ENGINE_REPORTED, new);
-                        tracing::warn!(
-                            "decode instance {} reports {new} KV handoff(s) it gave up on (it recomputed the prompt); see its log",
-                            inst.url
-                        );
-                    }
+                if load {
+                    inst.set_engine_load(engine_load(&text));
+                }
+                if inst.leg == Leg::Decode && why_not.is_none() {
+                    watch_decode(&p, inst, &text, &mut watches);
                 }
             }
             tokio::time::sleep(interval).await;
         }
     });
+}
+
+/// Follows one decode's prompt token counters and counts the recompute they show.
+fn watch_decode(p: &Proxy, inst: &Instance, text: &str, watches: &mut HashMap<usize, DecodeWatch>) {
+    let ledger = &inst.ledger;
+    let Some(now) = PromptSources::read(text) else {
+        if ledger.set_has_counters(false) || !watches.contains_key(&inst.index) {
+            tracing::info!(
+                "decode instance {} has no {BY_SOURCE} on its /metrics (vLLM before 0.26, or not vLLM): KV handoff misses on it are only seen in answers' usage.prompt_tokens_details.cached_tokens (vLLM --enable-prompt-tokens-details)",
+                inst.url
+            );
+        }
+        // Keep an entry, so the line above is said once per change.
+        watches.insert(inst.index, DecodeWatch::default());
+        return;
+    };
+    ledger.set_has_counters(true);
+    if let Some(b) = recompute::block_size(text) {
+        ledger.set_block_size(b);
+    }
+    // Read after the page: a request judged from now on is judged after its prompt counted.
+    let snapshot = ledger.snapshot();
+    let bs = ledger.block_size();
+    let step = watches
+        .entry(inst.index)
+        .or_default()
+        .step(now, snapshot, bs);
+    ledger.add_seen(step.tokens);
+    if step.restarted {
+        tracing::info!(
+            "decode instance {}: its prompt token counters went down (engine restarted?); counting from here",
+            inst.url
+        );
+    }
+    if let Some(f) = step.finding {
+        p.metrics.handoff_misses_n(MISS_ENGINE_REPORTED, f.misses);
+        p.metrics.recomputed_tokens(f.recomputed_tokens);
+        tracing::warn!(
+            decode = %inst.url,
+            "KV handoff missed: decode {} computed {} prompt tokens itself beyond what the {} KV handoff(s) due to it leave to compute ({bs} tokens each), by its own vllm:prompt_tokens_by_source_total{{source=\"local_compute\"}}: about {} request(s) silently recomputed their prompt (right answers, TTFT not disaggregated); see its log",
+            inst.url,
+            f.recomputed_tokens,
+            f.due,
+            f.misses
+        );
+    }
 }
 
 #[cfg(test)]
@@ -107,13 +149,6 @@ mod tests {
             Some(5)
         );
         assert_eq!(engine_load("vllm:num_requests_waiting 7\n"), Some(7));
-    }
-
-    #[test]
-    fn engine_reported_misses_are_read_when_exposed() {
-        let text = "pdctl_sim_kv_handoffs_missed_total{model_name=\"m\",engine=\"0\"} 3\n";
-        assert_eq!(engine_misses(text), Some(3));
-        assert_eq!(engine_misses("vllm:num_requests_running 1\n"), None);
     }
 
     #[test]

@@ -117,6 +117,7 @@ async fn generate(p: Arc<Proxy>, route: &'static str, headers: HeaderMap, body: 
             status,
             content_type,
             body,
+            ..
         } => {
             rec.status = status;
             rec.outcome = Outcome::Complete;

@@ -63,7 +63,7 @@ impl Sim {
             kv_host,
             started: Instant::now(),
             started_unix: now.as_secs(),
-            metrics: Metrics::new(&args.model, m.cache_blocks),
+            metrics: Metrics::new(&args.model, m.cache_blocks, m.block_size),
             faults: Faults::new(args.fault_exit_after),
             cache: Mutex::new(PrefixCache::new(m.cache_blocks as usize)),
             slots: Arc::new(Semaphore::new(m.max_num_seqs as usize)),

@@ -1,7 +1,7 @@
 //! Fault injection, so the supervisor's and the proxy's tests can make an engine crash,
 //! exit with a chosen status (0 too, as a vLLM API server whose engine core died does),
-//! fail, hang, stall a stream or look unhealthy on demand (`POST /sim/fault`), or exit
-//! after a number of requests (`--fault-exit-after`).
+//! fail, hang, stall a stream, lose a KV handoff or look unhealthy on demand
+//! (`POST /sim/fault`), or exit after a number of requests (`--fault-exit-after`).
 
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -27,6 +27,10 @@ pub struct FaultRequest {
     /// The next streaming request sends this many tokens, then stops sending without
     /// closing the stream.
     pub stall_stream_after: Option<u64>,
+    /// The next N KV handoffs this decode expects are lost, as when a transfer fails on
+    /// real hardware: the decode answers normally but recomputes the prompt, which only its
+    /// counters and usage show (what silent-recompute detection must catch).
+    pub fail_handoff_next: Option<u64>,
     /// Forget every pending fault first.
     #[serde(default)]
     pub clear: bool,
@@ -46,6 +50,7 @@ pub struct Faults {
     hang_next: AtomicU64,
     unhealthy_until_ms: AtomicU64,
     stall_stream_after: AtomicU64,
+    fail_handoff_next: AtomicU64,
     exit_after: Option<u64>,
     served: AtomicU64,
 }
@@ -65,6 +70,7 @@ impl Faults {
             hang_next: AtomicU64::new(0),
             unhealthy_until_ms: AtomicU64::new(0),
             stall_stream_after: AtomicU64::new(NONE),
+            fail_handoff_next: AtomicU64::new(0),
             exit_after,
             served: AtomicU64::new(0),
         }
@@ -78,6 +84,7 @@ impl Faults {
             self.hang_next.store(0, Relaxed);
             self.unhealthy_until_ms.store(0, Relaxed);
             self.stall_stream_after.store(NONE, Relaxed);
+            self.fail_handoff_next.store(0, Relaxed);
         }
         if let Some(n) = req.fail_next {
             self.fail_next.store(n, Relaxed);
@@ -88,6 +95,9 @@ impl Faults {
         if let Some(ms) = req.unhealthy_ms {
             self.unhealthy_until_ms
                 .store(now_ms.saturating_add(ms), Relaxed);
+        }
+        if let Some(n) = req.fail_handoff_next {
+            self.fail_handoff_next.store(n, Relaxed);
         }
         if let Some(k) = req.stall_stream_after {
             self.stall_stream_after.store(k.min(NONE - 1), Relaxed);
@@ -117,6 +127,11 @@ impl Faults {
         }
     }
 
+    /// Whether the KV handoff a decode is about to take must be lost (`fail_handoff_next`).
+    pub fn take_handoff_fault(&self) -> bool {
+        take_one(&self.fail_handoff_next)
+    }
+
     /// False while an `unhealthy_ms` fault lasts.
     pub fn healthy(&self, now_ms: u64) -> bool {
         now_ms >= self.unhealthy_until_ms.load(Relaxed)
@@ -138,6 +153,7 @@ impl Faults {
             "hang_next": self.hang_next.load(Relaxed),
             "unhealthy_ms": self.unhealthy_until_ms.load(Relaxed).saturating_sub(now_ms),
             "stall_stream_after": (stall != NONE).then_some(stall),
+            "fail_handoff_next": self.fail_handoff_next.load(Relaxed),
             "exit_after": self.exit_after,
             "served": self.served.load(Relaxed),
         })
@@ -210,6 +226,38 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(f.apply(&both, 0), Some(3));
+    }
+
+    #[test]
+    fn lost_handoffs_are_counted_down_and_cleared() {
+        let f = Faults::new(None);
+        assert!(!f.take_handoff_fault());
+        f.apply(
+            &FaultRequest {
+                fail_handoff_next: Some(2),
+                ..Default::default()
+            },
+            0,
+        );
+        assert_eq!(f.pending(0)["fail_handoff_next"], 2);
+        assert!(f.take_handoff_fault());
+        assert!(f.take_handoff_fault());
+        assert!(!f.take_handoff_fault());
+        f.apply(
+            &FaultRequest {
+                fail_handoff_next: Some(5),
+                ..Default::default()
+            },
+            0,
+        );
+        f.apply(
+            &FaultRequest {
+                clear: true,
+                ..Default::default()
+            },
+            0,
+        );
+        assert!(!f.take_handoff_fault());
     }
 
     #[test]

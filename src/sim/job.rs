@@ -102,6 +102,7 @@ pub struct Job {
     producer: Option<Producer>,
     pub seqs: Vec<Seq>,
     pub prompt_tokens: u64,
+    /// Prompt tokens not computed here (local prefix cache plus KV handoff).
     pub cached_tokens: u64,
     /// Bytes of text held back in streams while stop strings could still match.
     pub hold_back: usize,
@@ -186,16 +187,23 @@ impl Job {
             let local = sim.cache_lookup(&hashes);
             let cached = (local * bs) as u64;
             let kv = self.req.kv.as_ref();
-            let got = match handoff::receive(&sim, kv, tokens, &hashes, local, &self.id).await {
+            let incoming = handoff::receive(&sim, kv, tokens, &hashes, local, &self.id).await;
+            let got = match incoming {
                 Incoming::Received { tokens } => tokens,
                 Incoming::NotExpected | Incoming::Missed => 0,
             };
+            if incoming != Incoming::NotExpected {
+                m.external_lookup(len - cached, got);
+            }
             if let Some(p) = handoff::send(&sim, kv, tokens, &hashes, &self.id).await {
                 self.producer = Some(p);
             }
-            uncached += len - cached - got;
+            let computed = len - cached - got;
+            uncached += computed;
             loaded += got;
-            self.cached_tokens += cached;
+            // vLLM's cached_tokens counts KV from the local cache and from a connector alike.
+            self.cached_tokens += cached + got;
+            m.prompt_by_source(computed, cached, got);
             m.prompt_tokens.fetch_add(len, Relaxed);
             m.prefix_queries.fetch_add(len, Relaxed);
             m.prefix_hits.fetch_add(cached, Relaxed);

@@ -23,9 +23,14 @@ pub enum Finish {
     Length,
 }
 
+/// Where a prompt token's KV came from, as vLLM labels `vllm:prompt_tokens_by_source_total`
+/// (`source=...`): the value and the index into [`Metrics::prompt_tokens_by_source`].
+pub const PROMPT_SOURCES: [&str; 3] = ["local_compute", "local_cache_hit", "external_kv_transfer"];
+
 /// Every number the simulator exposes on `/metrics`.
 pub struct Metrics {
     labels: String,
+    block_size: u32,
     pub running: AtomicI64,
     pub waiting: AtomicI64,
     /// KV blocks held by running sequences (for `vllm:kv_cache_usage_perc`).
@@ -35,6 +40,13 @@ pub struct Metrics {
     pub generation_tokens: AtomicU64,
     pub prefix_queries: AtomicU64,
     pub prefix_hits: AtomicU64,
+    /// Prompt tokens by where their KV came from, in [`PROMPT_SOURCES`] order: what vLLM
+    /// counts on a decode, so a decode that silently recomputed shows in `local_compute`.
+    pub prompt_tokens_by_source: [AtomicU64; 3],
+    /// Tokens a decode asked a KV handoff for (vLLM's `external_prefix_cache_queries`).
+    pub external_prefix_queries: AtomicU64,
+    /// Of those, the tokens the handoff delivered (`external_prefix_cache_hits`).
+    pub external_prefix_hits: AtomicU64,
     pub success_stop: AtomicU64,
     pub success_length: AtomicU64,
     pub aborted: AtomicU64,
@@ -54,14 +66,16 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// Zeroed metrics for a sim serving `model` with `cache_blocks` KV blocks.
-    pub fn new(model: &str, cache_blocks: u32) -> Metrics {
+    /// Zeroed metrics for a sim serving `model` with `cache_blocks` KV blocks of
+    /// `block_size` tokens.
+    pub fn new(model: &str, cache_blocks: u32, block_size: u32) -> Metrics {
         let escaped = model
             .replace('\\', "\\\\")
             .replace('"', "\\\"")
             .replace('\n', "\\n");
         Metrics {
             labels: format!("model_name=\"{escaped}\",engine=\"0\""),
+            block_size,
             running: AtomicI64::new(0),
             waiting: AtomicI64::new(0),
             blocks_in_use: AtomicI64::new(0),
@@ -70,6 +84,9 @@ impl Metrics {
             generation_tokens: AtomicU64::new(0),
             prefix_queries: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
+            prompt_tokens_by_source: Default::default(),
+            external_prefix_queries: AtomicU64::new(0),
+            external_prefix_hits: AtomicU64::new(0),
             success_stop: AtomicU64::new(0),
             success_length: AtomicU64::new(0),
             aborted: AtomicU64::new(0),
@@ -92,6 +109,25 @@ impl Metrics {
             Finish::Stop => self.success_stop.fetch_add(1, Relaxed),
             Finish::Length => self.success_length.fetch_add(1, Relaxed),
         };
+    }
+
+    /// Counts one prompt the way vLLM's decode does: `computed` tokens prefilled here,
+    /// `cached` found in the local prefix cache, `received` loaded from a KV handoff.
+    pub fn prompt_by_source(&self, computed: u64, cached: u64, received: u64) {
+        for (counter, n) in self
+            .prompt_tokens_by_source
+            .iter()
+            .zip([computed, cached, received])
+        {
+            counter.fetch_add(n, Relaxed);
+        }
+    }
+
+    /// Counts one lookup of a KV handoff: `queried` tokens were asked for (those not in the
+    /// local cache), `hit` of them arrived.
+    pub fn external_lookup(&self, queried: u64, hit: u64) {
+        self.external_prefix_queries.fetch_add(queried, Relaxed);
+        self.external_prefix_hits.fetch_add(hit, Relaxed);
     }
 
     /// Fraction of KV blocks in use by running sequences, 0..=1 as vLLM reports it.
@@ -157,9 +193,46 @@ impl Metrics {
         );
         counter(
             &mut out,
+            "vllm:external_prefix_cache_queries_total",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+            c(&self.external_prefix_queries),
+        );
+        counter(
+            &mut out,
+            "vllm:external_prefix_cache_hits_total",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+            c(&self.external_prefix_hits),
+        );
+        counter(
+            &mut out,
             "vllm:prompt_tokens_total",
             "Number of prefill tokens processed.",
             c(&self.prompt_tokens),
+        );
+        header(
+            &mut out,
+            "vllm:prompt_tokens_by_source_total",
+            "counter",
+            "Number of prompt tokens by source.",
+        );
+        for (source, n) in PROMPT_SOURCES.iter().zip(&self.prompt_tokens_by_source) {
+            let _ = writeln!(
+                out,
+                "vllm:prompt_tokens_by_source_total{{{l},source=\"{source}\"}} {}",
+                c(n)
+            );
+        }
+        // vLLM's info gauge: its labels are the cache settings (here the ones the sim has).
+        header(
+            &mut out,
+            "vllm:cache_config_info",
+            "gauge",
+            "Information of the LLMEngine CacheConfig",
+        );
+        let _ = writeln!(
+            out,
+            "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"{}\"}} 1.0",
+            self.block_size, self.cache_blocks
         );
         counter(
             &mut out,
@@ -262,7 +335,7 @@ mod tests {
 
     #[test]
     fn hit_rate_and_usage() {
-        let m = Metrics::new("m\"x", 100);
+        let m = Metrics::new("m\"x", 100, 16);
         assert_eq!(m.hit_rate_percent(), 0.0);
         m.prefix_queries.fetch_add(40, Relaxed);
         m.prefix_hits.fetch_add(10, Relaxed);
@@ -274,5 +347,36 @@ mod tests {
             text.contains("vllm:kv_cache_usage_perc{model_name=\"m\\\"x\",engine=\"0\"} 0.25\n")
         );
         assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter\n"));
+    }
+
+    #[test]
+    fn prompt_tokens_are_exposed_by_source_with_vllm_labels() {
+        let m = Metrics::new("m", 100, 32);
+        m.prompt_by_source(5, 16, 48);
+        m.prompt_by_source(69, 0, 0);
+        m.external_lookup(53, 48);
+        let text = m.render();
+        for (source, n) in [
+            ("local_compute", 74),
+            ("local_cache_hit", 16),
+            ("external_kv_transfer", 48),
+        ] {
+            let line = format!(
+                "vllm:prompt_tokens_by_source_total{{model_name=\"m\",engine=\"0\",source=\"{source}\"}} {n}\n"
+            );
+            assert!(text.contains(&line), "{line} in:\n{text}");
+        }
+        assert!(text.contains(
+            "vllm:external_prefix_cache_queries_total{model_name=\"m\",engine=\"0\"} 53\n"
+        ));
+        assert!(
+            text.contains(
+                "vllm:external_prefix_cache_hits_total{model_name=\"m\",engine=\"0\"} 48\n"
+            )
+        );
+        assert!(
+            text.contains("vllm:cache_config_info{block_size=\"32\","),
+            "{text}"
+        );
     }
 }

@@ -124,8 +124,10 @@ pub fn status_table(report: &StatusReport) -> String {
     out
 }
 
-/// `proxy http://..: 1200 requests (3 failed), 2 in flight, 5 retries, 0 KV handoff
-/// misses` from the running proxy, or `None` when it does not answer within half a second.
+/// `proxy http://..: 1200 requests (3 failed), 2 in flight, 5 retries, 2 KV handoff
+/// misses (900 prompt tokens recomputed)` from the running proxy (the misses include those
+/// found in decode's own vLLM counters), or `None` when it does not answer within half a
+/// second.
 pub async fn scrape_proxy(proxy_url: &str) -> Option<String> {
     let client = reqwest::Client::builder()
         .no_proxy()
@@ -135,10 +137,20 @@ pub async fn scrape_proxy(proxy_url: &str) -> Option<String> {
     let url = format!("{}/metrics", proxy_url.trim_end_matches('/'));
     let text = client.get(&url).send().await.ok()?.text().await.ok()?;
     let f = crate::proxy::figures::read(&text)?;
-    Some(format!(
-        "proxy {proxy_url}: {:.0} requests ({:.0} failed), {:.0} in flight, {:.0} retries, {:.0} KV handoff misses",
+    Some(format_figures(proxy_url, &f))
+}
+
+/// The status line of a proxy's figures.
+fn format_figures(proxy_url: &str, f: &crate::proxy::figures::ProxyFigures) -> String {
+    let recomputed = if f.recomputed_tokens > 0.0 {
+        format!(" ({:.0} prompt tokens recomputed)", f.recomputed_tokens)
+    } else {
+        String::new()
+    };
+    format!(
+        "proxy {proxy_url}: {:.0} requests ({:.0} failed), {:.0} in flight, {:.0} retries, {:.0} KV handoff misses{recomputed}",
         f.requests, f.failed, f.in_flight, f.retries, f.kv_handoff_misses
-    ))
+    )
 }
 
 #[cfg(test)]
@@ -146,6 +158,28 @@ mod tests {
     use super::*;
     use crate::control::ServiceState;
     use crate::plan::Role;
+
+    #[test]
+    fn the_proxy_line_shows_misses_and_recomputed_tokens_when_there_are_some() {
+        let mut f = crate::proxy::figures::ProxyFigures {
+            requests: 1200.0,
+            failed: 3.0,
+            in_flight: 2.0,
+            retries: 5.0,
+            kv_handoff_misses: 0.0,
+            recomputed_tokens: 0.0,
+        };
+        assert_eq!(
+            format_figures("http://p:8000", &f),
+            "proxy http://p:8000: 1200 requests (3 failed), 2 in flight, 5 retries, 0 KV handoff misses"
+        );
+        f.kv_handoff_misses = 2.0;
+        f.recomputed_tokens = 900.0;
+        assert!(
+            format_figures("http://p:8000", &f)
+                .ends_with("2 KV handoff misses (900 prompt tokens recomputed)")
+        );
+    }
 
     #[test]
     fn durations_read_like_docker() {

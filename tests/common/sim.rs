@@ -137,6 +137,14 @@ impl SimProc {
         metric_in(&text, name).unwrap_or_else(|| panic!("metric {name} not exposed:\n{text}"))
     }
 
+    /// The sim's `vllm:prompt_tokens_by_source_total` for one `source` label value
+    /// (`local_compute`, `local_cache_hit`, `external_kv_transfer`).
+    pub async fn prompt_tokens(&self, source: &str) -> f64 {
+        let (_, text) = self.get("/metrics").await;
+        prompt_tokens_in(&text, source)
+            .unwrap_or_else(|| panic!("no prompt tokens with source={source}:\n{text}"))
+    }
+
     /// Waits up to `timeout` for the process to exit; its exit code.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
         let end = Instant::now() + timeout;
@@ -161,6 +169,15 @@ pub fn client() -> reqwest::Client {
 /// The sum of the samples of `name` in a Prometheus text exposition.
 pub fn metric_in(text: &str, name: &str) -> Option<f64> {
     pdctl::prometheus::sum(text, &[name])
+}
+
+/// The summed `vllm:prompt_tokens_by_source_total` samples labelled `source` on a page.
+pub fn prompt_tokens_in(text: &str, source: &str) -> Option<f64> {
+    pdctl::prometheus::samples(text)
+        .filter(|s| s.name == "vllm:prompt_tokens_by_source_total")
+        .filter(|s| pdctl::prometheus::label_value(s.labels, "source").as_deref() == Some(source))
+        .map(|s| s.value)
+        .reduce(|a, b| a + b)
 }
 
 /// The `data:` payloads of an SSE body, in order (`[DONE]` kept as a string).

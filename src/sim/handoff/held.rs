@@ -127,7 +127,7 @@ mod tests {
 
     #[test]
     fn held_blocks_are_counted_until_taken_or_expired() {
-        let m = Metrics::new("m", 10);
+        let m = Metrics::new("m", 10, 16);
         let h = HeldKv::default();
         h.hold(&m, "a", Held::Ready(blocks(3)), Duration::from_secs(60));
         h.hold(&m, "b", Held::Ready(blocks(2)), Duration::ZERO);
@@ -142,7 +142,7 @@ mod tests {
 
     #[tokio::test]
     async fn wait_take_sees_entries_that_arrive_later_and_times_out() {
-        let m = std::sync::Arc::new(Metrics::new("m", 10));
+        let m = std::sync::Arc::new(Metrics::new("m", 10, 16));
         let h = std::sync::Arc::new(HeldKv::default());
         let (h2, m2) = (h.clone(), m.clone());
         tokio::spawn(async move {

@@ -2,6 +2,9 @@
 //! [`shared_dir`] (two-step), [`nixl`] (decode pulls from the prefill) and [`mooncake`]
 //! (decode waits for a transfer id on the prefill's bootstrap server). A decode that
 //! expected KV and got none recomputes and counts a miss; both sides log every handoff.
+//! What arrived and what was recomputed also lands in the vLLM counters a real decode
+//! keeps (`vllm:prompt_tokens_by_source_total`, `vllm:external_prefix_cache_*`, counted
+//! by the job), so the proxy can find misses the same way on the sim and on vLLM.
 
 pub mod held;
 pub mod mooncake;
@@ -30,6 +33,14 @@ pub enum Incoming {
     Missed,
 }
 
+/// Where a decode expects its prompt's KV from.
+enum How<'a> {
+    /// From the prefill named in `kv_transfer_params` (nixl, mooncake).
+    Pull(&'a KvTransferParams),
+    /// From the shared directory (two-step).
+    SharedDir,
+}
+
 /// The decode side: fetches the prompt's KV if this request or sim expects a handoff.
 /// `local_blocks` are already in the local prefix cache.
 pub async fn receive(
@@ -41,28 +52,41 @@ pub async fn receive(
     request_id: &str,
 ) -> Incoming {
     let bs = sim.args.model_params.block_size as usize;
-    let result: Result<String, String> = match kv {
-        Some(kv) if kv.remote_prefill() => match sim.args.handoff {
-            SimHandoff::Nixl => nixl::pull(sim, kv, hashes).await,
-            SimHandoff::Mooncake => mooncake::pull(sim, kv, hashes).await,
-            other => Err(format!(
-                "kv_transfer_params asks for a remote prefill, but this sim runs --handoff {}",
-                value_name(other)
-            )),
-        },
+    let how = match kv {
+        Some(kv) if kv.remote_prefill() => How::Pull(kv),
         _ if sim.args.handoff == SimHandoff::SharedDir && sim.args.role == SimRole::Decode => {
             if local_blocks >= hashes.len() {
                 return Incoming::NotExpected;
             }
-            let dir = sim.args.kv_dir.clone().unwrap_or_default();
-            let (t, h) = (tokens.to_vec(), hashes.to_vec());
-            let shown = dir.display().to_string();
-            tokio::task::spawn_blocking(move || shared_dir::load(&dir, &t, &h, local_blocks, bs))
+            How::SharedDir
+        }
+        _ => return Incoming::NotExpected,
+    };
+    let result: Result<String, String> = if sim.faults.take_handoff_fault() {
+        sim.metrics.faults_injected.fetch_add(1, Relaxed);
+        Err("fault injection (fail_handoff_next): this KV is treated as lost".into())
+    } else {
+        match how {
+            How::Pull(kv) => match sim.args.handoff {
+                SimHandoff::Nixl => nixl::pull(sim, kv, hashes).await,
+                SimHandoff::Mooncake => mooncake::pull(sim, kv, hashes).await,
+                other => Err(format!(
+                    "kv_transfer_params asks for a remote prefill, but this sim runs --handoff {}",
+                    value_name(other)
+                )),
+            },
+            How::SharedDir => {
+                let dir = sim.args.kv_dir.clone().unwrap_or_default();
+                let (t, h) = (tokens.to_vec(), hashes.to_vec());
+                let shown = dir.display().to_string();
+                tokio::task::spawn_blocking(move || {
+                    shared_dir::load(&dir, &t, &h, local_blocks, bs)
+                })
                 .await
                 .unwrap_or_else(|e| Err(format!("loader task failed: {e}")))
                 .map(|()| shown)
+            }
         }
-        _ => return Incoming::NotExpected,
     };
     let m = &sim.metrics;
     match result {

@@ -4,8 +4,9 @@
 use serde::Serialize;
 use serde_json::Value;
 
-/// Token counts of one request; `prompt_tokens_details.cached_tokens` is the prefix
-/// cache hit (tokens not recomputed).
+/// Token counts of one request; `prompt_tokens_details.cached_tokens` is every prompt
+/// token not computed here: prefix cache hits and KV that arrived by a handoff, as vLLM
+/// counts them.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Usage {
     pub prompt_tokens: u64,
