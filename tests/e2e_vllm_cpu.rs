@@ -311,6 +311,30 @@ fn run_case(case: &Case) {
         latency_handoffs == LATENCY_SAMPLES || !case.handoff_guaranteed,
         "only {latency_handoffs} of {LATENCY_SAMPLES} proxied requests handed KV over"
     );
+    // The proxy finds silent recomputes from decode's own vLLM counters: with every
+    // handoff made, it must count none (it scrapes decode once per health interval).
+    std::thread::sleep(Duration::from_secs(3));
+    let misses = rt.block_on(async {
+        let text = http
+            .get(format!("{proxy}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        metric_sum(&text, "pdctl_proxy_kv_handoff_misses_total", "").unwrap_or(0.0)
+    });
+    println!(
+        "[{}] proxy: {misses} KV handoff misses found in decode's counters",
+        case.name
+    );
+    if case.handoff_guaranteed {
+        assert_eq!(
+            misses, 0.0,
+            "the proxy counted silent recomputes although every handoff was seen"
+        );
+    }
     // Where proxied time goes, from the proxy's own per-request log lines (the last ones
     // are the latency requests): the prefill leg, and the whole request as the proxy saw it.
     let proxy_log = run(pdctl_in(&guard, &["logs", "proxy"]), 30);

@@ -568,6 +568,60 @@ fn a_sigkilled_supervisor_leaves_no_orphans_and_the_next_up_cleans_its_state() {
     assert_eq!(c.run(&["down"]).status.code(), Some(0));
 }
 
+/// A grandchild without the run marker in its environment (vLLM's engine core overwrites
+/// it with its process title) is still found and killed after the supervisor's SIGKILL,
+/// as a member of the detached supervisor's session.
+#[test]
+fn a_sigkilled_supervisor_leaves_no_unmarked_grandchild() {
+    let c = Cluster::new("sigkill-noenv");
+    let p = free_ports(1);
+    let mut plan = plan("orph2", &[("main", "127.0.0.1")]);
+    let mut forking = local_engine(&c, "decode-0", Role::Decode, p[0]);
+    forking.env.insert("FORK".into(), "noenv".into());
+    plan.services = vec![forking];
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let state = c.state(&plan, "main");
+    let record = pdctl::supervisor::state::read_record(&state)
+        .unwrap()
+        .unwrap();
+    let mut child = None;
+    assert!(wait_until(Duration::from_secs(5), || {
+        let log = std::fs::read_to_string(state.log_path("decode-0")).unwrap_or_default();
+        child = log.lines().find_map(|l| {
+            l.strip_prefix("unmarked child ")?
+                .trim()
+                .parse::<i32>()
+                .ok()
+        });
+        child.is_some()
+    }));
+    let child = child.unwrap();
+    let alive = |pid: i32| pdctl::supervisor::procfs::process(pid).is_some_and(|p| !p.is_zombie());
+    assert!(alive(child));
+    assert!(
+        !marked(&record.run_id).contains(&child),
+        "the child carries the marker"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(record.supervisor_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let gone = wait_until(Duration::from_secs(3), || !alive(child));
+    if !gone {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    assert!(
+        gone,
+        "the unmarked grandchild {child} outlived the SIGKILLed supervisor"
+    );
+    let _ = c.run(&["down"]);
+}
+
 #[test]
 fn preflight_reports_a_busy_port_and_a_missing_program_together_and_spawns_nothing() {
     let c = Cluster::new("preflight");

@@ -15,6 +15,9 @@ pub struct ProcInfo {
     pub pid: i32,
     pub ppid: i32,
     pub pgrp: i32,
+    /// Session id: a detached supervisor leads its own session, and every process it
+    /// starts, and everything they fork, stays in it unless it calls setsid itself.
+    pub session: i32,
     /// One letter: `R`, `S`, `D`, `Z` (zombie), `T`, ...
     pub state: char,
     /// Clock ticks after boot when the process started; with the pid, a unique identity.
@@ -39,6 +42,7 @@ pub fn parse_stat(line: &str) -> Option<ProcInfo> {
         state: f.first()?.chars().next()?,
         ppid: f.get(1)?.parse().ok()?,
         pgrp: f.get(2)?.parse().ok()?,
+        session: f.get(3)?.parse().ok()?,
         // Field 22 of stat(5); the state is field 3, so index 22 - 3 = 19 here.
         start_ticks: f.get(19)?.parse().ok()?,
     })
@@ -97,6 +101,20 @@ pub fn marked_processes(run_id: &str) -> Vec<i32> {
         .collect()
 }
 
+/// Live processes of the session led by `leader`, never this process itself. A session
+/// id stays taken while any member lives, so once the leader (a detached supervisor) is
+/// dead, its members are exactly what it left behind, including processes that rewrote
+/// their environment (vLLM's `VLLM::EngineCore` sets its process title over it, which
+/// hides the run marker).
+pub fn session_members(leader: i32) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    all_processes()
+        .into_iter()
+        .filter(|p| p.session == leader && p.pid != me && p.pid != leader && !p.is_zombie())
+        .map(|p| p.pid)
+        .collect()
+}
+
 /// This process's own start time, recorded so a later `up` can tell whether the
 /// supervisor that wrote a record still lives.
 pub fn own_start_ticks() -> u64 {
@@ -115,6 +133,7 @@ mod tests {
             "4242 (my (odd) name) S 1 4242 4242 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 987654 0 0";
         let p = parse_stat(line).unwrap();
         assert_eq!((p.pid, p.ppid, p.pgrp, p.state), (4242, 1, 4242, 'S'));
+        assert_eq!(p.session, 4242);
         assert_eq!(p.start_ticks, 987654);
         assert!(!p.is_zombie());
     }

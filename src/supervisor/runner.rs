@@ -322,7 +322,10 @@ async fn stop_everything(
         sig = signals.recv() => {
             ctx.console.event(&format!("{sig} again: killing every process now"));
             let run_id = record.run_id();
-            tokio::task::spawn_blocking(move || watchdog::stop_marked(&run_id, Duration::ZERO));
+            // A detached supervisor leads its session: its members are the run's too.
+            let me = nix::unistd::getpid();
+            let session = (nix::unistd::getsid(None).ok() == Some(me)).then_some(me.as_raw());
+            tokio::task::spawn_blocking(move || watchdog::stop_marked(&run_id, session, Duration::ZERO));
         }
     }
     work.await;

@@ -82,6 +82,13 @@ pub fn kill_leftovers(record: &RunRecord) -> Vec<i32> {
 /// Pids still alive that belong to the run described by `record`.
 pub fn leftover_pids(record: &RunRecord) -> Vec<i32> {
     let mut pids = procfs::marked_processes(&record.run_id);
+    // A detached supervisor led its own session; with it dead, what is left in that
+    // session is the run's (also processes that overwrote their environment).
+    for p in procfs::session_members(record.supervisor_pid) {
+        if !pids.contains(&p) {
+            pids.push(p);
+        }
+    }
     for child in record.children.values() {
         if procfs::is_same_process_alive(child.pid, child.start_ticks) && !pids.contains(&child.pid)
         {

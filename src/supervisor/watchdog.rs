@@ -49,26 +49,46 @@ impl Watchdog {
 
 /// The watchdog process: waits for end-of-file on stdin, then stops the run's processes.
 pub fn watch(run_id: &str) -> std::process::ExitCode {
+    // A detached supervisor leads its own session, which this process shares: then the
+    // session's members are the run's processes too (also those whose environment, and so
+    // the run marker, was overwritten).
+    let supervisor = nix::unistd::getppid().as_raw();
+    let session = nix::unistd::getsid(None).map(|s| s.as_raw()).ok();
+    let own_session = (session == Some(supervisor)).then_some(supervisor);
     let mut sink = [0u8; 64];
     let mut stdin = std::io::stdin();
     // Nothing is ever written; read returns 0 when the supervisor's end closes.
     while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-    stop_marked(run_id, GRACE);
+    stop_marked(run_id, own_session, GRACE);
     std::process::ExitCode::SUCCESS
 }
 
-/// SIGTERM to every process marked with `run_id`, SIGKILL to those left after `grace`.
-/// Returns how many were found.
-pub fn stop_marked(run_id: &str, grace: Duration) -> usize {
-    let victims = procfs::marked_processes(run_id);
+/// The run's live processes: those marked with `run_id`, and the members of the dead
+/// supervisor's own session when it had one.
+fn run_processes(run_id: &str, session: Option<i32>) -> Vec<i32> {
+    let mut pids = procfs::marked_processes(run_id);
+    if let Some(leader) = session {
+        for p in procfs::session_members(leader) {
+            if !pids.contains(&p) {
+                pids.push(p);
+            }
+        }
+    }
+    pids
+}
+
+/// SIGTERM to every process of the run (see [`run_processes`]), SIGKILL to those left
+/// after `grace`. Returns how many were found.
+pub fn stop_marked(run_id: &str, session: Option<i32>, grace: Duration) -> usize {
+    let victims = run_processes(run_id, session);
     for &p in &victims {
         let _ = kill(Pid::from_raw(p), Signal::SIGTERM);
     }
     let end = Instant::now() + grace;
-    while Instant::now() < end && !procfs::marked_processes(run_id).is_empty() {
+    while Instant::now() < end && !run_processes(run_id, session).is_empty() {
         std::thread::sleep(Duration::from_millis(25));
     }
-    for p in procfs::marked_processes(run_id) {
+    for p in run_processes(run_id, session) {
         let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
     }
     victims.len()

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 /// A tiny HTTP engine: answers every GET with 200, prints a line when listening, and
 /// with a second argument exits with status 1 after that many seconds. With CHATTY=1 it
 /// prints a numbered line every 5 ms (for log rotation). With FORK=1 it leaves a
-/// `sleep` child behind (a grandchild of the supervisor, like vLLM's engine core). With
+/// `sleep` child behind (a grandchild of the supervisor, like vLLM's engine core); with
+/// FORK=noenv that child has an empty environment (no run marker) and its pid is printed. With
 /// SICK_AFTER=S it answers 503 after S seconds while staying alive (a hung engine). With
 /// EXIT0_ONCE=PATH, on its first run only (while PATH does not exist), it answers one GET,
 /// then prints a vLLM-style error line and a harmless line after it and exits with
@@ -50,7 +51,12 @@ class H(http.server.BaseHTTPRequestHandler):
         self.wfile.write(b"ok")
     def log_message(self, *a):
         pass
-if os.environ.get("FORK"):
+if os.environ.get("FORK") == "noenv":
+    # Like vLLM's engine core, whose process title overwrites its environment: a child
+    # that does not carry the run marker.
+    child = subprocess.Popen(["sleep", "1001"], env={})
+    print(f"unmarked child {child.pid}", flush=True)
+elif os.environ.get("FORK"):
     subprocess.Popen(["sleep", "1000"])
 if exit_after:
     threading.Timer(exit_after, lambda: os._exit(1)).start()
