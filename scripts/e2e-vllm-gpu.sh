@@ -94,13 +94,10 @@ fi
 status_json() { "$PDCTL" status --json --state-dir "$1" 2>/dev/null; }
 # `field SERVICE KEY` from a status --json document on stdin.
 field() { "$PYTHON_PATH" -c 'import json,sys; r=json.load(sys.stdin); s=[x for x in r["services"] if x["name"]==sys.argv[1]]; print(s[0].get(sys.argv[2]) if s else "")' "$1" "$2"; }
-# Processes whose environment carries this cluster's run id (what pdctl started).
-cluster_pids() {
-  local run_id="$1" p
-  for p in /proc/[0-9]*; do
-    { tr '\0' '\n' < "$p/environ"; } 2>/dev/null | grep -qx "PDCTL_RUN_ID=$run_id" && echo "${p#/proc/}"
-  done
-}
+# Processes of the session the detached supervisor $1 led: everything it started and all
+# they forked (the run-id marker in the environment is not enough: vLLM's engine core
+# writes its process title over its environment).
+cluster_pids() { ps -e -o pid=,sid= | awk -v s="$1" '$2 == s && $1 != s { print $1 }'; }
 # The engine core child of a vLLM API server (vLLM names its process VLLM::EngineCore).
 engine_core() {
   local p
@@ -224,12 +221,11 @@ run_case() {
   fi
 
   # SIGKILL of the supervisor: nothing of the cluster may outlive it.
-  local sup run_id left gpu_left
+  local sup left gpu_left
   sup="$(record "$state" supervisor_pid)"
-  run_id="$(record "$state" run_id)"
   kill -9 "$sup"
   sleep 10
-  left="$(cluster_pids "$run_id" | wc -l)"
+  left="$(cluster_pids "$sup" | wc -l)"
   gpu_left="$(gpu_pids | wc -l)"
   [ "$left" = 0 ] && [ "$gpu_left" = 0 ] \
     && pass "$case: supervisor SIGKILLed: 10 s later no process of the cluster and none on the GPU" \
@@ -238,12 +234,12 @@ run_case() {
 
   # Up again, then down: nothing left, GPU memory back to where it started.
   if "$PDCTL" up -d -f "$dir/topology.toml" --gpus "$GPU" --state-dir "$state" > "$dir/up2.log" 2>&1; then
-    run_id="$(record "$state" run_id)"
+    sup="$(record "$state" supervisor_pid)"
     t0=$SECONDS
     "$PDCTL" down --state-dir "$state" > "$dir/down.log" 2>&1
     local down_s=$((SECONDS - t0))
     sleep 3
-    left="$(cluster_pids "$run_id" | wc -l)"; gpu_left="$(gpu_pids | wc -l)"
+    left="$(cluster_pids "$sup" | wc -l)"; gpu_left="$(gpu_pids | wc -l)"
     local mem_end; mem_end="$(gpu_mem_mib)"
     [ "$left" = 0 ] && [ "$gpu_left" = 0 ] && (( mem_end - mem0 < 512 )) \
       && pass "$case: down in ${down_s} s: no process, nothing on the GPU (${mem_end} MiB used, ${mem0} before)" \
