@@ -38,7 +38,7 @@ pub fn start(p: Arc<Proxy>, interval: Duration) {
         // Instances whose page could not be read last time, so each outage is said once.
         let mut unreadable: HashMap<usize, bool> = HashMap::new();
         loop {
-            let all: Vec<_> = p.pools.all().cloned().collect();
+            let all: Vec<_> = p.pools.snapshot().all().cloned().collect();
             let results = futures_util::future::join_all(all.iter().map(|i| {
                 let url = format!("{}/metrics", i.url);
                 let up = p.upstream.clone();
