@@ -691,3 +691,25 @@ fn output_to_a_directory_writes_one_file_per_object() {
         assert_eq!(docs.len(), 1, "{p}");
     }
 }
+
+#[test]
+fn the_yaml_in_docs_kubernetes_md_is_what_export_prints() {
+    let doc = std::fs::read_to_string(format!("{}/docs/kubernetes.md", env!("CARGO_MANIFEST_DIR")))
+        .unwrap();
+    let start = doc
+        .find("```yaml\n")
+        .expect("docs/kubernetes.md shows the YAML")
+        + 8;
+    let shown = &doc[start..start + doc[start..].find("```").unwrap()];
+    let (out, _, code) = export(&["-p", "4p4d"]);
+    assert_eq!(code, 0);
+    let printed: String = out
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_eq!(
+        shown, printed,
+        "docs/kubernetes.md is out of date: paste `pdctl export k8s -p 4p4d | grep -v '^#'`"
+    );
+}
