@@ -11,6 +11,7 @@ pub mod cli;
 pub mod connectors;
 pub mod control;
 pub mod error_text;
+pub mod export;
 pub mod gpu;
 pub mod plan;
 pub mod profiles;

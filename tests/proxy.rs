@@ -1582,3 +1582,157 @@ async fn shutdown_refuses_new_requests_and_ends_cut_streams_with_an_error_and_do
     );
     assert_eq!(events[1], "data: [DONE]");
 }
+
+// ---------------------------------------------------------------- instances found by DNS
+
+/// Writes the hosts file the proxy reads before the system resolver (PDCTL_PROXY_HOSTS_FILE).
+fn write_hosts(path: &std::path::Path, lines: &[&str]) {
+    std::fs::write(path, lines.join("\n") + "\n").unwrap();
+}
+
+/// What `/health?ready` lists for one leg: the instance URLs.
+async fn listed(proxy: &ProxyProcess, leg: &str) -> Vec<String> {
+    let body: Value = client()
+        .get(format!("{}/health?ready", proxy.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut urls: Vec<String> = body["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["leg"] == leg)
+        .map(|i| i["url"].as_str().unwrap().to_string())
+        .collect();
+    urls.sort();
+    urls
+}
+
+/// The proxy as `pdctl export k8s` runs it: prefill and decode given as names (headless
+/// Services) that do not resolve when it starts. It serves 503 until they do, then routes
+/// to every address a name lists, and follows addresses that come and go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_that_resolve_later_become_instances_and_follow_their_addresses() {
+    let p1 = FakeEngine::start_at("P1", "127.0.0.2:0").await;
+    let p2 = FakeEngine::start_at("P2", &format!("127.0.0.3:{}", p1.port)).await;
+    let d = FakeEngine::start("D").await;
+    let dir = common::TempDir::new("proxy-hosts");
+    let hosts = dir.path().join("hosts");
+    write_hosts(&hosts, &["# nothing resolves yet"]);
+    let prefill_name = "prefill.pdctl-test.invalid";
+    let decode_name = "decode.pdctl-test.invalid";
+    let args: Vec<String> = [
+        "--prefill-dns",
+        &format!("{prefill_name}:{}", p1.port),
+        "--decode-dns",
+        &format!("{decode_name}:{}", d.port),
+        "--health-interval-ms",
+        "100",
+        "--restart-wait-s",
+        "0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let proxy = ProxyProcess::start_with_env(
+        &args,
+        &[("PDCTL_PROXY_HOSTS_FILE", hosts.to_str().unwrap())],
+    )
+    .await;
+
+    // Nothing resolves: the proxy is up, not ready, and says so for a request.
+    let resp = post(&proxy, "/v1/completions", &completion("hello")).await;
+    assert_eq!(resp.status(), 503, "no instance yet must be a 503");
+    assert!(listed(&proxy, "prefill").await.is_empty());
+
+    // The names resolve: one prefill, one decode.
+    write_hosts(
+        &hosts,
+        &[
+            &format!("127.0.0.2 {prefill_name}"),
+            &format!("127.0.0.1 {decode_name}"),
+        ],
+    );
+    let ready = || async {
+        client()
+            .get(format!("{}/health?ready", proxy.url))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            == 200
+    };
+    assert!(
+        eventually(WAIT, ready).await,
+        "the proxy never became ready after the names resolved:\n{}",
+        proxy.log()
+    );
+    let resp = post(&proxy, "/v1/completions", &completion("hello")).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!((p1.count(), d.count()), (1, 1));
+
+    // A second pod behind the prefill name: both take requests.
+    write_hosts(
+        &hosts,
+        &[
+            &format!("127.0.0.2 {prefill_name}"),
+            &format!("127.0.0.3 {prefill_name}"),
+            &format!("127.0.0.1 {decode_name}"),
+        ],
+    );
+    assert!(
+        eventually(WAIT, || async {
+            listed(&proxy, "prefill").await == [p1.url.clone(), p2.url.clone()]
+        })
+        .await,
+        "the second address never became an instance:\n{}",
+        proxy.log()
+    );
+    assert!(
+        eventually(WAIT, || async {
+            post(&proxy, "/v1/completions", &completion("again")).await;
+            p2.count() > 0
+        })
+        .await,
+        "the new instance never got a request"
+    );
+
+    // The first pod goes away: it leaves routing, the other takes everything.
+    write_hosts(
+        &hosts,
+        &[
+            &format!("127.0.0.3 {prefill_name}"),
+            &format!("127.0.0.1 {decode_name}"),
+        ],
+    );
+    assert!(
+        eventually(WAIT, || async {
+            listed(&proxy, "prefill").await == [p2.url.clone()]
+        })
+        .await,
+        "the vanished address stayed an instance:\n{}",
+        proxy.log()
+    );
+    let before = p1.count();
+    for _ in 0..4 {
+        assert_eq!(
+            post(&proxy, "/v1/completions", &completion("more"))
+                .await
+                .status(),
+            200
+        );
+    }
+    assert_eq!(
+        p1.count(),
+        before,
+        "a request went to the address that left"
+    );
+    assert!(
+        proxy.log().contains("no longer lists it"),
+        "{}",
+        proxy.log()
+    );
+}

@@ -137,6 +137,18 @@ pub fn gpu_inventory(args: &TopologyArgs) -> (Vec<Gpu>, Option<String>) {
 
 /// Plans a loaded topology for this machine.
 pub fn plan_topology(t: &LoadedTopology, args: &TopologyArgs) -> anyhow::Result<LoadedPlan> {
+    let mut loaded = plan_programs_unresolved(t, args)?;
+    loaded.missing = tools::resolve_programs(&mut loaded.plan);
+    Ok(loaded)
+}
+
+/// Plans a loaded topology, leaving every program as the bare name the planner wrote
+/// (`python3`, `pdctl`, `etcd`): what `export k8s` needs, since the programs run in images,
+/// not on this machine.
+pub fn plan_programs_unresolved(
+    t: &LoadedTopology,
+    args: &TopologyArgs,
+) -> anyhow::Result<LoadedPlan> {
     let mut spec = t.spec.clone();
     // A model path written `~/...` is the user's home, as a shell would read it.
     if let Some(rest) = spec.model.name.strip_prefix("~/")
@@ -207,11 +219,10 @@ pub fn plan_topology(t: &LoadedTopology, args: &TopologyArgs) -> anyhow::Result<
             spec.engine.vllm_version, spec.engine.vllm_version
         ));
     }
-    let missing = tools::resolve_programs(&mut plan);
     Ok(LoadedPlan {
         plan,
         source_note: String::new(),
-        missing,
+        missing: Vec::new(),
         node,
         version_note,
     })

@@ -5,6 +5,7 @@ pub mod cluster;
 pub mod common;
 mod down;
 pub mod exit;
+pub mod export;
 mod info;
 mod restart;
 
@@ -40,6 +41,8 @@ pub enum Command {
     Gpus(info::GpusArgs),
     /// List the built-in topologies with one line each.
     Profiles(info::ProfilesArgs),
+    /// Write the plan as manifests for another system (`export k8s`: Kubernetes).
+    Export(export::ExportArgs),
     /// Run the PD proxy alone, in front of instances started by other means.
     Proxy(crate::proxy::args::ProxyArgs),
     /// Run a simulated engine (speaks vLLM's HTTP API; says it is a simulator).
@@ -97,6 +100,7 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Logs(a) => cluster::logs(a),
         Command::Restart(a) => cluster::restart(a),
         Command::Supervise(a) => cluster::supervise(a),
+        Command::Export(a) => export::export(a),
         Command::Proxy(a) => runtime()?
             .block_on(crate::proxy::run(a))
             .map(|_| ExitCode::SUCCESS),

@@ -39,12 +39,21 @@ pub struct ProxyArgs {
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
     /// Prefill instance base URL (http://HOST:PORT or HOST:PORT); repeat for each.
-    #[arg(long = "prefill", required = true)]
+    #[arg(long = "prefill", required_unless_present = "prefill_dns")]
     pub prefill: Vec<String>,
     /// Decode instance base URL; repeat for each.
-    #[arg(long = "decode", required = true)]
+    #[arg(long = "decode", required_unless_present = "decode_dns")]
     pub decode: Vec<String>,
-    /// Bootstrap port of each prefill instance, in --prefill order (protocol mooncake).
+    /// A DNS name whose every address is a prefill instance on PORT (NAME:PORT), looked up
+    /// again every --health-interval-ms: a Kubernetes headless Service follows its ready pods.
+    /// The name need not resolve yet when the proxy starts.
+    #[arg(long = "prefill-dns", value_name = "NAME:PORT")]
+    pub prefill_dns: Vec<String>,
+    /// Like --prefill-dns, for decode instances.
+    #[arg(long = "decode-dns", value_name = "NAME:PORT")]
+    pub decode_dns: Vec<String>,
+    /// Bootstrap port of each prefill instance, in --prefill order (protocol mooncake); with
+    /// --prefill-dns one more, for every instance found by name.
     #[arg(long = "bootstrap-port")]
     pub bootstrap_ports: Vec<u16>,
     #[arg(long, value_enum, default_value = "two-step")]
@@ -118,6 +127,12 @@ impl ProxyArgs {
         }
         for d in &self.decode {
             v.extend(["--decode".into(), d.clone()]);
+        }
+        for p in &self.prefill_dns {
+            v.extend(["--prefill-dns".into(), p.clone()]);
+        }
+        for d in &self.decode_dns {
+            v.extend(["--decode-dns".into(), d.clone()]);
         }
         for b in &self.bootstrap_ports {
             v.extend(["--bootstrap-port".into(), b.to_string()]);

@@ -2,6 +2,7 @@
 //! pools and durations; every mistake is reported with the flag to fix.
 
 use super::args::{ProxyArgs, ProxyProtocol};
+use super::discovery::DnsSource;
 use super::instances::{EndpointError, Instance, Leg, Pools, parse_endpoint};
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,9 +20,14 @@ pub enum ConfigError {
     #[error("{url} is listed as both --prefill and --decode: an engine plays one role")]
     BothRoles { url: String },
     #[error(
-        "--protocol mooncake needs one --bootstrap-port per --prefill (in the same order): got {ports} for {prefills} prefill instance(s)"
+        "--protocol mooncake needs one --bootstrap-port per --prefill (in the same order){dns}: got {ports} for {prefills} prefill instance(s)",
+        dns = if *.by_name { ", plus one for the instances --prefill-dns finds" } else { "" }
     )]
-    BootstrapPorts { ports: usize, prefills: usize },
+    BootstrapPorts {
+        ports: usize,
+        prefills: usize,
+        by_name: bool,
+    },
     #[error("--bootstrap-port only applies to --protocol mooncake")]
     BootstrapUnused,
     #[error("--{flag} must be a number >= 0 (got {value}); 0 turns the limit off")]
@@ -63,10 +69,12 @@ pub struct Settings {
 /// Builds the instance pools, checking every endpoint.
 pub fn pools(args: &ProxyArgs) -> Result<Pools, ConfigError> {
     let mooncake = args.protocol == ProxyProtocol::Mooncake;
-    if mooncake && args.bootstrap_ports.len() != args.prefill.len() {
+    let by_name = !args.prefill_dns.is_empty();
+    if mooncake && args.bootstrap_ports.len() != args.prefill.len() + usize::from(by_name) {
         return Err(ConfigError::BootstrapPorts {
             ports: args.bootstrap_ports.len(),
             prefills: args.prefill.len(),
+            by_name,
         });
     }
     if !mooncake && !args.bootstrap_ports.is_empty() {
@@ -101,6 +109,36 @@ pub fn pools(args: &ProxyArgs) -> Result<Pools, ConfigError> {
         return Err(ConfigError::BothRoles { url: p.url.clone() });
     }
     Ok(Pools { prefill, decode })
+}
+
+/// The DNS names to follow (`--prefill-dns`, `--decode-dns`), each checked.
+pub fn dns_sources(args: &ProxyArgs) -> Result<Vec<DnsSource>, ConfigError> {
+    let boot = (args.protocol == ProxyProtocol::Mooncake)
+        .then(|| args.bootstrap_ports.get(args.prefill.len()).copied())
+        .flatten();
+    let mut out = Vec::new();
+    for raw in &args.prefill_dns {
+        out.push(DnsSource::parse(Leg::Prefill, "prefill-dns", raw, boot)?);
+    }
+    for raw in &args.decode_dns {
+        out.push(DnsSource::parse(Leg::Decode, "decode-dns", raw, None)?);
+    }
+    for (i, s) in out.iter().enumerate() {
+        if out[..i]
+            .iter()
+            .any(|o| o.name.eq_ignore_ascii_case(&s.name) && o.port == s.port)
+        {
+            return Err(ConfigError::Duplicate {
+                flag: if s.leg == Leg::Prefill {
+                    "prefill-dns"
+                } else {
+                    "decode-dns"
+                },
+                url: s.spelled(),
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// Reads the timeouts and limits, refusing values that cannot work.
@@ -184,6 +222,47 @@ mod tests {
             "8998",
         ]);
         assert_eq!(pools(&a).unwrap().prefill[0].bootstrap_port, Some(8998));
+    }
+
+    #[test]
+    fn names_may_stand_for_the_instances_and_mooncake_needs_their_bootstrap_port() {
+        let a = args(&[
+            "--prefill-dns",
+            "pd-prefill:8100",
+            "--decode-dns",
+            "pd-decode:8200",
+        ]);
+        assert!(pools(&a).unwrap().prefill.is_empty());
+        let names: Vec<String> = dns_sources(&a)
+            .unwrap()
+            .iter()
+            .map(|s| s.spelled())
+            .collect();
+        assert_eq!(names, ["pd-prefill:8100", "pd-decode:8200"]);
+        let a = args(&[
+            "--prefill-dns",
+            "pd-prefill:8100",
+            "--decode",
+            "h:3",
+            "--protocol",
+            "mooncake",
+        ]);
+        let e = pools(&a).unwrap_err().to_string();
+        assert!(
+            e.contains("plus one for the instances --prefill-dns finds"),
+            "{e}"
+        );
+        let a = args(&[
+            "--prefill-dns",
+            "pd-prefill:8100",
+            "--decode",
+            "h:3",
+            "--protocol",
+            "mooncake",
+            "--bootstrap-port",
+            "8998",
+        ]);
+        assert_eq!(dns_sources(&a).unwrap()[0].bootstrap_port, Some(8998));
     }
 
     #[test]

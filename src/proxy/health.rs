@@ -52,7 +52,8 @@ fn log_change(inst: &Instance, why: &str) {
 /// Probes every instance the supervisor does not cover, once, applying the thresholds;
 /// with `first` the result is taken as is (no thresholds on the very first look).
 pub async fn probe_round(p: &Arc<Proxy>, first: bool) {
-    let own: Vec<&Arc<Instance>> = p.pools.all().filter(|i| !i.is_supervised()).collect();
+    let pools = p.pools.snapshot();
+    let own: Vec<&Arc<Instance>> = pools.all().filter(|i| !i.is_supervised()).collect();
     let results = futures_util::future::join_all(own.iter().map(|i| probe(p, i))).await;
     for (inst, result) in own.into_iter().zip(results) {
         let changed = if first {
@@ -70,10 +71,24 @@ pub async fn probe_round(p: &Arc<Proxy>, first: bool) {
     }
 }
 
+/// Probes instances just found (by DNS) once and takes the answer as is, so a new pod
+/// joins routing as soon as it answers, and one that does not never gets a request.
+pub async fn first_look(p: &Arc<Proxy>, new: &[Arc<Instance>]) {
+    let results = futures_util::future::join_all(new.iter().map(|i| probe(p, i))).await;
+    for (inst, result) in new.iter().zip(results) {
+        inst.set_usable(result.is_ok());
+        let why = match &result {
+            Ok(()) => "health probes pass".to_string(),
+            Err(e) => format!("health probe failed: {e}"),
+        };
+        log_change(inst, &why);
+    }
+}
+
 /// Applies a supervisor report: matched instances follow their service's state, the rest
 /// fall back to own probes.
 pub fn apply_report(p: &Proxy, report: &StatusReport) {
-    for inst in p.pools.all() {
+    for inst in p.pools.snapshot().all() {
         let service = report.services.iter().find(|s| {
             s.url
                 .as_deref()
@@ -178,7 +193,10 @@ pub async fn start(p: Arc<Proxy>, socket: Option<PathBuf>) {
                             );
                         }
                         reachable = false;
-                        p.pools.all().for_each(|i| i.set_supervised(false));
+                        p.pools
+                            .snapshot()
+                            .all()
+                            .for_each(|i| i.set_supervised(false));
                     }
                 }
             }

@@ -78,6 +78,9 @@ pub struct Instance {
     pub port: u16,
     /// Mooncake bootstrap port of a prefill instance (protocol `mooncake`).
     pub bootstrap_port: Option<u16>,
+    /// The DNS name (`--prefill-dns NAME:PORT`) this instance's address came from; such an
+    /// instance leaves when the name stops listing its address.
+    pub dns_name: Option<String>,
     in_flight: AtomicUsize,
     usable: AtomicBool,
     engine_load: AtomicU32,
@@ -105,6 +108,7 @@ impl Instance {
             host: endpoint.host,
             port: endpoint.port,
             bootstrap_port,
+            dns_name: None,
             in_flight: AtomicUsize::new(0),
             usable: AtomicBool::new(true),
             engine_load: AtomicU32::new(LOAD_UNKNOWN),
@@ -284,6 +288,57 @@ impl Pools {
         self.of(leg)
             .iter()
             .find(|i| i.host_port.to_ascii_lowercase() == wanted)
+    }
+}
+
+/// The instances routing sees now. Instances listed with `--prefill` / `--decode` stay for
+/// the proxy's life; those found through DNS names (`--prefill-dns`) come and go as the
+/// names' addresses do, so a request takes one [`LivePools::snapshot`] and works on it.
+#[derive(Debug)]
+pub struct LivePools {
+    current: std::sync::RwLock<Arc<Pools>>,
+    /// The next index to give a new instance of each leg: indexes are never reused, so the
+    /// prefix table and the tried-list never mistake a new pod for one that left.
+    next_index: [AtomicUsize; 2],
+}
+
+impl LivePools {
+    /// Starts from a fixed set of instances (their indexes are taken as given).
+    pub fn new(pools: Pools) -> LivePools {
+        let next = |v: &[Arc<Instance>]| {
+            AtomicUsize::new(v.iter().map(|i| i.index + 1).max().unwrap_or(0))
+        };
+        LivePools {
+            next_index: [next(&pools.prefill), next(&pools.decode)],
+            current: std::sync::RwLock::new(Arc::new(pools)),
+        }
+    }
+
+    /// The instances as they are now; later changes do not touch a snapshot already taken.
+    pub fn snapshot(&self) -> Arc<Pools> {
+        self.current
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// A fresh index for a new instance of `leg`.
+    pub fn next_index(&self, leg: Leg) -> usize {
+        self.next_index[leg as usize].fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Replaces the instances of `leg` by `f`'s answer to the current ones.
+    pub fn update(&self, leg: Leg, f: impl FnOnce(&[Arc<Instance>]) -> Vec<Arc<Instance>>) {
+        let mut guard = self.current.write().unwrap_or_else(|p| p.into_inner());
+        let mut next = Pools {
+            prefill: guard.prefill.clone(),
+            decode: guard.decode.clone(),
+        };
+        match leg {
+            Leg::Prefill => next.prefill = f(&guard.prefill),
+            Leg::Decode => next.decode = f(&guard.decode),
+        }
+        *guard = Arc::new(next);
     }
 }
 

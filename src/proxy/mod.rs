@@ -7,13 +7,15 @@
 //! Layout: [`server`] (routes) -> [`pipeline`] (flows, retries) -> [`legs`] (one attempt
 //! of one leg), using [`protocol`]
 //! (bodies per connector), [`policy`] (instance choice), [`upstream`] (HTTP client) and
-//! [`relay`] (streams); [`instances`], [`health`], [`scrape`], [`recompute`] (KV handoff
-//! misses decode hides), [`limits`], [`metrics`], [`errors`], [`designate`], [`record`]
-//! (per-request log line), [`models`], [`config`].
+//! [`relay`] (streams); [`instances`], [`discovery`] (instances found by DNS name),
+//! [`health`], [`scrape`], [`recompute`] (KV handoff misses decode hides), [`limits`],
+//! [`metrics`], [`errors`], [`designate`], [`record`] (per-request log line), [`models`],
+//! [`config`].
 
 pub mod args;
 pub mod config;
 pub mod designate;
+pub mod discovery;
 pub mod drain;
 pub mod endpoint;
 pub mod errors;
@@ -38,7 +40,7 @@ pub mod upstream;
 use anyhow::Context;
 use axum::serve::ListenerExt;
 pub use instances::Leg;
-use instances::Pools;
+use instances::LivePools;
 use limits::Limits;
 use metrics::Metrics;
 use policy::Policy;
@@ -51,7 +53,10 @@ use upstream::Upstream;
 #[derive(Debug)]
 pub struct Proxy {
     pub settings: config::Settings,
-    pub pools: Pools,
+    /// The instances routing sees now (fixed ones, and those DNS names list).
+    pub pools: LivePools,
+    /// The names whose addresses are instances (`--prefill-dns`, `--decode-dns`).
+    pub dns: Vec<discovery::DnsSource>,
     pub prefill_policy: Box<dyn Policy>,
     pub decode_policy: Box<dyn Policy>,
     pub protocol: Box<dyn Protocol>,
@@ -66,7 +71,8 @@ impl Proxy {
     /// Builds a proxy from checked arguments (nothing is started).
     pub fn new(a: &args::ProxyArgs) -> anyhow::Result<Proxy> {
         let settings = config::settings(a)?;
-        let pools = config::pools(a)?;
+        let pools = LivePools::new(config::pools(a)?);
+        let dns = config::dns_sources(a)?;
         let metrics = Arc::new(Metrics::default());
         let upstream = Upstream::new(settings.connect_timeout, a.engine_api_key.as_deref())?;
         let bootstrap_timeout = settings.connect_timeout + Duration::from_secs(2);
@@ -90,6 +96,7 @@ impl Proxy {
             ),
             upstream,
             pools,
+            dns,
             settings,
             metrics,
             drain: drain::Drain::default(),
@@ -116,7 +123,9 @@ pub async fn run(a: args::ProxyArgs) -> anyhow::Result<()> {
             port: a.port,
             source,
         })?;
+    discovery::refresh_all(&proxy).await;
     health::start(proxy.clone(), a.supervisor_socket.clone()).await;
+    discovery::start(proxy.clone());
     scrape::start(
         proxy.clone(),
         proxy.settings.health_interval,
@@ -127,9 +136,17 @@ pub async fn run(a: args::ProxyArgs) -> anyhow::Result<()> {
         proxy.protocol.name(),
         proxy.prefill_policy.name(),
         proxy.decode_policy.name(),
-        proxy.pools.prefill.len(),
-        proxy.pools.decode.len(),
+        proxy.pools.snapshot().prefill.len(),
+        proxy.pools.snapshot().decode.len(),
     );
+    for src in &proxy.dns {
+        tracing::info!(
+            "{} instances: every address of {} (looked up every {:?})",
+            src.leg,
+            src.spelled(),
+            proxy.settings.health_interval
+        );
+    }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     // Streams are many small writes: without TCP_NODELAY, Nagle holds chunks back.
     let listener = listener.tap_io(|tcp| {

@@ -19,7 +19,13 @@ pub async fn list(State(p): State<Arc<Proxy>>, headers: HeaderMap) -> Response {
     if !authorized(&p, &headers) {
         return ProxyError::Unauthorized.into_response();
     }
-    let asked: Vec<_> = p.pools.all().filter(|i| i.is_usable()).cloned().collect();
+    let asked: Vec<_> = p
+        .pools
+        .snapshot()
+        .all()
+        .filter(|i| i.is_usable())
+        .cloned()
+        .collect();
     let answers = futures_util::future::join_all(asked.iter().map(|i| {
         let url = format!("{}/v1/models", i.url);
         let upstream = p.upstream.clone();

@@ -358,7 +358,8 @@ async fn choose(
             Err(e @ ProxyError::NoInstance { .. }) => e,
             done => return done,
         };
-        let pool = proxy.pools.of(leg);
+        let pools = proxy.pools.snapshot();
+        let pool = pools.of(leg);
         let Some(awaited) = pool.iter().find(|i| i.is_coming_back()) else {
             return Err(err);
         };
@@ -394,7 +395,8 @@ fn choose_now(
     if let Some(pinned) = req.designation.of(leg) {
         return Ok(pinned.clone());
     }
-    let pool = proxy.pools.of(leg);
+    let pools = proxy.pools.snapshot();
+    let pool = pools.of(leg);
     let usable: Vec<Arc<Instance>> = pool.iter().filter(|i| i.is_usable()).cloned().collect();
     if usable.is_empty() {
         let states: Vec<String> = pool

@@ -35,6 +35,7 @@ pub fn start(p: Arc<Proxy>, interval: Duration, load: bool) {
         loop {
             let all: Vec<_> = p
                 .pools
+                .snapshot()
                 .all()
                 .filter(|i| load || i.leg == Leg::Decode)
                 .cloned()

@@ -188,7 +188,7 @@ async fn prepare(
         Some(Value::String(s)) => Some(s.as_str()),
         Some(_) => return Err(bad("`user` must be a string".into(), Some("user"))),
     };
-    let designation = designate::parse(user, &p.pools)?;
+    let designation = designate::parse(user, &p.pools.snapshot())?;
     let admission = p.limits.admit().await?;
     let needs_prefix =
         p.policy(super::Leg::Prefill).needs_prefix() || p.policy(super::Leg::Decode).needs_prefix();
@@ -240,7 +240,8 @@ async fn health(State(p): State<Arc<Proxy>>, uri: Uri) -> Response {
     if !ready {
         return axum::Json(json!({"status": "ok"})).into_response();
     }
-    let usable = |leg| p.pools.of(leg).iter().filter(|i| i.is_usable()).count();
+    let pools = p.pools.snapshot();
+    let usable = |leg| pools.of(leg).iter().filter(|i| i.is_usable()).count();
     let (prefill, decode) = (usable(super::Leg::Prefill), usable(super::Leg::Decode));
     let mut missing = Vec::new();
     if prefill == 0 {
@@ -249,8 +250,7 @@ async fn health(State(p): State<Arc<Proxy>>, uri: Uri) -> Response {
     if decode == 0 {
         missing.push("decode");
     }
-    let instances: Vec<Value> = p
-        .pools
+    let instances: Vec<Value> = pools
         .all()
         .map(|i| json!({"leg": i.leg.as_str(), "url": i.url, "usable": i.is_usable()}))
         .collect();
@@ -271,7 +271,7 @@ async fn health(State(p): State<Arc<Proxy>>, uri: Uri) -> Response {
 }
 
 async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
-    let text = p.metrics.render(&p.pools);
+    let text = p.metrics.render(&p.pools.snapshot());
     (
         [(
             header::CONTENT_TYPE,

@@ -120,6 +120,12 @@ impl Drop for Tracker {
 impl FakeEngine {
     /// Starts a fake engine named `name` (used in its answers).
     pub async fn start(name: &str) -> FakeEngine {
+        Self::start_at(name, "127.0.0.1:0").await
+    }
+
+    /// Starts a fake engine listening on `addr` (another loopback address such as
+    /// 127.0.0.2, so several engines can share one port as pods behind one DNS name do).
+    pub async fn start_at(name: &str, addr: &str) -> FakeEngine {
         let state = Arc::new(FakeState {
             name: name.to_string(),
             received: Mutex::new(Vec::new()),
@@ -141,8 +147,9 @@ impl FakeEngine {
             .route("/v1/models", get(models))
             .route("/metrics", get(metrics))
             .with_state(state.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
+        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+        let local = listener.local_addr().unwrap();
+        let port = local.port();
         let boot_app = Router::new()
             .route("/query", get(query))
             .with_state(state.clone());
@@ -158,8 +165,8 @@ impl FakeEngine {
         ];
         FakeEngine {
             port,
-            url: format!("http://127.0.0.1:{port}"),
-            host_port: format!("127.0.0.1:{port}"),
+            url: format!("http://{local}"),
+            host_port: local.to_string(),
             bootstrap_port,
             state,
             tasks,

@@ -1,0 +1,155 @@
+//! `pdctl export k8s`: the plan as Kubernetes manifests (see [`crate::export`]).
+
+use super::ExitError;
+use super::common::{TopologyArgs, load_topology, plan_programs_unresolved};
+use crate::export::{self, Format, Options};
+use clap::{Args, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Where the engines' containers keep generated files, logs and data (the plan's state
+/// root, so the paths in the commands are the paths in the pods).
+pub const POD_STATE_ROOT: &str = "/var/lib/pdctl";
+
+/// Arguments of `pdctl export`.
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    #[command(subcommand)]
+    pub target: ExportTarget,
+}
+
+/// What a plan can be exported to.
+#[derive(Debug, Subcommand)]
+pub enum ExportTarget {
+    /// Kubernetes manifests: a RoleBasedGroup (or LeaderWorkerSets), Services, ConfigMaps.
+    K8s(K8sArgs),
+}
+
+/// Arguments of `pdctl export k8s`.
+#[derive(Debug, Args)]
+pub struct K8sArgs {
+    /// Topology file (default: ./pdctl.toml if present, else a built-in profile).
+    #[arg(short = 'f', long = "file", conflicts_with = "profile")]
+    pub file: Option<PathBuf>,
+    /// Built-in profile name (`pdctl profiles` lists them).
+    #[arg(short = 'p', long = "profile")]
+    pub profile: Option<String>,
+    /// The workload API: one RoleBasedGroup, or a LeaderWorkerSet per engine role.
+    #[arg(long, value_enum, default_value = "rbg")]
+    pub format: Format,
+    /// Image of the vLLM engines (default vllm/vllm-openai:v<planned vLLM version>).
+    #[arg(long)]
+    pub image: Option<String>,
+    /// Image with `pdctl` on its PATH, for the proxy (and simulated engines).
+    #[arg(long, default_value = concat!("pdctl:", env!("CARGO_PKG_VERSION")))]
+    pub pdctl_image: String,
+    /// Image of etcd, when the connector needs it.
+    #[arg(long, default_value = export::DEFAULT_ETCD_IMAGE)]
+    pub etcd_image: String,
+    /// Namespace written into every object (default: none, kubectl's current one).
+    #[arg(long)]
+    pub namespace: Option<String>,
+    /// PersistentVolumeClaim standing for the shared KV directory (default <cluster>-kv).
+    #[arg(long, value_name = "CLAIM")]
+    pub kv_pvc: Option<String>,
+    /// PersistentVolumeClaim holding a model given as a local path, mounted at its directory.
+    #[arg(long, value_name = "CLAIM")]
+    pub model_pvc: Option<String>,
+    /// Node label key: roles pinned to a [nodes] entry get nodeSelector KEY=<node name>.
+    #[arg(long, value_name = "KEY")]
+    pub node_label: Option<String>,
+    /// Where to write: `-` for stdout (default), or a directory (one file per object).
+    #[arg(short = 'o', long = "output", default_value = "-")]
+    pub output: String,
+}
+
+/// Runs `pdctl export`.
+pub fn export(a: ExportArgs) -> anyhow::Result<ExitCode> {
+    match a.target {
+        ExportTarget::K8s(k) => k8s(k),
+    }
+}
+
+fn k8s(a: K8sArgs) -> anyhow::Result<ExitCode> {
+    let args = TopologyArgs {
+        file: a.file.clone(),
+        profile: a.profile.clone(),
+        node: None,
+        gpus: None,
+        state_dir: Some(PathBuf::from(POD_STATE_ROOT)),
+    };
+    let (topology, source_note) = load_topology(&args)?;
+    // Pods get GPUs from the device plugin: plan as if this machine had all the cluster needs.
+    let t = &topology.spec;
+    let needed = t.prefill.instances * t.prefill.gpus_per_instance.max(1)
+        + t.decode.instances * t.decode.gpus_per_instance.max(1);
+    let pinned = [&t.prefill.gpus, &t.decode.gpus]
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|g| g + 1)
+        .max()
+        .unwrap_or(0);
+    let args = TopologyArgs {
+        gpus: Some((0..needed.max(pinned).max(1)).collect()),
+        ..args
+    };
+    let loaded = plan_programs_unresolved(&topology, &args)?;
+    let mut warnings = Vec::new();
+    if let Some(v) = &loaded.version_note {
+        warnings.push(format!(
+            "{}; pin engine.vllm_version to the vLLM of the engine image",
+            v.note
+        ));
+    }
+    let options = Options {
+        format: a.format,
+        image: a.image,
+        pdctl_image: a.pdctl_image,
+        etcd_image: a.etcd_image,
+        namespace: a.namespace,
+        kv_pvc: a.kv_pvc,
+        model_pvc: a.model_pvc,
+        node_label: a.node_label,
+    };
+    let mut m = export::export(&loaded.plan, t, &options).map_err(|e| ExitError::usage(e.0))?;
+    warnings.append(&mut m.warnings);
+    m.warnings = warnings;
+    let source = source_note
+        .strip_prefix("using ")
+        .unwrap_or(&source_note)
+        .to_string();
+    if a.output == "-" {
+        print!("{}", export::to_yaml(&m, &source)?);
+    } else {
+        write_dir(&m, &source, &PathBuf::from(&a.output))?;
+    }
+    for w in &m.warnings {
+        eprintln!("pdctl: warning: {w}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One file per object, `<kind>-<name>.yaml`, each with the header.
+fn write_dir(m: &export::Manifests, source: &str, dir: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| {
+        ExitError::usage(format!(
+            "-o {}: cannot create the directory: {e}",
+            dir.display()
+        ))
+    })?;
+    for d in &m.documents {
+        let kind = d["kind"].as_str().unwrap_or("object").to_ascii_lowercase();
+        let name = d["metadata"]["name"].as_str().unwrap_or("unnamed");
+        let one = export::Manifests {
+            documents: vec![d.clone()],
+            rewrites: m.rewrites.clone(),
+            warnings: m.warnings.clone(),
+        };
+        let path = dir.join(format!("{kind}-{name}.yaml"));
+        std::fs::write(&path, export::to_yaml(&one, source)?)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        println!("{}", path.display());
+    }
+    Ok(())
+}

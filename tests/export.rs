@@ -1,0 +1,715 @@
+//! `pdctl export k8s`: every built-in profile exports in both formats; every document is
+//! valid for the API it targets (RoleBasedGroup v1alpha2 of RBG v0.7.0, LeaderWorkerSet v1
+//! of LWS v0.10.0, Kubernetes' own kinds); each role's command is the plan's argv but for
+//! the documented rewrites; what a pod cannot express is said.
+//!
+//! Schemas: Kubernetes' own kinds (PodTemplateSpec, Service, ConfigMap, Deployment,
+//! ObjectMeta) come from the k8s-openapi crate's JSON schemas (schemars). The RBG and LWS
+//! wrappers are tests/data/k8s/*.yaml (see the README there), written in a CRD's
+//! openAPIV3Schema dialect, which [`openapi_to_json_schema`] converts for the `jsonschema`
+//! crate:
+//! - an object schema with `properties` but no `additionalProperties` and no
+//!   `x-kubernetes-preserve-unknown-fields` gets `additionalProperties: false`: the API
+//!   server prunes, and `kubectl apply` (strict field validation) refuses, unknown fields;
+//! - `nullable: true` adds `"null"` to the type;
+//! - `x-kubernetes-int-or-string` without `anyOf` becomes `anyOf: [integer, string]`;
+//! - `format` (int32, int64, quantity ...) is dropped: not JSON Schema formats;
+//! - `x-kubernetes-validations` (CEL rules), list types and map keys are dropped: they
+//!   need an API server to check.
+//!
+//! With `PDCTL_K8S_CRD_DIR` naming a directory that holds the upstream CRD files
+//! (`workloads.x-k8s.io_rolebasedgroups.yaml`, `leaderworkerset.x-k8s.io_leaderworkersets.yaml`),
+//! every document is also checked against their full openAPIV3Schema, converted the same way.
+
+mod common;
+
+use common::pdctl;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+/// Every built-in profile.
+fn profiles() -> Vec<&'static str> {
+    pdctl::profiles::ALL.iter().map(|p| p.name).collect()
+}
+
+/// Runs `pdctl export k8s` with `args`: stdout, stderr, exit code.
+fn export(args: &[&str]) -> (String, String, i32) {
+    let mut full = vec!["export", "k8s"];
+    full.extend_from_slice(args);
+    let out = pdctl(&full).output().unwrap();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        out.status.code().unwrap_or(-1),
+    )
+}
+
+/// The documents of a YAML stream.
+fn documents(yaml: &str) -> Vec<Value> {
+    serde_yaml_ng::Deserializer::from_str(yaml)
+        .map(|d| serde::Deserialize::deserialize(d).expect("every document is YAML"))
+        .filter(|v: &Value| !v.is_null())
+        .collect()
+}
+
+/// Exports `profile` in `format` (exit 0 asserted) and parses the documents.
+fn exported(profile: &str, format: &str) -> (Vec<Value>, String) {
+    let (out, err, code) = export(&["-p", profile, "--format", format, "-o", "-"]);
+    assert_eq!(code, 0, "export k8s -p {profile} --format {format}: {err}");
+    (documents(&out), err)
+}
+
+/// The plan of `profile` as `pdctl plan --json` prints it, planned with the state root the
+/// export uses (so paths agree) and GPUs enough for every instance.
+fn plan(profile: &str) -> Value {
+    let out = pdctl(&[
+        "plan",
+        "-p",
+        profile,
+        "--json",
+        "--state-dir",
+        "/var/lib/pdctl",
+        "--gpus",
+        "0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15",
+    ])
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+// ---------------------------------------------------------------- schemas
+
+/// Converts an openAPIV3Schema (CRD dialect) in place into JSON Schema the validator
+/// checks the way the API server does (see the module comment for each rule).
+fn openapi_to_json_schema(s: &mut Value) {
+    let Some(obj) = s.as_object_mut() else {
+        return;
+    };
+    if obj.remove("nullable") == Some(Value::Bool(true))
+        && let Some(t) = obj.get("type").cloned()
+    {
+        obj.insert("type".into(), json!([t, "null"]));
+    }
+    for k in [
+        "format",
+        "x-kubernetes-validations",
+        "x-kubernetes-list-type",
+        "x-kubernetes-list-map-keys",
+        "x-kubernetes-map-type",
+        "x-kubernetes-embedded-resource",
+    ] {
+        obj.remove(k);
+    }
+    if obj.remove("x-kubernetes-int-or-string") == Some(Value::Bool(true))
+        && !obj.contains_key("anyOf")
+    {
+        obj.insert(
+            "anyOf".into(),
+            json!([{"type": "integer"}, {"type": "string"}]),
+        );
+    }
+    let open = obj.remove("x-kubernetes-preserve-unknown-fields") == Some(Value::Bool(true));
+    if obj.contains_key("properties") && !obj.contains_key("additionalProperties") && !open {
+        obj.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    for key in ["properties", "$defs", "definitions"] {
+        if let Some(Value::Object(map)) = obj.get_mut(key) {
+            map.values_mut().for_each(openapi_to_json_schema);
+        }
+    }
+    for key in ["items", "additionalProperties", "not"] {
+        if let Some(v) = obj.get_mut(key) {
+            openapi_to_json_schema(v);
+        }
+    }
+    for key in ["anyOf", "allOf", "oneOf", "prefixItems"] {
+        if let Some(Value::Array(list)) = obj.get_mut(key) {
+            list.iter_mut().for_each(openapi_to_json_schema);
+        }
+    }
+}
+
+/// The schema of a Kubernetes type from k8s-openapi, split into its body and its `$defs`.
+fn core_schema<T: schemars::JsonSchema>() -> (Value, serde_json::Map<String, Value>) {
+    let mut v = serde_json::to_value(schemars::schema_for!(T)).unwrap();
+    let defs = v
+        .as_object_mut()
+        .unwrap()
+        .remove("$defs")
+        .and_then(|d| d.as_object().cloned())
+        .unwrap_or_default();
+    v.as_object_mut().unwrap().remove("$schema");
+    (v, defs)
+}
+
+/// Replaces the `x-pdctl-pod-template` / `x-pdctl-object-meta` markers of a wrapper schema
+/// by Kubernetes' schemas (whose `$defs` the caller puts at the root).
+fn fill_markers(s: &mut Value, pod: &Value, meta: &Value) {
+    if s.get("x-pdctl-pod-template") == Some(&Value::Bool(true)) {
+        *s = pod.clone();
+        return;
+    }
+    if s.get("x-pdctl-object-meta") == Some(&Value::Bool(true)) {
+        *s = meta.clone();
+        return;
+    }
+    match s {
+        Value::Object(m) => m.values_mut().for_each(|v| fill_markers(v, pod, meta)),
+        Value::Array(a) => a.iter_mut().for_each(|v| fill_markers(v, pod, meta)),
+        _ => {}
+    }
+}
+
+/// Compiled validators by kind.
+fn validators() -> &'static BTreeMap<&'static str, jsonschema::Validator> {
+    static V: OnceLock<BTreeMap<&'static str, jsonschema::Validator>> = OnceLock::new();
+    V.get_or_init(|| {
+        use k8s_openapi::api::apps::v1::Deployment;
+        use k8s_openapi::api::core::v1::{ConfigMap, PodTemplateSpec, Service};
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+        let mut out = BTreeMap::new();
+        let compile = |mut body: Value, defs: serde_json::Map<String, Value>| {
+            body["$defs"] = Value::Object(defs);
+            openapi_to_json_schema(&mut body);
+            jsonschema::validator_for(&body).expect("the schema compiles")
+        };
+        let (pod, mut defs) = core_schema::<PodTemplateSpec>();
+        let (meta, meta_defs) = core_schema::<ObjectMeta>();
+        defs.extend(meta_defs);
+        for (kind, file) in [
+            ("RoleBasedGroup", "rolebasedgroup-v1alpha2.yaml"),
+            ("LeaderWorkerSet", "leaderworkerset-v1.yaml"),
+        ] {
+            let path = format!("{}/tests/data/k8s/{file}", env!("CARGO_MANIFEST_DIR"));
+            let text = std::fs::read_to_string(&path).unwrap();
+            let mut wrapper: Value = serde_yaml_ng::from_str(&text).unwrap();
+            fill_markers(&mut wrapper, &pod, &meta);
+            out.insert(kind, compile(wrapper, defs.clone()));
+        }
+        let (s, d) = core_schema::<Service>();
+        out.insert("Service", compile(s, d));
+        let (s, d) = core_schema::<ConfigMap>();
+        out.insert("ConfigMap", compile(s, d));
+        let (s, d) = core_schema::<Deployment>();
+        out.insert("Deployment", compile(s, d));
+        out
+    })
+}
+
+/// Validators from the upstream CRD files in `PDCTL_K8S_CRD_DIR`, when set.
+fn upstream_validators() -> &'static BTreeMap<&'static str, jsonschema::Validator> {
+    static V: OnceLock<BTreeMap<&'static str, jsonschema::Validator>> = OnceLock::new();
+    V.get_or_init(|| {
+        let mut out = BTreeMap::new();
+        let Some(dir) = std::env::var_os("PDCTL_K8S_CRD_DIR") else {
+            return out;
+        };
+        for (kind, file, version) in [
+            (
+                "RoleBasedGroup",
+                "workloads.x-k8s.io_rolebasedgroups.yaml",
+                "v1alpha2",
+            ),
+            (
+                "LeaderWorkerSet",
+                "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
+                "v1",
+            ),
+        ] {
+            let path = std::path::Path::new(&dir).join(file);
+            let text = std::fs::read_to_string(&path)
+                .unwrap_or_else(|e| panic!("PDCTL_K8S_CRD_DIR: {}: {e}", path.display()));
+            let crd: Value = serde_yaml_ng::from_str(&text).unwrap();
+            let served = crd["spec"]["versions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|v| v["name"] == version && v["served"] == true)
+                .unwrap_or_else(|| panic!("{file} serves no {version}"));
+            let mut schema = served["schema"]["openAPIV3Schema"].clone();
+            openapi_to_json_schema(&mut schema);
+            out.insert(kind, jsonschema::validator_for(&schema).unwrap());
+        }
+        out
+    })
+}
+
+/// Every schema error of `doc`, with where it is.
+fn schema_errors(doc: &Value) -> Vec<String> {
+    let kind = doc["kind"].as_str().unwrap_or("?");
+    let check = |v: &jsonschema::Validator, source: &str| -> Vec<String> {
+        v.iter_errors(doc)
+            .map(|e| {
+                format!(
+                    "{kind} {} ({source}) at {}: {e}",
+                    doc["metadata"]["name"],
+                    e.instance_path()
+                )
+            })
+            .collect()
+    };
+    let mut errors = match validators().get(kind) {
+        Some(v) => check(v, "pdctl's schema"),
+        None => vec![format!("{kind}: no schema for this kind")],
+    };
+    if let Some(v) = upstream_validators().get(kind) {
+        errors.extend(check(v, "upstream CRD"));
+    }
+    errors
+}
+
+#[test]
+fn the_schemas_catch_a_misspelt_field_and_a_wrong_type() {
+    let (docs, _) = exported("sim-1p1d", "rbg");
+    let group = docs.iter().find(|d| d["kind"] == "RoleBasedGroup").unwrap();
+    assert!(schema_errors(group).is_empty());
+    let mut bad = group.clone();
+    bad["spec"]["roles"][0]["replica"] = json!(1);
+    assert!(
+        !schema_errors(&bad).is_empty(),
+        "an unknown role field passed"
+    );
+    let mut bad = group.clone();
+    bad["spec"]["roles"][0]["standalonePattern"]["template"]["spec"]["containers"][0]["comand"] =
+        json!(["x"]);
+    assert!(
+        !schema_errors(&bad).is_empty(),
+        "a misspelt container field passed"
+    );
+    let mut bad = group.clone();
+    bad["spec"]["roles"][0]["replicas"] = json!("one");
+    assert!(
+        !schema_errors(&bad).is_empty(),
+        "a string replica count passed"
+    );
+}
+
+#[test]
+fn every_profile_exports_in_both_formats_and_every_document_is_valid() {
+    for profile in profiles() {
+        for format in ["rbg", "lws"] {
+            let (docs, _) = exported(profile, format);
+            let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+            match format {
+                "rbg" => assert_eq!(
+                    kinds.iter().filter(|k| **k == "RoleBasedGroup").count(),
+                    1,
+                    "{profile}: {kinds:?}"
+                ),
+                _ => assert_eq!(
+                    kinds.iter().filter(|k| **k == "LeaderWorkerSet").count(),
+                    2,
+                    "{profile}: one per engine role: {kinds:?}"
+                ),
+            }
+            for d in &docs {
+                let errors = schema_errors(d);
+                assert!(
+                    errors.is_empty(),
+                    "{profile} {format}:\n{}",
+                    errors.join("\n")
+                );
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the plan's argv
+
+/// Each role's pod template, by role name, from either format.
+fn templates(docs: &[Value]) -> BTreeMap<String, (Value, u64)> {
+    let mut out = BTreeMap::new();
+    for d in docs {
+        match d["kind"].as_str() {
+            Some("RoleBasedGroup") => {
+                for r in d["spec"]["roles"].as_array().unwrap() {
+                    out.insert(
+                        r["name"].as_str().unwrap().to_string(),
+                        (
+                            r["standalonePattern"]["template"].clone(),
+                            r["replicas"].as_u64().unwrap(),
+                        ),
+                    );
+                }
+            }
+            Some("LeaderWorkerSet") => {
+                out.insert(
+                    d["metadata"]["labels"]["app.kubernetes.io/component"]
+                        .as_str()
+                        .unwrap()
+                        .to_string(),
+                    (
+                        d["spec"]["leaderWorkerTemplate"]["workerTemplate"].clone(),
+                        d["spec"]["replicas"].as_u64().unwrap(),
+                    ),
+                );
+            }
+            Some("Deployment") => {
+                out.insert(
+                    d["metadata"]["labels"]["app.kubernetes.io/component"]
+                        .as_str()
+                        .unwrap()
+                        .to_string(),
+                    (
+                        d["spec"]["template"].clone(),
+                        d["spec"]["replicas"].as_u64().unwrap(),
+                    ),
+                );
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The plan's argv of a service with exactly the rewrites docs/kubernetes.md lists:
+/// argv[0] without its directory; the value of --host / --listen-* (and a bare own address
+/// among the arguments) 0.0.0.0; `HOST:PORT` of a planned service its Service name and the
+/// port of its role's first instance; `$(` escaped; the sim's --instance the pod name; the
+/// proxy's engine URLs one --prefill-dns / --decode-dns, no --supervisor-socket.
+fn expected_argv(plan: &Value, svc: &Value, service_of: &dyn Fn(&str) -> String) -> Vec<String> {
+    let host = svc["host"].as_str().unwrap();
+    let services = plan["services"].as_array().unwrap();
+    let first_port = |role: &str, name: &str| {
+        services.iter().find(|s| s["role"] == role).unwrap()["ports"][name]
+            .as_u64()
+            .unwrap()
+    };
+    let mut endpoints: Vec<(String, String)> = Vec::new();
+    for s in services {
+        let role = s["role"].as_str().unwrap();
+        for (name, port) in s["ports"].as_object().unwrap() {
+            endpoints.push((
+                format!("{}:{port}", s["host"].as_str().unwrap()),
+                format!("{}:{}", service_of(role), first_port(role, name)),
+            ));
+        }
+    }
+    endpoints.sort_by_key(|e| std::cmp::Reverse(e.0.len()));
+    let argv: Vec<String> = svc["argv"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect();
+    let mut out = vec![argv[0].rsplit('/').next().unwrap().to_string()];
+    let is_proxy = svc["role"] == "proxy";
+    let mut i = 1;
+    while i < argv.len() {
+        let a = &argv[i];
+        let prev = &argv[i - 1];
+        if is_proxy && (a == "--prefill" || a == "--decode" || a == "--supervisor-socket") {
+            i += 2;
+            continue;
+        }
+        let v = if prev == "--host" || prev.starts_with("--listen-") {
+            a.replace(&format!("//{host}:"), "//0.0.0.0:")
+                .replace(host, "0.0.0.0")
+        } else if prev == "--instance" && argv[1] == "sim" {
+            "$(POD_NAME)".to_string()
+        } else if a == host {
+            "0.0.0.0".to_string()
+        } else {
+            let mut v = a.clone();
+            for (from, to) in &endpoints {
+                // Whole addresses only: a port must not match the start of a longer one.
+                let mut rebuilt = String::new();
+                let mut rest = v.as_str();
+                while let Some(p) = rest.find(from.as_str()) {
+                    let next = rest[p + from.len()..].chars().next();
+                    let whole = !next.is_some_and(|c| c.is_ascii_alphanumeric());
+                    rebuilt.push_str(&rest[..p]);
+                    rebuilt.push_str(if whole { to } else { from });
+                    rest = &rest[p + from.len()..];
+                }
+                rebuilt.push_str(rest);
+                v = rebuilt;
+            }
+            v
+        };
+        out.push(v);
+        if is_proxy && prev == "--port" {
+            out.extend([
+                "--prefill-dns".into(),
+                format!(
+                    "{}:{}",
+                    service_of("prefill"),
+                    first_port("prefill", "http")
+                ),
+                "--decode-dns".into(),
+                format!("{}:{}", service_of("decode"), first_port("decode", "http")),
+            ]);
+        }
+        i += 1;
+    }
+    out
+}
+
+#[test]
+fn every_role_runs_the_plans_argv_but_for_the_documented_rewrites() {
+    for profile in profiles() {
+        let plan = plan(profile);
+        let (docs, _) = exported(profile, "rbg");
+        let group = docs.iter().find(|d| d["kind"] == "RoleBasedGroup").unwrap();
+        let name = group["metadata"]["name"].as_str().unwrap().to_string();
+        let service_of = |role: &str| format!("{name}-{role}");
+        let tpl = templates(&docs);
+        let services = plan["services"].as_array().unwrap();
+        let mut roles: Vec<&str> = services
+            .iter()
+            .map(|s| s["role"].as_str().unwrap())
+            .collect();
+        roles.dedup();
+        assert_eq!(
+            tpl.keys().map(String::as_str).collect::<Vec<_>>().len(),
+            roles.len(),
+            "{profile}: one role per planned role"
+        );
+        for role in roles {
+            let first = services.iter().find(|s| s["role"] == role).unwrap();
+            let count = services.iter().filter(|s| s["role"] == role).count() as u64;
+            let (template, replicas) = &tpl[role];
+            assert_eq!(*replicas, count, "{profile} {role}: replicas = instances");
+            let command: Vec<String> = template["spec"]["containers"][0]["command"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|a| a.as_str().unwrap().to_string())
+                .collect();
+            assert_eq!(
+                command,
+                expected_argv(&plan, first, &service_of),
+                "{profile} {role}"
+            );
+            // Env: the plan's, less CUDA_VISIBLE_DEVICES, the own address from the pod.
+            let env = template["spec"]["containers"][0]["env"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            let host = first["host"].as_str().unwrap();
+            for (k, v) in first["env"].as_object().unwrap() {
+                let got = env.iter().find(|e| e["name"] == k.as_str());
+                if k == "CUDA_VISIBLE_DEVICES" {
+                    assert!(
+                        got.is_none(),
+                        "{profile} {role}: {k} must be the device plugin's"
+                    );
+                } else if v == host {
+                    assert_eq!(
+                        got.unwrap()["valueFrom"]["fieldRef"]["fieldPath"],
+                        "status.podIP",
+                        "{profile} {role}: {k}"
+                    );
+                } else {
+                    assert!(got.is_some(), "{profile} {role}: {k} missing");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn four_p_four_d_is_a_role_based_group_with_the_plans_kv_transfer_config() {
+    let (out, _, code) = export(&["-p", "4p4d", "-o", "-"]);
+    assert_eq!(code, 0);
+    let docs = documents(&out);
+    let group = docs.iter().find(|d| d["kind"] == "RoleBasedGroup").unwrap();
+    assert_eq!(group["apiVersion"], "workloads.x-k8s.io/v1alpha2");
+    let roles = group["spec"]["roles"].as_array().unwrap();
+    let role = |n: &str| roles.iter().find(|r| r["name"] == n).unwrap();
+    assert_eq!(role("prefill")["replicas"], 4);
+    assert_eq!(role("decode")["replicas"], 4);
+    assert_eq!(role("proxy")["replicas"], 1);
+    let kv = |argv: &[Value]| {
+        let i = argv
+            .iter()
+            .position(|a| a == "--kv-transfer-config")
+            .unwrap();
+        argv[i + 1].as_str().unwrap().to_string()
+    };
+    let plan = plan("4p4d");
+    for leg in ["prefill", "decode"] {
+        let planned = plan["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["role"] == leg)
+            .unwrap();
+        let c = &role(leg)["standalonePattern"]["template"]["spec"]["containers"][0];
+        assert_eq!(
+            kv(c["command"].as_array().unwrap()),
+            kv(planned["argv"].as_array().unwrap())
+        );
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "1");
+        assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/health");
+        assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/health");
+    }
+    // The proxy finds the engines through their headless Services.
+    let proxy = &role("proxy")["standalonePattern"]["template"]["spec"]["containers"][0];
+    let argv: Vec<&str> = proxy["command"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(&argv[..2], ["pdctl", "proxy"]);
+    let dns = argv[argv.iter().position(|a| *a == "--prefill-dns").unwrap() + 1];
+    let svc = docs
+        .iter()
+        .find(|d| {
+            d["kind"] == "Service"
+                && format!("{}:8100", d["metadata"]["name"].as_str().unwrap()) == dns
+        })
+        .unwrap_or_else(|| panic!("no Service named by --prefill-dns {dns}"));
+    assert_eq!(
+        svc["spec"]["clusterIP"], "None",
+        "engines' Services are headless"
+    );
+    assert!(
+        docs.iter().any(|d| d["kind"] == "Service"
+            && d["spec"]["type"] == "ClusterIP"
+            && d["spec"]["selector"]["app.kubernetes.io/component"] == "proxy"),
+        "a Service in front of the proxy"
+    );
+    assert_eq!(role("proxy")["dependencies"], json!(["prefill", "decode"]));
+}
+
+#[test]
+fn generated_files_are_config_maps_and_the_own_address_is_the_pods() {
+    let (docs, _) = exported("mooncake-store-4p4d", "rbg");
+    let cm = docs
+        .iter()
+        .find(|d| {
+            d["kind"] == "ConfigMap"
+                && d["metadata"]["labels"]["app.kubernetes.io/component"] == "prefill"
+        })
+        .expect("the prefill's mooncake.json is a ConfigMap");
+    let (key, text) = cm["data"].as_object().unwrap().iter().next().unwrap();
+    assert!(key.ends_with(".mooncake.json"));
+    let file: Value = serde_json::from_str(text.as_str().unwrap()).unwrap();
+    assert_eq!(
+        file["local_hostname"], "@POD_IP@",
+        "filled in by the init container"
+    );
+    let group = docs.iter().find(|d| d["kind"] == "RoleBasedGroup").unwrap();
+    let name = group["metadata"]["name"].as_str().unwrap();
+    assert_eq!(file["metadata_server"], format!("etcd://{name}-etcd:2379"));
+    assert_eq!(
+        file["master_server_address"],
+        format!("{name}-mooncake-master:50001")
+    );
+    let roles = group["spec"]["roles"].as_array().unwrap();
+    let names: Vec<&str> = roles.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["etcd", "mooncake-master", "prefill", "decode", "proxy"]
+    );
+    let prefill = roles.iter().find(|r| r["name"] == "prefill").unwrap();
+    assert_eq!(prefill["dependencies"], json!(["etcd", "mooncake-master"]));
+    let spec = &prefill["standalonePattern"]["template"]["spec"];
+    assert_eq!(spec["initContainers"][0]["name"], "render-files");
+    for svc in ["etcd", "mooncake-master"] {
+        assert!(
+            docs.iter()
+                .any(|d| d["kind"] == "Service" && d["metadata"]["name"] == format!("{name}-{svc}")),
+            "{svc} has a Service"
+        );
+    }
+}
+
+// ---------------------------------------------------------------- what cannot be expressed
+
+#[test]
+fn what_a_pod_cannot_express_is_said() {
+    let (docs, err) = exported("sim-1p1d", "rbg");
+    assert!(err.contains("engine = \"sim\""), "{err}");
+    let group = docs.iter().find(|d| d["kind"] == "RoleBasedGroup").unwrap();
+    let c = &group["spec"]["roles"][0]["standalonePattern"]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        (c["command"][0].as_str(), c["command"][1].as_str()),
+        (Some("pdctl"), Some("sim"))
+    );
+    assert!(c.get("resources").is_none(), "the simulator needs no GPU");
+
+    let (out, err, code) = export(&["-p", "shared-storage-1p1d", "--kv-pvc", "pd-kv"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("/mnt/pd_kv is PersistentVolumeClaim pd-kv"),
+        "{err}"
+    );
+    assert!(out.contains("claimName: pd-kv"), "{out}");
+
+    let (_, err) = exported("2node-4p4d", "rbg");
+    assert!(err.contains("[nodes] pinning dropped"), "{err}");
+    let (out, _, code) = export(&["-p", "2node-4p4d", "--node-label", "pdctl.io/node"]);
+    assert_eq!(code, 0);
+    let docs = documents(&out);
+    let group = docs.iter().find(|d| d["kind"] == "RoleBasedGroup").unwrap();
+    let decode = group["spec"]["roles"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "decode")
+        .unwrap();
+    assert_eq!(
+        decode["standalonePattern"]["template"]["spec"]["nodeSelector"],
+        json!({"pdctl.io/node": "decode-node"})
+    );
+}
+
+#[test]
+fn bad_input_is_exit_code_2_with_what_to_change() {
+    let (_, err, code) = export(&["-p", "4p4d", "--kv-pvc", "Not_A_Name"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--kv-pvc"), "{err}");
+    let (_, err, code) = export(&["-p", "no-such-profile"]);
+    assert_eq!(code, 2, "{err}");
+    let (_, _, code) = export(&["-p", "4p4d", "--format", "helm"]);
+    assert_eq!(code, 2);
+}
+
+#[test]
+fn output_to_a_directory_writes_one_file_per_object() {
+    let dir = common::TempDir::new("export-k8s");
+    let (out, err, code) = export(&["-p", "sim-1p1d", "-o", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let written: Vec<&str> = out.lines().collect();
+    assert!(
+        written
+            .iter()
+            .any(|p| p.ends_with("rolebasedgroup-sim-1p1d.yaml")),
+        "{out}"
+    );
+    for p in written {
+        let docs = documents(&std::fs::read_to_string(p).unwrap());
+        assert_eq!(docs.len(), 1, "{p}");
+    }
+}
+
+#[test]
+fn the_yaml_in_docs_kubernetes_md_is_what_export_prints() {
+    let doc = std::fs::read_to_string(format!("{}/docs/kubernetes.md", env!("CARGO_MANIFEST_DIR")))
+        .unwrap();
+    let start = doc
+        .find("```yaml\n")
+        .expect("docs/kubernetes.md shows the YAML")
+        + 8;
+    let shown = &doc[start..start + doc[start..].find("```").unwrap()];
+    let (out, _, code) = export(&["-p", "4p4d"]);
+    assert_eq!(code, 0);
+    let printed: String = out
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_eq!(
+        shown, printed,
+        "docs/kubernetes.md is out of date: paste `pdctl export k8s -p 4p4d | grep -v '^#'`"
+    );
+}
