@@ -7,6 +7,7 @@ mod down;
 pub mod exit;
 pub mod export;
 mod info;
+mod log_buffer;
 mod restart;
 
 use clap::{Parser, Subcommand};
@@ -57,14 +58,20 @@ pub enum Command {
 /// Parses the command line and runs it; never panics on user error.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing(&cli.command);
-    match run(cli.command) {
+    let log_buffer = init_tracing(&cli.command);
+    let code = match run(cli.command) {
         Ok(code) => code,
         Err(err) => exit::report(err),
+    };
+    if let Some(buffer) = log_buffer {
+        buffer.flush();
     }
+    code
 }
 
-fn init_tracing(cmd: &Command) {
+/// Sets up logging to stderr; for the proxy, with its access lines gathered (returned, to
+/// be written out at the end).
+fn init_tracing(cmd: &Command) -> Option<log_buffer::LogBuffer> {
     // Long-running servers log at info; one-shot commands stay quiet unless RUST_LOG says.
     let default = match cmd {
         Command::Proxy(_) | Command::Sim(_) | Command::Supervise(_) => "info",
@@ -75,11 +82,17 @@ fn init_tracing(cmd: &Command) {
     // Colour only on a terminal: services' stderr goes to log files under `up`.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
         && std::env::var_os("NO_COLOR").is_none();
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_ansi(ansi)
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_env_filter(filter);
+    if matches!(cmd, Command::Proxy(_)) {
+        let buffer = log_buffer::LogBuffer::start();
+        let _ = builder.with_writer(buffer.clone()).try_init();
+        Some(buffer)
+    } else {
+        let _ = builder.with_writer(std::io::stderr).try_init();
+        None
+    }
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
