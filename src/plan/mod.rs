@@ -5,6 +5,7 @@
 //! supervisor executes a plan and knows nothing of vLLM beyond what is written here.
 
 pub mod build;
+pub mod diff;
 mod engines;
 pub mod gpu_fit;
 pub mod render;

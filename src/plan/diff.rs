@@ -1,0 +1,438 @@
+//! What differs between the plan a cluster runs and the plan of a changed topology, as the
+//! short list `pdctl apply` prints and then carries out.
+//!
+//! It compares plans, not topologies, so a change is judged by what would really run
+//! differently (an edited comment or a default spelled out changes nothing). Instances
+//! added or removed, an engine's command, environment, files, GPUs or ports changed, and
+//! the proxy's settings changed can all be done while serving; a change to what every
+//! instance shares (the engine kind, the connector and its protocol, the model, the node
+//! layout, etcd / mooncake_master / the LMCache server) cannot, and is refused with the
+//! reason unless the cluster is recreated.
+
+use super::{Plan, Role, Service};
+use std::collections::BTreeSet;
+
+/// What turning `running` into `wanted` takes.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PlanDiff {
+    /// Changes that cannot be made to a running cluster, one sentence each.
+    pub refused: Vec<String>,
+    /// Instances to start, in plan order.
+    pub added: Vec<String>,
+    /// Instances to drain and stop, highest-numbered first.
+    pub removed: Vec<String>,
+    /// Instances to restart one at a time with their new settings, with what changed.
+    pub rolled: Vec<(String, Vec<String>)>,
+    /// What changed in the proxy's settings (applied without restarting it).
+    pub proxy: Vec<String>,
+}
+
+impl PlanDiff {
+    /// True when the running cluster already is what the file describes.
+    pub fn is_empty(&self) -> bool {
+        self.refused.is_empty()
+            && self.added.is_empty()
+            && self.removed.is_empty()
+            && self.rolled.is_empty()
+            && self.proxy.is_empty()
+    }
+
+    /// The short list a person reads before the change is carried out (`+` start, `-`
+    /// drain and stop, `~` roll or reconfigure, `!` refused).
+    pub fn lines(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        out.extend(self.refused.iter().map(|r| format!("! {r}")));
+        out.extend(
+            self.added
+                .iter()
+                .map(|s| format!("+ {s}: start, then join routing")),
+        );
+        out.extend(
+            self.removed
+                .iter()
+                .map(|s| format!("- {s}: leave routing, drain, stop")),
+        );
+        for (s, why) in &self.rolled {
+            out.push(format!("~ {s}: restart with {}", why.join("; ")));
+        }
+        if !self.proxy.is_empty() {
+            out.push(format!("~ proxy: {}", self.proxy.join("; ")));
+        }
+        out
+    }
+}
+
+/// Compares the running plan with the wanted one.
+pub fn diff(running: &Plan, wanted: &Plan) -> PlanDiff {
+    let mut d = PlanDiff::default();
+    refuse_shared(running, wanted, &mut d.refused);
+    for s in &wanted.services {
+        match running.service(&s.name) {
+            None if s.role.is_engine() => d.added.push(s.name.clone()),
+            None => d.refused.push(format!(
+                "{} would be added: only prefill and decode instances can be added to a running cluster",
+                s.name
+            )),
+            Some(old) if s.role == Role::Proxy => d.proxy = changes(old, s),
+            Some(old) if s.role.is_engine() => {
+                let why = changes(old, s);
+                if !why.is_empty() {
+                    d.rolled.push((s.name.clone(), why));
+                }
+            }
+            Some(old) => {
+                let why = changes(old, s);
+                if !why.is_empty() {
+                    d.refused.push(format!(
+                        "{} would change ({}): every instance depends on it",
+                        s.name,
+                        why.join("; ")
+                    ));
+                }
+            }
+        }
+    }
+    let mut removed: Vec<&Service> = running
+        .services
+        .iter()
+        .filter(|s| wanted.service(&s.name).is_none())
+        .collect();
+    removed.sort_by_key(|s| std::cmp::Reverse(instance_number(&s.name)));
+    for s in removed {
+        if s.role.is_engine() {
+            d.removed.push(s.name.clone());
+        } else {
+            d.refused.push(format!(
+                "{} would be removed: only prefill and decode instances can be removed from a running cluster",
+                s.name
+            ));
+        }
+    }
+    d
+}
+
+/// The plan-wide settings every instance shares.
+fn refuse_shared(running: &Plan, wanted: &Plan, refused: &mut Vec<String>) {
+    let mut same = |what: &str, old: String, new: String| {
+        if old != new {
+            refused.push(format!(
+                "{what} would change from {old} to {new}: every instance would have to restart at once"
+            ));
+        }
+    };
+    same(
+        "the cluster name",
+        running.cluster.clone(),
+        wanted.cluster.clone(),
+    );
+    same("the engine", running.engine.clone(), wanted.engine.clone());
+    same(
+        "the connector",
+        running.connector.clone(),
+        wanted.connector.clone(),
+    );
+    same(
+        "the proxy protocol",
+        running.protocol.clone(),
+        wanted.protocol.clone(),
+    );
+    same(
+        "the vLLM version",
+        format!("{:?}", running.vllm_version),
+        format!("{:?}", wanted.vllm_version),
+    );
+    same(
+        "the node layout",
+        format!("{:?} (head {})", running.nodes, running.head_node),
+        format!("{:?} (head {})", wanted.nodes, wanted.head_node),
+    );
+    let models = |p: &Plan| -> BTreeSet<String> {
+        p.services
+            .iter()
+            .filter(|s| s.role.is_engine())
+            .filter_map(|s| model_of(&s.argv))
+            .collect()
+    };
+    let (old, new) = (models(running), models(wanted));
+    if !old.is_empty() && !new.is_empty() && old != new {
+        same("the model", join(&old), join(&new));
+    }
+}
+
+fn join(set: &BTreeSet<String>) -> String {
+    set.iter().cloned().collect::<Vec<_>>().join(", ")
+}
+
+/// The model an engine serves: `vllm serve MODEL` or `--model MODEL`.
+fn model_of(argv: &[String]) -> Option<String> {
+    let after = |flag: &str| {
+        argv.iter()
+            .position(|a| a == flag)
+            .and_then(|i| argv.get(i + 1))
+            .cloned()
+    };
+    after("--model").or_else(|| after("serve").filter(|m| !m.starts_with('-')))
+}
+
+/// What differs between two versions of one service, one phrase per kind of change.
+fn changes(old: &Service, new: &Service) -> Vec<String> {
+    let mut why = Vec::new();
+    if old.argv != new.argv {
+        why.push(format!("arguments {}", argv_change(&old.argv, &new.argv)));
+    }
+    if old.env != new.env {
+        let keys: BTreeSet<&String> = old
+            .env
+            .iter()
+            .chain(new.env.iter())
+            .filter(|(k, _)| old.env.get(*k) != new.env.get(*k))
+            .map(|(k, _)| k)
+            .collect();
+        let keys: Vec<&str> = keys.into_iter().map(String::as_str).collect();
+        why.push(format!("environment {}", keys.join(", ")));
+    }
+    if old.gpus != new.gpus {
+        why.push(format!("GPUs {:?} -> {:?}", old.gpus, new.gpus));
+    }
+    if old.ports != new.ports {
+        why.push(format!("ports {:?} -> {:?}", old.ports, new.ports));
+    }
+    if old.files != new.files {
+        let changed: Vec<String> = new
+            .files
+            .iter()
+            .filter(|f| !old.files.contains(f))
+            .map(|f| f.path.display().to_string())
+            .collect();
+        why.push(format!("generated files {}", changed.join(", ")));
+    }
+    if old.node != new.node {
+        why.push(format!("node {} -> {}", old.node, new.node));
+    }
+    why
+}
+
+/// `-a +b`: the arguments only the old command had, then those only the new one has
+/// (a flag and its value counted together).
+fn argv_change(old: &[String], new: &[String]) -> String {
+    let pairs = |argv: &[String]| -> Vec<String> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < argv.len() {
+            let a = &argv[i];
+            match argv.get(i + 1) {
+                Some(v) if a.starts_with("--") && !a.contains('=') && !v.starts_with("--") => {
+                    out.push(format!("{a} {v}"));
+                    i += 2;
+                }
+                _ => {
+                    out.push(a.clone());
+                    i += 1;
+                }
+            }
+        }
+        out
+    };
+    let (o, n) = (pairs(old), pairs(new));
+    let mut parts: Vec<String> = o
+        .iter()
+        .filter(|a| !n.contains(a))
+        .map(|a| format!("-{a}"))
+        .collect();
+    parts.extend(n.iter().filter(|a| !o.contains(a)).map(|a| format!("+{a}")));
+    if parts.is_empty() {
+        "reordered".into()
+    } else {
+        parts.join(" ")
+    }
+}
+
+/// The number in `decode-3`, for removing the highest-numbered instances first.
+fn instance_number(name: &str) -> u32 {
+    name.rsplit('-')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Probe, RestartPolicy, Shutdown};
+    use std::collections::BTreeMap;
+
+    fn service(name: &str, role: Role, argv: &[&str]) -> Service {
+        Service {
+            name: name.into(),
+            role,
+            node: "local".into(),
+            host: "127.0.0.1".into(),
+            argv: argv.iter().map(|a| a.to_string()).collect(),
+            env: BTreeMap::new(),
+            gpus: vec![],
+            gpu_memory_share: None,
+            ports: BTreeMap::new(),
+            files: vec![],
+            depends_on: vec![],
+            probe: Probe::LogLine {
+                contains: "ready".into(),
+            },
+            url: None,
+            startup_timeout_s: 60,
+            restart: RestartPolicy::default(),
+            restart_with: vec![],
+            shutdown: Shutdown::default(),
+            dirs: vec![],
+            checks: vec![],
+        }
+    }
+
+    fn plan(decodes: u32, decode_args: &[&str]) -> Plan {
+        let mut services = vec![
+            service("etcd", Role::Etcd, &["etcd"]),
+            service("prefill-0", Role::Prefill, &["vllm", "serve", "m1"]),
+        ];
+        for i in 0..decodes {
+            let mut argv = vec!["vllm", "serve", "m1"];
+            argv.extend_from_slice(decode_args);
+            services.push(service(&format!("decode-{i}"), Role::Decode, &argv));
+        }
+        services.push(service("proxy", Role::Proxy, &["pdctl", "proxy"]));
+        Plan {
+            cluster: "c".into(),
+            state_dir: "/state/c".into(),
+            head_node: "local".into(),
+            nodes: BTreeMap::from([("local".into(), "127.0.0.1".into())]),
+            proxy_url: None,
+            engine: "vllm".into(),
+            vllm_version: Some("0.11.0".into()),
+            vllm_version_source: None,
+            connector: "nixl".into(),
+            protocol: "nixl".into(),
+            services,
+            warnings: vec![],
+        }
+    }
+
+    #[test]
+    fn the_same_plan_needs_nothing() {
+        let p = plan(4, &[]);
+        assert!(diff(&p, &p).is_empty());
+        assert!(diff(&p, &p).lines().is_empty());
+    }
+
+    #[test]
+    fn scaling_down_removes_the_highest_numbered_first_and_up_adds_in_order() {
+        let d = diff(&plan(4, &[]), &plan(2, &[]));
+        assert_eq!(d.removed, ["decode-3", "decode-2"]);
+        assert!(d.added.is_empty() && d.refused.is_empty() && d.rolled.is_empty());
+        let d = diff(&plan(2, &[]), &plan(4, &[]));
+        assert_eq!(d.added, ["decode-2", "decode-3"]);
+        assert_eq!(
+            d.lines(),
+            [
+                "+ decode-2: start, then join routing",
+                "+ decode-3: start, then join routing"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_changed_decode_flag_rolls_every_decode_and_says_which_flag() {
+        let d = diff(
+            &plan(2, &["--max-num-seqs", "128"]),
+            &plan(2, &["--max-num-seqs", "256"]),
+        );
+        assert!(d.refused.is_empty());
+        let names: Vec<&str> = d.rolled.iter().map(|(s, _)| s.as_str()).collect();
+        assert_eq!(names, ["decode-0", "decode-1"]);
+        assert_eq!(
+            d.rolled[0].1,
+            ["arguments ---max-num-seqs 128 +--max-num-seqs 256"]
+        );
+    }
+
+    #[test]
+    fn what_every_instance_shares_is_refused_with_the_reason() {
+        let old = plan(2, &[]);
+        let mut new = plan(2, &[]);
+        new.connector = "mooncake".into();
+        for s in new.services.iter_mut().filter(|s| s.role.is_engine()) {
+            s.argv[2] = "m2".into();
+        }
+        new.services[0].argv.push("--quota".into());
+        let d = diff(&old, &new);
+        let said = d.refused.join("\n");
+        assert!(
+            said.contains("the connector would change from nixl to mooncake"),
+            "{said}"
+        );
+        assert!(
+            said.contains("the model would change from m1 to m2"),
+            "{said}"
+        );
+        assert!(
+            said.contains("etcd would change (arguments +--quota)"),
+            "{said}"
+        );
+        assert!(
+            d.lines()
+                .iter()
+                .all(|l| !l.starts_with("! ") || said.contains(&l[2..]))
+        );
+    }
+
+    fn real_plan(prefill: u32, decode: u32, extra: &str) -> Plan {
+        use crate::gpu::Gpu;
+        use crate::plan::{PlanInput, build_plan};
+        use crate::topology::{Source, load_str};
+        let text = format!(
+            "[model]\nname = \"m\"\n[engine]\nvllm_version = \"0.11.0\"\n[connector]\nkind = \"nixl\"\n\
+             [prefill]\ninstances = {prefill}\n[decode]\ninstances = {decode}\n{extra}"
+        );
+        let t = load_str(&text, Source::Profile("t".into()), "t.toml".into()).unwrap();
+        let gpus: Vec<Gpu> = (0..8).map(Gpu::declared).collect();
+        build_plan(&PlanInput {
+            topology: &t.spec,
+            head: &t.head,
+            gpus: &gpus,
+            gpu_note: None,
+            version: Some("0.11.0".parse().unwrap()),
+            version_source: crate::vllm::VersionSource::Pinned,
+            state_root: "/state".into(),
+            local_node: None,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn scaling_a_real_plan_leaves_the_other_instances_as_they_are() {
+        let d = diff(&real_plan(4, 4, ""), &real_plan(4, 2, ""));
+        assert_eq!(d.removed, ["decode-3", "decode-2"]);
+        assert!(d.added.is_empty() && d.rolled.is_empty(), "{:?}", d.lines());
+        assert!(d.refused.is_empty(), "{:?}", d.refused);
+        // The proxy's list of decode instances shrinks, in place.
+        assert_eq!(d.proxy.len(), 1, "{:?}", d.proxy);
+        assert!(d.proxy[0].starts_with("arguments -"), "{:?}", d.proxy);
+        let d = diff(&real_plan(4, 2, ""), &real_plan(4, 4, ""));
+        assert_eq!(d.added, ["decode-2", "decode-3"]);
+        assert!(
+            d.rolled.is_empty() && d.refused.is_empty(),
+            "{:?}",
+            d.lines()
+        );
+    }
+
+    #[test]
+    fn proxy_settings_change_in_place() {
+        let old = plan(1, &[]);
+        let mut new = plan(1, &[]);
+        let proxy = new.services.last_mut().unwrap();
+        proxy
+            .argv
+            .extend(["--decode-policy".into(), "least-loaded".into()]);
+        let d = diff(&old, &new);
+        assert_eq!(d.proxy, ["arguments +--decode-policy least-loaded"]);
+        assert!(d.rolled.is_empty() && d.refused.is_empty());
+    }
+}
