@@ -98,7 +98,7 @@ for c in $CONNS; do
       hey -n "$REQS" -c "$c" -m POST -T application/json -D "$OUT/body.json" "$url/v1/completions" >"$OUT/$name-c$c-r$r.txt"
       t1=$(tree_ticks "$pid")
       rps=$(awk '/Requests\/sec:/{print $2}' "$OUT/$name-c$c-r$r.txt")
-      ok=$(awk '/\[200\]/{print $2}' "$OUT/$name-c$c-r$r.txt"); ok=${ok:-0}
+      ok=$(awk '$1 == "[200]" && $3 == "responses" {print $2}' "$OUT/$name-c$c-r$r.txt"); ok=${ok:-0}
       printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$c" "$name" "$r" "$rps" "$((t1 - t0))" "$ok" "$((REQS / c * c))" >>"$OUT/results.tsv"
       say "c=$c round $r $name: $rps req/s, $ok ok, $((t1 - t0)) ticks"
     done

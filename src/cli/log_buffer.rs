@@ -5,12 +5,13 @@
 //! proxy's CPU per request under load (docs/proxy.md). Those lines are gathered here and
 //! written together when [`FLUSH_BYTES`] have gathered or every [`FLUSH_EVERY`]; every other
 //! line (a warning, a state change) first writes out what is gathered and then itself at
-//! once, so the log keeps its order and nothing but access lines is ever late. What is
+//! once, so the log keeps its order and nothing but access lines is ever late. An idle
+//! proxy's flusher sleeps until a line comes. What is
 //! gathered is also written when the process ends normally ([`LogBuffer::flush`]); a
 //! SIGKILL can lose at most the last [`FLUSH_EVERY`] of access lines.
 
 use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 use tracing_subscriber::fmt::MakeWriter;
 
@@ -25,6 +26,9 @@ pub const FLUSH_BYTES: usize = 32 * 1024;
 #[derive(Clone, Default)]
 pub struct LogBuffer {
     gathered: Arc<Mutex<Vec<u8>>>,
+    /// Signalled when a line is gathered into an empty buffer, so an idle proxy's flusher
+    /// sleeps instead of waking ten times a second.
+    arrived: Arc<Condvar>,
 }
 
 impl LogBuffer {
@@ -36,6 +40,13 @@ impl LogBuffer {
             .name("log-flush".into())
             .spawn(move || {
                 loop {
+                    {
+                        let gathered = flusher.gathered.lock().unwrap_or_else(|e| e.into_inner());
+                        let _unused = flusher
+                            .arrived
+                            .wait_while(gathered, |g| g.is_empty())
+                            .unwrap_or_else(|e| e.into_inner());
+                    }
                     std::thread::sleep(FLUSH_EVERY);
                     flusher.flush();
                 }
@@ -60,15 +71,19 @@ fn write_out(gathered: &mut Vec<u8>) {
 /// The writer for one event: gathers it or writes it through.
 pub struct EventWriter {
     gathered: Arc<Mutex<Vec<u8>>>,
+    arrived: Arc<Condvar>,
     gather: bool,
 }
 
 impl Write for EventWriter {
     fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
         let mut gathered = self.gathered.lock().unwrap_or_else(|e| e.into_inner());
+        let was_empty = gathered.is_empty();
         gathered.extend_from_slice(line);
         if !self.gather || gathered.len() >= FLUSH_BYTES {
             write_out(&mut gathered);
+        } else if was_empty {
+            self.arrived.notify_one();
         }
         Ok(line.len())
     }
@@ -84,6 +99,7 @@ impl<'a> MakeWriter<'a> for LogBuffer {
     fn make_writer(&'a self) -> EventWriter {
         EventWriter {
             gathered: self.gathered.clone(),
+            arrived: self.arrived.clone(),
             gather: false,
         }
     }
@@ -91,6 +107,7 @@ impl<'a> MakeWriter<'a> for LogBuffer {
     fn make_writer_for(&'a self, meta: &tracing::Metadata<'_>) -> EventWriter {
         EventWriter {
             gathered: self.gathered.clone(),
+            arrived: self.arrived.clone(),
             gather: meta.target() == ACCESS_LOG_TARGET && *meta.level() >= tracing::Level::INFO,
         }
     }
@@ -103,6 +120,7 @@ mod tests {
     fn writer(buffer: &LogBuffer, gather: bool) -> EventWriter {
         EventWriter {
             gathered: buffer.gathered.clone(),
+            arrived: buffer.arrived.clone(),
             gather,
         }
     }

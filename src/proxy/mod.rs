@@ -20,6 +20,7 @@ pub mod drain;
 pub mod endpoint;
 pub mod errors;
 pub mod figures;
+mod gather;
 pub mod health;
 pub mod histogram;
 pub mod instances;

@@ -5,17 +5,17 @@
 //! A decode failure mid-stream becomes an SSE error event, then the stream closes.
 
 use super::errors::{LegError, LegFailure, ProxyError};
+use super::gather::{Gathered, Next};
 use super::instances::{FailureKind, Leg};
 use super::legs::Keep;
 use super::limits::Admission;
 use super::recompute::{UsageSeen, usage_in};
 use super::record::{Outcome, RequestRecord};
-use super::upstream::innermost_cause;
 use axum::http::{HeaderValue, header};
 use axum::response::Response;
 use bytes::Bytes;
 use futures_util::Stream;
-use hyper::body::{Body as _, Incoming};
+use hyper::body::Incoming;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use tokio::time::{Instant, Sleep};
@@ -84,7 +84,7 @@ impl StreamEnd {
 /// The client-facing stream.
 pub struct Relay {
     first: Option<Bytes>,
-    rest: Incoming,
+    rest: Gathered,
     keep: Keep,
     rec: RequestRecord,
     deadline: Pin<Box<Sleep>>,
@@ -120,7 +120,7 @@ pub fn stream_response(
     let request_id = rec.id.clone();
     let relay = Relay {
         first: Some(first),
-        rest,
+        rest: Gathered::start(rest),
         keep,
         rec,
         deadline: Box::pin(tokio::time::sleep_until(deadline)),
@@ -232,29 +232,21 @@ impl Stream for Relay {
             both.extend_from_slice(b"data: [DONE]\n\n");
             return Poll::Ready(Some(Ok(Bytes::from(both))));
         }
-        loop {
-            return match Pin::new(&mut this.rest).poll_frame(cx) {
-                Poll::Pending => Poll::Pending,
-                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(chunk) => {
-                        this.push(&chunk);
-                        Poll::Ready(Some(Ok(chunk)))
-                    }
-                    Err(_trailers) => continue,
-                },
-                Poll::Ready(Some(Err(e))) => {
-                    let msg = format!("the stream broke off: {}", innermost_cause(&e));
-                    this.decode_failed(LegFailure::Body(msg))
-                }
-                Poll::Ready(None) if !this.end.is_done() => this.decode_failed(LegFailure::Body(
-                    "it closed the stream without the final `data: [DONE]`".into(),
-                )),
-                Poll::Ready(None) => {
-                    this.finished = true;
-                    this.rec.outcome = Outcome::Complete;
-                    Poll::Ready(None)
-                }
-            };
+        match this.rest.poll_next(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Next::Data(chunk)) => {
+                this.push(&chunk);
+                Poll::Ready(Some(Ok(chunk)))
+            }
+            Poll::Ready(Next::Broke(msg)) => this.decode_failed(LegFailure::Body(msg)),
+            Poll::Ready(Next::Ended) if !this.end.is_done() => this.decode_failed(
+                LegFailure::Body("it closed the stream without the final `data: [DONE]`".into()),
+            ),
+            Poll::Ready(Next::Ended) => {
+                this.finished = true;
+                this.rec.outcome = Outcome::Complete;
+                Poll::Ready(None)
+            }
         }
     }
 }
