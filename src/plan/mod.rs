@@ -7,6 +7,7 @@
 pub mod build;
 mod engines;
 pub mod gpu_fit;
+mod ports;
 pub mod render;
 mod support;
 
