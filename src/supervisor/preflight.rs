@@ -99,9 +99,26 @@ fn check_requirements(plan: &Plan, node: &str, problems: &mut Vec<String>) {
     }
 }
 
+/// Why a python cannot import a module, worded for the line preflight prints.
+#[derive(Debug, thiserror::Error)]
+enum PythonMissing {
+    /// The interpreter itself is not on PATH.
+    #[error("not found")]
+    NoPython,
+    /// The interpreter could not be started.
+    #[error("{0}")]
+    Spawn(std::io::Error),
+    /// `find_spec` found nothing.
+    #[error("no module named '{0}'")]
+    NoModule(String),
+    /// The interpreter failed otherwise: its last line of stderr.
+    #[error("{0}")]
+    Failed(String),
+}
+
 /// Whether `python` finds `module`, without importing it (importing vllm takes seconds).
-fn python_finds(python: &str, module: &str) -> Result<(), String> {
-    let program = crate::tools::find_program(python).ok_or("not found")?;
+fn python_finds(python: &str, module: &str) -> Result<(), PythonMissing> {
+    let program = crate::tools::find_program(python).ok_or(PythonMissing::NoPython)?;
     let out = std::process::Command::new(program)
         .args([
             "-c",
@@ -110,17 +127,19 @@ fn python_finds(python: &str, module: &str) -> Result<(), String> {
         ])
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(|e| e.to_string())?;
+        .map_err(PythonMissing::Spawn)?;
     match out.status.code() {
         Some(0) => Ok(()),
-        Some(3) => Err(format!("no module named '{module}'")),
-        _ => Err(String::from_utf8_lossy(&out.stderr)
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("it failed")
-            .trim()
-            .to_string()),
+        Some(3) => Err(PythonMissing::NoModule(module.to_string())),
+        _ => Err(PythonMissing::Failed(
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("it failed")
+                .trim()
+                .to_string(),
+        )),
     }
 }
 
@@ -245,12 +264,22 @@ fn check_dirs(plan: &Plan, node: &str, problems: &mut Vec<String>) {
     }
 }
 
+/// Why a directory a service needs cannot be used, worded to follow "directory DIR: ".
+#[derive(Debug, thiserror::Error)]
+pub enum DirError {
+    /// `create_dir_all` failed.
+    #[error("cannot be created ({0})")]
+    Create(std::io::Error),
+    /// The directory exists but a file cannot be written in it.
+    #[error("is not writable ({0}); fix its permissions or choose another")]
+    NotWritable(std::io::Error),
+}
+
 /// Creates `dir` if needed and proves it writable by creating and removing a file.
-pub fn writable_dir(dir: &Path) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot be created ({e})"))?;
+pub fn writable_dir(dir: &Path) -> Result<(), DirError> {
+    std::fs::create_dir_all(dir).map_err(DirError::Create)?;
     let probe = dir.join(format!(".pdctl-write-test-{}", std::process::id()));
-    std::fs::write(&probe, b"")
-        .map_err(|e| format!("is not writable ({e}); fix its permissions or choose another"))?;
+    std::fs::write(&probe, b"").map_err(DirError::NotWritable)?;
     let _ = std::fs::remove_file(&probe);
     Ok(())
 }
