@@ -1,5 +1,7 @@
 //! Pre-flight: every reason `up` would fail, found before anything is spawned and
-//! reported all at once (exit 2) — programs, ports, GPUs, writable directories.
+//! reported all at once (exit 2) — programs, ports, GPUs, writable directories. It asks
+//! nothing again that `plan::resolve` found: the programs it missed and its GPU inventory
+//! come in as arguments.
 
 use super::state::{MAX_SOCKET_PATH, StateDir};
 use crate::plan::resolve::Machine;
