@@ -108,7 +108,8 @@ impl std::fmt::Display for MissingProgram {
 }
 
 /// Replaces each service's `argv[0]` with its full path; returns the programs not found
-/// (their argv is left as it was).
+/// (their argv is left as it was). The one program resolver: `plan::resolve` calls it (or
+/// `up --plan FILE` for a plan read back), and pre-flight reports what it did not find.
 pub fn resolve_programs(plan: &mut crate::plan::Plan) -> Vec<MissingProgram> {
     let mut missing = Vec::new();
     for svc in &mut plan.services {

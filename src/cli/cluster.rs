@@ -2,9 +2,10 @@
 //! turning outcomes into exit codes (0 ok, 1 failure, 2 bad input, 3 nothing running).
 
 use super::ExitError;
-use super::common::{TopologyArgs, load_plan, state_root};
+use super::common::{TopologyArgs, state_root};
 use crate::control::client;
 use crate::plan::Plan;
+use crate::plan::resolve::Machine;
 use crate::supervisor::detach::{self, LogSettings};
 use crate::supervisor::logfile::{DEFAULT_KEEP, DEFAULT_MAX_BYTES};
 use crate::supervisor::runner::{self, RunOptions};
@@ -148,24 +149,38 @@ fn read_plan(path: &Path) -> anyhow::Result<Plan> {
 
 /// `pdctl up`: plan, pre-flight, then supervise in the foreground or detached.
 pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
-    let (mut plan, note, node) = match &a.plan {
+    let (mut plan, note, node, missing, machine) = match &a.plan {
         Some(path) => {
-            let plan = read_plan(path)?;
+            let mut plan = read_plan(path)?;
+            let missing = crate::tools::resolve_programs(&mut plan);
             let node = a
                 .topology
                 .node
                 .clone()
                 .unwrap_or_else(|| plan.head_node.clone());
-            (plan, format!("using plan file {}", path.display()), node)
+            let machine = Machine::new(a.topology.gpus.clone());
+            (
+                plan,
+                format!("using plan file {}", path.display()),
+                node,
+                missing,
+                machine,
+            )
         }
         None => {
             // Programs it could not find are reported by pre-flight, with the others.
-            let loaded = load_plan(&a.topology)?;
+            let loaded = crate::plan::resolve::resolve(&a.topology.request())?;
             // A plan for an assumed vLLM can be read, not run: nothing starts.
             if let Some(v) = loaded.version_note {
                 return Err(anyhow::Error::new(v.refusal));
             }
-            (loaded.plan, loaded.source_note, loaded.node)
+            (
+                loaded.plan,
+                loaded.source_note,
+                loaded.node,
+                loaded.missing,
+                loaded.machine,
+            )
         }
     };
     if plan.vllm_version_source == Some(VersionSource::Assumed) {
@@ -207,7 +222,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     if let Some(cleaned) = stale::clean_if_stale(&state) {
         let _ = writeln!(out, "pdctl: {cleaned}");
     }
-    let problems = preflight::check(&mut plan, &node, a.topology.gpus.as_deref(), &state);
+    let problems = preflight::check(&plan, &node, &missing, &machine, &state);
     if !problems.is_empty() {
         return Err(anyhow::Error::from(SupervisorError::Preflight(problems)));
     }

@@ -1,15 +1,10 @@
-//! Arguments shared by the commands that read a topology (`plan`, `up`), and the one
-//! path from those arguments to a plan.
+//! Arguments shared by the commands that read a topology (`plan`, `up`); the path from them
+//! to a plan is `plan::resolve`.
 
-use super::ExitError;
-use crate::gpu::{self, Gpu};
-use crate::plan::{Plan, PlanInput, build_plan};
-use crate::profiles;
-use crate::tools::{self, MissingProgram};
-use crate::topology::{self, EngineKind, LoadedTopology, Source};
-use crate::vllm::VersionSource;
+use crate::plan::resolve::Request;
+pub use crate::plan::resolve::state_root;
 use clap::Args;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Where the topology comes from and what this machine contributes to it.
 #[derive(Debug, Clone, Default, Args)]
@@ -32,198 +27,15 @@ pub struct TopologyArgs {
     pub state_dir: Option<PathBuf>,
 }
 
-/// The state root: the given one, else `$XDG_STATE_HOME/pdctl`, else `~/.local/state/pdctl`.
-/// A cluster's own state dir is `<root>/<cluster>` (`<root>/<cluster>-<node>` when the
-/// topology spans several nodes, so two nodes on one host never share a lock).
-pub fn state_root(given: Option<&Path>) -> PathBuf {
-    if let Some(p) = given {
-        return p.to_path_buf();
-    }
-    if let Some(x) = std::env::var_os("XDG_STATE_HOME").filter(|x| !x.is_empty()) {
-        return PathBuf::from(x).join("pdctl");
-    }
-    let home = std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into());
-    PathBuf::from(home).join(".local/state/pdctl")
-}
-
-/// A plan ready to run, with a sentence saying where its topology came from.
-#[derive(Debug, Clone)]
-pub struct LoadedPlan {
-    /// argv[0] of every service resolved to a full path where the program was found.
-    pub plan: Plan,
-    /// e.g. "using profile sim-1p1d: no ./pdctl.toml and no GPU found".
-    pub source_note: String,
-    /// Programs the plan needs that this machine lacks (their argv is left bare).
-    pub missing: Vec<MissingProgram>,
-    /// The node this machine runs (`--node`, else the head).
-    pub node: String,
-    /// Set when `vllm_version = "auto"` found no vLLM and the version was assumed.
-    pub version_note: Option<VersionNote>,
-}
-
-/// What to say when the vLLM version was assumed: a warning for `plan`, an error for `up`.
-#[derive(Debug, Clone)]
-pub struct VersionNote {
-    /// One line for stderr: where pdctl looked, what it assumed, what to do.
-    pub note: String,
-    /// The located error `up` refuses with.
-    pub refusal: topology::TopologyError,
-}
-
-/// Topology args -> topology -> GPU inventory and vLLM version -> plan, tools resolved.
-/// Errors about the topology carry exit code 2.
-pub fn load_plan(args: &TopologyArgs) -> anyhow::Result<LoadedPlan> {
-    let (topology, source_note) = load_topology(args)?;
-    let mut loaded = plan_topology(&topology, args)?;
-    loaded.source_note = source_note;
-    Ok(loaded)
-}
-
-/// Reads the topology the args point at, and says which one was chosen and why.
-pub fn load_topology(args: &TopologyArgs) -> anyhow::Result<(LoadedTopology, String)> {
-    if let Some(file) = &args.file {
-        let t = topology::load_file(file)?;
-        return Ok((t, format!("using {}", file.display())));
-    }
-    if let Some(name) = &args.profile {
-        return Ok((load_profile(name)?, format!("using profile {name}")));
-    }
-    let local = Path::new("pdctl.toml");
-    if local.exists() {
-        return Ok((
-            topology::load_file(local)?,
-            "using ./pdctl.toml".to_string(),
-        ));
-    }
-    let (name, why) = match gpu_inventory(args) {
-        (gpus, _) if gpus.len() == 1 => (
-            "1gpu-1p1d",
-            "no ./pdctl.toml; 1 GPU found, so prefill and decode share it".to_string(),
-        ),
-        (gpus, _) if !gpus.is_empty() => (
-            "1p1d",
-            format!("no ./pdctl.toml; {} GPU(s) found", gpus.len()),
-        ),
-        // NVML's own words are long; `pdctl gpus` shows them, this line says what matters.
-        (_, note) => (
-            "sim-1p1d",
-            match note {
-                Some(n) if n.contains("could not be loaded") => {
-                    "no ./pdctl.toml and no GPU found (no NVIDIA driver)".to_string()
-                }
-                _ => "no ./pdctl.toml and no GPU found".to_string(),
-            },
-        ),
-    };
-    Ok((load_profile(name)?, format!("using profile {name}: {why}")))
-}
-
-fn load_profile(name: &str) -> anyhow::Result<LoadedTopology> {
-    let p = profiles::get(name).ok_or_else(|| ExitError::usage(profiles::unknown_message(name)))?;
-    Ok(topology::load_str(
-        p.text,
-        Source::Profile(name.to_string()),
-        format!("<profile {name}>"),
-    )?)
-}
-
-/// This machine's GPUs: `--gpus` when given, else NVML; the note says why there are none.
-pub fn gpu_inventory(args: &TopologyArgs) -> (Vec<Gpu>, Option<String>) {
-    match gpu::inventory(args.gpus.as_deref()) {
-        Ok(g) => (g, None),
-        Err(e) => (Vec::new(), Some(e.reason)),
-    }
-}
-
-/// Plans a loaded topology for this machine.
-pub fn plan_topology(t: &LoadedTopology, args: &TopologyArgs) -> anyhow::Result<LoadedPlan> {
-    let mut loaded = plan_programs_unresolved(t, args)?;
-    loaded.missing = tools::resolve_programs(&mut loaded.plan);
-    Ok(loaded)
-}
-
-/// Plans a loaded topology, leaving every program as the bare name the planner wrote
-/// (`python3`, `pdctl`, `etcd`): what `export k8s` needs, since the programs run in images,
-/// not on this machine.
-pub fn plan_programs_unresolved(
-    t: &LoadedTopology,
-    args: &TopologyArgs,
-) -> anyhow::Result<LoadedPlan> {
-    let mut spec = t.spec.clone();
-    // A model path written `~/...` is the user's home, as a shell would read it.
-    if let Some(rest) = spec.model.name.strip_prefix("~/")
-        && let Some(home) = std::env::var_os("HOME")
-    {
-        spec.model.name = PathBuf::from(home).join(rest).display().to_string();
-    }
-    let needs_gpus =
-        spec.engine.kind == EngineKind::Vllm && spec.engine.device == topology::Device::Cuda;
-    let (gpus, gpu_note) = if needs_gpus {
-        gpu_inventory(args)
-    } else {
-        (Vec::new(), None)
-    };
-    let mut version_note = None;
-    let (version, version_source) = match spec.engine.kind {
-        EngineKind::Sim => (None, VersionSource::Pinned),
-        EngineKind::Vllm => {
-            let resolved = crate::vllm::resolve(
-                &spec.engine.vllm_version,
-                &spec.engine.python,
-                &crate::connectors::NEWEST_TEMPLATED,
-            )
-            .expect("vllm_version is validated when loaded");
-            if let Some(note) = resolved.assumed_note() {
-                let why = resolved.not_found.as_ref().map(|e| e.reason());
-                version_note = Some(VersionNote {
-                    note,
-                    refusal: t.locate(
-                        topology::Problem::new(
-                            "engine.vllm_version",
-                            format!(
-                                "\"auto\" found no vLLM to run: {}; the plan assumed vLLM {}, the newest pdctl has templates for",
-                                why.unwrap_or_default(),
-                                resolved.version
-                            ),
-                        )
-                        .hint(
-                            "install vLLM (./install.sh --with-vllm), set engine.python to the python that has it, or pin engine.vllm_version (then `up` starts it as pinned)",
-                        ),
-                    ),
-                });
-            }
-            spec.engine.python = resolved.python;
-            (Some(resolved.version), resolved.source)
+impl TopologyArgs {
+    /// The same arguments as the plan side's request.
+    pub fn request(&self) -> Request {
+        Request {
+            file: self.file.clone(),
+            profile: self.profile.clone(),
+            node: self.node.clone(),
+            gpus: self.gpus.clone(),
+            state_dir: self.state_dir.clone(),
         }
-    };
-    let node = args.node.clone().unwrap_or_else(|| t.head.clone());
-    let root = state_root(args.state_dir.as_deref());
-    let mut plan = build_plan(&PlanInput {
-        topology: &spec,
-        head: &t.head,
-        gpus: &gpus,
-        gpu_note,
-        version: version.clone(),
-        version_source,
-        state_root: root,
-        local_node: Some(&node),
-    })
-    .map_err(|p| anyhow::Error::new(t.locate(p)))?;
-    if version_source == VersionSource::Pinned
-        && spec.engine.kind == EngineKind::Vllm
-        && let Ok((python, installed)) = crate::vllm::find_python(&spec.engine.python)
-        && Some(&installed) != version.as_ref()
-    {
-        plan.warnings.push(format!(
-            "engine.vllm_version pins {} but `{python}` has vLLM {installed}: the commands are planned for {}",
-            spec.engine.vllm_version, spec.engine.vllm_version
-        ));
     }
-    Ok(LoadedPlan {
-        plan,
-        source_note: String::new(),
-        missing: Vec::new(),
-        node,
-        version_note,
-    })
 }

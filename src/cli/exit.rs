@@ -32,7 +32,7 @@ impl ExitError {
 }
 
 /// The exit code an error stands for: its own when it carries one, 2 for the library errors
-/// that are bad input (a topology, `pdctl proxy` / `pdctl sim` arguments, a pre-flight
+/// that are bad input (a topology or profile, `pdctl proxy` / `pdctl sim` arguments, a pre-flight
 /// problem, a running cluster, an unknown node), else 1.
 pub fn code_of(err: &anyhow::Error) -> u8 {
     err.chain()
@@ -40,6 +40,7 @@ pub fn code_of(err: &anyhow::Error) -> u8 {
             if let Some(x) = e.downcast_ref::<ExitError>() {
                 Some(x.code)
             } else if e.is::<crate::topology::TopologyError>()
+                || e.is::<crate::plan::resolve::ResolveError>()
                 || e.is::<crate::proxy::config::ConfigError>()
                 || e.is::<crate::sim::SimConfigError>()
             {

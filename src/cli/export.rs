@@ -1,8 +1,9 @@
 //! `pdctl export k8s`: the plan as Kubernetes manifests (see [`crate::export`]).
 
 use super::ExitError;
-use super::common::{TopologyArgs, load_topology, plan_programs_unresolved};
+use super::common::TopologyArgs;
 use crate::export::{self, Format, Options};
+use crate::plan::resolve::{Machine, load_topology, plan_programs_unresolved};
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -78,7 +79,8 @@ fn k8s(a: K8sArgs) -> anyhow::Result<ExitCode> {
         gpus: None,
         state_dir: Some(PathBuf::from(POD_STATE_ROOT)),
     };
-    let (topology, source_note) = load_topology(&args)?;
+    let machine = Machine::new(args.gpus.clone());
+    let (topology, source_note) = load_topology(&args.request(), &machine)?;
     // Pods get GPUs from the device plugin: plan as if this machine had all the cluster needs.
     let t = &topology.spec;
     let needed = t.prefill.instances * t.prefill.gpus_per_instance.max(1)
@@ -94,7 +96,8 @@ fn k8s(a: K8sArgs) -> anyhow::Result<ExitCode> {
         gpus: Some((0..needed.max(pinned).max(1)).collect()),
         ..args
     };
-    let loaded = plan_programs_unresolved(&topology, &args)?;
+    let machine = Machine::new(args.gpus.clone());
+    let loaded = plan_programs_unresolved(&topology, &args.request(), machine)?;
     let mut warnings = Vec::new();
     if let Some(v) = &loaded.version_note {
         warnings.push(format!(

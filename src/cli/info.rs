@@ -1,6 +1,6 @@
 //! `pdctl plan`, `pdctl gpus`, `pdctl profiles`: commands that only look.
 
-use super::common::{TopologyArgs, load_plan};
+use super::common::TopologyArgs;
 use clap::Args;
 use std::process::ExitCode;
 
@@ -28,7 +28,7 @@ pub struct ProfilesArgs {}
 
 /// Prints what `up` would run.
 pub fn plan(a: PlanArgs) -> anyhow::Result<ExitCode> {
-    let loaded = load_plan(&a.topology)?;
+    let loaded = crate::plan::resolve::resolve(&a.topology.request())?;
     if let Some(v) = &loaded.version_note {
         eprintln!("pdctl: warning: {}", v.note);
     }

@@ -1,7 +1,7 @@
 //! Prefill and decode instances: where each runs, which GPUs and ports it gets, and its
 //! command line (real vLLM, or the simulator speaking the same protocol).
 
-use super::build::claim;
+use super::ports::claim;
 use super::{Check, Probe, RestartPolicy, Role, Service, Shutdown};
 use crate::connectors::{ClusterCtx, Connector, InstanceCtx, PortBook};
 use crate::gpu::Gpu;

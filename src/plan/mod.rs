@@ -3,12 +3,19 @@
 //! A plan is computed from a topology without starting anything (see [`build`]), so
 //! `pdctl plan` can print it for review and tests can check every command line. The
 //! supervisor executes a plan and knows nothing of vLLM beyond what is written here.
+//!
+//! [`resolve`] is the one part that looks at this machine: it picks the topology, asks NVML
+//! (once) and vLLM its version, calls [`build`] and finds the programs, so `cli/` only parses
+//! arguments, prints and maps errors to exit codes. `ports` holds the port claims every
+//! planning step shares, below `build`, `engines` and `support`.
 
 pub mod build;
 pub mod diff;
 mod engines;
 pub mod gpu_fit;
+mod ports;
 pub mod render;
+pub mod resolve;
 mod support;
 
 use serde::{Deserialize, Serialize};

@@ -1,6 +1,6 @@
 //! The services around the engines: etcd, mooncake_master, the lmcache server, the proxy.
 
-use super::build::{SupportPlan, claim};
+use super::ports::claim;
 use super::{Probe, RestartPolicy, Role, Service, Shutdown};
 use crate::connectors::{Endpoint, Needs, PortBook};
 use crate::proxy::args::{ProxyArgs, ProxyProtocol};
@@ -43,6 +43,16 @@ fn support_service(
         dirs: Vec::new(),
         checks: Vec::new(),
     }
+}
+
+/// The support endpoints a plan ended up with (for the connectors' files).
+pub(super) struct SupportPlan {
+    pub services: Vec<Service>,
+    pub names: Vec<String>,
+    pub etcd: Option<Endpoint>,
+    pub master: Option<Endpoint>,
+    pub master_http_metadata: Option<Endpoint>,
+    pub lmcache: Option<Endpoint>,
 }
 
 /// Plans etcd, mooncake_master and the lmcache server as the connector needs (or the

@@ -1,8 +1,12 @@
 //! Pre-flight: every reason `up` would fail, found before anything is spawned and
-//! reported all at once (exit 2) — programs, ports, GPUs, writable directories.
+//! reported all at once (exit 2) — programs, ports, GPUs, writable directories. It asks
+//! nothing again that `plan::resolve` found: the programs it missed and its GPU inventory
+//! come in as arguments.
 
 use super::state::{MAX_SOCKET_PATH, StateDir};
+use crate::plan::resolve::Machine;
 use crate::plan::{Check, Plan};
+use crate::tools::MissingProgram;
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::Path;
@@ -16,22 +20,22 @@ pub fn bullet_list(problems: &[String]) -> String {
         .join("\n")
 }
 
-/// Checks `plan` for node `node` and resolves each local service's `argv[0]` to a full
-/// path. `declared_gpus` is `--gpus` (else NVML is asked when the plan needs GPUs).
-/// Returns every problem found; empty means go.
+/// Checks `plan` for node `node`, whose programs resolve already looked for (`missing` is
+/// what it did not find) and whose GPUs `machine` holds (NVML is asked at most once per
+/// command, shared with planning). Returns every problem found; empty means go.
 pub fn check(
-    plan: &mut Plan,
+    plan: &Plan,
     node: &str,
-    declared_gpus: Option<&[u32]>,
+    missing: &[MissingProgram],
+    machine: &Machine,
     state: &StateDir,
 ) -> Vec<String> {
     let mut problems = Vec::new();
-    check_programs(plan, node, &mut problems);
-    let plan = &*plan;
+    check_programs(plan, node, missing, &mut problems);
     check_dependencies(plan, &mut problems);
     check_signals(plan, node, &mut problems);
     check_ports(plan, node, &mut problems);
-    check_gpus(plan, node, declared_gpus, &mut problems);
+    check_gpus(plan, node, machine, &mut problems);
     check_dirs(plan, node, &mut problems);
     check_requirements(plan, node, &mut problems);
     let sock = state.socket_path();
@@ -45,21 +49,13 @@ pub fn check(
     problems
 }
 
-fn check_programs(plan: &mut Plan, node: &str, problems: &mut Vec<String>) {
-    for svc in plan.services.iter_mut().filter(|s| s.node == node) {
-        let Some(prog) = svc.argv.first().cloned() else {
+fn check_programs(plan: &Plan, node: &str, missing: &[MissingProgram], problems: &mut Vec<String>) {
+    for svc in plan.local_services(node) {
+        if svc.argv.is_empty() {
             problems.push(format!("{}: the plan gives no command to run", svc.name));
-            continue;
-        };
-        match crate::tools::find_program(&prog) {
-            Some(path) => svc.argv[0] = path.display().to_string(),
-            None => problems.push(
-                crate::tools::MissingProgram {
-                    service: svc.name.clone(),
-                    program: prog,
-                }
-                .to_string(),
-            ),
+        }
+        for m in missing.iter().filter(|m| m.service == svc.name) {
+            problems.push(m.to_string());
         }
     }
 }
@@ -99,9 +95,26 @@ fn check_requirements(plan: &Plan, node: &str, problems: &mut Vec<String>) {
     }
 }
 
+/// Why a python cannot import a module, worded for the line preflight prints.
+#[derive(Debug, thiserror::Error)]
+enum PythonMissing {
+    /// The interpreter itself is not on PATH.
+    #[error("not found")]
+    NoPython,
+    /// The interpreter could not be started.
+    #[error("{0}")]
+    Spawn(std::io::Error),
+    /// `find_spec` found nothing.
+    #[error("no module named '{0}'")]
+    NoModule(String),
+    /// The interpreter failed otherwise: its last line of stderr.
+    #[error("{0}")]
+    Failed(String),
+}
+
 /// Whether `python` finds `module`, without importing it (importing vllm takes seconds).
-fn python_finds(python: &str, module: &str) -> Result<(), String> {
-    let program = crate::tools::find_program(python).ok_or("not found")?;
+fn python_finds(python: &str, module: &str) -> Result<(), PythonMissing> {
+    let program = crate::tools::find_program(python).ok_or(PythonMissing::NoPython)?;
     let out = std::process::Command::new(program)
         .args([
             "-c",
@@ -110,17 +123,19 @@ fn python_finds(python: &str, module: &str) -> Result<(), String> {
         ])
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(|e| e.to_string())?;
+        .map_err(PythonMissing::Spawn)?;
     match out.status.code() {
         Some(0) => Ok(()),
-        Some(3) => Err(format!("no module named '{module}'")),
-        _ => Err(String::from_utf8_lossy(&out.stderr)
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("it failed")
-            .trim()
-            .to_string()),
+        Some(3) => Err(PythonMissing::NoModule(module.to_string())),
+        _ => Err(PythonMissing::Failed(
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("it failed")
+                .trim()
+                .to_string(),
+        )),
     }
 }
 
@@ -191,7 +206,7 @@ fn port_problem(
     }
 }
 
-fn check_gpus(plan: &Plan, node: &str, declared: Option<&[u32]>, problems: &mut Vec<String>) {
+fn check_gpus(plan: &Plan, node: &str, machine: &Machine, problems: &mut Vec<String>) {
     let needed: BTreeMap<u32, &str> = plan
         .local_services(node)
         .flat_map(|s| s.gpus.iter().map(move |g| (*g, s.name.as_str())))
@@ -199,7 +214,7 @@ fn check_gpus(plan: &Plan, node: &str, declared: Option<&[u32]>, problems: &mut 
     if needed.is_empty() {
         return;
     }
-    match crate::gpu::inventory(declared) {
+    match machine.gpus() {
         Err(e) => problems.push(format!(
             "the plan needs GPU(s) {} on node {node}, but {e}",
             needed
@@ -209,7 +224,7 @@ fn check_gpus(plan: &Plan, node: &str, declared: Option<&[u32]>, problems: &mut 
                 .join(",")
         )),
         Ok(inv) => {
-            for short in crate::plan::gpu_fit::check(plan.local_services(node), &inv) {
+            for short in crate::plan::gpu_fit::check(plan.local_services(node), inv) {
                 problems.push(format!(
                     "{short}: free that GPU, lower engine.gpu_memory_utilization, or set engine.kv_cache_memory"
                 ));
@@ -245,12 +260,22 @@ fn check_dirs(plan: &Plan, node: &str, problems: &mut Vec<String>) {
     }
 }
 
+/// Why a directory a service needs cannot be used, worded to follow "directory DIR: ".
+#[derive(Debug, thiserror::Error)]
+pub enum DirError {
+    /// `create_dir_all` failed.
+    #[error("cannot be created ({0})")]
+    Create(std::io::Error),
+    /// The directory exists but a file cannot be written in it.
+    #[error("is not writable ({0}); fix its permissions or choose another")]
+    NotWritable(std::io::Error),
+}
+
 /// Creates `dir` if needed and proves it writable by creating and removing a file.
-pub fn writable_dir(dir: &Path) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot be created ({e})"))?;
+pub fn writable_dir(dir: &Path) -> Result<(), DirError> {
+    std::fs::create_dir_all(dir).map_err(DirError::Create)?;
     let probe = dir.join(format!(".pdctl-write-test-{}", std::process::id()));
-    std::fs::write(&probe, b"")
-        .map_err(|e| format!("is not writable ({e}); fix its permissions or choose another"))?;
+    std::fs::write(&probe, b"").map_err(DirError::NotWritable)?;
     let _ = std::fs::remove_file(&probe);
     Ok(())
 }
@@ -317,7 +342,9 @@ mod tests {
         bad_gpu.dirs = vec!["/proc/pdctl-cannot-create".into()];
         let mut p = plan(vec![svc("d0", "no-such-program-pdctl", busy_port), bad_gpu]);
         let state = StateDir::new("/tmp/pdctl-preflight-unit");
-        let problems = check(&mut p, "main", Some(&[0, 1]), &state);
+        let missing = crate::tools::resolve_programs(&mut p);
+        let machine = Machine::new(Some(vec![0, 1]));
+        let problems = check(&p, "main", &missing, &machine, &state);
         let text = problems.join("\n");
         assert_eq!(problems.len(), 5, "{text}");
         assert!(
@@ -342,7 +369,9 @@ mod tests {
         let mut other_host = svc("e", "sh", port + 1);
         other_host.host = "192.0.2.1".into();
         let mut p = plan(vec![svc("a", "sh", port), svc("b", "sh", port), other_host]);
-        let problems = check(&mut p, "main", None, &StateDir::new("/tmp/x"));
+        let missing = crate::tools::resolve_programs(&mut p);
+        let machine = Machine::new(None);
+        let problems = check(&p, "main", &missing, &machine, &StateDir::new("/tmp/x"));
         let text = problems.join("\n");
         assert!(
             text.contains(&format!(

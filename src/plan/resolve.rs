@@ -1,0 +1,264 @@
+//! Resolve: what stands between a topology and a plan on this machine. It reads the topology
+//! a request points at (a file, a profile, or the default chosen by the GPUs found), asks
+//! NVML once and vLLM its version, builds the plan and finds its programs. `cli/` is a thin
+//! shell over it: it parses arguments into a [`Request`], prints, and maps errors to exit
+//! codes; pre-flight reuses the [`Machine`] and missing programs found here instead of asking
+//! again.
+
+use crate::gpu::{self, Gpu, GpuError};
+use crate::plan::{Plan, PlanInput, build_plan};
+use crate::profiles;
+use crate::tools::{self, MissingProgram};
+use crate::topology::{self, EngineKind, LoadedTopology, Source, TopologyError};
+use crate::vllm::VersionSource;
+use std::cell::OnceCell;
+use std::path::{Path, PathBuf};
+
+/// Where the topology comes from and what this machine contributes to it: the command line's
+/// topology arguments as plain data, so planning does not depend on clap.
+#[derive(Debug, Clone, Default)]
+pub struct Request {
+    /// Topology file (default: ./pdctl.toml if present, else a built-in profile).
+    pub file: Option<PathBuf>,
+    /// Built-in profile name.
+    pub profile: Option<String>,
+    /// Only this node's services.
+    pub node: Option<String>,
+    /// GPU indices to plan with, instead of asking NVML.
+    pub gpus: Option<Vec<u32>>,
+    /// State root holding one directory per running cluster.
+    pub state_dir: Option<PathBuf>,
+}
+
+/// Why a request could not be resolved into a plan; all of it is bad input (exit code 2).
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// `-p NAME` names no built-in profile; the message lists the known ones.
+    #[error("{0}")]
+    UnknownProfile(String),
+    /// The topology cannot be read or planned, located in its file.
+    #[error(transparent)]
+    Topology(Box<TopologyError>),
+}
+
+impl From<TopologyError> for ResolveError {
+    fn from(e: TopologyError) -> Self {
+        ResolveError::Topology(Box::new(e))
+    }
+}
+
+/// This machine's GPUs, asked of NVML at most once per command (or the declared `--gpus`),
+/// whoever needs them first: the default profile's choice, planning, pre-flight.
+#[derive(Debug, Default)]
+pub struct Machine {
+    declared: Option<Vec<u32>>,
+    gpus: OnceCell<Result<Vec<Gpu>, GpuError>>,
+}
+
+impl Machine {
+    /// A machine whose GPUs are `declared` (`--gpus`), else NVML's answer when first asked.
+    pub fn new(declared: Option<Vec<u32>>) -> Machine {
+        Machine {
+            declared,
+            gpus: OnceCell::new(),
+        }
+    }
+
+    /// The inventory; `Err` says why there is none.
+    pub fn gpus(&self) -> Result<&[Gpu], &GpuError> {
+        self.gpus
+            .get_or_init(|| gpu::inventory(self.declared.as_deref()))
+            .as_deref()
+    }
+}
+
+/// The state root: the given one, else `$XDG_STATE_HOME/pdctl`, else `~/.local/state/pdctl`.
+/// A cluster's own state dir is `<root>/<cluster>` (`<root>/<cluster>-<node>` when the
+/// topology spans several nodes, so two nodes on one host never share a lock).
+pub fn state_root(given: Option<&Path>) -> PathBuf {
+    if let Some(p) = given {
+        return p.to_path_buf();
+    }
+    if let Some(x) = std::env::var_os("XDG_STATE_HOME").filter(|x| !x.is_empty()) {
+        return PathBuf::from(x).join("pdctl");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into());
+    PathBuf::from(home).join(".local/state/pdctl")
+}
+
+/// A plan ready to run, with a sentence saying where its topology came from.
+#[derive(Debug)]
+pub struct LoadedPlan {
+    /// argv[0] of every service resolved to a full path where the program was found.
+    pub plan: Plan,
+    /// e.g. "using profile sim-1p1d: no ./pdctl.toml and no GPU found".
+    pub source_note: String,
+    /// Programs the plan needs that this machine lacks (their argv is left bare).
+    pub missing: Vec<MissingProgram>,
+    /// The node this machine runs (`--node`, else the head).
+    pub node: String,
+    /// Set when `vllm_version = "auto"` found no vLLM and the version was assumed.
+    pub version_note: Option<VersionNote>,
+    /// This machine's GPUs as asked once while resolving, for pre-flight to reuse.
+    pub machine: Machine,
+}
+
+/// What to say when the vLLM version was assumed: a warning for `plan`, an error for `up`.
+#[derive(Debug, Clone)]
+pub struct VersionNote {
+    /// One line for stderr: where pdctl looked, what it assumed, what to do.
+    pub note: String,
+    /// The located error `up` refuses with.
+    pub refusal: topology::TopologyError,
+}
+
+/// Request -> topology -> GPU inventory and vLLM version -> plan, programs resolved:
+/// the one walk `plan` and `up` make. Every error is bad input (exit code 2).
+pub fn resolve(req: &Request) -> Result<LoadedPlan, ResolveError> {
+    let machine = Machine::new(req.gpus.clone());
+    let (topology, source_note) = load_topology(req, &machine)?;
+    let mut loaded = plan_programs_unresolved(&topology, req, machine)?;
+    loaded.missing = tools::resolve_programs(&mut loaded.plan);
+    loaded.source_note = source_note;
+    Ok(loaded)
+}
+
+/// Reads the topology the request points at, and says which one was chosen and why.
+pub fn load_topology(
+    args: &Request,
+    machine: &Machine,
+) -> Result<(LoadedTopology, String), ResolveError> {
+    if let Some(file) = &args.file {
+        let t = topology::load_file(file)?;
+        return Ok((t, format!("using {}", file.display())));
+    }
+    if let Some(name) = &args.profile {
+        return Ok((load_profile(name)?, format!("using profile {name}")));
+    }
+    let local = Path::new("pdctl.toml");
+    if local.exists() {
+        return Ok((
+            topology::load_file(local)?,
+            "using ./pdctl.toml".to_string(),
+        ));
+    }
+    let (name, why) = match machine.gpus() {
+        Ok(gpus) if gpus.len() == 1 => (
+            "1gpu-1p1d",
+            "no ./pdctl.toml; 1 GPU found, so prefill and decode share it".to_string(),
+        ),
+        Ok(gpus) if !gpus.is_empty() => (
+            "1p1d",
+            format!("no ./pdctl.toml; {} GPU(s) found", gpus.len()),
+        ),
+        // NVML's own words are long; `pdctl gpus` shows them, this line says what matters.
+        other => (
+            "sim-1p1d",
+            match other {
+                Err(e) if e.reason.contains("could not be loaded") => {
+                    "no ./pdctl.toml and no GPU found (no NVIDIA driver)".to_string()
+                }
+                _ => "no ./pdctl.toml and no GPU found".to_string(),
+            },
+        ),
+    };
+    Ok((load_profile(name)?, format!("using profile {name}: {why}")))
+}
+
+fn load_profile(name: &str) -> Result<LoadedTopology, ResolveError> {
+    let p = profiles::get(name)
+        .ok_or_else(|| ResolveError::UnknownProfile(profiles::unknown_message(name)))?;
+    Ok(topology::load_str(
+        p.text,
+        Source::Profile(name.to_string()),
+        format!("<profile {name}>"),
+    )?)
+}
+
+/// Plans a loaded topology, leaving every program as the bare name the planner wrote
+/// (`python3`, `pdctl`, `etcd`): what `export k8s` needs, since the programs run in images,
+/// not on this machine.
+pub fn plan_programs_unresolved(
+    t: &LoadedTopology,
+    args: &Request,
+    machine: Machine,
+) -> Result<LoadedPlan, ResolveError> {
+    let mut spec = t.spec.clone();
+    // A model path written `~/...` is the user's home, as a shell would read it.
+    if let Some(rest) = spec.model.name.strip_prefix("~/")
+        && let Some(home) = std::env::var_os("HOME")
+    {
+        spec.model.name = PathBuf::from(home).join(rest).display().to_string();
+    }
+    let needs_gpus =
+        spec.engine.kind == EngineKind::Vllm && spec.engine.device == topology::Device::Cuda;
+    let (gpus, gpu_note) = match machine.gpus() {
+        Ok(g) if needs_gpus => (g.to_vec(), None),
+        Err(e) if needs_gpus => (Vec::new(), Some(e.reason.clone())),
+        _ => (Vec::new(), None),
+    };
+    let mut version_note = None;
+    let (version, version_source) = match spec.engine.kind {
+        EngineKind::Sim => (None, VersionSource::Pinned),
+        EngineKind::Vllm => {
+            let resolved = crate::vllm::resolve(
+                &spec.engine.vllm_version,
+                &spec.engine.python,
+                &crate::connectors::NEWEST_TEMPLATED,
+            )
+            .expect("vllm_version is validated when loaded");
+            if let Some(note) = resolved.assumed_note() {
+                let why = resolved.not_found.as_ref().map(|e| e.reason());
+                version_note = Some(VersionNote {
+                    note,
+                    refusal: t.locate(
+                        topology::Problem::new(
+                            "engine.vllm_version",
+                            format!(
+                                "\"auto\" found no vLLM to run: {}; the plan assumed vLLM {}, the newest pdctl has templates for",
+                                why.unwrap_or_default(),
+                                resolved.version
+                            ),
+                        )
+                        .hint(
+                            "install vLLM (./install.sh --with-vllm), set engine.python to the python that has it, or pin engine.vllm_version (then `up` starts it as pinned)",
+                        ),
+                    ),
+                });
+            }
+            spec.engine.python = resolved.python;
+            (Some(resolved.version), resolved.source)
+        }
+    };
+    let node = args.node.clone().unwrap_or_else(|| t.head.clone());
+    let root = state_root(args.state_dir.as_deref());
+    let mut plan = build_plan(&PlanInput {
+        topology: &spec,
+        head: &t.head,
+        gpus: &gpus,
+        gpu_note,
+        version: version.clone(),
+        version_source,
+        state_root: root,
+        local_node: Some(&node),
+    })
+    .map_err(|p| ResolveError::Topology(Box::new(t.locate(p))))?;
+    if version_source == VersionSource::Pinned
+        && spec.engine.kind == EngineKind::Vllm
+        && let Ok((python, installed)) = crate::vllm::find_python(&spec.engine.python)
+        && Some(&installed) != version.as_ref()
+    {
+        plan.warnings.push(format!(
+            "engine.vllm_version pins {} but `{python}` has vLLM {installed}: the commands are planned for {}",
+            spec.engine.vllm_version, spec.engine.vllm_version
+        ));
+    }
+    Ok(LoadedPlan {
+        plan,
+        source_note: String::new(),
+        missing: Vec::new(),
+        node,
+        version_note,
+        machine,
+    })
+}
