@@ -3,11 +3,14 @@
 
 pub mod cluster;
 pub mod common;
+mod detach;
 mod down;
 pub mod exit;
 pub mod export;
 mod info;
+mod logs_cmd;
 mod restart;
+mod view;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -1,8 +1,8 @@
 //! Pre-flight: every reason `up` would fail, found before anything is spawned and
 //! reported all at once (exit 2) — programs, ports, GPUs, writable directories.
 
-use super::state::{MAX_SOCKET_PATH, StateDir};
 use crate::plan::{Check, Plan};
+use crate::supervisor::state_dir::state::{MAX_SOCKET_PATH, StateDir};
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::Path;
@@ -139,7 +139,7 @@ fn check_dependencies(plan: &Plan, problems: &mut Vec<String>) {
 
 fn check_signals(plan: &Plan, node: &str, problems: &mut Vec<String>) {
     for svc in plan.local_services(node) {
-        if super::stop::parse_signal(&svc.shutdown.signal).is_none() {
+        if crate::supervisor::run::stop::parse_signal(&svc.shutdown.signal).is_none() {
             problems.push(format!(
                 "{}: unknown shutdown signal {:?} (use a name like SIGTERM or SIGINT)",
                 svc.name, svc.shutdown.signal

@@ -1,22 +1,16 @@
-//! The status table (`pdctl status`, and after `up`), and the proxy's request figures
-//! scraped from its `/metrics` when it runs.
+//! What a person sees of a running cluster: the status table (`pdctl status`, and after
+//! `up`) composed from the supervisor's status report and the proxy's request figures
+//! scraped from its `/metrics` when it runs. It lives on the client side because the
+//! supervisor knows nothing of the proxy.
 
-use super::logfile::log_message;
 use crate::control::{ServiceStatus, StatusReport};
+use crate::supervisor::exit_summary;
 use std::fmt::Write;
+use std::future::Future;
+use std::pin::Pin;
 
 /// Characters of the LAST EXIT column at most; `status --json` has the whole text.
 pub const LAST_EXIT_WIDTH: usize = 80;
-
-/// How the last run ended and, beside it, the message of its last error line:
-/// `exit 0: RuntimeError: shape mismatch`. `None` before any run ended.
-pub fn exit_summary(s: &ServiceStatus) -> Option<String> {
-    let exit = s.last_exit.as_deref()?;
-    Some(match s.last_error.as_deref() {
-        Some(e) => format!("{exit}: {}", log_message(e)),
-        None => exit.to_string(),
-    })
-}
 
 /// `text` cut to `max` characters, the cut marked with `...`.
 fn shorten(text: &str, max: usize) -> String {
@@ -122,6 +116,22 @@ pub fn status_table(report: &StatusReport) -> String {
         line(r);
     }
     out
+}
+
+/// The text `pdctl up` shows once every local service is healthy: the status table and,
+/// when the proxy answers, its figures. Handed to the supervisor as its
+/// [`crate::supervisor::RunOptions::healthy_text`].
+pub fn healthy_text(report: StatusReport) -> Pin<Box<dyn Future<Output = String> + Send>> {
+    Box::pin(async move {
+        let mut text = status_table(&report);
+        if let Some(url) = &report.proxy_url {
+            if let Some(figures) = scrape_proxy(url).await {
+                text.push_str(&figures);
+                text.push('\n');
+            }
+        }
+        text
+    })
 }
 
 /// `proxy http://..: 1200 requests (3 failed), 2 in flight, 5 retries, 2 KV handoff

@@ -108,10 +108,12 @@ async fn tcp_check(host: &str, port: u16) -> Result<(), String> {
 /// a TCP connect to its main port when its probe is a log line (unreadable from here).
 pub fn remote_probe(svc: &Service) -> Option<Probe> {
     match &svc.probe {
-        Probe::LogLine { .. } => super::table::main_port(svc).map(|port| Probe::Tcp {
-            host: svc.host.clone(),
-            port,
-        }),
+        Probe::LogLine { .. } => {
+            crate::supervisor::run::table::main_port(svc).map(|port| Probe::Tcp {
+                host: svc.host.clone(),
+                port,
+            })
+        }
         other => Some(other.clone()),
     }
 }

@@ -1,9 +1,9 @@
 //! Services placed on other nodes: never spawned here, only probed, so `status` on the
 //! head shows them and local services that depend on them wait for them.
 
-use super::probe::{LIVENESS_INTERVAL, remote_probe, startup_delay};
-use super::service::ServiceCtx;
 use crate::control::ServiceState;
+use crate::supervisor::run::probe::{LIVENESS_INTERVAL, remote_probe, startup_delay};
+use crate::supervisor::run::service::ServiceCtx;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use tokio::sync::watch;

@@ -8,19 +8,22 @@
 //! for is a failure whatever its status: these are servers, and one that exits 0 (a vLLM
 //! API server whose engine core died does) is as down as one that crashed.
 
-use super::console::Console;
-use super::deps::{DepsOutcome, wait_for_dependencies};
-use super::logfile::{ServiceLog, log_message};
-use super::policy::{RestartTracker, Verdict};
-use super::probe::Prober;
-use super::pump::{PumpTargets, pump};
-use super::run_watch::{RunEnd, wait_ready, watch_liveness};
-use super::spawner::{SpawnSpec, Spawned, Spawner};
-use super::state::RecordWriter;
-use super::stop::{clear_group, describe_exit, parse_signal, stop_run};
-use super::table::Table;
+pub(crate) mod deps;
+pub(crate) mod run_watch;
+
 use crate::control::ServiceState;
 use crate::plan::{Plan, Probe, Service};
+use crate::supervisor::process::spawner::{SpawnSpec, Spawned, Spawner};
+use crate::supervisor::run::console::Console;
+use crate::supervisor::run::policy::{RestartTracker, Verdict};
+use crate::supervisor::run::probe::Prober;
+use crate::supervisor::run::pump::{PumpTargets, pump};
+use crate::supervisor::run::service::deps::{DepsOutcome, wait_for_dependencies};
+use crate::supervisor::run::service::run_watch::{RunEnd, wait_ready, watch_liveness};
+use crate::supervisor::run::stop::{clear_group, describe_exit, parse_signal, stop_run};
+use crate::supervisor::run::table::Table;
+use crate::supervisor::state_dir::logfile::{ServiceLog, log_message};
+use crate::supervisor::state_dir::state::RecordWriter;
 use nix::sys::signal::Signal;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -160,7 +163,8 @@ impl Task {
         let name = self.svc().name.clone();
         let lines = self.log().last_lines(FAILURE_LINES);
         self.log().note(&format!("failed: {why}"));
-        let text = super::progress::failure_text(&name, &why, error.as_deref(), &lines);
+        let text =
+            crate::supervisor::run::progress::failure_text(&name, &why, error.as_deref(), &lines);
         self.ctx
             .table
             .run_ended(self.idx, ServiceState::Failed, Some(why), error);
@@ -184,7 +188,7 @@ impl Task {
         self.write_files()?;
         let mut env = self.svc().env.clone();
         env.insert(
-            super::procfs::RUN_MARKER_ENV.to_string(),
+            crate::supervisor::process::procfs::RUN_MARKER_ENV.to_string(),
             self.ctx.record.run_id(),
         );
         let deadline_file = self.stop_deadline_file();
