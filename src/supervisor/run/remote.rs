@@ -54,7 +54,7 @@ pub async fn run_remote(ctx: Arc<ServiceCtx>, idx: usize, mut shutdown: watch::R
                 };
                 ctx.table.update(idx, |s| {
                     s.state = next;
-                    s.last_exit = Some(why);
+                    s.last_exit = Some(why.to_string());
                 });
             }
         }

@@ -31,6 +31,27 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
+/// Why a run of a service could not even start; its text is what `status` and the
+/// failure report show.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot create {}: {source}", path.display())]
+    CreateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot write {}: {source}", path.display())]
+    WriteFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("could not start `{program}`: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+}
+
 /// What a service task can be told to do.
 #[derive(Debug)]
 pub enum Cmd {
@@ -172,19 +193,23 @@ impl Task {
         Next::Idle
     }
 
-    fn write_files(&self) -> Result<(), String> {
+    fn write_files(&self) -> Result<(), StartError> {
         for f in &self.svc().files {
             if let Some(parent) = f.path.parent() {
-                std::fs::create_dir_all(parent)
-                    .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+                std::fs::create_dir_all(parent).map_err(|source| StartError::CreateDir {
+                    path: parent.to_path_buf(),
+                    source,
+                })?;
             }
-            std::fs::write(&f.path, &f.content)
-                .map_err(|e| format!("cannot write {}: {e}", f.path.display()))?;
+            std::fs::write(&f.path, &f.content).map_err(|source| StartError::WriteFile {
+                path: f.path.clone(),
+                source,
+            })?;
         }
         Ok(())
     }
 
-    async fn spawn(&mut self) -> Result<Spawned, String> {
+    async fn spawn(&mut self) -> Result<Spawned, StartError> {
         self.write_files()?;
         let mut env = self.svc().env.clone();
         env.insert(
@@ -202,18 +227,20 @@ impl Task {
             env,
             cwd: self.ctx.cwd.clone(),
         };
-        self.ctx.spawner.spawn(spec).await.map_err(|e| {
-            format!(
-                "could not start `{}`: {e}",
-                self.svc().argv.first().map(String::as_str).unwrap_or("")
-            )
-        })
+        self.ctx
+            .spawner
+            .spawn(spec)
+            .await
+            .map_err(|source| StartError::Spawn {
+                program: self.svc().argv.first().cloned().unwrap_or_default(),
+                source,
+            })
     }
 
     async fn start_and_watch(&mut self) -> Next {
         let spawned = match self.spawn().await {
             Ok(s) => s,
-            Err(why) => return self.fail(why, None),
+            Err(why) => return self.fail(why.to_string(), None),
         };
         let Spawned {
             mut child,

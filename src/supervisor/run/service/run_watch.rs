@@ -64,7 +64,7 @@ pub async fn wait_ready(
                 match res {
                     Ok(()) => return None,
                     Err(why) if started.elapsed() >= limit => {
-                        return Some(RunEnd::StartTimeout(why));
+                        return Some(RunEnd::StartTimeout(why.to_string()));
                     }
                     Err(_) => {}
                 }
