@@ -76,13 +76,6 @@ pub fn status_table(report: &StatusReport) -> String {
         "UPTIME",
         "LAST EXIT",
     ];
-    let rows: Vec<[String; 10]> = report.services.iter().map(cells).collect();
-    let mut width = HEAD.map(str::len);
-    for r in &rows {
-        for (w, c) in width.iter_mut().zip(r) {
-            *w = (*w).max(c.chars().count());
-        }
-    }
     let healthy = report
         .services
         .iter()
@@ -99,22 +92,21 @@ pub fn status_table(report: &StatusReport) -> String {
         let _ = write!(out, ", requests to {url}");
     }
     out.push('\n');
-    let mut line = |cols: &[String]| {
-        let mut l = String::new();
-        for (i, c) in cols.iter().enumerate() {
-            if i + 1 == cols.len() {
-                l.push_str(c);
-            } else {
-                let _ = write!(l, "{c:<w$}  ", w = width[i]);
-            }
-        }
-        out.push_str(l.trim_end());
-        out.push('\n');
-    };
-    line(&HEAD.map(String::from));
-    for r in &rows {
-        line(r);
+    let mut table = comfy_table::Table::new();
+    // No borders and two spaces between columns, the way `docker ps` looks and the way
+    // scripts and tests read it; never wrapped to the terminal's width.
+    table
+        .load_preset(comfy_table::presets::NOTHING)
+        .set_content_arrangement(comfy_table::ContentArrangement::Disabled)
+        .set_header(HEAD);
+    for s in &report.services {
+        table.add_row(cells(s));
     }
+    for column in table.column_iter_mut() {
+        column.set_padding((0, 2));
+    }
+    out.push_str(&table.trim_fmt());
+    out.push('\n');
     out
 }
 
