@@ -149,9 +149,7 @@ fn a_sim_topology_comes_up_through_the_planner_and_a_crashed_engine_comes_back()
     let table = stdout(&c.run(&["status"]));
     assert!(table.contains("1 requests (0 failed)"), "{table}");
     // The planner puts a one-node cluster in <root>/<cluster>.
-    let run = run_id(&pdctl::supervisor::state::StateDir::new(
-        c.root().join("simtopo"),
-    ));
+    let run = run_id(&pdctl::supervisor::StateDir::new(c.root().join("simtopo")));
 
     // The simulator's own crash fault: exits with status 1.
     let port = svc(&r, "prefill-1").port.unwrap();
@@ -532,9 +530,7 @@ fn a_sigkilled_supervisor_leaves_no_orphans_and_the_next_up_cleans_its_state() {
     let up = c.up_detached(&plan, &[]);
     assert_eq!(up.status.code(), Some(0), "{}", text(&up));
     let state = c.state(&plan, "main");
-    let record = pdctl::supervisor::state::read_record(&state)
-        .unwrap()
-        .unwrap();
+    let record = pdctl::supervisor::read_record(&state).unwrap().unwrap();
     // Two engines and the engine's own child (a grandchild of the supervisor).
     assert!(wait_until(Duration::from_secs(5), || marked(
         &record.run_id
@@ -582,9 +578,7 @@ fn a_sigkilled_supervisor_leaves_no_unmarked_grandchild() {
     let up = c.up_detached(&plan, &[]);
     assert_eq!(up.status.code(), Some(0), "{}", text(&up));
     let state = c.state(&plan, "main");
-    let record = pdctl::supervisor::state::read_record(&state)
-        .unwrap()
-        .unwrap();
+    let record = pdctl::supervisor::read_record(&state).unwrap().unwrap();
     let mut child = None;
     assert!(wait_until(Duration::from_secs(5), || {
         let log = std::fs::read_to_string(state.log_path("decode-0")).unwrap_or_default();
@@ -597,7 +591,7 @@ fn a_sigkilled_supervisor_leaves_no_unmarked_grandchild() {
         child.is_some()
     }));
     let child = child.unwrap();
-    let alive = |pid: i32| pdctl::supervisor::procfs::process(pid).is_some_and(|p| !p.is_zombie());
+    let alive = |pid: i32| pdctl::supervisor::process(pid).is_some_and(|p| !p.is_zombie());
     assert!(alive(child));
     assert!(
         !marked(&record.run_id).contains(&child),
@@ -927,8 +921,7 @@ fn logs_rotate_by_size_and_follow_continues_across_rotations() {
         numbers.windows(2).all(|w| w[1] == w[0] + 1),
         "lines were lost or repeated across rotation"
     );
-    let rotated =
-        |i: u32| pdctl::supervisor::logfile::rotated_path(&state.log_path("prefill-0"), i);
+    let rotated = |i: u32| pdctl::supervisor::rotated_path(&state.log_path("prefill-0"), i);
     assert!(rotated(1).exists() && rotated(2).exists());
     assert!(!rotated(3).exists(), "only --log-keep 2 copies are kept");
     assert!(

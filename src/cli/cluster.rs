@@ -3,14 +3,13 @@
 
 use super::ExitError;
 use super::common::{TopologyArgs, state_root};
+use super::detach::{self, LogSettings};
+use super::{logs_cmd, view};
 use crate::control::client;
 use crate::plan::Plan;
 use crate::plan::resolve::Machine;
-use crate::supervisor::detach::{self, LogSettings};
-use crate::supervisor::logfile::{DEFAULT_KEEP, DEFAULT_MAX_BYTES};
-use crate::supervisor::runner::{self, RunOptions};
-use crate::supervisor::state::{ClusterLock, StateDir};
-use crate::supervisor::{SupervisorError, logs_cmd, preflight, select, stale, view, watchdog};
+use crate::supervisor::{self, ClusterLock, DEFAULT_KEEP, DEFAULT_MAX_BYTES, RunOptions, StateDir};
+use crate::supervisor::{SupervisorError, select};
 use crate::vllm::VersionSource;
 use anyhow::Context;
 use clap::Args;
@@ -128,7 +127,7 @@ pub struct SuperviseArgs {
     pub log_max_bytes: u64,
     #[arg(long, default_value_t = DEFAULT_KEEP)]
     pub log_keep: u32,
-    /// Run as the watchdog of the run with this id (see supervisor::watchdog).
+    /// Run as the watchdog of the run with this id (see the supervisor's process/watchdog.rs).
     #[arg(long)]
     pub watchdog: Option<String>,
 }
@@ -219,10 +218,10 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     state.create()?;
     let lock = state.lock()?;
     let mut out = std::io::stdout();
-    if let Some(cleaned) = stale::clean_if_stale(&state) {
+    if let Some(cleaned) = supervisor::clean_if_stale(&state) {
         let _ = writeln!(out, "pdctl: {cleaned}");
     }
-    let problems = preflight::check(&plan, &node, &missing, &machine, &state);
+    let problems = supervisor::preflight_check(&plan, &node, &missing, &machine, &state);
     if !problems.is_empty() {
         return Err(anyhow::Error::from(SupervisorError::Preflight(problems)));
     }
@@ -238,7 +237,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         let _ = writeln!(out, "pdctl: warning: {w}");
     }
     let json = serde_json::to_vec_pretty(&plan).expect("plans serialize");
-    crate::supervisor::state::write_atomic(&state.plan_path(), &json)
+    supervisor::write_atomic(&state.plan_path(), &json)
         .with_context(|| format!("writing {}", state.plan_path().display()))?;
     let logs = LogSettings {
         max_bytes: a.log_max_bytes,
@@ -257,8 +256,9 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         foreground: true,
         log_max_bytes: logs.max_bytes,
         log_keep: logs.keep,
+        healthy_text: Some(view::healthy_text),
     };
-    let code = runtime()?.block_on(runner::run(plan, state, lock, opts))?;
+    let code = runtime()?.block_on(supervisor::run(plan, state, lock, opts))?;
     Ok(ExitCode::from(code))
 }
 
@@ -351,7 +351,7 @@ pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
 /// `pdctl supervise`: the detached supervisor (or, with --watchdog, its watchdog).
 pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
     if let Some(run_id) = &a.watchdog {
-        return Ok(watchdog::watch(run_id));
+        return Ok(supervisor::run_watchdog(run_id));
     }
     let dir = a.cluster_dir.clone().context("--cluster-dir is required")?;
     let state = StateDir::new(dir);
@@ -366,7 +366,8 @@ pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
         foreground: false,
         log_max_bytes: a.log_max_bytes,
         log_keep: a.log_keep,
+        healthy_text: None,
     };
-    let code = runtime()?.block_on(runner::run(plan, state, lock, opts))?;
+    let code = runtime()?.block_on(supervisor::run(plan, state, lock, opts))?;
     Ok(ExitCode::from(code))
 }

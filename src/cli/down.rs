@@ -5,8 +5,7 @@
 use super::cluster::DownArgs;
 use super::common::state_root;
 use crate::control::{Request, Response, client};
-use crate::supervisor::state::RunRecord;
-use crate::supervisor::{select, stale};
+use crate::supervisor::{RunRecord, clean_if_stale, select};
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -21,7 +20,7 @@ pub fn run(a: &DownArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitCode
         for f in select::stale(&root, cluster) {
             // Holding the lock proves no supervisor is about to use the dir.
             if let Ok(_lock) = f.state.lock() {
-                if let Some(c) = stale::clean_if_stale(&f.state) {
+                if let Some(c) = clean_if_stale(&f.state) {
                     let _ = writeln!(out, "pdctl: {}: {c}", f.label());
                     cleaned_any = true;
                 }
@@ -97,6 +96,6 @@ fn force_down(found: &select::Found, record: &RunRecord, timeout_s: u64) {
         wait_exit(record, Duration::from_secs(2));
     }
     if let Ok(_lock) = found.state.lock() {
-        stale::clean_if_stale(&found.state);
+        clean_if_stale(&found.state);
     }
 }

@@ -1,14 +1,21 @@
 //! Command-line entry: parses arguments, runs one command, maps its outcome to an exit code
 //! the way docker compose users expect (0 ok, 1 failure, 2 bad input, 3 nothing running).
+//!
+//! Besides the commands, what a person sees of a cluster lives here, on the client side:
+//! `view` (the status table, composing the supervisor's status report with the proxy's
+//! figures), `logs_cmd` (`pdctl logs`) and `detach` (the client half of `up -d`).
 
 pub mod cluster;
 pub mod common;
+mod detach;
 mod down;
 pub mod exit;
 pub mod export;
 mod info;
 mod log_buffer;
+mod logs_cmd;
 mod restart;
+mod view;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

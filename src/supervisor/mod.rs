@@ -1,44 +1,43 @@
 //! The supervisor: runs a plan's services, probes them, restarts them, stops them.
 //!
-//! It executes a [`crate::plan::Plan`] and knows nothing of vLLM. Layout:
-//! - the commands that drive it (`pdctl up / down / status / logs / restart`, the hidden
-//!   `supervise`) live in `crate::cli::cluster`, so this module depends on no CLI code but
-//!   [`select`]'s usage errors;
-//! - [`state`], [`stale`], [`procfs`], [`select`]: the state dir, its lock and run record,
-//!   cleaning up after a killed supervisor, finding running clusters;
-//! - [`preflight`]: every problem found before anything is spawned;
-//! - [`spawner`], [`watchdog`]: starting processes so that none outlives the supervisor;
-//! - [`service`], [`run_watch`], [`deps`], [`remote`], [`pump`], [`policy`], [`probe`],
-//!   [`table`]: one task per service (waiting for dependencies, watching each run, moving
-//!   its output), probes of other nodes' services, the restart policy, readiness/liveness
-//!   probes, and the shared state `status` reads;
-//! - [`runner`], [`stop`], [`control_server`]: the supervisor process itself;
-//! - [`logfile`], [`console`], [`progress`], [`view`], [`logs_cmd`], [`detach`]: what users see.
+//! It executes a [`crate::plan::Plan`] and knows nothing of vLLM nor of the proxy; the
+//! commands that drive it (`pdctl up / down / status / logs / restart`, the hidden
+//! `supervise`) and what a person sees of a cluster (the status table with the proxy's
+//! figures, `pdctl logs`, the client half of `up -d`) live in `crate::cli`. Folders by concern:
+//! - `run/`: the running side: the supervisor process, one task per service (dependency
+//!   waiting and run watching as its children), the restart policy, stopping, remote
+//!   nodes, the control socket, the shared status table and the foreground output;
+//! - `process/`: spawning processes so that none outlives the supervisor, the watchdog,
+//!   reading `/proc`;
+//! - `state_dir/`: the state directory, its lock and run record, log files, cleaning up
+//!   after a killed supervisor, finding running clusters;
+//! - `preflight`: every problem found before anything is spawned.
+//!
+//! The folders are private; what other stages use is re-exported below, so this file is
+//! the supervisor's whole public face.
 
-pub mod console;
-pub mod control_server;
-pub mod deps;
-pub mod detach;
-pub mod logfile;
-pub mod logs_cmd;
-pub mod policy;
-pub mod preflight;
-pub mod probe;
-pub mod procfs;
-pub mod progress;
-pub mod pump;
-pub mod remote;
-pub mod run_watch;
-pub mod runner;
-pub mod select;
-pub mod service;
-pub mod spawner;
-pub mod stale;
-pub mod state;
-pub mod stop;
-pub mod table;
-pub mod view;
-pub mod watchdog;
+mod preflight;
+mod process;
+mod run;
+mod state_dir;
+
+pub use preflight::check as preflight_check;
+pub use process::procfs::{ProcInfo, marked_processes, process};
+pub use process::watchdog::watch as run_watchdog;
+pub use run::console::colour_wanted;
+pub use run::progress::{
+    Renderer, StartupEnd, exit_summary, failure_text, rows as progress_rows, startup_verdict,
+};
+pub use run::runner::{RunOptions, run};
+pub use run::service::FAILURE_LINES;
+pub use state_dir::logfile::{
+    DEFAULT_KEEP, DEFAULT_MAX_BYTES, NOTE_PREFIX, log_message, rotated_path, strip_ansi,
+};
+pub use state_dir::select;
+pub use state_dir::stale::clean_if_stale;
+pub use state_dir::state::{
+    ClusterLock, RunRecord, SUPERVISOR_LOG_NAME, StateDir, read_record, write_atomic,
+};
 
 use std::path::{Path, PathBuf};
 

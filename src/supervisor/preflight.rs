@@ -3,9 +3,9 @@
 //! nothing again that `plan::resolve` found: the programs it missed and its GPU inventory
 //! come in as arguments.
 
-use super::state::{MAX_SOCKET_PATH, StateDir};
 use crate::plan::resolve::Machine;
 use crate::plan::{Check, Plan};
+use crate::supervisor::state_dir::state::{MAX_SOCKET_PATH, StateDir};
 use crate::tools::MissingProgram;
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -154,7 +154,7 @@ fn check_dependencies(plan: &Plan, problems: &mut Vec<String>) {
 
 fn check_signals(plan: &Plan, node: &str, problems: &mut Vec<String>) {
     for svc in plan.local_services(node) {
-        if super::stop::parse_signal(&svc.shutdown.signal).is_none() {
+        if crate::supervisor::run::stop::parse_signal(&svc.shutdown.signal).is_none() {
             problems.push(format!(
                 "{}: unknown shutdown signal {:?} (use a name like SIGTERM or SIGINT)",
                 svc.name, svc.shutdown.signal

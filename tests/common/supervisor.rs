@@ -6,8 +6,8 @@
 use crate::common::{TempDir, pdctl};
 use pdctl::control::{ServiceState, StatusReport};
 use pdctl::plan::{Plan, Probe, RestartMode, RestartPolicy, Role, Service, Shutdown};
-use pdctl::supervisor::procfs;
-use pdctl::supervisor::state::{StateDir, read_record};
+use pdctl::supervisor::marked_processes;
+use pdctl::supervisor::{StateDir, read_record};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -190,7 +190,7 @@ pub fn kill_run(supervisor_pid: i32, run_id: &str) {
     use nix::sys::signal::{Signal, kill};
     use nix::unistd::Pid;
     let _ = kill(Pid::from_raw(supervisor_pid), Signal::SIGKILL);
-    for p in procfs::marked_processes(run_id) {
+    for p in marked_processes(run_id) {
         let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
     }
 }
@@ -382,7 +382,7 @@ pub fn local_engine(c: &Cluster, name: &str, role: Role, port: u16) -> Service {
 
 /// Live (non-zombie) processes carrying `run_id`.
 pub fn marked(run_id: &str) -> Vec<i32> {
-    procfs::marked_processes(run_id)
+    marked_processes(run_id)
 }
 
 /// The run id of the cluster in `state`, while it has a record.

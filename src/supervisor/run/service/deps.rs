@@ -1,8 +1,8 @@
 //! Waiting until a service's dependencies are healthy: local ones run by this supervisor,
 //! remote ones (on other nodes) known from their probes.
 
-use super::service::{Cmd, ServiceCtx};
 use crate::control::ServiceState;
+use crate::supervisor::run::service::{Cmd, ServiceCtx};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 

@@ -3,8 +3,9 @@
 //! service is redrawn in place; otherwise (CI, tests, pipes) a line is printed when a
 //! service changes state, and every 10 s for a service still starting.
 
-use crate::control::{ServiceState, StatusReport};
+use crate::control::{ServiceState, ServiceStatus, StatusReport};
 use crate::plan::Plan;
+use crate::supervisor::state_dir::logfile::log_message;
 use std::collections::HashMap;
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -108,9 +109,7 @@ pub fn rows(
                         .map(|l| format!("last log: {}", l.trim()))
                         .unwrap_or_default()
                 }
-                ServiceState::Failed | ServiceState::Stopped => {
-                    super::view::exit_summary(s).unwrap_or_default()
-                }
+                ServiceState::Failed | ServiceState::Stopped => exit_summary(s).unwrap_or_default(),
                 ServiceState::Healthy | ServiceState::Draining | ServiceState::Stopping => {
                     String::new()
                 }
@@ -224,6 +223,16 @@ pub fn failure_text(name: &str, why: &str, error: Option<&str>, lines: &[String]
         }
     }
     t
+}
+
+/// How the last run ended and, beside it, the message of its last error line:
+/// `exit 0: RuntimeError: shape mismatch`. `None` before any run ended.
+pub fn exit_summary(s: &ServiceStatus) -> Option<String> {
+    let exit = s.last_exit.as_deref()?;
+    Some(match s.last_error.as_deref() {
+        Some(e) => format!("{exit}: {}", log_message(e)),
+        None => exit.to_string(),
+    })
 }
 
 #[cfg(test)]

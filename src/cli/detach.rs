@@ -2,14 +2,13 @@
 //! `pdctl supervise`, then shows its start-up progress over the control socket and
 //! returns once every local service is healthy (exit 0) or one failed (exit 1).
 
-use super::logfile::NOTE_PREFIX;
 use super::logs_cmd::history;
-use super::progress::{self, Renderer, StartupEnd};
-use super::service::FAILURE_LINES;
-use super::state::{ClusterLock, StateDir};
 use super::view::status_table;
 use crate::control::client;
 use crate::plan::Plan;
+use crate::supervisor::{
+    self, ClusterLock, FAILURE_LINES, NOTE_PREFIX, Renderer, StartupEnd, StateDir, strip_ansi,
+};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -94,9 +93,9 @@ pub async fn wait_for_start(child: &mut Child, state: &StateDir, plan: &Plan) ->
         }
         if let Ok(report) = answer {
             last_answer = std::time::Instant::now();
-            let rows = progress::rows(&report, plan, &last_line);
+            let rows = supervisor::progress_rows(&report, plan, &last_line);
             renderer.draw(&mut std::io::stdout().lock(), &rows);
-            match progress::startup_verdict(&report) {
+            match supervisor::startup_verdict(&report) {
                 Some(StartupEnd::AllHealthy) => {
                     let mut out = std::io::stdout().lock();
                     let _ = write!(out, "{}", status_table(&report));
@@ -115,11 +114,14 @@ pub async fn wait_for_start(child: &mut Child, state: &StateDir, plan: &Plan) ->
                         let lines: Vec<String> = lines
                             .iter()
                             .filter(|l| !l.starts_with(NOTE_PREFIX))
-                            .map(|l| super::logfile::strip_ansi(l))
+                            .map(|l| strip_ansi(l))
                             .collect();
                         let shown = &lines[lines.len().saturating_sub(FAILURE_LINES)..];
                         let error = f.error.as_deref();
-                        eprintln!("{}", progress::failure_text(&f.name, &f.why, error, shown));
+                        eprintln!(
+                            "{}",
+                            supervisor::failure_text(&f.name, &f.why, error, shown)
+                        );
                     }
                     eprintln!(
                         "the supervisor (pid {}) keeps running so you can look: `pdctl status`, \
@@ -143,7 +145,7 @@ pub fn last_line(path: &Path) -> Option<String> {
     f.seek(SeekFrom::Start(len.saturating_sub(4096))).ok()?;
     let mut buf = Vec::new();
     f.read_to_end(&mut buf).ok()?;
-    let text = super::logfile::strip_ansi(&String::from_utf8_lossy(&buf));
+    let text = strip_ansi(&String::from_utf8_lossy(&buf));
     text.lines()
         .rev()
         .map(|l| l.rsplit('\r').next().unwrap_or(l).trim())

@@ -8,7 +8,7 @@
 //! SIGKILL after a short grace). After a clean `down` it finds nothing and just exits.
 //! One process per cluster rather than a shim per service keeps the services' pids real.
 
-use super::procfs;
+use crate::supervisor::process::procfs;
 use nix::fcntl::OFlag;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;

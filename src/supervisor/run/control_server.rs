@@ -2,10 +2,10 @@
 //! one JSON request per line, one answer per line, one handler per request kind.
 //! `Status` only copies the shared table, so the proxy can poll it twice a second.
 
-use super::service::Cmd;
-use super::table::Table;
 use crate::control::{Request, Response};
 use crate::plan::Plan;
+use crate::supervisor::run::service::Cmd;
+use crate::supervisor::run::table::Table;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;

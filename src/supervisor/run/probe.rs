@@ -11,6 +11,33 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Time between liveness probes of a healthy service.
 pub const LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
 
+/// Why a probe did not pass; its text is the short reason progress and status show.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("log has no line containing {contains:?} yet")]
+    NoLogLine { contains: String },
+    #[error("GET {url} timed out")]
+    HttpTimeout { url: String },
+    #[error("GET {url}: connection refused")]
+    HttpRefused { url: String },
+    #[error("GET {url}: {source}")]
+    Http { url: String, source: reqwest::Error },
+    #[error("GET {url} answered {got}, expected {want}")]
+    HttpStatus { url: String, got: u16, want: u16 },
+    #[error("GET {url}: reading the body: {source}")]
+    HttpBody { url: String, source: reqwest::Error },
+    #[error("GET {url} body lacks {text:?}")]
+    BodyLacks { url: String, text: String },
+    #[error("TCP {host}:{port}: {source}")]
+    Tcp {
+        host: String,
+        port: u16,
+        source: std::io::Error,
+    },
+    #[error("TCP {host}:{port}: timed out")]
+    TcpTimeout { host: String, port: u16 },
+}
+
 /// Runs probes; holds the HTTP client (no proxy: probes go straight to the services).
 #[derive(Debug, Clone)]
 pub struct Prober {
@@ -36,7 +63,7 @@ impl Prober {
 
     /// `Ok` when the probe passes, else a short reason for progress and status displays.
     /// `log_seen` says whether the log line of a `LogLine` probe appeared in this run.
-    pub async fn check(&self, probe: &Probe, log_seen: &AtomicBool) -> Result<(), String> {
+    pub async fn check(&self, probe: &Probe, log_seen: &AtomicBool) -> Result<(), ProbeError> {
         match probe {
             Probe::Http {
                 url,
@@ -51,7 +78,9 @@ impl Prober {
                 if log_seen.load(Ordering::Relaxed) {
                     Ok(())
                 } else {
-                    Err(format!("log has no line containing {contains:?} yet"))
+                    Err(ProbeError::NoLogLine {
+                        contains: contains.clone(),
+                    })
                 }
             }
         }
@@ -62,45 +91,60 @@ impl Prober {
         url: &str,
         want: u16,
         body_contains: Option<&str>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ProbeError> {
         let resp = self
             .http
             .get(url)
             .send()
             .await
-            .map_err(|e| describe_http_error(url, &e))?;
+            .map_err(|e| describe_http_error(url, e))?;
         let got = resp.status().as_u16();
         if got != want {
-            return Err(format!("GET {url} answered {got}, expected {want}"));
+            return Err(ProbeError::HttpStatus {
+                url: url.to_string(),
+                got,
+                want,
+            });
         }
         if let Some(text) = body_contains {
-            let body = resp
-                .text()
-                .await
-                .map_err(|e| format!("GET {url}: reading the body: {e}"))?;
+            let body = resp.text().await.map_err(|source| ProbeError::HttpBody {
+                url: url.to_string(),
+                source,
+            })?;
             if !body.contains(text) {
-                return Err(format!("GET {url} body lacks {text:?}"));
+                return Err(ProbeError::BodyLacks {
+                    url: url.to_string(),
+                    text: text.to_string(),
+                });
             }
         }
         Ok(())
     }
 }
 
-fn describe_http_error(url: &str, e: &reqwest::Error) -> String {
-    if e.is_timeout() {
-        format!("GET {url} timed out")
-    } else if e.is_connect() {
-        format!("GET {url}: connection refused")
+fn describe_http_error(url: &str, source: reqwest::Error) -> ProbeError {
+    let url = url.to_string();
+    if source.is_timeout() {
+        ProbeError::HttpTimeout { url }
+    } else if source.is_connect() {
+        ProbeError::HttpRefused { url }
     } else {
-        format!("GET {url}: {e}")
+        ProbeError::Http { url, source }
     }
 }
 
-async fn tcp_check(host: &str, port: u16) -> Result<(), String> {
+async fn tcp_check(host: &str, port: u16) -> Result<(), ProbeError> {
     match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect((host, port))).await {
         Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(format!("TCP {host}:{port}: {e}")),
-        Err(_) => Err(format!("TCP {host}:{port}: timed out")),
+        Ok(Err(source)) => Err(ProbeError::Tcp {
+            host: host.to_string(),
+            port,
+            source,
+        }),
+        Err(_) => Err(ProbeError::TcpTimeout {
+            host: host.to_string(),
+            port,
+        }),
     }
 }
 
@@ -108,10 +152,12 @@ async fn tcp_check(host: &str, port: u16) -> Result<(), String> {
 /// a TCP connect to its main port when its probe is a log line (unreadable from here).
 pub fn remote_probe(svc: &Service) -> Option<Probe> {
     match &svc.probe {
-        Probe::LogLine { .. } => super::table::main_port(svc).map(|port| Probe::Tcp {
-            host: svc.host.clone(),
-            port,
-        }),
+        Probe::LogLine { .. } => {
+            crate::supervisor::run::table::main_port(svc).map(|port| Probe::Tcp {
+                host: svc.host.clone(),
+                port,
+            })
+        }
         other => Some(other.clone()),
     }
 }
@@ -165,16 +211,32 @@ mod tests {
             status,
             body_contains: body.map(String::from),
         };
-        assert_eq!(p.check(&http(200, Some("true")), &seen).await, Ok(()));
-        let wrong = p.check(&http(204, None), &seen).await.unwrap_err();
+        assert_eq!(
+            p.check(&http(200, Some("true")), &seen)
+                .await
+                .map_err(|e| e.to_string()),
+            Ok(())
+        );
+        let wrong = p
+            .check(&http(204, None), &seen)
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(wrong.contains("answered 200, expected 204"), "{wrong}");
-        let lacks = p.check(&http(200, Some("false")), &seen).await.unwrap_err();
+        let lacks = p
+            .check(&http(200, Some("false")), &seen)
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(lacks.contains("lacks"), "{lacks}");
         let tcp = Probe::Tcp {
             host: "127.0.0.1".into(),
             port,
         };
-        assert_eq!(p.check(&tcp, &seen).await, Ok(()));
+        assert_eq!(
+            p.check(&tcp, &seen).await.map_err(|e| e.to_string()),
+            Ok(())
+        );
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let dead_port = closed.local_addr().unwrap().port();
         drop(closed);
@@ -188,6 +250,9 @@ mod tests {
         };
         assert!(p.check(&line, &seen).await.is_err());
         seen.store(true, Ordering::Relaxed);
-        assert_eq!(p.check(&line, &seen).await, Ok(()));
+        assert_eq!(
+            p.check(&line, &seen).await.map_err(|e| e.to_string()),
+            Ok(())
+        );
     }
 }

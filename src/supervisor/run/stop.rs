@@ -2,8 +2,8 @@
 //! shutdown signal, SIGKILL after the timeout; and the order a cluster is taken down in
 //! (dependants before what they depend on, independent services at the same time).
 
-use super::procfs;
 use crate::plan::Plan;
+use crate::supervisor::process::procfs;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use std::process::ExitStatus;

@@ -2,20 +2,24 @@
 //! shows start-up progress, and takes the cluster down on Ctrl-C, SIGTERM, SIGHUP or
 //! `pdctl down`, leaving no process behind.
 
-use super::console::{Console, ConsoleMode, colour_wanted};
-use super::control_server::{self, DownRequest, Handlers};
-use super::logfile::ServiceLog;
-use super::probe::Prober;
-use super::progress::{self, Renderer, StartFailure, StartupEnd};
-use super::service::{Cmd, FAILURE_LINES, ServiceCtx, run_local};
-use super::spawner::Spawner;
-use super::state::{ClusterLock, RecordWriter, RunRecord, StateDir};
-use super::stop::stop_waves;
-use super::table::Table;
-use super::watchdog::{self, Watchdog};
-use super::{SupervisorError, remote::run_remote};
+use crate::control::StatusReport;
 use crate::plan::Plan;
+use crate::supervisor::SupervisorError;
+use crate::supervisor::process::spawner::Spawner;
+use crate::supervisor::process::watchdog::{self, Watchdog};
+use crate::supervisor::run::console::{Console, ConsoleMode, colour_wanted};
+use crate::supervisor::run::control_server::{self, DownRequest, Handlers};
+use crate::supervisor::run::probe::Prober;
+use crate::supervisor::run::progress::{self, Renderer, StartFailure, StartupEnd};
+use crate::supervisor::run::remote::run_remote;
+use crate::supervisor::run::service::{Cmd, FAILURE_LINES, ServiceCtx, run_local};
+use crate::supervisor::run::stop::stop_waves;
+use crate::supervisor::run::table::Table;
+use crate::supervisor::state_dir::logfile::ServiceLog;
+use crate::supervisor::state_dir::state::{ClusterLock, RecordWriter, RunRecord, StateDir};
 use futures_util::future::join_all;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::signal::unix::{Signal, SignalKind, signal};
@@ -31,7 +35,14 @@ pub struct RunOptions {
     pub foreground: bool,
     pub log_max_bytes: u64,
     pub log_keep: u32,
+    /// What a person sees when every local service is healthy in the foreground: the
+    /// status table and whatever the caller adds to it (the CLI adds the proxy's figures).
+    /// Given by the caller because the supervisor knows nothing of how it is shown.
+    pub healthy_text: Option<HealthyText>,
 }
+
+/// Turns the status report into the text shown once every local service is healthy.
+pub type HealthyText = fn(StatusReport) -> Pin<Box<dyn Future<Output = String> + Send>>;
 
 /// Why the supervisor is taking the cluster down.
 enum Trigger {
@@ -164,7 +175,7 @@ pub async fn run(
     let trigger = tokio::select! {
         end = watch_startup(&ctx, opts.foreground) => match end {
             StartupEnd::AllHealthy => {
-                announce_healthy(&ctx, opts.foreground, started).await;
+                announce_healthy(&ctx, opts.foreground, opts.healthy_text, started).await;
                 wait_for_down(&mut signals, &mut downs).await
             }
             StartupEnd::Failed(failed) => {
@@ -244,17 +255,18 @@ async fn watch_startup(ctx: &ServiceCtx, foreground: bool) -> StartupEnd {
     }
 }
 
-async fn announce_healthy(ctx: &ServiceCtx, foreground: bool, started: Instant) {
+async fn announce_healthy(
+    ctx: &ServiceCtx,
+    foreground: bool,
+    healthy_text: Option<HealthyText>,
+    started: Instant,
+) {
     let secs = started.elapsed().as_secs_f64();
     if foreground {
-        let report = ctx.table.report();
-        let mut text = super::view::status_table(&report);
-        if let Some(url) = &report.proxy_url {
-            if let Some(figures) = super::view::scrape_proxy(url).await {
-                text.push_str(&figures);
-                text.push('\n');
-            }
-        }
+        let mut text = match healthy_text {
+            Some(render) => render(ctx.table.report()).await,
+            None => String::new(),
+        };
         text.push_str(&format!(
             "all local services healthy in {secs:.1} s; streaming their logs (Ctrl-C stops the cluster)"
         ));

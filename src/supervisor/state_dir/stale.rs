@@ -1,8 +1,8 @@
 //! Cleaning up after a supervisor that died without taking its cluster down (SIGKILL,
 //! OOM, power to the terminal cut): kill whatever it left running, remove its runtime files.
 
-use super::procfs;
-use super::state::{RunRecord, StateDir, read_record};
+use crate::supervisor::process::procfs;
+use crate::supervisor::state_dir::state::{RunRecord, StateDir, read_record};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use std::time::{Duration, Instant};
@@ -122,7 +122,7 @@ fn wait_gone(pids: &[i32], limit: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::supervisor::state::RecordWriter;
+    use crate::supervisor::state_dir::state::RecordWriter;
 
     #[test]
     fn a_dead_supervisors_marked_processes_are_killed_and_files_removed() {

@@ -1,8 +1,8 @@
 //! A cluster's state directory: where its lock, run record, plan, control socket and logs
 //! live, and the lock that makes one cluster of a name run once per state root.
 
-use super::SupervisorError;
-use super::procfs;
+use crate::supervisor::SupervisorError;
+use crate::supervisor::process::procfs;
 use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

@@ -2,6 +2,16 @@
 //! it still names the same process), process groups, zombies, and the run marker every
 //! service inherits in its environment (so stale or orphaned processes are found even when
 //! they left their group).
+//!
+//! Why `/proc` is read here by hand rather than through `sysinfo`: what the supervisor
+//! needs is exactly what `sysinfo` does not give or gives too coarsely. It needs the process
+//! group (to signal a service's whole group) and `sysinfo` has none; it needs the start time
+//! in clock ticks, with the pid the identity that tells a recorded process from a later one
+//! reusing its pid, and `sysinfo` rounds it to seconds; it needs our own run marker from
+//! `/proc/PID/environ` and the kernel log's OOM records for one pid; and the watchdog polls
+//! one `stat` line per process, where `sysinfo` refreshes many files for every process on
+//! the machine. Process trees and memory totals, what `sysinfo` does well, the supervisor
+//! does not use.
 
 use std::path::Path;
 

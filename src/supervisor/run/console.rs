@@ -86,7 +86,10 @@ impl Console {
     pub fn event(&self, text: &str) {
         match self.inner.mode {
             ConsoleMode::Detached => {
-                self.push(format!("{} {text}", super::logfile::utc_timestamp()));
+                self.push(format!(
+                    "{} {text}",
+                    crate::supervisor::state_dir::logfile::utc_timestamp()
+                ));
             }
             ConsoleMode::Foreground { .. } => {
                 if self.inner.streaming.load(Ordering::Relaxed) {

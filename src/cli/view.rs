@@ -1,22 +1,16 @@
-//! The status table (`pdctl status`, and after `up`), and the proxy's request figures
-//! scraped from its `/metrics` when it runs.
+//! What a person sees of a running cluster: the status table (`pdctl status`, and after
+//! `up`) composed from the supervisor's status report and the proxy's request figures
+//! scraped from its `/metrics` when it runs. It lives on the client side because the
+//! supervisor knows nothing of the proxy.
 
-use super::logfile::log_message;
 use crate::control::{ServiceStatus, StatusReport};
+use crate::supervisor::exit_summary;
 use std::fmt::Write;
+use std::future::Future;
+use std::pin::Pin;
 
 /// Characters of the LAST EXIT column at most; `status --json` has the whole text.
 pub const LAST_EXIT_WIDTH: usize = 80;
-
-/// How the last run ended and, beside it, the message of its last error line:
-/// `exit 0: RuntimeError: shape mismatch`. `None` before any run ended.
-pub fn exit_summary(s: &ServiceStatus) -> Option<String> {
-    let exit = s.last_exit.as_deref()?;
-    Some(match s.last_error.as_deref() {
-        Some(e) => format!("{exit}: {}", log_message(e)),
-        None => exit.to_string(),
-    })
-}
 
 /// `text` cut to `max` characters, the cut marked with `...`.
 fn shorten(text: &str, max: usize) -> String {
@@ -82,13 +76,6 @@ pub fn status_table(report: &StatusReport) -> String {
         "UPTIME",
         "LAST EXIT",
     ];
-    let rows: Vec<[String; 10]> = report.services.iter().map(cells).collect();
-    let mut width = HEAD.map(str::len);
-    for r in &rows {
-        for (w, c) in width.iter_mut().zip(r) {
-            *w = (*w).max(c.chars().count());
-        }
-    }
     let healthy = report
         .services
         .iter()
@@ -105,23 +92,38 @@ pub fn status_table(report: &StatusReport) -> String {
         let _ = write!(out, ", requests to {url}");
     }
     out.push('\n');
-    let mut line = |cols: &[String]| {
-        let mut l = String::new();
-        for (i, c) in cols.iter().enumerate() {
-            if i + 1 == cols.len() {
-                l.push_str(c);
-            } else {
-                let _ = write!(l, "{c:<w$}  ", w = width[i]);
+    let mut table = comfy_table::Table::new();
+    // No borders and two spaces between columns, the way `docker ps` looks and the way
+    // scripts and tests read it; never wrapped to the terminal's width.
+    table
+        .load_preset(comfy_table::presets::NOTHING)
+        .set_content_arrangement(comfy_table::ContentArrangement::Disabled)
+        .set_header(HEAD);
+    for s in &report.services {
+        table.add_row(cells(s));
+    }
+    for column in table.column_iter_mut() {
+        column.set_padding((0, 2));
+    }
+    out.push_str(&table.trim_fmt());
+    out.push('\n');
+    out
+}
+
+/// The text `pdctl up` shows once every local service is healthy: the status table and,
+/// when the proxy answers, its figures. Handed to the supervisor as its
+/// [`crate::supervisor::RunOptions::healthy_text`].
+pub fn healthy_text(report: StatusReport) -> Pin<Box<dyn Future<Output = String> + Send>> {
+    Box::pin(async move {
+        let mut text = status_table(&report);
+        if let Some(url) = &report.proxy_url {
+            if let Some(figures) = scrape_proxy(url).await {
+                text.push_str(&figures);
+                text.push('\n');
             }
         }
-        out.push_str(l.trim_end());
-        out.push('\n');
-    };
-    line(&HEAD.map(String::from));
-    for r in &rows {
-        line(r);
-    }
-    out
+        text
+    })
 }
 
 /// `proxy http://..: 1200 requests (3 failed), 2 in flight, 5 retries, 2 KV handoff

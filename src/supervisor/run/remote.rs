@@ -1,9 +1,9 @@
 //! Services placed on other nodes: never spawned here, only probed, so `status` on the
 //! head shows them and local services that depend on them wait for them.
 
-use super::probe::{LIVENESS_INTERVAL, remote_probe, startup_delay};
-use super::service::ServiceCtx;
 use crate::control::ServiceState;
+use crate::supervisor::run::probe::{LIVENESS_INTERVAL, remote_probe, startup_delay};
+use crate::supervisor::run::service::ServiceCtx;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use tokio::sync::watch;
@@ -54,7 +54,7 @@ pub async fn run_remote(ctx: Arc<ServiceCtx>, idx: usize, mut shutdown: watch::R
                 };
                 ctx.table.update(idx, |s| {
                     s.state = next;
-                    s.last_exit = Some(why);
+                    s.last_exit = Some(why.to_string());
                 });
             }
         }

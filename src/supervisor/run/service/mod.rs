@@ -8,25 +8,49 @@
 //! for is a failure whatever its status: these are servers, and one that exits 0 (a vLLM
 //! API server whose engine core died does) is as down as one that crashed.
 
-use super::console::Console;
-use super::deps::{DepsOutcome, wait_for_dependencies};
-use super::logfile::{ServiceLog, log_message};
-use super::policy::{RestartTracker, Verdict};
-use super::probe::Prober;
-use super::pump::{PumpTargets, pump};
-use super::run_watch::{RunEnd, wait_ready, watch_liveness};
-use super::spawner::{SpawnSpec, Spawned, Spawner};
-use super::state::RecordWriter;
-use super::stop::{clear_group, describe_exit, parse_signal, stop_run};
-use super::table::Table;
+pub(crate) mod deps;
+pub(crate) mod run_watch;
+
 use crate::control::ServiceState;
 use crate::plan::{Plan, Probe, Service};
+use crate::supervisor::process::spawner::{SpawnSpec, Spawned, Spawner};
+use crate::supervisor::run::console::Console;
+use crate::supervisor::run::policy::{RestartTracker, Verdict};
+use crate::supervisor::run::probe::Prober;
+use crate::supervisor::run::pump::{PumpTargets, pump};
+use crate::supervisor::run::service::deps::{DepsOutcome, wait_for_dependencies};
+use crate::supervisor::run::service::run_watch::{RunEnd, wait_ready, watch_liveness};
+use crate::supervisor::run::stop::{clear_group, describe_exit, parse_signal, stop_run};
+use crate::supervisor::run::table::Table;
+use crate::supervisor::state_dir::logfile::{ServiceLog, log_message};
+use crate::supervisor::state_dir::state::RecordWriter;
 use nix::sys::signal::Signal;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
+
+/// Why a run of a service could not even start; its text is what `status` and the
+/// failure report show.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot create {}: {source}", path.display())]
+    CreateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot write {}: {source}", path.display())]
+    WriteFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("could not start `{program}`: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+}
 
 /// What a service task can be told to do.
 #[derive(Debug)]
@@ -160,7 +184,8 @@ impl Task {
         let name = self.svc().name.clone();
         let lines = self.log().last_lines(FAILURE_LINES);
         self.log().note(&format!("failed: {why}"));
-        let text = super::progress::failure_text(&name, &why, error.as_deref(), &lines);
+        let text =
+            crate::supervisor::run::progress::failure_text(&name, &why, error.as_deref(), &lines);
         self.ctx
             .table
             .run_ended(self.idx, ServiceState::Failed, Some(why), error);
@@ -168,23 +193,27 @@ impl Task {
         Next::Idle
     }
 
-    fn write_files(&self) -> Result<(), String> {
+    fn write_files(&self) -> Result<(), StartError> {
         for f in &self.svc().files {
             if let Some(parent) = f.path.parent() {
-                std::fs::create_dir_all(parent)
-                    .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+                std::fs::create_dir_all(parent).map_err(|source| StartError::CreateDir {
+                    path: parent.to_path_buf(),
+                    source,
+                })?;
             }
-            std::fs::write(&f.path, &f.content)
-                .map_err(|e| format!("cannot write {}: {e}", f.path.display()))?;
+            std::fs::write(&f.path, &f.content).map_err(|source| StartError::WriteFile {
+                path: f.path.clone(),
+                source,
+            })?;
         }
         Ok(())
     }
 
-    async fn spawn(&mut self) -> Result<Spawned, String> {
+    async fn spawn(&mut self) -> Result<Spawned, StartError> {
         self.write_files()?;
         let mut env = self.svc().env.clone();
         env.insert(
-            super::procfs::RUN_MARKER_ENV.to_string(),
+            crate::supervisor::process::procfs::RUN_MARKER_ENV.to_string(),
             self.ctx.record.run_id(),
         );
         let deadline_file = self.stop_deadline_file();
@@ -198,18 +227,20 @@ impl Task {
             env,
             cwd: self.ctx.cwd.clone(),
         };
-        self.ctx.spawner.spawn(spec).await.map_err(|e| {
-            format!(
-                "could not start `{}`: {e}",
-                self.svc().argv.first().map(String::as_str).unwrap_or("")
-            )
-        })
+        self.ctx
+            .spawner
+            .spawn(spec)
+            .await
+            .map_err(|source| StartError::Spawn {
+                program: self.svc().argv.first().cloned().unwrap_or_default(),
+                source,
+            })
     }
 
     async fn start_and_watch(&mut self) -> Next {
         let spawned = match self.spawn().await {
             Ok(s) => s,
-            Err(why) => return self.fail(why, None),
+            Err(why) => return self.fail(why.to_string(), None),
         };
         let Spawned {
             mut child,

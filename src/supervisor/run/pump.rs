@@ -1,8 +1,8 @@
 //! Moving a service's output from its pipe to its log file, its recent-lines memory, the
 //! foreground terminal, and the log-line readiness probe.
 
-use super::console::Console;
-use super::logfile::{LineSplitter, ServiceLog};
+use crate::supervisor::run::console::Console;
+use crate::supervisor::state_dir::logfile::{LineSplitter, ServiceLog};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::io::AsyncReadExt;

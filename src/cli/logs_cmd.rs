@@ -1,7 +1,7 @@
 //! `pdctl logs <role|service> [-f] [-n N]`: reading the log files, including rotated
 //! copies, and following them across rotation and restarts.
 
-use super::logfile::rotated_path;
+use crate::supervisor::{SUPERVISOR_LOG_NAME, colour_wanted, rotated_path};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::MetadataExt;
@@ -43,7 +43,7 @@ pub fn resolve(names: &[String], target: Option<&str>) -> Result<Vec<String>, St
     let Some(t) = target else {
         return Ok(names
             .iter()
-            .filter(|n| *n != super::state::SUPERVISOR_LOG_NAME)
+            .filter(|n| *n != SUPERVISOR_LOG_NAME)
             .cloned()
             .collect());
     };
@@ -113,6 +113,7 @@ pub struct Follower {
 }
 
 impl Follower {
+    #[cfg(test)]
     /// Starts at the current end of `path` (history was printed already).
     pub fn at_end(path: &Path) -> Follower {
         let mut f = Follower {
@@ -217,7 +218,7 @@ impl Printer {
         Printer {
             prefix: !(by_name && names.len() == 1),
             width: names.iter().map(|n| n.len()).max().unwrap_or(0),
-            colour: super::console::colour_wanted(),
+            colour: colour_wanted(),
         }
     }
 

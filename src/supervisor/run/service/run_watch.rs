@@ -1,10 +1,10 @@
 //! Watching one run of a service's process: probing until it is ready, then probing its
 //! liveness, until the process exits, a probe gives up, or a command arrives.
 
-use super::probe::{LIVENESS_INTERVAL, OUTPUT_PROBE_GAP, startup_delay};
-use super::service::{Cmd, ServiceCtx};
-use super::stop::describe_exit;
 use crate::control::ServiceState;
+use crate::supervisor::run::probe::{LIVENESS_INTERVAL, OUTPUT_PROBE_GAP, startup_delay};
+use crate::supervisor::run::service::{Cmd, ServiceCtx};
+use crate::supervisor::run::stop::describe_exit;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
@@ -64,7 +64,7 @@ pub async fn wait_ready(
                 match res {
                     Ok(()) => return None,
                     Err(why) if started.elapsed() >= limit => {
-                        return Some(RunEnd::StartTimeout(why));
+                        return Some(RunEnd::StartTimeout(why.to_string()));
                     }
                     Err(_) => {}
                 }
@@ -119,7 +119,9 @@ pub fn exited(st: std::io::Result<std::process::ExitStatus>, pid: Option<u32>) -
         Ok(s) => {
             use std::os::unix::process::ExitStatusExt;
             let mut why = describe_exit(&s);
-            if s.signal() == Some(9) && pid.is_some_and(super::procfs::oom_killed) {
+            if s.signal() == Some(9)
+                && pid.is_some_and(crate::supervisor::process::procfs::oom_killed)
+            {
                 why.push_str(", killed by the kernel's OOM killer (out of memory)");
             }
             RunEnd::Exited(why)

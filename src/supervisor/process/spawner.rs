@@ -5,7 +5,7 @@
 //! `PR_SET_PDEATHSIG` kills a service when its parent dies. That signal fires when the
 //! *thread* that forked the child exits, not the process, and tokio's blocking-pool
 //! threads exit when idle; so every fork happens on one dedicated thread that lives as
-//! long as the supervisor. Grandchildren are covered by the [`super::watchdog`].
+//! long as the supervisor. Grandchildren are covered by the [`crate::supervisor::process::watchdog`].
 
 use nix::fcntl::OFlag;
 use nix::sys::signal::Signal;
@@ -132,7 +132,7 @@ mod tests {
             })
             .await
             .unwrap();
-        let info = super::super::procfs::process(s.pid);
+        let info = crate::supervisor::process::procfs::process(s.pid);
         let mut text = String::new();
         s.output.read_to_string(&mut text).await.unwrap();
         let status = s.child.wait().await.unwrap();

@@ -1,8 +1,8 @@
 //! Which cluster `down`, `status` and `logs` act on: the only one running under the state
 //! root, or the one named with `--cluster`.
 
-use super::SupervisorError;
-use super::state::{RunRecord, StateDir, read_record};
+use crate::supervisor::SupervisorError;
+use crate::supervisor::state_dir::state::{RunRecord, StateDir, read_record};
 use std::path::Path;
 
 /// A cluster directory found under the state root.

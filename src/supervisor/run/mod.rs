@@ -1,0 +1,23 @@
+//! The running side: the supervisor process itself and what it does while a cluster is up.
+//!
+//! - [`runner`]: the supervisor's main loop (start-up, signals, `down` requests, the stop waves);
+//! - [`service`]: one task per local service, with its dependency waiting and its run
+//!   watching (readiness, liveness, exits) as children;
+//! - [`policy`], [`stop`]: when to restart, and how a service is stopped;
+//! - [`remote`], [`probe`]: services on other nodes followed by probes, and the probes themselves;
+//! - [`control_server`]: the socket `status`, `restart` and `down` talk to;
+//! - [`table`]: the shared per-service state they all write and `status` reads;
+//! - [`pump`], [`console`], [`progress`]: moving each service's output to its log and the
+//!   terminal, and the start-up progress a person sees in the foreground.
+
+pub(crate) mod console;
+pub(crate) mod control_server;
+pub(crate) mod policy;
+pub(crate) mod probe;
+pub(crate) mod progress;
+pub(crate) mod pump;
+pub(crate) mod remote;
+pub(crate) mod runner;
+pub(crate) mod service;
+pub(crate) mod stop;
+pub(crate) mod table;
