@@ -19,6 +19,7 @@ pub mod prometheus;
 pub mod proxy;
 pub mod sim;
 pub mod spelling;
+pub mod sse;
 pub mod supervisor;
 pub mod tools;
 pub mod topology;

@@ -156,7 +156,7 @@ async fn one(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
         return o;
     }
     let mut stream = resp.bytes_stream();
-    let mut buf: Vec<u8> = Vec::new();
+    let mut events = crate::sse::Events::default();
     let mut last: Option<Instant> = None;
     let mut chunks = 0usize;
     'read: while let Some(item) = stream.next().await {
@@ -167,40 +167,35 @@ async fn one(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
                 break;
             }
         };
-        buf.extend_from_slice(&bytes);
-        while let Some(pos) = find_event_end(&buf) {
-            let event: Vec<u8> = buf.drain(..pos).collect();
+        events.push(&bytes);
+        while let Some(event) = events.next_event() {
             let now = Instant::now();
-            for line in String::from_utf8_lossy(&event).lines() {
-                let Some(data) = line.strip_prefix("data:").map(str::trim) else {
-                    continue;
-                };
-                if data == "[DONE]" {
-                    o.ok = o.error.is_none();
-                    break 'read;
+            let data = event.data.trim();
+            if data == crate::sse::DONE {
+                o.ok = o.error.is_none();
+                break 'read;
+            }
+            let Ok(v) = serde_json::from_str::<Value>(data) else {
+                continue;
+            };
+            if let Some(err) = v.get("error") {
+                o.error = Some(format!(
+                    "error event: {}",
+                    err.get("message").and_then(Value::as_str).unwrap_or("?")
+                ));
+                break 'read;
+            }
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                o.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+                o.output_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
+            }
+            if has_content(&v) {
+                chunks += 1;
+                match last {
+                    None => o.ttft_ms = Some(ms(now)),
+                    Some(prev) => o.itl_ms.push(now.duration_since(prev).as_secs_f64() * 1e3),
                 }
-                let Ok(v) = serde_json::from_str::<Value>(data) else {
-                    continue;
-                };
-                if let Some(err) = v.get("error") {
-                    o.error = Some(format!(
-                        "error event: {}",
-                        err.get("message").and_then(Value::as_str).unwrap_or("?")
-                    ));
-                    break 'read;
-                }
-                if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                    o.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as usize;
-                    o.output_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
-                }
-                if has_content(&v) {
-                    chunks += 1;
-                    match last {
-                        None => o.ttft_ms = Some(ms(now)),
-                        Some(prev) => o.itl_ms.push(now.duration_since(prev).as_secs_f64() * 1e3),
-                    }
-                    last = Some(now);
-                }
+                last = Some(now);
             }
         }
     }
@@ -212,10 +207,6 @@ async fn one(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
     }
     o.e2e_ms = ms(Instant::now());
     o
-}
-
-fn find_event_end(buf: &[u8]) -> Option<usize> {
-    buf.windows(2).position(|w| w == b"\n\n").map(|p| p + 2)
 }
 
 fn has_content(v: &Value) -> bool {

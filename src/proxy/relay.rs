@@ -11,6 +11,7 @@ use super::legs::Keep;
 use super::limits::Admission;
 use super::recompute::{UsageSeen, usage_in};
 use super::record::{Outcome, RequestRecord};
+use crate::sse::DoneTail;
 use axum::http::{HeaderValue, header};
 use axum::response::Response;
 use bytes::Bytes;
@@ -19,67 +20,6 @@ use hyper::body::Incoming;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use tokio::time::{Instant, Sleep};
-
-/// The event vLLM ends every complete stream with.
-const DONE_MARKER: &[u8] = b"data: [DONE]";
-
-/// The end of a stream seen so far, trailing whitespace left out: enough to tell whether
-/// its last event is `data: [DONE]`, at a cost per chunk that does not grow with the chunk
-/// (a copy of at most a dozen bytes, no allocation).
-#[derive(Debug, Default)]
-struct StreamEnd {
-    /// The last bytes up to the last one that is not whitespace.
-    last: [u8; DONE_MARKER.len() + 1],
-    len: usize,
-    /// Whether earlier bytes were dropped from `last`.
-    cut: bool,
-    /// The last whitespace byte after `last`, if any came since.
-    gap: Option<u8>,
-}
-
-impl StreamEnd {
-    /// Takes note of the next chunk of the stream.
-    fn push(&mut self, chunk: &[u8]) {
-        let Some(end) = chunk.iter().rposition(|b| !b.is_ascii_whitespace()) else {
-            if let Some(&b) = chunk.last() {
-                self.gap = Some(b);
-            }
-            return;
-        };
-        if let Some(b) = self.gap.take() {
-            self.append(&[b]);
-        }
-        self.append(&chunk[..=end]);
-        self.gap = chunk[end + 1..].last().copied();
-    }
-
-    fn append(&mut self, bytes: &[u8]) {
-        let room = self.last.len();
-        if bytes.len() >= room {
-            self.last.copy_from_slice(&bytes[bytes.len() - room..]);
-            self.cut |= self.len > 0 || bytes.len() > room;
-            self.len = room;
-            return;
-        }
-        let keep = self.len.min(room - bytes.len());
-        self.cut |= keep < self.len;
-        self.last.copy_within(self.len - keep..self.len, 0);
-        self.last[keep..keep + bytes.len()].copy_from_slice(bytes);
-        self.len = keep + bytes.len();
-    }
-
-    /// Whether the last event is `data: [DONE]` (on a line of its own).
-    fn is_done(&self) -> bool {
-        let Some(before) = self.last[..self.len].strip_suffix(DONE_MARKER) else {
-            return false;
-        };
-        match before {
-            [] => !self.cut,
-            [.., b'\n' | b'\r'] => true,
-            _ => false,
-        }
-    }
-}
 
 /// The client-facing stream.
 pub struct Relay {
@@ -90,7 +30,7 @@ pub struct Relay {
     deadline: Pin<Box<Sleep>>,
     total_limit: std::time::Duration,
     /// The end of what was relayed, to tell a complete stream from one cut short.
-    end: StreamEnd,
+    end: DoneTail,
     /// The last usage seen in the stream (looked for only when `keep.judgment` is set).
     usage: Option<UsageSeen>,
     finished: bool,
@@ -125,7 +65,7 @@ pub fn stream_response(
         rec,
         deadline: Box::pin(tokio::time::sleep_until(deadline)),
         total_limit,
-        end: StreamEnd::default(),
+        end: DoneTail::default(),
         usage: None,
         finished: false,
         ties,
@@ -254,47 +194,6 @@ impl Stream for Relay {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn ends_done(chunks: &[&str]) -> bool {
-        let mut end = StreamEnd::default();
-        for c in chunks {
-            end.push(c.as_bytes());
-        }
-        end.is_done()
-    }
-
-    #[test]
-    fn a_stream_is_complete_when_its_last_event_is_done() {
-        let event = "data: {\"choices\":[{\"text\":\" a\"}]}\n\n";
-        assert!(ends_done(&[event, "data: [DONE]\n\n"]));
-        assert!(ends_done(&["data: [DONE]\n\n"]));
-        assert!(ends_done(&["data: [DONE]"]));
-        assert!(ends_done(&[&format!("{event}data: [DONE]\r\n\r\n")]));
-        // Split anywhere, even byte by byte, and followed by empty or blank chunks.
-        let whole = format!("{event}{event}data: [DONE]\n\n");
-        for cut in 0..whole.len() {
-            assert!(
-                ends_done(&[&whole[..cut], &whole[cut..], "", "\n"]),
-                "{cut}"
-            );
-        }
-        let bytes: Vec<String> = whole.chars().map(String::from).collect();
-        let bytes: Vec<&str> = bytes.iter().map(String::as_str).collect();
-        assert!(ends_done(&bytes));
-    }
-
-    #[test]
-    fn a_stream_cut_short_or_done_only_inside_text_is_not_complete() {
-        let event = "data: {\"choices\":[{\"text\":\" a\"}]}\n\n";
-        assert!(!ends_done(&[]));
-        assert!(!ends_done(&[event]));
-        assert!(!ends_done(&[event, "data: [DO"]));
-        // The marker as generated text inside an event, then the stream breaks off.
-        assert!(!ends_done(&["data: {\"text\":\"data: [DONE]\"}\n\n"]));
-        assert!(!ends_done(&[event, "xdata: [DONE]\n\n"]));
-        // More events after [DONE]: the last event is what counts.
-        assert!(!ends_done(&["data: [DONE]\n\n", event]));
-    }
 
     #[test]
     fn the_error_event_is_one_sse_data_line_with_an_error_object() {

@@ -491,10 +491,8 @@ pub fn proxy_args(prefill: &[&FakeEngine], decode: &[&FakeEngine], extra: &[&str
 
 /// Reads an SSE response to its end: the `data:` payloads in order.
 pub async fn sse_events(resp: reqwest::Response) -> Vec<String> {
-    let text = resp.text().await.unwrap_or_default();
-    text.split("\n\n")
-        .filter_map(|e| e.trim().strip_prefix("data: ").map(str::to_string))
-        .collect()
+    let body = resp.bytes().await.unwrap_or_default();
+    pdctl::sse::data_of(&body)
 }
 
 /// A fake supervisor answering `Status` on a Unix socket with the given service states.

@@ -182,9 +182,9 @@ pub fn prompt_tokens_in(text: &str, source: &str) -> Option<f64> {
 
 /// The `data:` payloads of an SSE body, in order (`[DONE]` kept as a string).
 pub fn sse_events(body: &str) -> Vec<Value> {
-    body.split("\n\n")
-        .filter_map(|e| e.strip_prefix("data: "))
-        .map(|d| serde_json::from_str(d).unwrap_or(Value::String(d.to_string())))
+    pdctl::sse::data_of(body.as_bytes())
+        .into_iter()
+        .map(|d| serde_json::from_str(&d).unwrap_or(Value::String(d)))
         .collect()
 }
 
