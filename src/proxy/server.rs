@@ -24,10 +24,18 @@ use tokio::time::Instant;
 
 /// The proxy's routes.
 pub fn router(proxy: Arc<Proxy>) -> Router {
-    Router::new()
+    // The client API key guards the OpenAI routes; health and metrics stay open for
+    // probes and scrapers.
+    let openai = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models::list))
+        .route_layer(axum::middleware::from_fn_with_state(
+            proxy.clone(),
+            require_key,
+        ));
+    Router::new()
+        .merge(openai)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -44,15 +52,32 @@ async fn not_found(method: Method, uri: Uri) -> Response {
     .into_response()
 }
 
+/// The client API key check, once for every OpenAI route. A refused generation request is
+/// recorded like any other failed one (metrics, access log, `x-request-id`).
+async fn require_key(
+    State(p): State<Arc<Proxy>>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if authorized(&p, request.headers()) {
+        return next.run(request).await;
+    }
+    let route = match request.uri().path() {
+        "/v1/completions" => "/v1/completions",
+        "/v1/chat/completions" => "/v1/chat/completions",
+        _ => return ProxyError::Unauthorized.into_response(),
+    };
+    let mut rec = RequestRecord::new(route, new_request_id(), p.metrics.clone());
+    error_response(ProxyError::Unauthorized, &mut rec)
+}
+
 // The handlers take the whole request: extracting `HeaderMap` would clone the headers.
 async fn completions(State(p): State<Arc<Proxy>>, request: Request) -> Response {
-    let (parts, body) = request.into_parts();
-    generate(p, "/v1/completions", parts.headers, body).await
+    generate(p, "/v1/completions", request.into_body()).await
 }
 
 async fn chat_completions(State(p): State<Arc<Proxy>>, request: Request) -> Response {
-    let (parts, body) = request.into_parts();
-    generate(p, "/v1/chat/completions", parts.headers, body).await
+    generate(p, "/v1/chat/completions", request.into_body()).await
 }
 
 /// A fresh request id in UUID v4 form (shared by both legs as X-Request-Id).
@@ -71,7 +96,7 @@ fn new_request_id() -> String {
 }
 
 /// Whether the client sent the proxy's API key (always true when none is configured).
-pub fn authorized(p: &Proxy, headers: &HeaderMap) -> bool {
+fn authorized(p: &Proxy, headers: &HeaderMap) -> bool {
     let Some(key) = &p.settings.api_key else {
         return true;
     };
@@ -89,14 +114,14 @@ pub fn authorized(p: &Proxy, headers: &HeaderMap) -> bool {
             == 0
 }
 
-async fn generate(p: Arc<Proxy>, route: &'static str, headers: HeaderMap, body: Body) -> Response {
+async fn generate(p: Arc<Proxy>, route: &'static str, body: Body) -> Response {
     let mut rec = RequestRecord::new(route, new_request_id(), p.metrics.clone());
     if p.drain.is_draining() {
         return error_response(ProxyError::ShuttingDown, &mut rec);
     }
     let in_flight = p.drain.enter();
     let mut cut = p.drain.cut_signal();
-    let prepared = prepare(&p, route, &headers, body, &mut rec).await;
+    let prepared = prepare(&p, route, body, &mut rec).await;
     let (req, admission) = match prepared {
         Ok(x) => x,
         Err(e) => return error_response(e, &mut rec),
@@ -144,17 +169,14 @@ async fn generate(p: Arc<Proxy>, route: &'static str, headers: HeaderMap, body: 
     }
 }
 
-/// Auth, body, JSON, admission, designation: everything before any leg is sent.
+/// Body, JSON, admission, designation: everything before any leg is sent (the key was
+/// checked by [`require_key`]).
 async fn prepare(
     p: &Arc<Proxy>,
     route: &'static str,
-    headers: &HeaderMap,
     body: Body,
     rec: &mut RequestRecord,
 ) -> Result<(ClientRequest, super::limits::Admission), ProxyError> {
-    if !authorized(p, headers) {
-        return Err(ProxyError::Unauthorized);
-    }
     let limit = p.settings.max_body_bytes;
     let bytes = match Limited::new(body, limit).collect().await {
         Ok(c) => c.to_bytes(),

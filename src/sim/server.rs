@@ -23,10 +23,17 @@ const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
 
 /// All routes of the main port.
 pub fn router(sim: Arc<Sim>) -> Router {
-    Router::new()
+    // Like vLLM's --api-key: only the /v1 routes need the key.
+    let openai = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(
+            sim.clone(),
+            require_key,
+        ));
+    Router::new()
+        .merge(openai)
         .route("/health", get(health))
         .route("/version", get(version))
         .route("/metrics", get(metrics))
@@ -38,7 +45,19 @@ pub fn router(sim: Arc<Sim>) -> Router {
         .with_state(sim)
 }
 
-/// vLLM's `--api-key` check: /v1 routes need `Authorization: Bearer KEY` when a key is set.
+/// vLLM's `--api-key` check, once for every /v1 route.
+async fn require_key(
+    State(sim): State<Arc<Sim>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match authorized(&sim, request.headers()) {
+        Ok(()) => next.run(request).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Whether `Authorization: Bearer KEY` is there when a key is set.
 fn authorized(sim: &Sim, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = sim.args.api_key.as_deref() else {
         return Ok(());
@@ -82,26 +101,21 @@ async fn chat(
     generate(sim, Endpoint::Chat, headers, body).await
 }
 
-/// Both generation routes: the key, then the body, then the completion itself.
+/// Both generation routes: the body, then the completion itself (the key was checked by
+/// [`require_key`]).
 async fn generate(
     sim: Arc<Sim>,
     endpoint: Endpoint,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    if let Err(e) = authorized(&sim, &headers) {
-        return e.into_response();
-    }
     match body_or_error(body) {
         Ok(b) => completion::handle(sim, endpoint, headers, b).await,
         Err(e) => e.into_response(),
     }
 }
 
-async fn models(State(sim): State<Arc<Sim>>, headers: HeaderMap) -> Response {
-    if let Err(e) = authorized(&sim, &headers) {
-        return e.into_response();
-    }
+async fn models(State(sim): State<Arc<Sim>>) -> Response {
     let m = &sim.args.model;
     axum::Json(json!({
         "object": "list",
