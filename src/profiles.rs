@@ -53,7 +53,7 @@ impl Profile {
 /// "unknown profile X; did you mean Y? built-in profiles: ..." for a name that is not one.
 pub fn unknown_message(name: &str) -> String {
     let names: Vec<String> = ALL.iter().map(|p| p.name.to_string()).collect();
-    let mean = crate::topology::suggestion(name, &names)
+    let mean = crate::spelling::suggestion(name, &names)
         .map(|s| format!("did you mean `{s}`? "))
         .unwrap_or_default();
     format!(

@@ -10,7 +10,6 @@ pub mod report;
 pub mod runner;
 pub mod stats;
 
-use crate::cli::ExitError;
 use crate::plan::Role;
 use anyhow::Context;
 use args::{BenchArgs, Strategy};
@@ -18,6 +17,16 @@ use report::{Report, RunInfo};
 use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::Duration;
+
+/// Bad `pdctl bench` input (arguments, a dataset file, no cluster to measure): the
+/// command line maps it to exit code 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+fn usage(message: impl Into<String>) -> anyhow::Error {
+    UsageError(message.into()).into()
+}
 
 /// Where to send requests and which engines to read cache figures from.
 struct Target {
@@ -41,8 +50,8 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         Some(m) => m.clone(),
         None => first_model(&client, &target.url).await?,
     };
-    let reqs = dataset::build(&a, &target.prefill, &target.decode)
-        .map_err(|e| ExitError::usage(e.to_string()))?;
+    let reqs =
+        dataset::build(&a, &target.prefill, &target.decode).map_err(|e| usage(e.to_string()))?;
     let mut engines = target.prefill.clone();
     engines.extend(target.decode.iter().cloned());
     let before = engines::snapshot(&client, &engines).await;
@@ -124,31 +133,27 @@ fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
     if let Some(r) = a.request_rate
         && !(r.is_finite() && r > 0.0)
     {
-        return Err(ExitError::usage(format!(
+        return Err(usage(format!(
             "--request-rate {r}: give a number of requests per second above 0"
         )));
     }
     if a.max_concurrency == Some(0) {
-        return Err(ExitError::usage("--max-concurrency 0: give at least 1"));
+        return Err(usage("--max-concurrency 0: give at least 1"));
     }
     if a.output_len == Some(0) {
-        return Err(ExitError::usage("--output-len 0: give at least 1 token"));
+        return Err(usage("--output-len 0: give at least 1 token"));
     }
     if a.strategy != Strategy::None && a.dataset != args::DatasetKind::Prefix {
-        return Err(ExitError::usage(
-            "--strategy applies to --dataset prefix only",
-        ));
+        return Err(usage("--strategy applies to --dataset prefix only"));
     }
     if let Some(u) = &a.url {
         let parsed = reqwest::Url::parse(u).map_err(|e| {
-            ExitError::usage(format!(
+            usage(format!(
                 "--url {u}: not a URL ({e}); write e.g. http://127.0.0.1:8000"
             ))
         })?;
         if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
-            return Err(ExitError::usage(format!(
-                "--url {u}: needs http://HOST:PORT"
-            )));
+            return Err(usage(format!("--url {u}: needs http://HOST:PORT")));
         }
     }
     Ok(())
@@ -161,7 +166,7 @@ fn engine_urls(flag: &str, given: &[String]) -> anyhow::Result<Vec<String>> {
         .map(|e| {
             crate::proxy::endpoint::parse_endpoint(e)
                 .map(|e| e.url)
-                .map_err(|err| ExitError::usage(format!("{flag} {e}: {err}")))
+                .map_err(|err| usage(format!("{flag} {e}: {err}")))
         })
         .collect()
 }
@@ -175,10 +180,10 @@ async fn target(a: &BenchArgs) -> anyhow::Result<Target> {
             decode: engine_urls("--decode", &a.decode)?,
         });
     }
-    let root = crate::cli::common::state_root(a.state_dir.as_deref());
+    let root = crate::plan::resolve::state_root(a.state_dir.as_deref());
     let found =
         crate::supervisor::select::running(&root, a.cluster.as_deref())?.ok_or_else(|| {
-            ExitError::usage(format!(
+            usage(format!(
                 "no pdctl cluster is running under {} (start one with `pdctl up`, or give --url)",
                 root.display()
             ))
@@ -186,7 +191,7 @@ async fn target(a: &BenchArgs) -> anyhow::Result<Target> {
     let r =
         crate::control::client::status(&found.state.socket_path(), Duration::from_secs(5)).await?;
     let url = r.proxy_url.clone().ok_or_else(|| {
-        ExitError::usage(format!(
+        usage(format!(
             "cluster {} has no proxy: give --url of an engine",
             r.cluster
         ))
@@ -252,9 +257,9 @@ fn compare(
 ) -> anyhow::Result<ExitCode> {
     let load = |p: &std::path::Path| -> anyhow::Result<Report> {
         let text = std::fs::read_to_string(p)
-            .map_err(|e| ExitError::usage(format!("cannot read {}: {e}", p.display())))?;
+            .map_err(|e| usage(format!("cannot read {}: {e}", p.display())))?;
         serde_json::from_str(&text).map_err(|e| {
-            ExitError::usage(format!(
+            usage(format!(
                 "{} is not a pdctl bench --json result: {e}",
                 p.display()
             ))

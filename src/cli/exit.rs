@@ -32,7 +32,7 @@ impl ExitError {
 }
 
 /// The exit code an error stands for: its own when it carries one, 2 for the library errors
-/// that are bad input (a topology or profile, `pdctl proxy` / `pdctl sim` arguments, a pre-flight
+/// that are bad input (a topology or profile, `pdctl proxy` / `pdctl sim` / `pdctl bench` arguments, a pre-flight
 /// problem, a running cluster, an unknown node), else 1.
 pub fn code_of(err: &anyhow::Error) -> u8 {
     err.chain()
@@ -43,6 +43,7 @@ pub fn code_of(err: &anyhow::Error) -> u8 {
                 || e.is::<crate::plan::resolve::ResolveError>()
                 || e.is::<crate::proxy::config::ConfigError>()
                 || e.is::<crate::sim::SimConfigError>()
+                || e.is::<crate::bench::UsageError>()
             {
                 Some(2)
             } else {

@@ -5,9 +5,9 @@
 use super::Proxy;
 use super::errors::{LegFailure, RAISE_FIRST_BYTE, RAISE_PREFILL, RAISE_TOTAL};
 use super::instances::{InFlight, Instance};
-use super::pipeline::ClientRequest;
 use super::protocol::{Body, PrefillAnswer};
 use super::recompute::{self, Expect, Judgment};
+use super::request::ClientRequest;
 use super::upstream::{MAX_ANSWER_BYTES, innermost_cause, read_body, status_failure};
 use axum::http::HeaderValue;
 use bytes::Bytes;

@@ -34,6 +34,7 @@ pub mod protocol;
 pub mod recompute;
 pub mod record;
 pub mod relay;
+mod request;
 pub mod scrape;
 pub mod server;
 pub mod upstream;

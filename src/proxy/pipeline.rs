@@ -4,14 +4,13 @@
 //! decode that fails before its first byte is still a proper JSON error, never a 200).
 
 use super::Proxy;
-use super::designate::Designation;
 use super::errors::{LegError, LegFailure, ProxyError};
 use super::instances::{FailureKind, Instance, Leg};
 use super::legs::{AbortOnDrop, Answer, decode_once, prefill_once};
-use super::policy::RouteFacts;
 use super::protocol::{Body, Flow, Handshake, choices};
 use super::recompute::{self, Expect};
 use super::record::RequestRecord;
+pub use super::request::ClientRequest;
 use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,22 +18,6 @@ use tokio::time::Instant;
 
 /// Metrics reason: n > 1 with a protocol whose handoff serves one decode only.
 pub const MISS_MULTIPLE_CHOICES: &str = "n_gt_1_recomputed";
-
-/// A client request, parsed and checked.
-#[derive(Debug)]
-pub struct ClientRequest {
-    /// Upstream path, the same as the client's (`/v1/completions`, `/v1/chat/completions`).
-    pub path: &'static str,
-    pub body: Body,
-    /// The body exactly as the client sent it (forwarded as is when a leg needs no change).
-    pub raw: Bytes,
-    pub stream: bool,
-    pub id: String,
-    pub designation: Designation,
-    pub facts: RouteFacts,
-    /// When the whole request must be over (--total-timeout-s).
-    pub deadline: Instant,
-}
 
 /// Runs the request through its legs.
 pub async fn run(

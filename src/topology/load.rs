@@ -3,6 +3,7 @@
 
 use super::locate::Locator;
 use super::{Problem, TopologyError};
+use crate::spelling::suggestion;
 use std::path::{Path, PathBuf};
 
 /// Where a topology came from, for messages such as "using profile sim-1p1d".
@@ -172,23 +173,6 @@ fn expected_list(msg: &str) -> Vec<String> {
         .step_by(2)
         .map(str::to_string)
         .collect()
-}
-
-/// The closest known name, when it is close enough to be a typo.
-pub(crate) fn suggestion(given: &str, known: &[String]) -> Option<String> {
-    known
-        .iter()
-        .map(|k| (strsim::damerau_levenshtein(given, k), k))
-        .filter(|(d, k)| *d <= 2.max(k.len() / 3))
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, k)| k.clone())
-        .or_else(|| {
-            let g = given.replace('_', "-").to_lowercase();
-            known
-                .iter()
-                .find(|k| k.replace('_', "-").to_lowercase() == g)
-                .cloned()
-        })
 }
 
 #[cfg(test)]

@@ -8,7 +8,6 @@ mod load;
 mod locate;
 mod validate;
 
-pub(crate) use load::suggestion;
 pub use load::{Source, Topology as LoadedTopology, load_file, load_str};
 pub use locate::Locator;
 

@@ -65,7 +65,7 @@ fn check_names(t: &Topology, head: &str) -> Result<(), Problem> {
 
 fn unknown_node(t: &Topology, key: &str, node: &str) -> Problem {
     let known: Vec<String> = t.nodes.keys().cloned().collect();
-    let hint = match super::load::suggestion(node, &known) {
+    let hint = match crate::spelling::suggestion(node, &known) {
         Some(s) => format!("did you mean `{s}`? nodes are: {}", known.join(", ")),
         None => format!("nodes are: {} (see [nodes])", known.join(", ")),
     };
