@@ -23,25 +23,7 @@ REQS=${PEERS_REQUESTS:-400}
 TPUT_REQS=${PEERS_TPUT_REQUESTS:-3000}
 VENV=${PEERS_VENV:-$HOME/.cache/pdctl/peers-venv}
 OUT=$(mktemp -d -t pdctl-peers.XXXXXX)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT INT TERM
-
-say() { printf '%s\n' "$*" >&2; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_http() { for _ in $(seq 1 200); do curl -fsS "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; say "not answering: $1"; return 1; }
-
-say "building pdctl (release)"
-cargo build --release --quiet
-PDCTL=$PWD/target/release/pdctl
-
-ROUTER=""
-if [ -x "$VENV/bin/vllm-router" ] || { python3 -m venv "$VENV" && "$VENV/bin/pip" install -q vllm-router; } 2>/dev/null; then
-  ROUTER="$VENV/bin/vllm-router"
-  say "vllm-router $("$VENV/bin/pip" show vllm-router 2>/dev/null | awk '/^Version/{print $2}') from $VENV"
-else
-  say "vllm-router could not be installed with pip: measuring without it"
-fi
+. bench/common.sh
 if [ -n "${PEERS_PY_PROXY:-}" ]; then
   python3 -c 'import quart, aiohttp' 2>/dev/null || { say "PEERS_PY_PROXY needs quart and aiohttp (pip install quart aiohttp)"; exit 2; }
 fi

@@ -25,13 +25,8 @@ REQS=${PROXY_CPU_REQUESTS:-20000}
 CONNS=${PROXY_CPU_CONNS:-"32 1"}
 VENV=${PROXY_CPU_VENV:-$HOME/.cache/pdctl/peers-venv}
 OUT=$(mktemp -d -t pdctl-proxy-cpu.XXXXXX)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT INT TERM
-
-say() { printf '%s\n' "$*" >&2; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_http() { for _ in $(seq 1 300); do curl -fsS "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; say "not answering: $1"; return 1; }
+command -v hey >/dev/null || { echo "hey is not installed (apt-get install hey)" >&2; exit 2; }
+. bench/common.sh
 # user+system clock ticks of a process and all its descendants
 tree_ticks() {
   local pids=("$1") all=() p
@@ -46,17 +41,6 @@ tree_ticks() {
   echo "$t"
 }
 
-command -v hey >/dev/null || { say "hey is not installed (apt-get install hey)"; exit 2; }
-say "building pdctl (release)"
-cargo build --release --quiet
-PDCTL=$PWD/target/release/pdctl
-ROUTER=""
-if [ -x "$VENV/bin/vllm-router" ] || { python3 -m venv "$VENV" && "$VENV/bin/pip" install -q vllm-router; } 2>/dev/null; then
-  ROUTER="$VENV/bin/vllm-router"
-  say "vllm-router $("$VENV/bin/pip" show vllm-router 2>/dev/null | awk '/^Version/{print $2}')"
-else
-  say "vllm-router could not be installed with pip: measuring without it"
-fi
 
 pp=$(free_port); dp=$(free_port); px=$(free_port)
 z=(--prefill-ms-per-token 0 --overhead-ms 0 --batch-slowdown 0 --log-stats-interval-ms 0 --itl-ms 0)
