@@ -22,8 +22,17 @@ fn probe_timeout(interval: Duration) -> Duration {
     interval.clamp(Duration::from_millis(500), Duration::from_secs(5))
 }
 
+/// Why a health probe failed.
+#[derive(Debug, thiserror::Error)]
+enum ProbeError {
+    #[error("/health answered {0}")]
+    Status(u16),
+    #[error(transparent)]
+    Unanswered(#[from] super::errors::LegFailure),
+}
+
 /// One `GET /health`; Ok when it answered 200.
-async fn probe(p: &Proxy, inst: &Instance) -> Result<(), String> {
+async fn probe(p: &Proxy, inst: &Instance) -> Result<(), ProbeError> {
     let url = format!("{}/health", inst.url);
     match p
         .upstream
@@ -31,8 +40,8 @@ async fn probe(p: &Proxy, inst: &Instance) -> Result<(), String> {
         .await
     {
         Ok((200, _)) => Ok(()),
-        Ok((status, _)) => Err(format!("/health answered {status}")),
-        Err(e) => Err(e.to_string()),
+        Ok((status, _)) => Err(ProbeError::Status(status)),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -141,10 +150,11 @@ pub fn apply_report(p: &Proxy, report: &StatusReport) {
 }
 
 /// Asks the supervisor once; Err says why it could not be used.
-pub async fn poll_supervisor(p: &Proxy, socket: &std::path::Path) -> Result<(), String> {
-    let report = control::client::status(socket, Duration::from_secs(2))
-        .await
-        .map_err(|e| e.to_string())?;
+pub async fn poll_supervisor(
+    p: &Proxy,
+    socket: &std::path::Path,
+) -> Result<(), control::client::ControlError> {
+    let report = control::client::status(socket, Duration::from_secs(2)).await?;
     apply_report(p, &report);
     Ok(())
 }

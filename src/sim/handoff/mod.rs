@@ -62,18 +62,15 @@ pub async fn receive(
         }
         _ => return Incoming::NotExpected,
     };
-    let result: Result<String, String> = if sim.faults.take_handoff_fault() {
+    let result: Result<String, HandoffError> = if sim.faults.take_handoff_fault() {
         sim.metrics.faults_injected.fetch_add(1, Relaxed);
-        Err("fault injection (fail_handoff_next): this KV is treated as lost".into())
+        Err(HandoffError::Injected)
     } else {
         match how {
             How::Pull(kv) => match sim.args.handoff {
                 SimHandoff::Nixl => nixl::pull(sim, kv, hashes).await,
                 SimHandoff::Mooncake => mooncake::pull(sim, kv, hashes).await,
-                other => Err(format!(
-                    "kv_transfer_params asks for a remote prefill, but this sim runs --handoff {}",
-                    value_name(other)
-                )),
+                other => Err(HandoffError::NotThisHandoff(value_name(other))),
             },
             How::SharedDir => {
                 let dir = sim.args.kv_dir.clone().unwrap_or_default();
@@ -83,7 +80,7 @@ pub async fn receive(
                     shared_dir::load(&dir, &t, &h, local_blocks, bs)
                 })
                 .await
-                .unwrap_or_else(|e| Err(format!("loader task failed: {e}")))
+                .unwrap_or_else(|e| Err(HandoffError::Loader(e.to_string())))
                 .map(|()| shown)
             }
         }
@@ -250,25 +247,79 @@ impl Drop for Producer {
     }
 }
 
+/// Why a KV handoff did not arrive, the reason a decode sim logs before it recomputes.
+#[derive(Debug, thiserror::Error)]
+pub enum HandoffError {
+    #[error("fault injection (fail_handoff_next): this KV is treated as lost")]
+    Injected,
+    #[error("kv_transfer_params asks for a remote prefill, but this sim runs --handoff {0}")]
+    NotThisHandoff(String),
+    #[error("kv_transfer_params has no {0}")]
+    MissingParam(&'static str),
+    #[error("cannot reach {url}: {cause}")]
+    Unreachable { url: String, cause: String },
+    #[error("reading {url}: {cause}")]
+    Read { url: String, cause: String },
+    #[error("{url} answered {status}: {message}")]
+    Status {
+        url: String,
+        status: reqwest::StatusCode,
+        message: String,
+    },
+    #[error("{url} sent an unreadable answer: {cause}")]
+    Unreadable { url: String, cause: String },
+    #[error("cannot query {url}: {cause}")]
+    Query { url: String, cause: String },
+    /// `found` says who answered with which id.
+    #[error("engine id mismatch: expected {expected}, {found}")]
+    EngineMismatch { expected: String, found: String },
+    #[error("the prefill's KV ({have} blocks) is for another prompt than this one ({want} blocks)")]
+    OtherPrompt { have: usize, want: usize },
+    #[error("block {index} of {of} is not in {dir}: {cause}")]
+    MissingBlock {
+        index: usize,
+        of: usize,
+        dir: String,
+        cause: std::io::Error,
+    },
+    #[error("{path} holds other tokens than this prompt's block {index}")]
+    OtherTokens { path: String, index: usize },
+    #[error("loader task failed: {0}")]
+    Loader(String),
+}
+
 /// GETs a held entry from a prefill sim (`/sim/kv/..` or `/sim/transfer/..`).
-pub(crate) async fn fetch(sim: &Sim, url: &str, timeout: Duration) -> Result<KvBlocks, String> {
+pub(crate) async fn fetch(
+    sim: &Sim,
+    url: &str,
+    timeout: Duration,
+) -> Result<KvBlocks, HandoffError> {
     let resp = sim
         .http
         .get(url)
         .timeout(timeout)
         .send()
         .await
-        .map_err(|e| format!("cannot reach {url}: {}", chain(&e)))?;
+        .map_err(|e| HandoffError::Unreachable {
+            url: url.to_string(),
+            cause: chain(&e),
+        })?;
     let status = resp.status();
-    let body = resp
-        .bytes()
-        .await
-        .map_err(|e| format!("reading {url}: {}", chain(&e)))?;
+    let body = resp.bytes().await.map_err(|e| HandoffError::Read {
+        url: url.to_string(),
+        cause: chain(&e),
+    })?;
     if !status.is_success() {
-        let msg = crate::error_text::answer_message(&body);
-        return Err(format!("{url} answered {status}: {msg}"));
+        return Err(HandoffError::Status {
+            url: url.to_string(),
+            status,
+            message: crate::error_text::answer_message(&body),
+        });
     }
-    serde_json::from_slice(&body).map_err(|e| format!("{url} sent an unreadable answer: {e}"))
+    serde_json::from_slice(&body).map_err(|e| HandoffError::Unreadable {
+        url: url.to_string(),
+        cause: e.to_string(),
+    })
 }
 
 /// Checks that KV from a prefill is this prompt's.
@@ -276,21 +327,20 @@ pub(crate) fn check_blocks(
     blocks: &KvBlocks,
     expected_engine: Option<&str>,
     hashes: &[u64],
-) -> Result<(), String> {
+) -> Result<(), HandoffError> {
     if let Some(e) = expected_engine {
         if e != blocks.engine_id {
-            return Err(format!(
-                "engine id mismatch: expected {e}, the prefill is {} (was it restarted?)",
-                blocks.engine_id
-            ));
+            return Err(HandoffError::EngineMismatch {
+                expected: e.to_string(),
+                found: format!("the prefill is {} (was it restarted?)", blocks.engine_id),
+            });
         }
     }
     if blocks.block_hashes != hashes {
-        return Err(format!(
-            "the prefill's KV ({} blocks) is for another prompt than this one ({} blocks)",
-            blocks.block_hashes.len(),
-            hashes.len()
-        ));
+        return Err(HandoffError::OtherPrompt {
+            have: blocks.block_hashes.len(),
+            want: hashes.len(),
+        });
     }
     Ok(())
 }

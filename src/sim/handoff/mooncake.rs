@@ -4,7 +4,7 @@
 //! The proxy sends both legs at once; the decode checks the engine id, then waits for
 //! the prefill to publish the transfer (bounded by `handoff_wait_ms`).
 
-use super::{check_blocks, fetch, held_response};
+use super::{HandoffError, check_blocks, fetch, held_response};
 use crate::error_text::chain;
 use crate::sim::engine::Sim;
 use crate::sim::openai::{ApiError, KvTransferParams};
@@ -67,11 +67,15 @@ async fn transfer(
 }
 
 /// The decode side: checks the prefill's engine id, then waits for the transfer.
-pub async fn pull(sim: &Sim, kv: &KvTransferParams, hashes: &[u64]) -> Result<String, String> {
+pub async fn pull(
+    sim: &Sim,
+    kv: &KvTransferParams,
+    hashes: &[u64],
+) -> Result<String, HandoffError> {
     let given = kv
         .remote_bootstrap_addr
         .as_deref()
-        .ok_or("kv_transfer_params has no remote_bootstrap_addr")?
+        .ok_or(HandoffError::MissingParam("remote_bootstrap_addr"))?
         .trim_end_matches('/');
     // "host:port" is accepted as well as "http://host:port".
     let addr = if given.contains("://") {
@@ -82,7 +86,7 @@ pub async fn pull(sim: &Sim, kv: &KvTransferParams, hashes: &[u64]) -> Result<St
     let tid = kv
         .transfer_id
         .as_deref()
-        .ok_or("kv_transfer_params has no transfer_id")?;
+        .ok_or(HandoffError::MissingParam("transfer_id"))?;
     let query_url = format!("{addr}/query");
     let q: serde_json::Value = sim
         .http
@@ -91,16 +95,23 @@ pub async fn pull(sim: &Sim, kv: &KvTransferParams, hashes: &[u64]) -> Result<St
         .send()
         .await
         .and_then(|r| r.error_for_status())
-        .map_err(|e| format!("cannot query {query_url}: {}", chain(&e)))?
+        .map_err(|e| HandoffError::Query {
+            url: query_url.clone(),
+            cause: chain(&e),
+        })?
         .json()
         .await
-        .map_err(|e| format!("{query_url} sent an unreadable answer: {e}"))?;
+        .map_err(|e| HandoffError::Unreadable {
+            url: query_url.clone(),
+            cause: e.to_string(),
+        })?;
     let engine = q["0"]["engine_id"].as_str().unwrap_or_default();
     if let Some(expected) = kv.remote_engine_id.as_deref() {
         if expected != engine {
-            return Err(format!(
-                "engine id mismatch: expected {expected}, {query_url} says {engine} (was the prefill restarted?)"
-            ));
+            return Err(HandoffError::EngineMismatch {
+                expected: expected.to_string(),
+                found: format!("{query_url} says {engine} (was the prefill restarted?)"),
+            });
         }
     }
     let wait = sim.args.model_params.handoff_wait_ms;

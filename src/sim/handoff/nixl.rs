@@ -3,7 +3,7 @@
 //! the prefill's HTTP port (`GET /sim/kv/{remote_request_id}`), which frees them.
 
 use super::held::KvBlocks;
-use super::{check_blocks, fetch};
+use super::{HandoffError, check_blocks, fetch};
 use crate::sim::engine::Sim;
 use crate::sim::openai::KvTransferParams;
 use serde_json::{Value, json};
@@ -24,18 +24,22 @@ pub fn transfer_params(sim: &Sim, request_id: &str, blocks: &KvBlocks) -> Value 
 }
 
 /// The decode side: pulls the blocks named in `kv`; Ok holds where they came from.
-pub async fn pull(sim: &Sim, kv: &KvTransferParams, hashes: &[u64]) -> Result<String, String> {
+pub async fn pull(
+    sim: &Sim,
+    kv: &KvTransferParams,
+    hashes: &[u64],
+) -> Result<String, HandoffError> {
     let host = kv
         .remote_host
         .as_deref()
-        .ok_or("kv_transfer_params has no remote_host")?;
+        .ok_or(HandoffError::MissingParam("remote_host"))?;
     let port = kv
         .remote_port
-        .ok_or("kv_transfer_params has no remote_port")?;
+        .ok_or(HandoffError::MissingParam("remote_port"))?;
     let id = kv
         .remote_request_id
         .as_deref()
-        .ok_or("kv_transfer_params has no remote_request_id")?;
+        .ok_or(HandoffError::MissingParam("remote_request_id"))?;
     let host_part = if host.contains(':') {
         format!("[{host}]")
     } else {

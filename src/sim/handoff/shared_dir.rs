@@ -4,6 +4,7 @@
 //! Files are written under a temporary name and renamed, so a reader never sees half a
 //! file. The directory is never cleaned by the sim (as with ExampleConnector).
 
+use super::HandoffError;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -53,23 +54,20 @@ pub fn load(
     hashes: &[u64],
     from: usize,
     block_size: usize,
-) -> Result<(), String> {
+) -> Result<(), HandoffError> {
     for (i, h) in hashes.iter().enumerate().skip(from) {
         let path = block_path(dir, *h);
-        let data = std::fs::read(&path).map_err(|e| {
-            format!(
-                "block {} of {} is not in {}: {e}",
-                i + 1,
-                hashes.len(),
-                dir.display()
-            )
+        let data = std::fs::read(&path).map_err(|cause| HandoffError::MissingBlock {
+            index: i + 1,
+            of: hashes.len(),
+            dir: dir.display().to_string(),
+            cause,
         })?;
         if data != block_bytes(&tokens[i * block_size..(i + 1) * block_size]) {
-            return Err(format!(
-                "{} holds other tokens than this prompt's block {}",
-                path.display(),
-                i + 1
-            ));
+            return Err(HandoffError::OtherTokens {
+                path: path.display().to_string(),
+                index: i + 1,
+            });
         }
     }
     Ok(())
@@ -86,7 +84,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let tokens: Vec<u32> = (0..40).collect();
         let hashes = block_hashes(&tokens, 16);
-        let err = load(&dir, &tokens, &hashes, 0, 16).unwrap_err();
+        let err = load(&dir, &tokens, &hashes, 0, 16).unwrap_err().to_string();
         assert!(err.contains("block 1 of 2"), "{err}");
         assert_eq!(save(&dir, &tokens, &hashes, 16).unwrap(), 2);
         assert_eq!(
@@ -100,6 +98,7 @@ mod tests {
         assert!(
             load(&dir, &tokens, &hashes, 0, 16)
                 .unwrap_err()
+                .to_string()
                 .contains("other tokens")
         );
         load(&dir, &tokens, &hashes, 2, 16).unwrap();
