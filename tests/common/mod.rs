@@ -79,26 +79,19 @@ pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
 }
 
 /// A fresh temporary directory removed when dropped.
-pub struct TempDir(pub PathBuf);
+pub struct TempDir(tempfile::TempDir);
 
 impl TempDir {
+    /// A fresh directory named after the test (`pdctl-test-TAG-XXXXXX`), removed on drop.
     pub fn new(tag: &str) -> TempDir {
-        let n: u64 = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64;
-        let p = std::env::temp_dir().join(format!("pdctl-test-{tag}-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("pdctl-test-{tag}-"))
+            .tempdir()
+            .expect("a temporary directory");
+        TempDir(dir)
     }
     pub fn path(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        self.0.path()
     }
 }
 
