@@ -1,0 +1,24 @@
+//! A client request once parsed and checked: what the pipeline routes and the legs send.
+//! It sits below both, which both read it.
+
+use super::designate::Designation;
+use super::policy::RouteFacts;
+use super::protocol::Body;
+use bytes::Bytes;
+use tokio::time::Instant;
+
+/// A client request, parsed and checked.
+#[derive(Debug)]
+pub struct ClientRequest {
+    /// Upstream path, the same as the client's (`/v1/completions`, `/v1/chat/completions`).
+    pub path: &'static str,
+    pub body: Body,
+    /// The body exactly as the client sent it (forwarded as is when a leg needs no change).
+    pub raw: Bytes,
+    pub stream: bool,
+    pub id: String,
+    pub designation: Designation,
+    pub facts: RouteFacts,
+    /// When the whole request must be over (--total-timeout-s).
+    pub deadline: Instant,
+}
