@@ -1520,7 +1520,7 @@ async fn shutdown_refuses_new_requests_and_ends_cut_streams_with_an_error_and_do
     let proxy = ProxyProcess::start_with_env(
         &proxy_args(&[&p], &[&d], &[]),
         &[(
-            pdctl::proxy::drain::STOP_DEADLINE_ENV,
+            pdctl::control::STOP_DEADLINE_ENV,
             deadline_file.to_str().unwrap(),
         )],
     )

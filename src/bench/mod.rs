@@ -164,7 +164,7 @@ fn engine_urls(flag: &str, given: &[String]) -> anyhow::Result<Vec<String>> {
     given
         .iter()
         .map(|e| {
-            crate::proxy::endpoint::parse_endpoint(e)
+            crate::proxy::parse_endpoint(e)
                 .map(|e| e.url)
                 .map_err(|err| usage(format!("{flag} {e}: {err}")))
         })

@@ -41,7 +41,7 @@ pub fn code_of(err: &anyhow::Error) -> u8 {
                 Some(x.code)
             } else if e.is::<crate::topology::TopologyError>()
                 || e.is::<crate::plan::resolve::ResolveError>()
-                || e.is::<crate::proxy::config::ConfigError>()
+                || e.is::<crate::proxy::ConfigError>()
                 || e.is::<crate::sim::SimConfigError>()
                 || e.is::<crate::bench::UsageError>()
             {
@@ -84,7 +84,7 @@ mod tests {
     #[test]
     fn causes_already_in_the_message_are_not_repeated() {
         let busy = std::io::Error::other("address in use");
-        let e = anyhow::Error::from(crate::proxy::config::ConfigError::Listen {
+        let e = anyhow::Error::from(crate::proxy::ConfigError::Listen {
             addr: "127.0.0.1:8000".into(),
             port: 8000,
             source: busy,

@@ -38,7 +38,7 @@ pub struct K8sArgs {
     /// The workload API: one RoleBasedGroup, or a LeaderWorkerSet per engine role.
     #[arg(long, value_enum, default_value = "rbg")]
     pub format: Format,
-    /// Image of the vLLM engines (default vllm/vllm-openai:v<planned vLLM version>).
+    /// Image of the vLLM engines (default vllm/vllm-openai:vVERSION, VERSION being the planned vLLM version).
     #[arg(long)]
     pub image: Option<String>,
     /// Image with `pdctl` on its PATH, for the proxy (and simulated engines).
@@ -50,13 +50,13 @@ pub struct K8sArgs {
     /// Namespace written into every object (default: none, kubectl's current one).
     #[arg(long)]
     pub namespace: Option<String>,
-    /// PersistentVolumeClaim standing for the shared KV directory (default <cluster>-kv).
+    /// PersistentVolumeClaim standing for the shared KV directory (default CLUSTER-kv).
     #[arg(long, value_name = "CLAIM")]
     pub kv_pvc: Option<String>,
     /// PersistentVolumeClaim holding a model given as a local path, mounted at its directory.
     #[arg(long, value_name = "CLAIM")]
     pub model_pvc: Option<String>,
-    /// Node label key: roles pinned to a [nodes] entry get nodeSelector KEY=<node name>.
+    /// Node label key: roles pinned to a `[nodes]` entry get nodeSelector KEY=NODE.
     #[arg(long, value_name = "KEY")]
     pub node_label: Option<String>,
     /// Where to write: `-` for stdout (default), or a directory (one file per object).

@@ -52,7 +52,7 @@ pub enum Command {
     /// Write the plan as manifests for another system (`export k8s`: Kubernetes).
     Export(export::ExportArgs),
     /// Run the PD proxy alone, in front of instances started by other means.
-    Proxy(crate::proxy::args::ProxyArgs),
+    Proxy(crate::proxy::ProxyArgs),
     /// Run a simulated engine (speaks vLLM's HTTP API; says it is a simulator).
     Sim(crate::sim::args::SimArgs),
     /// Benchmark an OpenAI-compatible endpoint (the running cluster's proxy by default).

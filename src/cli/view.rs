@@ -138,12 +138,12 @@ pub async fn scrape_proxy(proxy_url: &str) -> Option<String> {
         .ok()?;
     let url = format!("{}/metrics", proxy_url.trim_end_matches('/'));
     let text = client.get(&url).send().await.ok()?.text().await.ok()?;
-    let f = crate::proxy::figures::read(&text)?;
+    let f = crate::proxy::read_figures(&text)?;
     Some(format_figures(proxy_url, &f))
 }
 
 /// The status line of a proxy's figures.
-fn format_figures(proxy_url: &str, f: &crate::proxy::figures::ProxyFigures) -> String {
+fn format_figures(proxy_url: &str, f: &crate::proxy::ProxyFigures) -> String {
     let recomputed = if f.recomputed_tokens > 0.0 {
         format!(" ({:.0} prompt tokens recomputed)", f.recomputed_tokens)
     } else {
@@ -163,7 +163,7 @@ mod tests {
 
     #[test]
     fn the_proxy_line_shows_misses_and_recomputed_tokens_when_there_are_some() {
-        let mut f = crate::proxy::figures::ProxyFigures {
+        let mut f = crate::proxy::ProxyFigures {
             requests: 1200.0,
             failed: 3.0,
             in_flight: 2.0,

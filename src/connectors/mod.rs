@@ -17,7 +17,7 @@ pub use lmcache::server_command as lmcache_server_command;
 pub use ports::PortBook;
 
 use crate::plan::{GeneratedFile, Role};
-use crate::proxy::args::ProxyProtocol;
+use crate::proxy::ProxyProtocol;
 use crate::sim::args::SimHandoff;
 use crate::topology::{ConnectorKind, ConnectorSection, Problem, Topology};
 use crate::vllm::{Version, VersionRange};

@@ -274,7 +274,7 @@ fn proxy_argv(
     #[derive(clap::Parser)]
     struct ProxyCmd {
         #[command(flatten)]
-        args: crate::proxy::args::ProxyArgs,
+        args: crate::proxy::ProxyArgs,
     }
     use clap::Parser;
     let tail = svc.argv.iter().skip(2);

@@ -171,7 +171,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     })
 }
 
-fn protocol_name(p: crate::proxy::args::ProxyProtocol) -> String {
+fn protocol_name(p: crate::proxy::ProxyProtocol) -> String {
     crate::spelling::value_name(p)
 }
 

@@ -5,7 +5,7 @@ use super::ports::claim;
 use super::{Check, Probe, RestartPolicy, Role, Service, Shutdown};
 use crate::connectors::{ClusterCtx, Connector, InstanceCtx, PortBook};
 use crate::gpu::Gpu;
-use crate::proxy::args::ProxyProtocol;
+use crate::proxy::ProxyProtocol;
 use crate::sim::args::{SimArgs, SimHandoff, SimRole};
 use crate::topology::{Device, EngineKind, Problem, RoleSection, Topology};
 use crate::vllm::{Version, VersionRange};

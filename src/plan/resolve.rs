@@ -89,7 +89,7 @@ pub fn state_root(given: Option<&Path>) -> PathBuf {
 /// A plan ready to run, with a sentence saying where its topology came from.
 #[derive(Debug)]
 pub struct LoadedPlan {
-    /// argv[0] of every service resolved to a full path where the program was found.
+    /// `argv[0]` of every service resolved to a full path where the program was found.
     pub plan: Plan,
     /// e.g. "using profile sim-1p1d: no ./pdctl.toml and no GPU found".
     pub source_note: String,

@@ -3,7 +3,7 @@
 use super::ports::claim;
 use super::{Probe, RestartPolicy, Role, Service, Shutdown};
 use crate::connectors::{Endpoint, Needs, PortBook};
-use crate::proxy::args::{ProxyArgs, ProxyProtocol};
+use crate::proxy::{ProxyArgs, ProxyProtocol};
 use crate::topology::{EngineKind, Problem, Topology};
 use crate::vllm::Version;
 use clap::Parser;

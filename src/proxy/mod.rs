@@ -4,43 +4,50 @@
 //! endpoints and a protocol, nothing of processes: health comes from its own probes or from
 //! the supervisor's control socket.
 //!
-//! Layout: [`server`] (routes) -> [`pipeline`] (flows, retries) -> [`legs`] (one attempt
-//! of one leg), using [`protocol`]
-//! (bodies per connector), [`policy`] (instance choice), [`upstream`] (HTTP client) and
-//! [`relay`] (streams); [`instances`], [`discovery`] (instances found by DNS name),
-//! [`health`], [`scrape`], [`recompute`] (KV handoff misses decode hides), [`limits`],
-//! [`metrics`], [`errors`], [`designate`], [`record`] (per-request log line), [`models`],
-//! [`config`].
+//! Layout: `server` (routes) -> `pipeline` (flows, retries) -> `legs` (one attempt
+//! of one leg), using `protocol`
+//! (bodies per connector), `policy` (instance choice), `upstream` (HTTP client) and
+//! `relay` (streams); `instances`, `discovery` (instances found by DNS name),
+//! `health`, `scrape`, `recompute` (KV handoff misses decode hides), `limits`,
+//! `metrics`, `errors`, `designate`, `record` (per-request log line), `models`,
+//! `config`.
+//!
+//! The modules are private; what the other stages use is re-exported here: the command's
+//! arguments, the endpoint parser, the figures `pdctl status` reads from `/metrics`.
 
-pub mod args;
-pub mod config;
-pub mod designate;
-pub mod discovery;
-pub mod drain;
-pub mod endpoint;
-pub mod errors;
-pub mod figures;
+mod args;
+mod config;
+mod designate;
+mod discovery;
+mod drain;
+mod endpoint;
+mod errors;
+mod figures;
 mod gather;
-pub mod health;
-pub mod histogram;
-pub mod instances;
-pub mod legs;
-pub mod limits;
-pub mod metrics;
-pub mod models;
-pub mod pipeline;
-pub mod policy;
-pub mod protocol;
-pub mod recompute;
-pub mod record;
-pub mod relay;
+mod health;
+mod histogram;
+mod instances;
+mod legs;
+mod limits;
+mod metrics;
+mod models;
+mod pipeline;
+mod policy;
+mod protocol;
+mod recompute;
+mod record;
+mod relay;
 mod request;
-pub mod scrape;
-pub mod server;
-pub mod upstream;
+mod scrape;
+mod server;
+mod upstream;
 
 use anyhow::Context;
+pub use args::{PolicyName, ProxyArgs, ProxyProtocol};
 use axum::serve::ListenerExt;
+pub use config::ConfigError;
+pub use endpoint::parse_endpoint;
+pub use figures::{ProxyFigures, read as read_figures};
 pub use instances::Leg;
 use instances::LivePools;
 use limits::Limits;

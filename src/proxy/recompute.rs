@@ -307,6 +307,7 @@ struct PromptDetails {
 
 impl UsageSeen {
     /// A usage of `prompt` tokens with `cached` of them cached, if given.
+    #[cfg(test)]
     pub fn new(prompt: u64, cached: Option<u64>) -> UsageSeen {
         UsageSeen {
             prompt_tokens: prompt,

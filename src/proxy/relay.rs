@@ -41,7 +41,11 @@ pub struct Relay {
 /// in flight that a shutdown waits for; and the signal that cuts it (with an error event
 /// and `[DONE]`) when the shutdown grace runs out.
 pub struct Ties {
+    /// Held, never read: dropping it frees the slot.
+    #[allow(dead_code)]
     pub admission: Admission,
+    /// Held, never read: dropping it tells a shutdown this request is over.
+    #[allow(dead_code)]
     pub in_flight: super::drain::InFlight,
     pub cut: super::drain::CutSignal,
 }

@@ -1,8 +1,8 @@
 //! The topology file: one TOML document describing a whole PD cluster.
 //!
 //! Types here are plain serde structs with defaults, so the common file is short; every
-//! table rejects unknown keys (with a "did you mean"). [`load`] parses and locates errors
-//! at file:line:col; [`validate`] checks what serde cannot (unknown nodes, port clashes).
+//! table rejects unknown keys (with a "did you mean"). `load` parses and locates errors
+//! at file:line:col; `validate` checks what serde cannot (unknown nodes, port clashes).
 
 mod load;
 mod locate;
@@ -12,7 +12,7 @@ pub use load::{Source, Topology as LoadedTopology, load_file, load_str};
 pub use locate::Locator;
 
 use crate::plan::RestartMode;
-use crate::proxy::args::PolicyName;
+use crate::proxy::PolicyName;
 use crate::sim::args::SimModel;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

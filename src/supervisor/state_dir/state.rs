@@ -156,7 +156,7 @@ pub struct RunRecord {
     pub node: String,
     pub supervisor_pid: i32,
     pub supervisor_start_ticks: u64,
-    /// Value of [`procfs::RUN_MARKER_ENV`] in every service's environment.
+    /// Value of `RUN_MARKER_ENV` in every service's environment.
     pub run_id: String,
     pub started_unix_s: u64,
     /// Service name -> its current process.
