@@ -148,7 +148,7 @@ fn read_plan(path: &Path) -> anyhow::Result<Plan> {
 
 /// `pdctl up`: plan, pre-flight, then supervise in the foreground or detached.
 pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
-    let (mut plan, note, node, missing, machine) = match &a.plan {
+    let (mut plan, note, node, missing, machine, source) = match &a.plan {
         Some(path) => {
             let mut plan = read_plan(path)?;
             let missing = crate::tools::resolve_programs(&mut plan);
@@ -164,6 +164,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
                 node,
                 missing,
                 machine,
+                None,
             )
         }
         None => {
@@ -179,6 +180,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
                 loaded.node,
                 loaded.missing,
                 loaded.machine,
+                loaded.source,
             )
         }
     };
@@ -215,6 +217,25 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         )));
     }
     let state = StateDir::new(&plan.state_dir);
+    if a.plan.is_none()
+        && select::running(
+            state.dir.parent().unwrap_or(&state.dir),
+            Some(&plan.cluster),
+        )?
+        .is_some_and(|f| f.state.dir == state.dir)
+    {
+        println!(
+            "pdctl: cluster {} is running already: applying the topology to it",
+            plan.cluster
+        );
+        let apply = super::live::ApplyArgs {
+            topology: a.topology.clone(),
+            cluster: Some(plan.cluster.clone()),
+            dry_run: false,
+            timeout: super::live::DEFAULT_DRAIN_TIMEOUT_S,
+        };
+        return super::live::apply(&apply, runtime()?);
+    }
     state.create()?;
     let lock = state.lock()?;
     let mut out = std::io::stdout();
@@ -239,6 +260,12 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     let json = serde_json::to_vec_pretty(&plan).expect("plans serialize");
     supervisor::write_atomic(&state.plan_path(), &json)
         .with_context(|| format!("writing {}", state.plan_path().display()))?;
+    // What `scale` plans again from; a cluster started from a plan file has none.
+    let source_path = state.dir.join(crate::plan::source::SOURCE_FILE);
+    let _ = std::fs::remove_file(&source_path);
+    if let Some(source) = source {
+        source.write(&state.dir)?;
+    }
     let logs = LogSettings {
         max_bytes: a.log_max_bytes,
         keep: a.log_keep,

@@ -12,6 +12,7 @@ mod down;
 pub mod exit;
 pub mod export;
 mod info;
+mod live;
 mod log_buffer;
 mod logs_cmd;
 mod restart;
@@ -43,6 +44,11 @@ pub enum Command {
     Status(cluster::StatusArgs),
     /// Restart services (`decode-1`) or roles (`prefill`) of the running cluster.
     Restart(cluster::RestartArgs),
+    /// Set how many instances a role has, while serving: `scale decode=2`.
+    Scale(live::ScaleArgs),
+    /// Change the running cluster to what a topology says, while serving (`--dry-run` shows
+    /// the change only).
+    Apply(live::ApplyArgs),
     /// Show the logs of a role (`prefill`) or one service (`prefill-2`).
     Logs(cluster::LogsArgs),
     /// List the GPUs this machine has (NVML), or say why none can be read.
@@ -119,6 +125,8 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Status(a) => cluster::status(a),
         Command::Logs(a) => cluster::logs(a),
         Command::Restart(a) => cluster::restart(a),
+        Command::Scale(a) => live::scale(&a, runtime()?),
+        Command::Apply(a) => live::apply(&a, runtime()?),
         Command::Supervise(a) => cluster::supervise(a),
         Command::Export(a) => export::export(a),
         Command::Proxy(a) => runtime()?

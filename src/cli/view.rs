@@ -207,6 +207,7 @@ mod tests {
                 port: Some(8201),
                 url: None,
                 restarts: 2,
+                ports: Default::default(),
                 uptime_s: Some(65.0),
                 last_exit: Some("signal 9 (SIGKILL)".into()),
                 last_error: None,
@@ -241,6 +242,7 @@ mod tests {
             port: None,
             url: None,
             restarts: 1,
+            ports: Default::default(),
             uptime_s: None,
             last_exit: Some("exit 0".into()),
             last_error: Some(

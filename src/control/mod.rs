@@ -4,8 +4,9 @@
 
 pub mod client;
 
-use crate::plan::Role;
+use crate::plan::{Role, Service};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// The environment variable the supervisor gives every service: the file in which it
 /// writes, just before asking the service to stop, when it will SIGKILL it (Unix time in
@@ -32,6 +33,15 @@ pub enum Request {
     /// Take one healthy service out of the proxy's routing (reported `draining`) until its
     /// run ends, so requests in flight can finish before it is restarted or stopped.
     Drain { service: String },
+    /// Start a new service on this node (`pdctl scale` / `apply` adding an instance); it
+    /// waits for its dependencies like any other and is reported from then on.
+    Add { service: Box<Service> },
+    /// Stop a service (its shutdown signal, SIGKILL after `timeout_s`) and forget it:
+    /// `status` and the proxy stop listing it. Answered once it is stopped.
+    Remove { service: String, timeout_s: u64 },
+    /// Replace how a service is started (its command, environment, files); it takes effect
+    /// at its next start, which the client asks for (after draining it).
+    Replace { service: Box<Service> },
 }
 
 /// What the supervisor answers.
@@ -82,6 +92,10 @@ pub struct ServiceStatus {
     /// Base URL for HTTP services.
     pub url: Option<String>,
     pub restarts: u32,
+    /// Every port the service listens on, by label (`http`, `bootstrap`, `metrics`, ...):
+    /// the proxy takes a new instance's side ports (Mooncake's bootstrap) from here.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub ports: BTreeMap<String, u16>,
     pub uptime_s: Option<f64>,
     /// How the last run ended, e.g. `exit 0`, `signal 9 (SIGKILL)`, `liveness failed ...`,
     /// `restart requested`.

@@ -212,7 +212,7 @@ fn changes(old: &Service, new: &Service) -> Vec<String> {
     why
 }
 
-/// `-a +b`: the arguments only the old command had, then those only the new one has
+/// "without `--a 1`, with `--a 2`": the arguments only the old command had, then those only the new one has
 /// (a flag and its value counted together).
 fn argv_change(old: &[String], new: &[String]) -> String {
     let pairs = |argv: &[String]| -> Vec<String> {
@@ -237,13 +237,17 @@ fn argv_change(old: &[String], new: &[String]) -> String {
     let mut parts: Vec<String> = o
         .iter()
         .filter(|a| !n.contains(a))
-        .map(|a| format!("-{a}"))
+        .map(|a| format!("without `{a}`"))
         .collect();
-    parts.extend(n.iter().filter(|a| !o.contains(a)).map(|a| format!("+{a}")));
+    parts.extend(
+        n.iter()
+            .filter(|a| !o.contains(a))
+            .map(|a| format!("with `{a}`")),
+    );
     if parts.is_empty() {
         "reordered".into()
     } else {
-        parts.join(" ")
+        parts.join(", ")
     }
 }
 
@@ -348,7 +352,7 @@ mod tests {
         assert_eq!(names, ["decode-0", "decode-1"]);
         assert_eq!(
             d.rolled[0].1,
-            ["arguments ---max-num-seqs 128 +--max-num-seqs 256"]
+            ["arguments without `--max-num-seqs 128`, with `--max-num-seqs 256`"]
         );
     }
 
@@ -372,7 +376,7 @@ mod tests {
             "{said}"
         );
         assert!(
-            said.contains("etcd would change (arguments +--quota)"),
+            said.contains("etcd would change (arguments with `--quota`)"),
             "{said}"
         );
         assert!(
@@ -413,7 +417,11 @@ mod tests {
         assert!(d.refused.is_empty(), "{:?}", d.refused);
         // The proxy's list of decode instances shrinks, in place.
         assert_eq!(d.proxy.len(), 1, "{:?}", d.proxy);
-        assert!(d.proxy[0].starts_with("arguments -"), "{:?}", d.proxy);
+        assert!(
+            d.proxy[0].starts_with("arguments without `--decode "),
+            "{:?}",
+            d.proxy
+        );
         let d = diff(&real_plan(4, 2, ""), &real_plan(4, 4, ""));
         assert_eq!(d.added, ["decode-2", "decode-3"]);
         assert!(
@@ -432,7 +440,7 @@ mod tests {
             .argv
             .extend(["--decode-policy".into(), "least-loaded".into()]);
         let d = diff(&old, &new);
-        assert_eq!(d.proxy, ["arguments +--decode-policy least-loaded"]);
+        assert_eq!(d.proxy, ["arguments with `--decode-policy least-loaded`"]);
         assert!(d.rolled.is_empty() && d.refused.is_empty());
     }
 }

@@ -294,7 +294,7 @@ pub(super) fn plan_engines(
                 svc.checks = engine_checks(t, conn);
                 svc
             }
-            _ => sim_service(cx, p, &inst, protocol),
+            _ => sim_service(cx, p, &inst, protocol)?,
         };
         svc.depends_on = support.to_vec();
         svc.depends_on.extend(share.start_after);
@@ -623,21 +623,25 @@ fn cpu_env(t: &Topology, r: &RoleSection, shares_node: bool) -> BTreeMap<String,
     env
 }
 
-/// Wraps SimArgs so they can be built from their own defaults.
+/// Wraps SimArgs so they can be built from their own defaults; a flag given twice takes
+/// the later value (the topology's `args` after the planned ones).
 #[derive(Parser)]
+#[command(args_override_self = true)]
 struct SimCmd {
     #[command(flatten)]
     args: SimArgs,
 }
 
-/// A simulated instance: `pdctl sim ...` with the handoff matching the proxy protocol and
-/// the context length of `[model] max_model_len` when the topology sets it.
+/// A simulated instance: `pdctl sim ...` with the handoff matching the proxy protocol, the
+/// context length of `[model] max_model_len` when the topology sets it, and the engine's
+/// and the role's `args` read as `pdctl sim` flags (`args = ["--itl-ms", "8"]` makes that
+/// role's simulated model faster), each checked here.
 fn sim_service(
     cx: &ClusterCtx,
     p: &Placement,
     inst: &InstanceCtx,
     protocol: ProxyProtocol,
-) -> Service {
+) -> Result<Service, Problem> {
     let t = cx.topology;
     let r = role_section(t, p.role);
     let port = http_port(t, p);
@@ -666,11 +670,44 @@ fn sim_service(
     if let Some(n) = t.model.max_model_len {
         a.model_params.max_model_len = n;
     }
+    for (key, extra) in [("engine.args", &t.engine.args), (role_key(p.role), &r.args)] {
+        if extra.is_empty() {
+            continue;
+        }
+        let planned = a.to_argv();
+        let argv = std::iter::once("sim")
+            .chain(planned.iter().map(String::as_str))
+            .chain(extra.iter().map(String::as_str));
+        a = SimCmd::try_parse_from(argv)
+            .map_err(|e| {
+                let first = e.to_string();
+                let first = first
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .trim_start_matches("error: ");
+                Problem::new(
+                    key,
+                    format!("simulated engines take `pdctl sim` flags here: {first}"),
+                )
+                .hint("`pdctl sim --help` lists them (e.g. --itl-ms, --max-num-seqs)")
+            })?
+            .args;
+    }
     let mut argv = vec![crate::tools::SELF_PROGRAM.to_string(), "sim".to_string()];
     argv.extend(a.to_argv());
     svc.argv = argv;
     svc.shutdown.timeout_s = 10;
     let startup = t.engine.sim.startup_ms.div_ceil(1000);
     apply_user_settings(&mut svc, t, r, 60 + startup);
-    svc
+    Ok(svc)
+}
+
+/// The topology table of a role, for locating a problem (`prefill.args`).
+fn role_key(role: Role) -> &'static str {
+    if role == Role::Prefill {
+        "prefill.args"
+    } else {
+        "decode.args"
+    }
 }

@@ -16,6 +16,7 @@ pub mod gpu_fit;
 mod ports;
 pub mod render;
 pub mod resolve;
+pub mod source;
 mod support;
 
 use serde::{Deserialize, Serialize};

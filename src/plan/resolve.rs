@@ -101,6 +101,9 @@ pub struct LoadedPlan {
     pub version_note: Option<VersionNote>,
     /// This machine's GPUs as asked once while resolving, for pre-flight to reuse.
     pub machine: Machine,
+    /// The topology it came from, for `up` to keep beside the plan (`scale` plans again
+    /// from it).
+    pub source: Option<super::source::ClusterSource>,
 }
 
 /// What to say when the vLLM version was assumed: a warning for `plan`, an error for `up`.
@@ -120,6 +123,7 @@ pub fn resolve(req: &Request) -> Result<LoadedPlan, ResolveError> {
     let mut loaded = plan_programs_unresolved(&topology, req, machine)?;
     loaded.missing = tools::resolve_programs(&mut loaded.plan);
     loaded.source_note = source_note;
+    loaded.source = super::source::ClusterSource::of(&topology, req.gpus.clone());
     Ok(loaded)
 }
 
@@ -260,5 +264,6 @@ pub fn plan_programs_unresolved(
         node,
         version_note,
         machine,
+        source: None,
     })
 }

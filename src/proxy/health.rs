@@ -2,10 +2,15 @@
 //! (with the engines' API key). Embedded in a cluster, it asks the supervisor instead: an
 //! instance is usable only while the service whose URL matches it is `healthy`; when the
 //! supervisor cannot be reached, or does not know an instance, own probes take over.
+//! The supervisor's report is also the cluster's membership: a prefill or decode service
+//! it lists that routing does not know joins (unusable until the report says `healthy`),
+//! and an instance that followed a service the report no longer lists leaves routing
+//! (`pdctl scale` and `apply` add and remove instances this way, the proxy never restarts).
 
 use super::Proxy;
-use super::instances::{Instance, parse_endpoint};
+use super::instances::{Instance, Leg, parse_endpoint};
 use crate::control::{self, ServiceState, StatusReport};
+use crate::plan::Role;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -94,9 +99,12 @@ pub async fn first_look(p: &Arc<Proxy>, new: &[Arc<Instance>]) {
     }
 }
 
-/// Applies a supervisor report: matched instances follow their service's state, the rest
-/// fall back to own probes.
+/// Applies a supervisor report: services that are new to routing join it, instances
+/// whose service left leave it, matched instances follow their service's state, and the
+/// rest fall back to own probes.
 pub fn apply_report(p: &Proxy, report: &StatusReport) {
+    join_new(p, report);
+    let mut left = Vec::new();
     for inst in p.pools.snapshot().all() {
         let service = report.services.iter().find(|s| {
             s.url
@@ -132,20 +140,71 @@ pub fn apply_report(p: &Proxy, report: &StatusReport) {
                     );
                 }
             }
+            // It followed a service the supervisor no longer runs: removed from the cluster.
+            None if inst.is_supervised() && inst.dns_name.is_none() => left.push(inst.clone()),
             None => {
-                // Said once, when the instance stops following the supervisor (not on
-                // every poll, twice a second, while the report stays empty).
-                if inst.is_supervised() {
-                    tracing::warn!(
-                        "the supervisor reports no service with URL {}; probing that {} instance directly",
-                        inst.url,
-                        inst.leg
-                    );
-                }
-                inst.set_supervised(false);
                 inst.set_coming_back(false);
             }
         }
+    }
+    for inst in left {
+        inst.set_usable(false);
+        inst.set_out_reason("removed from the cluster");
+        tracing::info!(
+            "{} instance {} left routing: the supervisor no longer runs it ({} request(s) in flight finish)",
+            inst.leg,
+            inst.url,
+            inst.in_flight()
+        );
+        p.pools.update(inst.leg, |now| {
+            now.iter()
+                .filter(|i| !Arc::ptr_eq(i, &inst))
+                .cloned()
+                .collect()
+        });
+    }
+}
+
+/// Adds to routing the prefill and decode services of the report that it does not know
+/// (started by `pdctl scale` or `apply` after the proxy); they wait, unusable, for the
+/// report to call them healthy.
+fn join_new(p: &Proxy, report: &StatusReport) {
+    let pools = p.pools.snapshot();
+    for s in &report.services {
+        let leg = match s.role {
+            Role::Prefill => Leg::Prefill,
+            Role::Decode => Leg::Decode,
+            _ => continue,
+        };
+        let Some(endpoint) = s.url.as_deref().and_then(|u| parse_endpoint(u).ok()) else {
+            continue;
+        };
+        if pools.all().any(|i| i.url == endpoint.url) {
+            continue;
+        }
+        let bootstrap = s.ports.get("bootstrap").copied();
+        let inst = Arc::new(Instance::new(
+            leg,
+            p.pools.next_index(leg),
+            endpoint,
+            bootstrap,
+        ));
+        inst.set_usable(false);
+        inst.set_supervised(true);
+        inst.set_out_reason(&format!(
+            "supervisor says service {} is {}",
+            s.name, s.state
+        ));
+        tracing::info!(
+            "{leg} instance {} joins routing once healthy (supervisor service {})",
+            inst.url,
+            s.name
+        );
+        p.pools.update(leg, |now| {
+            let mut next = now.to_vec();
+            next.push(inst.clone());
+            next
+        });
     }
 }
 

@@ -21,7 +21,9 @@ mod process;
 mod run;
 mod state_dir;
 
+pub use preflight::bullet_list;
 pub use preflight::check as preflight_check;
+pub use preflight::check_added as preflight_added;
 pub use process::procfs::{ProcInfo, marked_processes, process};
 pub use process::watchdog::watch as run_watchdog;
 pub use run::console::colour_wanted;

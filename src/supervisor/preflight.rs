@@ -49,6 +49,36 @@ pub fn check(
     problems
 }
 
+/// Checks only the services `added` of `plan` on node `node`, before `pdctl scale` or
+/// `apply` starts them in a running cluster: their programs, ports, GPUs, directories and
+/// Python modules (the shared services and the state dir were checked at `up`).
+pub fn check_added(
+    plan: &Plan,
+    added: &[String],
+    node: &str,
+    missing: &[MissingProgram],
+    machine: &Machine,
+) -> Vec<String> {
+    let mut sub = plan.clone();
+    sub.services.retain(|s| added.contains(&s.name));
+    if sub.services.is_empty() {
+        return Vec::new();
+    }
+    let missing: Vec<MissingProgram> = missing
+        .iter()
+        .filter(|m| added.contains(&m.service))
+        .cloned()
+        .collect();
+    let mut problems = Vec::new();
+    check_programs(&sub, node, &missing, &mut problems);
+    check_signals(&sub, node, &mut problems);
+    check_ports(&sub, node, &mut problems);
+    check_gpus(&sub, node, machine, &mut problems);
+    check_dirs(&sub, node, &mut problems);
+    check_requirements(&sub, node, &mut problems);
+    problems
+}
+
 fn check_programs(plan: &Plan, node: &str, missing: &[MissingProgram], problems: &mut Vec<String>) {
     for svc in plan.local_services(node) {
         if svc.argv.is_empty() {

@@ -81,6 +81,12 @@ pub fn load_str(text: &str, source: Source, file: String) -> Result<Topology, To
     Ok(t)
 }
 
+/// Checks a topology again after a caller changed its spec (`pdctl scale` setting instance
+/// counts), locating problems in the text it was read from.
+pub fn recheck(t: &Topology) -> Result<(), TopologyError> {
+    super::validate::check(&t.spec, &t.head).map_err(|p| t.locate(p))
+}
+
 /// Turns a toml/serde error into a located one, with "did you mean" for unknown keys and
 /// unknown values.
 fn serde_error(locator: &Locator, e: &toml::de::Error) -> TopologyError {

@@ -8,7 +8,7 @@ mod load;
 mod locate;
 mod validate;
 
-pub use load::{Source, Topology as LoadedTopology, load_file, load_str};
+pub use load::{Source, Topology as LoadedTopology, load_file, load_str, recheck};
 pub use locate::Locator;
 
 use crate::plan::RestartMode;

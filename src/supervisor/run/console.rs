@@ -31,7 +31,6 @@ pub struct Console {
 #[derive(Debug)]
 struct Inner {
     mode: ConsoleMode,
-    names: Vec<String>,
     width: usize,
     streaming: AtomicBool,
     dropped: AtomicU64,
@@ -47,7 +46,7 @@ enum Msg {
 }
 
 impl Console {
-    /// Starts the printing thread. `names` are the services, indexed as in the plan.
+    /// Starts the printing thread; `names` (the services) set the width of the name column.
     pub fn start(mode: ConsoleMode, names: Vec<String>) -> Console {
         let (tx, rx) = std::sync::mpsc::sync_channel(QUEUE);
         std::thread::Builder::new()
@@ -58,7 +57,6 @@ impl Console {
         Console {
             inner: Arc::new(Inner {
                 mode,
-                names,
                 width,
                 streaming: AtomicBool::new(false),
                 dropped: AtomicU64::new(0),
@@ -72,12 +70,12 @@ impl Console {
         self.inner.streaming.store(true, Ordering::SeqCst);
     }
 
-    /// One line of output from service `idx`.
-    pub fn service_line(&self, idx: usize, line: &str) {
+    /// One line of output from service `idx`, called `name` (services added while
+    /// running were not among the names the console started with).
+    pub fn service_line(&self, idx: usize, name: &str, line: &str) {
         if matches!(self.inner.mode, ConsoleMode::Foreground { .. })
             && self.inner.streaming.load(Ordering::Relaxed)
         {
-            let name = self.inner.names.get(idx).map(String::as_str).unwrap_or("?");
             self.push(self.prefixed(name, idx, line));
         }
     }

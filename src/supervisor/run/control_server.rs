@@ -3,9 +3,10 @@
 //! `Status` only copies the shared table, so the proxy can poll it twice a second.
 
 use crate::control::{Request, Response};
-use crate::plan::Plan;
-use crate::supervisor::run::service::Cmd;
-use crate::supervisor::run::table::Table;
+use crate::plan::Service;
+use crate::supervisor::run::service::{Cmd, ServiceCtx, run_local};
+use crate::supervisor::state_dir::logfile::ServiceLog;
+use crate::supervisor::state_dir::state::{StateDir, write_atomic};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,10 +26,9 @@ pub struct DownRequest {
 /// What the handlers need from the supervisor.
 #[derive(Debug, Clone)]
 pub struct Handlers {
-    pub plan: Arc<Plan>,
-    pub node: String,
-    pub table: Arc<Table>,
-    pub commands: Vec<mpsc::UnboundedSender<Cmd>>,
+    pub ctx: Arc<ServiceCtx>,
+    /// Where plan.json is kept in step with the services that run now.
+    pub state: StateDir,
     pub downs: mpsc::UnboundedSender<DownRequest>,
 }
 
@@ -66,9 +66,12 @@ async fn connection(stream: UnixStream, h: Handlers) {
         }
         let mut ack = None;
         let response = match serde_json::from_str::<Request>(&line) {
-            Ok(Request::Status) => Response::Status(h.table.report()),
+            Ok(Request::Status) => Response::Status(h.ctx.table.report()),
             Ok(Request::Restart { service }) => restart(&h, &service),
             Ok(Request::Drain { service }) => drain(&h, &service),
+            Ok(Request::Add { service }) => add(&h, *service),
+            Ok(Request::Remove { service, timeout_s }) => remove(&h, &service, timeout_s).await,
+            Ok(Request::Replace { service }) => replace(&h, *service),
             Ok(Request::Down { timeout_s }) => {
                 let (resp, a) = down(&h, timeout_s).await;
                 ack = a;
@@ -93,14 +96,20 @@ async fn connection(stream: UnixStream, h: Handlers) {
 
 /// The index of a service this supervisor runs, or the error to answer.
 fn local_index(h: &Handlers, name: &str) -> Result<usize, Response> {
-    let Some(idx) = h.plan.index_of(name) else {
-        let known: Vec<&str> = h.plan.services.iter().map(|s| s.name.as_str()).collect();
+    let members = h.ctx.members();
+    let Some(idx) = members.index_of(name) else {
+        let names: Vec<String> = members
+            .live_plan()
+            .services
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
         return Err(Response::Error {
-            message: format!("no service `{name}`; services: {}", known.join(", ")),
+            message: format!("no service `{name}`; services: {}", names.join(", ")),
         });
     };
-    let svc = &h.plan.services[idx];
-    if svc.node != h.node {
+    let svc = &members.plan.services[idx];
+    if svc.node != h.ctx.node {
         return Err(Response::Error {
             message: format!("{name} runs on node {}; ask the supervisor there", svc.node),
         });
@@ -113,10 +122,13 @@ fn restart(h: &Handlers, name: &str) -> Response {
         Ok(i) => i,
         Err(e) => return e,
     };
-    let sent = h.commands[idx].send(Cmd::Restart {
-        reason: "restart requested".into(),
-        cascade: true,
-    });
+    let sent = h.ctx.send(
+        idx,
+        Cmd::Restart {
+            reason: "restart requested".into(),
+            cascade: true,
+        },
+    );
     match sent {
         Ok(()) => Response::Done {
             message: format!("restarting {name}"),
@@ -132,7 +144,7 @@ fn drain(h: &Handlers, name: &str) -> Response {
         Ok(i) => i,
         Err(e) => return e,
     };
-    if h.table.drain(idx) {
+    if h.ctx.table.drain(idx) {
         Response::Done {
             message: format!("draining {name}: out of routing until it restarts"),
         }
@@ -140,7 +152,7 @@ fn drain(h: &Handlers, name: &str) -> Response {
         Response::Error {
             message: format!(
                 "{name} is {}, not healthy: there is nothing to drain",
-                h.table.state(idx)
+                h.ctx.table.state(idx)
             ),
         }
     }
@@ -168,5 +180,120 @@ async fn down(h: &Handlers, timeout_s: u64) -> (Response, Option<oneshot::Sender
             },
             None,
         ),
+    }
+}
+
+/// Writes plan.json anew: the services that run now, so a later `apply` compares with them
+/// and a supervisor started again from it runs the same cluster.
+fn save_plan(h: &Handlers) -> Result<(), Response> {
+    let plan = h.ctx.members().live_plan();
+    let json = serde_json::to_vec_pretty(&plan).expect("plans serialize");
+    let path = h.state.plan_path();
+    write_atomic(&path, &json).map_err(|e| Response::Error {
+        message: format!("cannot write {}: {e}", path.display()),
+    })
+}
+
+/// Refuses what the supervisor cannot take on: a service of another node, or one whose
+/// dependencies are not in the cluster.
+fn check_new(h: &Handlers, service: &Service) -> Result<(), Response> {
+    if service.node != h.ctx.node {
+        return Err(Response::Error {
+            message: format!(
+                "{} would run on node {}: only services of this supervisor's node ({}) can be added or changed here",
+                service.name, service.node, h.ctx.node
+            ),
+        });
+    }
+    let members = h.ctx.members();
+    if let Some(dep) = service
+        .depends_on
+        .iter()
+        .chain(&service.restart_with)
+        .find(|d| members.index_of(d).is_none())
+    {
+        return Err(Response::Error {
+            message: format!(
+                "{} depends on `{dep}`, which this cluster does not run",
+                service.name
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn add(h: &Handlers, service: Service) -> Response {
+    if let Err(e) = check_new(h, &service) {
+        return e;
+    }
+    let name = service.name.clone();
+    let ctx = &h.ctx;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let log = Arc::new(ServiceLog::open(
+        &name,
+        &h.state.log_path(&name),
+        ctx.log_max_bytes,
+        ctx.log_keep,
+    ));
+    let idx = ctx.change_members(|m| {
+        if m.index_of(&name).is_some() {
+            return None;
+        }
+        let idx = m.insert(service.clone(), log, tx);
+        ctx.table.put(idx, &service);
+        Some(idx)
+    });
+    let Some(idx) = idx else {
+        return Response::Error {
+            message: format!("{name} already runs"),
+        };
+    };
+    tokio::spawn(run_local(ctx.clone(), idx, rx));
+    ctx.console.event(&format!("{name} added"));
+    if let Err(e) = save_plan(h) {
+        return e;
+    }
+    Response::Done {
+        message: format!("starting {name}"),
+    }
+}
+
+async fn remove(h: &Handlers, name: &str, timeout_s: u64) -> Response {
+    let idx = match local_index(h, name) {
+        Ok(i) => i,
+        Err(e) => return e,
+    };
+    let (done, stopped) = oneshot::channel();
+    let timeout = Some(Duration::from_secs(timeout_s));
+    if h.ctx.send(idx, Cmd::Stop { timeout, done }).is_ok() {
+        let _ = stopped.await;
+    }
+    h.ctx.change_members(|m| m.retire(idx));
+    h.ctx.table.retire(idx);
+    h.ctx.console.event(&format!("{name} removed"));
+    if let Err(e) = save_plan(h) {
+        return e;
+    }
+    Response::Done {
+        message: format!("{name} stopped and removed"),
+    }
+}
+
+fn replace(h: &Handlers, service: Service) -> Response {
+    let idx = match local_index(h, &service.name) {
+        Ok(i) => i,
+        Err(e) => return e,
+    };
+    if let Err(e) = check_new(h, &service) {
+        return e;
+    }
+    let name = service.name.clone();
+    h.ctx.table.describe(idx, &service);
+    h.ctx.change_members(|m| m.plan.services[idx] = service);
+    if let Err(e) = save_plan(h) {
+        return e;
+    }
+    Response::Done {
+        message: format!("{name} will start with its new settings at its next start"),
     }
 }

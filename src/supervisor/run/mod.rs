@@ -7,11 +7,13 @@
 //! - [`remote`], [`probe`]: services on other nodes followed by probes, and the probes themselves;
 //! - [`control_server`]: the socket `status`, `restart` and `down` talk to;
 //! - [`table`]: the shared per-service state they all write and `status` reads;
+//! - [`members`]: which services run now (the plan, plus what `scale` and `apply` changed);
 //! - [`pump`], [`console`], [`progress`]: moving each service's output to its log and the
 //!   terminal, and the start-up progress a person sees in the foreground.
 
 pub(crate) mod console;
 pub(crate) mod control_server;
+pub(crate) mod members;
 pub(crate) mod policy;
 pub(crate) mod probe;
 pub(crate) mod progress;

@@ -14,6 +14,8 @@ pub struct PumpTargets {
     pub console: Console,
     /// Index of the service (colour and name on the console).
     pub idx: usize,
+    /// Its name, printed before each line on the console.
+    pub name: String,
     /// Text of a `LogLine` probe, and the flag set when a line contains it.
     pub watch_for: Option<(String, Arc<AtomicBool>)>,
     /// Woken on every chunk of output (a readiness probe may be due).
@@ -49,5 +51,5 @@ fn handle_line(to: &PumpTargets, line: &str) {
         }
     }
     to.log.remember(line);
-    to.console.service_line(to.idx, line);
+    to.console.service_line(to.idx, &to.name, line);
 }

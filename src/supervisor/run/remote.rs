@@ -11,8 +11,8 @@ use tokio::sync::watch;
 /// Probes remote service `idx` until `shutdown` turns true: fast while it has not
 /// answered yet, every second after; `healthy` on success, `unhealthy` on failure.
 pub async fn run_remote(ctx: Arc<ServiceCtx>, idx: usize, mut shutdown: watch::Receiver<bool>) {
-    let svc = &ctx.plan.services[idx];
-    let Some(probe) = remote_probe(svc) else {
+    let svc = ctx.service(idx);
+    let Some(probe) = remote_probe(&svc) else {
         ctx.table.update(idx, |s| {
             s.last_exit = Some("cannot be probed from this node (no port or URL)".into());
         });

@@ -9,6 +9,7 @@ use crate::supervisor::process::spawner::Spawner;
 use crate::supervisor::process::watchdog::{self, Watchdog};
 use crate::supervisor::run::console::{Console, ConsoleMode, colour_wanted};
 use crate::supervisor::run::control_server::{self, DownRequest, Handlers};
+use crate::supervisor::run::members::Members;
 use crate::supervisor::run::probe::Prober;
 use crate::supervisor::run::progress::{self, Renderer, StartFailure, StartupEnd};
 use crate::supervisor::run::remote::run_remote;
@@ -129,26 +130,25 @@ pub async fn run(
         .iter()
         .map(|_| mpsc::unbounded_channel::<Cmd>())
         .unzip();
+    let members = Members::new(Plan::clone(&plan), logs, txs);
     let ctx = Arc::new(ServiceCtx {
-        plan: plan.clone(),
+        members: std::sync::RwLock::new(Arc::new(members)),
         node: node.clone(),
         table: Arc::new(Table::new(&plan, &node)),
         spawner,
         prober: Prober::new(),
-        logs,
         record: record.clone(),
         console: console.clone(),
         cwd: state.dir.clone(),
-        commands: txs.clone(),
+        log_max_bytes: opts.log_max_bytes,
+        log_keep: opts.log_keep,
     });
     let (down_tx, mut downs) = mpsc::unbounded_channel();
     let server = tokio::spawn(control_server::serve(
         listener,
         Handlers {
-            plan: plan.clone(),
-            node: node.clone(),
-            table: ctx.table.clone(),
-            commands: txs,
+            ctx: ctx.clone(),
+            state: StateDir::new(&state.dir),
             downs: down_tx,
         },
     ));
@@ -210,6 +210,7 @@ pub async fn run(
     server.abort();
     state.remove_runtime();
     drop(watchdog);
+    let local = ctx.members().live_plan().local_services(&node).count();
     let message = format!(
         "stopped {local} service(s) of cluster {} in {:.1} s; logs kept in {}",
         plan.cluster,
@@ -235,14 +236,15 @@ async fn watch_startup(ctx: &ServiceCtx, foreground: bool) -> StartupEnd {
     use std::io::IsTerminal;
     let mut changes = ctx.table.subscribe();
     let mut renderer = Renderer::new(std::io::stdout().is_terminal());
-    let last_line = |name: &str| {
-        let i = ctx.plan.index_of(name)?;
-        ctx.logs[i].last_line()
-    };
     loop {
+        let members = ctx.members();
+        let last_line = |name: &str| {
+            let i = members.index_of(name)?;
+            members.logs[i].last_line()
+        };
         let report = ctx.table.report();
         if foreground {
-            let rows = progress::rows(&report, &ctx.plan, &last_line);
+            let rows = progress::rows(&report, &members.plan, &last_line);
             renderer.draw(&mut std::io::stdout().lock(), &rows);
         }
         if let Some(end) = progress::startup_verdict(&report) {
@@ -280,10 +282,10 @@ async fn announce_healthy(
 
 fn report_start_failure(ctx: &ServiceCtx, failed: &[StartFailure], foreground: bool) {
     for f in failed {
-        let lines = ctx
-            .plan
+        let members = ctx.members();
+        let lines = members
             .index_of(&f.name)
-            .map(|i| ctx.logs[i].last_lines(FAILURE_LINES))
+            .map(|i| members.logs[i].last_lines(FAILURE_LINES))
             .unwrap_or_default();
         let text = progress::failure_text(&f.name, &f.why, f.error.as_deref(), &lines);
         if foreground {
@@ -316,12 +318,12 @@ async fn stop_everything(
     signals: &mut Signals,
     record: &RecordWriter,
 ) {
-    let waves = stop_waves(&ctx.plan, &ctx.node);
+    let waves = stop_waves(&ctx.members().plan, &ctx.node);
     let work = async {
         for wave in waves {
             join_all(wave.into_iter().map(|i| async move {
                 let (done, stopped) = oneshot::channel();
-                if ctx.commands[i].send(Cmd::Stop { timeout, done }).is_ok() {
+                if ctx.send(i, Cmd::Stop { timeout, done }).is_ok() {
                     let _ = stopped.await;
                 }
             }))

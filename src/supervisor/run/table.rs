@@ -24,6 +24,41 @@ struct Row {
     run_started: Option<Instant>,
     /// Taken out of routing while requests in flight finish (until its run ends).
     draining: bool,
+    /// Removed (`scale`, `apply`): no longer reported.
+    retired: bool,
+}
+
+impl Row {
+    /// A service not started yet: `pending` here, `starting` on another node until its
+    /// probe answers.
+    fn new(s: &Service, node: &str) -> Row {
+        let remote = s.node != node;
+        Row {
+            status: ServiceStatus {
+                name: s.name.clone(),
+                role: s.role,
+                node: s.node.clone(),
+                pid: None,
+                state: if remote {
+                    ServiceState::Starting
+                } else {
+                    ServiceState::Pending
+                },
+                gpus: s.gpus.clone(),
+                port: main_port(s),
+                url: s.url.clone(),
+                restarts: 0,
+                ports: s.ports.clone(),
+                uptime_s: None,
+                last_exit: None,
+                last_error: None,
+                remote,
+            },
+            run_started: None,
+            draining: false,
+            retired: false,
+        }
+    }
 }
 
 /// Every service's state, in plan order.
@@ -39,36 +74,7 @@ pub struct Table {
 impl Table {
     /// All local services `pending`, remote ones `starting` until their probe answers.
     pub fn new(plan: &Plan, node: &str) -> Table {
-        let rows = plan
-            .services
-            .iter()
-            .map(|s| {
-                let remote = s.node != node;
-                Row {
-                    status: ServiceStatus {
-                        name: s.name.clone(),
-                        role: s.role,
-                        node: s.node.clone(),
-                        pid: None,
-                        state: if remote {
-                            ServiceState::Starting
-                        } else {
-                            ServiceState::Pending
-                        },
-                        gpus: s.gpus.clone(),
-                        port: main_port(s),
-                        url: s.url.clone(),
-                        restarts: 0,
-                        uptime_s: None,
-                        last_exit: None,
-                        last_error: None,
-                        remote,
-                    },
-                    run_started: None,
-                    draining: false,
-                }
-            })
-            .collect();
+        let rows = plan.services.iter().map(|s| Row::new(s, node)).collect();
         Table {
             cluster: plan.cluster.clone(),
             node: node.to_string(),
@@ -88,6 +94,7 @@ impl Table {
         let services = self
             .rows()
             .iter()
+            .filter(|r| !r.retired)
             .map(|r| {
                 let mut s = r.status.clone();
                 if r.draining && s.state == ServiceState::Healthy {
@@ -106,6 +113,37 @@ impl Table {
             proxy_url: self.proxy_url.clone(),
             services,
         }
+    }
+
+    /// A row for slot `idx` (a new one, or a retired one taken over): `service` as not
+    /// started yet.
+    pub fn put(&self, idx: usize, service: &Service) {
+        {
+            let mut rows = self.rows();
+            let row = Row::new(service, &self.node);
+            if idx < rows.len() {
+                rows[idx] = row;
+            } else {
+                rows.push(row);
+            }
+        }
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// How slot `idx` is described changed (`Replace`): its GPUs, ports and URL.
+    pub fn describe(&self, idx: usize, service: &Service) {
+        self.update(idx, |s| {
+            s.gpus = service.gpus.clone();
+            s.port = main_port(service);
+            s.ports = service.ports.clone();
+            s.url = service.url.clone();
+        });
+    }
+
+    /// Slot `idx` was removed: no longer reported.
+    pub fn retire(&self, idx: usize) {
+        self.rows()[idx].retired = true;
+        self.version.send_modify(|v| *v += 1);
     }
 
     /// Current state of service `idx`.

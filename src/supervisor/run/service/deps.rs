@@ -24,10 +24,11 @@ pub async fn wait_for_dependencies(
     idx: usize,
     rx: &mut mpsc::UnboundedReceiver<Cmd>,
 ) -> DepsOutcome {
-    let svc = &ctx.plan.services[idx];
+    let members = ctx.members();
+    let svc = &members.plan.services[idx];
     let mut deps = Vec::with_capacity(svc.depends_on.len());
     for name in &svc.depends_on {
-        match ctx.plan.index_of(name) {
+        match members.index_of(name) {
             Some(i) => deps.push(i),
             None => {
                 return DepsOutcome::Failed(format!(
@@ -42,7 +43,7 @@ pub async fn wait_for_dependencies(
     loop {
         let mut all_ready = true;
         for &d in &deps {
-            let dep = &ctx.plan.services[d];
+            let dep = &members.plan.services[d];
             let remote = dep.node != ctx.node;
             match ctx.table.state(d) {
                 ServiceState::Healthy => {}

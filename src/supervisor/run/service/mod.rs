@@ -12,9 +12,10 @@ pub(crate) mod deps;
 pub(crate) mod run_watch;
 
 use crate::control::ServiceState;
-use crate::plan::{Plan, Probe, Service};
+use crate::plan::{Probe, Service};
 use crate::supervisor::process::spawner::{SpawnSpec, Spawned, Spawner};
 use crate::supervisor::run::console::Console;
+use crate::supervisor::run::members::Members;
 use crate::supervisor::run::policy::{RestartTracker, Verdict};
 use crate::supervisor::run::probe::Prober;
 use crate::supervisor::run::pump::{PumpTargets, pump};
@@ -67,19 +68,53 @@ pub enum Cmd {
 /// Everything the service tasks share.
 #[derive(Debug)]
 pub struct ServiceCtx {
-    pub plan: Arc<Plan>,
+    /// The services now (changed by `scale` and `apply`); read through [`ServiceCtx::members`].
+    pub members: std::sync::RwLock<Arc<Members>>,
     pub node: String,
     pub table: Arc<Table>,
     pub spawner: Spawner,
     pub prober: Prober,
-    /// Per service, in plan order (remote services have one too, unused).
-    pub logs: Vec<Arc<ServiceLog>>,
     pub record: Arc<RecordWriter>,
     pub console: Console,
     /// Working directory of every service: the cluster's state dir.
     pub cwd: PathBuf,
-    /// Command channels, in plan order (closed for remote services).
-    pub commands: Vec<mpsc::UnboundedSender<Cmd>>,
+    /// Log rotation of services added while running: size and files kept.
+    pub log_max_bytes: u64,
+    pub log_keep: u32,
+}
+
+impl ServiceCtx {
+    /// The services as they are now.
+    pub fn members(&self) -> Arc<Members> {
+        self.members
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Changes the services (a copy is changed, then swapped in); returns `f`'s answer.
+    pub fn change_members<T>(&self, f: impl FnOnce(&mut Members) -> T) -> T {
+        let mut guard = self.members.write().unwrap_or_else(|p| p.into_inner());
+        let mut next = Members::clone(&guard);
+        let out = f(&mut next);
+        *guard = Arc::new(next);
+        out
+    }
+
+    /// How service `idx` is started now.
+    pub fn service(&self, idx: usize) -> Service {
+        self.members().plan.services[idx].clone()
+    }
+
+    /// Where service `idx`'s output goes.
+    pub fn log(&self, idx: usize) -> Arc<ServiceLog> {
+        self.members().logs[idx].clone()
+    }
+
+    /// Tells service `idx`'s task to do `cmd`; false when the task is gone.
+    pub fn send(&self, idx: usize, cmd: Cmd) -> Result<(), Cmd> {
+        self.members().commands[idx].send(cmd).map_err(|e| e.0)
+    }
 }
 
 /// Lines of output quoted when a service fails.
@@ -97,6 +132,9 @@ enum Next {
 struct Task {
     ctx: Arc<ServiceCtx>,
     idx: usize,
+    /// How it is started: read again before each start, so a `Replace` takes effect.
+    svc: Service,
+    log: Arc<ServiceLog>,
     rx: mpsc::UnboundedReceiver<Cmd>,
     tracker: RestartTracker,
     ever_healthy: bool,
@@ -105,10 +143,14 @@ struct Task {
 
 /// Runs service `idx` until it is told to stop.
 pub async fn run_local(ctx: Arc<ServiceCtx>, idx: usize, rx: mpsc::UnboundedReceiver<Cmd>) {
-    let policy = ctx.plan.services[idx].restart.clone();
+    let svc = ctx.service(idx);
+    let log = ctx.log(idx);
+    let policy = svc.restart.clone();
     let mut task = Task {
         ctx,
         idx,
+        svc,
+        log,
         rx,
         tracker: RestartTracker::new(policy),
         ever_healthy: false,
@@ -128,10 +170,10 @@ pub async fn run_local(ctx: Arc<ServiceCtx>, idx: usize, rx: mpsc::UnboundedRece
 
 impl Task {
     fn svc(&self) -> &Service {
-        &self.ctx.plan.services[self.idx]
+        &self.svc
     }
     fn log(&self) -> &Arc<ServiceLog> {
-        &self.ctx.logs[self.idx]
+        &self.log
     }
     fn signal(&self) -> Signal {
         parse_signal(&self.svc().shutdown.signal).unwrap_or(Signal::SIGTERM)
@@ -210,6 +252,7 @@ impl Task {
     }
 
     async fn spawn(&mut self) -> Result<Spawned, StartError> {
+        self.svc = self.ctx.service(self.idx);
         self.write_files()?;
         let mut env = self.svc().env.clone();
         env.insert(
@@ -269,6 +312,7 @@ impl Task {
                 log: self.log().clone(),
                 console: self.ctx.console.clone(),
                 idx: self.idx,
+                name: self.svc().name.clone(),
                 watch_for,
                 activity: activity.clone(),
             },
@@ -416,11 +460,14 @@ impl Task {
     fn restart_companions(&self) {
         let me = self.svc().name.clone();
         for other in &self.svc().restart_with {
-            if let Some(i) = self.ctx.plan.index_of(other) {
-                let _ = self.ctx.commands[i].send(Cmd::Restart {
-                    reason: format!("restarted together with {me}"),
-                    cascade: false,
-                });
+            if let Some(i) = self.ctx.members().index_of(other) {
+                let _ = self.ctx.send(
+                    i,
+                    Cmd::Restart {
+                        reason: format!("restarted together with {me}"),
+                        cascade: false,
+                    },
+                );
             }
         }
     }

@@ -38,8 +38,9 @@ pub async fn wait_ready(
     started: Instant,
 ) -> Option<RunEnd> {
     let pid = child.id();
-    let probe = ctx.plan.services[idx].probe.clone();
-    let limit = Duration::from_secs(ctx.plan.services[idx].startup_timeout_s);
+    let svc = ctx.service(idx);
+    let probe = svc.probe.clone();
+    let limit = Duration::from_secs(svc.startup_timeout_s);
     let prober = ctx.prober.clone();
     // The first output may trigger a probe at once.
     let mut last_probe = started.checked_sub(OUTPUT_PROBE_GAP).unwrap_or(started);
@@ -82,8 +83,9 @@ pub async fn watch_liveness(
     seen: &AtomicBool,
 ) -> RunEnd {
     let pid = child.id();
-    let probe = ctx.plan.services[idx].probe.clone();
-    let allowed = ctx.plan.services[idx].restart.liveness_failures.max(1);
+    let svc = ctx.service(idx);
+    let probe = svc.probe.clone();
+    let allowed = svc.restart.liveness_failures.max(1);
     let prober = ctx.prober.clone();
     let mut failures = 0u32;
     loop {

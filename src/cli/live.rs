@@ -1,0 +1,545 @@
+//! Changing a running cluster while it serves: `pdctl scale ROLE=N`, `pdctl apply` (and
+//! `pdctl up` on a cluster that already runs), and the drained restarts `pdctl restart
+//! --drain / --rolling` are made of. The client plans the change (`plan::diff` between the
+//! plan the supervisor runs and the wanted one) and carries it out step by step over the
+//! control socket: new instances start and join the proxy's routing once healthy; removed
+//! ones leave routing, finish their requests in flight (up to `--timeout`) and stop,
+//! highest-numbered first; changed ones are restarted that way one at a time.
+
+use super::ExitError;
+use super::cluster::ClusterArgs;
+use super::common::{TopologyArgs, state_root};
+use crate::control::{Request, Response, ServiceState, StatusReport, client};
+use crate::plan::diff::{PlanDiff, diff};
+use crate::plan::source::{ClusterSource, scalable_role};
+use crate::plan::{Plan, Service};
+use crate::supervisor::{StateDir, select};
+use clap::Args;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+/// Seconds a drained instance's requests in flight get by default.
+pub const DEFAULT_DRAIN_TIMEOUT_S: u64 = 60;
+
+/// Arguments of `pdctl scale`.
+#[derive(Debug, Args)]
+pub struct ScaleArgs {
+    /// How many instances each role should have: `decode=2`, `prefill=3 decode=3`.
+    #[arg(required = true, value_name = "ROLE=N")]
+    pub targets: Vec<String>,
+    /// Print what would change, change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Seconds a removed instance's requests in flight get before it is stopped anyway.
+    #[arg(long, default_value_t = DEFAULT_DRAIN_TIMEOUT_S)]
+    pub timeout: u64,
+    #[command(flatten)]
+    pub which: ClusterArgs,
+}
+
+/// Arguments of `pdctl apply`.
+#[derive(Debug, Args)]
+pub struct ApplyArgs {
+    #[command(flatten)]
+    pub topology: TopologyArgs,
+    /// The cluster to change (needed when several run under the state root).
+    #[arg(long)]
+    pub cluster: Option<String>,
+    /// Print what would change, change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Seconds a drained instance's requests in flight get before it is stopped anyway.
+    #[arg(long, default_value_t = DEFAULT_DRAIN_TIMEOUT_S)]
+    pub timeout: u64,
+}
+
+/// `pdctl scale ROLE=N...`.
+pub fn scale(a: &ScaleArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitCode> {
+    let mut counts = Vec::new();
+    for t in &a.targets {
+        let parsed = t
+            .split_once('=')
+            .and_then(|(r, n)| Some((scalable_role(r.trim())?, n.trim().parse::<u32>().ok()?)));
+        match parsed {
+            Some(c) => counts.push(c),
+            None => {
+                return Err(ExitError::usage(format!(
+                    "`{t}` is not ROLE=N: write for example decode=2 (roles: prefill, decode)"
+                )));
+            }
+        }
+    }
+    let found = running(&a.which.state_dir, a.which.cluster.as_deref(), "scale")?;
+    let Some(mut source) = ClusterSource::read(&found.dir)? else {
+        return Err(ExitError::usage(format!(
+            "cluster {} was started from a plan file, not a topology: scale needs its topology (use `pdctl apply -f FILE`)",
+            found.cluster
+        )));
+    };
+    for (role, n) in &counts {
+        source.scaled.insert(role.as_str().to_string(), *n);
+    }
+    let root = state_root(a.which.state_dir.as_deref());
+    let wanted = source.plan(&found.node, &root)?;
+    let change = Change::new(&found, &wanted.plan)?;
+    let code = change.carry_out(&rt, a.dry_run, Duration::from_secs(a.timeout), &wanted)?;
+    if code == ExitCode::SUCCESS && !a.dry_run {
+        source.write(&found.dir)?;
+    }
+    Ok(code)
+}
+
+/// `pdctl apply [-f FILE | -p PROFILE]`, and `pdctl up` on a cluster that runs already.
+pub fn apply(a: &ApplyArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitCode> {
+    let wanted = crate::plan::resolve::resolve(&a.topology.request())?;
+    if let Some(v) = &wanted.version_note {
+        return Err(anyhow::Error::new(v.refusal.clone()));
+    }
+    let cluster = a.cluster.clone().or(Some(wanted.plan.cluster.clone()));
+    let found = running(&a.topology.state_dir, cluster.as_deref(), "apply")?;
+    let change = Change::new(&found, &wanted.plan)?;
+    let code = change.carry_out(&rt, a.dry_run, Duration::from_secs(a.timeout), &wanted)?;
+    if code == ExitCode::SUCCESS && !a.dry_run {
+        if let Some(source) = &wanted.source {
+            source.write(&found.dir)?;
+        }
+    }
+    Ok(code)
+}
+
+/// The running cluster a change applies to.
+struct Found {
+    cluster: String,
+    node: String,
+    dir: std::path::PathBuf,
+    socket: std::path::PathBuf,
+}
+
+fn running(
+    state_dir: &Option<std::path::PathBuf>,
+    cluster: Option<&str>,
+    verb: &str,
+) -> anyhow::Result<Found> {
+    let root = state_root(state_dir.as_deref());
+    let Some(found) = select::running(&root, cluster)? else {
+        return Err(ExitError::nothing_running(format!(
+            "no cluster{} is running under {}; nothing to {verb} (`pdctl up` starts one)",
+            cluster.map(|c| format!(" {c}")).unwrap_or_default(),
+            root.display()
+        )));
+    };
+    let record = found
+        .record
+        .clone()
+        .expect("running clusters have a record");
+    Ok(Found {
+        cluster: record.cluster.clone(),
+        node: record.node.clone(),
+        dir: found.state.dir.clone(),
+        socket: found.state.socket_path(),
+    })
+}
+
+/// What turning the running cluster into the wanted plan takes.
+struct Change {
+    socket: std::path::PathBuf,
+    running: Plan,
+    wanted: Plan,
+    diff: PlanDiff,
+}
+
+impl Change {
+    fn new(found: &Found, wanted: &Plan) -> anyhow::Result<Change> {
+        let running = read_plan(&StateDir::new(&found.dir).plan_path())?;
+        let diff = diff(&running, wanted);
+        Ok(Change {
+            socket: found.socket.clone(),
+            running,
+            wanted: wanted.clone(),
+            diff,
+        })
+    }
+
+    fn service(&self, name: &str) -> &Service {
+        self.wanted
+            .service(name)
+            .expect("the diff names services of the wanted plan")
+    }
+
+    /// Prints the change, refuses it or carries it out; exit 1 when a step failed.
+    fn carry_out(
+        &self,
+        rt: &tokio::runtime::Runtime,
+        dry_run: bool,
+        timeout: Duration,
+        wanted: &crate::plan::resolve::LoadedPlan,
+    ) -> anyhow::Result<ExitCode> {
+        let d = &self.diff;
+        if d.is_empty() {
+            println!(
+                "pdctl: cluster {} already runs what the topology describes; nothing to change",
+                self.running.cluster
+            );
+            return Ok(ExitCode::SUCCESS);
+        }
+        for line in d.lines() {
+            println!("  {line}");
+        }
+        if !d.refused.is_empty() {
+            return Err(ExitError::usage(format!(
+                "cluster {} cannot be changed that way while it runs (the lines marked !); nothing was changed. Take it down and up again to make such a change",
+                self.running.cluster
+            )));
+        }
+        if dry_run {
+            println!("pdctl: dry run: nothing was changed");
+            return Ok(ExitCode::SUCCESS);
+        }
+        let node = self
+            .running
+            .services
+            .iter()
+            .find(|s| s.role == crate::plan::Role::Proxy)
+            .map(|s| s.node.clone())
+            .unwrap_or_else(|| self.running.head_node.clone());
+        let problems = crate::supervisor::preflight_added(
+            &self.wanted,
+            &d.added,
+            &node,
+            &wanted.missing,
+            &wanted.machine,
+        );
+        if !problems.is_empty() {
+            return Err(ExitError::usage(format!(
+                "the new instances cannot start here; nothing was changed:\n{}",
+                crate::supervisor::bullet_list(&problems)
+            )));
+        }
+        let started = Instant::now();
+        let result = rt.block_on(self.steps(timeout));
+        match result {
+            Ok(()) => {
+                println!(
+                    "pdctl: cluster {} changed in {:.1} s",
+                    self.running.cluster,
+                    started.elapsed().as_secs_f64()
+                );
+                Ok(ExitCode::SUCCESS)
+            }
+            Err(e) => {
+                eprintln!(
+                    "pdctl: the change stopped: {e:#}\npdctl: `pdctl status` shows what runs now"
+                );
+                Ok(ExitCode::from(1))
+            }
+        }
+    }
+
+    async fn steps(&self, timeout: Duration) -> anyhow::Result<()> {
+        let d = &self.diff;
+        let report = client::status(&self.socket, Duration::from_secs(10)).await?;
+        let drainer = Drainer {
+            socket: &self.socket,
+            proxy_url: report.proxy_url.clone(),
+            timeout,
+        };
+        // New capacity first, then changed instances one at a time, then removals.
+        for name in &d.added {
+            drainer
+                .expect_done(Request::Add {
+                    service: Box::new(self.service(name).clone()),
+                })
+                .await?;
+            println!("pdctl: {name}: starting");
+        }
+        for name in &d.added {
+            let t = Instant::now();
+            drainer.wait_healthy(name, None).await?;
+            drainer.wait_routed(self.service(name), true).await;
+            println!(
+                "pdctl: {name}: healthy, in routing ({:.1} s)",
+                t.elapsed().as_secs_f64()
+            );
+        }
+        for (name, _) in &d.rolled {
+            let t = Instant::now();
+            drainer
+                .expect_done(Request::Replace {
+                    service: Box::new(self.service(name).clone()),
+                })
+                .await?;
+            let report = client::status(&self.socket, Duration::from_secs(10)).await?;
+            drainer.restart_drained(&report, name).await?;
+            println!(
+                "pdctl: {name}: restarted with its new settings after draining ({:.1} s)",
+                t.elapsed().as_secs_f64()
+            );
+        }
+        for name in &d.removed {
+            let t = Instant::now();
+            let report = client::status(&self.socket, Duration::from_secs(10)).await?;
+            drainer.remove_drained(&report, name).await?;
+            if let Some(svc) = self.running.service(name) {
+                drainer.wait_routed(svc, false).await;
+            }
+            println!(
+                "pdctl: {name}: drained, stopped and removed ({:.1} s)",
+                t.elapsed().as_secs_f64()
+            );
+        }
+        if let Some(proxy) = self
+            .wanted
+            .services
+            .iter()
+            .find(|s| s.role == crate::plan::Role::Proxy)
+            && self.running.service(&proxy.name) != Some(proxy)
+        {
+            // Its membership follows the supervisor already; the new command is what it
+            // starts with next time.
+            drainer
+                .expect_done(Request::Replace {
+                    service: Box::new(proxy.clone()),
+                })
+                .await?;
+            if !proxy_settings_same(self.running.service(&proxy.name), proxy) {
+                println!(
+                    "pdctl: {}: its new settings take effect at its next start (`pdctl restart {}`); its routing already follows the change",
+                    proxy.name, proxy.name
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// True when two commands of the proxy differ only in the instances they list (which the
+/// running proxy takes from the supervisor).
+fn proxy_settings_same(old: Option<&Service>, new: &Service) -> bool {
+    let strip = |argv: &[String]| -> Vec<String> {
+        let mut out = Vec::new();
+        let mut skip = false;
+        for a in argv {
+            if skip {
+                skip = false;
+                continue;
+            }
+            if matches!(a.as_str(), "--prefill" | "--decode" | "--bootstrap-port") {
+                skip = true;
+                continue;
+            }
+            out.push(a.clone());
+        }
+        out
+    };
+    old.is_some_and(|o| strip(&o.argv) == strip(&new.argv) && o.env == new.env)
+}
+
+/// Reads the plan a running supervisor keeps in its state dir.
+fn read_plan(path: &Path) -> anyhow::Result<Plan> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("cannot read the running plan {}: {e}", path.display()))?;
+    serde_json::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("{} is not a plan pdctl wrote: {e}", path.display()))
+}
+
+/// Restarts and removes services without failing requests: out of routing, requests in
+/// flight finish, then restart (healthy again) or stop.
+pub(super) struct Drainer<'a> {
+    pub socket: &'a Path,
+    pub proxy_url: Option<String>,
+    pub timeout: Duration,
+}
+
+impl Drainer<'_> {
+    async fn ask(&self, req: Request) -> anyhow::Result<Response> {
+        // A removal answers once the service stopped: allow its stop timeout and more.
+        let wait = self.timeout + Duration::from_secs(60);
+        Ok(client::send(self.socket, &req, wait).await?)
+    }
+
+    /// Sends `req`; an error answer becomes an error.
+    async fn expect_done(&self, req: Request) -> anyhow::Result<String> {
+        match self.ask(req).await? {
+            Response::Done { message } => Ok(message),
+            Response::Error { message } => anyhow::bail!("{message}"),
+            Response::Status(_) => anyhow::bail!("the supervisor answered a status"),
+        }
+    }
+
+    /// Out of routing, requests in flight finish, restart, healthy again.
+    pub async fn restart_drained(
+        &self,
+        report: &StatusReport,
+        service: &str,
+    ) -> anyhow::Result<()> {
+        let before = report
+            .services
+            .iter()
+            .find(|s| s.name == service)
+            .map(|s| s.restarts)
+            .unwrap_or(0);
+        self.drain(report, service).await?;
+        self.expect_done(Request::Restart {
+            service: service.to_string(),
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("{service}: {e}"))?;
+        self.wait_healthy(service, Some(before)).await
+    }
+
+    /// Out of routing, requests in flight finish, stopped and forgotten.
+    pub async fn remove_drained(&self, report: &StatusReport, service: &str) -> anyhow::Result<()> {
+        let healthy = report
+            .services
+            .iter()
+            .any(|s| s.name == service && s.state == ServiceState::Healthy);
+        if healthy {
+            self.drain(report, service).await?;
+        }
+        self.expect_done(Request::Remove {
+            service: service.to_string(),
+            timeout_s: self.timeout.as_secs(),
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("{service}: {e}"))?;
+        Ok(())
+    }
+
+    /// Takes `service` out of routing and waits until the proxy has no request on it.
+    async fn drain(&self, report: &StatusReport, service: &str) -> anyhow::Result<()> {
+        self.expect_done(Request::Drain {
+            service: service.to_string(),
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("{service}: {e}"))?;
+        let url = report
+            .services
+            .iter()
+            .find(|s| s.name == service)
+            .and_then(|s| s.url.clone());
+        if let (Some(proxy), Some(url)) = (&self.proxy_url, url) {
+            self.wait_idle(proxy, &url, service).await;
+        }
+        Ok(())
+    }
+
+    /// Waits until the proxy has no request in flight on `url` (or the timeout passes),
+    /// saying so when the service's run ended meanwhile (it died while draining).
+    async fn wait_idle(&self, proxy: &str, url: &str, service: &str) {
+        let end = Instant::now() + self.timeout;
+        // The proxy reads the supervisor's report twice a second: let it see the drain.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let mut said = false;
+        loop {
+            if !said
+                && let Ok(r) = client::status(self.socket, Duration::from_secs(5)).await
+                && let Some(s) = r.services.iter().find(|s| s.name == service)
+                && !matches!(s.state, ServiceState::Draining | ServiceState::Healthy)
+            {
+                eprintln!(
+                    "pdctl: {service} ended while draining ({}): its requests in flight got the proxy's error",
+                    s.last_exit.as_deref().unwrap_or(s.state.as_str())
+                );
+                said = true;
+            }
+            match in_flight_on(proxy, url).await {
+                Some(n) if n > 0.0 && Instant::now() < end => {}
+                Some(n) if n > 0.0 => {
+                    eprintln!(
+                        "pdctl: {service} still has {n} request(s) in flight after {:?}; going on anyway",
+                        self.timeout
+                    );
+                    return;
+                }
+                _ => return,
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits (a few seconds at most) until the proxy routes to `service` (`routed`) or
+    /// no longer knows it: it follows the supervisor's report twice a second.
+    async fn wait_routed(&self, service: &Service, routed: bool) {
+        let (Some(proxy), Some(url)) = (&self.proxy_url, &service.url) else {
+            return;
+        };
+        let end = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < end {
+            let seen = proxy_metric(proxy, "pdctl_proxy_instance_healthy", url).await;
+            match seen {
+                Err(()) => return,
+                Ok(v) if routed == (v == Some(1.0)) && (routed || v.is_none()) => return,
+                Ok(_) => {}
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        eprintln!(
+            "pdctl: {}: the proxy has not {} it after 10 s",
+            service.name,
+            if routed { "routed to" } else { "forgotten" }
+        );
+    }
+
+    /// Waits until `service` is healthy (with `restarted_after`: restarted since its count
+    /// was that); fails when it fails.
+    pub async fn wait_healthy(
+        &self,
+        service: &str,
+        restarted_after: Option<u32>,
+    ) -> anyhow::Result<()> {
+        let startup = Duration::from_secs(900);
+        let end = Instant::now() + startup;
+        loop {
+            let report = client::status(self.socket, Duration::from_secs(10)).await?;
+            if let Some(s) = report.services.iter().find(|s| s.name == service) {
+                let restarted = restarted_after.is_none_or(|b| s.restarts > b);
+                if restarted && s.state == ServiceState::Healthy {
+                    return Ok(());
+                }
+                if s.state == ServiceState::Failed {
+                    anyhow::bail!(
+                        "{service} failed: {}",
+                        s.last_exit.as_deref().unwrap_or("see `pdctl logs`")
+                    );
+                }
+            }
+            if Instant::now() >= end {
+                anyhow::bail!("{service} is not healthy {startup:?} after it was started");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// The proxy's count of requests in flight on the instance at `url`; None when the proxy
+/// does not answer (then there is nothing to wait for).
+async fn in_flight_on(proxy: &str, url: &str) -> Option<f64> {
+    proxy_metric(proxy, "pdctl_proxy_instance_in_flight", url)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// The value of the proxy's per-instance metric `name` for the instance at `url`: Err when
+/// the proxy does not answer, Ok(None) when it does not list that instance.
+async fn proxy_metric(proxy: &str, name: &str, url: &str) -> Result<Option<f64>, ()> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .map_err(|_| ())?;
+    let text = client
+        .get(format!("{}/metrics", proxy.trim_end_matches('/')))
+        .send()
+        .await
+        .map_err(|_| ())?
+        .text()
+        .await
+        .map_err(|_| ())?;
+    let wanted = format!("instance=\"{}\"", url.trim_end_matches('/'));
+    Ok(crate::prometheus::samples(&text)
+        .filter(|s| s.name == name)
+        .find(|s| s.labels.contains(&wanted))
+        .map(|s| s.value))
+}

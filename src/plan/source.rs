@@ -1,0 +1,143 @@
+//! What a running cluster was made from, kept in its state dir (`topology.json`) so that
+//! `pdctl scale` can plan the same cluster again with other instance counts, and `apply`
+//! can say what it changes: the topology's text, what it is called, the GPUs declared with
+//! `--gpus`, and the counts `scale` set since.
+
+use super::resolve::{LoadedPlan, Machine, Request, ResolveError, plan_programs_unresolved};
+use crate::plan::Role;
+use crate::topology::{self, LoadedTopology, Source};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The file in a cluster's state dir.
+pub const SOURCE_FILE: &str = "topology.json";
+
+/// A cluster's topology as it was given, and how `scale` changed it since.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterSource {
+    /// What errors call the topology: its path, or `<profile NAME>`.
+    pub label: String,
+    /// The profile's name, when it came from one.
+    #[serde(default)]
+    pub profile: Option<String>,
+    /// The topology file's text as it was read.
+    pub text: String,
+    /// `--gpus` when given (else NVML is asked again).
+    #[serde(default)]
+    pub gpus: Option<Vec<u32>>,
+    /// Instances per role set by `pdctl scale` since (`prefill`, `decode`).
+    #[serde(default)]
+    pub scaled: BTreeMap<String, u32>,
+}
+
+/// Why a cluster's source cannot be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{} is not a cluster source pdctl wrote: {source}", path.display())]
+    Parse {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("cannot write {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl ClusterSource {
+    /// The source of a loaded topology, as `up` keeps it.
+    pub fn of(t: &LoadedTopology, gpus: Option<Vec<u32>>) -> Option<ClusterSource> {
+        let (label, profile, text) = match &t.source {
+            Source::File(path) => (
+                path.display().to_string(),
+                None,
+                std::fs::read_to_string(path).ok()?,
+            ),
+            Source::Profile(name) => (
+                format!("<profile {name}>"),
+                Some(name.clone()),
+                crate::profiles::get(name)?.text.to_string(),
+            ),
+        };
+        Some(ClusterSource {
+            label,
+            profile,
+            text,
+            gpus,
+            scaled: BTreeMap::new(),
+        })
+    }
+
+    /// Reads `topology.json` of the state dir `dir`; None when the cluster has none (it
+    /// was started from a plan file, or by an older pdctl).
+    pub fn read(dir: &Path) -> Result<Option<ClusterSource>, SourceError> {
+        let path = dir.join(SOURCE_FILE);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(SourceError::Read { path, source }),
+        };
+        serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|source| SourceError::Parse { path, source })
+    }
+
+    /// Writes it into the state dir `dir` (whole or not at all).
+    pub fn write(&self, dir: &Path) -> Result<(), SourceError> {
+        let path = dir.join(SOURCE_FILE);
+        let json = serde_json::to_vec_pretty(self).expect("sources serialize");
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, json)
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .map_err(|source| SourceError::Write { path, source })
+    }
+
+    /// The topology with the counts `scale` set applied and checked again.
+    pub fn topology(&self) -> Result<LoadedTopology, ResolveError> {
+        let source = match &self.profile {
+            Some(name) => Source::Profile(name.clone()),
+            None => Source::File(PathBuf::from(&self.label)),
+        };
+        let mut t = topology::load_str(&self.text, source, self.label.clone())?;
+        for (role, n) in &self.scaled {
+            match role.as_str() {
+                "prefill" => t.spec.prefill.instances = *n,
+                "decode" => t.spec.decode.instances = *n,
+                _ => {}
+            }
+        }
+        topology::recheck(&t)?;
+        Ok(t)
+    }
+
+    /// Plans the cluster again (programs resolved) for node `node` under `state_root`.
+    pub fn plan(&self, node: &str, state_root: &Path) -> Result<LoadedPlan, ResolveError> {
+        let t = self.topology()?;
+        let req = Request {
+            node: Some(node.to_string()),
+            gpus: self.gpus.clone(),
+            state_dir: Some(state_root.to_path_buf()),
+            ..Request::default()
+        };
+        let mut loaded = plan_programs_unresolved(&t, &req, Machine::new(self.gpus.clone()))?;
+        loaded.missing = crate::tools::resolve_programs(&mut loaded.plan);
+        loaded.source_note = format!("using {}", self.label);
+        Ok(loaded)
+    }
+}
+
+/// The role a `scale` target names (`prefill`, `decode`), or None.
+pub fn scalable_role(name: &str) -> Option<Role> {
+    match name {
+        "prefill" => Some(Role::Prefill),
+        "decode" => Some(Role::Decode),
+        _ => None,
+    }
+}
