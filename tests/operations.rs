@@ -1,5 +1,6 @@
-//! Changing a running cluster while it serves: `pdctl restart --drain` and `--rolling`
-//! under continuous load from `pdctl bench`, with 0 failed requests.
+//! Changing a running cluster while it serves: `pdctl restart --drain` and `--rolling`,
+//! `pdctl scale` and `pdctl apply` under continuous load from `pdctl bench`, with 0 failed
+//! requests; and an instance killed while it drains.
 
 mod common;
 #[path = "common/supervisor.rs"]
@@ -123,6 +124,200 @@ fn draining_the_only_decode_instance_fails_no_request() {
         text(&out).contains("--rolling takes roles"),
         "{}",
         text(&out)
+    );
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// The proxy's `/metrics` text.
+fn proxy_metrics(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to the proxy");
+    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// The decode instances the proxy routes to (healthy in its metrics).
+fn routed_decode(port: u16) -> Vec<String> {
+    proxy_metrics(port)
+        .lines()
+        .filter(|l| {
+            l.starts_with("pdctl_proxy_instance_healthy{leg=\"decode\"") && l.ends_with(" 1")
+        })
+        .map(|l| {
+            l.split("instance=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap()
+                .to_string()
+        })
+        .collect()
+}
+
+fn decode_names(cluster: &Cluster) -> Vec<String> {
+    cluster
+        .status(&[])
+        .unwrap()
+        .services
+        .into_iter()
+        .filter(|s| s.role == pdctl::plan::Role::Decode)
+        .map(|s| s.name)
+        .collect()
+}
+
+/// `scale decode=2`, back to 4, and an `apply` that changes a decode argument, all while
+/// 16 streams run: 0 failed requests, and after each step `status` and the proxy's routing
+/// agree on the decode instances.
+#[test]
+fn scale_and_apply_under_load_fail_no_request() {
+    let extra = "[engine.sim]\nitl_ms = 4.0\n";
+    let (t, port) = sim_topology("o-scale", "nixl", 1, 4, extra);
+    let cluster = Cluster::new("oscale");
+    let dir = TempDir::new("oscale-topo");
+    cluster.up_topology(dir.path(), &t);
+    let file = dir.path().join("topology.toml");
+    // What cannot change live is refused, and nothing changes.
+    let other = t.replace("kind = \"nixl\"", "kind = \"example\"");
+    let other_file = dir.path().join("other.toml");
+    std::fs::write(&other_file, &other).unwrap();
+    let out = cluster.run(&["apply", "-f", other_file.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("! the connector would change from nixl to example")
+            && text(&out).contains("nothing was changed"),
+        "{}",
+        text(&out)
+    );
+    let out = cluster.run(&["scale", "decode=two"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+
+    let json = dir.path().join("bench.json");
+    let load = bench(port, 1500, &json);
+    std::thread::sleep(Duration::from_millis(800));
+    let out = cluster.run(&["scale", "decode=2", "--dry-run"]);
+    assert!(
+        out.status.success() && text(&out).contains("- decode-3: leave routing"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(decode_names(&cluster).len(), 4, "a dry run changes nothing");
+
+    let out = cluster.run(&["scale", "decode=2"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(decode_names(&cluster), ["decode-0", "decode-1"]);
+    assert_eq!(routed_decode(port).len(), 2, "{}", proxy_metrics(port));
+
+    let out = cluster.run(&["scale", "decode=4"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        decode_names(&cluster),
+        ["decode-0", "decode-1", "decode-2", "decode-3"]
+    );
+    assert_eq!(routed_decode(port).len(), 4, "{}", proxy_metrics(port));
+
+    // A decode argument changes: every decode instance is rolled, one at a time.
+    let changed = t.replacen("[decode]\n", "[decode]\nargs = [\"--itl-ms\", \"3\"]\n", 1);
+    std::fs::write(&file, &changed).unwrap();
+    let out = cluster.run(&["apply", "-f", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    for i in 0..4 {
+        assert!(
+            text(&out).contains(&format!(
+                "~ decode-{i}: restart with arguments without `--itl-ms 4`, with `--itl-ms 3`"
+            )),
+            "{}",
+            text(&out)
+        );
+    }
+    let out = cluster.run(&["apply", "-f", file.to_str().unwrap()]);
+    assert!(text(&out).contains("nothing to change"), "{}", text(&out));
+
+    let (completed, failed) = finished(load, &json);
+    assert_eq!((completed, failed), (1500, 0));
+    let report = cluster.status(&[]).unwrap();
+    assert!(suph::all_healthy(&report), "{report:?}");
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// A decode instance killed with SIGKILL while `scale` drains it: the streams it carried
+/// end with the proxy's error naming the decode leg, nothing hangs, `scale` says what
+/// happened and finishes, and `status` shows the one decode instance left.
+#[test]
+fn an_instance_killed_while_draining_fails_only_its_requests_and_scale_finishes() {
+    let (t, port) = sim_topology("o-kill", "nixl", 1, 2, "[engine.sim]\nitl_ms = 40.0\n");
+    let cluster = Cluster::new("okill");
+    let dir = TempDir::new("okill-topo");
+    cluster.up_topology(dir.path(), &t);
+    let json = dir.path().join("bench.json");
+    // Streams of 200 tokens at 40 ms: each lasts about 8 s.
+    let load = common::pdctl(&[
+        "bench",
+        "--url",
+        &format!("http://127.0.0.1:{port}"),
+        "--num-prompts",
+        "8",
+        "--max-concurrency",
+        "8",
+        "--input-len",
+        "16",
+        "--output-len",
+        "200",
+        "--json",
+        json.to_str().unwrap(),
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let scale = cluster
+        .command(&["scale", "decode=1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut pid = None;
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while pid.is_none() && std::time::Instant::now() < end {
+        pid = cluster.status(&[]).and_then(|r| {
+            let d = suph::svc(&r, "decode-1");
+            (d.state == ServiceState::Draining)
+                .then_some(d.pid)
+                .flatten()
+        });
+    }
+    let pid = pid.expect("status never showed decode-1 draining");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let out = scale.wait_with_output().unwrap();
+    let (completed, failed) = finished(load, &json);
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("decode-1 ended while draining"),
+        "{}\nbench: {v}",
+        text(&out)
+    );
+    assert_eq!(completed + failed, 8);
+    assert!(failed >= 1, "the killed instance carried streams: {v}");
+    let errors = v["errors"].as_object().unwrap();
+    assert!(
+        errors.keys().all(|e| e.contains("decode")),
+        "every failure names the decode leg: {errors:?}"
+    );
+    assert_eq!(decode_names(&cluster), ["decode-0"]);
+    assert_eq!(
+        routed_decode(port),
+        [format!("http://127.0.0.1:{}", port + 3)]
     );
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));

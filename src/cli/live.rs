@@ -428,21 +428,19 @@ impl Drainer<'_> {
     /// saying so when the service's run ended meanwhile (it died while draining).
     async fn wait_idle(&self, proxy: &str, url: &str, service: &str) {
         let end = Instant::now() + self.timeout;
+        let run_of = |r: &StatusReport| {
+            r.services
+                .iter()
+                .find(|s| s.name == service)
+                .map(|s| (s.restarts, s.state, s.last_exit.clone()))
+        };
+        let first = client::status(self.socket, Duration::from_secs(5))
+            .await
+            .ok()
+            .and_then(|r| run_of(&r));
         // The proxy reads the supervisor's report twice a second: let it see the drain.
         tokio::time::sleep(Duration::from_millis(600)).await;
-        let mut said = false;
         loop {
-            if !said
-                && let Ok(r) = client::status(self.socket, Duration::from_secs(5)).await
-                && let Some(s) = r.services.iter().find(|s| s.name == service)
-                && !matches!(s.state, ServiceState::Draining | ServiceState::Healthy)
-            {
-                eprintln!(
-                    "pdctl: {service} ended while draining ({}): its requests in flight got the proxy's error",
-                    s.last_exit.as_deref().unwrap_or(s.state.as_str())
-                );
-                said = true;
-            }
             match in_flight_on(proxy, url).await {
                 Some(n) if n > 0.0 && Instant::now() < end => {}
                 Some(n) if n > 0.0 => {
@@ -450,11 +448,26 @@ impl Drainer<'_> {
                         "pdctl: {service} still has {n} request(s) in flight after {:?}; going on anyway",
                         self.timeout
                     );
-                    return;
+                    break;
                 }
-                _ => return,
+                _ => break,
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Requests may have ended because the process did: the supervisor sees the exit
+        // within moments of the proxy seeing the streams break.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = client::status(self.socket, Duration::from_secs(5))
+            .await
+            .ok()
+            .and_then(|r| run_of(&r));
+        if let (Some((restarts, _, _)), Some((now_restarts, state, last_exit))) = (first, now)
+            && (now_restarts != restarts || state != ServiceState::Draining)
+        {
+            eprintln!(
+                "pdctl: {service} ended while draining ({}): its requests in flight got the proxy's error",
+                last_exit.as_deref().unwrap_or(state.as_str())
+            );
         }
     }
 
