@@ -241,6 +241,17 @@ fn scale_and_apply_under_load_fail_no_request() {
     assert_eq!((completed, failed), (1500, 0));
     let report = cluster.status(&[]).unwrap();
     assert!(suph::all_healthy(&report), "{report:?}");
+    // --recreate makes the change that cannot be made live: down, then up from the file.
+    let out = cluster.run(&["apply", "-f", other_file.to_str().unwrap(), "--recreate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let report = cluster.status(&[]).unwrap();
+    assert!(suph::all_healthy(&report), "{report:?}");
+    assert!(
+        report.services.iter().all(|s| s.restarts == 0) && decode_names(&cluster).len() == 4,
+        "a new cluster: {report:?}"
+    );
+    let out = cluster.run(&["apply", "-f", other_file.to_str().unwrap(), "--dry-run"]);
+    assert!(text(&out).contains("nothing to change"), "{}", text(&out));
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));
 }

@@ -233,6 +233,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
             cluster: Some(plan.cluster.clone()),
             dry_run: false,
             timeout: super::live::DEFAULT_DRAIN_TIMEOUT_S,
+            recreate: false,
         };
         return super::live::apply(&apply, runtime()?);
     }

@@ -52,6 +52,11 @@ pub struct ApplyArgs {
     /// Seconds a drained instance's requests in flight get before it is stopped anyway.
     #[arg(long, default_value_t = DEFAULT_DRAIN_TIMEOUT_S)]
     pub timeout: u64,
+    /// When the change cannot be made live (connector, model, node layout...), take the
+    /// cluster down and start it again from the file instead of refusing: requests in
+    /// flight are cut.
+    #[arg(long)]
+    pub recreate: bool,
 }
 
 /// `pdctl scale ROLE=N...`.
@@ -99,6 +104,9 @@ pub fn apply(a: &ApplyArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitC
     let cluster = a.cluster.clone().or(Some(wanted.plan.cluster.clone()));
     let found = running(&a.topology.state_dir, cluster.as_deref(), "apply")?;
     let change = Change::new(&found, &wanted.plan)?;
+    if a.recreate && !a.dry_run && !change.diff.refused.is_empty() {
+        return recreate(a, &change, &found, rt);
+    }
     let code = change.carry_out(&rt, a.dry_run, Duration::from_secs(a.timeout), &wanted)?;
     if code == ExitCode::SUCCESS && !a.dry_run {
         if let Some(source) = &wanted.source {
@@ -106,6 +114,40 @@ pub fn apply(a: &ApplyArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitC
         }
     }
     Ok(code)
+}
+
+/// `apply --recreate` of a change that cannot be made live: down, then up -d from the file.
+fn recreate(
+    a: &ApplyArgs,
+    change: &Change,
+    found: &Found,
+    rt: tokio::runtime::Runtime,
+) -> anyhow::Result<ExitCode> {
+    for line in change.diff.lines() {
+        println!("  {line}");
+    }
+    println!(
+        "pdctl: --recreate: taking cluster {} down and starting it again from the topology (requests in flight are cut)",
+        found.cluster
+    );
+    let down = super::cluster::DownArgs {
+        timeout: 30,
+        which: ClusterArgs {
+            cluster: Some(found.cluster.clone()),
+            state_dir: a.topology.state_dir.clone(),
+        },
+    };
+    let code = super::down::run(&down, rt)?;
+    if code != ExitCode::SUCCESS {
+        return Ok(code);
+    }
+    super::cluster::up(super::cluster::UpArgs {
+        topology: a.topology.clone(),
+        detach: true,
+        plan: None,
+        log_max_bytes: crate::supervisor::DEFAULT_MAX_BYTES,
+        log_keep: crate::supervisor::DEFAULT_KEEP,
+    })
 }
 
 /// The running cluster a change applies to.
@@ -188,7 +230,7 @@ impl Change {
         }
         if !d.refused.is_empty() {
             return Err(ExitError::usage(format!(
-                "cluster {} cannot be changed that way while it runs (the lines marked !); nothing was changed. Take it down and up again to make such a change",
+                "cluster {} cannot be changed that way while it runs (the lines marked !); nothing was changed. `pdctl apply --recreate` takes it down and up again to make such a change",
                 self.running.cluster
             )));
         }
