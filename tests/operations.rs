@@ -13,8 +13,29 @@ use std::process::{Child, Stdio};
 use std::time::Duration;
 use suph::{Cluster, sim_topology, text};
 
+/// A cluster `name` started with `up -d` from `topology` (text, proxy port), in a temporary
+/// directory that also holds its topology file; returns both with the text and the port.
+fn up_sim(name: &str, (topology, port): (String, u16)) -> (Cluster, TempDir, String, u16) {
+    let cluster = Cluster::new(name);
+    let dir = TempDir::new(&format!("{name}-topo"));
+    cluster.up_topology(dir.path(), &topology);
+    (cluster, dir, topology, port)
+}
+
 /// `pdctl bench` against the proxy, 16 streams at a time, its JSON written to `json`.
 fn bench(port: u16, prompts: usize, json: &std::path::Path) -> Child {
+    bench_streams(port, prompts, 16, 32, json)
+}
+
+/// `pdctl bench` against the proxy: `prompts` streams, `concurrent` at a time, each
+/// `output_len` tokens long.
+fn bench_streams(
+    port: u16,
+    prompts: usize,
+    concurrent: usize,
+    output_len: usize,
+    json: &std::path::Path,
+) -> Child {
     common::pdctl(&[
         "bench",
         "--url",
@@ -22,11 +43,11 @@ fn bench(port: u16, prompts: usize, json: &std::path::Path) -> Child {
         "--num-prompts",
         &prompts.to_string(),
         "--max-concurrency",
-        "16",
+        &concurrent.to_string(),
         "--input-len",
         "32",
         "--output-len",
-        "32",
+        &output_len.to_string(),
         "--json",
         json.to_str().unwrap(),
     ])
@@ -55,10 +76,10 @@ fn finished(child: Child, json: &std::path::Path) -> (u64, u64) {
 /// once and healthy, and the bench has 0 failed requests.
 #[test]
 fn a_rolling_restart_of_decode_under_load_fails_no_request() {
-    let (t, port) = sim_topology("o-roll", "nixl", 1, 4, "[engine.sim]\nitl_ms = 4.0\n");
-    let cluster = Cluster::new("oroll");
-    let dir = TempDir::new("oroll-topo");
-    cluster.up_topology(dir.path(), &t);
+    let (cluster, dir, _, port) = up_sim(
+        "oroll",
+        sim_topology("o-roll", "nixl", 1, 4, "[engine.sim]\nitl_ms = 4.0\n"),
+    );
     let json = dir.path().join("bench.json");
     let load = bench(port, 1200, &json);
     std::thread::sleep(Duration::from_millis(800));
@@ -90,10 +111,10 @@ fn a_rolling_restart_of_decode_under_load_fails_no_request() {
 /// in the proxy while it restarts instead of failing; status shows `draining` meanwhile.
 #[test]
 fn draining_the_only_decode_instance_fails_no_request() {
-    let (t, port) = sim_topology("o-drain", "example", 1, 1, "[engine.sim]\nitl_ms = 4.0\n");
-    let cluster = Cluster::new("odrain");
-    let dir = TempDir::new("odrain-topo");
-    cluster.up_topology(dir.path(), &t);
+    let (cluster, dir, _, port) = up_sim(
+        "odrain",
+        sim_topology("o-drain", "example", 1, 1, "[engine.sim]\nitl_ms = 4.0\n"),
+    );
     let json = dir.path().join("bench.json");
     let load = bench(port, 400, &json);
     std::thread::sleep(Duration::from_millis(500));
@@ -176,10 +197,7 @@ fn decode_names(cluster: &Cluster) -> Vec<String> {
 #[test]
 fn scale_and_apply_under_load_fail_no_request() {
     let extra = "[engine.sim]\nitl_ms = 4.0\n";
-    let (t, port) = sim_topology("o-scale", "nixl", 1, 4, extra);
-    let cluster = Cluster::new("oscale");
-    let dir = TempDir::new("oscale-topo");
-    cluster.up_topology(dir.path(), &t);
+    let (cluster, dir, t, port) = up_sim("oscale", sim_topology("o-scale", "nixl", 1, 4, extra));
     let file = dir.path().join("topology.toml");
     // What cannot change live is refused, and nothing changes.
     let other = t.replace("kind = \"nixl\"", "kind = \"example\"");
@@ -261,31 +279,13 @@ fn scale_and_apply_under_load_fail_no_request() {
 /// happened and finishes, and `status` shows the one decode instance left.
 #[test]
 fn an_instance_killed_while_draining_fails_only_its_requests_and_scale_finishes() {
-    let (t, port) = sim_topology("o-kill", "nixl", 1, 2, "[engine.sim]\nitl_ms = 40.0\n");
-    let cluster = Cluster::new("okill");
-    let dir = TempDir::new("okill-topo");
-    cluster.up_topology(dir.path(), &t);
+    let (cluster, dir, _, port) = up_sim(
+        "okill",
+        sim_topology("o-kill", "nixl", 1, 2, "[engine.sim]\nitl_ms = 40.0\n"),
+    );
     let json = dir.path().join("bench.json");
     // Streams of 200 tokens at 40 ms: each lasts about 8 s.
-    let load = common::pdctl(&[
-        "bench",
-        "--url",
-        &format!("http://127.0.0.1:{port}"),
-        "--num-prompts",
-        "8",
-        "--max-concurrency",
-        "8",
-        "--input-len",
-        "16",
-        "--output-len",
-        "200",
-        "--json",
-        json.to_str().unwrap(),
-    ])
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let load = bench_streams(port, 8, 8, 200, &json);
     std::thread::sleep(Duration::from_millis(1500));
     let scale = cluster
         .command(&["scale", "decode=1"])

@@ -139,7 +139,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 /// Reads a plan written as JSON (`--plan`, or plan.json in a state dir).
-fn read_plan(path: &Path) -> anyhow::Result<Plan> {
+pub(super) fn read_plan(path: &Path) -> anyhow::Result<Plan> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| ExitError::usage(format!("cannot read plan {}: {e}", path.display())))?;
     serde_json::from_str(&text)

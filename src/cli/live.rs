@@ -86,7 +86,13 @@ pub fn scale(a: &ScaleArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitC
         source.scaled.insert(role.as_str().to_string(), *n);
     }
     let root = state_root(a.which.state_dir.as_deref());
-    let wanted = source.plan(&found.node, &root)?;
+    // A count the topology's rules refuse is the scale's fault, not the file's.
+    let wanted = source.plan(&found.node, &root).map_err(|e| {
+        ExitError::usage(format!(
+            "`pdctl scale {}` makes a topology pdctl cannot run; nothing was changed:\n{e}",
+            a.targets.join(" ")
+        ))
+    })?;
     let change = Change::new(&found, &wanted.plan)?;
     let code = change.carry_out(&rt, a.dry_run, Duration::from_secs(a.timeout), &wanted)?;
     if code == ExitCode::SUCCESS && !a.dry_run {
@@ -150,15 +156,17 @@ fn recreate(
     })
 }
 
-/// The running cluster a change applies to.
-struct Found {
-    cluster: String,
-    node: String,
-    dir: std::path::PathBuf,
-    socket: std::path::PathBuf,
+/// The running cluster a command acts on.
+pub(super) struct Found {
+    pub cluster: String,
+    pub node: String,
+    pub dir: std::path::PathBuf,
+    pub socket: std::path::PathBuf,
 }
 
-fn running(
+/// The cluster running under the state root (`which` names it when several run); exit 3
+/// with `nothing to VERB` when none does.
+pub(super) fn running(
     state_dir: &Option<std::path::PathBuf>,
     cluster: Option<&str>,
     verb: &str,
@@ -186,6 +194,8 @@ fn running(
 /// What turning the running cluster into the wanted plan takes.
 struct Change {
     socket: std::path::PathBuf,
+    /// The node the supervisor runs (the one whose services change).
+    node: String,
     running: Plan,
     wanted: Plan,
     diff: PlanDiff,
@@ -193,10 +203,11 @@ struct Change {
 
 impl Change {
     fn new(found: &Found, wanted: &Plan) -> anyhow::Result<Change> {
-        let running = read_plan(&StateDir::new(&found.dir).plan_path())?;
+        let running = super::cluster::read_plan(&StateDir::new(&found.dir).plan_path())?;
         let diff = diff(&running, wanted);
         Ok(Change {
             socket: found.socket.clone(),
+            node: found.node.clone(),
             running,
             wanted: wanted.clone(),
             diff,
@@ -238,17 +249,10 @@ impl Change {
             println!("pdctl: dry run: nothing was changed");
             return Ok(ExitCode::SUCCESS);
         }
-        let node = self
-            .running
-            .services
-            .iter()
-            .find(|s| s.role == crate::plan::Role::Proxy)
-            .map(|s| s.node.clone())
-            .unwrap_or_else(|| self.running.head_node.clone());
         let problems = crate::supervisor::preflight_added(
             &self.wanted,
             &d.added,
-            &node,
+            &self.node,
             &wanted.missing,
             &wanted.machine,
         );
@@ -344,7 +348,7 @@ impl Change {
                     service: Box::new(proxy.clone()),
                 })
                 .await?;
-            if !proxy_settings_same(self.running.service(&proxy.name), proxy) {
+            if d.proxy_settings {
                 println!(
                     "pdctl: {}: its new settings take effect at its next start (`pdctl restart {}`); its routing already follows the change",
                     proxy.name, proxy.name
@@ -353,36 +357,6 @@ impl Change {
         }
         Ok(())
     }
-}
-
-/// True when two commands of the proxy differ only in the instances they list (which the
-/// running proxy takes from the supervisor).
-fn proxy_settings_same(old: Option<&Service>, new: &Service) -> bool {
-    let strip = |argv: &[String]| -> Vec<String> {
-        let mut out = Vec::new();
-        let mut skip = false;
-        for a in argv {
-            if skip {
-                skip = false;
-                continue;
-            }
-            if matches!(a.as_str(), "--prefill" | "--decode" | "--bootstrap-port") {
-                skip = true;
-                continue;
-            }
-            out.push(a.clone());
-        }
-        out
-    };
-    old.is_some_and(|o| strip(&o.argv) == strip(&new.argv) && o.env == new.env)
-}
-
-/// Reads the plan a running supervisor keeps in its state dir.
-fn read_plan(path: &Path) -> anyhow::Result<Plan> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| anyhow::anyhow!("cannot read the running plan {}: {e}", path.display()))?;
-    serde_json::from_str(&text)
-        .map_err(|e| anyhow::anyhow!("{} is not a plan pdctl wrote: {e}", path.display()))
 }
 
 /// Restarts and removes services without failing requests: out of routing, requests in

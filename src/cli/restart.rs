@@ -3,10 +3,8 @@
 
 use super::ExitError;
 use super::cluster::RestartArgs;
-use super::common::state_root;
 use super::live::Drainer;
 use crate::control::{Request, Response, StatusReport, client};
-use crate::supervisor::select;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -39,20 +37,14 @@ fn expand(report: &StatusReport, targets: &[String]) -> anyhow::Result<Vec<Strin
 
 /// Asks the running supervisor to restart each target; exit 1 when one is refused.
 pub fn run(a: &RestartArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitCode> {
-    let root = state_root(a.which.state_dir.as_deref());
-    let Some(found) = select::running(&root, a.which.cluster.as_deref())? else {
-        return Err(ExitError::nothing_running(format!(
-            "no cluster is running under {}; nothing to restart",
-            root.display()
-        )));
-    };
-    let socket = found.state.socket_path();
+    let found = super::live::running(&a.which.state_dir, a.which.cluster.as_deref(), "restart")?;
+    let socket = found.socket.clone();
     let ask = |req: Request| rt.block_on(client::send(&socket, &req, Duration::from_secs(10)));
     let report = match ask(Request::Status)? {
         Response::Status(r) => r,
         other => anyhow::bail!(
             "the supervisor of {} answered {other:?} to status",
-            found.label()
+            found.cluster
         ),
     };
     if a.rolling {

@@ -23,8 +23,12 @@ pub struct PlanDiff {
     pub removed: Vec<String>,
     /// Instances to restart one at a time with their new settings, with what changed.
     pub rolled: Vec<(String, Vec<String>)>,
-    /// What changed in the proxy's settings (applied without restarting it).
+    /// What changed in the proxy's command: its instance lists, which a running proxy
+    /// takes from the supervisor, and maybe its settings (see `proxy_settings`).
     pub proxy: Vec<String>,
+    /// The proxy's settings (policies, limits, timeouts, environment) changed, not only the
+    /// instances it lists: a running proxy takes those at its next start.
+    pub proxy_settings: bool,
 }
 
 impl PlanDiff {
@@ -35,6 +39,7 @@ impl PlanDiff {
             && self.removed.is_empty()
             && self.rolled.is_empty()
             && self.proxy.is_empty()
+            && !self.proxy_settings
     }
 
     /// The short list a person reads before the change is carried out (`+` start, `-`
@@ -73,7 +78,10 @@ pub fn diff(running: &Plan, wanted: &Plan) -> PlanDiff {
                 "{} would be added: only prefill and decode instances can be added to a running cluster",
                 s.name
             )),
-            Some(old) if s.role == Role::Proxy => d.proxy = changes(old, s),
+            Some(old) if s.role == Role::Proxy => {
+                d.proxy = changes(old, s);
+                d.proxy_settings = !membership_only(old, s);
+            }
             Some(old) if s.role.is_engine() => {
                 let why = changes(old, s);
                 if !why.is_empty() {
@@ -172,6 +180,24 @@ fn model_of(argv: &[String]) -> Option<String> {
             .cloned()
     };
     after("--model").or_else(|| after("serve").filter(|m| !m.starts_with('-')))
+}
+
+/// True when two versions of the proxy differ at most in the instances they list (the
+/// flags the planner writes for them), which a running proxy follows from the supervisor.
+fn membership_only(old: &Service, new: &Service) -> bool {
+    let settings = |argv: &[String]| -> Vec<String> {
+        let mut out = Vec::new();
+        let mut args = argv.iter();
+        while let Some(a) = args.next() {
+            if matches!(a.as_str(), "--prefill" | "--decode" | "--bootstrap-port") {
+                args.next();
+            } else {
+                out.push(a.clone());
+            }
+        }
+        out
+    };
+    settings(&old.argv) == settings(&new.argv) && old.env == new.env && old.files == new.files
 }
 
 /// What differs between two versions of one service, one phrase per kind of change.
@@ -441,6 +467,7 @@ mod tests {
             .extend(["--decode-policy".into(), "least-loaded".into()]);
         let d = diff(&old, &new);
         assert_eq!(d.proxy, ["arguments with `--decode-policy least-loaded`"]);
+        assert!(d.proxy_settings);
         assert!(d.rolled.is_empty() && d.refused.is_empty());
     }
 }

@@ -123,7 +123,10 @@ pub fn resolve(req: &Request) -> Result<LoadedPlan, ResolveError> {
     let mut loaded = plan_programs_unresolved(&topology, req, machine)?;
     loaded.missing = tools::resolve_programs(&mut loaded.plan);
     loaded.source_note = source_note;
-    loaded.source = super::source::ClusterSource::of(&topology, req.gpus.clone());
+    loaded.source = Some(super::source::ClusterSource::of(
+        &topology,
+        req.gpus.clone(),
+    ));
     Ok(loaded)
 }
 

@@ -52,27 +52,18 @@ pub enum SourceError {
 }
 
 impl ClusterSource {
-    /// The source of a loaded topology, as `up` keeps it.
-    pub fn of(t: &LoadedTopology, gpus: Option<Vec<u32>>) -> Option<ClusterSource> {
-        let (label, profile, text) = match &t.source {
-            Source::File(path) => (
-                path.display().to_string(),
-                None,
-                std::fs::read_to_string(path).ok()?,
-            ),
-            Source::Profile(name) => (
-                format!("<profile {name}>"),
-                Some(name.clone()),
-                crate::profiles::get(name)?.text.to_string(),
-            ),
-        };
-        Some(ClusterSource {
-            label,
-            profile,
-            text,
+    /// The source of a loaded topology, as `up` keeps it: the text it was read from.
+    pub fn of(t: &LoadedTopology, gpus: Option<Vec<u32>>) -> ClusterSource {
+        ClusterSource {
+            label: t.locator.file.clone(),
+            profile: match &t.source {
+                Source::Profile(name) => Some(name.clone()),
+                Source::File(_) => None,
+            },
+            text: t.locator.text().to_string(),
             gpus,
             scaled: BTreeMap::new(),
-        })
+        }
     }
 
     /// Reads `topology.json` of the state dir `dir`; None when the cluster has none (it

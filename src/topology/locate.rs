@@ -30,6 +30,11 @@ impl Locator {
         }
     }
 
+    /// The text as it was read.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
     /// Length of the text, in bytes.
     pub fn text_len(&self) -> usize {
         self.text.len()

@@ -229,25 +229,26 @@ fn add(h: &Handlers, service: Service) -> Response {
     let name = service.name.clone();
     let ctx = &h.ctx;
     let (tx, rx) = mpsc::unbounded_channel();
-    let log = Arc::new(ServiceLog::open(
-        &name,
-        &h.state.log_path(&name),
-        ctx.log_max_bytes,
-        ctx.log_keep,
-    ));
+    // Checked and inserted under one lock, so two adds of one name cannot both win; the
+    // log is opened only for the one that does.
     let idx = ctx.change_members(|m| {
         if m.index_of(&name).is_some() {
             return None;
         }
-        let idx = m.insert(service.clone(), log, tx);
-        ctx.table.put(idx, &service);
-        Some(idx)
+        let log = ServiceLog::open(
+            &name,
+            &h.state.log_path(&name),
+            ctx.log_max_bytes,
+            ctx.log_keep,
+        );
+        Some(m.insert(service.clone(), Arc::new(log), tx))
     });
     let Some(idx) = idx else {
         return Response::Error {
             message: format!("{name} already runs"),
         };
     };
+    ctx.table.put(idx, &service);
     tokio::spawn(run_local(ctx.clone(), idx, rx));
     ctx.console.event(&format!("{name} added"));
     if let Err(e) = save_plan(h) {

@@ -82,11 +82,14 @@ impl Members {
     /// compares a changed topology with.
     pub fn live_plan(&self) -> Plan {
         let mut plan = self.plan.clone();
-        let mut i = 0;
-        plan.services.retain(|_| {
-            i += 1;
-            !self.retired[i - 1]
-        });
+        plan.services = self
+            .plan
+            .services
+            .iter()
+            .zip(&self.retired)
+            .filter(|(_, retired)| !**retired)
+            .map(|(s, _)| s.clone())
+            .collect();
         plan
     }
 }
