@@ -6,6 +6,48 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::{MetricType, TypedMetric};
+
+/// One metric family whose label sets are all known when it is made (a leg, a limit, a
+/// token source, a finish reason), with one label. The code keeps each series' handle and
+/// bumps it with no lookup (the crate's `Family` takes a lock and hashes the labels on
+/// every access), and the series are written in the order given (a `Family` writes them
+/// in hash order, which changes from run to run).
+#[derive(Debug, Clone)]
+pub struct FixedFamily<M, const N: usize> {
+    key: &'static str,
+    series: [(&'static str, M); N],
+}
+
+impl<M: Default, const N: usize> FixedFamily<M, N> {
+    /// A family with one zeroed series per value of label `key`, in this order.
+    pub fn new(key: &'static str, values: [&'static str; N]) -> Self {
+        FixedFamily {
+            key,
+            series: values.map(|v| (v, M::default())),
+        }
+    }
+
+    /// The series of the `i`th value given to [`FixedFamily::new`].
+    pub fn get(&self, i: usize) -> &M {
+        &self.series[i].1
+    }
+}
+
+impl<M: EncodeMetric + TypedMetric, const N: usize> EncodeMetric for FixedFamily<M, N> {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        for (value, metric) in &self.series {
+            metric.encode(encoder.encode_family(&[(self.key, *value)])?)?;
+        }
+        Ok(())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        M::TYPE
+    }
+}
+
 /// Writes the `# HELP` and `# TYPE` lines of a metric.
 pub fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
