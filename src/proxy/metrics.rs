@@ -1,14 +1,21 @@
 //! The proxy's Prometheus metrics (`/metrics`, names prefixed `pdctl_proxy_`): what a
 //! user needs to see that requests flow, where they went, how long each stage took, and
-//! every KV handoff that did not happen.
+//! every KV handoff that did not happen. One `prometheus-client` registry per proxy holds
+//! them and writes the page (its Prometheus text encoder); the per-instance series are
+//! read from the instances at each scrape (instances come and go with DNS names), the
+//! others are handles kept here and bumped without a lookup.
 
 pub use super::histogram::Histogram;
 use super::instances::{FailureKind, Instance, Leg, Pools};
-use crate::prometheus::header;
+use crate::prometheus::FixedFamily;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::{MetricType, TypedMetric};
+use prometheus_client::registry::Registry;
 use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// Why the proxy refused a request with 429.
 #[derive(Debug, Clone, Copy)]
@@ -19,48 +26,217 @@ pub enum LimitReason {
     Concurrency,
 }
 
-/// Every counter the proxy keeps outside the per-instance ones.
-#[derive(Debug, Default)]
+/// The labels of a finished request: its route and HTTP status.
+type RequestLabels = ([(&'static str, &'static str); 1], [(&'static str, u16); 1]);
+
+/// Label values of the per-leg families, in `Leg as usize` order.
+const LEGS: [&str; 2] = ["prefill", "decode"];
+
+/// Every counter the proxy keeps outside the per-instance ones, and the registry that
+/// writes them all.
+#[derive(Debug)]
 pub struct Metrics {
-    requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
-    in_flight: AtomicI64,
+    registry: Registry,
+    /// The instances of the scrape being written, read by the per-instance series.
+    scraped: Arc<Mutex<Arc<Pools>>>,
+    /// Held while a scrape is written, so each reads the instances it put in `scraped`.
+    scrape: Mutex<()>,
+    requests: Sparse<RequestLabels>,
+    in_flight: Gauge,
     /// Prefill leg: request sent until its answer is complete.
     pub prefill_duration: Histogram,
     /// Decode leg: request sent until its first byte.
     pub decode_ttft: Histogram,
     /// Client request received until the first byte of the answer goes out.
     pub ttft: Histogram,
-    handoff_misses: Mutex<BTreeMap<&'static str, u64>>,
-    recomputed_tokens: AtomicU64,
-    rate_limited: [AtomicU64; 2],
-    queued: AtomicU64,
-    queue_depth: AtomicI64,
-    retries: [AtomicU64; 2],
-    restart_waits: [AtomicU64; 2],
-    prefix_routing: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
-    client_disconnects: AtomicU64,
+    handoff_misses: Sparse<[(&'static str, &'static str); 1]>,
+    recomputed_tokens: Counter,
+    rate_limited: FixedFamily<Counter, 2>,
+    queued: Counter,
+    queue_depth: Gauge,
+    retries: FixedFamily<Counter, 2>,
+    restart_waits: FixedFamily<Counter, 2>,
+    prefix_routing: Sparse<[(&'static str, &'static str); 2]>,
+    client_disconnects: Counter,
+}
+
+impl Default for Metrics {
+    /// Zeroed metrics, registered in the order the page lists them.
+    fn default() -> Self {
+        let mut m = Metrics {
+            registry: Registry::with_prefix("pdctl_proxy"),
+            scraped: Arc::new(Mutex::new(Arc::new(no_instances()))),
+            scrape: Mutex::new(()),
+            requests: Sparse::default(),
+            in_flight: Gauge::default(),
+            prefill_duration: Histogram::default(),
+            decode_ttft: Histogram::default(),
+            ttft: Histogram::default(),
+            handoff_misses: Sparse::default(),
+            recomputed_tokens: Counter::default(),
+            rate_limited: FixedFamily::new("reason", ["rate", "concurrency"]),
+            queued: Counter::default(),
+            queue_depth: Gauge::default(),
+            retries: FixedFamily::new("leg", LEGS),
+            restart_waits: FixedFamily::new("leg", LEGS),
+            prefix_routing: Sparse::default(),
+            client_disconnects: Counter::default(),
+        };
+        m.register_all();
+        m
+    }
 }
 
 impl Metrics {
+    /// Registers every family, in page order. Names lack `_total` and help texts their
+    /// final full stop: the registry adds both.
+    fn register_all(&mut self) {
+        let r = &mut self.registry;
+        let s = &self.scraped;
+        r.register(
+            "requests",
+            "Client requests answered, by route and HTTP status",
+            self.requests.clone(),
+        );
+        r.register(
+            "requests_in_flight",
+            "Client requests being served now (until their response ends)",
+            self.in_flight.clone(),
+        );
+        r.register(
+            "instance_selected",
+            "Times routing chose an instance",
+            at_scrape(s, MetricType::Counter, |p, e| {
+                each_instance(p, e, |i| ConstCounter::new(i.selected()))
+            }),
+        );
+        r.register(
+            "instance_in_flight",
+            "Requests on an instance now, counted until the response stream ends",
+            at_scrape(s, MetricType::Gauge, |p, e| {
+                each_instance(p, e, |i| ConstGauge::new(i.in_flight() as i64))
+            }),
+        );
+        r.register(
+            "instance_errors",
+            "Leg failures on an instance, by kind (client 4xx are not counted)",
+            at_scrape(s, MetricType::Counter, |p, e| {
+                for i in p.all() {
+                    for k in FailureKind::ALL {
+                        let labels = (instance_labels(i), [("kind", k.as_str())]);
+                        ConstCounter::new(i.failures(k)).encode(e.encode_family(&labels)?)?;
+                    }
+                }
+                Ok(())
+            }),
+        );
+        r.register(
+            "instance_healthy",
+            "1 when routing may use the instance, 0 when health checks took it out",
+            at_scrape(s, MetricType::Gauge, |p, e| {
+                each_instance(p, e, |i| ConstGauge::new(i64::from(i.is_usable())))
+            }),
+        );
+        r.register(
+            "instance_engine_load",
+            "Running + waiting requests the engine reported (--scrape-metrics); -1 unknown",
+            at_scrape(s, MetricType::Gauge, |p, e| {
+                each_instance(p, e, |i| {
+                    ConstGauge::new(i.engine_load().map_or(-1, i64::from))
+                })
+            }),
+        );
+        r.register(
+            "prefill_duration_seconds",
+            "Prefill leg: sent until its answer was complete",
+            self.prefill_duration.clone(),
+        );
+        r.register(
+            "decode_ttft_seconds",
+            "Decode leg: sent until its first byte",
+            self.decode_ttft.clone(),
+        );
+        r.register(
+            "ttft_seconds",
+            "End to end: client request received until the first byte was sent back",
+            self.ttft.clone(),
+        );
+        r.register(
+            "kv_handoff_misses",
+            "Requests whose decode had to recompute the prompt, by reason",
+            self.handoff_misses.clone(),
+        );
+        r.register(
+            "kv_handoff_recomputed_tokens",
+            "Prompt tokens decodes computed themselves in the misses found from their usage (all of them) or counters (those beyond one block per handoff)",
+            self.recomputed_tokens.clone(),
+        );
+        r.register(
+            "decode_prompt_tokens",
+            "Prompt tokens of each decode by source, from its vllm:prompt_tokens_by_source_total, since this proxy started watching it",
+            at_scrape(s, MetricType::Counter, |p, e| {
+                for i in &p.decode {
+                    let seen = i.ledger.seen();
+                    for (source, n) in super::recompute::SOURCES.iter().zip(seen) {
+                        let labels = [("instance", i.url.as_str()), ("source", source)];
+                        ConstCounter::new(n).encode(e.encode_family(&labels)?)?;
+                    }
+                }
+                Ok(())
+            }),
+        );
+        r.register(
+            "rate_limited",
+            "Requests refused with 429, by limit",
+            self.rate_limited.clone(),
+        );
+        r.register(
+            "queued",
+            "Requests that waited for a concurrency slot",
+            self.queued.clone(),
+        );
+        r.register(
+            "queue_depth",
+            "Requests waiting for a concurrency slot now",
+            self.queue_depth.clone(),
+        );
+        r.register(
+            "retries",
+            "Legs retried on another instance after a connect error or 502/503",
+            self.retries.clone(),
+        );
+        r.register(
+            "restart_waits",
+            "Requests that found no healthy instance of a leg and waited for one the supervisor reports coming back",
+            self.restart_waits.clone(),
+        );
+        r.register(
+            "prefix_routing",
+            "Prefix-aware decisions: matched a known prefix, cold (none known), rebalanced (owner too loaded)",
+            self.prefix_routing.clone(),
+        );
+        r.register(
+            "client_disconnects",
+            "Clients gone before their answer was complete (both legs were cancelled)",
+            self.client_disconnects.clone(),
+        );
+    }
+
     /// Counts one finished request by route and status.
     pub fn request_done(&self, route: &'static str, status: u16) {
-        *self
-            .requests
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry((route, status))
-            .or_default() += 1;
+        self.requests
+            .add(([("route", route)], [("status", status)]), 1);
     }
 
     /// Requests with that route and status so far.
     pub fn requests(&self, route: &'static str, status: u16) -> u64 {
-        let map = self.requests.lock().unwrap_or_else(|p| p.into_inner());
-        map.get(&(route, status)).copied().unwrap_or(0)
+        self.requests
+            .get(&([("route", route)], [("status", status)]))
     }
 
     /// Adds `delta` to the client requests in flight.
     pub fn add_in_flight(&self, delta: i64) {
-        self.in_flight.fetch_add(delta, Ordering::Relaxed);
+        self.in_flight.inc_by(delta);
     }
 
     /// Counts one KV handoff that did not happen (decode recomputes the prompt).
@@ -70,305 +246,177 @@ impl Metrics {
 
     /// Counts `n` KV handoffs that did not happen.
     pub fn handoff_misses_n(&self, reason: &'static str, n: u64) {
-        *self
-            .handoff_misses
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(reason)
-            .or_default() += n;
+        self.handoff_misses.add([("reason", reason)], n);
     }
 
     /// Counts prompt tokens a decode computed itself in KV handoff misses found from its
     /// usage or counters (recompute.rs).
     pub fn recomputed_tokens(&self, n: u64) {
-        self.recomputed_tokens.fetch_add(n, Ordering::Relaxed);
+        self.recomputed_tokens.inc_by(n);
     }
 
     /// Counts one 429.
     pub fn rate_limited(&self, reason: LimitReason) {
-        self.rate_limited[reason as usize].fetch_add(1, Ordering::Relaxed);
+        self.rate_limited.get(reason as usize).inc();
     }
 
     /// Counts one request that had to wait for a concurrency slot.
     pub fn queued(&self) {
-        self.queued.fetch_add(1, Ordering::Relaxed);
+        self.queued.inc();
     }
 
     /// Moves the current queue depth gauge.
     pub fn queue_depth(&self, delta: i64) {
-        self.queue_depth.fetch_add(delta, Ordering::Relaxed);
+        self.queue_depth.inc_by(delta);
     }
 
     /// Counts one retry of a leg on another instance.
     pub fn retry(&self, leg: Leg) {
-        self.retries[leg as usize].fetch_add(1, Ordering::Relaxed);
+        self.retries.get(leg as usize).inc();
     }
 
     /// Counts one request that waited for an instance of `leg` coming back.
     pub fn restart_wait(&self, leg: Leg) {
-        self.restart_waits[leg as usize].fetch_add(1, Ordering::Relaxed);
+        self.restart_waits.get(leg as usize).inc();
     }
 
     /// Counts one prefix-aware routing decision (`matched`, `cold` or `rebalanced`).
     pub fn prefix_routing(&self, leg: Leg, outcome: &'static str) {
-        *self
-            .prefix_routing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry((leg.as_str(), outcome))
-            .or_default() += 1;
+        self.prefix_routing
+            .add([("leg", leg.as_str()), ("outcome", outcome)], 1);
     }
 
     /// Counts a client that went away before its answer was complete.
     pub fn client_disconnect(&self) {
-        self.client_disconnects.fetch_add(1, Ordering::Relaxed);
+        self.client_disconnects.inc();
     }
 
-    /// The Prometheus text exposition of everything, per-instance series included.
+    /// The Prometheus text exposition of everything, per-instance series of `pools`
+    /// included.
     pub fn render(&self, pools: &Pools) -> String {
-        let mut o = String::with_capacity(8192);
-        let p = "pdctl_proxy";
-        header(
-            &mut o,
-            &format!("{p}_requests_total"),
-            "counter",
-            "Client requests answered, by route and HTTP status.",
-        );
-        for ((route, status), n) in self
-            .requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
-            let _ = writeln!(
-                o,
-                "{p}_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}"
-            );
-        }
-        header(
-            &mut o,
-            &format!("{p}_requests_in_flight"),
-            "gauge",
-            "Client requests being served now (until their response ends).",
-        );
-        let _ = writeln!(
-            o,
-            "{p}_requests_in_flight {}",
-            self.in_flight.load(Ordering::Relaxed)
-        );
+        let _one_scrape_at_a_time = self.scrape.lock().unwrap_or_else(PoisonError::into_inner);
+        let set =
+            |p: Pools| *self.scraped.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(p);
+        set(Pools {
+            prefill: pools.prefill.clone(),
+            decode: pools.decode.clone(),
+        });
+        let mut out = String::with_capacity(8192);
+        // Writing to a String cannot fail, nor can any metric here.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
+        set(no_instances());
+        out
+    }
+}
 
-        let per_instance = |o: &mut String,
-                            name: &str,
-                            kind: &str,
-                            help: &str,
-                            v: &dyn Fn(&Instance) -> String| {
-            header(o, &format!("{p}_{name}"), kind, help);
-            for i in pools.all() {
-                let _ = writeln!(
-                    o,
-                    "{p}_{name}{{leg=\"{}\",instance=\"{}\"}} {}",
-                    i.leg,
-                    i.url,
-                    v(i)
-                );
-            }
-        };
-        per_instance(
-            &mut o,
-            "instance_selected_total",
-            "counter",
-            "Times routing chose an instance.",
-            &|i| i.selected().to_string(),
-        );
-        per_instance(
-            &mut o,
-            "instance_in_flight",
-            "gauge",
-            "Requests on an instance now, counted until the response stream ends.",
-            &|i| i.in_flight().to_string(),
-        );
-        header(
-            &mut o,
-            &format!("{p}_instance_errors_total"),
-            "counter",
-            "Leg failures on an instance, by kind (client 4xx are not counted).",
-        );
-        for i in pools.all() {
-            for k in FailureKind::ALL {
-                let _ = writeln!(
-                    o,
-                    "{p}_instance_errors_total{{leg=\"{}\",instance=\"{}\",kind=\"{}\"}} {}",
-                    i.leg,
-                    i.url,
-                    k.as_str(),
-                    i.failures(k)
-                );
-            }
-        }
-        per_instance(
-            &mut o,
-            "instance_healthy",
-            "gauge",
-            "1 when routing may use the instance, 0 when health checks took it out.",
-            &|i| u8::from(i.is_usable()).to_string(),
-        );
-        per_instance(
-            &mut o,
-            "instance_engine_load",
-            "gauge",
-            "Running + waiting requests the engine reported (--scrape-metrics); -1 unknown.",
-            &|i| i.engine_load().map_or(-1, i64::from).to_string(),
-        );
+/// Pools with no instance: what the per-instance series see outside a scrape.
+fn no_instances() -> Pools {
+    Pools {
+        prefill: vec![],
+        decode: vec![],
+    }
+}
 
-        self.prefill_duration.render(
-            &mut o,
-            &format!("{p}_prefill_duration_seconds"),
-            "Prefill leg: sent until its answer was complete.",
-            "",
-        );
-        self.decode_ttft.render(
-            &mut o,
-            &format!("{p}_decode_ttft_seconds"),
-            "Decode leg: sent until its first byte.",
-            "",
-        );
-        self.ttft.render(
-            &mut o,
-            &format!("{p}_ttft_seconds"),
-            "End to end: client request received until the first byte was sent back.",
-            "",
-        );
+/// How a per-instance family writes its series from the instances of a scrape.
+type WriteSeries = fn(&Pools, &mut MetricEncoder) -> fmt::Result;
 
-        header(
-            &mut o,
-            &format!("{p}_kv_handoff_misses_total"),
-            "counter",
-            "Requests whose decode had to recompute the prompt, by reason.",
-        );
-        for (reason, n) in self
-            .handoff_misses
+/// A per-instance family, read from the instances of the scrape being written (so an
+/// instance that left has no series).
+#[derive(Debug)]
+struct PerScrape {
+    scraped: Arc<Mutex<Arc<Pools>>>,
+    kind: MetricType,
+    write: WriteSeries,
+}
+
+/// A [`PerScrape`] family of `kind` reading the instances from `scraped`.
+fn at_scrape(scraped: &Arc<Mutex<Arc<Pools>>>, kind: MetricType, write: WriteSeries) -> PerScrape {
+    PerScrape {
+        scraped: scraped.clone(),
+        kind,
+        write,
+    }
+}
+
+impl EncodeMetric for PerScrape {
+    fn encode(&self, mut encoder: MetricEncoder) -> fmt::Result {
+        let pools = self
+            .scraped
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
-            let _ = writeln!(o, "{p}_kv_handoff_misses_total{{reason=\"{reason}\"}} {n}");
-        }
-        header(
-            &mut o,
-            &format!("{p}_kv_handoff_recomputed_tokens_total"),
-            "counter",
-            "Prompt tokens decodes computed themselves in the misses found from their usage (all of them) or counters (those beyond one block per handoff).",
-        );
-        let _ = writeln!(
-            o,
-            "{p}_kv_handoff_recomputed_tokens_total {}",
-            self.recomputed_tokens.load(Ordering::Relaxed)
-        );
-        header(
-            &mut o,
-            &format!("{p}_decode_prompt_tokens_total"),
-            "counter",
-            "Prompt tokens of each decode by source, from its vllm:prompt_tokens_by_source_total, since this proxy started watching it.",
-        );
-        for i in &pools.decode {
-            for (source, n) in super::recompute::SOURCES.iter().zip(i.ledger.seen()) {
-                let _ = writeln!(
-                    o,
-                    "{p}_decode_prompt_tokens_total{{instance=\"{}\",source=\"{source}\"}} {n}",
-                    i.url
-                );
-            }
-        }
-        header(
-            &mut o,
-            &format!("{p}_rate_limited_total"),
-            "counter",
-            "Requests refused with 429, by limit.",
-        );
-        for (i, reason) in ["rate", "concurrency"].iter().enumerate() {
-            let _ = writeln!(
-                o,
-                "{p}_rate_limited_total{{reason=\"{reason}\"}} {}",
-                self.rate_limited[i].load(Ordering::Relaxed)
-            );
-        }
-        header(
-            &mut o,
-            &format!("{p}_queued_total"),
-            "counter",
-            "Requests that waited for a concurrency slot.",
-        );
-        let _ = writeln!(
-            o,
-            "{p}_queued_total {}",
-            self.queued.load(Ordering::Relaxed)
-        );
-        header(
-            &mut o,
-            &format!("{p}_queue_depth"),
-            "gauge",
-            "Requests waiting for a concurrency slot now.",
-        );
-        let _ = writeln!(
-            o,
-            "{p}_queue_depth {}",
-            self.queue_depth.load(Ordering::Relaxed)
-        );
-        header(
-            &mut o,
-            &format!("{p}_retries_total"),
-            "counter",
-            "Legs retried on another instance after a connect error or 502/503.",
-        );
-        for leg in [Leg::Prefill, Leg::Decode] {
-            let _ = writeln!(
-                o,
-                "{p}_retries_total{{leg=\"{leg}\"}} {}",
-                self.retries[leg as usize].load(Ordering::Relaxed)
-            );
-        }
-        header(
-            &mut o,
-            &format!("{p}_restart_waits_total"),
-            "counter",
-            "Requests that found no healthy instance of a leg and waited for one the supervisor reports coming back.",
-        );
-        for leg in [Leg::Prefill, Leg::Decode] {
-            let _ = writeln!(
-                o,
-                "{p}_restart_waits_total{{leg=\"{leg}\"}} {}",
-                self.restart_waits[leg as usize].load(Ordering::Relaxed)
-            );
-        }
-        header(
-            &mut o,
-            &format!("{p}_prefix_routing_total"),
-            "counter",
-            "Prefix-aware decisions: matched a known prefix, cold (none known), rebalanced (owner too loaded).",
-        );
-        for ((leg, outcome), n) in self
-            .prefix_routing
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        (self.write)(&pools, &mut encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.kind
+    }
+}
+
+/// The labels of an instance's series: its leg and URL.
+fn instance_labels(i: &Instance) -> [(&'static str, &str); 2] {
+    [("leg", i.leg.as_str()), ("instance", i.url.as_str())]
+}
+
+/// Writes one series per instance, prefill first, with the value `v` gives.
+fn each_instance<M: EncodeMetric>(
+    pools: &Pools,
+    encoder: &mut MetricEncoder,
+    v: impl Fn(&Instance) -> M,
+) -> fmt::Result {
+    for i in pools.all() {
+        v(i).encode(encoder.encode_family(&instance_labels(i))?)?;
+    }
+    Ok(())
+}
+
+/// A counter family whose label sets show up as requests come (a route and status, a
+/// miss reason): a map under a lock, as the proxy kept before the crate, written sorted
+/// by labels.
+#[derive(Debug)]
+struct Sparse<K>(Arc<Mutex<BTreeMap<K, u64>>>);
+
+impl<K> Clone for Sparse<K> {
+    fn clone(&self) -> Self {
+        Sparse(self.0.clone())
+    }
+}
+
+impl<K> Default for Sparse<K> {
+    fn default() -> Self {
+        Sparse(Arc::default())
+    }
+}
+
+impl<K: Ord> Sparse<K> {
+    /// Adds `n` to the series labelled `k`.
+    fn add(&self, k: K, n: u64) {
+        *self
+            .0
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
-            let _ = writeln!(
-                o,
-                "{p}_prefix_routing_total{{leg=\"{leg}\",outcome=\"{outcome}\"}} {n}"
-            );
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(k)
+            .or_default() += n;
+    }
+
+    /// The count of the series labelled `k` (0 before its first count).
+    fn get(&self, k: &K) -> u64 {
+        let map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        map.get(k).copied().unwrap_or(0)
+    }
+}
+
+impl<K: EncodeLabelSet> EncodeMetric for Sparse<K> {
+    fn encode(&self, mut encoder: MetricEncoder) -> fmt::Result {
+        let map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        for (labels, n) in map.iter() {
+            ConstCounter::new(*n).encode(encoder.encode_family(labels)?)?;
         }
-        header(
-            &mut o,
-            &format!("{p}_client_disconnects_total"),
-            "counter",
-            "Clients gone before their answer was complete (both legs were cancelled).",
-        );
-        let _ = writeln!(
-            o,
-            "{p}_client_disconnects_total {}",
-            self.client_disconnects.load(Ordering::Relaxed)
-        );
-        o
+        Ok(())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        <Counter as TypedMetric>::TYPE
     }
 }
 

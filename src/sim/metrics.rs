@@ -1,9 +1,21 @@
-//! The simulator's counters, all atomics (no lock on the request path), rendered in
-//! Prometheus text format under vLLM's metric names plus `pdctl_sim_*` ones.
+//! The simulator's metrics under vLLM's names (`vllm:...`, counters ending `_total`,
+//! the `model_name` and `engine` labels) plus `pdctl_sim_*` ones. The code bumps them as
+//! plain atomics (no lock on the request path); a `prometheus-client` registry per sim
+//! holds the same counters and writes the page with the crate's Prometheus text encoder.
 
-use crate::prometheus::{Histogram, header};
-use std::fmt::Write as _;
+use crate::prometheus::FixedFamily;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::{MetricType, TypedMetric};
+use prometheus_client::registry::Registry;
+use std::borrow::Cow;
+use std::fmt;
+use std::ops::Deref;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
 
 /// vLLM's buckets for time to first token, in seconds.
 const TTFT_BUCKETS: [f64; 22] = [
@@ -27,99 +39,305 @@ pub enum Finish {
 /// (`source=...`): the value and the index into [`Metrics::prompt_tokens_by_source`].
 pub const PROMPT_SOURCES: [&str; 3] = ["local_compute", "local_cache_hit", "external_kv_transfer"];
 
+/// A counter the simulator bumps as a plain atomic (`fetch_add`, through `Deref`), exposed
+/// as the crate's counter (which adds the `_total` suffix).
+#[derive(Debug, Default, Clone)]
+pub struct Count(Counter);
+
+impl Deref for Count {
+    type Target = AtomicU64;
+    fn deref(&self) -> &AtomicU64 {
+        self.0.inner()
+    }
+}
+
+impl TypedMetric for Count {
+    const TYPE: MetricType = <Counter as TypedMetric>::TYPE;
+}
+
+impl EncodeMetric for Count {
+    fn encode(&self, encoder: MetricEncoder) -> fmt::Result {
+        self.0.encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
+/// A level the simulator moves as a plain atomic (requests running, blocks held), exposed
+/// as a gauge clamped at 0: a decrement may land before the increment it undoes.
+#[derive(Debug, Default, Clone)]
+pub struct Level(Gauge);
+
+impl Deref for Level {
+    type Target = AtomicI64;
+    fn deref(&self) -> &AtomicI64 {
+        self.0.inner()
+    }
+}
+
+impl EncodeMetric for Level {
+    fn encode(&self, encoder: MetricEncoder) -> fmt::Result {
+        ConstGauge::new(self.0.get().max(0)).encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        <Gauge as TypedMetric>::TYPE
+    }
+}
+
+/// A latency histogram with vLLM's buckets (the crate's; the simulator is not the hot
+/// path the proxy's lock-free one is for).
+#[derive(Debug, Clone)]
+pub struct Latency(Histogram);
+
+impl Latency {
+    /// An empty histogram with these upper bounds (seconds).
+    fn new(bounds: &[f64]) -> Latency {
+        Latency(Histogram::new(bounds.iter().copied()))
+    }
+
+    /// Records one observation.
+    pub fn observe(&self, d: Duration) {
+        self.0.observe(d.as_secs_f64());
+    }
+}
+
 /// Every number the simulator exposes on `/metrics`.
+#[derive(Debug)]
 pub struct Metrics {
-    labels: String,
-    block_size: u32,
-    pub running: AtomicI64,
-    pub waiting: AtomicI64,
+    registry: Registry,
+    pub running: Level,
+    pub waiting: Level,
     /// KV blocks held by running sequences (for `vllm:kv_cache_usage_perc`).
-    pub blocks_in_use: AtomicI64,
+    pub blocks_in_use: Level,
     cache_blocks: u32,
-    pub prompt_tokens: AtomicU64,
-    pub generation_tokens: AtomicU64,
-    pub prefix_queries: AtomicU64,
-    pub prefix_hits: AtomicU64,
+    pub prompt_tokens: Count,
+    pub generation_tokens: Count,
+    pub prefix_queries: Count,
+    pub prefix_hits: Count,
     /// Prompt tokens by where their KV came from, in [`PROMPT_SOURCES`] order: what vLLM
     /// counts on a decode, so a decode that silently recomputed shows in `local_compute`.
-    pub prompt_tokens_by_source: [AtomicU64; 3],
+    pub prompt_tokens_by_source: FixedFamily<Count, 3>,
     /// Tokens a decode asked a KV handoff for (vLLM's `external_prefix_cache_queries`).
-    pub external_prefix_queries: AtomicU64,
+    pub external_prefix_queries: Count,
     /// Of those, the tokens the handoff delivered (`external_prefix_cache_hits`).
-    pub external_prefix_hits: AtomicU64,
-    pub success_stop: AtomicU64,
-    pub success_length: AtomicU64,
-    pub aborted: AtomicU64,
-    pub handoffs_received: AtomicU64,
-    pub handoff_tokens_received: AtomicU64,
-    pub handoffs_missed: AtomicU64,
-    pub handoffs_sent: AtomicU64,
-    pub handoffs_expired: AtomicU64,
+    pub external_prefix_hits: Count,
+    /// Finished requests by [`Finish`] (`finished_reason`).
+    success: FixedFamily<Count, 2>,
+    pub aborted: Count,
+    pub handoffs_received: Count,
+    pub handoff_tokens_received: Count,
+    pub handoffs_missed: Count,
+    pub handoffs_sent: Count,
+    pub handoffs_expired: Count,
     /// KV blocks a prefill keeps for decodes that have not pulled them yet.
-    pub blocks_held: AtomicI64,
-    pub faults_injected: AtomicU64,
+    pub blocks_held: Level,
+    pub faults_injected: Count,
     /// TCP connections accepted on the API port: a client that reuses its connections keeps
     /// this far below the number of requests.
-    pub connections_accepted: AtomicU64,
-    pub ttft: Histogram,
-    pub e2e: Histogram,
+    pub connections_accepted: Count,
+    pub ttft: Latency,
+    pub e2e: Latency,
 }
 
 impl Metrics {
     /// Zeroed metrics for a sim serving `model` with `cache_blocks` KV blocks of
     /// `block_size` tokens.
     pub fn new(model: &str, cache_blocks: u32, block_size: u32) -> Metrics {
-        let escaped = model
-            .replace('\\', "\\\\")
-            .replace('"', "\\\"")
-            .replace('\n', "\\n");
-        Metrics {
-            labels: format!("model_name=\"{escaped}\",engine=\"0\""),
-            block_size,
-            running: AtomicI64::new(0),
-            waiting: AtomicI64::new(0),
-            blocks_in_use: AtomicI64::new(0),
+        let m = Metrics {
+            registry: Registry::default(),
+            running: Level::default(),
+            waiting: Level::default(),
+            blocks_in_use: Level::default(),
             cache_blocks,
-            prompt_tokens: AtomicU64::new(0),
-            generation_tokens: AtomicU64::new(0),
-            prefix_queries: AtomicU64::new(0),
-            prefix_hits: AtomicU64::new(0),
-            prompt_tokens_by_source: Default::default(),
-            external_prefix_queries: AtomicU64::new(0),
-            external_prefix_hits: AtomicU64::new(0),
-            success_stop: AtomicU64::new(0),
-            success_length: AtomicU64::new(0),
-            aborted: AtomicU64::new(0),
-            handoffs_received: AtomicU64::new(0),
-            handoff_tokens_received: AtomicU64::new(0),
-            handoffs_missed: AtomicU64::new(0),
-            handoffs_sent: AtomicU64::new(0),
-            handoffs_expired: AtomicU64::new(0),
-            blocks_held: AtomicI64::new(0),
-            faults_injected: AtomicU64::new(0),
-            connections_accepted: AtomicU64::new(0),
-            ttft: Histogram::new(&TTFT_BUCKETS),
-            e2e: Histogram::new(&E2E_BUCKETS),
+            prompt_tokens: Count::default(),
+            generation_tokens: Count::default(),
+            prefix_queries: Count::default(),
+            prefix_hits: Count::default(),
+            prompt_tokens_by_source: FixedFamily::new("source", PROMPT_SOURCES),
+            external_prefix_queries: Count::default(),
+            external_prefix_hits: Count::default(),
+            success: FixedFamily::new("finished_reason", ["stop", "length"]),
+            aborted: Count::default(),
+            handoffs_received: Count::default(),
+            handoff_tokens_received: Count::default(),
+            handoffs_missed: Count::default(),
+            handoffs_sent: Count::default(),
+            handoffs_expired: Count::default(),
+            blocks_held: Level::default(),
+            faults_injected: Count::default(),
+            connections_accepted: Count::default(),
+            ttft: Latency::new(&TTFT_BUCKETS),
+            e2e: Latency::new(&E2E_BUCKETS),
+        };
+        m.registered(model, block_size)
+    }
+
+    /// Registers every family in the order vLLM's page lists them. Counter names lack
+    /// `_total` and help texts their final full stop: the registry adds both. The series
+    /// carrying vLLM's `model_name` and `engine` labels go in sub-registries with those
+    /// labels, the others in sub-registries without, so the page keeps its order.
+    fn registered(mut self, model: &str, block_size: u32) -> Metrics {
+        let vllm_labels = || {
+            [
+                ("model_name", Cow::Owned(model.to_string())),
+                ("engine", Cow::Borrowed("0")),
+            ]
+            .into_iter()
+            .map(|(k, v)| (Cow::Borrowed(k), v))
+        };
+        let r = self.registry.sub_registry_with_labels(vllm_labels());
+        r.register(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches",
+            self.running.clone(),
+        );
+        r.register(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed",
+            self.waiting.clone(),
+        );
+        r.register(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage",
+            KvUsage {
+                blocks_in_use: self.blocks_in_use.clone(),
+                cache_blocks: self.cache_blocks,
+            },
+        );
+        let counters: [(&str, &str, &Count); 5] = [
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens",
+                &self.prefix_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens",
+                &self.prefix_hits,
+            ),
+            (
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens",
+                &self.external_prefix_queries,
+            ),
+            (
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens",
+                &self.external_prefix_hits,
+            ),
+            (
+                "vllm:prompt_tokens",
+                "Number of prefill tokens processed",
+                &self.prompt_tokens,
+            ),
+        ];
+        for (name, help, c) in counters {
+            r.register(name, help, c.clone());
         }
+        r.register(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source",
+            self.prompt_tokens_by_source.clone(),
+        );
+        // vLLM's info gauge: its labels are the cache settings (here the ones the sim has),
+        // not the model's, and its help has no full stop.
+        self.registry
+            .sub_registry_with_labels(std::iter::empty())
+            .register_collector(Box::new(CacheConfigInfo {
+                block_size,
+                num_gpu_blocks: self.cache_blocks,
+            }));
+        let r = self.registry.sub_registry_with_labels(vllm_labels());
+        r.register(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed",
+            self.generation_tokens.clone(),
+        );
+        r.register(
+            "vllm:request_success",
+            "Count of successfully processed requests",
+            self.success.clone(),
+        );
+        r.register(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds",
+            self.ttft.0.clone(),
+        );
+        r.register(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds",
+            self.e2e.0.clone(),
+        );
+        let r = r.sub_registry_with_prefix("pdctl_sim");
+        let counters: [(&str, &str, &Count); 6] = [
+            (
+                "requests_aborted",
+                "Requests aborted because the client went away",
+                &self.aborted,
+            ),
+            (
+                "kv_handoffs_received",
+                "Requests whose prompt KV came from a prefill instance",
+                &self.handoffs_received,
+            ),
+            (
+                "kv_handoff_tokens_received",
+                "Prompt tokens whose KV came from a prefill instance",
+                &self.handoff_tokens_received,
+            ),
+            (
+                "kv_handoffs_missed",
+                "Requests that expected KV from a prefill, found none and recomputed",
+                &self.handoffs_missed,
+            ),
+            (
+                "kv_handoffs_sent",
+                "KV handoffs this prefill instance made available to a decode",
+                &self.handoffs_sent,
+            ),
+            (
+                "kv_handoffs_expired",
+                "Held KV handoffs dropped because no decode pulled them in time",
+                &self.handoffs_expired,
+            ),
+        ];
+        for (name, help, c) in counters {
+            r.register(name, help, c.clone());
+        }
+        r.register(
+            "kv_blocks_held",
+            "KV blocks held for decodes that have not pulled them yet",
+            self.blocks_held.clone(),
+        );
+        r.register(
+            "faults_injected",
+            "Requests failed, hung or stalled on purpose (fault injection)",
+            self.faults_injected.clone(),
+        );
+        // Not per model: a plain counter without the vLLM labels.
+        self.registry
+            .sub_registry_with_prefix("pdctl_sim")
+            .register(
+                "connections_accepted",
+                "TCP connections accepted on the API port",
+                self.connections_accepted.clone(),
+            );
+        self
     }
 
     /// Counts a finished sequence.
     pub fn finished(&self, why: Finish) {
-        match why {
-            Finish::Stop => self.success_stop.fetch_add(1, Relaxed),
-            Finish::Length => self.success_length.fetch_add(1, Relaxed),
-        };
+        self.success.get(why as usize).fetch_add(1, Relaxed);
     }
 
     /// Counts one prompt the way vLLM's decode does: `computed` tokens prefilled here,
     /// `cached` found in the local prefix cache, `received` loaded from a KV handoff.
     pub fn prompt_by_source(&self, computed: u64, cached: u64, received: u64) {
-        for (counter, n) in self
-            .prompt_tokens_by_source
-            .iter()
-            .zip([computed, cached, received])
-        {
-            counter.fetch_add(n, Relaxed);
+        for (i, n) in [computed, cached, received].into_iter().enumerate() {
+            self.prompt_tokens_by_source.get(i).fetch_add(n, Relaxed);
         }
     }
 
@@ -132,10 +350,7 @@ impl Metrics {
 
     /// Fraction of KV blocks in use by running sequences, 0..=1 as vLLM reports it.
     pub fn kv_usage(&self) -> f64 {
-        if self.cache_blocks == 0 {
-            return 0.0;
-        }
-        (self.blocks_in_use.load(Relaxed).max(0) as f64 / f64::from(self.cache_blocks)).min(1.0)
+        kv_usage(&self.blocks_in_use, self.cache_blocks)
     }
 
     /// Cumulative prefix cache hit rate in percent (0 before any query).
@@ -150,182 +365,61 @@ impl Metrics {
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(8192);
-        let l = &self.labels;
-        let gauge = |out: &mut String, name: &str, help: &str, v: String| {
-            header(out, name, "gauge", help);
-            let _ = writeln!(out, "{name}{{{l}}} {v}");
-        };
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            header(out, name, "counter", help);
-            let _ = writeln!(out, "{name}{{{l}}} {v}");
-        };
-        let g = |a: &AtomicI64| a.load(Relaxed).max(0).to_string();
-        let c = |a: &AtomicU64| a.load(Relaxed);
-        gauge(
-            &mut out,
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            g(&self.running),
-        );
-        gauge(
-            &mut out,
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            g(&self.waiting),
-        );
-        gauge(
-            &mut out,
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            self.kv_usage().to_string(),
-        );
-        counter(
-            &mut out,
-            "vllm:prefix_cache_queries_total",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            c(&self.prefix_queries),
-        );
-        counter(
-            &mut out,
-            "vllm:prefix_cache_hits_total",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            c(&self.prefix_hits),
-        );
-        counter(
-            &mut out,
-            "vllm:external_prefix_cache_queries_total",
-            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
-            c(&self.external_prefix_queries),
-        );
-        counter(
-            &mut out,
-            "vllm:external_prefix_cache_hits_total",
-            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
-            c(&self.external_prefix_hits),
-        );
-        counter(
-            &mut out,
-            "vllm:prompt_tokens_total",
-            "Number of prefill tokens processed.",
-            c(&self.prompt_tokens),
-        );
-        header(
-            &mut out,
-            "vllm:prompt_tokens_by_source_total",
-            "counter",
-            "Number of prompt tokens by source.",
-        );
-        for (source, n) in PROMPT_SOURCES.iter().zip(&self.prompt_tokens_by_source) {
-            let _ = writeln!(
-                out,
-                "vllm:prompt_tokens_by_source_total{{{l},source=\"{source}\"}} {}",
-                c(n)
-            );
-        }
-        // vLLM's info gauge: its labels are the cache settings (here the ones the sim has).
-        header(
-            &mut out,
-            "vllm:cache_config_info",
-            "gauge",
-            "Information of the LLMEngine CacheConfig",
-        );
-        let _ = writeln!(
-            out,
-            "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"{}\"}} 1.0",
-            self.block_size, self.cache_blocks
-        );
-        counter(
-            &mut out,
-            "vllm:generation_tokens_total",
-            "Number of generation tokens processed.",
-            c(&self.generation_tokens),
-        );
-        header(
-            &mut out,
-            "vllm:request_success_total",
-            "counter",
-            "Count of successfully processed requests.",
-        );
-        let _ = writeln!(
-            out,
-            "vllm:request_success_total{{{l},finished_reason=\"stop\"}} {}\n\
-             vllm:request_success_total{{{l},finished_reason=\"length\"}} {}",
-            c(&self.success_stop),
-            c(&self.success_length)
-        );
-        self.ttft.render(
-            &mut out,
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            l,
-        );
-        self.e2e.render(
-            &mut out,
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            l,
-        );
-        counter(
-            &mut out,
-            "pdctl_sim_requests_aborted_total",
-            "Requests aborted because the client went away.",
-            c(&self.aborted),
-        );
-        counter(
-            &mut out,
-            "pdctl_sim_kv_handoffs_received_total",
-            "Requests whose prompt KV came from a prefill instance.",
-            c(&self.handoffs_received),
-        );
-        counter(
-            &mut out,
-            "pdctl_sim_kv_handoff_tokens_received_total",
-            "Prompt tokens whose KV came from a prefill instance.",
-            c(&self.handoff_tokens_received),
-        );
-        counter(
-            &mut out,
-            "pdctl_sim_kv_handoffs_missed_total",
-            "Requests that expected KV from a prefill, found none and recomputed.",
-            c(&self.handoffs_missed),
-        );
-        counter(
-            &mut out,
-            "pdctl_sim_kv_handoffs_sent_total",
-            "KV handoffs this prefill instance made available to a decode.",
-            c(&self.handoffs_sent),
-        );
-        counter(
-            &mut out,
-            "pdctl_sim_kv_handoffs_expired_total",
-            "Held KV handoffs dropped because no decode pulled them in time.",
-            c(&self.handoffs_expired),
-        );
-        gauge(
-            &mut out,
-            "pdctl_sim_kv_blocks_held",
-            "KV blocks held for decodes that have not pulled them yet.",
-            g(&self.blocks_held),
-        );
-        counter(
-            &mut out,
-            "pdctl_sim_faults_injected_total",
-            "Requests failed, hung or stalled on purpose (fault injection).",
-            c(&self.faults_injected),
-        );
-        // Not per model: a plain counter without the vLLM labels.
-        header(
-            &mut out,
-            "pdctl_sim_connections_accepted_total",
-            "counter",
-            "TCP connections accepted on the API port.",
-        );
-        let _ = writeln!(
-            out,
-            "pdctl_sim_connections_accepted_total {}",
-            c(&self.connections_accepted)
-        );
+        // Writing to a String cannot fail, nor can any metric here.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// Fraction of `cache_blocks` that `blocks_in_use` holds, 0..=1.
+fn kv_usage(blocks_in_use: &Level, cache_blocks: u32) -> f64 {
+    if cache_blocks == 0 {
+        return 0.0;
+    }
+    (blocks_in_use.load(Relaxed).max(0) as f64 / f64::from(cache_blocks)).min(1.0)
+}
+
+/// `vllm:kv_cache_usage_perc`, worked out from the blocks in use when the page is written.
+#[derive(Debug)]
+struct KvUsage {
+    blocks_in_use: Level,
+    cache_blocks: u32,
+}
+
+impl EncodeMetric for KvUsage {
+    fn encode(&self, encoder: MetricEncoder) -> fmt::Result {
+        ConstGauge::new(kv_usage(&self.blocks_in_use, self.cache_blocks)).encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        <Gauge as TypedMetric>::TYPE
+    }
+}
+
+/// vLLM's `vllm:cache_config_info`, written through the crate's descriptor encoder
+/// because its help text has no full stop (the registry would add one) and its value is
+/// vLLM's `1.0` (the crate's info type writes `1`).
+#[derive(Debug)]
+struct CacheConfigInfo {
+    block_size: u32,
+    num_gpu_blocks: u32,
+}
+
+impl Collector for CacheConfigInfo {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let mut m = encoder.encode_descriptor(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            None,
+            MetricType::Gauge,
+        )?;
+        let labels: [(&str, Cow<str>); 4] = [
+            ("block_size", self.block_size.to_string().into()),
+            ("enable_prefix_caching", "True".into()),
+            ("engine", "0".into()),
+            ("num_gpu_blocks", self.num_gpu_blocks.to_string().into()),
+        ];
+        ConstGauge::new(1.0).encode(m.encode_family(&labels)?)
     }
 }
 
