@@ -66,6 +66,10 @@ pub struct BenchArgs {
     pub output_len: Option<usize>,
     #[arg(long, value_enum, default_value = "completions")]
     pub endpoint: Endpoint,
+    /// Ask for whole JSON answers instead of streams (`"stream": false`): no TTFT or
+    /// inter-token figures then, only end-to-end latency and throughput.
+    #[arg(long)]
+    pub no_stream: bool,
     /// Prefix dataset: number of groups sharing a context.
     #[arg(long, default_value_t = 4)]
     pub prefix_groups: usize,

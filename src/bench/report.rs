@@ -65,10 +65,18 @@ pub struct RunInfo {
     pub url: String,
     pub model: String,
     pub endpoint: String,
+    /// Streamed answers (`false`: whole JSON answers, `--no-stream`; runs written before
+    /// the flag existed were streamed).
+    #[serde(default = "streamed")]
+    pub stream: bool,
     pub dataset: String,
     pub strategy: String,
     pub request_rate: Option<f64>,
     pub max_concurrency: Option<usize>,
+}
+
+fn streamed() -> bool {
+    true
 }
 
 impl Report {

@@ -1,5 +1,7 @@
-//! Sends the benchmark's requests (streaming) and times each one: time to first token,
-//! the gaps between tokens, end to end, and the token counts the server reports.
+//! Sends the benchmark's requests (streamed, or whole answers with `--no-stream`) and times
+//! each one: time to first token, the gaps between tokens, end to end, and the token counts
+//! the server reports. An answer counts as completed only when it is whole: a stream that
+//! ends with `[DONE]` and no error event, a JSON answer with its choices finished.
 
 use super::args::Endpoint;
 use super::dataset::BenchRequest;
@@ -31,6 +33,8 @@ pub struct Load {
     pub url: String,
     pub model: String,
     pub endpoint: Endpoint,
+    /// Streamed answers (SSE) or whole JSON ones.
+    pub stream: bool,
     pub max_concurrency: Option<usize>,
     pub request_rate: Option<f64>,
     pub seed: u64,
@@ -55,8 +59,8 @@ pub fn arrival_times(n: usize, rate: Option<f64>, seed: u64) -> Vec<f64> {
         .collect()
 }
 
-/// The JSON body of one request.
-pub fn body(model: &str, endpoint: Endpoint, r: &BenchRequest) -> Value {
+/// The JSON body of one request, streamed with usage or asking for a whole answer.
+pub fn body(model: &str, endpoint: Endpoint, stream: bool, r: &BenchRequest) -> Value {
     let mut b = match endpoint {
         Endpoint::Completions => json!({ "model": model, "prompt": r.prompt }),
         Endpoint::Chat => {
@@ -65,8 +69,10 @@ pub fn body(model: &str, endpoint: Endpoint, r: &BenchRequest) -> Value {
     };
     b["max_tokens"] = r.max_tokens.into();
     b["temperature"] = 0.0.into();
-    b["stream"] = true.into();
-    b["stream_options"] = json!({ "include_usage": true });
+    b["stream"] = stream.into();
+    if stream {
+        b["stream_options"] = json!({ "include_usage": true });
+    }
     b["ignore_eos"] = true.into();
     if let Some(u) = &r.user {
         b["user"] = u.clone().into();
@@ -105,11 +111,12 @@ pub async fn run(
         let (client, url, body) = (
             client.clone(),
             url.clone(),
-            body(&load.model, load.endpoint, r),
+            body(&load.model, load.endpoint, load.stream, r),
         );
+        let stream = load.stream;
         let (done, progress, timeout) = (done.clone(), progress.clone(), load.timeout);
         tasks.push(tokio::spawn(async move {
-            let o = match tokio::time::timeout(timeout, one(&client, &url, &body)).await {
+            let o = match tokio::time::timeout(timeout, one(&client, &url, &body, stream)).await {
                 Ok(o) => o,
                 Err(_) => Outcome {
                     error: Some(format!("no answer within {} s", timeout.as_secs())),
@@ -132,8 +139,8 @@ pub async fn run(
     (out, start.elapsed().as_secs_f64())
 }
 
-/// One streaming request, timed.
-async fn one(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
+/// One request, timed.
+async fn one(client: &reqwest::Client, url: &str, body: &Value, stream: bool) -> Outcome {
     let t0 = Instant::now();
     let ms = |t: Instant| t.duration_since(t0).as_secs_f64() * 1e3;
     let mut o = Outcome::default();
@@ -153,6 +160,15 @@ async fn one(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
             crate::error_text::answer_message(text.as_bytes())
         ));
         o.e2e_ms = ms(Instant::now());
+        return o;
+    }
+    if !stream {
+        let text = resp.bytes().await;
+        o.e2e_ms = ms(Instant::now());
+        match text {
+            Ok(bytes) => whole_answer(&bytes, body, &mut o),
+            Err(e) => o.error = Some(format!("answer broke: {}", chain(&e))),
+        }
         return o;
     }
     let mut stream = resp.bytes_stream();
@@ -209,10 +225,52 @@ async fn one(client: &reqwest::Client, url: &str, body: &Value) -> Outcome {
     o
 }
 
+/// Reads a whole JSON answer into `o`: completed when it parses, carries no error, and
+/// every choice has content and a finish reason (a cut answer has none).
+fn whole_answer(bytes: &[u8], body: &Value, o: &mut Outcome) {
+    let v: Value = match serde_json::from_slice(bytes) {
+        Ok(v) => v,
+        Err(e) => {
+            o.error = Some(format!("answer is not JSON: {e}"));
+            return;
+        }
+    };
+    if let Some(err) = v.get("error") {
+        o.error = Some(format!(
+            "error answer: {}",
+            err.get("message").and_then(Value::as_str).unwrap_or("?")
+        ));
+        return;
+    }
+    let choices = v["choices"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    let n = body["n"].as_u64().unwrap_or(1) as usize;
+    if choices.len() < n {
+        o.error = Some(format!("answer has {} choices, asked for {n}", choices.len()));
+        return;
+    }
+    if let Some(c) = choices
+        .iter()
+        .find(|c| c["finish_reason"].as_str().is_none_or(str::is_empty))
+    {
+        o.error = Some(format!("choice {} has no finish reason", c["index"]));
+        return;
+    }
+    if !has_content(&v) {
+        o.error = Some("answer has no text".into());
+        return;
+    }
+    o.prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+    o.output_tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
+    o.ok = true;
+}
+
 fn has_content(v: &Value) -> bool {
     v["choices"].as_array().is_some_and(|cs| {
         cs.iter().any(|c| {
             c["text"].as_str().is_some_and(|t| !t.is_empty())
+                || c["message"]["content"]
+                    .as_str()
+                    .is_some_and(|t| !t.is_empty())
                 || c["delta"]["content"]
                     .as_str()
                     .is_some_and(|t| !t.is_empty())
@@ -242,10 +300,39 @@ mod tests {
             user: Some("prefill=a:1;decode=b:2".into()),
             group: None,
         };
-        let b = body("m", Endpoint::Chat, &r);
+        let b = body("m", Endpoint::Chat, true, &r);
         assert_eq!(b["messages"][0]["content"], "hi there");
+        assert_eq!(b["stream"], true);
         assert_eq!(b["stream_options"]["include_usage"], true);
         assert_eq!(b["user"], "prefill=a:1;decode=b:2");
-        assert_eq!(body("m", Endpoint::Completions, &r)["prompt"], "hi there");
+        assert_eq!(body("m", Endpoint::Completions, true, &r)["prompt"], "hi there");
+        let whole = body("m", Endpoint::Completions, false, &r);
+        assert_eq!(whole["stream"], false);
+        assert!(whole.get("stream_options").is_none(), "{whole}");
+    }
+
+    fn read(answer: &str) -> Outcome {
+        let mut o = Outcome::default();
+        whole_answer(answer.as_bytes(), &json!({}), &mut o);
+        o
+    }
+
+    #[test]
+    fn a_whole_answer_counts_only_when_every_choice_finished_with_text() {
+        let ok = read(
+            r#"{"choices":[{"index":0,"message":{"content":"a b"},"finish_reason":"length"}],
+                "usage":{"prompt_tokens":7,"completion_tokens":2}}"#,
+        );
+        assert!(ok.ok, "{ok:?}");
+        assert_eq!((ok.prompt_tokens, ok.output_tokens), (7, 2));
+        let cut = read(r#"{"choices":[{"index":0,"text":"a","finish_reason":null}]}"#);
+        assert_eq!(cut.error.as_deref(), Some("choice 0 has no finish reason"));
+        let err = read(r#"{"error":{"message":"decode leg failed: boom"}}"#);
+        assert_eq!(
+            err.error.as_deref(),
+            Some("error answer: decode leg failed: boom")
+        );
+        assert!(!read("{}").ok);
+        assert!(read("not json").error.unwrap().starts_with("answer is not JSON"));
     }
 }
