@@ -36,25 +36,49 @@ fn bench_streams(
     output_len: usize,
     json: &std::path::Path,
 ) -> Child {
-    common::pdctl(&[
+    bench_with(port, prompts, concurrent, output_len, json, &[])
+}
+
+/// `pdctl bench` against the proxy, 16 requests at a time asking for whole JSON answers.
+fn bench_whole(port: u16, prompts: usize, json: &std::path::Path) -> Child {
+    bench_with(port, prompts, 16, 32, json, &["--no-stream"])
+}
+
+fn bench_with(
+    port: u16,
+    prompts: usize,
+    concurrent: usize,
+    output_len: usize,
+    json: &std::path::Path,
+    extra: &[&str],
+) -> Child {
+    let (url, prompts, concurrent, output_len) = (
+        format!("http://127.0.0.1:{port}"),
+        prompts.to_string(),
+        concurrent.to_string(),
+        output_len.to_string(),
+    );
+    let mut args = vec![
         "bench",
         "--url",
-        &format!("http://127.0.0.1:{port}"),
+        &url,
         "--num-prompts",
-        &prompts.to_string(),
+        &prompts,
         "--max-concurrency",
-        &concurrent.to_string(),
+        &concurrent,
         "--input-len",
         "32",
         "--output-len",
-        &output_len.to_string(),
+        &output_len,
         "--json",
         json.to_str().unwrap(),
-    ])
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap()
+    ];
+    args.extend_from_slice(extra);
+    common::pdctl(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
 }
 
 /// The bench's result: (completed, failed).
@@ -191,9 +215,15 @@ fn decode_names(cluster: &Cluster) -> Vec<String> {
         .collect()
 }
 
-/// `scale decode=2`, back to 4, and an `apply` that changes a decode argument, all while
-/// 16 streams run: 0 failed requests, and after each step `status` and the proxy's routing
-/// agree on the decode instances.
+/// The sum of the proxy's samples named `name`.
+fn proxy_sum(port: u16, name: &str) -> f64 {
+    pdctl::prometheus::sum(&proxy_metrics(port), &[name]).unwrap_or(0.0)
+}
+
+/// `scale decode=2`, back to 4, an `apply` that changes the proxy's policy and limits
+/// (taken in place) and one that changes a decode argument, all while 16 streams and 16
+/// requests for whole answers run: 0 failed requests, after each step `status` and the
+/// proxy's routing agree on the decode instances, and the proxy never restarts.
 #[test]
 fn scale_and_apply_under_load_fail_no_request() {
     let extra = "[engine.sim]\nitl_ms = 4.0\n";
@@ -216,6 +246,9 @@ fn scale_and_apply_under_load_fail_no_request() {
 
     let json = dir.path().join("bench.json");
     let load = bench(port, 1500, &json);
+    let whole_json = dir.path().join("bench-whole.json");
+    let whole = bench_whole(port, 1500, &whole_json);
+    let proxy_pid = suph::svc(&cluster.status(&[]).unwrap(), "proxy").pid;
     std::thread::sleep(Duration::from_millis(800));
     let out = cluster.run(&["scale", "decode=2", "--dry-run"]);
     assert!(
@@ -238,6 +271,40 @@ fn scale_and_apply_under_load_fail_no_request() {
     );
     assert_eq!(routed_decode(port).len(), 4, "{}", proxy_metrics(port));
 
+    // The proxy's policy and limits change in place: same process, counters kept, and
+    // the new concurrency limit holds (32 clients, 24 slots: some wait in its queue).
+    let answered = proxy_sum(port, "pdctl_proxy_requests_total");
+    let t = format!("{t}policy = \"least-loaded\"\nmax_concurrent = 24\nqueue_size = 512\n");
+    std::fs::write(&file, &t).unwrap();
+    let out = cluster.run(&["apply", "-f", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("(in place, no restart)")
+            && text(&out).contains("--max-concurrent 0 -> 24")
+            && text(&out).contains("in effect, without a restart"),
+        "{}",
+        text(&out)
+    );
+    let proxy = suph::svc(&cluster.status(&[]).unwrap(), "proxy").clone();
+    assert_eq!((proxy.pid, proxy.restarts), (proxy_pid, 0));
+    // Each scale replaced its spec too (instance lists): the settings of the last one hold.
+    assert!(proxy.revision >= 1);
+    assert_eq!(
+        proxy_sum(port, "pdctl_proxy_settings_revision"),
+        proxy.revision as f64
+    );
+    assert!(proxy_sum(port, "pdctl_proxy_requests_total") >= answered);
+    let end = std::time::Instant::now() + Duration::from_secs(5);
+    while proxy_sum(port, "pdctl_proxy_queued_total") == 0.0 && std::time::Instant::now() < end {
+        assert!(proxy_sum(port, "pdctl_proxy_requests_in_flight") <= 24.0);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        proxy_sum(port, "pdctl_proxy_queued_total") > 0.0,
+        "{}",
+        proxy_metrics(port)
+    );
+
     // A decode argument changes: every decode instance is rolled, one at a time.
     let changed = t.replacen("[decode]\n", "[decode]\nargs = [\"--itl-ms\", \"3\"]\n", 1);
     std::fs::write(&file, &changed).unwrap();
@@ -256,9 +323,15 @@ fn scale_and_apply_under_load_fail_no_request() {
     assert!(text(&out).contains("nothing to change"), "{}", text(&out));
 
     let (completed, failed) = finished(load, &json);
-    assert_eq!((completed, failed), (1500, 0));
+    assert_eq!((completed, failed), (1500, 0), "streamed");
+    assert_eq!(finished(whole, &whole_json), (1500, 0), "whole answers");
     let report = cluster.status(&[]).unwrap();
     assert!(suph::all_healthy(&report), "{report:?}");
+    assert_eq!(
+        suph::svc(&report, "proxy").pid,
+        proxy_pid,
+        "the proxy never restarted"
+    );
     // --recreate makes the change that cannot be made live: down, then up from the file.
     let out = cluster.run(&["apply", "-f", other_file.to_str().unwrap(), "--recreate"]);
     assert!(out.status.success(), "{}", text(&out));

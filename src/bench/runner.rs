@@ -245,7 +245,10 @@ fn whole_answer(bytes: &[u8], body: &Value, o: &mut Outcome) {
     let choices = v["choices"].as_array().map(Vec::as_slice).unwrap_or(&[]);
     let n = body["n"].as_u64().unwrap_or(1) as usize;
     if choices.len() < n {
-        o.error = Some(format!("answer has {} choices, asked for {n}", choices.len()));
+        o.error = Some(format!(
+            "answer has {} choices, asked for {n}",
+            choices.len()
+        ));
         return;
     }
     if let Some(c) = choices
@@ -305,7 +308,10 @@ mod tests {
         assert_eq!(b["stream"], true);
         assert_eq!(b["stream_options"]["include_usage"], true);
         assert_eq!(b["user"], "prefill=a:1;decode=b:2");
-        assert_eq!(body("m", Endpoint::Completions, true, &r)["prompt"], "hi there");
+        assert_eq!(
+            body("m", Endpoint::Completions, true, &r)["prompt"],
+            "hi there"
+        );
         let whole = body("m", Endpoint::Completions, false, &r);
         assert_eq!(whole["stream"], false);
         assert!(whole.get("stream_options").is_none(), "{whole}");
@@ -333,6 +339,11 @@ mod tests {
             Some("error answer: decode leg failed: boom")
         );
         assert!(!read("{}").ok);
-        assert!(read("not json").error.unwrap().starts_with("answer is not JSON"));
+        assert!(
+            read("not json")
+                .error
+                .unwrap()
+                .starts_with("answer is not JSON")
+        );
     }
 }

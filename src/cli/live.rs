@@ -341,17 +341,41 @@ impl Change {
             .find(|s| s.role == crate::plan::Role::Proxy)
             && self.running.service(&proxy.name) != Some(proxy)
         {
-            // Its membership follows the supervisor already; the new command is what it
-            // starts with next time.
+            // Its membership follows the supervisor already; a new spec (revision) is
+            // what its live settings follow, and what it starts with next time.
             drainer
                 .expect_done(Request::Replace {
                     service: Box::new(proxy.clone()),
                 })
                 .await?;
-            if d.proxy_settings {
+            if !d.proxy_live.is_empty() {
+                let t = Instant::now();
+                let report = client::status(&self.socket, Duration::from_secs(10)).await?;
+                let revision = report
+                    .services
+                    .iter()
+                    .find(|s| s.name == proxy.name)
+                    .map_or(0, |s| s.revision);
+                if drainer.wait_settings(revision).await {
+                    println!(
+                        "pdctl: {}: {} in effect, without a restart ({:.1} s)",
+                        proxy.name,
+                        d.proxy_live.join(", "),
+                        t.elapsed().as_secs_f64()
+                    );
+                } else {
+                    println!(
+                        "pdctl: {}: did not confirm its new settings within 10 s; its log says why (`pdctl logs {}`)",
+                        proxy.name, proxy.name
+                    );
+                }
+            }
+            if !d.proxy_restart.is_empty() {
                 println!(
-                    "pdctl: {}: its new settings take effect at its next start (`pdctl restart {}`); its routing already follows the change",
-                    proxy.name, proxy.name
+                    "pdctl: {}: {} take effect at its next start (`pdctl restart {}`, which cuts its streams); its routing already follows the change",
+                    proxy.name,
+                    d.proxy_restart.join(", "),
+                    proxy.name
                 );
             }
         }
@@ -379,7 +403,9 @@ impl Drainer<'_> {
         match self.ask(req).await? {
             Response::Done { message } => Ok(message),
             Response::Error { message } => anyhow::bail!("{message}"),
-            Response::Status(_) => anyhow::bail!("the supervisor answered a status"),
+            Response::Status(_) | Response::Spec { .. } => {
+                anyhow::bail!("the supervisor answered something else than asked")
+            }
         }
     }
 
@@ -510,6 +536,23 @@ impl Drainer<'_> {
         );
     }
 
+    /// Waits (10 s at most) until the proxy says the settings of its spec's `revision` are
+    /// in effect; true when it did (or there is no proxy to ask).
+    async fn wait_settings(&self, revision: u64) -> bool {
+        let Some(proxy) = &self.proxy_url else {
+            return true;
+        };
+        let end = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < end {
+            let seen = proxy_gauge(proxy, "pdctl_proxy_settings_revision").await;
+            if seen.is_some_and(|r| r >= revision as f64) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        false
+    }
+
     /// Waits until `service` is healthy (with `restarted_after`: restarted since its count
     /// was that); fails when it fails.
     pub async fn wait_healthy(
@@ -541,6 +584,32 @@ impl Drainer<'_> {
     }
 }
 
+/// The value of the proxy's metric `name` without labels; None when the proxy does not
+/// answer or has no such metric.
+async fn proxy_gauge(proxy: &str, name: &str) -> Option<f64> {
+    let text = proxy_page(proxy).await.ok()?;
+    crate::prometheus::samples(&text)
+        .find(|s| s.name == name && s.labels.is_empty())
+        .map(|s| s.value)
+}
+
+/// The proxy's `/metrics` page.
+async fn proxy_page(proxy: &str) -> Result<String, ()> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .map_err(|_| ())?;
+    client
+        .get(format!("{}/metrics", proxy.trim_end_matches('/')))
+        .send()
+        .await
+        .map_err(|_| ())?
+        .text()
+        .await
+        .map_err(|_| ())
+}
+
 /// The proxy's count of requests in flight on the instance at `url`; None when the proxy
 /// does not answer (then there is nothing to wait for).
 async fn in_flight_on(proxy: &str, url: &str) -> Option<f64> {
@@ -553,19 +622,7 @@ async fn in_flight_on(proxy: &str, url: &str) -> Option<f64> {
 /// The value of the proxy's per-instance metric `name` for the instance at `url`: Err when
 /// the proxy does not answer, Ok(None) when it does not list that instance.
 async fn proxy_metric(proxy: &str, name: &str, url: &str) -> Result<Option<f64>, ()> {
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(2))
-        .build()
-        .map_err(|_| ())?;
-    let text = client
-        .get(format!("{}/metrics", proxy.trim_end_matches('/')))
-        .send()
-        .await
-        .map_err(|_| ())?
-        .text()
-        .await
-        .map_err(|_| ())?;
+    let text = proxy_page(proxy).await?;
     let wanted = format!("instance=\"{}\"", url.trim_end_matches('/'));
     Ok(crate::prometheus::samples(&text)
         .filter(|s| s.name == name)

@@ -96,7 +96,9 @@ pub fn run(a: &RestartArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitC
                 eprintln!("pdctl: {service}: {message}");
                 refused = true;
             }
-            Response::Status(_) => anyhow::bail!("the supervisor answered a status to a restart"),
+            Response::Status(_) | Response::Spec { .. } => {
+                anyhow::bail!("the supervisor answered something else than asked")
+            }
         }
     }
     Ok(if refused {

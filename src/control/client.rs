@@ -1,6 +1,7 @@
 //! Client side of the control socket: one request, one response.
 
 use super::{Request, Response, StatusReport};
+use crate::plan::Service;
 use std::path::Path;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -30,8 +31,12 @@ pub enum ControlError {
     },
     #[error("the supervisor on {path} answered: {message}")]
     Refused { path: String, message: String },
-    #[error("the supervisor on {path} answered {what} where its status was asked for")]
-    Unexpected { path: String, what: String },
+    #[error("the supervisor on {path} answered {what} where {asked} was asked for")]
+    Unexpected {
+        path: String,
+        asked: &'static str,
+        what: String,
+    },
 }
 
 /// Asks the supervisor on `socket` for its status report.
@@ -45,6 +50,28 @@ pub async fn status(socket: &Path, timeout: Duration) -> Result<StatusReport, Co
         }),
         other => Err(ControlError::Unexpected {
             path: path(),
+            asked: "its status",
+            what: format!("{other:?}"),
+        }),
+    }
+}
+
+/// Asks the supervisor on `socket` how service `name` is started now (after any
+/// `Replace`).
+pub async fn spec(socket: &Path, name: &str, timeout: Duration) -> Result<Service, ControlError> {
+    let path = || socket.display().to_string();
+    let req = Request::Spec {
+        service: name.to_string(),
+    };
+    match send(socket, &req, timeout).await? {
+        Response::Spec { service } => Ok(*service),
+        Response::Error { message } => Err(ControlError::Refused {
+            path: path(),
+            message,
+        }),
+        other => Err(ControlError::Unexpected {
+            path: path(),
+            asked: "a service's spec",
             what: format!("{other:?}"),
         }),
     }

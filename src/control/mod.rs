@@ -40,8 +40,12 @@ pub enum Request {
     /// `status` and the proxy stop listing it. Answered once it is stopped.
     Remove { service: String, timeout_s: u64 },
     /// Replace how a service is started (its command, environment, files); it takes effect
-    /// at its next start, which the client asks for (after draining it).
+    /// at its next start, which the client asks for (after draining it). The service's
+    /// `revision` goes up by one, so a service that can take new settings while it runs
+    /// (the proxy) sees the change and asks for them with `Spec`.
     Replace { service: Box<Service> },
+    /// How a service is started now (after any `Replace`).
+    Spec { service: String },
 }
 
 /// What the supervisor answers.
@@ -49,6 +53,10 @@ pub enum Request {
 #[serde(tag = "reply", rename_all = "kebab-case")]
 pub enum Response {
     Status(StatusReport),
+    /// The answer to `Spec`.
+    Spec {
+        service: Box<Service>,
+    },
     /// The request was carried out.
     Done {
         message: String,
@@ -92,6 +100,10 @@ pub struct ServiceStatus {
     /// Base URL for HTTP services.
     pub url: Option<String>,
     pub restarts: u32,
+    /// How many times its spec was replaced (`Request::Replace`) since the supervisor
+    /// started: a running proxy compares it with the one it runs with.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub revision: u64,
     /// Every port the service listens on, by label (`http`, `bootstrap`, `metrics`, ...):
     /// the proxy takes a new instance's side ports (Mooncake's bootstrap) from here.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -148,4 +160,8 @@ impl std::fmt::Display for ServiceState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
     }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }

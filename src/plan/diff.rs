@@ -10,6 +10,7 @@
 //! reason unless the cluster is recreated.
 
 use super::{Plan, Role, Service};
+use crate::proxy;
 use std::collections::BTreeSet;
 
 /// What turning `running` into `wanted` takes.
@@ -24,11 +25,14 @@ pub struct PlanDiff {
     /// Instances to restart one at a time with their new settings, with what changed.
     pub rolled: Vec<(String, Vec<String>)>,
     /// What changed in the proxy's command: its instance lists, which a running proxy
-    /// takes from the supervisor, and maybe its settings (see `proxy_settings`).
+    /// takes from the supervisor, and maybe its settings (see the next two).
     pub proxy: Vec<String>,
-    /// The proxy's settings (policies, limits, timeouts, environment) changed, not only the
-    /// instances it lists: a running proxy takes those at its next start.
-    pub proxy_settings: bool,
+    /// Settings the running proxy takes in place (policies, limits, timeouts), as
+    /// `--flag old -> new`.
+    pub proxy_live: Vec<String>,
+    /// What changed that the proxy takes only when it restarts (its address, protocol,
+    /// environment...), by flag or kind.
+    pub proxy_restart: Vec<String>,
 }
 
 impl PlanDiff {
@@ -39,7 +43,8 @@ impl PlanDiff {
             && self.removed.is_empty()
             && self.rolled.is_empty()
             && self.proxy.is_empty()
-            && !self.proxy_settings
+            && self.proxy_live.is_empty()
+            && self.proxy_restart.is_empty()
     }
 
     /// The short list a person reads before the change is carried out (`+` start, `-`
@@ -61,7 +66,15 @@ impl PlanDiff {
             out.push(format!("~ {s}: restart with {}", why.join("; ")));
         }
         if !self.proxy.is_empty() {
-            out.push(format!("~ proxy: {}", self.proxy.join("; ")));
+            let how = match (self.proxy_live.is_empty(), self.proxy_restart.is_empty()) {
+                (_, false) => format!(
+                    " (in effect after `pdctl restart proxy`: {})",
+                    self.proxy_restart.join(", ")
+                ),
+                (false, true) => " (in place, no restart)".to_string(),
+                (true, true) => String::new(),
+            };
+            out.push(format!("~ proxy: {}{how}", self.proxy.join("; ")));
         }
         out
     }
@@ -80,7 +93,7 @@ pub fn diff(running: &Plan, wanted: &Plan) -> PlanDiff {
             )),
             Some(old) if s.role == Role::Proxy => {
                 d.proxy = changes(old, s);
-                d.proxy_settings = !membership_only(old, s);
+                (d.proxy_live, d.proxy_restart) = proxy_changes(old, s);
             }
             Some(old) if s.role.is_engine() => {
                 let why = changes(old, s);
@@ -182,22 +195,28 @@ fn model_of(argv: &[String]) -> Option<String> {
     after("--model").or_else(|| after("serve").filter(|m| !m.starts_with('-')))
 }
 
-/// True when two versions of the proxy differ at most in the instances they list (the
-/// flags the planner writes for them), which a running proxy follows from the supervisor.
-fn membership_only(old: &Service, new: &Service) -> bool {
-    let settings = |argv: &[String]| -> Vec<String> {
-        let mut out = Vec::new();
-        let mut args = argv.iter();
-        while let Some(a) = args.next() {
-            if matches!(a.as_str(), "--prefill" | "--decode" | "--bootstrap-port") {
-                args.next();
-            } else {
-                out.push(a.clone());
-            }
+/// How the proxy's change is taken: (settings it changes in place, what waits for its
+/// restart). Its instance lists are neither: it follows the supervisor's services.
+fn proxy_changes(old: &Service, new: &Service) -> (Vec<String>, Vec<String>) {
+    let mut restart = Vec::new();
+    if old.env != new.env {
+        restart.push("its environment".to_string());
+    }
+    if old.files != new.files {
+        restart.push("its files".to_string());
+    }
+    match (proxy::args_of(old), proxy::args_of(new)) {
+        (Ok(a), Ok(b)) => {
+            restart.extend(proxy::restart_only(&a, &b).into_iter().map(String::from));
+            (proxy::live_changes(&a, &b), restart)
         }
-        out
-    };
-    settings(&old.argv) == settings(&new.argv) && old.env == new.env && old.files == new.files
+        _ => {
+            if old.argv != new.argv {
+                restart.push("its command".to_string());
+            }
+            (Vec::new(), restart)
+        }
+    }
 }
 
 /// What differs between two versions of one service, one phrase per kind of change.
@@ -288,33 +307,10 @@ fn instance_number(name: &str) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Probe, RestartPolicy, Shutdown};
     use std::collections::BTreeMap;
 
     fn service(name: &str, role: Role, argv: &[&str]) -> Service {
-        Service {
-            name: name.into(),
-            role,
-            node: "local".into(),
-            host: "127.0.0.1".into(),
-            argv: argv.iter().map(|a| a.to_string()).collect(),
-            env: BTreeMap::new(),
-            gpus: vec![],
-            gpu_memory_share: None,
-            ports: BTreeMap::new(),
-            files: vec![],
-            depends_on: vec![],
-            probe: Probe::LogLine {
-                contains: "ready".into(),
-            },
-            url: None,
-            startup_timeout_s: 60,
-            restart: RestartPolicy::default(),
-            restart_with: vec![],
-            shutdown: Shutdown::default(),
-            dirs: vec![],
-            checks: vec![],
-        }
+        Service::example(name, role, argv)
     }
 
     fn plan(decodes: u32, decode_args: &[&str]) -> Plan {
@@ -327,7 +323,11 @@ mod tests {
             argv.extend_from_slice(decode_args);
             services.push(service(&format!("decode-{i}"), Role::Decode, &argv));
         }
-        services.push(service("proxy", Role::Proxy, &["pdctl", "proxy"]));
+        services.push(service(
+            "proxy",
+            Role::Proxy,
+            &["pdctl", "proxy", "--prefill", "h:1", "--decode", "h:2"],
+        ));
         Plan {
             cluster: "c".into(),
             state_dir: "/state/c".into(),
@@ -443,6 +443,7 @@ mod tests {
         assert!(d.refused.is_empty(), "{:?}", d.refused);
         // The proxy's list of decode instances shrinks, in place.
         assert_eq!(d.proxy.len(), 1, "{:?}", d.proxy);
+        assert!(d.proxy_live.is_empty() && d.proxy_restart.is_empty());
         assert!(
             d.proxy[0].starts_with("arguments without `--decode "),
             "{:?}",
@@ -467,7 +468,26 @@ mod tests {
             .extend(["--decode-policy".into(), "least-loaded".into()]);
         let d = diff(&old, &new);
         assert_eq!(d.proxy, ["arguments with `--decode-policy least-loaded`"]);
-        assert!(d.proxy_settings);
+        assert_eq!(
+            d.proxy_live,
+            ["--decode-policy round-robin -> least-loaded"]
+        );
+        assert!(d.proxy_restart.is_empty(), "{:?}", d.proxy_restart);
+        assert_eq!(
+            d.lines(),
+            ["~ proxy: arguments with `--decode-policy least-loaded` (in place, no restart)"]
+        );
+        let proxy = new.services.last_mut().unwrap();
+        proxy.argv.extend(["--port".into(), "9001".into()]);
+        proxy.env.insert("RUST_LOG".into(), "debug".into());
+        let d = diff(&old, &new);
+        assert_eq!(d.proxy_restart, ["its environment", "--port"]);
+        assert!(
+            d.lines()[0]
+                .ends_with("(in effect after `pdctl restart proxy`: its environment, --port)"),
+            "{:?}",
+            d.lines()
+        );
         assert!(d.rolled.is_empty() && d.refused.is_empty());
     }
 }

@@ -169,6 +169,36 @@ pub struct Service {
     pub checks: Vec<Check>,
 }
 
+#[cfg(test)]
+impl Service {
+    /// A local service with this command, a log-line probe and nothing else, for tests.
+    pub(crate) fn example(name: &str, role: Role, argv: &[&str]) -> Service {
+        Service {
+            name: name.into(),
+            role,
+            node: "local".into(),
+            host: "127.0.0.1".into(),
+            argv: argv.iter().map(|a| a.to_string()).collect(),
+            env: BTreeMap::new(),
+            gpus: vec![],
+            gpu_memory_share: None,
+            ports: BTreeMap::new(),
+            files: vec![],
+            depends_on: vec![],
+            probe: Probe::LogLine {
+                contains: "ready".into(),
+            },
+            url: None,
+            startup_timeout_s: 60,
+            restart: RestartPolicy::default(),
+            restart_with: vec![],
+            shutdown: Shutdown::default(),
+            dirs: vec![],
+            checks: vec![],
+        }
+    }
+}
+
 /// One thing `up` verifies before spawning anything, with what to do when it fails.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case")]

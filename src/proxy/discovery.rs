@@ -211,7 +211,7 @@ pub fn start(p: Arc<Proxy>) {
         return;
     }
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(p.settings.health_interval);
+        let mut tick = tokio::time::interval(p.settings().health_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
         loop {

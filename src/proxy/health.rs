@@ -8,7 +8,9 @@
 //! (`pdctl scale` and `apply` add and remove instances this way, the proxy never restarts).
 
 use super::Proxy;
+use super::args::ProxyArgs;
 use super::instances::{Instance, Leg, parse_endpoint};
+use super::tuning;
 use crate::control::{self, ServiceState, StatusReport};
 use crate::plan::Role;
 use std::path::PathBuf;
@@ -41,7 +43,7 @@ async fn probe(p: &Proxy, inst: &Instance) -> Result<(), ProbeError> {
     let url = format!("{}/health", inst.url);
     match p
         .upstream
-        .get(&url, probe_timeout(p.settings.health_interval))
+        .get(&url, probe_timeout(p.settings().health_interval))
         .await
     {
         Ok((200, _)) => Ok(()),
@@ -208,21 +210,25 @@ fn join_new(p: &Proxy, report: &StatusReport) {
     }
 }
 
-/// Asks the supervisor once; Err says why it could not be used.
+/// Asks the supervisor once and follows its report (health, membership, this proxy's own
+/// settings); Err says why it could not be used.
 pub async fn poll_supervisor(
     p: &Proxy,
     socket: &std::path::Path,
+    own: &mut tuning::Own,
 ) -> Result<(), control::client::ControlError> {
     let report = control::client::status(socket, Duration::from_secs(2)).await?;
     apply_report(p, &report);
+    tuning::follow(p, socket, &report, own).await;
     Ok(())
 }
 
 /// Starts the health tasks; the first look at every instance is done before this returns,
 /// so the proxy never serves with made-up health.
-pub async fn start(p: Arc<Proxy>, socket: Option<PathBuf>) {
+pub async fn start(p: Arc<Proxy>, socket: Option<PathBuf>, args: ProxyArgs) {
+    let mut own = tuning::Own::new(args);
     if let Some(sock) = &socket
-        && let Err(e) = poll_supervisor(&p, sock).await
+        && let Err(e) = poll_supervisor(&p, sock, &mut own).await
     {
         tracing::warn!(
             "supervisor socket {} unusable ({e}); probing instances directly",
@@ -232,7 +238,7 @@ pub async fn start(p: Arc<Proxy>, socket: Option<PathBuf>) {
     probe_round(&p, true).await;
     let prober = p.clone();
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(prober.settings.health_interval);
+        let mut tick = tokio::time::interval(prober.settings().health_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
         loop {
@@ -245,7 +251,7 @@ pub async fn start(p: Arc<Proxy>, socket: Option<PathBuf>) {
             let mut reachable = true;
             loop {
                 tokio::time::sleep(SUPERVISOR_POLL).await;
-                match poll_supervisor(&p, &sock).await {
+                match poll_supervisor(&p, &sock, &mut own).await {
                     Ok(()) if !reachable => {
                         reachable = true;
                         tracing::info!(

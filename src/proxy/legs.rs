@@ -64,7 +64,7 @@ pub async fn prefill_once(
     request_id: String,
 ) -> Result<PrefillAnswer, LegFailure> {
     let _busy = inst.begin();
-    let limit = proxy.settings.prefill_timeout;
+    let limit = proxy.settings().prefill_timeout;
     let deadline = Instant::now() + limit;
     let started = Instant::now();
     let bytes = Bytes::from(serde_json::to_vec(&body).expect("JSON values serialize"));
@@ -106,16 +106,16 @@ pub async fn decode_once(
     let guard = inst.begin();
     let url = format!("{}{}", inst.url, req.path);
     let sent = Instant::now();
-    let first_byte = sent + proxy.settings.first_byte_timeout;
+    let first_byte = sent + proxy.settings().first_byte_timeout;
     // Whichever limit ends the wait first is the one to name.
     let (limit, raise, deadline) = if req.stream && first_byte <= req.deadline {
         (
-            proxy.settings.first_byte_timeout,
+            proxy.settings().first_byte_timeout,
             RAISE_FIRST_BYTE,
             first_byte,
         )
     } else {
-        (proxy.settings.total_timeout, RAISE_TOTAL, req.deadline)
+        (proxy.settings().total_timeout, RAISE_TOTAL, req.deadline)
     };
     let timed_out = |_| LegFailure::Timeout { limit, raise };
     let resp = tokio::time::timeout_at(deadline, proxy.upstream.post_json(&url, body, &req.id))

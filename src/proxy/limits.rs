@@ -4,7 +4,7 @@
 
 use super::errors::ProxyError;
 use super::metrics::{LimitReason, Metrics};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -44,13 +44,20 @@ impl Bucket {
     }
 }
 
-/// The admission limits of one proxy.
+/// The admission limits of one proxy. They can change while it serves (`pdctl apply`):
+/// the concurrency slots are one semaphore whose permits are added or taken away, so the
+/// requests already admitted keep counting against the new limit.
 #[derive(Debug)]
 pub struct Limits {
-    bucket: Option<Mutex<Bucket>>,
-    slots: Option<Arc<Semaphore>>,
-    max_concurrent: usize,
-    queue_size: usize,
+    /// Whether `bucket` holds a bucket: checked first so an unlimited proxy takes no lock.
+    rate_on: AtomicBool,
+    bucket: Mutex<Option<Bucket>>,
+    slots: Arc<Semaphore>,
+    /// 0: no concurrency limit.
+    max_concurrent: AtomicUsize,
+    /// Permits the semaphore holds in all, free and taken (changed under this lock).
+    capacity: Mutex<usize>,
+    queue_size: AtomicUsize,
     waiting: AtomicUsize,
     metrics: Arc<Metrics>,
 }
@@ -74,23 +81,68 @@ impl Drop for Waiting<'_> {
 impl Limits {
     /// Limits from the flags; 0 turns a limit off.
     pub fn new(rate: f64, max_concurrent: usize, queue_size: usize, metrics: Arc<Metrics>) -> Self {
-        Limits {
-            bucket: (rate > 0.0).then(|| Mutex::new(Bucket::new(rate))),
-            slots: (max_concurrent > 0).then(|| Arc::new(Semaphore::new(max_concurrent))),
-            max_concurrent,
-            queue_size,
+        let l = Limits {
+            rate_on: AtomicBool::new(false),
+            bucket: Mutex::new(None),
+            slots: Arc::new(Semaphore::new(0)),
+            max_concurrent: AtomicUsize::new(0),
+            capacity: Mutex::new(0),
+            queue_size: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             metrics,
+        };
+        l.set(rate, max_concurrent, queue_size);
+        l
+    }
+
+    /// Changes the limits of a running proxy. A new rate starts with a full bucket; fewer
+    /// slots are taken back as requests release them (admitted requests are never cut),
+    /// more are usable at once.
+    pub fn set(&self, rate: f64, max_concurrent: usize, queue_size: usize) {
+        {
+            let mut bucket = self.bucket.lock().unwrap_or_else(|p| p.into_inner());
+            let same = bucket.as_ref().map(|b| b.rate) == Some(rate).filter(|r| *r > 0.0);
+            if !same {
+                *bucket = (rate > 0.0).then(|| Bucket::new(rate));
+            }
+            self.rate_on.store(bucket.is_some(), Ordering::Relaxed);
         }
+        self.queue_size.store(queue_size, Ordering::Relaxed);
+        if max_concurrent > 0 {
+            let mut capacity = self.capacity.lock().unwrap_or_else(|p| p.into_inner());
+            if max_concurrent > *capacity {
+                self.slots.add_permits(max_concurrent - *capacity);
+            } else if max_concurrent < *capacity {
+                let extra = *capacity - max_concurrent;
+                let later = extra - self.slots.forget_permits(extra);
+                if later > 0 {
+                    // Taken back as requests finish; the semaphore is fair, so this waits
+                    // in line with requests queued before the change.
+                    let slots = self.slots.clone();
+                    tokio::spawn(async move {
+                        if let Ok(p) = slots.acquire_many_owned(later as u32).await {
+                            p.forget();
+                        }
+                    });
+                }
+            }
+            *capacity = max_concurrent;
+        }
+        self.max_concurrent.store(max_concurrent, Ordering::Relaxed);
     }
 
     /// Admits a request now, after waiting in the queue, or refuses it with a 429.
     pub async fn admit(&self) -> Result<Admission, ProxyError> {
-        if let Some(bucket) = &self.bucket {
-            let taken = bucket
+        if self.rate_on.load(Ordering::Relaxed) {
+            let taken = match self
+                .bucket
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .take(Instant::now());
+                .as_mut()
+            {
+                Some(bucket) => bucket.take(Instant::now()),
+                None => Ok(()),
+            };
             if let Err(wait_s) = taken {
                 self.metrics.rate_limited(LimitReason::Rate);
                 return Err(ProxyError::RateLimited {
@@ -99,29 +151,31 @@ impl Limits {
                 });
             }
         }
-        let Some(slots) = &self.slots else {
+        if self.max_concurrent.load(Ordering::Relaxed) == 0 {
             return Ok(Admission { _slot: None });
-        };
-        if let Ok(p) = slots.clone().try_acquire_owned() {
+        }
+        if let Ok(p) = self.slots.clone().try_acquire_owned() {
             return Ok(Admission { _slot: Some(p) });
         }
         // All slots taken: wait in the queue if it has room.
         let before = self.waiting.fetch_add(1, Ordering::Relaxed);
         self.metrics.queue_depth(1);
         let waiting = Waiting(self);
-        if before >= self.queue_size {
+        let queue_size = self.queue_size.load(Ordering::Relaxed);
+        if before >= queue_size {
             drop(waiting);
             self.metrics.rate_limited(LimitReason::Concurrency);
             return Err(ProxyError::RateLimited {
                 message: format!(
-                    "too many requests: all {} slots (--max-concurrent) are busy and the wait queue of {} (--queue-size) is full",
-                    self.max_concurrent, self.queue_size
+                    "too many requests: all {} slots (--max-concurrent) are busy and the wait queue of {queue_size} (--queue-size) is full",
+                    self.max_concurrent.load(Ordering::Relaxed)
                 ),
                 retry_after_s: 1,
             });
         }
         self.metrics.queued();
-        let permit = slots
+        let permit = self
+            .slots
             .clone()
             .acquire_owned()
             .await
@@ -167,5 +221,38 @@ mod tests {
         drop(first);
         waiter.await.unwrap().unwrap();
         assert_eq!(l.waiting.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test]
+    async fn fewer_slots_count_the_requests_already_admitted_and_more_admit_at_once() {
+        let m = Arc::new(Metrics::default());
+        let l = Arc::new(Limits::new(0.0, 3, 0, m));
+        let a = l.admit().await.unwrap();
+        let b = l.admit().await.unwrap();
+        // Down to 1 while 2 run: nothing more until both are done.
+        l.set(0.0, 1, 0);
+        assert_eq!(l.admit().await.unwrap_err().status(), 429);
+        drop(a);
+        tokio::task::yield_now().await;
+        assert_eq!(l.admit().await.unwrap_err().status(), 429);
+        drop(b);
+        // The take-back task gets the freed permit first, then one slot is left.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        let c = l.admit().await.unwrap();
+        assert_eq!(l.admit().await.unwrap_err().status(), 429);
+        // Up to 3: two more at once; then off: no limit at all.
+        l.set(0.0, 3, 0);
+        let (_d, _e) = (l.admit().await.unwrap(), l.admit().await.unwrap());
+        assert_eq!(l.admit().await.unwrap_err().status(), 429);
+        l.set(0.0, 0, 0);
+        let more: Vec<_> = futures_util::future::join_all((0..10).map(|_| l.admit())).await;
+        assert!(more.iter().all(Result::is_ok));
+        drop(c);
+        // A rate limit switched on refuses once its burst is spent.
+        l.set(1.0, 0, 0);
+        assert!(l.admit().await.is_ok());
+        assert_eq!(l.admit().await.unwrap_err().status(), 429);
     }
 }

@@ -58,6 +58,7 @@ pub struct Metrics {
     restart_waits: FixedFamily<Counter, 2>,
     prefix_routing: Sparse<[(&'static str, &'static str); 2]>,
     client_disconnects: Counter,
+    settings_revision: Gauge,
 }
 
 impl Default for Metrics {
@@ -81,6 +82,7 @@ impl Default for Metrics {
             restart_waits: FixedFamily::new("leg", LEGS),
             prefix_routing: Sparse::default(),
             client_disconnects: Counter::default(),
+            settings_revision: Gauge::default(),
         };
         m.register_all();
         m
@@ -220,6 +222,11 @@ impl Metrics {
             "Clients gone before their answer was complete (both legs were cancelled)",
             self.client_disconnects.clone(),
         );
+        r.register(
+            "settings_revision",
+            "Revision of this proxy's spec in the supervisor whose settings are in effect (0: as started; pdctl apply raises it)",
+            self.settings_revision.clone(),
+        );
     }
 
     /// Counts one finished request by route and status.
@@ -263,6 +270,11 @@ impl Metrics {
     /// Counts one request that had to wait for a concurrency slot.
     pub fn queued(&self) {
         self.queued.inc();
+    }
+
+    /// The supervisor's revision of this proxy's spec whose settings are now in effect.
+    pub fn settings_applied(&self, revision: u64) {
+        self.settings_revision.set(revision as i64);
     }
 
     /// Moves the current queue depth gauge.

@@ -40,9 +40,11 @@ mod relay;
 mod request;
 mod scrape;
 mod server;
+mod tuning;
 mod upstream;
 
 use anyhow::Context;
+use arc_swap::ArcSwap;
 pub use args::{PolicyName, ProxyArgs, ProxyProtocol};
 use axum::serve::ListenerExt;
 pub use config::ConfigError;
@@ -56,18 +58,20 @@ use policy::Policy;
 use protocol::Protocol;
 use std::sync::Arc;
 use std::time::Duration;
+pub use tuning::{SpecError, args_of, live_changes, restart_only};
 use upstream::Upstream;
 
 /// Everything a request needs, shared by all requests.
 #[derive(Debug)]
 pub struct Proxy {
-    pub settings: config::Settings,
+    /// Timeouts and switches; swapped whole when they change while it runs (`tuning`).
+    settings: ArcSwap<config::Settings>,
     /// The instances routing sees now (fixed ones, and those DNS names list).
     pub pools: LivePools,
     /// The names whose addresses are instances (`--prefill-dns`, `--decode-dns`).
     pub dns: Vec<discovery::DnsSource>,
-    pub prefill_policy: Box<dyn Policy>,
-    pub decode_policy: Box<dyn Policy>,
+    /// The routing policy of each leg; swapped when `pdctl apply` names another.
+    policies: ArcSwap<tuning::Policies>,
     pub protocol: Box<dyn Protocol>,
     pub upstream: Upstream,
     pub limits: Limits,
@@ -86,16 +90,7 @@ impl Proxy {
         let upstream = Upstream::new(settings.connect_timeout, a.engine_api_key.as_deref())?;
         let bootstrap_timeout = settings.connect_timeout + Duration::from_secs(2);
         Ok(Proxy {
-            prefill_policy: policy::build(
-                a.prefill_policy.unwrap_or(a.policy),
-                Leg::Prefill,
-                metrics.clone(),
-            ),
-            decode_policy: policy::build(
-                a.decode_policy.unwrap_or(a.policy),
-                Leg::Decode,
-                metrics.clone(),
-            ),
+            policies: ArcSwap::from_pointee(tuning::Policies::new(a, &metrics)),
             protocol: protocol::build(a.protocol, bootstrap_timeout),
             limits: Limits::new(
                 a.rate_limit,
@@ -106,18 +101,34 @@ impl Proxy {
             upstream,
             pools,
             dns,
-            settings,
+            settings: ArcSwap::from_pointee(settings),
             metrics,
             drain: drain::Drain::default(),
         })
     }
 
-    /// The routing policy of a leg.
-    pub fn policy(&self, leg: Leg) -> &dyn Policy {
-        match leg {
-            Leg::Prefill => self.prefill_policy.as_ref(),
-            Leg::Decode => self.decode_policy.as_ref(),
-        }
+    /// The routing policy of a leg now.
+    pub fn policy(&self, leg: Leg) -> Arc<dyn Policy> {
+        self.policies.load().of(leg).clone()
+    }
+
+    /// The policies of both legs now.
+    fn policies(&self) -> arc_swap::Guard<Arc<tuning::Policies>> {
+        self.policies.load()
+    }
+
+    fn set_policies(&self, p: tuning::Policies) {
+        self.policies.store(Arc::new(p));
+    }
+
+    fn set_settings(&self, s: config::Settings) {
+        self.settings.store(Arc::new(s));
+    }
+
+    /// The timeouts and switches in effect now (a guard: read it, do not hold it across
+    /// an await).
+    pub fn settings(&self) -> arc_swap::Guard<Arc<config::Settings>> {
+        self.settings.load()
     }
 }
 
@@ -133,18 +144,18 @@ pub async fn run(a: args::ProxyArgs) -> anyhow::Result<()> {
             source,
         })?;
     discovery::refresh_all(&proxy).await;
-    health::start(proxy.clone(), a.supervisor_socket.clone()).await;
+    health::start(proxy.clone(), a.supervisor_socket.clone(), a.clone()).await;
     discovery::start(proxy.clone());
     scrape::start(
         proxy.clone(),
-        proxy.settings.health_interval,
-        proxy.settings.scrape_metrics,
+        proxy.settings().health_interval,
+        proxy.settings().scrape_metrics,
     );
     tracing::info!(
         "pdctl proxy listening on http://{addr}: protocol {}, prefill policy {}, decode policy {}, {} prefill, {} decode",
         proxy.protocol.name(),
-        proxy.prefill_policy.name(),
-        proxy.decode_policy.name(),
+        proxy.policy(Leg::Prefill).name(),
+        proxy.policy(Leg::Decode).name(),
         proxy.pools.snapshot().prefill.len(),
         proxy.pools.snapshot().decode.len(),
     );
@@ -153,7 +164,7 @@ pub async fn run(a: args::ProxyArgs) -> anyhow::Result<()> {
             "{} instances: every address of {} (looked up every {:?})",
             src.leg,
             src.spelled(),
-            proxy.settings.health_interval
+            proxy.settings().health_interval
         );
     }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

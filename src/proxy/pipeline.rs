@@ -272,7 +272,7 @@ where
 }
 
 fn may_retry(proxy: &Proxy, req: &ClientRequest, f: &LegFailure, attempt: u32) -> bool {
-    f.is_retryable() && attempt < proxy.settings.retries && Instant::now() < req.deadline
+    f.is_retryable() && attempt < proxy.settings().retries && Instant::now() < req.deadline
 }
 
 /// Counts and logs a retry, then waits a short, growing backoff.
@@ -334,7 +334,7 @@ async fn choose(
     leg: Leg,
     tried: &[usize],
 ) -> Result<Arc<Instance>, ProxyError> {
-    let give_up = (Instant::now() + proxy.settings.restart_wait).min(req.deadline);
+    let give_up = (Instant::now() + proxy.settings().restart_wait).min(req.deadline);
     let mut said = false;
     loop {
         let err = match choose_now(proxy, req, leg, tried) {

@@ -97,7 +97,8 @@ fn new_request_id() -> String {
 
 /// Whether the client sent the proxy's API key (always true when none is configured).
 fn authorized(p: &Proxy, headers: &HeaderMap) -> bool {
-    let Some(key) = &p.settings.api_key else {
+    let settings = p.settings();
+    let Some(key) = &settings.api_key else {
         return true;
     };
     let sent = headers
@@ -134,7 +135,10 @@ async fn generate(p: Arc<Proxy>, route: &'static str, body: Body) -> Response {
         Ok(Ok(a)) => a,
         Ok(Err(e)) => return error_response(e, &mut rec),
         Err(_) => {
-            return error_response(ProxyError::TotalTimeout(p.settings.total_timeout), &mut rec);
+            return error_response(
+                ProxyError::TotalTimeout(p.settings().total_timeout),
+                &mut rec,
+            );
         }
     };
     match answer {
@@ -159,7 +163,7 @@ async fn generate(p: Arc<Proxy>, route: &'static str, body: Body) -> Response {
             keep,
             rec,
             req.deadline,
-            p.settings.total_timeout,
+            p.settings().total_timeout,
             relay::Ties {
                 admission,
                 in_flight,
@@ -177,7 +181,7 @@ async fn prepare(
     body: Body,
     rec: &mut RequestRecord,
 ) -> Result<(ClientRequest, super::limits::Admission), ProxyError> {
-    let limit = p.settings.max_body_bytes;
+    let limit = p.settings().max_body_bytes;
     let bytes = match Limited::new(body, limit).collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
@@ -229,7 +233,7 @@ async fn prepare(
         id: rec.id.clone(),
         designation,
         facts,
-        deadline: Instant::now() + p.settings.total_timeout,
+        deadline: Instant::now() + p.settings().total_timeout,
     };
     Ok((req, admission))
 }

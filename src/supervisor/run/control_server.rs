@@ -72,6 +72,7 @@ async fn connection(stream: UnixStream, h: Handlers) {
             Ok(Request::Add { service }) => add(&h, *service),
             Ok(Request::Remove { service, timeout_s }) => remove(&h, &service, timeout_s).await,
             Ok(Request::Replace { service }) => replace(&h, *service),
+            Ok(Request::Spec { service }) => spec(&h, &service),
             Ok(Request::Down { timeout_s }) => {
                 let (resp, a) = down(&h, timeout_s).await;
                 ack = a;
@@ -280,6 +281,15 @@ async fn remove(h: &Handlers, name: &str, timeout_s: u64) -> Response {
     }
 }
 
+fn spec(h: &Handlers, name: &str) -> Response {
+    match local_index(h, name) {
+        Ok(idx) => Response::Spec {
+            service: Box::new(h.ctx.service(idx)),
+        },
+        Err(e) => e,
+    }
+}
+
 fn replace(h: &Handlers, service: Service) -> Response {
     let idx = match local_index(h, &service.name) {
         Ok(i) => i,
@@ -289,12 +299,14 @@ fn replace(h: &Handlers, service: Service) -> Response {
         return e;
     }
     let name = service.name.clone();
-    h.ctx.table.describe(idx, &service);
+    let revision = h.ctx.table.describe(idx, &service);
     h.ctx.change_members(|m| m.plan.services[idx] = service);
     if let Err(e) = save_plan(h) {
         return e;
     }
     Response::Done {
-        message: format!("{name} will start with its new settings at its next start"),
+        message: format!(
+            "{name} has its new settings (revision {revision}): they take effect at its next start, or at once where it reads them while it runs"
+        ),
     }
 }

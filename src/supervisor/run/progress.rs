@@ -252,6 +252,7 @@ mod tests {
             port: None,
             url: None,
             restarts: 0,
+            revision: 0,
             ports: Default::default(),
             uptime_s: Some(47.2),
             last_exit: Some("exit 3".into()),

@@ -48,6 +48,7 @@ impl Row {
                 port: main_port(s),
                 url: s.url.clone(),
                 restarts: 0,
+                revision: 0,
                 ports: s.ports.clone(),
                 uptime_s: None,
                 last_exit: None,
@@ -130,14 +131,19 @@ impl Table {
         self.version.send_modify(|v| *v += 1);
     }
 
-    /// How slot `idx` is described changed (`Replace`): its GPUs, ports and URL.
-    pub fn describe(&self, idx: usize, service: &Service) {
+    /// How slot `idx` is described changed (`Replace`): its GPUs, ports and URL, and one
+    /// more revision.
+    pub fn describe(&self, idx: usize, service: &Service) -> u64 {
+        let mut revision = 0;
         self.update(idx, |s| {
             s.gpus = service.gpus.clone();
             s.port = main_port(service);
             s.ports = service.ports.clone();
             s.url = service.url.clone();
+            s.revision += 1;
+            revision = s.revision;
         });
+        revision
     }
 
     /// Slot `idx` was removed: no longer reported.
