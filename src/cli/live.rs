@@ -204,7 +204,8 @@ struct Change {
 impl Change {
     fn new(found: &Found, wanted: &Plan) -> anyhow::Result<Change> {
         let running = super::cluster::read_plan(&StateDir::new(&found.dir).plan_path())?;
-        let diff = diff(&running, wanted);
+        let mut diff = diff(&running, wanted);
+        diff.refuse_other_nodes(&running, wanted, &found.node);
         Ok(Change {
             socket: found.socket.clone(),
             node: found.node.clone(),

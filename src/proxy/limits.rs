@@ -44,6 +44,10 @@ impl Bucket {
     }
 }
 
+/// Permits of the slot semaphore while there is no concurrency limit: every request holds
+/// one even then, so a limit set while it serves counts the requests already running.
+const UNLIMITED: usize = 1 << 32;
+
 /// The admission limits of one proxy. They can change while it serves (`pdctl apply`):
 /// the concurrency slots are one semaphore whose permits are added or taken away, so the
 /// requests already admitted keep counting against the new limit.
@@ -53,7 +57,7 @@ pub struct Limits {
     rate_on: AtomicBool,
     bucket: Mutex<Option<Bucket>>,
     slots: Arc<Semaphore>,
-    /// 0: no concurrency limit.
+    /// 0: no concurrency limit (the semaphore holds [`UNLIMITED`] permits).
     max_concurrent: AtomicUsize,
     /// Permits the semaphore holds in all, free and taken (changed under this lock).
     capacity: Mutex<usize>,
@@ -65,7 +69,7 @@ pub struct Limits {
 /// A request's right to run; holding it keeps its concurrency slot taken.
 #[derive(Debug)]
 pub struct Admission {
-    _slot: Option<OwnedSemaphorePermit>,
+    _slot: OwnedSemaphorePermit,
 }
 
 /// Decrements the wait-queue length however the wait ends (slot granted or client gone).
@@ -108,12 +112,17 @@ impl Limits {
             self.rate_on.store(bucket.is_some(), Ordering::Relaxed);
         }
         self.queue_size.store(queue_size, Ordering::Relaxed);
-        if max_concurrent > 0 {
+        {
+            let target = if max_concurrent == 0 {
+                UNLIMITED
+            } else {
+                max_concurrent
+            };
             let mut capacity = self.capacity.lock().unwrap_or_else(|p| p.into_inner());
-            if max_concurrent > *capacity {
-                self.slots.add_permits(max_concurrent - *capacity);
-            } else if max_concurrent < *capacity {
-                let extra = *capacity - max_concurrent;
+            if target > *capacity {
+                self.slots.add_permits(target - *capacity);
+            } else if target < *capacity {
+                let extra = *capacity - target;
                 let later = extra - self.slots.forget_permits(extra);
                 if later > 0 {
                     // Taken back as requests finish; the semaphore is fair, so this waits
@@ -126,7 +135,7 @@ impl Limits {
                     });
                 }
             }
-            *capacity = max_concurrent;
+            *capacity = target;
         }
         self.max_concurrent.store(max_concurrent, Ordering::Relaxed);
     }
@@ -151,11 +160,8 @@ impl Limits {
                 });
             }
         }
-        if self.max_concurrent.load(Ordering::Relaxed) == 0 {
-            return Ok(Admission { _slot: None });
-        }
         if let Ok(p) = self.slots.clone().try_acquire_owned() {
-            return Ok(Admission { _slot: Some(p) });
+            return Ok(Admission { _slot: p });
         }
         // All slots taken: wait in the queue if it has room.
         let before = self.waiting.fetch_add(1, Ordering::Relaxed);
@@ -181,9 +187,7 @@ impl Limits {
             .await
             .expect("the semaphore is never closed");
         drop(waiting);
-        Ok(Admission {
-            _slot: Some(permit),
-        })
+        Ok(Admission { _slot: permit })
     }
 }
 
@@ -249,7 +253,27 @@ mod tests {
         l.set(0.0, 0, 0);
         let more: Vec<_> = futures_util::future::join_all((0..10).map(|_| l.admit())).await;
         assert!(more.iter().all(Result::is_ok));
+        // A limit set while 13 run counts them: none more until 11 have ended.
+        l.set(0.0, 2, 0);
+        assert_eq!(l.admit().await.unwrap_err().status(), 429);
+        drop(more);
         drop(c);
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            l.admit().await.unwrap_err().status(),
+            429,
+            "_d and _e still run"
+        );
+        drop((_d, _e));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        let (_f, _g) = (l.admit().await.unwrap(), l.admit().await.unwrap());
+        assert_eq!(l.admit().await.unwrap_err().status(), 429);
+        l.set(0.0, 0, 0);
+        drop((_f, _g));
         // A rate limit switched on refuses once its burst is spent.
         l.set(1.0, 0, 0);
         assert!(l.admit().await.is_ok());
