@@ -9,6 +9,7 @@
 //! (bodies per connector), `policy` (instance choice), `upstream` (HTTP client) and
 //! `relay` (streams); `instances`, `discovery` (instances found by DNS name),
 //! `health`, `scrape`, `recompute` (KV handoff misses decode hides), `limits`,
+//! `tuning` (settings taken while serving, from the supervisor's spec of the proxy),
 //! `metrics`, `errors`, `designate`, `record` (per-request log line), `models`,
 //! `config`.
 //!
