@@ -17,6 +17,8 @@
 #   --pdctl PATH   the pdctl binary (default: pdctl on PATH, else this checkout's target/release
 #                  or target/debug build)
 #   --keep         keep each case's state directory (logs) even when it passed
+#   --eager        start vLLM with --enforce-eager (no torch.compile, no CUDA graphs): each
+#                  start-up is shorter, for a machine lent by the minute
 #   --cpu          rehearse the script on vLLM's CPU build (engine.device = "cpu", no GPU
 #                  figures): checks the script itself on a machine without a GPU
 #
@@ -35,6 +37,7 @@ GPU=0
 PDCTL=""
 KEEP=0
 CPU=0
+EAGER=0
 while (($#)); do
   case "$1" in
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
@@ -44,7 +47,8 @@ while (($#)); do
     --pdctl) PDCTL="${2:?--pdctl needs a path}"; shift 2 ;;
     --keep) KEEP=1; shift ;;
     --cpu) CPU=1; shift ;;
-    -h|--help) sed -n '5,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --eager) EAGER=1; shift ;;
+    -h|--help) sed -n '5,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e-vllm-gpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -197,6 +201,39 @@ run_case() {
     fail "$case: pdctl bench failed: $(tail -3 "$dir/bench.log")"
   fi
 
+  # Changes while serving, under streamed and whole-answer load: the proxy's limits changed
+  # in place (`apply`: the same proxy process), then the only decode instance drained and
+  # restarted (`restart --drain`: new requests wait in the proxy meanwhile). None may fail.
+  local live="-" proxy_pid drain_s="-"
+  "$PDCTL" bench --url "$proxy" --model e2e-model --num-prompts 40 --max-concurrency 4 \
+    --input-len 64 --output-len 64 --json "$dir/live-stream.json" > "$dir/live-stream.log" 2>&1 &
+  local stream_pid=$!
+  "$PDCTL" bench --url "$proxy" --model e2e-model --num-prompts 40 --max-concurrency 4 --no-stream \
+    --input-len 64 --output-len 64 --json "$dir/live-whole.json" > "$dir/live-whole.log" 2>&1 &
+  local whole_pid=$!
+  sleep 2
+  proxy_pid="$(field proxy pid <<<"$(status_json "$state")")"
+  printf 'max_concurrent = 6\nqueue_size = 64\nrestart_wait_s = 600\n' >> "$dir/topology.toml"
+  "$PDCTL" apply -f "$dir/topology.toml" --gpus "$GPU" --state-dir "$state" > "$dir/apply.log" 2>&1
+  grep -q 'in effect, without a restart' "$dir/apply.log" \
+    && [ "$(field proxy pid <<<"$(status_json "$state")")" = "$proxy_pid" ] \
+    && pass "$case: apply changed the proxy's limits in place (same pid $proxy_pid)" \
+    || fail "$case: apply of the proxy's limits: $(tail -3 "$dir/apply.log")"
+  t0=$SECONDS
+  if "$PDCTL" restart --drain decode-0 --state-dir "$state" > "$dir/drain.log" 2>&1; then
+    drain_s=$((SECONDS - t0)); pass "$case: restart --drain decode-0 while serving: healthy again in ${drain_s} s"
+  else
+    fail "$case: restart --drain decode-0: $(tail -3 "$dir/drain.log")"
+  fi
+  wait "$stream_pid" "$whole_pid"
+  local s_done s_failed w_done w_failed
+  read -r s_done s_failed _ _ < <("$PYTHON_PATH" "$HERE/e2e_gpu_checks.py" bench-result "$dir/live-stream.json" 2>/dev/null || echo "0 ? - -")
+  read -r w_done w_failed _ _ < <("$PYTHON_PATH" "$HERE/e2e_gpu_checks.py" bench-result "$dir/live-whole.json" 2>/dev/null || echo "0 ? - -")
+  live="drain ${drain_s}s, ${s_done}+${w_done}/80 ok"
+  [ "$s_done" = 40 ] && [ "$s_failed" = 0 ] && [ "$w_done" = 40 ] && [ "$w_failed" = 0 ] \
+    && pass "$case: under those changes 40 streamed and 40 whole answers, 0 failed" \
+    || fail "$case: under those changes: streamed $s_done ok / $s_failed failed, whole $w_done ok / $w_failed failed"
+
   # kill -9 of decode's engine core (the API server's child): restarted, memory as before.
   local mem_before api core restarts restart_s="-" leak="-"
   mem_before="$(gpu_mem_mib)"
@@ -248,7 +285,7 @@ run_case() {
     fail "$case: the second pdctl up failed: $(tail -3 "$dir/up2.log")"
   fi
   CURRENT_STATE=""
-  SUMMARY[$case]="up ${up_s}s | ${figures:-no figures} | bench $bench | restart ${restart_s}s, leak ${leak} MiB | $([ "$CASE_FAILED" = 0 ] && echo ok || echo FAILED)"
+  SUMMARY[$case]="up ${up_s}s | ${figures:-no figures} | bench $bench | live $live | restart ${restart_s}s, leak ${leak} MiB | $([ "$CASE_FAILED" = 0 ] && echo ok || echo FAILED)"
 }
 
 DEVICE_LINES=""
@@ -257,6 +294,9 @@ if [ "$CPU" = 1 ]; then
   DEVICE_LINES=$'device = "cpu"\nargs = ["--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8"]\nenv = { VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", HF_HUB_OFFLINE = "1", VLLM_HOST_IP = "127.0.0.1" }'
   echo "pdctl $("$PDCTL" --version | awk '{print $2}'), vLLM via $PYTHON_PATH, model $MODEL, rehearsal on the CPU build"
 else
+  # bf16 whatever the model's files hold (the tiny test model is float32), as most served
+  # models are: FlashAttention takes nothing else.
+  DEVICE_LINES='args = ["--dtype", "bfloat16"'"$([ "$EAGER" = 1 ] && echo ', "--enforce-eager"')"']'
   echo "pdctl $("$PDCTL" --version | awk '{print $2}'), vLLM via $PYTHON_PATH, model $MODEL, GPU $GPU: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader -i "$GPU")"
 fi
 port=18000
