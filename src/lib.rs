@@ -7,6 +7,7 @@
 //! without GPUs; [`mod@bench`] measures a running cluster.
 
 pub mod bench;
+pub mod child_config;
 pub mod cli;
 pub mod connectors;
 pub mod control;

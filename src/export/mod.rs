@@ -263,24 +263,17 @@ fn image_for(role: Role, plan: &Plan, o: &Options) -> String {
     }
 }
 
-/// The proxy's argv in a pod: the same `pdctl proxy` flags, but the engines named by
-/// their headless Services (`--prefill-dns`), no supervisor socket, bound to 0.0.0.0.
+/// The proxy's argv in a pod: its planned settings (read from its config file) as
+/// `pdctl proxy` flags, but the engines named by their headless Services
+/// (`--prefill-dns`), no supervisor socket, bound to 0.0.0.0.
 fn proxy_argv(
     svc: &Service,
     plan: &Plan,
     name: &str,
     rewrites: &mut Vec<String>,
 ) -> Result<Vec<String>, ExportError> {
-    #[derive(clap::Parser)]
-    struct ProxyCmd {
-        #[command(flatten)]
-        args: crate::proxy::ProxyArgs,
-    }
-    use clap::Parser;
-    let tail = svc.argv.iter().skip(2);
-    let parsed = ProxyCmd::try_parse_from(std::iter::once(&"proxy".to_string()).chain(tail))
-        .map_err(|e| ExportError(format!("the plan's proxy argv does not parse: {e}")))?;
-    let mut a = parsed.args;
+    let mut a = crate::proxy::ProxyArgs::from_service(&svc.argv, files_of(svc))
+        .map_err(|e| ExportError(format!("the plan's proxy settings cannot be read: {e}")))?;
     let port_of = |role: Role| {
         plan.by_role(role)
             .next()
@@ -471,9 +464,21 @@ fn role_pod(
     let image = image_for(role, plan, o);
     let mut argv = if role == Role::Proxy {
         proxy_argv(svc, plan, name, rewrites)?
+    } else if plan.engine == "sim" && role.is_engine() {
+        let a = crate::sim::args::SimArgs::from_service(&svc.argv, files_of(svc))
+            .map_err(|e| ExportError(format!("{}'s settings cannot be read: {e}", svc.name)))?;
+        let mut flagged = svc.clone();
+        flagged.argv.truncate(2);
+        flagged.argv.extend(a.to_argv());
+        rw.argv(&flagged)
     } else {
         rw.argv(svc)
     };
+    // pdctl's own config file became the flags above: it is no file of the pod.
+    let own_config = (role == Role::Proxy || plan.engine == "sim" && role.is_engine())
+        .then(|| crate::child_config::config_file(&svc.argv, files_of(svc)))
+        .flatten()
+        .map(|(path, _)| path.to_path_buf());
     if plan.engine == "sim" && role.is_engine() {
         sim_argv(&mut argv, rewrites);
     }
@@ -504,7 +509,11 @@ fn role_pod(
     // Generated files: the same content, other services by name, the own address marked
     // for the init container to fill in.
     let mut files: BTreeMap<String, (String, String)> = BTreeMap::new();
-    for f in &svc.files {
+    for f in svc
+        .files
+        .iter()
+        .filter(|f| Some(&f.path) != own_config.as_ref())
+    {
         let key = f
             .path
             .file_name()
@@ -684,6 +693,13 @@ fn role_pod(
         template,
         config_map,
     })
+}
+
+/// A service's generated files as (path, content), as the child configs read them.
+fn files_of(svc: &Service) -> impl Iterator<Item = (&std::path::Path, &str)> {
+    svc.files
+        .iter()
+        .map(|f| (f.path.as_path(), f.content.as_str()))
 }
 
 /// `pdctl sim` in a pod: its instance name is the pod's.

@@ -9,7 +9,9 @@
 //! layout, etcd / mooncake_master / the LMCache server) cannot, and is refused with the
 //! reason unless the cluster is recreated.
 
-use super::{Plan, Role, Service};
+use super::{GeneratedFile, Plan, Role, Service};
+use crate::proxy::ProxyArgs;
+use crate::sim::args::SimArgs;
 use std::collections::BTreeSet;
 
 /// What turning `running` into `wanted` takes.
@@ -158,7 +160,7 @@ fn refuse_shared(running: &Plan, wanted: &Plan, refused: &mut Vec<String>) {
         p.services
             .iter()
             .filter(|s| s.role.is_engine())
-            .filter_map(|s| model_of(&s.argv))
+            .filter_map(model_of)
             .collect()
     };
     let (old, new) = (models(running), models(wanted));
@@ -171,8 +173,15 @@ fn join(set: &BTreeSet<String>) -> String {
     set.iter().cloned().collect::<Vec<_>>().join(", ")
 }
 
-/// The model an engine serves: `vllm serve MODEL` or `--model MODEL`.
-fn model_of(argv: &[String]) -> Option<String> {
+/// The model an engine serves: `vllm serve MODEL` or `--model MODEL`, or a simulated
+/// engine's `model` (its config file with its flags over it).
+fn model_of(s: &Service) -> Option<String> {
+    if s.argv.get(1).is_some_and(|a| a == "sim") {
+        return SimArgs::from_service(&s.argv, files_of(s))
+            .ok()
+            .map(|a| a.model);
+    }
+    let argv = &s.argv;
     let after = |flag: &str| {
         argv.iter()
             .position(|a| a == flag)
@@ -182,22 +191,39 @@ fn model_of(argv: &[String]) -> Option<String> {
     after("--model").or_else(|| after("serve").filter(|m| !m.starts_with('-')))
 }
 
-/// True when two versions of the proxy differ at most in the instances they list (the
-/// flags the planner writes for them), which a running proxy follows from the supervisor.
+/// True when two versions of the proxy differ at most in the instances they list (what the
+/// planner writes from the engines), which a running proxy follows from the supervisor.
+/// Its settings are compared as read back (config file and flags), so the form they are
+/// written in does not matter; unreadable ones count as changed.
 fn membership_only(old: &Service, new: &Service) -> bool {
-    let settings = |argv: &[String]| -> Vec<String> {
-        let mut out = Vec::new();
-        let mut args = argv.iter();
-        while let Some(a) = args.next() {
-            if matches!(a.as_str(), "--prefill" | "--decode" | "--bootstrap-port") {
-                args.next();
-            } else {
-                out.push(a.clone());
-            }
-        }
-        out
+    if old == new {
+        return true;
+    }
+    let settings = |s: &Service| -> Option<ProxyArgs> {
+        let mut a = ProxyArgs::from_service(&s.argv, files_of(s)).ok()?;
+        a.prefill.clear();
+        a.decode.clear();
+        a.bootstrap_ports.clear();
+        Some(a)
     };
-    settings(&old.argv) == settings(&new.argv) && old.env == new.env && old.files == new.files
+    fn other_files(s: &Service) -> Vec<&GeneratedFile> {
+        let own = crate::child_config::config_file(&s.argv, files_of(s)).map(|(p, _)| p);
+        s.files
+            .iter()
+            .filter(|f| Some(f.path.as_path()) != own)
+            .collect()
+    }
+    match (settings(old), settings(new)) {
+        (Some(o), Some(n)) => o == n && old.env == new.env && other_files(old) == other_files(new),
+        _ => false,
+    }
+}
+
+/// A service's generated files as (path, content), as the child configs read them.
+fn files_of(s: &Service) -> impl Iterator<Item = (&std::path::Path, &str)> {
+    s.files
+        .iter()
+        .map(|f| (f.path.as_path(), f.content.as_str()))
 }
 
 /// What differs between two versions of one service, one phrase per kind of change.
@@ -224,18 +250,43 @@ fn changes(old: &Service, new: &Service) -> Vec<String> {
         why.push(format!("ports {:?} -> {:?}", old.ports, new.ports));
     }
     if old.files != new.files {
-        let changed: Vec<String> = new
-            .files
-            .iter()
-            .filter(|f| !old.files.contains(f))
-            .map(|f| f.path.display().to_string())
-            .collect();
-        why.push(format!("generated files {}", changed.join(", ")));
+        why.extend(file_changes(&old.files, &new.files));
     }
     if old.node != new.node {
         why.push(format!("node {} -> {}", old.node, new.node));
     }
     why
+}
+
+/// One phrase per generated file that differs: "generated file proxy.toml without
+/// `retries = 2`, with `retries = 5`" (lines only the old file had, then the new one's;
+/// each setting of pdctl's own config files is one line), or that it is new or gone.
+fn file_changes(old: &[GeneratedFile], new: &[GeneratedFile]) -> Vec<String> {
+    let name = |f: &GeneratedFile| {
+        f.path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| f.path.display().to_string())
+    };
+    let mut out = Vec::new();
+    for f in new {
+        match old.iter().find(|o| o.path == f.path) {
+            Some(o) if o.content == f.content => {}
+            Some(o) => {
+                let lines = |t: &str| -> Vec<String> { t.lines().map(str::to_string).collect() };
+                out.push(format!(
+                    "generated file {} {}",
+                    name(f),
+                    list_change(&lines(&o.content), &lines(&f.content))
+                ));
+            }
+            None => out.push(format!("generated file {} added", f.path.display())),
+        }
+    }
+    for o in old.iter().filter(|o| !new.iter().any(|f| f.path == o.path)) {
+        out.push(format!("generated file {} removed", o.path.display()));
+    }
+    out
 }
 
 /// "without `--a 1`, with `--a 2`": the arguments only the old command had, then those only the new one has
@@ -259,7 +310,11 @@ fn argv_change(old: &[String], new: &[String]) -> String {
         }
         out
     };
-    let (o, n) = (pairs(old), pairs(new));
+    list_change(&pairs(old), &pairs(new))
+}
+
+/// "without `a`, with `b`": the items only `o` has, then those only `n` has.
+fn list_change(o: &[String], n: &[String]) -> String {
     let mut parts: Vec<String> = o
         .iter()
         .filter(|a| !n.contains(a))
@@ -444,10 +499,11 @@ mod tests {
         // The proxy's list of decode instances shrinks, in place.
         assert_eq!(d.proxy.len(), 1, "{:?}", d.proxy);
         assert!(
-            d.proxy[0].starts_with("arguments without `--decode "),
+            d.proxy[0].starts_with("generated file proxy.toml without `decode = ["),
             "{:?}",
             d.proxy
         );
+        assert!(!d.proxy_settings, "only its instance lists changed");
         let d = diff(&real_plan(4, 2, ""), &real_plan(4, 4, ""));
         assert_eq!(d.added, ["decode-2", "decode-3"]);
         assert!(
@@ -469,5 +525,64 @@ mod tests {
         assert_eq!(d.proxy, ["arguments with `--decode-policy least-loaded`"]);
         assert!(d.proxy_settings);
         assert!(d.rolled.is_empty() && d.refused.is_empty());
+    }
+
+    #[test]
+    fn a_changed_config_file_is_a_change_of_its_service() {
+        // The proxy's settings live in its config file: a changed one is a settings change.
+        let d = diff(
+            &real_plan(1, 1, ""),
+            &real_plan(1, 1, "[proxy]\nretries = 5\n"),
+        );
+        assert_eq!(
+            d.proxy,
+            ["generated file proxy.toml without `retries = 2`, with `retries = 5`"]
+        );
+        assert!(d.proxy_settings);
+        // A simulated engine's config file: its instances roll, the setting named.
+        let sim_of = |model: &str, extra: &str| {
+            let text = format!(
+                "[model]\nname = \"{model}\"\n[engine]\nkind = \"sim\"\n[decode]\ninstances = 2\n{extra}"
+            );
+            let t = crate::topology::load_str(
+                &text,
+                crate::topology::Source::Profile("t".into()),
+                "t.toml".into(),
+            )
+            .unwrap();
+            crate::plan::build_plan(&crate::plan::PlanInput {
+                topology: &t.spec,
+                head: &t.head,
+                gpus: &[],
+                gpu_note: None,
+                version: None,
+                version_source: crate::vllm::VersionSource::Pinned,
+                state_root: "/state".into(),
+                local_node: None,
+            })
+            .unwrap()
+        };
+        let sim = |extra: &str| sim_of("m", extra);
+        let d = diff(&sim(""), &sim("[engine.sim]\nitl_ms = 3.0\n"));
+        let names: Vec<&str> = d.rolled.iter().map(|(s, _)| s.as_str()).collect();
+        assert_eq!(names, ["prefill-0", "decode-0", "decode-1"]);
+        assert_eq!(
+            d.rolled[1].1,
+            ["generated file decode-0.sim.toml without `itl_ms = 10.0`, with `itl_ms = 3.0`"]
+        );
+        assert!(
+            d.refused.is_empty() && d.proxy.is_empty(),
+            "{:?}",
+            d.lines()
+        );
+        // The model a sim serves is in its file, and shared by every instance.
+        let d = diff(&sim(""), &sim_of("m2", ""));
+        assert!(
+            d.refused
+                .iter()
+                .any(|r| r.contains("the model would change from m to m2")),
+            "{:?}",
+            d.lines()
+        );
     }
 }
