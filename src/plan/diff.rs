@@ -206,17 +206,37 @@ fn membership_only(old: &Service, new: &Service) -> bool {
         a.bootstrap_ports.clear();
         Some(a)
     };
-    fn other_files(s: &Service) -> Vec<&GeneratedFile> {
-        let own = crate::child_config::config_file(&s.argv, files_of(s)).map(|(p, _)| p);
-        s.files
-            .iter()
-            .filter(|f| Some(f.path.as_path()) != own)
-            .collect()
-    }
     match (settings(old), settings(new)) {
-        (Some(o), Some(n)) => o == n && old.env == new.env && other_files(old) == other_files(new),
+        (Some(o), Some(n)) => o == n && old.env == new.env && as_run(old).1 == as_run(new).1,
         _ => false,
     }
+}
+
+/// A service as it runs: its command line and its other generated files. For `pdctl proxy`
+/// and `pdctl sim` with `--config FILE` that is the file read back and written as the
+/// flags it holds, so a change reads as the setting that changed (`--itl-ms 4` -> `3`),
+/// whether a flag or the file carries it; other services as planned.
+fn as_run(s: &Service) -> (Vec<String>, Vec<GeneratedFile>) {
+    let planned = || (s.argv.clone(), s.files.clone());
+    let Some((own, _)) = crate::child_config::config_file(&s.argv, files_of(s)) else {
+        return planned();
+    };
+    let flags = match s.argv[1].as_str() {
+        "proxy" => ProxyArgs::from_service(&s.argv, files_of(s))
+            .ok()
+            .map(|a| a.to_argv()),
+        "sim" => SimArgs::from_service(&s.argv, files_of(s))
+            .ok()
+            .map(|a| a.to_argv()),
+        _ => None,
+    };
+    let Some(flags) = flags else {
+        return planned();
+    };
+    let mut argv = s.argv[..2].to_vec();
+    argv.extend(flags);
+    let files = s.files.iter().filter(|f| f.path != own).cloned().collect();
+    (argv, files)
 }
 
 /// A service's generated files as (path, content), as the child configs read them.
@@ -229,8 +249,9 @@ fn files_of(s: &Service) -> impl Iterator<Item = (&std::path::Path, &str)> {
 /// What differs between two versions of one service, one phrase per kind of change.
 fn changes(old: &Service, new: &Service) -> Vec<String> {
     let mut why = Vec::new();
-    if old.argv != new.argv {
-        why.push(format!("arguments {}", argv_change(&old.argv, &new.argv)));
+    let ((old_argv, old_files), (new_argv, new_files)) = (as_run(old), as_run(new));
+    if old_argv != new_argv {
+        why.push(format!("arguments {}", argv_change(&old_argv, &new_argv)));
     }
     if old.env != new.env {
         let keys: BTreeSet<&String> = old
@@ -249,8 +270,8 @@ fn changes(old: &Service, new: &Service) -> Vec<String> {
     if old.ports != new.ports {
         why.push(format!("ports {:?} -> {:?}", old.ports, new.ports));
     }
-    if old.files != new.files {
-        why.extend(file_changes(&old.files, &new.files));
+    if old_files != new_files {
+        why.extend(file_changes(&old_files, &new_files));
     }
     if old.node != new.node {
         why.push(format!("node {} -> {}", old.node, new.node));
@@ -499,7 +520,7 @@ mod tests {
         // The proxy's list of decode instances shrinks, in place.
         assert_eq!(d.proxy.len(), 1, "{:?}", d.proxy);
         assert!(
-            d.proxy[0].starts_with("generated file proxy.toml without `decode = ["),
+            d.proxy[0].starts_with("arguments without `--decode "),
             "{:?}",
             d.proxy
         );
@@ -536,7 +557,7 @@ mod tests {
         );
         assert_eq!(
             d.proxy,
-            ["generated file proxy.toml without `retries = 2`, with `retries = 5`"]
+            ["arguments without `--retries 2`, with `--retries 5`"]
         );
         assert!(d.proxy_settings);
         // A simulated engine's config file: its instances roll, the setting named.
@@ -568,7 +589,15 @@ mod tests {
         assert_eq!(names, ["prefill-0", "decode-0", "decode-1"]);
         assert_eq!(
             d.rolled[1].1,
-            ["generated file decode-0.sim.toml without `itl_ms = 10.0`, with `itl_ms = 3.0`"]
+            ["arguments without `--itl-ms 10`, with `--itl-ms 3`"]
+        );
+        // The same from a role's `args` (flags over the file) reads the same way.
+        let d = diff(&sim(""), &sim("args = [\"--itl-ms\", \"3\"]\n"));
+        let names: Vec<&str> = d.rolled.iter().map(|(s, _)| s.as_str()).collect();
+        assert_eq!(names, ["decode-0", "decode-1"]);
+        assert_eq!(
+            d.rolled[0].1,
+            ["arguments without `--itl-ms 10`, with `--itl-ms 3`"]
         );
         assert!(
             d.refused.is_empty() && d.proxy.is_empty(),
