@@ -6,7 +6,9 @@
 //! lmcache-server when the connector needs them) becomes one pod template made from the
 //! role's first instance: its argv and env with the host-specific values rewritten
 //! ([`rewrite`]), its ports fixed per container, its probes as Kubernetes probes, its
-//! generated files as a ConfigMap. [`rbg`] puts the templates into one RoleBasedGroup,
+//! generated files as a ConfigMap. The config file of `pdctl proxy` / `pdctl sim` is read
+//! back into its struct and given to the pod as the flags it holds instead (the pod's
+//! rewrites, such as the pod name as the sim's instance, are flag rewrites). [`rbg`] puts the templates into one RoleBasedGroup,
 //! [`lws`] into a LeaderWorkerSet per engine role and Deployments for the rest. Services
 //! are the same for both: a headless one per engine role (the proxy follows its pods by
 //! DNS) and a ClusterIP one in front of the proxy and of each support service.
