@@ -4,9 +4,11 @@
 //! services with argv, env, files, ports, probes) -> [`supervisor`] (spawns and watches
 //! generic services) -> [`proxy`] (knows endpoints and a protocol). [`connectors`] holds
 //! all knowledge of vLLM's KV connectors; [`sim`] is the simulated engine for machines
-//! without GPUs; [`mod@bench`] measures a running cluster.
+//! without GPUs; [`mod@bench`] measures a running cluster; [`child_config`] is the
+//! `--config FILE` of the processes pdctl runs as itself (proxy, sim).
 
 pub mod bench;
+pub mod child_config;
 pub mod cli;
 pub mod connectors;
 pub mod control;

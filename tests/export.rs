@@ -368,6 +368,30 @@ fn templates(docs: &[Value]) -> BTreeMap<String, (Value, u64)> {
     out
 }
 
+/// The argv a planned service stands for: `pdctl proxy|sim --config FILE` is its config
+/// file (among the service's generated files) read back and written as the flags it
+/// holds, which is what a pod runs; any other service's argv as planned.
+fn planned_flags(svc: &Value) -> Vec<String> {
+    let s: pdctl::plan::Service = serde_json::from_value(svc.clone()).unwrap();
+    let files = s
+        .files
+        .iter()
+        .map(|f| (f.path.as_path(), f.content.as_str()));
+    let flags = match s.argv[1].as_str() {
+        "proxy" => pdctl::proxy::ProxyArgs::from_service(&s.argv, files)
+            .unwrap()
+            .to_argv(),
+        "sim" => pdctl::sim::args::SimArgs::from_service(&s.argv, files)
+            .unwrap()
+            .to_argv(),
+        _ => return s.argv,
+    };
+    assert_eq!(s.argv[2], "--config", "{:?}", s.argv);
+    let mut argv = s.argv[..2].to_vec();
+    argv.extend(flags);
+    argv
+}
+
 /// The plan's argv of a service with exactly the rewrites docs/kubernetes.md lists:
 /// argv[0] without its directory; the value of --host / --listen-* (and a bare own address
 /// among the arguments) 0.0.0.0; `HOST:PORT` of a planned service its Service name and the
@@ -392,12 +416,7 @@ fn expected_argv(plan: &Value, svc: &Value, service_of: &dyn Fn(&str) -> String)
         }
     }
     endpoints.sort_by_key(|e| std::cmp::Reverse(e.0.len()));
-    let argv: Vec<String> = svc["argv"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap().to_string())
-        .collect();
+    let argv = planned_flags(svc);
     let mut out = vec![argv[0].rsplit('/').next().unwrap().to_string()];
     let is_proxy = svc["role"] == "proxy";
     let mut i = 1;

@@ -6,6 +6,8 @@ mod common;
 use common::{TempDir, pdctl};
 use pdctl::gpu::Gpu;
 use pdctl::plan::{Plan, PlanInput, Role, build_plan};
+use pdctl::proxy::{ProxyArgs, ProxyProtocol};
+use pdctl::sim::args::SimArgs;
 use pdctl::topology::{Source, load_str};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -516,24 +518,22 @@ fn shared_storage_1p1d_carries_the_seed_flags() {
         "/mnt/pd_kv"
     );
     assert_eq!(p.dirs, [PathBuf::from("/mnt/pd_kv")]);
-    let proxy = plan.service("proxy").unwrap();
-    assert!(
-        proxy.argv.windows(2).any(|w| w == ["--rate-limit", "40"]),
-        "{:?}",
-        proxy.argv
-    );
-    assert!(
-        proxy
-            .argv
-            .windows(2)
-            .any(|w| w == ["--max-concurrent", "100"])
-    );
-    assert!(
-        proxy
-            .argv
-            .windows(2)
-            .any(|w| w == ["--protocol", "two-step"])
-    );
+    let proxy = proxy_settings(&plan);
+    assert_eq!(proxy.rate_limit, 40.0, "{proxy:?}");
+    assert_eq!(proxy.max_concurrent, 100);
+    assert_eq!(proxy.protocol, ProxyProtocol::TwoStep);
+}
+
+/// The settings the plan gives its proxy: its config file (and flags) read back.
+fn proxy_settings(plan: &Plan) -> ProxyArgs {
+    let s = plan.service("proxy").unwrap();
+    ProxyArgs::from_service(&s.argv, files_of(s)).unwrap()
+}
+
+fn files_of(s: &pdctl::plan::Service) -> impl Iterator<Item = (&Path, &str)> {
+    s.files
+        .iter()
+        .map(|f| (f.path.as_path(), f.content.as_str()))
 }
 
 /// "auto" with a python that has no vLLM still plans (for the newest version pdctl knows,
@@ -732,22 +732,22 @@ fn nixl_instances_get_their_own_side_channel_ports() {
     ports.sort_unstable();
     ports.dedup();
     assert_eq!(ports.len(), 8, "side-channel ports collide: {ports:?}");
-    assert!(
-        plan.service("proxy")
-            .unwrap()
-            .argv
-            .windows(2)
-            .any(|w| w == ["--protocol", "nixl"])
-    );
+    assert_eq!(proxy_settings(&plan).protocol, ProxyProtocol::Nixl);
 }
 
-/// `--max-model-len` of every engine of a plan, by service name.
+/// `--max-model-len` of every engine of a plan (a simulated one's `max_model_len` in its
+/// config file), by service name.
 fn context_lengths(plan: &Plan) -> Vec<(String, Option<String>)> {
     plan.services
         .iter()
         .filter(|s| s.role.is_engine())
         .map(|s| {
-            let v = flag(&s.argv, "--max-model-len").map(str::to_string);
+            let v = if s.argv[1] == "sim" {
+                let a = SimArgs::from_service(&s.argv, files_of(s)).unwrap();
+                Some(a.model_params.max_model_len.to_string())
+            } else {
+                flag(&s.argv, "--max-model-len").map(str::to_string)
+            };
             (s.name.clone(), v)
         })
         .collect()
@@ -799,7 +799,11 @@ fn two_node_profile_places_roles_on_their_nodes() {
     }
     let proxy = plan.service("proxy").unwrap();
     assert_eq!(proxy.node, "prefill-node");
-    assert!(proxy.argv.contains(&"http://10.0.14.1:8203".to_string()));
+    assert!(
+        proxy_settings(&plan)
+            .decode
+            .contains(&"http://10.0.14.1:8203".to_string())
+    );
     assert_eq!(
         plan.state_dir,
         PathBuf::from("/state/2node-4p4d-prefill-node")

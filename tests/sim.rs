@@ -444,6 +444,7 @@ async fn a_planned_sim_refuses_prompts_beyond_the_models_max_model_len() {
     use pdctl::plan::{PlanInput, build_plan};
     use pdctl::topology::{Source, load_str};
     let port = free_port();
+    let state = TempDir::new("planned-sim");
     let text = format!(
         "[model]\nname = \"sim-model\"\nmax_model_len = 1024\n[engine]\nkind = \"sim\"\n\
          [connector]\nkind = \"nixl\"\n[decode]\nbase_port = {port}\n"
@@ -461,11 +462,17 @@ async fn a_planned_sim_refuses_prompts_beyond_the_models_max_model_len() {
         gpu_note: None,
         version: None,
         version_source: pdctl::vllm::VersionSource::Pinned,
-        state_root: std::env::temp_dir(),
+        state_root: state.path().to_path_buf(),
         local_node: None,
     })
     .unwrap();
-    let argv = &plan.service("decode-0").unwrap().argv;
+    let svc = plan.service("decode-0").unwrap();
+    // Its settings are in a generated file, written before the start as the supervisor does.
+    for f in &svc.files {
+        std::fs::create_dir_all(f.path.parent().unwrap()).unwrap();
+        std::fs::write(&f.path, &f.content).unwrap();
+    }
+    let argv = &svc.argv;
     assert_eq!(argv[..2], ["pdctl", "sim"], "{argv:?}");
     let sim = SimProc::start_argv(port, &argv[2..]).await;
     let (s, r) = sim

@@ -43,6 +43,7 @@ pub fn code_of(err: &anyhow::Error) -> u8 {
                 || e.is::<crate::plan::resolve::ResolveError>()
                 || e.is::<crate::proxy::ConfigError>()
                 || e.is::<crate::sim::SimConfigError>()
+                || e.is::<crate::child_config::ConfigFileError>()
                 || e.is::<crate::bench::UsageError>()
             {
                 Some(2)

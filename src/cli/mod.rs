@@ -18,6 +18,7 @@ mod logs_cmd;
 mod restart;
 mod view;
 
+use crate::child_config::Configured;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
@@ -57,10 +58,12 @@ pub enum Command {
     Profiles(info::ProfilesArgs),
     /// Write the plan as manifests for another system (`export k8s`: Kubernetes).
     Export(export::ExportArgs),
-    /// Run the PD proxy alone, in front of instances started by other means.
-    Proxy(crate::proxy::ProxyArgs),
-    /// Run a simulated engine (speaks vLLM's HTTP API; says it is a simulator).
-    Sim(crate::sim::args::SimArgs),
+    /// Run the PD proxy alone, in front of instances started by other means (flags, or
+    /// `--config FILE` with flags given beside it overriding the file).
+    Proxy(Configured<crate::proxy::ProxyArgs>),
+    /// Run a simulated engine (speaks vLLM's HTTP API; says it is a simulator); flags, or
+    /// `--config FILE` with flags given beside it overriding the file.
+    Sim(Configured<crate::sim::args::SimArgs>),
     /// Benchmark an OpenAI-compatible endpoint (the running cluster's proxy by default).
     Bench(crate::bench::args::BenchArgs),
     /// Internal: the supervisor process that `up -d` leaves running.
@@ -129,12 +132,18 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Apply(a) => live::apply(&a, runtime()?),
         Command::Supervise(a) => cluster::supervise(a),
         Command::Export(a) => export::export(a),
-        Command::Proxy(a) => runtime()?
-            .block_on(crate::proxy::run(a))
-            .map(|_| ExitCode::SUCCESS),
-        Command::Sim(a) => runtime()?
-            .block_on(crate::sim::run(a))
-            .map(|_| ExitCode::SUCCESS),
+        Command::Proxy(a) => {
+            let a = a.resolve(|p| std::fs::read_to_string(p))?;
+            runtime()?
+                .block_on(crate::proxy::run(a))
+                .map(|_| ExitCode::SUCCESS)
+        }
+        Command::Sim(a) => {
+            let a = a.resolve(|p| std::fs::read_to_string(p))?;
+            runtime()?
+                .block_on(crate::sim::run(a))
+                .map(|_| ExitCode::SUCCESS)
+        }
         Command::Bench(a) => runtime()?.block_on(crate::bench::run(a)),
     }
 }

@@ -6,7 +6,9 @@
 //! lmcache-server when the connector needs them) becomes one pod template made from the
 //! role's first instance: its argv and env with the host-specific values rewritten
 //! ([`rewrite`]), its ports fixed per container, its probes as Kubernetes probes, its
-//! generated files as a ConfigMap. [`rbg`] puts the templates into one RoleBasedGroup,
+//! generated files as a ConfigMap. The config file of `pdctl proxy` / `pdctl sim` is read
+//! back into its struct and given to the pod as the flags it holds instead (the pod's
+//! rewrites, such as the pod name as the sim's instance, are flag rewrites). [`rbg`] puts the templates into one RoleBasedGroup,
 //! [`lws`] into a LeaderWorkerSet per engine role and Deployments for the rest. Services
 //! are the same for both: a headless one per engine role (the proxy follows its pods by
 //! DNS) and a ClusterIP one in front of the proxy and of each support service.
@@ -263,24 +265,17 @@ fn image_for(role: Role, plan: &Plan, o: &Options) -> String {
     }
 }
 
-/// The proxy's argv in a pod: the same `pdctl proxy` flags, but the engines named by
-/// their headless Services (`--prefill-dns`), no supervisor socket, bound to 0.0.0.0.
+/// The proxy's argv in a pod: its planned settings (read from its config file) as
+/// `pdctl proxy` flags, but the engines named by their headless Services
+/// (`--prefill-dns`), no supervisor socket, bound to 0.0.0.0.
 fn proxy_argv(
     svc: &Service,
     plan: &Plan,
     name: &str,
     rewrites: &mut Vec<String>,
 ) -> Result<Vec<String>, ExportError> {
-    #[derive(clap::Parser)]
-    struct ProxyCmd {
-        #[command(flatten)]
-        args: crate::proxy::ProxyArgs,
-    }
-    use clap::Parser;
-    let tail = svc.argv.iter().skip(2);
-    let parsed = ProxyCmd::try_parse_from(std::iter::once(&"proxy".to_string()).chain(tail))
-        .map_err(|e| ExportError(format!("the plan's proxy argv does not parse: {e}")))?;
-    let mut a = parsed.args;
+    let mut a = crate::proxy::ProxyArgs::from_service(&svc.argv, files_of(svc))
+        .map_err(|e| ExportError(format!("the plan's proxy settings cannot be read: {e}")))?;
     let port_of = |role: Role| {
         plan.by_role(role)
             .next()
@@ -471,9 +466,21 @@ fn role_pod(
     let image = image_for(role, plan, o);
     let mut argv = if role == Role::Proxy {
         proxy_argv(svc, plan, name, rewrites)?
+    } else if plan.engine == "sim" && role.is_engine() {
+        let a = crate::sim::args::SimArgs::from_service(&svc.argv, files_of(svc))
+            .map_err(|e| ExportError(format!("{}'s settings cannot be read: {e}", svc.name)))?;
+        let mut flagged = svc.clone();
+        flagged.argv.truncate(2);
+        flagged.argv.extend(a.to_argv());
+        rw.argv(&flagged)
     } else {
         rw.argv(svc)
     };
+    // pdctl's own config file became the flags above: it is no file of the pod.
+    let own_config = (role == Role::Proxy || plan.engine == "sim" && role.is_engine())
+        .then(|| crate::child_config::config_file(&svc.argv, files_of(svc)))
+        .flatten()
+        .map(|(path, _)| path.to_path_buf());
     if plan.engine == "sim" && role.is_engine() {
         sim_argv(&mut argv, rewrites);
     }
@@ -504,7 +511,11 @@ fn role_pod(
     // Generated files: the same content, other services by name, the own address marked
     // for the init container to fill in.
     let mut files: BTreeMap<String, (String, String)> = BTreeMap::new();
-    for f in &svc.files {
+    for f in svc
+        .files
+        .iter()
+        .filter(|f| Some(&f.path) != own_config.as_ref())
+    {
         let key = f
             .path
             .file_name()
@@ -684,6 +695,13 @@ fn role_pod(
         template,
         config_map,
     })
+}
+
+/// A service's generated files as (path, content), as the child configs read them.
+fn files_of(svc: &Service) -> impl Iterator<Item = (&std::path::Path, &str)> {
+    svc.files
+        .iter()
+        .map(|f| (f.path.as_path(), f.content.as_str()))
 }
 
 /// `pdctl sim` in a pod: its instance name is the pod's.

@@ -9,8 +9,9 @@
 //! layout, etcd / mooncake_master / the LMCache server) cannot, and is refused with the
 //! reason unless the cluster is recreated.
 
-use super::{Plan, Role, Service};
-use crate::proxy;
+use super::{GeneratedFile, Plan, Role, Service};
+use crate::proxy::{self, ProxyArgs};
+use crate::sim::args::SimArgs;
 use std::collections::BTreeSet;
 
 /// What turning `running` into `wanted` takes.
@@ -200,7 +201,7 @@ fn refuse_shared(running: &Plan, wanted: &Plan, refused: &mut Vec<String>) {
         p.services
             .iter()
             .filter(|s| s.role.is_engine())
-            .filter_map(|s| model_of(&s.argv))
+            .filter_map(model_of)
             .collect()
     };
     let (old, new) = (models(running), models(wanted));
@@ -213,8 +214,15 @@ fn join(set: &BTreeSet<String>) -> String {
     set.iter().cloned().collect::<Vec<_>>().join(", ")
 }
 
-/// The model an engine serves: `vllm serve MODEL` or `--model MODEL`.
-fn model_of(argv: &[String]) -> Option<String> {
+/// The model an engine serves: `vllm serve MODEL` or `--model MODEL`, or a simulated
+/// engine's `model` (its config file with its flags over it).
+fn model_of(s: &Service) -> Option<String> {
+    if s.argv.get(1).is_some_and(|a| a == "sim") {
+        return SimArgs::from_service(&s.argv, files_of(s))
+            .ok()
+            .map(|a| a.model);
+    }
+    let argv = &s.argv;
     let after = |flag: &str| {
         argv.iter()
             .position(|a| a == flag)
@@ -231,7 +239,7 @@ fn proxy_changes(old: &Service, new: &Service) -> (Vec<String>, Vec<String>) {
     if old.env != new.env {
         restart.push("its environment".to_string());
     }
-    if old.files != new.files {
+    if as_run(old).1 != as_run(new).1 {
         restart.push("its files".to_string());
     }
     match (proxy::args_of(old), proxy::args_of(new)) {
@@ -248,11 +256,46 @@ fn proxy_changes(old: &Service, new: &Service) -> (Vec<String>, Vec<String>) {
     }
 }
 
+/// A service as it runs: its command line and its other generated files. For `pdctl proxy`
+/// and `pdctl sim` with `--config FILE` that is the file read back and written as the
+/// flags it holds, so a change reads as the setting that changed (`--itl-ms 4` -> `3`),
+/// whether a flag or the file carries it; other services as planned.
+fn as_run(s: &Service) -> (Vec<String>, Vec<GeneratedFile>) {
+    let planned = || (s.argv.clone(), s.files.clone());
+    let Some((own, _)) = crate::child_config::config_file(&s.argv, files_of(s)) else {
+        return planned();
+    };
+    let flags = match s.argv[1].as_str() {
+        "proxy" => ProxyArgs::from_service(&s.argv, files_of(s))
+            .ok()
+            .map(|a| a.to_argv()),
+        "sim" => SimArgs::from_service(&s.argv, files_of(s))
+            .ok()
+            .map(|a| a.to_argv()),
+        _ => None,
+    };
+    let Some(flags) = flags else {
+        return planned();
+    };
+    let mut argv = s.argv[..2].to_vec();
+    argv.extend(flags);
+    let files = s.files.iter().filter(|f| f.path != own).cloned().collect();
+    (argv, files)
+}
+
+/// A service's generated files as (path, content), as the child configs read them.
+fn files_of(s: &Service) -> impl Iterator<Item = (&std::path::Path, &str)> {
+    s.files
+        .iter()
+        .map(|f| (f.path.as_path(), f.content.as_str()))
+}
+
 /// What differs between two versions of one service, one phrase per kind of change.
 fn changes(old: &Service, new: &Service) -> Vec<String> {
     let mut why = Vec::new();
-    if old.argv != new.argv {
-        why.push(format!("arguments {}", argv_change(&old.argv, &new.argv)));
+    let ((old_argv, old_files), (new_argv, new_files)) = (as_run(old), as_run(new));
+    if old_argv != new_argv {
+        why.push(format!("arguments {}", argv_change(&old_argv, &new_argv)));
     }
     if old.env != new.env {
         let keys: BTreeSet<&String> = old
@@ -271,19 +314,44 @@ fn changes(old: &Service, new: &Service) -> Vec<String> {
     if old.ports != new.ports {
         why.push(format!("ports {:?} -> {:?}", old.ports, new.ports));
     }
-    if old.files != new.files {
-        let changed: Vec<String> = new
-            .files
-            .iter()
-            .filter(|f| !old.files.contains(f))
-            .map(|f| f.path.display().to_string())
-            .collect();
-        why.push(format!("generated files {}", changed.join(", ")));
+    if old_files != new_files {
+        why.extend(file_changes(&old_files, &new_files));
     }
     if old.node != new.node {
         why.push(format!("node {} -> {}", old.node, new.node));
     }
     why
+}
+
+/// One phrase per generated file that differs: "generated file proxy.toml without
+/// `retries = 2`, with `retries = 5`" (lines only the old file had, then the new one's;
+/// each setting of pdctl's own config files is one line), or that it is new or gone.
+fn file_changes(old: &[GeneratedFile], new: &[GeneratedFile]) -> Vec<String> {
+    let name = |f: &GeneratedFile| {
+        f.path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| f.path.display().to_string())
+    };
+    let mut out = Vec::new();
+    for f in new {
+        match old.iter().find(|o| o.path == f.path) {
+            Some(o) if o.content == f.content => {}
+            Some(o) => {
+                let lines = |t: &str| -> Vec<String> { t.lines().map(str::to_string).collect() };
+                out.push(format!(
+                    "generated file {} {}",
+                    name(f),
+                    list_change(&lines(&o.content), &lines(&f.content))
+                ));
+            }
+            None => out.push(format!("generated file {} added", f.path.display())),
+        }
+    }
+    for o in old.iter().filter(|o| !new.iter().any(|f| f.path == o.path)) {
+        out.push(format!("generated file {} removed", o.path.display()));
+    }
+    out
 }
 
 /// "without `--a 1`, with `--a 2`": the arguments only the old command had, then those only the new one has
@@ -307,7 +375,11 @@ fn argv_change(old: &[String], new: &[String]) -> String {
         }
         out
     };
-    let (o, n) = (pairs(old), pairs(new));
+    list_change(&pairs(old), &pairs(new))
+}
+
+/// "without `a`, with `b`": the items only `o` has, then those only `n` has.
+fn list_change(o: &[String], n: &[String]) -> String {
     let mut parts: Vec<String> = o
         .iter()
         .filter(|a| !n.contains(a))
@@ -540,5 +612,73 @@ mod tests {
             d.lines()
         );
         assert!(d.rolled.is_empty() && d.refused.is_empty());
+    }
+
+    #[test]
+    fn a_changed_config_file_is_a_change_of_its_service() {
+        // The proxy's settings live in its config file: a changed one is a settings change.
+        let d = diff(
+            &real_plan(1, 1, ""),
+            &real_plan(1, 1, "[proxy]\nretries = 5\n"),
+        );
+        assert_eq!(
+            d.proxy,
+            ["arguments without `--retries 2`, with `--retries 5`"]
+        );
+        assert_eq!(d.proxy_live, ["--retries 2 -> 5"]);
+        assert!(d.proxy_restart.is_empty(), "{:?}", d.proxy_restart);
+        // A simulated engine's config file: its instances roll, the setting named.
+        let sim_of = |model: &str, extra: &str| {
+            let text = format!(
+                "[model]\nname = \"{model}\"\n[engine]\nkind = \"sim\"\n[decode]\ninstances = 2\n{extra}"
+            );
+            let t = crate::topology::load_str(
+                &text,
+                crate::topology::Source::Profile("t".into()),
+                "t.toml".into(),
+            )
+            .unwrap();
+            crate::plan::build_plan(&crate::plan::PlanInput {
+                topology: &t.spec,
+                head: &t.head,
+                gpus: &[],
+                gpu_note: None,
+                version: None,
+                version_source: crate::vllm::VersionSource::Pinned,
+                state_root: "/state".into(),
+                local_node: None,
+            })
+            .unwrap()
+        };
+        let sim = |extra: &str| sim_of("m", extra);
+        let d = diff(&sim(""), &sim("[engine.sim]\nitl_ms = 3.0\n"));
+        let names: Vec<&str> = d.rolled.iter().map(|(s, _)| s.as_str()).collect();
+        assert_eq!(names, ["prefill-0", "decode-0", "decode-1"]);
+        assert_eq!(
+            d.rolled[1].1,
+            ["arguments without `--itl-ms 10`, with `--itl-ms 3`"]
+        );
+        // The same from a role's `args` (flags over the file) reads the same way.
+        let d = diff(&sim(""), &sim("args = [\"--itl-ms\", \"3\"]\n"));
+        let names: Vec<&str> = d.rolled.iter().map(|(s, _)| s.as_str()).collect();
+        assert_eq!(names, ["decode-0", "decode-1"]);
+        assert_eq!(
+            d.rolled[0].1,
+            ["arguments without `--itl-ms 10`, with `--itl-ms 3`"]
+        );
+        assert!(
+            d.refused.is_empty() && d.proxy.is_empty(),
+            "{:?}",
+            d.lines()
+        );
+        // The model a sim serves is in its file, and shared by every instance.
+        let d = diff(&sim(""), &sim_of("m2", ""));
+        assert!(
+            d.refused
+                .iter()
+                .any(|r| r.contains("the model would change from m to m2")),
+            "{:?}",
+            d.lines()
+        );
     }
 }

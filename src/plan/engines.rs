@@ -2,14 +2,14 @@
 //! command line (real vLLM, or the simulator speaking the same protocol).
 
 use super::ports::claim;
-use super::{Check, Probe, RestartPolicy, Role, Service, Shutdown};
+use super::{Check, GeneratedFile, Probe, RestartPolicy, Role, Service, Shutdown};
+use crate::child_config::Configured;
 use crate::connectors::{ClusterCtx, Connector, InstanceCtx, PortBook};
 use crate::gpu::Gpu;
 use crate::proxy::ProxyProtocol;
 use crate::sim::args::{SimArgs, SimHandoff, SimRole};
 use crate::topology::{Device, EngineKind, Problem, RoleSection, Topology};
 use crate::vllm::{Version, VersionRange};
-use clap::Parser;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// One engine instance placed on a node.
@@ -623,19 +623,12 @@ fn cpu_env(t: &Topology, r: &RoleSection, shares_node: bool) -> BTreeMap<String,
     env
 }
 
-/// Wraps SimArgs so they can be built from their own defaults; a flag given twice takes
-/// the later value (the topology's `args` after the planned ones).
-#[derive(Parser)]
-#[command(args_override_self = true)]
-struct SimCmd {
-    #[command(flatten)]
-    args: SimArgs,
-}
-
-/// A simulated instance: `pdctl sim ...` with the handoff matching the proxy protocol, the
-/// context length of `[model] max_model_len` when the topology sets it, and the engine's
-/// and the role's `args` read as `pdctl sim` flags (`args = ["--itl-ms", "8"]` makes that
-/// role's simulated model faster), each checked here.
+/// A simulated instance: `pdctl sim --config FILE` with its settings in a generated file
+/// (`files/<name>.sim.toml`): the handoff matching the proxy protocol, the context length
+/// of `[model] max_model_len` when the topology sets it, `[engine.sim]`. The engine's and
+/// the role's `args` follow on the command line as written, as for vLLM: `pdctl sim`
+/// flags, which override the file (`args = ["--itl-ms", "8"]` makes that role's simulated
+/// model faster), each checked here.
 fn sim_service(
     cx: &ClusterCtx,
     p: &Placement,
@@ -646,56 +639,61 @@ fn sim_service(
     let r = role_section(t, p.role);
     let port = http_port(t, p);
     let mut svc = base_service(p, inst, port);
-    let mut a = SimCmd::parse_from(["sim", "--port", &port.to_string()]).args;
-    a.host = inst.host.clone();
-    a.role = if p.role == Role::Prefill {
-        SimRole::Prefill
-    } else {
-        SimRole::Decode
-    };
-    a.model = t.model.served().to_string();
-    a.instance = Some(inst.name.clone());
-    a.handoff = crate::connectors::sim_handoff(protocol);
-    if a.handoff == SimHandoff::SharedDir {
-        a.kv_dir = Some(cx.shared_dir.clone());
-        svc.dirs.push(cx.shared_dir.clone());
-    }
-    a.bootstrap_port = inst.bootstrap_port;
+    let handoff = crate::connectors::sim_handoff(protocol);
+    let kv_dir = (handoff == SimHandoff::SharedDir).then(|| cx.shared_dir.clone());
+    svc.dirs.extend(kv_dir.clone());
     if let Some(b) = inst.bootstrap_port {
         svc.ports.insert("bootstrap".into(), b);
     }
-    a.model_params = t.engine.sim.clone();
+    let mut model_params = t.engine.sim.clone();
     // The model's context length is the cluster's, whichever engine serves it: a sim
     // stand-in must refuse the prompts the real vLLM would.
     if let Some(n) = t.model.max_model_len {
-        a.model_params.max_model_len = n;
+        model_params.max_model_len = n;
     }
+    let a = SimArgs {
+        host: inst.host.clone(),
+        port,
+        role: if p.role == Role::Prefill {
+            SimRole::Prefill
+        } else {
+            SimRole::Decode
+        },
+        model: t.model.served().to_string(),
+        instance: Some(inst.name.clone()),
+        handoff,
+        kv_dir,
+        bootstrap_port: inst.bootstrap_port,
+        model_params,
+        ..SimArgs::default()
+    };
+    let config = cx.files_dir.join(format!("{}.sim.toml", inst.name));
+    let mut argv = vec![
+        crate::tools::SELF_PROGRAM.to_string(),
+        "sim".to_string(),
+        "--config".to_string(),
+        config.display().to_string(),
+    ];
     for (key, extra) in [("engine.args", &t.engine.args), (role_key(p.role), &r.args)] {
-        if extra.is_empty() {
-            continue;
-        }
-        let planned = a.to_argv();
-        let argv = std::iter::once("sim")
-            .chain(planned.iter().map(String::as_str))
-            .chain(extra.iter().map(String::as_str));
-        a = SimCmd::try_parse_from(argv)
-            .map_err(|e| {
-                let first = e.to_string();
-                let first = first
-                    .lines()
-                    .next()
-                    .unwrap_or_default()
-                    .trim_start_matches("error: ");
-                Problem::new(
-                    key,
-                    format!("simulated engines take `pdctl sim` flags here: {first}"),
-                )
-                .hint("`pdctl sim --help` lists them (e.g. --itl-ms, --max-num-seqs)")
-            })?
-            .args;
+        Configured::<SimArgs>::parse_args(argv[2..].iter().chain(extra.iter())).map_err(|e| {
+            let first = e.to_string();
+            let first = first
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim_start_matches("error: ");
+            Problem::new(
+                key,
+                format!("simulated engines take `pdctl sim` flags here: {first}"),
+            )
+            .hint("`pdctl sim --help` lists them (e.g. --itl-ms, --max-num-seqs)")
+        })?;
+        argv.extend(extra.iter().cloned());
     }
-    let mut argv = vec![crate::tools::SELF_PROGRAM.to_string(), "sim".to_string()];
-    argv.extend(a.to_argv());
+    svc.files.push(GeneratedFile {
+        path: config,
+        content: crate::child_config::to_file(&a),
+    });
     svc.argv = argv;
     svc.shutdown.timeout_s = 10;
     let startup = t.engine.sim.startup_ms.div_ceil(1000);

@@ -1,12 +1,11 @@
 //! The services around the engines: etcd, mooncake_master, the lmcache server, the proxy.
 
 use super::ports::claim;
-use super::{Probe, RestartPolicy, Role, Service, Shutdown};
+use super::{GeneratedFile, Probe, RestartPolicy, Role, Service, Shutdown};
 use crate::connectors::{Endpoint, Needs, PortBook};
 use crate::proxy::{ProxyArgs, ProxyProtocol};
 use crate::topology::{EngineKind, Problem, Topology};
 use crate::vllm::Version;
-use clap::Parser;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -222,14 +221,10 @@ pub(super) fn plan_support(
     Ok(out)
 }
 
-/// Wraps ProxyArgs so they can be built from their own defaults.
-#[derive(Parser)]
-struct ProxyCmd {
-    #[command(flatten)]
-    args: ProxyArgs,
-}
-
-/// Plans the proxy in front of the engines planned so far.
+/// Plans the proxy in front of the engines planned so far: its settings in a generated
+/// config file (`files/proxy.toml` beside the control socket), its command
+/// `pdctl proxy --config FILE`. The API keys stay out of it: the proxy takes them from the
+/// environment the supervisor passes on.
 pub(super) fn plan_proxy(
     t: &Topology,
     node: &str,
@@ -248,50 +243,46 @@ pub(super) fn plan_proxy(
             .filter_map(|s| s.url.clone())
             .collect()
     };
-    let mut args = ProxyCmd::parse_from(["proxy", "--prefill", "x", "--decode", "x"]).args;
-    args.host = host.clone();
-    args.port = p.port;
-    args.prefill = urls(Role::Prefill);
-    args.decode = urls(Role::Decode);
-    if protocol == ProxyProtocol::Mooncake {
-        args.bootstrap_ports = services
-            .iter()
-            .filter(|s| s.role == Role::Prefill)
-            .filter_map(|s| s.ports.get("bootstrap").copied())
-            .collect();
-    }
-    args.protocol = protocol;
-    args.policy = p.policy;
-    args.prefill_policy = p.prefill_policy;
-    args.decode_policy = p.decode_policy;
-    args.scrape_metrics = p.scrape_metrics;
-    args.rate_limit = p.rate_limit;
-    args.max_concurrent = p.max_concurrent;
-    args.queue_size = p.queue_size;
-    if let Some(v) = p.retries {
-        args.retries = v;
-    }
-    if let Some(v) = p.connect_timeout_ms {
-        args.connect_timeout_ms = v;
-    }
-    if let Some(v) = p.prefill_timeout_s {
-        args.prefill_timeout_s = v;
-    }
-    if let Some(v) = p.first_byte_timeout_s {
-        args.first_byte_timeout_s = v;
-    }
-    if let Some(v) = p.total_timeout_s {
-        args.total_timeout_s = v;
-    }
-    if let Some(v) = p.max_body_bytes {
-        args.max_body_bytes = v;
-    }
-    if let Some(v) = p.restart_wait_s {
-        args.restart_wait_s = v;
-    }
-    args.supervisor_socket = Some(socket.to_path_buf());
-    let mut argv = vec![crate::tools::SELF_PROGRAM.to_string(), "proxy".to_string()];
-    argv.extend(args.to_argv());
+    let d = ProxyArgs::default();
+    let args = ProxyArgs {
+        host: host.clone(),
+        port: p.port,
+        prefill: urls(Role::Prefill),
+        decode: urls(Role::Decode),
+        bootstrap_ports: if protocol == ProxyProtocol::Mooncake {
+            services
+                .iter()
+                .filter(|s| s.role == Role::Prefill)
+                .filter_map(|s| s.ports.get("bootstrap").copied())
+                .collect()
+        } else {
+            Vec::new()
+        },
+        protocol,
+        policy: p.policy,
+        prefill_policy: p.prefill_policy,
+        decode_policy: p.decode_policy,
+        scrape_metrics: p.scrape_metrics,
+        rate_limit: p.rate_limit,
+        max_concurrent: p.max_concurrent,
+        queue_size: p.queue_size,
+        retries: p.retries.unwrap_or(d.retries),
+        connect_timeout_ms: p.connect_timeout_ms.unwrap_or(d.connect_timeout_ms),
+        prefill_timeout_s: p.prefill_timeout_s.unwrap_or(d.prefill_timeout_s),
+        first_byte_timeout_s: p.first_byte_timeout_s.unwrap_or(d.first_byte_timeout_s),
+        total_timeout_s: p.total_timeout_s.unwrap_or(d.total_timeout_s),
+        max_body_bytes: p.max_body_bytes.unwrap_or(d.max_body_bytes),
+        restart_wait_s: p.restart_wait_s.unwrap_or(d.restart_wait_s),
+        supervisor_socket: Some(socket.to_path_buf()),
+        ..d
+    };
+    let config = socket.with_file_name("files").join("proxy.toml");
+    let argv = vec![
+        crate::tools::SELF_PROGRAM.to_string(),
+        "proxy".to_string(),
+        "--config".to_string(),
+        config.display().to_string(),
+    ];
     let url = format!("http://{host}:{}", p.port);
     let probe = Probe::Http {
         url: format!("{url}/health"),
@@ -301,6 +292,10 @@ pub(super) fn plan_proxy(
     let mut svc = support_service("proxy", Role::Proxy, node, &host, argv, probe);
     svc.ports = BTreeMap::from([("http".into(), p.port)]);
     svc.url = Some(url);
+    svc.files = vec![GeneratedFile {
+        path: config,
+        content: crate::child_config::to_file(&args),
+    }];
     svc.depends_on = services
         .iter()
         .filter(|s| s.role.is_engine())

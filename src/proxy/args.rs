@@ -1,6 +1,8 @@
-//! Command-line contract of `pdctl proxy`, shared by the planner (which builds the argv
-//! for the embedded proxy) and the proxy (which parses it).
+//! Settings of `pdctl proxy`, shared by the planner (which writes them into the proxy's
+//! config file) and the proxy (which reads them from flags or `--config FILE`, see
+//! [`crate::child_config`]): one struct, one set of defaults ([`ProxyArgs::default`]).
 
+use crate::child_config::{ChildConfig, FromServiceError};
 use crate::spelling::value_name;
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
@@ -29,20 +31,21 @@ pub enum PolicyName {
     PrefixAware,
 }
 
-/// Everything `pdctl proxy` takes.
-#[derive(Debug, Clone, PartialEq, Args)]
+/// Everything `pdctl proxy` takes, as flags or as keys of its config file.
+#[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ProxyArgs {
     /// Address to listen on.
-    #[arg(long, default_value = "0.0.0.0")]
+    #[arg(long, default_value_t = ProxyArgs::default().host)]
     pub host: String,
     /// Client-facing port.
-    #[arg(long, default_value_t = 8000)]
+    #[arg(long, default_value_t = ProxyArgs::default().port)]
     pub port: u16,
     /// Prefill instance base URL (http://HOST:PORT or HOST:PORT); repeat for each.
-    #[arg(long = "prefill", required_unless_present = "prefill_dns")]
+    #[arg(long = "prefill", required_unless_present_any = ["prefill_dns", "config"])]
     pub prefill: Vec<String>,
     /// Decode instance base URL; repeat for each.
-    #[arg(long = "decode", required_unless_present = "decode_dns")]
+    #[arg(long = "decode", required_unless_present_any = ["decode_dns", "config"])]
     pub decode: Vec<String>,
     /// A DNS name whose every address is a prefill instance on PORT (NAME:PORT), looked up
     /// again every --health-interval-ms: a Kubernetes headless Service follows its ready pods.
@@ -56,10 +59,10 @@ pub struct ProxyArgs {
     /// --prefill-dns one more, for every instance found by name.
     #[arg(long = "bootstrap-port")]
     pub bootstrap_ports: Vec<u16>,
-    #[arg(long, value_enum, default_value = "two-step")]
+    #[arg(long, value_enum, default_value_t = ProxyArgs::default().protocol)]
     pub protocol: ProxyProtocol,
     /// Policy for both legs, unless --prefill-policy / --decode-policy say otherwise.
-    #[arg(long, value_enum, default_value = "round-robin")]
+    #[arg(long, value_enum, default_value_t = ProxyArgs::default().policy)]
     pub policy: PolicyName,
     #[arg(long, value_enum)]
     pub prefill_policy: Option<PolicyName>,
@@ -69,52 +72,107 @@ pub struct ProxyArgs {
     #[arg(long)]
     pub scrape_metrics: bool,
     /// Requests per second admitted (token bucket); 0 = unlimited.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = ProxyArgs::default().rate_limit)]
     pub rate_limit: f64,
     /// Requests in flight at once; 0 = unlimited.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = ProxyArgs::default().max_concurrent)]
     pub max_concurrent: usize,
     /// Requests waiting for a slot beyond --max-concurrent before 429.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = ProxyArgs::default().queue_size)]
     pub queue_size: usize,
-    #[arg(long, default_value_t = 2_000)]
+    #[arg(long, default_value_t = ProxyArgs::default().connect_timeout_ms)]
     pub connect_timeout_ms: u64,
     /// Longest wait for the prefill leg to finish.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = ProxyArgs::default().prefill_timeout_s)]
     pub prefill_timeout_s: u64,
     /// Longest wait for decode's first byte.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = ProxyArgs::default().first_byte_timeout_s)]
     pub first_byte_timeout_s: u64,
     /// Longest whole request.
-    #[arg(long, default_value_t = 3_600)]
+    #[arg(long, default_value_t = ProxyArgs::default().total_timeout_s)]
     pub total_timeout_s: u64,
     /// Retries of a leg on connect errors and 502/503, each on another instance.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = ProxyArgs::default().retries)]
     pub retries: u32,
     /// When no instance of a leg is healthy but one is starting or restarting (as the
     /// supervisor reports), how long a request waits for it before the 503; 0 = fail at once.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = ProxyArgs::default().restart_wait_s)]
     pub restart_wait_s: u64,
     /// Largest accepted request body.
-    #[arg(long, default_value_t = 32 * 1024 * 1024)]
+    #[arg(long, default_value_t = ProxyArgs::default().max_body_bytes)]
     pub max_body_bytes: usize,
     /// Require `Authorization: Bearer KEY` from clients.
     #[arg(long, env = "PDCTL_API_KEY", hide_env_values = true)]
+    #[serde(skip)]
     pub api_key: Option<String>,
     /// Key sent to the engines (and on health probes).
     #[arg(long, env = "PDCTL_ENGINE_API_KEY", hide_env_values = true)]
+    #[serde(skip)]
     pub engine_api_key: Option<String>,
     /// Health of instances from a running supervisor's control socket instead of own probes.
     #[arg(long)]
     pub supervisor_socket: Option<PathBuf>,
     /// Interval of own health probes (standalone mode).
-    #[arg(long, default_value_t = 1_000)]
+    #[arg(long, default_value_t = ProxyArgs::default().health_interval_ms)]
     pub health_interval_ms: u64,
 }
 
+/// The one place the proxy's defaults are written: clap's `default_value_t`s and the
+/// config file's missing keys both read it.
+impl Default for ProxyArgs {
+    fn default() -> Self {
+        ProxyArgs {
+            host: "0.0.0.0".into(),
+            port: 8000,
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            prefill_dns: Vec::new(),
+            decode_dns: Vec::new(),
+            bootstrap_ports: Vec::new(),
+            protocol: ProxyProtocol::TwoStep,
+            policy: PolicyName::RoundRobin,
+            prefill_policy: None,
+            decode_policy: None,
+            scrape_metrics: false,
+            rate_limit: 0.0,
+            max_concurrent: 0,
+            queue_size: 0,
+            connect_timeout_ms: 2_000,
+            prefill_timeout_s: 300,
+            first_byte_timeout_s: 300,
+            total_timeout_s: 3_600,
+            retries: 2,
+            restart_wait_s: 30,
+            max_body_bytes: 32 * 1024 * 1024,
+            api_key: None,
+            engine_api_key: None,
+            supervisor_socket: None,
+            health_interval_ms: 1_000,
+        }
+    }
+}
+
+impl ChildConfig for ProxyArgs {
+    const COMMAND: &'static str = "proxy";
+    fn keep_secrets(&mut self, flags: &Self) {
+        self.api_key.clone_from(&flags.api_key);
+        self.engine_api_key.clone_from(&flags.engine_api_key);
+    }
+}
+
 impl ProxyArgs {
+    /// The settings of a planned proxy service from its argv and generated files (path,
+    /// content), without touching disk: what a running proxy re-reads from its spec.
+    pub fn from_service<'a>(
+        argv: &[String],
+        files: impl IntoIterator<Item = (&'a std::path::Path, &'a str)>,
+    ) -> Result<ProxyArgs, FromServiceError> {
+        crate::child_config::from_service(argv, files)
+    }
+
     /// The argv after `pdctl proxy` that parses back into exactly these arguments
-    /// (secrets excepted: keys travel in the environment, never on the command line).
+    /// (secrets excepted: keys travel in the environment, never on the command line);
+    /// what `export` gives a pod.
     pub fn to_argv(&self) -> Vec<String> {
         let mut v = vec![
             "--host".to_string(),

@@ -28,6 +28,10 @@ pub enum ConfigError {
         prefills: usize,
         by_name: bool,
     },
+    #[error(
+        "no {leg} instance: give --{leg} URL or --{leg}-dns NAME:PORT (in a config file `{leg} = [...]` or `{leg}_dns = [...]`)"
+    )]
+    NoInstances { leg: &'static str },
     #[error("--bootstrap-port only applies to --protocol mooncake")]
     BootstrapUnused,
     #[error("--{flag} must be a number >= 0 (got {value}); 0 turns the limit off")]
@@ -68,6 +72,18 @@ pub struct Settings {
 
 /// Builds the instance pools, checking every endpoint.
 pub fn pools(args: &ProxyArgs) -> Result<Pools, ConfigError> {
+    // A supervisor tells the proxy its instances; alone it must be told some (clap
+    // enforces this for flags, a config file can leave them out).
+    if args.supervisor_socket.is_none() {
+        for (leg, urls, names) in [
+            ("prefill", &args.prefill, &args.prefill_dns),
+            ("decode", &args.decode, &args.decode_dns),
+        ] {
+            if urls.is_empty() && names.is_empty() {
+                return Err(ConfigError::NoInstances { leg });
+            }
+        }
+    }
     let mooncake = args.protocol == ProxyProtocol::Mooncake;
     let by_name = !args.prefill_dns.is_empty();
     if mooncake && args.bootstrap_ports.len() != args.prefill.len() + usize::from(by_name) {
@@ -186,13 +202,13 @@ mod tests {
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
-        args: ProxyArgs,
+        args: crate::child_config::Configured<ProxyArgs>,
     }
 
     fn args(extra: &[&str]) -> ProxyArgs {
         let mut v = vec!["proxy"];
         v.extend_from_slice(extra);
-        Cli::try_parse_from(v).unwrap().args
+        Cli::try_parse_from(v).unwrap().args.flags
     }
 
     #[test]

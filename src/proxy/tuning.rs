@@ -15,7 +15,6 @@ use super::metrics::Metrics;
 use super::policy::{self, Policy};
 use crate::control::{self, StatusReport};
 use crate::plan::{Role, Service};
-use clap::Parser;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,38 +59,37 @@ fn names(a: &ProxyArgs) -> (PolicyName, PolicyName) {
     )
 }
 
-#[derive(Parser)]
-#[command(no_binary_name = true)]
-struct ProxyCommand {
-    #[command(flatten)]
-    args: ProxyArgs,
-}
-
 /// Why a spec gives no proxy arguments.
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
     #[error("{service}'s command is not `pdctl proxy ...`: {argv:?}")]
     NotAProxy { service: String, argv: Vec<String> },
-    #[error("{service}'s command does not parse: {message}")]
-    Unreadable { service: String, message: String },
+    #[error("{service}'s settings cannot be read: {source}")]
+    Unreadable {
+        service: String,
+        source: Box<crate::child_config::FromServiceError>,
+    },
 }
 
-/// The proxy arguments of a service's spec (`<program> proxy FLAGS...`), read without
-/// touching the disk. Flags with an environment fallback read this process's environment,
-/// as they did when the proxy started.
+/// The proxy arguments of a service's spec (`<program> proxy [--config FILE] FLAGS...`,
+/// the file among the spec's generated files), read without touching the disk. Flags with
+/// an environment fallback read this process's environment, as they did when the proxy
+/// started.
 pub fn args_of(service: &Service) -> Result<ProxyArgs, SpecError> {
-    let Some(pos) = service.argv.iter().position(|a| a == "proxy") else {
+    if service.argv.get(1).map(String::as_str) != Some("proxy") {
         return Err(SpecError::NotAProxy {
             service: service.name.clone(),
             argv: service.argv.clone(),
         });
-    };
-    ProxyCommand::try_parse_from(&service.argv[pos + 1..])
-        .map(|c| c.args)
-        .map_err(|e| SpecError::Unreadable {
-            service: service.name.clone(),
-            message: e.render().to_string().trim().to_string(),
-        })
+    }
+    let files = service
+        .files
+        .iter()
+        .map(|f| (f.path.as_path(), f.content.as_str()));
+    ProxyArgs::from_service(&service.argv, files).map_err(|source| SpecError::Unreadable {
+        service: service.name.clone(),
+        source: Box::new(source),
+    })
 }
 
 /// The flags that differ between `old` and `new` which a running proxy cannot take (it
@@ -297,9 +295,16 @@ mod tests {
     use super::*;
 
     fn args(extra: &[&str]) -> ProxyArgs {
-        let mut v = vec!["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"];
+        let mut v = vec![
+            "pdctl",
+            "proxy",
+            "--prefill",
+            "127.0.0.1:1",
+            "--decode",
+            "127.0.0.1:2",
+        ];
         v.extend_from_slice(extra);
-        ProxyCommand::try_parse_from(v).unwrap().args
+        args_of(&service(&v)).unwrap()
     }
 
     fn service(argv: &[&str]) -> Service {
@@ -327,6 +332,20 @@ mod tests {
         assert!(e.to_string().contains("is not `pdctl proxy"), "{e}");
         let e = args_of(&service(&["pdctl", "proxy", "--max-concurrent", "many"])).unwrap_err();
         assert!(e.to_string().contains("--max-concurrent"), "{e}");
+    }
+
+    #[test]
+    fn a_spec_with_a_config_file_is_read_from_its_generated_files() {
+        let mut s = service(&["pdctl", "proxy", "--config", "/state/files/proxy.toml"]);
+        let wanted = args(&["--max-concurrent", "3", "--policy", "least-loaded"]);
+        s.files.push(crate::plan::GeneratedFile {
+            path: "/state/files/proxy.toml".into(),
+            content: toml::to_string(&wanted).unwrap(),
+        });
+        assert_eq!(args_of(&s).unwrap(), wanted);
+        s.files.clear();
+        let e = args_of(&s).unwrap_err().to_string();
+        assert!(e.contains("proxy.toml"), "{e}");
     }
 
     #[test]

@@ -1,6 +1,9 @@
-//! Command-line contract of `pdctl sim`, shared by the planner (which builds the argv)
-//! and the simulator (which parses it), so the two can never drift apart.
+//! Settings of `pdctl sim`, shared by the planner (which writes them into each sim's
+//! config file) and the simulator (which reads them from flags or `--config FILE`, see
+//! [`crate::child_config`]), so the two can never drift apart; one set of defaults
+//! ([`SimModel::default`], [`SimArgs::default`]).
 
+use crate::child_config::{ChildConfig, FromServiceError};
 use crate::spelling::value_name;
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
@@ -37,46 +40,48 @@ pub enum SimHandoff {
 #[serde(default, deny_unknown_fields)]
 pub struct SimModel {
     /// Prefill cost per uncached prompt token, in milliseconds.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = SimModel::default().prefill_ms_per_token)]
     pub prefill_ms_per_token: f64,
     /// Fixed cost per request (scheduling, tokenizing), in milliseconds.
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = SimModel::default().overhead_ms)]
     pub overhead_ms: f64,
     /// Time between output tokens of one sequence with nothing else running, in ms.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = SimModel::default().itl_ms)]
     pub itl_ms: f64,
     /// Batching effect: each additional running sequence makes a step this much slower
     /// (0.02 = 2 % per sequence).
-    #[arg(long, default_value_t = 0.02)]
+    #[arg(long, default_value_t = SimModel::default().batch_slowdown)]
     pub batch_slowdown: f64,
     /// Time from process start until `/health` answers 200 ("loading the model").
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = SimModel::default().startup_ms)]
     pub startup_ms: u64,
     /// Longest prompt + completion, in tokens (as vLLM's --max-model-len).
-    #[arg(long, default_value_t = 8192)]
+    #[arg(long, default_value_t = SimModel::default().max_model_len)]
     pub max_model_len: u32,
     /// Tokens per KV block (vLLM's default is 16).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = SimModel::default().block_size)]
     pub block_size: u32,
     /// Prefix cache capacity in blocks (LRU beyond it).
-    #[arg(long, default_value_t = 16384)]
+    #[arg(long, default_value_t = SimModel::default().cache_blocks)]
     pub cache_blocks: u32,
     /// Sequences running at once before requests wait (as vLLM's --max-num-seqs).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = SimModel::default().max_num_seqs)]
     pub max_num_seqs: u32,
     /// Cost of loading one handed-off KV token on the decode side, in milliseconds
     /// (much cheaper than computing it, as a real KV transfer is).
-    #[arg(long, default_value_t = 0.005)]
+    #[arg(long, default_value_t = SimModel::default().kv_load_ms_per_token)]
     pub kv_load_ms_per_token: f64,
     /// How long a decode waits for a mooncake transfer before it recomputes, in ms.
-    #[arg(long, default_value_t = 30_000)]
+    #[arg(long, default_value_t = SimModel::default().handoff_wait_ms)]
     pub handoff_wait_ms: u64,
     /// How long a prefill keeps KV blocks for a decode that never pulls them, in ms
     /// (vLLM's NIXL abort timeout plays this part).
-    #[arg(long, default_value_t = 120_000)]
+    #[arg(long, default_value_t = SimModel::default().kv_hold_timeout_ms)]
     pub kv_hold_timeout_ms: u64,
 }
 
+/// The one place the simulated model's defaults are written: clap's `default_value_t`s,
+/// the `[engine.sim]` table and the config file's missing keys all read it.
 impl Default for SimModel {
     fn default() -> Self {
         SimModel {
@@ -140,26 +145,28 @@ impl SimModel {
     }
 }
 
-/// Everything `pdctl sim` takes.
-#[derive(Debug, Clone, PartialEq, Args)]
+/// Everything `pdctl sim` takes, as flags or as keys of its config file (the latency
+/// model's keys in its `[model_params]` table).
+#[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct SimArgs {
     /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, default_value_t = SimArgs::default().host)]
     pub host: String,
     /// OpenAI-compatible HTTP port (as vLLM's --port).
-    #[arg(long)]
+    #[arg(long, required_unless_present = "config", default_value_t = SimArgs::default().port, hide_default_value = true)]
     pub port: u16,
     /// Which side of the PD pair this instance plays.
-    #[arg(long, value_enum, default_value = "both")]
+    #[arg(long, value_enum, default_value_t = SimArgs::default().role)]
     pub role: SimRole,
     /// Served model name, reported by /v1/models and checked against requests.
-    #[arg(long, default_value = "sim-model")]
+    #[arg(long, default_value_t = SimArgs::default().model)]
     pub model: String,
     /// Instance name for logs and the engine id (e.g. `prefill-0`).
     #[arg(long)]
     pub instance: Option<String>,
     /// How KV reaches the decode side (must match the proxy's protocol).
-    #[arg(long, value_enum, default_value = "none")]
+    #[arg(long, value_enum, default_value_t = SimArgs::default().handoff)]
     pub handoff: SimHandoff,
     /// Shared directory for the `shared-dir` handoff.
     #[arg(long)]
@@ -178,17 +185,57 @@ pub struct SimArgs {
     pub kv_host: Option<String>,
     /// Interval of the periodic stats log line (throughput, running, cache hit rate);
     /// 0 turns it off.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, default_value_t = SimArgs::default().log_stats_interval_ms)]
     pub log_stats_interval_ms: u64,
     /// Require `Authorization: Bearer KEY` on /v1/* routes, as `vllm serve --api-key`
     /// does (/health, /metrics and /version stay open).
     #[arg(long, env = "VLLM_API_KEY", hide_env_values = true)]
+    #[serde(skip)]
     pub api_key: Option<String>,
 }
 
+/// The defaults of `pdctl sim`; `port` has none on the command line (`--port` or a config
+/// file's `port` is required), 0 here only fills the struct.
+impl Default for SimArgs {
+    fn default() -> Self {
+        SimArgs {
+            host: "127.0.0.1".into(),
+            port: 0,
+            role: SimRole::Both,
+            model: "sim-model".into(),
+            instance: None,
+            handoff: SimHandoff::None,
+            kv_dir: None,
+            bootstrap_port: None,
+            model_params: SimModel::default(),
+            fault_exit_after: None,
+            kv_host: None,
+            log_stats_interval_ms: 10_000,
+            api_key: None,
+        }
+    }
+}
+
+impl ChildConfig for SimArgs {
+    const COMMAND: &'static str = "sim";
+    const REQUIRED: &'static [&'static str] = &["port"];
+    fn keep_secrets(&mut self, flags: &Self) {
+        self.api_key.clone_from(&flags.api_key);
+    }
+}
+
 impl SimArgs {
-    /// The argv after `pdctl sim` that parses back into exactly these arguments, the API
-    /// key excepted: a secret travels in the environment (`VLLM_API_KEY`), never on a
+    /// The settings of a planned sim service from its argv and generated files (path,
+    /// content), without touching disk.
+    pub fn from_service<'a>(
+        argv: &[String],
+        files: impl IntoIterator<Item = (&'a std::path::Path, &'a str)>,
+    ) -> Result<SimArgs, FromServiceError> {
+        crate::child_config::from_service(argv, files)
+    }
+
+    /// The argv after `pdctl sim` that parses back into exactly these arguments (what
+    /// `export` gives a pod), the API key excepted: a secret travels in the environment (`VLLM_API_KEY`), never on a
     /// command line that `ps` shows.
     pub fn to_argv(&self) -> Vec<String> {
         let mut v = vec![
@@ -234,7 +281,7 @@ mod tests {
     #[derive(Parser)]
     struct Wrapper {
         #[command(flatten)]
-        sim: SimArgs,
+        sim: crate::child_config::Configured<SimArgs>,
     }
 
     fn parse(argv: &[String]) -> SimArgs {
@@ -243,6 +290,7 @@ mod tests {
         Wrapper::try_parse_from(full)
             .expect("to_argv output parses")
             .sim
+            .flags
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! model, a block-hash prefix cache, KV handoffs between a prefill and a decode sim, and
 //! fault injection. It says it is a simulator everywhere it can.
 //!
-//! Layout: [`args`] (CLI contract), [`server`] (routes), [`openai`] (request/answer
+//! Layout: [`args`] (its settings: flags and `--config FILE`), [`server`] (routes), [`openai`] (request/answer
 //! shapes), [`completion`] / [`stream`] / [`job`] (one request), [`engine`] (shared
 //! state, scheduler, latency), [`tokenizer`], [`generate`], [`cache`], [`handoff`],
 //! [`metrics`], [`faults`].
