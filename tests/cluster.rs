@@ -73,14 +73,7 @@ fn client() -> reqwest::Client {
 }
 
 async fn metric(base: &str, name: &str) -> f64 {
-    let text = client()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = common::get_text(&format!("{base}/metrics")).await;
     pdctl::prometheus::sum(&text, &[name]).unwrap_or_else(|| panic!("{base} has no {name}"))
 }
 

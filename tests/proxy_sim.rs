@@ -38,15 +38,8 @@ async fn start_sim(role: &str, handoff: &str, extra: &[&str]) -> SimProc {
 }
 
 fn args(prefill: &[&SimProc], decode: &[&SimProc], extra: &[&str]) -> Vec<String> {
-    let mut v = Vec::new();
-    for p in prefill {
-        v.extend(["--prefill".to_string(), p.base.clone()]);
-    }
-    for d in decode {
-        v.extend(["--decode".to_string(), d.base.clone()]);
-    }
-    v.extend(extra.iter().map(|s| s.to_string()));
-    v
+    let bases = |sims: &[&SimProc]| sims.iter().map(|s| s.base.clone()).collect();
+    fake::proxy_args_for(bases(prefill), bases(decode), extra)
 }
 
 fn completion(prompt: &str, stream: bool) -> Value {
@@ -181,15 +174,7 @@ async fn a_recompute_only_the_decode_sim_knows_of_still_shows_in_the_proxy() {
     assert_eq!(d.prompt_tokens("local_compute").await, 64.0);
     // The decode was never seen to report cached_tokens before, so its usage only names
     // the request in the log; the count comes from its vLLM counters.
-    assert!(
-        eventually(WAIT, || async {
-            proxy.metric(ENGINE_REPORTED).await == 1.0
-        })
-        .await,
-        "{}\n{}",
-        proxy.metrics().await,
-        proxy.log()
-    );
+    proxy.wait_metric(ENGINE_REPORTED, 1.0).await;
     assert_eq!(proxy.metric(USAGE_LOW).await, 0.0);
     let log = proxy.log();
     assert!(
@@ -268,15 +253,7 @@ async fn a_lost_handoff_on_a_stream_without_usage_is_found_in_the_decode_counter
     );
     assert_eq!(d.prompt_tokens("local_compute").await, 70.0);
     assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 1.0);
-    assert!(
-        eventually(WAIT, || async {
-            proxy.metric(ENGINE_REPORTED).await == 1.0
-        })
-        .await,
-        "{}\n{}",
-        proxy.metrics().await,
-        proxy.log()
-    );
+    proxy.wait_metric(ENGINE_REPORTED, 1.0).await;
     assert_eq!(
         proxy
             .metric("pdctl_proxy_kv_handoff_recomputed_tokens_total")

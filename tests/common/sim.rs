@@ -94,18 +94,7 @@ impl SimProc {
 
     /// POSTs JSON and returns status and parsed body.
     pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let r = client()
-            .post(self.url(path))
-            .json(body)
-            .send()
-            .await
-            .expect("request");
-        let status = r.status().as_u16();
-        let text = r.text().await.unwrap();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
+        self.post_raw(path, &body.to_string()).await
     }
 
     /// POSTs raw bytes as JSON.
