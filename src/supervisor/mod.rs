@@ -20,6 +20,8 @@ mod preflight;
 mod process;
 mod run;
 mod state_dir;
+#[cfg(test)]
+mod testing;
 
 pub use preflight::bullet_list;
 pub use preflight::check as preflight_check;
