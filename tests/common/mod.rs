@@ -155,6 +155,13 @@ pub async fn get_json(url: &str) -> serde_json::Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("GET {url}: {e}: {text}"))
 }
 
+/// The text of the first choice of a whole chat answer.
+pub fn chat_text(answer: &serde_json::Value) -> &str {
+    answer["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no chat text in {answer}"))
+}
+
 /// The JSON array of strings `items` as `&str`s, in order.
 pub fn strs(items: &serde_json::Value) -> Vec<&str> {
     let items = items.as_array().expect("a JSON array");
