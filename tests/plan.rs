@@ -180,9 +180,14 @@ fn kv_config(s: &Value) -> Value {
     serde_json::from_str(flag(&argv(s), "--kv-transfer-config").unwrap()).unwrap()
 }
 
+/// A topology written inline in a test.
+fn inline(text: &str) -> pdctl::topology::LoadedTopology {
+    load_str(text, Source::Profile("inline".into()), "inline.toml".into()).unwrap()
+}
+
 /// The plan of a topology written inline, for vLLM `version`, on a machine with `gpus`.
 fn try_plan_text(text: &str, version: &str, gpus: u32) -> Result<Plan, pdctl::topology::Problem> {
-    let t = load_str(text, Source::Profile("inline".into()), "inline.toml".into()).unwrap();
+    let t = inline(text);
     let gpus: Vec<Gpu> = (0..gpus).map(Gpu::declared).collect();
     build_plan(&PlanInput {
         topology: &t.spec,
@@ -987,12 +992,9 @@ fn packing_splits_the_memory_and_a_fixed_kv_cache_starts_together() {
 /// error naming the GPU, what is free and who holds the rest.
 #[test]
 fn engines_that_do_not_fit_the_free_memory_are_refused() {
-    let t = load_str(
+    let t = inline(
         "[model]\nname = \"m\"\n[engine]\ninstances_per_gpu = 2\n[connector]\nkind = \"nixl\"\n",
-        Source::Profile("inline".into()),
-        "inline.toml".into(),
-    )
-    .unwrap();
+    );
     let busy = Gpu {
         index: 0,
         uuid: None,
