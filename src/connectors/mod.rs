@@ -4,6 +4,11 @@
 //! (mooncake.json, LMCache yaml), environment, extra ports, the support services it needs,
 //! and the proxy protocol that moves a request's KV from prefill to decode. Adding a
 //! connector means a file here and a profile; nothing else knows connector names.
+//!
+//! Each file gives its [`About`] (kind, vLLM classes, versions) and implements
+//! [`Connector`]: support services and protocol default to none and two-step, and the
+//! launch is planned from one [`LaunchCtx`]; the shapes several share (`transfer_config`,
+//! per-rank port names, Mooncake's metadata needs) are helpers here.
 
 mod example;
 mod lmcache;
