@@ -26,17 +26,7 @@ fn read_json(path: &std::path::Path) -> Value {
 /// bounds loose: a shared machine only ever makes things slower).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn figures_match_the_configured_latencies() {
-    let sim = SimProc::start(&[
-        "--prefill-ms-per-token",
-        "0.5",
-        "--overhead-ms",
-        "5",
-        "--itl-ms",
-        "8",
-        "--batch-slowdown",
-        "0",
-    ])
-    .await;
+    let sim = SimProc::timed("0.5", "5", "8", &["--batch-slowdown", "0"]).await;
     let dir = TempDir::new("bench-lat");
     let json = dir.path().join("run.json");
     let out = bench(&[
@@ -106,15 +96,7 @@ async fn figures_match_the_configured_latencies() {
 /// deltas, and a per-request rate at a fixed request rate is honoured.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_dataset_reads_the_engines_hit_rate() {
-    let sim = SimProc::start(&[
-        "--prefill-ms-per-token",
-        "0",
-        "--overhead-ms",
-        "0",
-        "--itl-ms",
-        "0",
-    ])
-    .await;
+    let sim = SimProc::timed("0", "0", "0", &[]).await;
     let dir = TempDir::new("bench-prefix");
     let json = dir.path().join("p.json");
     let out = bench(&[
@@ -165,15 +147,7 @@ async fn prefix_dataset_reads_the_engines_hit_rate() {
 /// ShareGPT: the first human turn is the prompt, the reply's length caps the output.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sharegpt_files_drive_the_run() {
-    let sim = SimProc::start(&[
-        "--prefill-ms-per-token",
-        "0",
-        "--overhead-ms",
-        "0",
-        "--itl-ms",
-        "0",
-    ])
-    .await;
+    let sim = SimProc::timed("0", "0", "0", &[]).await;
     let dir = TempDir::new("bench-sharegpt");
     let data = dir.path().join("sharegpt.json");
     // A reply longer than the random datasets' default output length (64).
@@ -239,24 +213,8 @@ async fn sharegpt_files_drive_the_run() {
 /// --json results compare side by side and plot as an SVG with both runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn results_compare_and_plot() {
-    let fast = SimProc::start(&[
-        "--prefill-ms-per-token",
-        "0",
-        "--overhead-ms",
-        "0",
-        "--itl-ms",
-        "1",
-    ])
-    .await;
-    let slow = SimProc::start(&[
-        "--prefill-ms-per-token",
-        "0",
-        "--overhead-ms",
-        "20",
-        "--itl-ms",
-        "1",
-    ])
-    .await;
+    let fast = SimProc::timed("0", "0", "1", &[]).await;
+    let slow = SimProc::timed("0", "20", "1", &[]).await;
     let dir = TempDir::new("bench-cmp");
     let (a, b) = (dir.path().join("a.json"), dir.path().join("b.json"));
     for (sim, file, label) in [(&fast, &a, "fast"), (&slow, &b, "slow")] {

@@ -7,7 +7,7 @@ mod common;
 #[path = "common/supervisor.rs"]
 mod suph;
 
-use common::TempDir;
+use common::{TempDir, eventually};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 use suph::{Cluster, sim_topology, text};
@@ -73,14 +73,7 @@ fn client() -> reqwest::Client {
 }
 
 async fn metric(base: &str, name: &str) -> f64 {
-    let text = client()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = common::get_text(&format!("{base}/metrics")).await;
     pdctl::prometheus::sum(&text, &[name]).unwrap_or_else(|| panic!("{base} has no {name}"))
 }
 
@@ -104,6 +97,15 @@ fn long_prompt(tag: &str) -> String {
 
 /// Completions and chat, whole and streamed, through the proxy; the decode engine must
 /// report every one as a KV handoff received (not a recompute).
+/// Brings up 1P1D sim cluster `cluster` with `connector` and checks that four requests
+/// all hand their KV over (see [`four_requests_all_hand_off`]).
+async fn hand_off_on_1p1d(cluster: &str, connector: &str, tag: &str) -> Up {
+    let (t, port) = sim_topology(cluster, connector, 1, 1, "");
+    let up = Up::start(tag, &t, port);
+    four_requests_all_hand_off(&up).await;
+    up
+}
+
 async fn four_requests_all_hand_off(up: &Up) {
     let decode = &up.urls(pdctl::plan::Role::Decode)[0];
     let received0 = metric(decode, "pdctl_sim_kv_handoffs_received_total").await;
@@ -147,13 +149,7 @@ async fn four_requests_all_hand_off(up: &Up) {
     .await;
     assert_eq!(s, 200, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
-    assert!(
-        v["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .len()
-            > 3
-    );
+    assert!(common::chat_text(&v).len() > 3, "{v}");
     let msgs = json!([{"role": "user", "content": long_prompt("d")}]);
     let (s, ct, body) = post(
         &chat,
@@ -176,9 +172,7 @@ async fn four_requests_all_hand_off(up: &Up) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_step_protocol_hands_kv_over_through_a_shared_directory() {
-    let (t, port) = sim_topology("c-two-step", "example", 1, 1, "");
-    let up = Up::start("c2s", &t, port);
-    four_requests_all_hand_off(&up).await;
+    let up = hand_off_on_1p1d("c-two-step", "example", "c2s").await;
     // `pdctl restart ROLE` restarts every instance of it; they come back healthy.
     let out = up.cluster.run(&["restart", "decode"]);
     assert!(out.status.success(), "{}", text(&out));
@@ -203,16 +197,12 @@ async fn two_step_protocol_hands_kv_over_through_a_shared_directory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nixl_protocol_hands_kv_over_by_kv_transfer_params() {
-    let (t, port) = sim_topology("c-nixl", "nixl", 1, 1, "");
-    let up = Up::start("cnx", &t, port);
-    four_requests_all_hand_off(&up).await;
+    hand_off_on_1p1d("c-nixl", "nixl", "cnx").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mooncake_protocol_hands_kv_over_by_transfer_id() {
-    let (t, port) = sim_topology("c-mooncake", "mooncake", 1, 1, "");
-    let up = Up::start("cmc", &t, port);
-    four_requests_all_hand_off(&up).await;
+    hand_off_on_1p1d("c-mooncake", "mooncake", "cmc").await;
 }
 
 /// Limits configured in the topology reach the embedded proxy: with one request allowed
@@ -447,14 +437,10 @@ async fn client_disconnects_cancel_both_legs() {
         .build()
         .unwrap();
     assert!(quick.post(&url).json(&slow_prefill).send().await.is_err());
-    let mut ok = false;
-    for _ in 0..40 {
-        if metric(prefill, aborted).await > pa0 {
-            ok = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let ok = eventually(Duration::from_secs(4), || async {
+        metric(prefill, aborted).await > pa0
+    })
+    .await;
     assert!(ok, "the prefill leg was not cancelled when the client left");
     // Short prompt, long stream: leave after the first chunk.
     let resp = client()
@@ -467,14 +453,10 @@ async fn client_disconnects_cancel_both_legs() {
     let mut s = resp.bytes_stream();
     let _ = s.next().await;
     drop(s);
-    let mut ok = false;
-    for _ in 0..40 {
-        if metric(decode, aborted).await > da0 {
-            ok = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let ok = eventually(Duration::from_secs(4), || async {
+        metric(decode, aborted).await > da0
+    })
+    .await;
     assert!(
         ok,
         "the decode stream was not cancelled when the client left"

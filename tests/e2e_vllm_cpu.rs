@@ -113,12 +113,7 @@ fn run_case(case: &Case) {
     let plan = run(pdctl_in(&guard, &["plan", "-f", path(&topo), "--json"]), 60);
     assert!(plan.status.success(), "pdctl plan failed:\n{}", text(&plan));
     let plan: Value = serde_json::from_slice(&plan.stdout).unwrap();
-    let names: Vec<&str> = plan["services"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["name"].as_str().unwrap())
-        .collect();
+    let names = common::field_strs(&plan["services"], "name");
     for want in case
         .support
         .iter()
@@ -315,14 +310,7 @@ fn run_case(case: &Case) {
     // handoff made, it must count none (it scrapes decode once per health interval).
     std::thread::sleep(Duration::from_secs(3));
     let misses = rt.block_on(async {
-        let text = http
-            .get(format!("{proxy}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = common::get_text(&format!("{proxy}/metrics")).await;
         metric_sum(&text, "pdctl_proxy_kv_handoff_misses_total", "").unwrap_or(0.0)
     });
     println!(

@@ -63,7 +63,7 @@ fn exported(profile: &str, format: &str) -> (Vec<Value>, String) {
 /// The plan of `profile` as `pdctl plan --json` prints it, planned with the state root the
 /// export uses (so paths agree) and GPUs enough for every instance.
 fn plan(profile: &str) -> Value {
-    let out = pdctl(&[
+    let json = common::stdout_of(&mut pdctl(&[
         "plan",
         "-p",
         profile,
@@ -72,15 +72,8 @@ fn plan(profile: &str) -> Value {
         "/var/lib/pdctl",
         "--gpus",
         "0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15",
-    ])
-    .output()
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    ]));
+    serde_json::from_str(&json).unwrap()
 }
 
 // ---------------------------------------------------------------- schemas
@@ -571,12 +564,7 @@ fn four_p_four_d_is_a_role_based_group_with_the_plans_kv_transfer_config() {
     }
     // The proxy finds the engines through their headless Services.
     let proxy = &role("proxy")["standalonePattern"]["template"]["spec"]["containers"][0];
-    let argv: Vec<&str> = proxy["command"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap())
-        .collect();
+    let argv = common::strs(&proxy["command"]);
     assert_eq!(&argv[..2], ["pdctl", "proxy"]);
     let dns = argv[argv.iter().position(|a| *a == "--prefill-dns").unwrap() + 1];
     let svc = docs

@@ -14,6 +14,21 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use suph::{Cluster, sim_topology, text};
 
+/// A 1P1D sim cluster `f-TAG` with the example connector and the `extra` topology lines,
+/// brought up by `pdctl up`; the directory holds its topology file. The last item is the
+/// proxy's completions URL.
+fn up_1p1d(tag: &str, extra: &str) -> (Cluster, TempDir, String) {
+    let (t, port) = sim_topology(&format!("f-{tag}"), "example", 1, 1, extra);
+    let cluster = Cluster::new(&format!("f{tag}"));
+    let dir = TempDir::new(&format!("f{tag}-topo"));
+    cluster.up_topology(dir.path(), &t);
+    (
+        cluster,
+        dir,
+        format!("http://127.0.0.1:{port}/v1/completions"),
+    )
+}
+
 /// Outcomes of the load: answered 200, answered with a JSON error, no answer in time.
 #[derive(Default)]
 struct Tally {
@@ -28,11 +43,7 @@ struct Tally {
 /// for it instead of failing, and the cluster ends healthy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_decode_engine_killed_every_5_s_costs_seconds_not_the_cluster() {
-    let (t, port) = sim_topology("f-kill", "example", 1, 1, "");
-    let cluster = Cluster::new("fkill");
-    let dir = TempDir::new("fkill-topo");
-    cluster.up_topology(dir.path(), &t);
-    let url = format!("http://127.0.0.1:{port}/v1/completions");
+    let (cluster, _topology, url) = up_1p1d("kill", "");
     let tally = Arc::new(Tally::default());
     let stop = Arc::new(AtomicBool::new(false));
     let client = reqwest::Client::builder()
@@ -130,11 +141,7 @@ async fn a_decode_engine_killed_every_5_s_costs_seconds_not_the_cluster() {
 /// event saying the proxy is shutting down, then `data: [DONE]`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn down_during_streams_ends_each_with_an_error_event_and_done() {
-    let (t, port) = sim_topology("f-down", "example", 1, 1, "[engine.sim]\nitl_ms = 50.0\n");
-    let cluster = Cluster::new("fdown");
-    let dir = TempDir::new("fdown-topo");
-    cluster.up_topology(dir.path(), &t);
-    let url = format!("http://127.0.0.1:{port}/v1/completions");
+    let (cluster, _topology, url) = up_1p1d("down", "[engine.sim]\nitl_ms = 50.0\n");
     let client = reqwest::Client::new();
     let mut streams = Vec::new();
     for i in 0..8 {

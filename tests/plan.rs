@@ -145,18 +145,13 @@ fn every_profile_plan_matches_its_golden_file() {
 
 fn plan_json(args: &[&str]) -> Value {
     let state = TempDir::new("plan");
-    let out = pdctl(args)
-        .arg("--json")
-        .arg("--state-dir")
-        .arg(state.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let json = common::stdout_of(
+        pdctl(args)
+            .arg("--json")
+            .arg("--state-dir")
+            .arg(state.path()),
     );
-    serde_json::from_slice(&out.stdout).unwrap()
+    serde_json::from_str(&json).unwrap()
 }
 
 fn services<'a>(plan: &'a Value, role: &str) -> Vec<&'a Value> {
@@ -187,9 +182,14 @@ fn kv_config(s: &Value) -> Value {
     serde_json::from_str(flag(&argv(s), "--kv-transfer-config").unwrap()).unwrap()
 }
 
+/// A topology written inline in a test.
+fn inline(text: &str) -> pdctl::topology::LoadedTopology {
+    load_str(text, Source::Profile("inline".into()), "inline.toml".into()).unwrap()
+}
+
 /// The plan of a topology written inline, for vLLM `version`, on a machine with `gpus`.
 fn try_plan_text(text: &str, version: &str, gpus: u32) -> Result<Plan, pdctl::topology::Problem> {
-    let t = load_str(text, Source::Profile("inline".into()), "inline.toml".into()).unwrap();
+    let t = inline(text);
     let gpus: Vec<Gpu> = (0..gpus).map(Gpu::declared).collect();
     build_plan(&PlanInput {
         topology: &t.spec,
@@ -422,23 +422,13 @@ fn mooncake_store_4p4d_plans_like_seed_001() {
                 mc.get("local_hostname").is_some() && mc.get("prefill_url").is_none(),
                 "store form expected"
             );
-            let deps: Vec<&str> = s["depends_on"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|d| d.as_str().unwrap())
-                .collect();
+            let deps = common::strs(&s["depends_on"]);
             assert_eq!(deps, ["etcd", "mooncake-master"]);
         }
     }
     let master = &services(&plan, "mooncake-master")[0];
     assert_eq!(flag(&argv(master), "--rpc_port"), Some("50001"));
-    let names: Vec<&str> = plan["services"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["name"].as_str().unwrap())
-        .collect();
+    let names = common::field_strs(&plan["services"], "name");
     assert_eq!(&names[..3], ["etcd", "mooncake-master", "prefill-0"]);
     assert_eq!(names.last(), Some(&"proxy"));
 }
@@ -814,17 +804,11 @@ fn two_node_profile_places_roles_on_their_nodes() {
 #[test]
 fn without_a_file_or_gpu_the_simulator_profile_is_chosen_and_explained() {
     let dir = TempDir::new("default");
-    let out = pdctl(&["plan"])
-        .current_dir(dir.path())
-        .env_remove("PDCTL_GPUS")
-        .env("PDCTL_STATE_DIR", dir.path())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = common::stdout_of(
+        pdctl(&["plan"])
+            .current_dir(dir.path())
+            .env_remove("PDCTL_GPUS")
+            .env("PDCTL_STATE_DIR", dir.path()),
     );
     assert!(
         stdout.contains("using profile sim-1p1d: no ./pdctl.toml and no GPU found"),
@@ -1012,12 +996,9 @@ fn packing_splits_the_memory_and_a_fixed_kv_cache_starts_together() {
 /// error naming the GPU, what is free and who holds the rest.
 #[test]
 fn engines_that_do_not_fit_the_free_memory_are_refused() {
-    let t = load_str(
+    let t = inline(
         "[model]\nname = \"m\"\n[engine]\ninstances_per_gpu = 2\n[connector]\nkind = \"nixl\"\n",
-        Source::Profile("inline".into()),
-        "inline.toml".into(),
-    )
-    .unwrap();
+    );
     let busy = Gpu {
         index: 0,
         uuid: None,

@@ -227,11 +227,7 @@ async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_a_counted_miss
         200
     );
     set_page(vllm_prompt_sources(3, 64));
-    assert!(
-        eventually(WAIT, || async { proxy.metric(&received).await == 64.0 }).await,
-        "{}",
-        proxy.metrics().await
-    );
+    proxy.wait_metric(&received, 64.0).await;
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert_eq!(proxy.metric(misses).await, 0.0, "{}", proxy.metrics().await);
     // A silent recompute: decode answers normally but computed all 70 tokens itself.
@@ -242,12 +238,7 @@ async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_a_counted_miss
         200
     );
     set_page(vllm_prompt_sources(73, 64));
-    assert!(
-        eventually(WAIT, || async { proxy.metric(misses).await == 1.0 }).await,
-        "{}\n{}",
-        proxy.metrics().await,
-        proxy.log()
-    );
+    proxy.wait_metric(misses, 1.0).await;
     assert_eq!(
         proxy
             .metric("pdctl_proxy_kv_handoff_recomputed_tokens_total")
@@ -1251,12 +1242,7 @@ async fn models_are_merged_and_an_unreachable_instance_does_not_fail_the_list() 
         .unwrap();
     assert_eq!(resp.status(), 200);
     let list: Value = resp.json().await.unwrap();
-    let ids: Vec<&str> = list["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].as_str().unwrap())
-        .collect();
+    let ids = common::field_strs(&list["data"], "id");
     assert_eq!(ids, ["fake-model", "lora-a"]);
 }
 
@@ -1592,14 +1578,7 @@ fn write_hosts(path: &std::path::Path, lines: &[&str]) {
 
 /// What `/health?ready` lists for one leg: the instance URLs.
 async fn listed(proxy: &ProxyProcess, leg: &str) -> Vec<String> {
-    let body: Value = client()
-        .get(format!("{}/health?ready", proxy.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let body = common::get_json(&format!("{}/health?ready", proxy.url)).await;
     let mut urls: Vec<String> = body["instances"]
         .as_array()
         .unwrap()

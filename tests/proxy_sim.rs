@@ -37,16 +37,27 @@ async fn start_sim(role: &str, handoff: &str, extra: &[&str]) -> SimProc {
     SimProc::start(&a).await
 }
 
+/// A decode sim that streams a token every 50 ms and logs no periodic stats.
+async fn slow_decode() -> SimProc {
+    SimProc::start(&[
+        "--role",
+        "decode",
+        "--itl-ms",
+        "50",
+        "--log-stats-interval-ms",
+        "0",
+    ])
+    .await
+}
+
 fn args(prefill: &[&SimProc], decode: &[&SimProc], extra: &[&str]) -> Vec<String> {
-    let mut v = Vec::new();
-    for p in prefill {
-        v.extend(["--prefill".to_string(), p.base.clone()]);
-    }
-    for d in decode {
-        v.extend(["--decode".to_string(), d.base.clone()]);
-    }
-    v.extend(extra.iter().map(|s| s.to_string()));
-    v
+    let bases = |sims: &[&SimProc]| sims.iter().map(|s| s.base.clone()).collect();
+    fake::proxy_args_for(bases(prefill), bases(decode), extra)
+}
+
+/// POSTs [`completion`] of `prompt` to the proxy's /v1/completions.
+async fn complete(p: &ProxyProcess, prompt: &str, stream: bool) -> reqwest::Response {
+    post(p, "/v1/completions", &completion(prompt, stream)).await
 }
 
 fn completion(prompt: &str, stream: bool) -> Value {
@@ -64,21 +75,11 @@ async fn post(p: &ProxyProcess, path: &str, body: &Value) -> reqwest::Response {
 
 /// Sends a streamed completion, a plain one and a chat one; each must answer in full.
 async fn three_requests(proxy: &ProxyProcess, tag: &str) {
-    let resp = post(
-        proxy,
-        "/v1/completions",
-        &completion(&prompt_of(64, tag), true),
-    )
-    .await;
+    let resp = complete(proxy, &prompt_of(64, tag), true).await;
     assert_eq!(resp.status(), 200);
     let events = sse_events(resp).await;
     assert_eq!(events.last().unwrap(), "[DONE]", "{events:?}");
-    let resp = post(
-        proxy,
-        "/v1/completions",
-        &completion(&prompt_of(48, &format!("{tag}b")), false),
-    )
-    .await;
+    let resp = complete(proxy, &prompt_of(48, &format!("{tag}b")), false).await;
     assert_eq!(resp.status(), 200);
     let answer: Value = resp.json().await.unwrap();
     assert_eq!(answer["usage"]["completion_tokens"], 8);
@@ -87,13 +88,7 @@ async fn three_requests(proxy: &ProxyProcess, tag: &str) {
     let resp = post(proxy, "/v1/chat/completions", &chat).await;
     assert_eq!(resp.status(), 200);
     let answer: Value = resp.json().await.unwrap();
-    assert!(
-        answer["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .len()
-            > 1
-    );
+    assert!(common::chat_text(&answer).len() > 1, "{answer}");
 }
 
 async fn assert_three_handoffs(p: &SimProc, d: &SimProc, proxy: &ProxyProcess) {
@@ -171,25 +166,12 @@ async fn a_recompute_only_the_decode_sim_knows_of_still_shows_in_the_proxy() {
     ))
     .await;
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let resp = post(
-        &proxy,
-        "/v1/completions",
-        &completion(&prompt_of(64, "lost"), false),
-    )
-    .await;
+    let resp = complete(&proxy, &prompt_of(64, "lost"), false).await;
     assert_eq!(resp.status(), 200, "the answer is right, only slower");
     assert_eq!(d.prompt_tokens("local_compute").await, 64.0);
     // The decode was never seen to report cached_tokens before, so its usage only names
     // the request in the log; the count comes from its vLLM counters.
-    assert!(
-        eventually(WAIT, || async {
-            proxy.metric(ENGINE_REPORTED).await == 1.0
-        })
-        .await,
-        "{}\n{}",
-        proxy.metrics().await,
-        proxy.log()
-    );
+    proxy.wait_metric(ENGINE_REPORTED, 1.0).await;
     assert_eq!(proxy.metric(USAGE_LOW).await, 0.0);
     let log = proxy.log();
     assert!(
@@ -253,12 +235,7 @@ async fn a_lost_handoff_on_a_stream_without_usage_is_found_in_the_decode_counter
     let (p, d, proxy) = nixl_pair().await;
     let (s, _) = d.post("/sim/fault", &json!({"fail_handoff_next": 1})).await;
     assert_eq!(s, 200);
-    let resp = post(
-        &proxy,
-        "/v1/completions",
-        &completion(&prompt_of(70, "lost"), true),
-    )
-    .await;
+    let resp = complete(&proxy, &prompt_of(70, "lost"), true).await;
     assert_eq!(resp.status(), 200);
     let events = sse_events(resp).await;
     assert_eq!(
@@ -268,15 +245,7 @@ async fn a_lost_handoff_on_a_stream_without_usage_is_found_in_the_decode_counter
     );
     assert_eq!(d.prompt_tokens("local_compute").await, 70.0);
     assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 1.0);
-    assert!(
-        eventually(WAIT, || async {
-            proxy.metric(ENGINE_REPORTED).await == 1.0
-        })
-        .await,
-        "{}\n{}",
-        proxy.metrics().await,
-        proxy.log()
-    );
+    proxy.wait_metric(ENGINE_REPORTED, 1.0).await;
     assert_eq!(
         proxy
             .metric("pdctl_proxy_kv_handoff_recomputed_tokens_total")
@@ -297,24 +266,14 @@ async fn a_lost_handoff_on_a_stream_without_usage_is_found_in_the_decode_counter
 async fn a_lost_handoff_shows_in_the_decode_answer_usage_once_and_names_the_request() {
     let (_p, d, proxy) = nixl_pair().await;
     // A working handoff first: the decode is seen to report cached_tokens (64 of 70).
-    let resp = post(
-        &proxy,
-        "/v1/completions",
-        &completion(&prompt_of(70, "first"), false),
-    )
-    .await;
+    let resp = complete(&proxy, &prompt_of(70, "first"), false).await;
     let answer: Value = resp.json().await.unwrap();
     assert_eq!(
         answer["usage"]["prompt_tokens_details"]["cached_tokens"],
         64
     );
     d.post("/sim/fault", &json!({"fail_handoff_next": 1})).await;
-    let resp = post(
-        &proxy,
-        "/v1/completions",
-        &completion(&prompt_of(70, "gone"), false),
-    )
-    .await;
+    let resp = complete(&proxy, &prompt_of(70, "gone"), false).await;
     assert_eq!(resp.status(), 200);
     let rid = resp.headers()["x-request-id"].to_str().unwrap().to_string();
     let answer: Value = resp.json().await.unwrap();
@@ -401,12 +360,7 @@ async fn designation_and_round_robin_show_in_the_sims_request_counts() {
     let (ps, ds) = sims.split_at(2);
     let proxy = ProxyProcess::start(&args(&[&ps[0], &ps[1]], &[&ds[0], &ds[1]], &[])).await;
     for i in 0..4 {
-        let r = post(
-            &proxy,
-            "/v1/completions",
-            &completion(&format!("rr {i}"), false),
-        )
-        .await;
+        let r = complete(&proxy, &format!("rr {i}"), false).await;
         assert_eq!(r.status(), 200);
     }
     let served = "vllm:request_success_total";
@@ -470,15 +424,7 @@ async fn prefix_aware_routing_turns_repeated_contexts_into_prefix_cache_hits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_leaving_mid_stream_is_an_aborted_request_on_the_decode_sim() {
     let p = start_sim("prefill", "none", &[]).await;
-    let d = SimProc::start(&[
-        "--role",
-        "decode",
-        "--itl-ms",
-        "50",
-        "--log-stats-interval-ms",
-        "0",
-    ])
-    .await;
+    let d = slow_decode().await;
     let proxy = ProxyProcess::start(&args(&[&p], &[&d], &[])).await;
     let mut body = completion("stay a while", true);
     body["max_tokens"] = json!(200);
@@ -486,14 +432,7 @@ async fn a_client_leaving_mid_stream_is_an_aborted_request_on_the_decode_sim() {
     let mut stream = resp.bytes_stream();
     stream.next().await.unwrap().unwrap();
     drop(stream);
-    assert!(
-        eventually(WAIT, || async {
-            d.metric("pdctl_sim_requests_aborted_total").await == 1.0
-        })
-        .await,
-        "{}",
-        d.log()
-    );
+    d.wait_metric("pdctl_sim_requests_aborted_total", 1.0).await;
     assert_eq!(d.metric("vllm:num_requests_running").await, 0.0);
 }
 
@@ -512,39 +451,19 @@ async fn a_client_leaving_during_prefill_is_an_aborted_request_on_the_prefill_si
             .send()
             .await
     });
-    assert!(
-        eventually(WAIT, || async {
-            p.metric("vllm:num_requests_running").await == 1.0
-        })
-        .await
-    );
+    p.wait_metric("vllm:num_requests_running", 1.0).await;
     request.abort();
-    assert!(
-        eventually(WAIT, || async {
-            p.metric("pdctl_sim_requests_aborted_total").await == 1.0
-        })
-        .await,
-        "{}",
-        p.log()
-    );
+    p.wait_metric("pdctl_sim_requests_aborted_total", 1.0).await;
     assert_eq!(d.metric("vllm:request_success_total").await, 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_prefill_sim_is_a_json_error_and_a_killed_decode_sim_an_error_event() {
     let p = start_sim("prefill", "none", &[]).await;
-    let mut d = SimProc::start(&[
-        "--role",
-        "decode",
-        "--itl-ms",
-        "50",
-        "--log-stats-interval-ms",
-        "0",
-    ])
-    .await;
+    let mut d = slow_decode().await;
     let proxy = ProxyProcess::start(&args(&[&p], &[&d], &["--health-interval-ms", "60000"])).await;
     p.post("/sim/fault", &json!({"fail_next": 1})).await;
-    let resp = post(&proxy, "/v1/completions", &completion("x", true)).await;
+    let resp = complete(&proxy, "x", true).await;
     assert_eq!(resp.status(), 502);
     let err: Value = resp.json().await.unwrap();
     assert_eq!(err["error"]["leg"], "prefill");

@@ -994,14 +994,7 @@ async fn mooncake_handoff_with_both_legs_sent_at_once() {
     ))
     .await;
     let dsim = SimProc::start(&args(ZERO, &["--role", "decode", "--handoff", "mooncake"])).await;
-    let q: Value = client()
-        .get(format!("http://127.0.0.1:{boot}/query"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let q = common::get_json(&format!("http://127.0.0.1:{boot}/query")).await;
     let engine = q["0"]["engine_id"].as_str().unwrap().to_string();
     assert_eq!(engine, engine_id(&p).await);
     let req = json!({"prompt": prompt_of(48, "k"), "max_tokens": 5});
@@ -1359,15 +1352,8 @@ fn the_official_openai_client_works_against_the_sim() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let sim = rt.block_on(SimProc::start(&args(ZERO, &["--itl-ms", "1"])));
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client_check.py");
-    let out = std::process::Command::new(&python)
-        .args([script, &format!("{}/v1", sim.base)])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = common::stdout_of(
+        std::process::Command::new(&python).args([script, &format!("{}/v1", sim.base)]),
     );
     assert!(
         stdout.contains("openai client checks passed: 4"),

@@ -360,16 +360,20 @@ mod tests {
             "10.0.0.1:8101".to_string(),
         ];
         let d = vec!["10.0.0.2:8200".to_string()];
-        let a = args(&[
-            "--dataset",
-            "prefix",
-            "--num-prompts",
-            "4",
-            "--prefix-groups",
-            "2",
-            "--strategy",
-            "designate",
-        ]);
+        // Four prompts in `groups` prefix groups, paired by `strategy`.
+        let prefix = |groups: &str, strategy: &str| {
+            args(&[
+                "--dataset",
+                "prefix",
+                "--num-prompts",
+                "4",
+                "--prefix-groups",
+                groups,
+                "--strategy",
+                strategy,
+            ])
+        };
+        let a = prefix("2", "designate");
         let r = build(&a, &p, &d).unwrap();
         assert_eq!(
             r[0].user.as_deref(),
@@ -377,16 +381,7 @@ mod tests {
         );
         assert_eq!(r[0].user, r[2].user);
         assert_ne!(r[0].user, r[1].user);
-        let a = args(&[
-            "--dataset",
-            "prefix",
-            "--num-prompts",
-            "4",
-            "--prefix-groups",
-            "1",
-            "--strategy",
-            "rr",
-        ]);
+        let a = prefix("1", "rr");
         let r = build(&a, &p, &d).unwrap();
         assert_ne!(r[0].user, r[1].user, "rr moves on request by request");
         let e = build(&a, &[], &[]).unwrap_err();

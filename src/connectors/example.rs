@@ -8,15 +8,15 @@ pub struct Example;
 const SHARED_STORAGE: VersionRange = VersionRange::between((0, 9, 0), (0, 12, 99));
 const EXAMPLE: VersionRange = VersionRange::from((0, 13, 0));
 
+const ABOUT: About = About {
+    kind: ConnectorKind::Example,
+    classes: "SharedStorageConnector / ExampleConnector",
+    versions: &[SHARED_STORAGE, EXAMPLE],
+};
+
 impl Connector for Example {
-    fn kind(&self) -> ConnectorKind {
-        ConnectorKind::Example
-    }
-    fn describe(&self) -> &'static str {
-        "SharedStorageConnector / ExampleConnector"
-    }
-    fn versions(&self) -> &'static [VersionRange] {
-        &[SHARED_STORAGE, EXAMPLE]
+    fn about(&self) -> &'static About {
+        &ABOUT
     }
     fn check(&self, t: &Topology, v: Option<&Version>) -> Result<(), Problem> {
         // Before 0.22 it calls .cuda() unconditionally, so the CPU build cannot load it.
@@ -32,19 +32,8 @@ impl Connector for Example {
         }
         Ok(())
     }
-    fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
-        Needs::default()
-    }
-    fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
-        ProxyProtocol::TwoStep
-    }
-    fn launch(
-        &self,
-        cx: &ClusterCtx,
-        v: &Version,
-        inst: &InstanceCtx,
-        _: &mut PortBook,
-    ) -> Result<Launch, Problem> {
+    fn launch(&self, at: LaunchCtx) -> Result<Launch, Problem> {
+        let LaunchCtx { cx, v, inst, .. } = at;
         let class = if EXAMPLE.contains(v) {
             "ExampleConnector"
         } else {

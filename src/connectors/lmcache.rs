@@ -10,6 +10,12 @@ pub struct Lmcache;
 const V0: VersionRange = VersionRange::between((0, 7, 0), (0, 10, 0));
 const V1: VersionRange = VersionRange::from((0, 10, 1));
 
+const ABOUT: About = About {
+    kind: ConnectorKind::Lmcache,
+    classes: "LMCacheConnector / LMCacheConnectorV1 with an lmcache server",
+    versions: &[V0, V1],
+};
+
 /// The lmcache server's command line and environment for vLLM `v` (None: the newest form):
 /// `python -m lmcache.v1.server HOST PORT cpu` for V1, `lmcache_server HOST PORT` before.
 /// PYTHONHASHSEED=0 as for the engines, so every process hashes chunks alike.
@@ -62,14 +68,8 @@ fn yaml(cx: &ClusterCtx, v1: bool) -> String {
 }
 
 impl Connector for Lmcache {
-    fn kind(&self) -> ConnectorKind {
-        ConnectorKind::Lmcache
-    }
-    fn describe(&self) -> &'static str {
-        "LMCacheConnector / LMCacheConnectorV1 with an lmcache server"
-    }
-    fn versions(&self) -> &'static [VersionRange] {
-        &[V0, V1]
+    fn about(&self) -> &'static About {
+        &ABOUT
     }
     fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
         Needs {
@@ -83,16 +83,8 @@ impl Connector for Lmcache {
             "the LMCache connectors import it (pip install lmcache)",
         ))
     }
-    fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
-        ProxyProtocol::TwoStep
-    }
-    fn launch(
-        &self,
-        cx: &ClusterCtx,
-        v: &Version,
-        inst: &InstanceCtx,
-        _: &mut PortBook,
-    ) -> Result<Launch, Problem> {
+    fn launch(&self, at: LaunchCtx) -> Result<Launch, Problem> {
+        let LaunchCtx { cx, v, inst, .. } = at;
         let v1 = is_v1(Some(v));
         let path = cx.files_dir.join(format!("{}.lmcache.yaml", inst.name));
         let mut launch = Launch::default();

@@ -4,6 +4,11 @@
 //! (mooncake.json, LMCache yaml), environment, extra ports, the support services it needs,
 //! and the proxy protocol that moves a request's KV from prefill to decode. Adding a
 //! connector means a file here and a profile; nothing else knows connector names.
+//!
+//! Each file gives its [`About`] (kind, vLLM classes, versions) and implements
+//! [`Connector`]: support services and protocol default to none and two-step, and the
+//! launch is planned from one [`LaunchCtx`]; the shapes several share (`transfer_config`,
+//! per-rank port names, Mooncake's metadata needs) are helpers here.
 
 mod example;
 mod lmcache;
@@ -19,7 +24,7 @@ pub use ports::PortBook;
 use crate::plan::{GeneratedFile, Role};
 use crate::proxy::ProxyProtocol;
 use crate::sim::args::SimHandoff;
-use crate::topology::{ConnectorKind, ConnectorSection, Problem, Topology};
+use crate::topology::{ConnectorKind, ConnectorSection, MooncakeMetadata, Problem, Topology};
 use crate::vllm::{Version, VersionRange};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -46,6 +51,19 @@ pub struct Needs {
     /// mooncake_master must also serve HTTP metadata (instead of etcd).
     pub master_http_metadata: bool,
     pub lmcache_server: bool,
+}
+
+impl Needs {
+    /// What a Mooncake transfer engine's metadata server takes: etcd, or mooncake_master
+    /// serving HTTP metadata (P2P handshakes need neither).
+    fn mooncake_metadata(m: MooncakeMetadata) -> Needs {
+        Needs {
+            etcd: m == MooncakeMetadata::Etcd,
+            mooncake_master: m == MooncakeMetadata::Http,
+            master_http_metadata: m == MooncakeMetadata::Http,
+            lmcache_server: false,
+        }
+    }
 }
 
 /// What is known of the cluster when one instance's launch is asked for.
@@ -98,14 +116,44 @@ pub struct Launch {
     pub dirs: Vec<PathBuf>,
 }
 
+impl Launch {
+    /// Names the ports `first..first + width` that an engine opens one per TP rank: `name`
+    /// for rank 0, `name-1`, `name-2`... after it.
+    fn rank_ports(&mut self, name: &str, first: u16, width: u16) {
+        for rank in 0..width {
+            let key = if rank == 0 {
+                name.to_string()
+            } else {
+                format!("{name}-{rank}")
+            };
+            self.ports.insert(key, first + rank);
+        }
+    }
+}
+
+/// What is fixed about a connector, for plans and messages.
+#[derive(Debug, Clone, Copy)]
+pub struct About {
+    /// The `connector.kind` it answers to.
+    pub kind: ConnectorKind,
+    /// One line for messages: the vLLM class names it uses.
+    pub classes: &'static str,
+    /// The vLLM versions with a template.
+    pub versions: &'static [VersionRange],
+}
+
+/// What one engine's launch is planned from: the cluster, the planned vLLM version, the
+/// instance, and the ports taken so far (a connector that opens ports takes them here).
+pub struct LaunchCtx<'a> {
+    pub cx: &'a ClusterCtx<'a>,
+    pub v: &'a Version,
+    pub inst: &'a InstanceCtx,
+    pub ports: &'a mut PortBook,
+}
+
 /// One KV connector: its launch templates per vLLM version and its proxy protocol.
 pub trait Connector: Sync {
-    /// The `connector.kind` it answers to.
-    fn kind(&self) -> ConnectorKind;
-    /// One line for messages: the vLLM class names it uses.
-    fn describe(&self) -> &'static str;
-    /// The vLLM versions with a template.
-    fn versions(&self) -> &'static [VersionRange];
+    fn about(&self) -> &'static About;
     /// Checks that do not fit serde (instance counts, device); version support is checked
     /// by [`check_version`].
     fn check(&self, _t: &Topology, _v: Option<&Version>) -> Result<(), Problem> {
@@ -121,18 +169,17 @@ pub trait Connector: Sync {
     fn python_module(&self) -> Option<(&'static str, &'static str)> {
         None
     }
-    /// Support services the engines need.
-    fn needs(&self, c: &ConnectorSection, v: Option<&Version>) -> Needs;
-    /// How the proxy must split requests.
-    fn protocol(&self, c: &ConnectorSection, v: Option<&Version>) -> ProxyProtocol;
-    /// The launch of one real vLLM instance (`v` is the planned version).
-    fn launch(
-        &self,
-        cx: &ClusterCtx,
-        v: &Version,
-        inst: &InstanceCtx,
-        ports: &mut PortBook,
-    ) -> Result<Launch, Problem>;
+    /// Support services the engines need: none unless the connector says so.
+    fn needs(&self, _c: &ConnectorSection, _v: Option<&Version>) -> Needs {
+        Needs::default()
+    }
+    /// How the proxy must split requests: two steps (prefill, then decode reading what
+    /// prefill left) unless the connector hands KV over itself.
+    fn protocol(&self, _c: &ConnectorSection, _v: Option<&Version>) -> ProxyProtocol {
+        ProxyProtocol::TwoStep
+    }
+    /// The launch of one real vLLM instance.
+    fn launch(&self, at: LaunchCtx) -> Result<Launch, Problem>;
 }
 
 /// The connector for a topology's `connector.kind`.
@@ -185,21 +232,23 @@ pub fn sim_handoff(protocol: ProxyProtocol) -> SimHandoff {
 /// Fails when `v` is outside every range the connector has a template for, saying which
 /// versions have it and which connectors `v` has.
 pub fn check_version(conn: &dyn Connector, v: &Version) -> Result<(), Problem> {
-    if conn.versions().iter().any(|r| r.contains(v)) {
+    let about = conn.about();
+    if about.versions.iter().any(|r| r.contains(v)) {
         return Ok(());
     }
-    let ranges: Vec<String> = conn.versions().iter().map(|r| r.to_string()).collect();
+    let ranges: Vec<String> = about.versions.iter().map(|r| r.to_string()).collect();
     let available: Vec<String> = all()
         .iter()
-        .filter(|c| c.versions().iter().any(|r| r.contains(v)))
-        .map(|c| kind_name(c.kind()))
+        .map(|c| c.about())
+        .filter(|a| a.versions.iter().any(|r| r.contains(v)))
+        .map(|a| kind_name(a.kind))
         .collect();
     Err(Problem::new(
         "connector.kind",
         format!(
             "vLLM {v} has no `{}` ({}): pdctl has templates for vLLM {}",
-            kind_name(conn.kind()),
-            conn.describe(),
+            kind_name(about.kind),
+            about.classes,
             ranges.join(" and ")
         ),
     )
@@ -292,14 +341,12 @@ pub(crate) fn size_bytes(key: &str, s: &str) -> Result<u64, Problem> {
 struct Unsupported;
 
 impl Connector for Unsupported {
-    fn kind(&self) -> ConnectorKind {
-        ConnectorKind::P2pNccl
-    }
-    fn describe(&self) -> &'static str {
-        "P2pNcclConnector"
-    }
-    fn versions(&self) -> &'static [VersionRange] {
-        &[]
+    fn about(&self) -> &'static About {
+        &About {
+            kind: ConnectorKind::P2pNccl,
+            classes: "P2pNcclConnector",
+            versions: &[],
+        }
     }
     /// Refused for every engine and version, before anything else is looked at.
     fn check(&self, _: &Topology, _: Option<&Version>) -> Result<(), Problem> {
@@ -309,19 +356,7 @@ impl Connector for Unsupported {
         )
         .hint("use nixl or mooncake for direct GPU-to-GPU transfer"))
     }
-    fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
-        Needs::default()
-    }
-    fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
-        ProxyProtocol::TwoStep
-    }
-    fn launch(
-        &self,
-        _: &ClusterCtx,
-        _: &Version,
-        _: &InstanceCtx,
-        _: &mut PortBook,
-    ) -> Result<Launch, Problem> {
+    fn launch(&self, _: LaunchCtx) -> Result<Launch, Problem> {
         unreachable!("check refuses p2p-nccl before any launch is planned")
     }
 }

@@ -12,6 +12,12 @@ pub struct MooncakeV1;
 
 const BOOTSTRAP: VersionRange = VersionRange::from((0, 16, 0));
 
+const ABOUT: About = About {
+    kind: ConnectorKind::Mooncake,
+    classes: "MooncakeConnector V1 with bootstrap server",
+    versions: &[BOOTSTRAP],
+};
+
 /// The kv_transfer_config of a MooncakeConnector V1 side (also used inside MultiConnector).
 pub(super) fn v1_config(c: &ConnectorSection, role: Role) -> Value {
     // mooncake_protocol defaults to rdma; machines without RDMA need tcp (key from 0.14).
@@ -48,23 +54,14 @@ pub(super) fn cpu_problem(key: &str, what: &str) -> Problem {
 }
 
 impl Connector for MooncakeV1 {
-    fn kind(&self) -> ConnectorKind {
-        ConnectorKind::Mooncake
-    }
-    fn describe(&self) -> &'static str {
-        "MooncakeConnector V1 with bootstrap server"
-    }
-    fn versions(&self) -> &'static [VersionRange] {
-        &[BOOTSTRAP]
+    fn about(&self) -> &'static About {
+        &ABOUT
     }
     fn check(&self, t: &Topology, v: Option<&Version>) -> Result<(), Problem> {
         if v.is_some() && t.engine.device == crate::topology::Device::Cpu {
             return Err(cpu_problem("connector.kind", "MooncakeConnector"));
         }
         Ok(())
-    }
-    fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
-        Needs::default()
     }
     fn python_module(&self) -> Option<(&'static str, &'static str)> {
         Some((
@@ -75,13 +72,8 @@ impl Connector for MooncakeV1 {
     fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
         ProxyProtocol::Mooncake
     }
-    fn launch(
-        &self,
-        cx: &ClusterCtx,
-        _: &Version,
-        inst: &InstanceCtx,
-        _: &mut PortBook,
-    ) -> Result<Launch, Problem> {
+    fn launch(&self, at: LaunchCtx) -> Result<Launch, Problem> {
+        let LaunchCtx { cx, inst, .. } = at;
         let mut launch = Launch {
             kv_transfer_config: v1_config(&cx.topology.connector, inst.role),
             ..Launch::default()

@@ -13,6 +13,12 @@ pub struct MooncakeStore;
 const V0: VersionRange = VersionRange::between((0, 7, 0), (0, 10, 0));
 const V1: VersionRange = VersionRange::from((0, 21, 0));
 
+const ABOUT: About = About {
+    kind: ConnectorKind::MooncakeStore,
+    classes: "MooncakeStoreConnector",
+    versions: &[V0, V1],
+};
+
 fn is_v1(v: Option<&Version>) -> bool {
     v.is_some_and(|v| V1.contains(v))
 }
@@ -46,14 +52,8 @@ fn store_json(cx: &ClusterCtx, host: &str) -> Result<Value, Problem> {
 }
 
 impl Connector for MooncakeStore {
-    fn kind(&self) -> ConnectorKind {
-        ConnectorKind::MooncakeStore
-    }
-    fn describe(&self) -> &'static str {
-        "MooncakeStoreConnector"
-    }
-    fn versions(&self) -> &'static [VersionRange] {
-        &[V0, V1]
+    fn about(&self) -> &'static About {
+        &ABOUT
     }
     fn check(&self, t: &Topology, v: Option<&Version>) -> Result<(), Problem> {
         if let Some(v) = v.filter(|v| t.connector.multi && !V1.contains(v)) {
@@ -88,11 +88,10 @@ impl Connector for MooncakeStore {
         }
     }
     fn needs(&self, c: &ConnectorSection, _: Option<&Version>) -> Needs {
+        // The store itself is mooncake_master, whatever serves the metadata.
         Needs {
-            etcd: c.metadata == MooncakeMetadata::Etcd,
             mooncake_master: true,
-            master_http_metadata: c.metadata == MooncakeMetadata::Http,
-            lmcache_server: false,
+            ..Needs::mooncake_metadata(c.metadata)
         }
     }
     fn python_module(&self) -> Option<(&'static str, &'static str)> {
@@ -108,13 +107,8 @@ impl Connector for MooncakeStore {
             ProxyProtocol::TwoStep
         }
     }
-    fn launch(
-        &self,
-        cx: &ClusterCtx,
-        v: &Version,
-        inst: &InstanceCtx,
-        _: &mut PortBook,
-    ) -> Result<Launch, Problem> {
+    fn launch(&self, at: LaunchCtx) -> Result<Launch, Problem> {
+        let LaunchCtx { cx, v, inst, .. } = at;
         let c = &cx.topology.connector;
         let path = cx.files_dir.join(format!("{}.mooncake.json", inst.name));
         let content = serde_json::to_string_pretty(&store_json(cx, &inst.host)?).expect("json");

@@ -12,15 +12,15 @@ pub struct MooncakeTe;
 
 const V0: VersionRange = VersionRange::between((0, 6, 4), (0, 10, 0));
 
+const ABOUT: About = About {
+    kind: ConnectorKind::MooncakeTe,
+    classes: "MooncakeConnector V0, transfer engine",
+    versions: &[V0],
+};
+
 impl Connector for MooncakeTe {
-    fn kind(&self) -> ConnectorKind {
-        ConnectorKind::MooncakeTe
-    }
-    fn describe(&self) -> &'static str {
-        "MooncakeConnector V0, transfer engine"
-    }
-    fn versions(&self) -> &'static [VersionRange] {
-        &[V0]
+    fn about(&self) -> &'static About {
+        &ABOUT
     }
     fn check(&self, t: &Topology, _: Option<&Version>) -> Result<(), Problem> {
         for (role, n) in [
@@ -45,12 +45,7 @@ impl Connector for MooncakeTe {
         Ok(())
     }
     fn needs(&self, c: &ConnectorSection, _: Option<&Version>) -> Needs {
-        Needs {
-            etcd: c.metadata == MooncakeMetadata::Etcd,
-            mooncake_master: c.metadata == MooncakeMetadata::Http,
-            master_http_metadata: c.metadata == MooncakeMetadata::Http,
-            lmcache_server: false,
-        }
+        Needs::mooncake_metadata(c.metadata)
     }
     fn python_module(&self) -> Option<(&'static str, &'static str)> {
         Some((
@@ -58,16 +53,10 @@ impl Connector for MooncakeTe {
             "MooncakeConnector V0 imports its transfer engine (pip install mooncake-transfer-engine)",
         ))
     }
-    fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
-        ProxyProtocol::TwoStep
-    }
-    fn launch(
-        &self,
-        cx: &ClusterCtx,
-        _: &Version,
-        inst: &InstanceCtx,
-        ports: &mut PortBook,
-    ) -> Result<Launch, Problem> {
+    fn launch(&self, at: LaunchCtx) -> Result<Launch, Problem> {
+        let LaunchCtx {
+            cx, inst, ports, ..
+        } = at;
         let c = &cx.topology.connector;
         let p_host = &cx.prefill_hosts[0];
         let d_host = &cx.decode_hosts[0];
@@ -134,14 +123,7 @@ impl Connector for MooncakeTe {
             path,
             content: serde_json::to_string_pretty(&file).expect("json"),
         });
-        for r in 0..inst.tp as u16 {
-            let name = if r == 0 {
-                "transfer-engine".to_string()
-            } else {
-                format!("transfer-engine-{r}")
-            };
-            launch.ports.insert(name, mine + r);
-        }
+        launch.rank_ports("transfer-engine", mine, inst.tp as u16);
         Ok(launch)
     }
 }

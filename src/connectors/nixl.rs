@@ -11,23 +11,20 @@ pub struct Nixl;
 
 const NIXL: VersionRange = VersionRange::from((0, 9, 0));
 
+const ABOUT: About = About {
+    kind: ConnectorKind::Nixl,
+    classes: "NixlConnector",
+    versions: &[NIXL],
+};
+
 /// True when vLLM opens one side-channel port per engine rather than per TP rank.
 fn one_port_per_engine(v: &Version) -> bool {
     *v >= Version::new(0, 12, 0)
 }
 
 impl Connector for Nixl {
-    fn kind(&self) -> ConnectorKind {
-        ConnectorKind::Nixl
-    }
-    fn describe(&self) -> &'static str {
-        "NixlConnector"
-    }
-    fn versions(&self) -> &'static [VersionRange] {
-        &[NIXL]
-    }
-    fn needs(&self, _: &ConnectorSection, _: Option<&Version>) -> Needs {
-        Needs::default()
+    fn about(&self) -> &'static About {
+        &ABOUT
     }
     fn python_module(&self) -> Option<(&'static str, &'static str)> {
         Some(("nixl", "NixlConnector imports it (pip install nixl)"))
@@ -35,13 +32,8 @@ impl Connector for Nixl {
     fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
         ProxyProtocol::Nixl
     }
-    fn launch(
-        &self,
-        cx: &ClusterCtx,
-        v: &Version,
-        inst: &InstanceCtx,
-        ports: &mut PortBook,
-    ) -> Result<Launch, Problem> {
+    fn launch(&self, at: LaunchCtx) -> Result<Launch, Problem> {
+        let LaunchCtx { cx, v, inst, ports } = at;
         let c = &cx.topology.connector;
         let per_engine = one_port_per_engine(v);
         let base = c
@@ -75,14 +67,7 @@ impl Connector for Nixl {
         launch
             .env
             .insert("VLLM_NIXL_SIDE_CHANNEL_PORT".into(), port.to_string());
-        for rank in 0..width {
-            let name = if rank == 0 {
-                "side-channel".to_string()
-            } else {
-                format!("side-channel-{rank}")
-            };
-            launch.ports.insert(name, port + rank);
-        }
+        launch.rank_ports("side-channel", port, width);
         Ok(launch)
     }
 }

@@ -4,7 +4,7 @@
 use super::ports::claim;
 use super::{Check, GeneratedFile, Probe, RestartPolicy, Role, Service, Shutdown};
 use crate::child_config::Configured;
-use crate::connectors::{ClusterCtx, Connector, InstanceCtx, PortBook};
+use crate::connectors::{ClusterCtx, Connector, InstanceCtx, LaunchCtx, PortBook};
 use crate::gpu::Gpu;
 use crate::proxy::ProxyProtocol;
 use crate::sim::args::{SimArgs, SimHandoff, SimRole};
@@ -287,7 +287,12 @@ pub(super) fn plan_engines(
         };
         let mut svc = match (t.engine.kind, cx.version) {
             (EngineKind::Vllm, Some(v)) => {
-                let launch = conn.launch(cx, v, &inst, ports)?;
+                let launch = conn.launch(LaunchCtx {
+                    cx,
+                    v,
+                    inst: &inst,
+                    ports,
+                })?;
                 let shares_node = per_node[p.node.as_str()] > 1;
                 let mut svc = vllm_service(t, p, &inst, &gpus, launch, shares_node);
                 memory_flags(&mut svc, &share, kv_cache_bytes);

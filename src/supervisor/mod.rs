@@ -11,7 +11,8 @@
 //!   reading `/proc`;
 //! - `state_dir/`: the state directory, its lock and run record, log files, cleaning up
 //!   after a killed supervisor, finding running clusters;
-//! - `preflight`: every problem found before anything is spawned.
+//! - `preflight`: every problem found before anything is spawned;
+//! - `testing` (tests only): the plans and services its unit tests build on.
 //!
 //! The folders are private; what other stages use is re-exported below, so this file is
 //! the supervisor's whole public face.
@@ -20,6 +21,8 @@ mod preflight;
 mod process;
 mod run;
 mod state_dir;
+#[cfg(test)]
+mod testing;
 
 pub use preflight::bullet_list;
 pub use preflight::check as preflight_check;

@@ -313,50 +313,19 @@ pub fn writable_dir(dir: &Path) -> Result<(), DirError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Probe, Service};
+    use crate::plan::Service;
+    use crate::supervisor::testing;
 
     fn svc(name: &str, argv0: &str, port: u16) -> Service {
         Service {
-            name: name.into(),
             role: crate::plan::Role::Decode,
-            node: "main".into(),
-            host: "127.0.0.1".into(),
             argv: vec![argv0.into()],
-            env: Default::default(),
-            gpus: vec![],
-            gpu_memory_share: None,
-            ports: BTreeMap::from([("http".to_string(), port)]),
-            files: vec![],
-            depends_on: vec![],
-            probe: Probe::Tcp {
-                host: "127.0.0.1".into(),
-                port,
-            },
-            url: None,
-            startup_timeout_s: 5,
-            restart: Default::default(),
-            restart_with: vec![],
-            shutdown: Default::default(),
-            dirs: vec![],
-            checks: Vec::new(),
+            ..testing::tcp_service(name, "main", port)
         }
     }
 
     fn plan(services: Vec<Service>) -> Plan {
-        Plan {
-            cluster: "c".into(),
-            state_dir: "/tmp/c".into(),
-            head_node: "main".into(),
-            nodes: BTreeMap::new(),
-            proxy_url: None,
-            engine: "sim".into(),
-            vllm_version: None,
-            vllm_version_source: None,
-            connector: "example".into(),
-            protocol: "two-step".into(),
-            services,
-            warnings: vec![],
-        }
+        testing::plan("main", services)
     }
 
     #[test]

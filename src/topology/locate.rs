@@ -152,18 +152,9 @@ impl Locator {
         message: impl Into<String>,
         hint: Option<String>,
     ) -> TopologyError {
-        let (line, col) = self
-            .span_of(key)
-            .map(|s| self.line_col(s.start))
-            .unwrap_or((1, 1));
-        TopologyError {
-            file: self.file.clone(),
-            line,
-            col,
-            key: key.to_string(),
-            message: message.into(),
-            hint,
-        }
+        // A key not written anywhere is reported at the top of the file.
+        let offset = self.span_of(key).map_or(0, |s| s.start);
+        self.error_at(offset, key, message, hint)
     }
 
     /// A located error at a byte offset (syntax errors, serde errors with a span).

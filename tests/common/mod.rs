@@ -130,3 +130,59 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A client for the tests' own requests, with a generous overall timeout (no test may hang).
+pub fn http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+/// The body of a GET of `url`, as text; panics naming the URL when the request fails.
+pub async fn get_text(url: &str) -> String {
+    let resp = http()
+        .get(url)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    resp.text().await.unwrap()
+}
+
+/// The body of a GET of `url`, as JSON.
+pub async fn get_json(url: &str) -> serde_json::Value {
+    let text = get_text(url).await;
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("GET {url}: {e}: {text}"))
+}
+
+/// The text of the first choice of a whole chat answer.
+pub fn chat_text(answer: &serde_json::Value) -> &str {
+    answer["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no chat text in {answer}"))
+}
+
+/// The JSON array of strings `items` as `&str`s, in order.
+pub fn strs(items: &serde_json::Value) -> Vec<&str> {
+    let items = items.as_array().expect("a JSON array");
+    items.iter().map(|i| i.as_str().unwrap()).collect()
+}
+
+/// The string `field` of every element of the JSON array `items`, in order.
+pub fn field_strs<'a>(items: &'a serde_json::Value, field: &str) -> Vec<&'a str> {
+    let items = items.as_array().expect("a JSON array");
+    items.iter().map(|i| i[field].as_str().unwrap()).collect()
+}
+
+/// Runs `cmd` to its end and returns its stdout; it must succeed (a failure shows both
+/// its streams).
+pub fn stdout_of(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("the command starts");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}

@@ -445,12 +445,25 @@ impl ProxyProcess {
         metric_value(&self.metrics().await, series)
     }
 
-    /// Whether the process is still running.
+    /// Waits up to 10 s for one metrics series to read `want`; fails showing the metrics
+    /// and the log.
+    pub async fn wait_metric(&self, series: &str, want: f64) {
+        let wait = Duration::from_secs(10);
+        let seen = eventually(wait, || async { self.metric(series).await == want }).await;
+        assert!(
+            seen,
+            "{series} is not {want}:\n{}\n{}",
+            self.metrics().await,
+            self.log()
+        );
+    }
+
     /// The proxy's process id (to signal it).
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
 
+    /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
@@ -478,12 +491,18 @@ pub fn metric_value(text: &str, series: &str) -> f64 {
 
 /// The standard arguments for a proxy in front of these engines.
 pub fn proxy_args(prefill: &[&FakeEngine], decode: &[&FakeEngine], extra: &[&str]) -> Vec<String> {
+    let urls = |engines: &[&FakeEngine]| engines.iter().map(|e| e.url.clone()).collect();
+    proxy_args_for(urls(prefill), urls(decode), extra)
+}
+
+/// The arguments for a proxy in front of the engines at these base URLs.
+pub fn proxy_args_for(prefill: Vec<String>, decode: Vec<String>, extra: &[&str]) -> Vec<String> {
     let mut v = Vec::new();
-    for p in prefill {
-        v.extend(["--prefill".to_string(), p.url.clone()]);
+    for url in prefill {
+        v.extend(["--prefill".to_string(), url]);
     }
-    for d in decode {
-        v.extend(["--decode".to_string(), d.url.clone()]);
+    for url in decode {
+        v.extend(["--decode".to_string(), url]);
     }
     v.extend(extra.iter().map(|s| s.to_string()));
     v

@@ -24,6 +24,26 @@ impl SimProc {
         Self::start_on(free_port(), args).await
     }
 
+    /// Starts a sim with these latencies in ms (per prompt token, per request, per output
+    /// token) and the flags in `more`.
+    pub async fn timed(
+        prefill_per_token: &str,
+        overhead: &str,
+        itl: &str,
+        more: &[&str],
+    ) -> SimProc {
+        let mut args = vec![
+            "--prefill-ms-per-token",
+            prefill_per_token,
+            "--overhead-ms",
+            overhead,
+            "--itl-ms",
+            itl,
+        ];
+        args.extend_from_slice(more);
+        Self::start(&args).await
+    }
+
     /// Same, on a given port.
     pub async fn start_on(port: u16, args: &[&str]) -> SimProc {
         let mut argv = vec!["--port".to_string(), port.to_string()];
@@ -94,18 +114,7 @@ impl SimProc {
 
     /// POSTs JSON and returns status and parsed body.
     pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let r = client()
-            .post(self.url(path))
-            .json(body)
-            .send()
-            .await
-            .expect("request");
-        let status = r.status().as_u16();
-        let text = r.text().await.unwrap();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
+        self.post_raw(path, &body.to_string()).await
     }
 
     /// POSTs raw bytes as JSON.
@@ -135,6 +144,13 @@ impl SimProc {
     pub async fn metric(&self, name: &str) -> f64 {
         let (_, text) = self.get("/metrics").await;
         metric_in(&text, name).unwrap_or_else(|| panic!("metric {name} not exposed:\n{text}"))
+    }
+
+    /// Waits up to 10 s for metric `name` to read `want`; fails showing the sim's log.
+    pub async fn wait_metric(&self, name: &str, want: f64) {
+        let wait = Duration::from_secs(10);
+        let seen = crate::common::eventually(wait, || async { self.metric(name).await == want });
+        assert!(seen.await, "{name} is not {want}; log:\n{}", self.log());
     }
 
     /// The sim's `vllm:prompt_tokens_by_source_total` for one `source` label value

@@ -387,3 +387,7 @@ pub async fn expire_loop(sim: Arc<Sim>) {
         }
     }
 }
+/// The `kv_transfer_params` field `name`, which a pull cannot do without.
+fn required<T>(value: Option<T>, name: &'static str) -> Result<T, HandoffError> {
+    value.ok_or(HandoffError::MissingParam(name))
+}

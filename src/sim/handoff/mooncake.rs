@@ -4,7 +4,7 @@
 //! The proxy sends both legs at once; the decode checks the engine id, then waits for
 //! the prefill to publish the transfer (bounded by `handoff_wait_ms`).
 
-use super::{HandoffError, check_blocks, fetch, held_response};
+use super::{HandoffError, check_blocks, fetch, held_response, required};
 use crate::error_text::chain;
 use crate::sim::engine::Sim;
 use crate::sim::openai::{ApiError, KvTransferParams};
@@ -72,10 +72,7 @@ pub async fn pull(
     kv: &KvTransferParams,
     hashes: &[u64],
 ) -> Result<String, HandoffError> {
-    let given = kv
-        .remote_bootstrap_addr
-        .as_deref()
-        .ok_or(HandoffError::MissingParam("remote_bootstrap_addr"))?
+    let given = required(kv.remote_bootstrap_addr.as_deref(), "remote_bootstrap_addr")?
         .trim_end_matches('/');
     // "host:port" is accepted as well as "http://host:port".
     let addr = if given.contains("://") {
@@ -83,10 +80,7 @@ pub async fn pull(
     } else {
         format!("http://{given}")
     };
-    let tid = kv
-        .transfer_id
-        .as_deref()
-        .ok_or(HandoffError::MissingParam("transfer_id"))?;
+    let tid = required(kv.transfer_id.as_deref(), "transfer_id")?;
     let query_url = format!("{addr}/query");
     let q: serde_json::Value = sim
         .http

@@ -3,7 +3,7 @@
 //! the prefill's HTTP port (`GET /sim/kv/{remote_request_id}`), which frees them.
 
 use super::held::KvBlocks;
-use super::{HandoffError, check_blocks, fetch};
+use super::{HandoffError, check_blocks, fetch, required};
 use crate::sim::engine::Sim;
 use crate::sim::openai::KvTransferParams;
 use serde_json::{Value, json};
@@ -29,17 +29,9 @@ pub async fn pull(
     kv: &KvTransferParams,
     hashes: &[u64],
 ) -> Result<String, HandoffError> {
-    let host = kv
-        .remote_host
-        .as_deref()
-        .ok_or(HandoffError::MissingParam("remote_host"))?;
-    let port = kv
-        .remote_port
-        .ok_or(HandoffError::MissingParam("remote_port"))?;
-    let id = kv
-        .remote_request_id
-        .as_deref()
-        .ok_or(HandoffError::MissingParam("remote_request_id"))?;
+    let host = required(kv.remote_host.as_deref(), "remote_host")?;
+    let port = required(kv.remote_port, "remote_port")?;
+    let id = required(kv.remote_request_id.as_deref(), "remote_request_id")?;
     let host_part = if host.contains(':') {
         format!("[{host}]")
     } else {

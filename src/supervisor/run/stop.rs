@@ -126,8 +126,8 @@ pub fn describe_exit(status: &ExitStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Probe, Service};
-    use std::collections::BTreeMap;
+    use crate::plan::Service;
+    use crate::supervisor::testing;
 
     #[test]
     fn signal_names_parse_in_the_usual_spellings() {
@@ -138,51 +138,24 @@ mod tests {
 
     fn svc(name: &str, node: &str, deps: &[&str]) -> Service {
         Service {
-            name: name.into(),
-            role: crate::plan::Role::Prefill,
-            node: node.into(),
-            host: "127.0.0.1".into(),
-            argv: vec!["true".into()],
-            env: BTreeMap::new(),
-            gpus: vec![],
-            gpu_memory_share: None,
-            ports: BTreeMap::new(),
-            files: vec![],
             depends_on: deps.iter().map(|d| d.to_string()).collect(),
-            probe: Probe::LogLine {
-                contains: "x".into(),
-            },
-            url: None,
             startup_timeout_s: 1,
-            restart: Default::default(),
-            restart_with: vec![],
-            shutdown: Default::default(),
-            dirs: vec![],
-            checks: Vec::new(),
+            ..testing::service(name, node)
         }
     }
 
     #[test]
     fn waves_stop_dependants_first_and_skip_remote_services() {
+        let services = vec![
+            svc("etcd", "a", &[]),
+            svc("master", "a", &["etcd"]),
+            svc("p0", "a", &["etcd", "master"]),
+            svc("d0", "b", &["etcd", "master"]),
+            svc("proxy", "a", &["p0", "d0"]),
+        ];
         let plan = Plan {
-            cluster: "c".into(),
-            state_dir: "/tmp/c".into(),
-            head_node: "a".into(),
-            nodes: BTreeMap::new(),
-            proxy_url: None,
-            engine: "sim".into(),
-            vllm_version: None,
-            vllm_version_source: None,
             connector: "mooncake-store".into(),
-            protocol: "two-step".into(),
-            services: vec![
-                svc("etcd", "a", &[]),
-                svc("master", "a", &["etcd"]),
-                svc("p0", "a", &["etcd", "master"]),
-                svc("d0", "b", &["etcd", "master"]),
-                svc("proxy", "a", &["p0", "d0"]),
-            ],
-            warnings: vec![],
+            ..testing::plan("a", services)
         };
         assert_eq!(
             stop_waves(&plan, "a"),

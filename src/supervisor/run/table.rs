@@ -230,52 +230,17 @@ impl Table {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Probe, Role};
-    use std::collections::BTreeMap;
+    use crate::supervisor::testing;
 
-    pub(crate) fn service(name: &str, node: &str) -> Service {
-        Service {
-            name: name.into(),
-            role: Role::Prefill,
-            node: node.into(),
-            host: "127.0.0.1".into(),
-            argv: vec!["true".into()],
-            env: BTreeMap::new(),
-            gpus: vec![],
-            gpu_memory_share: None,
-            ports: BTreeMap::from([("metrics".to_string(), 9), ("http".to_string(), 8100)]),
-            files: vec![],
-            depends_on: vec![],
-            probe: Probe::Tcp {
-                host: "127.0.0.1".into(),
-                port: 8100,
-            },
-            url: None,
-            startup_timeout_s: 5,
-            restart: Default::default(),
-            restart_with: vec![],
-            shutdown: Default::default(),
-            dirs: vec![],
-            checks: Vec::new(),
-        }
+    fn service(name: &str, node: &str) -> Service {
+        let mut s = testing::tcp_service(name, node, 8100);
+        s.ports.insert("metrics".to_string(), 9);
+        s
     }
 
     #[test]
     fn remote_rows_are_marked_and_main_port_prefers_http() {
-        let plan = Plan {
-            cluster: "c".into(),
-            state_dir: "/tmp/x".into(),
-            head_node: "a".into(),
-            nodes: BTreeMap::new(),
-            proxy_url: None,
-            engine: "sim".into(),
-            vllm_version: None,
-            vllm_version_source: None,
-            connector: "example".into(),
-            protocol: "two-step".into(),
-            services: vec![service("p0", "a"), service("p1", "b")],
-            warnings: vec![],
-        };
+        let plan = testing::plan("a", vec![service("p0", "a"), service("p1", "b")]);
         let t = Table::new(&plan, "a");
         let r = t.report();
         assert_eq!(r.services[0].port, Some(8100));

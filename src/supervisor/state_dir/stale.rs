@@ -124,12 +124,20 @@ mod tests {
     use super::*;
     use crate::supervisor::state_dir::state::RecordWriter;
 
+    /// A state directory of its own, created, removed with the returned guard.
+    fn fresh_state() -> (tempfile::TempDir, StateDir) {
+        let dir = tempfile::Builder::new()
+            .prefix("pdctl-stale-")
+            .tempdir()
+            .unwrap();
+        let state = StateDir::new(dir.path());
+        state.create().unwrap();
+        (dir, state)
+    }
+
     #[test]
     fn a_dead_supervisors_marked_processes_are_killed_and_files_removed() {
-        let dir = std::env::temp_dir().join(format!("pdctl-stale-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let state = StateDir::new(&dir);
-        state.create().unwrap();
+        let (_dir, state) = fresh_state();
         let mut rec = RunRecord::new_for_this_process("c", "main");
         // A supervisor pid that cannot be alive with this start time.
         rec.supervisor_start_ticks += 12345;
@@ -148,18 +156,13 @@ mod tests {
         assert!(!status.success());
         assert!(!state.record_path().exists() && !state.socket_path().exists());
         assert!(done.to_string().contains("killed 1 leftover"));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn a_live_supervisor_is_not_stale() {
-        let dir = std::env::temp_dir().join(format!("pdctl-live-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let state = StateDir::new(&dir);
-        state.create().unwrap();
+        let (_dir, state) = fresh_state();
         let _w = RecordWriter::create(&state, RunRecord::new_for_this_process("c", "n")).unwrap();
         assert_eq!(clean_if_stale(&state), None);
         assert!(state.record_path().exists());
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -20,7 +20,7 @@ use crate::supervisor::run::policy::{RestartTracker, Verdict};
 use crate::supervisor::run::probe::Prober;
 use crate::supervisor::run::pump::{PumpTargets, pump};
 use crate::supervisor::run::service::deps::{DepsOutcome, wait_for_dependencies};
-use crate::supervisor::run::service::run_watch::{RunEnd, wait_ready, watch_liveness};
+use crate::supervisor::run::service::run_watch::RunEnd;
 use crate::supervisor::run::stop::{clear_group, describe_exit, parse_signal, stop_run};
 use crate::supervisor::run::table::Table;
 use crate::supervisor::state_dir::logfile::{ServiceLog, log_message};
@@ -319,16 +319,7 @@ impl Task {
         ));
 
         let started = Instant::now();
-        let mut end = wait_ready(
-            &self.ctx,
-            self.idx,
-            &mut self.rx,
-            &mut child,
-            &seen,
-            &activity,
-            started,
-        )
-        .await;
+        let mut end = self.wait_ready(&mut child, &seen, &activity, started).await;
         let mut healthy_since = None;
         if end.is_none() {
             self.ever_healthy = true;
@@ -339,7 +330,7 @@ impl Task {
                 .console
                 .event(&format!("{} {took}", self.svc().name));
             self.ctx.table.set_state(self.idx, ServiceState::Healthy);
-            end = Some(watch_liveness(&self.ctx, self.idx, &mut self.rx, &mut child, &seen).await);
+            end = Some(self.watch_liveness(&mut child, &seen).await);
         }
         let end = end.expect("a run always ends");
         let healthy_for = healthy_since.map(|t| t.elapsed()).unwrap_or_default();

@@ -1,14 +1,16 @@
 //! Watching one run of a service's process: probing until it is ready, then probing its
 //! liveness, until the process exits, a probe gives up, or a command arrives.
 
+use super::Task;
 use crate::control::ServiceState;
 use crate::supervisor::run::probe::{LIVENESS_INTERVAL, OUTPUT_PROBE_GAP, startup_delay};
-use crate::supervisor::run::service::{Cmd, ServiceCtx};
+use crate::supervisor::run::service::Cmd;
 use crate::supervisor::run::stop::describe_exit;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
+use tokio::process::Child;
 use tokio::sync::Notify;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 /// How one run of the process ended.
 #[derive(Debug)]
@@ -26,86 +28,81 @@ pub enum RunEnd {
     Restart(String, bool),
 }
 
-/// Probes until ready (`None`) or the run ends first. Probes follow
-/// [`startup_delay`], and come early when the service prints something (`output`).
-pub async fn wait_ready(
-    ctx: &ServiceCtx,
-    idx: usize,
-    rx: &mut mpsc::UnboundedReceiver<Cmd>,
-    child: &mut tokio::process::Child,
-    seen: &AtomicBool,
-    output: &Notify,
-    started: Instant,
-) -> Option<RunEnd> {
-    let pid = child.id();
-    let svc = ctx.service(idx);
-    let probe = svc.probe.clone();
-    let limit = Duration::from_secs(svc.startup_timeout_s);
-    let prober = ctx.prober.clone();
-    // The first output may trigger a probe at once.
-    let mut last_probe = started.checked_sub(OUTPUT_PROBE_GAP).unwrap_or(started);
-    loop {
-        let next = async {
-            let scheduled = tokio::time::sleep(startup_delay(started.elapsed()));
-            let early = async {
-                output.notified().await;
-                tokio::time::sleep_until((last_probe + OUTPUT_PROBE_GAP).into()).await;
+/// Watching one run: the task's own commands end it as well as the process and the probes.
+impl Task {
+    /// Probes until ready (`None`) or the run ends first. Probes follow
+    /// [`startup_delay`], and come early when the service prints something (`output`).
+    pub(super) async fn wait_ready(
+        &mut self,
+        child: &mut Child,
+        seen: &AtomicBool,
+        output: &Notify,
+        started: Instant,
+    ) -> Option<RunEnd> {
+        let pid = child.id();
+        let svc = self.ctx.service(self.idx);
+        let probe = svc.probe.clone();
+        let limit = Duration::from_secs(svc.startup_timeout_s);
+        let prober = self.ctx.prober.clone();
+        // The first output may trigger a probe at once.
+        let mut last_probe = started.checked_sub(OUTPUT_PROBE_GAP).unwrap_or(started);
+        loop {
+            let next = async {
+                let scheduled = tokio::time::sleep(startup_delay(started.elapsed()));
+                let early = async {
+                    output.notified().await;
+                    tokio::time::sleep_until((last_probe + OUTPUT_PROBE_GAP).into()).await;
+                };
+                tokio::select! {
+                    _ = scheduled => {}
+                    _ = early => {}
+                }
+                prober.check(&probe, seen).await
             };
             tokio::select! {
-                _ = scheduled => {}
-                _ = early => {}
-            }
-            prober.check(&probe, seen).await
-        };
-        tokio::select! {
-            st = child.wait() => return Some(exited(st, pid)),
-            cmd = rx.recv() => return Some(command_end(cmd)),
-            res = next => {
-                last_probe = Instant::now();
-                match res {
-                    Ok(()) => return None,
-                    Err(why) if started.elapsed() >= limit => {
-                        return Some(RunEnd::StartTimeout(why.to_string()));
+                st = child.wait() => return Some(exited(st, pid)),
+                cmd = self.rx.recv() => return Some(command_end(cmd)),
+                res = next => {
+                    last_probe = Instant::now();
+                    match res {
+                        Ok(()) => return None,
+                        Err(why) if started.elapsed() >= limit => {
+                            return Some(RunEnd::StartTimeout(why.to_string()));
+                        }
+                        Err(_) => {}
                     }
-                    Err(_) => {}
                 }
             }
         }
     }
-}
 
-/// Probes a healthy service every second until its run ends.
-pub async fn watch_liveness(
-    ctx: &ServiceCtx,
-    idx: usize,
-    rx: &mut mpsc::UnboundedReceiver<Cmd>,
-    child: &mut tokio::process::Child,
-    seen: &AtomicBool,
-) -> RunEnd {
-    let pid = child.id();
-    let svc = ctx.service(idx);
-    let probe = svc.probe.clone();
-    let allowed = svc.restart.liveness_failures.max(1);
-    let prober = ctx.prober.clone();
-    let mut failures = 0u32;
-    loop {
-        tokio::select! {
-            st = child.wait() => return exited(st, pid),
-            cmd = rx.recv() => return command_end(cmd),
-            res = async { tokio::time::sleep(LIVENESS_INTERVAL).await; prober.check(&probe, seen).await } => {
-                match res {
-                    Ok(()) if failures > 0 => {
-                        failures = 0;
-                        ctx.table.set_state(idx, ServiceState::Healthy);
-                    }
-                    Ok(()) => {}
-                    Err(why) => {
-                        failures += 1;
-                        ctx.table.set_state(idx, ServiceState::Unhealthy);
-                        if failures >= allowed {
-                            return RunEnd::LivenessFailed(format!(
-                                "liveness failed {failures} times: {why}"
-                            ));
+    /// Probes a healthy service every second until its run ends.
+    pub(super) async fn watch_liveness(&mut self, child: &mut Child, seen: &AtomicBool) -> RunEnd {
+        let pid = child.id();
+        let svc = self.ctx.service(self.idx);
+        let probe = svc.probe.clone();
+        let allowed = svc.restart.liveness_failures.max(1);
+        let prober = self.ctx.prober.clone();
+        let mut failures = 0u32;
+        loop {
+            tokio::select! {
+                st = child.wait() => return exited(st, pid),
+                cmd = self.rx.recv() => return command_end(cmd),
+                res = async { tokio::time::sleep(LIVENESS_INTERVAL).await; prober.check(&probe, seen).await } => {
+                    match res {
+                        Ok(()) if failures > 0 => {
+                            failures = 0;
+                            self.ctx.table.set_state(self.idx, ServiceState::Healthy);
+                        }
+                        Ok(()) => {}
+                        Err(why) => {
+                            failures += 1;
+                            self.ctx.table.set_state(self.idx, ServiceState::Unhealthy);
+                            if failures >= allowed {
+                                return RunEnd::LivenessFailed(format!(
+                                    "liveness failed {failures} times: {why}"
+                                ));
+                            }
                         }
                     }
                 }

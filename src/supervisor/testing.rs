@@ -1,0 +1,64 @@
+//! Plans and services for the supervisor's unit tests, so that each test writes only the
+//! fields it is about.
+
+use crate::plan::{Plan, Probe, Role, Service};
+use std::collections::BTreeMap;
+
+/// A prefill service `name` on `node` (at 127.0.0.1) that runs `true`, opens no ports and
+/// is ready at its first log line.
+pub(crate) fn service(name: &str, node: &str) -> Service {
+    Service {
+        name: name.into(),
+        role: Role::Prefill,
+        node: node.into(),
+        host: "127.0.0.1".into(),
+        argv: vec!["true".into()],
+        env: BTreeMap::new(),
+        gpus: vec![],
+        gpu_memory_share: None,
+        ports: BTreeMap::new(),
+        files: vec![],
+        depends_on: vec![],
+        probe: Probe::LogLine {
+            contains: String::new(),
+        },
+        url: None,
+        startup_timeout_s: 5,
+        restart: Default::default(),
+        restart_with: vec![],
+        shutdown: Default::default(),
+        dirs: vec![],
+        checks: Vec::new(),
+    }
+}
+
+/// A service that is ready once its `http` port on 127.0.0.1 takes connections.
+pub(crate) fn tcp_service(name: &str, node: &str, port: u16) -> Service {
+    Service {
+        ports: BTreeMap::from([("http".to_string(), port)]),
+        probe: Probe::Tcp {
+            host: "127.0.0.1".into(),
+            port,
+        },
+        ..service(name, node)
+    }
+}
+
+/// Cluster `c` of sim engines with the example connector, its state under /tmp/c, headed
+/// by node `head`.
+pub(crate) fn plan(head: &str, services: Vec<Service>) -> Plan {
+    Plan {
+        cluster: "c".into(),
+        state_dir: "/tmp/c".into(),
+        head_node: head.into(),
+        nodes: BTreeMap::new(),
+        proxy_url: None,
+        engine: "sim".into(),
+        vllm_version: None,
+        vllm_version_source: None,
+        connector: "example".into(),
+        protocol: "two-step".into(),
+        services,
+        warnings: vec![],
+    }
+}
