@@ -23,7 +23,7 @@ mod drain;
 mod endpoint;
 mod errors;
 mod figures;
-mod gather;
+mod h1;
 mod health;
 mod histogram;
 mod instances;
