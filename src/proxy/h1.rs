@@ -648,4 +648,147 @@ mod tests {
         assert!(authority("https://h:1").is_err());
         assert!(authority("http://h:1/v1").is_err());
     }
+
+    /// Reads one request (head and content-length body) off a test engine's connection;
+    /// false when the client closed it instead.
+    async fn read_request(conn: &mut TcpStream) -> bool {
+        let mut buf = Vec::new();
+        loop {
+            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length: "))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                if buf.len() >= end + 4 + len {
+                    return true;
+                }
+            }
+            let mut more = [0u8; 4096];
+            match conn.read(&mut more).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => buf.extend_from_slice(&more[..n]),
+            }
+        }
+    }
+
+    fn client() -> Client {
+        Client::new(
+            Duration::from_secs(2),
+            (Duration::from_secs(15), Duration::from_secs(15), 3),
+            None,
+        )
+    }
+
+    #[tokio::test]
+    async fn connections_are_reused_and_one_the_engine_closed_is_replaced() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            // The first connection answers two requests (one whole, one chunked), then the
+            // engine closes it as an idle keep-alive timeout would.
+            let (mut a, _) = listener.accept().await.unwrap();
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            assert!(read_request(&mut a).await);
+            a.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            assert!(read_request(&mut a).await);
+            a.write_all(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+            )
+            .await
+            .unwrap();
+            drop(a);
+            let (mut b, _) = listener.accept().await.unwrap();
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            assert!(read_request(&mut b).await);
+            b.write_all(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 4\r\n\r\nbusy")
+                .await
+                .unwrap();
+            let _ = read_request(&mut b).await;
+        });
+        let c = client();
+        let r = c
+            .post_json(&base, "/v1/completions", b"{}", "id-1")
+            .await
+            .unwrap();
+        assert_eq!(
+            (r.status, &r.body.read_all(1024).await.unwrap()[..]),
+            (200, &b"ok"[..])
+        );
+        let r = c
+            .post_json(&base, "/v1/completions", b"{}", "id-2")
+            .await
+            .unwrap();
+        assert_eq!(&r.body.read_all(1024).await.unwrap()[..], b"hi");
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let r = c
+            .post_json(&base, "/v1/completions", b"{}", "id-3")
+            .await
+            .unwrap();
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(r.status, 503);
+        assert_eq!(r.content_type.unwrap(), "text/plain");
+        assert_eq!(&r.body.read_all(1024).await.unwrap()[..], b"busy");
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_midway_closes_its_connection_and_a_cut_body_is_an_error() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (seen_tx, seen) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let (mut a, _) = listener.accept().await.unwrap();
+            assert!(read_request(&mut a).await);
+            a.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\nevent1\r\n")
+                .await
+                .unwrap();
+            // The client went away: the engine sees its connection close.
+            let _ = seen_tx.send(!read_request(&mut a).await);
+            let (mut b, _) = listener.accept().await.unwrap();
+            assert!(read_request(&mut b).await);
+            b.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\nevent1\r\n")
+                .await
+                .unwrap();
+        });
+        let c = client();
+        let mut r = c
+            .post_json(&base, "/v1/completions", b"{}", "id-1")
+            .await
+            .unwrap();
+        assert_eq!(&r.body.next().await.unwrap().unwrap()[..], b"event1");
+        drop(r);
+        let closed = tokio::time::timeout(Duration::from_secs(5), seen)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(closed, "the engine saw the connection close");
+        let mut r = c
+            .post_json(&base, "/v1/completions", b"{}", "id-2")
+            .await
+            .unwrap();
+        assert_eq!(&r.body.next().await.unwrap().unwrap()[..], b"event1");
+        let err = r.body.next().await.unwrap().unwrap_err();
+        assert!(err.contains("before the answer was complete"), "{err}");
+        assert!(r.body.next().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_a_connect_failure() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let base = format!("http://127.0.0.1:{port}");
+        let err = client()
+            .post_json(&base, "/v1/completions", b"{}", "id")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LegFailure::Connect(_)), "{err}");
+    }
 }

@@ -6,7 +6,8 @@
 //!
 //! Layout: `server` (routes) -> `pipeline` (flows, retries) -> `legs` (one attempt
 //! of one leg), using `protocol`
-//! (bodies per connector), `policy` (instance choice), `upstream` (HTTP client) and
+//! (bodies per connector), `policy` (instance choice), `h1` (the legs' HTTP/1.1 client),
+//! `upstream` (the HTTP client of probes and scrapes) and
 //! `relay` (streams); `instances`, `discovery` (instances found by DNS name),
 //! `health`, `scrape`, `recompute` (KV handoff misses decode hides), `limits`,
 //! `metrics`, `errors`, `designate`, `record` (per-request log line), `models`,
