@@ -4,15 +4,14 @@
 
 use super::Proxy;
 use super::errors::{LegFailure, RAISE_FIRST_BYTE, RAISE_PREFILL, RAISE_TOTAL};
+use super::h1;
 use super::instances::{InFlight, Instance};
 use super::protocol::{Body, PrefillAnswer};
 use super::recompute::{self, Expect, Judgment};
 use super::request::ClientRequest;
-use super::upstream::{MAX_ANSWER_BYTES, innermost_cause, read_body, status_failure};
+use super::upstream::MAX_ANSWER_BYTES;
 use axum::http::HeaderValue;
 use bytes::Bytes;
-use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -32,7 +31,7 @@ pub enum Answer {
     /// holds what must live as long as the stream.
     Stream {
         first: Bytes,
-        rest: Incoming,
+        rest: h1::Body,
         keep: Keep,
     },
 }
@@ -67,16 +66,16 @@ pub async fn prefill_once(
     let limit = proxy.settings().prefill_timeout;
     let deadline = Instant::now() + limit;
     let started = Instant::now();
-    let bytes = Bytes::from(serde_json::to_vec(&body).expect("JSON values serialize"));
+    let bytes = serde_json::to_vec(&body).expect("JSON values serialize");
     let work = async {
-        let resp = proxy
-            .upstream
-            .post_json(&format!("{}{path}", inst.url), bytes, &request_id)
+        let client = proxy.upstream.legs();
+        let resp = client
+            .post_json(&inst.url, path, &bytes, &request_id)
             .await?;
-        if !resp.status().is_success() {
+        if !(200..300).contains(&resp.status) {
             return Err(status_failure(resp, deadline).await);
         }
-        read_body(resp, MAX_ANSWER_BYTES).await
+        resp.body.read_all(MAX_ANSWER_BYTES).await
     };
     let answer = tokio::time::timeout_at(deadline, work)
         .await
@@ -88,6 +87,22 @@ pub async fn prefill_once(
     serde_json::from_slice(&answer).map_err(|e| {
         LegFailure::BadAnswer(format!("a prefill answer that is not a JSON object ({e})"))
     })
+}
+
+/// Turns a leg's non-2xx answer into a [`LegFailure::Status`] that keeps the engine's body
+/// (for passing 4xx through) and a short message (for the proxy's own error).
+async fn status_failure(resp: h1::Response, deadline: Instant) -> LegFailure {
+    let body = tokio::time::timeout_at(deadline, resp.body.read_all(1024 * 1024))
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default();
+    LegFailure::Status {
+        status: resp.status,
+        message: crate::error_text::answer_message(&body),
+        body,
+        content_type: resp.content_type,
+    }
 }
 
 /// One decode attempt. Streams: wait for the first chunk within --first-byte-timeout-s.
@@ -104,7 +119,6 @@ pub async fn decode_once(
     let usage_expected = !req.stream || recompute::asks_usage(&req.body);
     let judgment = recompute::leg_sent(&proxy.metrics, &inst, expect, usage_expected, &req.id);
     let guard = inst.begin();
-    let url = format!("{}{}", inst.url, req.path);
     let sent = Instant::now();
     let first_byte = sent + proxy.settings().first_byte_timeout;
     // Whichever limit ends the wait first is the one to name.
@@ -118,48 +132,42 @@ pub async fn decode_once(
         (proxy.settings().total_timeout, RAISE_TOTAL, req.deadline)
     };
     let timed_out = |_| LegFailure::Timeout { limit, raise };
-    let resp = tokio::time::timeout_at(deadline, proxy.upstream.post_json(&url, body, &req.id))
-        .await
-        .map_err(timed_out)??;
-    if !resp.status().is_success() {
+    let client = proxy.upstream.legs();
+    let resp = tokio::time::timeout_at(
+        deadline,
+        client.post_json(&inst.url, req.path, &body, &req.id),
+    )
+    .await
+    .map_err(timed_out)??;
+    if !(200..300).contains(&resp.status) {
         return Err(status_failure(resp, deadline).await);
     }
     if !req.stream {
-        let status = resp.status().as_u16();
-        let content_type = resp
-            .headers()
-            .get(axum::http::header::CONTENT_TYPE)
-            .cloned();
-        let body = tokio::time::timeout_at(deadline, read_body(resp, MAX_ANSWER_BYTES))
+        let body = tokio::time::timeout_at(deadline, resp.body.read_all(MAX_ANSWER_BYTES))
             .await
             .map_err(timed_out)??;
         let took = sent.elapsed();
         let recompute = judgment.and_then(|j| j.judge(recompute::usage_in(&body)));
         return Ok((
             Answer::Full {
-                status,
-                content_type,
+                status: resp.status,
+                content_type: resp.content_type,
                 body,
                 recompute,
             },
             Some(took),
         ));
     }
-    let mut rest = resp.into_body();
-    let first = loop {
-        match tokio::time::timeout_at(deadline, rest.frame()).await {
-            Err(_) => return Err(LegFailure::Timeout { limit, raise }),
-            Ok(None) => {
-                return Err(LegFailure::Body(
-                    "it ended the stream without sending anything".into(),
-                ));
-            }
-            Ok(Some(Err(e))) => return Err(LegFailure::Body(innermost_cause(&e))),
-            Ok(Some(Ok(frame))) => match frame.into_data() {
-                Ok(b) if !b.is_empty() => break b,
-                _ => continue, // empty data or trailers
-            },
+    let mut rest = resp.body;
+    let first = match tokio::time::timeout_at(deadline, rest.next()).await {
+        Err(_) => return Err(LegFailure::Timeout { limit, raise }),
+        Ok(None) => {
+            return Err(LegFailure::Body(
+                "it ended the stream without sending anything".into(),
+            ));
         }
+        Ok(Some(Err(msg))) => return Err(LegFailure::Body(msg)),
+        Ok(Some(Ok(first))) => first,
     };
     let took = sent.elapsed();
     proxy.metrics.decode_ttft.observe(took);

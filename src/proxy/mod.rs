@@ -6,7 +6,8 @@
 //!
 //! Layout: `server` (routes) -> `pipeline` (flows, retries) -> `legs` (one attempt
 //! of one leg), using `protocol`
-//! (bodies per connector), `policy` (instance choice), `upstream` (HTTP client) and
+//! (bodies per connector), `policy` (instance choice), `h1` (the legs' HTTP/1.1 client),
+//! `upstream` (the HTTP client of probes and scrapes) and
 //! `relay` (streams); `instances`, `discovery` (instances found by DNS name),
 //! `health`, `scrape`, `recompute` (KV handoff misses decode hides), `limits`,
 //! `tuning` (settings taken while serving, from the supervisor's spec of the proxy),
@@ -24,7 +25,7 @@ mod drain;
 mod endpoint;
 mod errors;
 mod figures;
-mod gather;
+mod h1;
 mod health;
 mod histogram;
 mod instances;

@@ -5,7 +5,7 @@
 //! A decode failure mid-stream becomes an SSE error event, then the stream closes.
 
 use super::errors::{LegError, LegFailure, ProxyError};
-use super::gather::{Gathered, Next};
+use super::h1;
 use super::instances::{FailureKind, Leg};
 use super::legs::Keep;
 use super::limits::Admission;
@@ -16,7 +16,6 @@ use axum::http::{HeaderValue, header};
 use axum::response::Response;
 use bytes::Bytes;
 use futures_util::Stream;
-use hyper::body::Incoming;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use tokio::time::{Instant, Sleep};
@@ -24,7 +23,7 @@ use tokio::time::{Instant, Sleep};
 /// The client-facing stream.
 pub struct Relay {
     first: Option<Bytes>,
-    rest: Gathered,
+    rest: h1::Body,
     keep: Keep,
     rec: RequestRecord,
     deadline: Pin<Box<Sleep>>,
@@ -53,7 +52,7 @@ pub struct Ties {
 /// The response for a decode stream whose first chunk has arrived.
 pub fn stream_response(
     first: Bytes,
-    rest: Incoming,
+    rest: h1::Body,
     keep: Keep,
     mut rec: RequestRecord,
     deadline: Instant,
@@ -64,7 +63,7 @@ pub fn stream_response(
     let request_id = rec.id.clone();
     let relay = Relay {
         first: Some(first),
-        rest: Gathered::start(rest),
+        rest,
         keep,
         rec,
         deadline: Box::pin(tokio::time::sleep_until(deadline)),
@@ -176,17 +175,17 @@ impl Stream for Relay {
             both.extend_from_slice(b"data: [DONE]\n\n");
             return Poll::Ready(Some(Ok(Bytes::from(both))));
         }
-        match this.rest.poll_next(cx) {
+        match this.rest.poll_data(cx) {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(Next::Data(chunk)) => {
+            Poll::Ready(Some(Ok(chunk))) => {
                 this.push(&chunk);
                 Poll::Ready(Some(Ok(chunk)))
             }
-            Poll::Ready(Next::Broke(msg)) => this.decode_failed(LegFailure::Body(msg)),
-            Poll::Ready(Next::Ended) if !this.end.is_done() => this.decode_failed(
-                LegFailure::Body("it closed the stream without the final `data: [DONE]`".into()),
-            ),
-            Poll::Ready(Next::Ended) => {
+            Poll::Ready(Some(Err(msg))) => this.decode_failed(LegFailure::Body(msg)),
+            Poll::Ready(None) if !this.end.is_done() => this.decode_failed(LegFailure::Body(
+                "it closed the stream without the final `data: [DONE]`".into(),
+            )),
+            Poll::Ready(None) => {
                 this.finished = true;
                 this.rec.outcome = Outcome::Complete;
                 Poll::Ready(None)

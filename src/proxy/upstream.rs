@@ -1,14 +1,17 @@
-//! The HTTP client the proxy talks to engines with: one connection pool for every
-//! instance, the engines' API key on every call, and failures classified into
-//! [`LegFailure`]s so the caller can tell connect errors, timeouts and statuses apart.
+//! The HTTP clients the proxy talks to engines with, both sending the engines' API key on
+//! every call and classifying failures into [`LegFailure`]s so the caller can tell connect
+//! errors, timeouts and statuses apart: the legs of client requests go through the
+//! proxy's own HTTP/1.1 client ([`Upstream::legs`], h1.rs), which relays a streamed body
+//! without hyper's per-chunk hand-over; the proxy's own calls (health probes, /v1/models,
+//! /metrics, mooncake's /query) through the pooled client below ([`Upstream::get`]).
 //!
-//! It is hyper's pooled client used directly rather than through reqwest: per request
+//! The pooled client is hyper's used directly rather than through reqwest: per request
 //! reqwest parses the URL twice (once more for its redirect policy) and wraps request and
 //! body in several layers, about a sixth of the proxy's own instructions per request
 //! (callgrind, docs/proxy.md "Overhead"); the proxy needs none of what those layers add.
 
 use super::errors::LegFailure;
-use axum::http::{HeaderValue, Method, Request, Uri, header};
+use axum::http::{HeaderValue, Request, Uri, header};
 use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -16,7 +19,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use std::time::Duration;
-use tokio::time::Instant;
 
 /// Largest engine answer body the proxy reads into memory (non-streamed answers, error
 /// bodies, prefill answers). Streams are relayed without this limit.
@@ -42,6 +44,8 @@ pub type EngineResponse = axum::http::Response<Incoming>;
 pub struct Upstream {
     client: Client<HttpConnector, Full<Bytes>>,
     engine_key: Option<HeaderValue>,
+    /// The client of the prefill and decode legs (h1.rs), same timeout, keepalive and key.
+    legs: super::h1::Client,
 }
 
 impl Upstream {
@@ -66,7 +70,17 @@ impl Upstream {
             .map(|k| HeaderValue::from_str(&format!("Bearer {k}")))
             .transpose()
             .map_err(|_| super::config::ConfigError::EngineKey)?;
-        Ok(Upstream { client, engine_key })
+        let legs = super::h1::Client::new(connect_timeout, TCP_KEEPALIVE, engine_key.as_ref());
+        Ok(Upstream {
+            client,
+            engine_key,
+            legs,
+        })
+    }
+
+    /// The client the legs of client requests are sent with.
+    pub fn legs(&self) -> &super::h1::Client {
+        &self.legs
     }
 
     /// Sends a request with the engine key; returns the response once its headers are in.
@@ -75,29 +89,6 @@ impl Upstream {
             req.headers_mut().insert(header::AUTHORIZATION, k.clone());
         }
         self.client.request(req).await.map_err(|e| classify(&e))
-    }
-
-    /// POSTs a JSON body with `X-Request-Id`; returns the response once its headers are in
-    /// (any status), or why there is none.
-    pub async fn post_json(
-        &self,
-        url: &str,
-        body: Bytes,
-        request_id: &str,
-    ) -> Result<EngineResponse, LegFailure> {
-        let mut req = Request::new(Full::new(body));
-        *req.method_mut() = Method::POST;
-        *req.uri_mut() = parse_uri(url)?;
-        let h = req.headers_mut();
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        let id = HeaderValue::from_str(request_id).map_err(|_| {
-            LegFailure::BadAnswer(format!("request id {request_id:?} is not a header value"))
-        })?;
-        h.insert("x-request-id", id);
-        self.send(req).await
     }
 
     /// GETs `url` (health probes, /v1/models, /metrics, mooncake /query) within `timeout`
@@ -165,22 +156,4 @@ pub async fn read_body(resp: EngineResponse, limit: usize) -> Result<Bytes, LegF
         buf.extend_from_slice(&chunk);
     }
     Ok(buf.freeze())
-}
-
-/// Turns a non-2xx response into a [`LegFailure::Status`] that keeps the engine's body
-/// (for passing 4xx through) and a short message (for the proxy's own error).
-pub async fn status_failure(resp: EngineResponse, deadline: Instant) -> LegFailure {
-    let status = resp.status().as_u16();
-    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
-    let body = tokio::time::timeout_at(deadline, read_body(resp, 1024 * 1024))
-        .await
-        .ok()
-        .and_then(Result::ok)
-        .unwrap_or_default();
-    LegFailure::Status {
-        status,
-        message: crate::error_text::answer_message(&body),
-        body,
-        content_type,
-    }
 }
