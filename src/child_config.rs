@@ -12,6 +12,7 @@
 //! [`Configured::resolve`] reads through a given function, so [`from_service`] can build
 //! the struct from a planned service (its argv and generated files) without touching disk.
 
+use crate::topology::{backticked_after, expected_list};
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, FromArgMatches};
 use serde::Serialize;
@@ -30,18 +31,9 @@ pub trait ChildConfig:
     fn keep_secrets(&mut self, flags: &Self);
 }
 
-/// A config file that cannot be used, located like a topology error.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{file}:{line}:{col}: {key}: {message}{}", hint.as_ref().map(|h| format!("\n  hint: {h}")).unwrap_or_default())]
-pub struct ConfigFileError {
-    pub file: String,
-    pub line: usize,
-    pub col: usize,
-    /// Dotted key path (`model_params.itl_ms`), or `(file)` when the file is at fault.
-    pub key: String,
-    pub message: String,
-    pub hint: Option<String>,
-}
+/// A config file that cannot be used: located (file:line:col, key, hint) as a topology
+/// error is, and reported the same way.
+pub type ConfigFileError = crate::topology::TopologyError;
 
 impl ConfigFileError {
     fn whole(file: &Path, message: String, hint: Option<String>) -> ConfigFileError {
@@ -260,26 +252,6 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
     (line, col)
 }
 
-/// The text between the first pair of backticks after `prefix`.
-fn backticked_after(msg: &str, prefix: &str) -> Option<String> {
-    let rest = &msg[msg.find(prefix)? + prefix.len()..];
-    let rest = rest.strip_prefix('`')?;
-    Some(rest[..rest.find('`')?].to_string())
-}
-
-/// serde's "expected one of `a`, `b`" list.
-fn expected_list(msg: &str) -> Vec<String> {
-    let Some(i) = msg.find("expected") else {
-        return Vec::new();
-    };
-    msg[i..]
-        .split('`')
-        .skip(1)
-        .step_by(2)
-        .map(str::to_string)
-        .collect()
-}
-
 /// The file a planned `pdctl proxy|sim --config FILE` reads, among its generated files.
 pub fn config_file<'a>(
     argv: &[String],
@@ -345,7 +317,7 @@ pub fn to_file<T: ChildConfig>(value: &T) -> String {
 mod tests {
     use super::*;
     use crate::proxy::{PolicyName, ProxyArgs, ProxyProtocol};
-    use crate::sim::args::{SimArgs, SimHandoff, SimModel, SimRole};
+    use crate::sim::args::{SimArgs, SimModel};
 
     /// Parses `args` (after the subcommand) with `file` as the text of `c.toml`.
     fn load<T: ChildConfig>(args: &[&str], file: &str) -> Result<T, ConfigFileError> {
@@ -387,34 +359,7 @@ mod tests {
     }
 
     fn every_sim_setting() -> SimArgs {
-        SimArgs {
-            host: "0.0.0.0".into(),
-            port: 8200,
-            role: SimRole::Prefill,
-            model: "qwen".into(),
-            instance: Some("prefill-1".into()),
-            handoff: SimHandoff::Mooncake,
-            kv_dir: Some("/tmp/kv dir".into()),
-            bootstrap_port: Some(8998),
-            model_params: SimModel {
-                prefill_ms_per_token: 0.125,
-                overhead_ms: 0.1,
-                itl_ms: 7.3,
-                batch_slowdown: 0.015,
-                startup_ms: 2500,
-                max_model_len: 4096,
-                block_size: 32,
-                cache_blocks: 9,
-                max_num_seqs: 3,
-                kv_load_ms_per_token: 0.0001,
-                handoff_wait_ms: 1234,
-                kv_hold_timeout_ms: 5678,
-            },
-            fault_exit_after: Some(7),
-            kv_host: Some("10.0.0.2".into()),
-            log_stats_interval_ms: 0,
-            api_key: None,
-        }
+        crate::sim::args::every_setting()
     }
 
     #[test]

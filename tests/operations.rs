@@ -81,6 +81,12 @@ fn bench_with(
         .unwrap()
 }
 
+/// `pdctl down`, which must succeed.
+fn down(cluster: &Cluster) {
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
 /// The bench's result: (completed, failed).
 fn finished(child: Child, json: &std::path::Path) -> (u64, u64) {
     let out = child.wait_with_output().unwrap();
@@ -130,8 +136,7 @@ fn a_rolling_restart_of_decode_under_load_fails_no_request() {
     }
     assert_eq!((completed, failed), (1200, 0));
     assert_eq!(finished(whole, &whole_json), (1200, 0), "whole answers");
-    let out = cluster.run(&["down"]);
-    assert!(out.status.success(), "{}", text(&out));
+    down(&cluster);
 }
 
 /// The only decode instance restarted with --drain while streams run: new requests wait
@@ -173,8 +178,7 @@ fn draining_the_only_decode_instance_fails_no_request() {
         "{}",
         text(&out)
     );
-    let out = cluster.run(&["down"]);
-    assert!(out.status.success(), "{}", text(&out));
+    down(&cluster);
 }
 
 /// The proxy's `/metrics` text.
@@ -346,8 +350,7 @@ fn scale_and_apply_under_load_fail_no_request() {
     );
     let out = cluster.run(&["apply", "-f", other_file.to_str().unwrap(), "--dry-run"]);
     assert!(text(&out).contains("nothing to change"), "{}", text(&out));
-    let out = cluster.run(&["down"]);
-    assert!(out.status.success(), "{}", text(&out));
+    down(&cluster);
 }
 
 /// A decode instance killed with SIGKILL while `scale` drains it: the streams it carried
@@ -419,6 +422,5 @@ fn an_instance_killed_while_draining_fails_only_its_requests_and_scale_finishes(
         routed_decode(port),
         [format!("http://127.0.0.1:{}", port + 3)]
     );
-    let out = cluster.run(&["down"]);
-    assert!(out.status.success(), "{}", text(&out));
+    down(&cluster);
 }

@@ -43,7 +43,6 @@ pub fn code_of(err: &anyhow::Error) -> u8 {
                 || e.is::<crate::plan::resolve::ResolveError>()
                 || e.is::<crate::proxy::ConfigError>()
                 || e.is::<crate::sim::SimConfigError>()
-                || e.is::<crate::child_config::ConfigFileError>()
                 || e.is::<crate::bench::UsageError>()
             {
                 Some(2)

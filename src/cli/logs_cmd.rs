@@ -113,16 +113,21 @@ pub struct Follower {
 }
 
 impl Follower {
-    #[cfg(test)]
-    /// Starts at the current end of `path` (history was printed already).
-    pub fn at_end(path: &Path) -> Follower {
-        let mut f = Follower {
+    /// A follower of `path` that has read nothing yet.
+    fn unopened(path: &Path) -> Follower {
+        Follower {
             path: path.to_path_buf(),
             file: None,
             inode: 0,
             pos: 0,
             carry: Vec::new(),
-        };
+        }
+    }
+
+    #[cfg(test)]
+    /// Starts at the current end of `path` (history was printed already).
+    pub fn at_end(path: &Path) -> Follower {
+        let mut f = Follower::unopened(path);
         if let Ok(mut file) = File::open(path) {
             f.inode = file.metadata().map(|m| m.ino()).unwrap_or(0);
             f.pos = file.seek(SeekFrom::End(0)).unwrap_or(0);
@@ -135,13 +140,7 @@ impl Follower {
     /// written so far (all when `None`, rotated copies included). Following continues
     /// exactly where that history ends, so no line is lost or shown twice.
     pub fn with_history(path: &Path, n: Option<usize>) -> (Follower, Vec<String>) {
-        let mut f = Follower {
-            path: path.to_path_buf(),
-            file: None,
-            inode: 0,
-            pos: 0,
-            carry: Vec::new(),
-        };
+        let mut f = Follower::unopened(path);
         let current = f.poll();
         let mut lines = match n {
             Some(n) if current.len() >= n => Vec::new(),

@@ -41,37 +41,48 @@ pub enum ControlError {
 
 /// Asks the supervisor on `socket` for its status report.
 pub async fn status(socket: &Path, timeout: Duration) -> Result<StatusReport, ControlError> {
-    let path = || socket.display().to_string();
-    match send(socket, &Request::Status, timeout).await? {
-        Response::Status(report) => Ok(report),
-        Response::Error { message } => Err(ControlError::Refused {
-            path: path(),
-            message,
-        }),
-        other => Err(ControlError::Unexpected {
-            path: path(),
-            asked: "its status",
-            what: format!("{other:?}"),
-        }),
-    }
+    ask(
+        socket,
+        &Request::Status,
+        timeout,
+        "its status",
+        |r| match r {
+            Response::Status(report) => Ok(report),
+            other => Err(other),
+        },
+    )
+    .await
 }
 
 /// Asks the supervisor on `socket` how service `name` is started now (after any
 /// `Replace`).
 pub async fn spec(socket: &Path, name: &str, timeout: Duration) -> Result<Service, ControlError> {
-    let path = || socket.display().to_string();
     let req = Request::Spec {
         service: name.to_string(),
     };
-    match send(socket, &req, timeout).await? {
+    ask(socket, &req, timeout, "a service's spec", |r| match r {
         Response::Spec { service } => Ok(*service),
-        Response::Error { message } => Err(ControlError::Refused {
-            path: path(),
-            message,
-        }),
-        other => Err(ControlError::Unexpected {
-            path: path(),
-            asked: "a service's spec",
+        other => Err(other),
+    })
+    .await
+}
+
+/// Sends `req` and takes the answer `pick` accepts; an error answer is `Refused`, any
+/// other `Unexpected` (what was `asked` for named).
+async fn ask<T>(
+    socket: &Path,
+    req: &Request,
+    timeout: Duration,
+    asked: &'static str,
+    pick: impl FnOnce(Response) -> Result<T, Response>,
+) -> Result<T, ControlError> {
+    let path = socket.display().to_string();
+    match pick(send(socket, req, timeout).await?) {
+        Ok(t) => Ok(t),
+        Err(Response::Error { message }) => Err(ControlError::Refused { path, message }),
+        Err(other) => Err(ControlError::Unexpected {
+            path,
+            asked,
             what: format!("{other:?}"),
         }),
     }

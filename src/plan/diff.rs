@@ -411,7 +411,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     fn service(name: &str, role: Role, argv: &[&str]) -> Service {
-        Service::example(name, role, argv)
+        Service::new(name, role, "local", argv.iter().copied())
     }
 
     fn plan(decodes: u32, decode_args: &[&str]) -> Plan {

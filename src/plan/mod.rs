@@ -172,16 +172,23 @@ pub struct Service {
     pub checks: Vec<Check>,
 }
 
-#[cfg(test)]
 impl Service {
-    /// A local service with this command, a log-line probe and nothing else, for tests.
-    pub(crate) fn example(name: &str, role: Role, argv: &[&str]) -> Service {
+    /// A service of `role` on `node` (at 127.0.0.1) running `argv`, with nothing else:
+    /// no ports, GPUs, files or dependencies, ready at its first log line, the default
+    /// restart and shutdown. What tests and other tools start from, setting the fields
+    /// they are about.
+    pub fn new(
+        name: &str,
+        role: Role,
+        node: &str,
+        argv: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Service {
         Service {
             name: name.into(),
             role,
-            node: "local".into(),
+            node: node.into(),
             host: "127.0.0.1".into(),
-            argv: argv.iter().map(|a| a.to_string()).collect(),
+            argv: argv.into_iter().map(Into::into).collect(),
             env: BTreeMap::new(),
             gpus: vec![],
             gpu_memory_share: None,
@@ -189,7 +196,7 @@ impl Service {
             files: vec![],
             depends_on: vec![],
             probe: Probe::LogLine {
-                contains: "ready".into(),
+                contains: String::new(),
             },
             url: None,
             startup_timeout_s: 60,

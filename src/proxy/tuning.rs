@@ -15,6 +15,7 @@ use super::metrics::Metrics;
 use super::policy::{self, Policy};
 use crate::control::{self, StatusReport};
 use crate::plan::{Role, Service};
+use crate::spelling::value_name;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,13 +44,6 @@ impl Policies {
             Leg::Decode => &self.decode.1,
         }
     }
-}
-
-/// A policy as its flag spells it.
-fn name(p: PolicyName) -> String {
-    use clap::ValueEnum;
-    p.to_possible_value()
-        .map_or_else(|| format!("{p:?}"), |v| v.get_name().to_string())
 }
 
 fn names(a: &ProxyArgs) -> (PolicyName, PolicyName) {
@@ -92,88 +86,86 @@ pub fn args_of(service: &Service) -> Result<ProxyArgs, SpecError> {
     })
 }
 
+/// Flags a running proxy takes in place (besides the policies, compared as resolved).
+const LIVE: [&str; 9] = [
+    "--rate-limit",
+    "--max-concurrent",
+    "--queue-size",
+    "--prefill-timeout-s",
+    "--first-byte-timeout-s",
+    "--total-timeout-s",
+    "--retries",
+    "--restart-wait-s",
+    "--max-body-bytes",
+];
+
+/// Flags a running proxy takes only when it restarts. The instance lists are in neither
+/// list: the proxy follows the supervisor's services.
+const RESTART: [&str; 9] = [
+    "--host",
+    "--port",
+    "--protocol",
+    "--prefill-dns",
+    "--decode-dns",
+    "--connect-timeout-ms",
+    "--health-interval-ms",
+    "--scrape-metrics",
+    "--supervisor-socket",
+];
+
+/// Every value `flag` has in `argv`, joined (flags may repeat; a switch reads `on`).
+fn values(argv: &[String], flag: &str) -> String {
+    let found: Vec<&str> = argv
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| *a == flag)
+        .map(|(i, _)| match argv.get(i + 1) {
+            Some(v) if !v.starts_with("--") => v.as_str(),
+            _ => "on",
+        })
+        .collect();
+    found.join(",")
+}
+
+/// The `flags` whose values differ between `old` and `new`, as (flag, old, new).
+fn differing<'a>(
+    old: &ProxyArgs,
+    new: &ProxyArgs,
+    flags: &[&'a str],
+) -> Vec<(&'a str, String, String)> {
+    let (a, b) = (old.to_argv(), new.to_argv());
+    flags
+        .iter()
+        .map(|f| (*f, values(&a, f), values(&b, f)))
+        .filter(|(_, x, y)| x != y)
+        .collect()
+}
+
 /// The flags that differ between `old` and `new` which a running proxy cannot take (it
-/// needs a restart for them). Instance lists are not among them: the proxy follows the
-/// supervisor's services.
+/// needs a restart for them).
 pub fn restart_only(old: &ProxyArgs, new: &ProxyArgs) -> Vec<&'static str> {
-    let mut out = Vec::new();
-    let mut differs = |flag: &'static str, changed: bool| {
-        if changed {
-            out.push(flag);
-        }
-    };
-    differs("--host", old.host != new.host);
-    differs("--port", old.port != new.port);
-    differs("--protocol", old.protocol != new.protocol);
-    differs("--prefill-dns", old.prefill_dns != new.prefill_dns);
-    differs("--decode-dns", old.decode_dns != new.decode_dns);
-    differs("--engine-api-key", old.engine_api_key != new.engine_api_key);
-    differs(
-        "--connect-timeout-ms",
-        old.connect_timeout_ms != new.connect_timeout_ms,
-    );
-    differs(
-        "--health-interval-ms",
-        old.health_interval_ms != new.health_interval_ms,
-    );
-    differs("--scrape-metrics", old.scrape_metrics != new.scrape_metrics);
-    differs(
-        "--supervisor-socket",
-        old.supervisor_socket != new.supervisor_socket,
-    );
+    let mut out: Vec<&'static str> = differing(old, new, &RESTART)
+        .into_iter()
+        .map(|(f, _, _)| f)
+        .collect();
+    if old.engine_api_key != new.engine_api_key {
+        out.push("--engine-api-key");
+    }
     out
 }
 
 /// The live settings that differ, as `--flag old -> new` phrases (for the log and the
 /// plan's difference list).
 pub fn live_changes(old: &ProxyArgs, new: &ProxyArgs) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut differs = |flag: &str, a: String, b: String| {
-        if a != b {
-            out.push(format!("--{flag} {a} -> {b}"));
-        }
-    };
-    let (op, od) = names(old);
-    let (np, nd) = names(new);
-    differs("prefill-policy", name(op), name(np));
-    differs("decode-policy", name(od), name(nd));
-    differs(
-        "rate-limit",
-        old.rate_limit.to_string(),
-        new.rate_limit.to_string(),
-    );
-    differs(
-        "max-concurrent",
-        old.max_concurrent.to_string(),
-        new.max_concurrent.to_string(),
-    );
-    differs(
-        "queue-size",
-        old.queue_size.to_string(),
-        new.queue_size.to_string(),
-    );
-    for (flag, a, b) in [
-        (
-            "prefill-timeout-s",
-            old.prefill_timeout_s,
-            new.prefill_timeout_s,
-        ),
-        (
-            "first-byte-timeout-s",
-            old.first_byte_timeout_s,
-            new.first_byte_timeout_s,
-        ),
-        ("total-timeout-s", old.total_timeout_s, new.total_timeout_s),
-        ("retries", old.retries.into(), new.retries.into()),
-        ("restart-wait-s", old.restart_wait_s, new.restart_wait_s),
-        (
-            "max-body-bytes",
-            old.max_body_bytes as u64,
-            new.max_body_bytes as u64,
-        ),
-    ] {
-        differs(flag, a.to_string(), b.to_string());
-    }
+    let ((op, od), (np, nd)) = (names(old), names(new));
+    let policies = [("--prefill-policy", op, np), ("--decode-policy", od, nd)]
+        .into_iter()
+        .filter(|(_, a, b)| a != b)
+        .map(|(f, a, b)| (f, value_name(a), value_name(b)));
+    let mut out: Vec<String> = policies
+        .chain(differing(old, new, &LIVE))
+        .map(|(f, a, b)| format!("{f} {a} -> {b}"))
+        .collect();
     if old.api_key != new.api_key {
         out.push("--api-key changed".into());
     }
@@ -308,7 +300,7 @@ mod tests {
     }
 
     fn service(argv: &[&str]) -> Service {
-        Service::example("proxy", Role::Proxy, argv)
+        Service::new("proxy", Role::Proxy, "local", argv.iter().copied())
     }
 
     #[test]

@@ -273,6 +273,39 @@ impl SimArgs {
     }
 }
 
+/// Every setting away from its default, for the tests that a value survives a trip.
+#[cfg(test)]
+pub(crate) fn every_setting() -> SimArgs {
+    SimArgs {
+        host: "0.0.0.0".into(),
+        port: 8200,
+        role: SimRole::Prefill,
+        model: "qwen".into(),
+        instance: Some("prefill-1".into()),
+        handoff: SimHandoff::Mooncake,
+        kv_dir: Some(PathBuf::from("/tmp/kv dir")),
+        bootstrap_port: Some(8998),
+        model_params: SimModel {
+            prefill_ms_per_token: 0.125,
+            overhead_ms: 0.1,
+            itl_ms: 7.3,
+            batch_slowdown: 0.015,
+            startup_ms: 2500,
+            max_model_len: 4096,
+            block_size: 32,
+            cache_blocks: 9,
+            max_num_seqs: 3,
+            kv_load_ms_per_token: 0.0001,
+            handoff_wait_ms: 1234,
+            kv_hold_timeout_ms: 5678,
+        },
+        fault_exit_after: Some(7),
+        kv_host: Some("10.0.0.2".into()),
+        log_stats_interval_ms: 0,
+        api_key: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,34 +331,7 @@ mod tests {
         let minimal = parse(&["--port".into(), "8100".into()]);
         assert_eq!(parse(&minimal.to_argv()), minimal);
         assert_eq!(minimal.model_params, SimModel::default());
-        let full = SimArgs {
-            host: "0.0.0.0".into(),
-            port: 8200,
-            role: SimRole::Prefill,
-            model: "qwen".into(),
-            instance: Some("prefill-1".into()),
-            handoff: SimHandoff::Mooncake,
-            kv_dir: Some(PathBuf::from("/tmp/kv dir")),
-            bootstrap_port: Some(8998),
-            model_params: SimModel {
-                prefill_ms_per_token: 0.125,
-                overhead_ms: 0.1,
-                itl_ms: 7.3,
-                batch_slowdown: 0.015,
-                startup_ms: 2500,
-                max_model_len: 4096,
-                block_size: 32,
-                cache_blocks: 9,
-                max_num_seqs: 3,
-                kv_load_ms_per_token: 0.0001,
-                handoff_wait_ms: 1234,
-                kv_hold_timeout_ms: 5678,
-            },
-            fault_exit_after: Some(7),
-            kv_host: Some("10.0.0.2".into()),
-            log_stats_interval_ms: 0,
-            api_key: None,
-        };
+        let full = every_setting();
         assert_eq!(parse(&full.to_argv()), full);
         let keyed = SimArgs {
             api_key: Some("secret".into()),

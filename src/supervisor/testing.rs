@@ -8,27 +8,8 @@ use std::collections::BTreeMap;
 /// is ready at its first log line.
 pub(crate) fn service(name: &str, node: &str) -> Service {
     Service {
-        name: name.into(),
-        role: Role::Prefill,
-        node: node.into(),
-        host: "127.0.0.1".into(),
-        argv: vec!["true".into()],
-        env: BTreeMap::new(),
-        gpus: vec![],
-        gpu_memory_share: None,
-        ports: BTreeMap::new(),
-        files: vec![],
-        depends_on: vec![],
-        probe: Probe::LogLine {
-            contains: String::new(),
-        },
-        url: None,
         startup_timeout_s: 5,
-        restart: Default::default(),
-        restart_with: vec![],
-        shutdown: Default::default(),
-        dirs: vec![],
-        checks: Vec::new(),
+        ..Service::new(name, Role::Prefill, node, ["true"])
     }
 }
 

@@ -162,14 +162,14 @@ fn key_or(path: &str) -> &str {
 }
 
 /// The text between the first pair of backticks after `prefix`.
-fn backticked_after(msg: &str, prefix: &str) -> Option<String> {
+pub(crate) fn backticked_after(msg: &str, prefix: &str) -> Option<String> {
     let rest = &msg[msg.find(prefix)? + prefix.len()..];
     let rest = rest.strip_prefix('`')?;
     Some(rest[..rest.find('`')?].to_string())
 }
 
 /// serde's "expected one of `a`, `b`" (or "expected `a`") list.
-fn expected_list(msg: &str) -> Vec<String> {
+pub(crate) fn expected_list(msg: &str) -> Vec<String> {
     let Some(i) = msg.find("expected") else {
         return Vec::new();
     };

@@ -5,6 +5,7 @@
 //! at file:line:col; `validate` checks what serde cannot (unknown nodes, port clashes).
 
 mod load;
+pub(crate) use load::{backticked_after, expected_list};
 mod locate;
 mod validate;
 

@@ -264,30 +264,14 @@ pub fn quick_restarts(max_restarts: u32) -> RestartPolicy {
 
 fn base(name: &str, role: Role, node: &str, host: &str, argv: Vec<String>) -> Service {
     Service {
-        name: name.into(),
-        role,
-        node: node.into(),
         host: host.into(),
-        argv,
-        env: BTreeMap::new(),
-        gpus: vec![],
-        gpu_memory_share: None,
-        ports: BTreeMap::new(),
-        files: vec![],
-        depends_on: vec![],
-        probe: Probe::LogLine {
-            contains: String::new(),
-        },
-        url: None,
         startup_timeout_s: 20,
         restart: quick_restarts(5),
-        restart_with: vec![],
         shutdown: Shutdown {
             signal: "SIGTERM".into(),
             timeout_s: 5,
         },
-        dirs: vec![],
-        checks: Vec::new(),
+        ..Service::new(name, role, node, argv)
     }
 }
 
