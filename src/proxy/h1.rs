@@ -384,6 +384,21 @@ async fn exchange(
     }
 }
 
+/// Why an answer's body broke off or cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("the engine closed the connection before the answer was complete")]
+    Closed,
+    #[error("reading the answer failed: {0}")]
+    Read(#[from] std::io::Error),
+    #[error("a chunk size that is not a number: {0:?}")]
+    ChunkSize(String),
+    #[error("a chunk longer than its size")]
+    ChunkTooLong,
+    #[error("a chunk line over {MAX_LINE} bytes")]
+    LineTooLong,
+}
+
 fn bad(msg: String) -> Fail {
     Fail::Leg(LegFailure::BadAnswer(msg))
 }
@@ -391,7 +406,7 @@ fn bad(msg: String) -> Fail {
 impl Body {
     /// Everything of the body that has arrived since the last call, in one piece (never
     /// empty); `None` at its end; `Err` with why when it broke off.
-    pub fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, String>>> {
+    pub fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, BodyError>>> {
         if self.ended {
             return Poll::Ready(None);
         }
@@ -421,28 +436,25 @@ impl Body {
                     self.conn = None;
                     return Poll::Ready(None);
                 }
-                Ok(0) => {
-                    let msg = "the engine closed the connection before the answer was complete";
-                    return Poll::Ready(Some(Err(self.broke(msg.into()))));
-                }
+                Ok(0) => return Poll::Ready(Some(Err(self.broke(BodyError::Closed)))),
                 Ok(_) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     match conn.poll_read_ready(cx) {
                         Poll::Pending => return Poll::Pending,
                         Poll::Ready(Ok(())) => {}
                         Poll::Ready(Err(e)) => {
-                            return Poll::Ready(Some(Err(self.broke(e.to_string()))));
+                            return Poll::Ready(Some(Err(self.broke(e.into()))));
                         }
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Poll::Ready(Some(Err(self.broke(e.to_string())))),
+                Err(e) => return Poll::Ready(Some(Err(self.broke(e.into())))),
             }
         }
     }
 
     /// The next piece of the body, waiting for it.
-    pub async fn next(&mut self) -> Option<Result<Bytes, String>> {
+    pub async fn next(&mut self) -> Option<Result<Bytes, BodyError>> {
         std::future::poll_fn(|cx| self.poll_data(cx)).await
     }
 
@@ -450,7 +462,7 @@ impl Body {
     pub async fn read_all(mut self, limit: usize) -> Result<Bytes, LegFailure> {
         let mut all = BytesMut::new();
         while let Some(piece) = self.next().await {
-            let piece = piece.map_err(LegFailure::Body)?;
+            let piece = piece.map_err(|e| LegFailure::Body(e.to_string()))?;
             if all.len() + piece.len() > limit {
                 return Err(LegFailure::BadAnswer(format!(
                     "an answer larger than {limit} bytes"
@@ -464,10 +476,10 @@ impl Body {
         Ok(all.freeze())
     }
 
-    fn broke(&mut self, msg: String) -> String {
+    fn broke(&mut self, e: BodyError) -> BodyError {
         self.ended = true;
         self.conn = None;
-        msg
+        e
     }
 
     /// The body's end: its connection goes back to the pool when nothing else came on it.
@@ -482,7 +494,7 @@ impl Body {
     }
 
     /// Takes what the buffer holds of the body: the data, and whether the body ended.
-    fn decode(&mut self) -> Result<(Bytes, bool), String> {
+    fn decode(&mut self) -> Result<(Bytes, bool), BodyError> {
         match &mut self.framing {
             Framing::Length(left) => {
                 let take = (*left).min(self.buf.len() as u64) as usize;
@@ -497,7 +509,7 @@ impl Body {
 
 /// Takes the data of every whole or partial chunk in `buf`, in one piece (a copy only when
 /// there are several), and whether the last chunk and its trailers have been read.
-fn dechunk(buf: &mut BytesMut, state: &mut Chunk) -> Result<(Bytes, bool), String> {
+fn dechunk(buf: &mut BytesMut, state: &mut Chunk) -> Result<(Bytes, bool), BodyError> {
     let mut first: Option<Bytes> = None;
     let mut more: Option<BytesMut> = None;
     let mut add = |piece: Bytes| match (&first, &mut more) {
@@ -526,10 +538,7 @@ fn dechunk(buf: &mut BytesMut, state: &mut Chunk) -> Result<(Bytes, bool), Strin
                     .filter(|d| !d.is_empty())
                     .and_then(|d| u64::from_str_radix(d, 16).ok())
                     .ok_or_else(|| {
-                        format!(
-                            "a chunk size that is not a number: {:?}",
-                            String::from_utf8_lossy(&line)
-                        )
+                        BodyError::ChunkSize(String::from_utf8_lossy(&line).into_owned())
                     })?;
                 *state = if size == 0 {
                     Chunk::Trailer
@@ -555,7 +564,7 @@ fn dechunk(buf: &mut BytesMut, state: &mut Chunk) -> Result<(Bytes, bool), Strin
                     Some(b'\n') => buf.advance(1),
                     Some(b'\r') if buf.len() < 2 => break false,
                     Some(b'\r') if buf[1] == b'\n' => buf.advance(2),
-                    Some(_) => return Err("a chunk longer than its size".into()),
+                    Some(_) => return Err(BodyError::ChunkTooLong),
                 }
                 *state = Chunk::Size;
             }
@@ -578,10 +587,10 @@ fn dechunk(buf: &mut BytesMut, state: &mut Chunk) -> Result<(Bytes, bool), Strin
 }
 
 /// The next line of `buf` without its line end, taken out of it; `None` until it is whole.
-fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, String> {
+fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, BodyError> {
     let Some(end) = buf.iter().position(|&b| b == b'\n') else {
         if buf.len() > MAX_LINE {
-            return Err(format!("a chunk line over {MAX_LINE} bytes"));
+            return Err(BodyError::LineTooLong);
         }
         return Ok(None);
     };
@@ -772,7 +781,7 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(&r.body.next().await.unwrap().unwrap()[..], b"event1");
-        let err = r.body.next().await.unwrap().unwrap_err();
+        let err = r.body.next().await.unwrap().unwrap_err().to_string();
         assert!(err.contains("before the answer was complete"), "{err}");
         assert!(r.body.next().await.is_none());
     }

@@ -166,7 +166,7 @@ pub async fn decode_once(
                 "it ended the stream without sending anything".into(),
             ));
         }
-        Ok(Some(Err(msg))) => return Err(LegFailure::Body(msg)),
+        Ok(Some(Err(e))) => return Err(LegFailure::Body(e.to_string())),
         Ok(Some(Ok(first))) => first,
     };
     let took = sent.elapsed();

@@ -181,7 +181,7 @@ impl Stream for Relay {
                 this.push(&chunk);
                 Poll::Ready(Some(Ok(chunk)))
             }
-            Poll::Ready(Some(Err(msg))) => this.decode_failed(LegFailure::Body(msg)),
+            Poll::Ready(Some(Err(e))) => this.decode_failed(LegFailure::Body(e.to_string())),
             Poll::Ready(None) if !this.end.is_done() => this.decode_failed(LegFailure::Body(
                 "it closed the stream without the final `data: [DONE]`".into(),
             )),
