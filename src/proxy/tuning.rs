@@ -1,6 +1,7 @@
 //! Settings a running proxy takes without restarting: routing policies, admission limits
 //! (`--rate-limit`, `--max-concurrent`, `--queue-size`), timeouts, retries, the wait for
-//! a restarting instance, the body limit and the clients' API key. `pdctl apply` replaces
+//! a restarting instance, the body limit (and the clients' API key of a proxy given it as a
+//! flag; a planned proxy takes its keys from its environment). `pdctl apply` replaces
 //! the proxy's spec in the supervisor; the proxy sees the spec's revision go up in the
 //! report it polls, asks for the spec and swaps these in, so its counters, its limits'
 //! queue and the streams in flight carry on. What it cannot change while it listens (its
