@@ -424,3 +424,81 @@ fn an_instance_killed_while_draining_fails_only_its_requests_and_scale_finishes(
     );
     down(&cluster);
 }
+
+/// Two nodes on loopback addresses (prefill and the proxy on `head`, decode on `worker`),
+/// each with its own supervisor: `scale decode=2` on the head follows the new instance
+/// there (routing waits for it), the same command on the worker starts it, and the proxy
+/// routes to it once healthy; `scale decode=1` on the head drains it out of routing, on the
+/// worker stops it. Requests keep being answered throughout.
+#[test]
+fn scaling_a_role_on_another_node_takes_the_command_on_each_node() {
+    let run = suph::free_port_run(12);
+    let topology = format!(
+        "cluster = \"o-2node\"\nhead = \"head\"\n\
+         [nodes]\nhead = \"127.0.0.1\"\nworker = \"127.0.0.3\"\n\
+         [model]\nname = \"sim-model\"\n[engine]\nkind = \"sim\"\n[engine.sim]\nitl_ms = 4.0\n\
+         [connector]\nkind = \"nixl\"\n\
+         [prefill]\ninstances = 1\nnode = \"head\"\nbase_port = {}\n\
+         [decode]\ninstances = 1\nnode = \"worker\"\nbase_port = {}\n\
+         [proxy]\nport = {run}\n",
+        run + 2,
+        run + 6,
+    );
+    let (head, worker) = (Cluster::new("o2head"), Cluster::new("o2work"));
+    let dir = TempDir::new("o2node-topo");
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, &topology).unwrap();
+    let f = file.to_str().unwrap();
+    for (c, node) in [(&worker, "worker"), (&head, "head")] {
+        let out = c.run(&["up", "-d", "-f", f, "--node", node]);
+        assert!(out.status.success(), "{node}: {}", text(&out));
+    }
+    let both = |r: &pdctl::control::StatusReport| suph::all_healthy(r);
+    assert!(both(&head.wait_status(Duration::from_secs(30), &[], both)));
+    let json = dir.path().join("bench.json");
+    let load = bench_streams(run, 600, 8, 32, &json);
+
+    // Up: the head follows decode-1 (nothing starts there), the worker starts it.
+    let out = head.run(&["scale", "decode=2"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("decode-1: following decode-1 on node worker"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(routed_decode(run).len(), 1, "not routed before it runs");
+    let out = worker.run(&["scale", "decode=2"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("decode-1: starting"), "{}", text(&out));
+    let r = head.wait_status(Duration::from_secs(20), &[], |r| {
+        r.services
+            .iter()
+            .any(|s| s.name == "decode-1" && s.state == ServiceState::Healthy)
+    });
+    assert!(suph::svc(&r, "decode-1").remote, "{r:?}");
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while routed_decode(run).len() < 2 && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(routed_decode(run).len(), 2, "{}", proxy_metrics(run));
+
+    // Down: out of routing and drained from the head, then stopped on the worker.
+    let out = head.run(&["scale", "decode=1"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("decode-1: out of routing, drained and no longer followed here"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(routed_decode(run).len(), 1, "{}", proxy_metrics(run));
+    assert_eq!(decode_names(&head), ["decode-0"]);
+    let out = worker.run(&["scale", "decode=1"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(decode_names(&worker), ["decode-0"]);
+    assert!(suph::port_free("127.0.0.3", run + 7), "decode-1 stopped");
+
+    let (completed, failed) = finished(load, &json);
+    assert_eq!((completed, failed), (600, 0));
+    down(&head);
+    down(&worker);
+}

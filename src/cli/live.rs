@@ -204,8 +204,7 @@ struct Change {
 impl Change {
     fn new(found: &Found, wanted: &Plan) -> anyhow::Result<Change> {
         let running = super::cluster::read_plan(&StateDir::new(&found.dir).plan_path())?;
-        let mut diff = diff(&running, wanted);
-        diff.refuse_other_nodes(&running, wanted, &found.node);
+        let diff = diff(&running, wanted);
         Ok(Change {
             socket: found.socket.clone(),
             node: found.node.clone(),
@@ -213,6 +212,11 @@ impl Change {
             wanted: wanted.clone(),
             diff,
         })
+    }
+
+    /// Whether service `name` runs on this supervisor's node.
+    fn is_local(&self, name: &str) -> bool {
+        self.service(name).node == self.node
     }
 
     fn service(&self, name: &str) -> &Service {
@@ -291,21 +295,35 @@ impl Change {
             proxy_url: report.proxy_url.clone(),
             timeout,
         };
-        // New capacity first, then changed instances one at a time, then removals.
+        // New capacity first, then changed instances one at a time, then removals. Steps
+        // on another node's services only change what this supervisor follows there: that
+        // node's supervisor starts, restarts and stops them when the command runs there.
+        let proxy_here = self
+            .wanted
+            .services
+            .iter()
+            .any(|s| s.role == crate::plan::Role::Proxy && s.node == self.node);
         for name in &d.added {
-            drainer
+            let message = drainer
                 .expect_done(Request::Add {
                     service: Box::new(self.service(name).clone()),
                 })
                 .await?;
-            println!("pdctl: {name}: starting");
+            println!("pdctl: {name}: {message}");
         }
-        for name in &d.added {
+        for name in d.added.iter().filter(|n| self.is_local(n)) {
             let t = Instant::now();
             drainer.wait_healthy(name, None).await?;
-            drainer.wait_routed(self.service(name), true).await;
+            if proxy_here {
+                drainer.wait_routed(self.service(name), true).await;
+            }
             println!(
-                "pdctl: {name}: healthy, in routing ({:.1} s)",
+                "pdctl: {name}: healthy{} ({:.1} s)",
+                if proxy_here {
+                    ", in routing"
+                } else {
+                    "; the proxy routes to it once the same command has run on its node"
+                },
                 t.elapsed().as_secs_f64()
             );
         }
@@ -316,6 +334,13 @@ impl Change {
                     service: Box::new(self.service(name).clone()),
                 })
                 .await?;
+            if !self.is_local(name) {
+                println!(
+                    "pdctl: {name}: runs on node {}; it restarts with its new settings when the same command runs there",
+                    self.service(name).node
+                );
+                continue;
+            }
             let report = client::status(&self.socket, Duration::from_secs(10)).await?;
             drainer.restart_drained(&report, name).await?;
             println!(
@@ -327,8 +352,17 @@ impl Change {
             let t = Instant::now();
             let report = client::status(&self.socket, Duration::from_secs(10)).await?;
             drainer.remove_drained(&report, name).await?;
-            if let Some(svc) = self.running.service(name) {
+            let svc = self.running.service(name);
+            if let Some(svc) = svc.filter(|_| proxy_here) {
                 drainer.wait_routed(svc, false).await;
+            }
+            if svc.is_some_and(|s| s.node != self.node) {
+                println!(
+                    "pdctl: {name}: out of routing, drained and no longer followed here ({:.1} s); the same command on node {} stops it",
+                    t.elapsed().as_secs_f64(),
+                    svc.map_or("?", |s| s.node.as_str())
+                );
+                continue;
             }
             println!(
                 "pdctl: {name}: drained, stopped and removed ({:.1} s)",
@@ -349,7 +383,13 @@ impl Change {
                     service: Box::new(proxy.clone()),
                 })
                 .await?;
-            if !d.proxy_live.is_empty() {
+            if !d.proxy_live.is_empty() && !proxy_here {
+                println!(
+                    "pdctl: {}: runs on node {}; its new settings take effect when the same command runs there",
+                    proxy.name, proxy.node
+                );
+            }
+            if !d.proxy_live.is_empty() && proxy_here {
                 let t = Instant::now();
                 let report = client::status(&self.socket, Duration::from_secs(10)).await?;
                 let revision = report

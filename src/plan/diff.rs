@@ -37,35 +37,6 @@ pub struct PlanDiff {
 }
 
 impl PlanDiff {
-    /// Refuses every step that would touch a service of another node than `node` (the
-    /// node whose supervisor carries the change out): a supervisor starts, stops and
-    /// replaces only its own services.
-    pub fn refuse_other_nodes(&mut self, running: &Plan, wanted: &Plan, node: &str) {
-        let proxy = (!self.proxy.is_empty())
-            .then(|| wanted.services.iter().find(|s| s.role == Role::Proxy))
-            .flatten()
-            .map(|s| s.name.clone());
-        let touched = self
-            .added
-            .iter()
-            .chain(&self.removed)
-            .chain(self.rolled.iter().map(|(s, _)| s))
-            .chain(proxy.as_ref());
-        let mut refused = Vec::new();
-        for name in touched {
-            let on = wanted
-                .service(name)
-                .or_else(|| running.service(name))
-                .map(|s| s.node.as_str());
-            if let Some(other) = on.filter(|n| *n != node) {
-                refused.push(format!(
-                    "{name} runs on node {other}: a running cluster is changed only on the node whose supervisor runs the change ({node}); across nodes it takes `--recreate`"
-                ));
-            }
-        }
-        self.refused.extend(refused);
-    }
-
     /// True when the running cluster already is what the file describes.
     pub fn is_empty(&self) -> bool {
         self.refused.is_empty()
@@ -557,28 +528,6 @@ mod tests {
             "{:?}",
             d.lines()
         );
-    }
-
-    #[test]
-    fn a_change_on_another_node_is_refused_and_names_it() {
-        let old = plan(2, &[]);
-        let mut new = plan(3, &[]);
-        new.services
-            .iter_mut()
-            .find(|s| s.name == "decode-2")
-            .unwrap()
-            .node = "b".into();
-        let mut d = diff(&old, &new);
-        d.refuse_other_nodes(&old, &new, "local");
-        assert_eq!(
-            d.refused,
-            [
-                "decode-2 runs on node b: a running cluster is changed only on the node whose supervisor runs the change (local); across nodes it takes `--recreate`"
-            ]
-        );
-        let mut d = diff(&old, &plan(3, &[]));
-        d.refuse_other_nodes(&old, &plan(3, &[]), "local");
-        assert!(d.refused.is_empty());
     }
 
     #[test]

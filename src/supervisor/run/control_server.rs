@@ -4,6 +4,7 @@
 
 use crate::control::{Request, Response};
 use crate::plan::Service;
+use crate::supervisor::run::remote::run_remote;
 use crate::supervisor::run::service::{Cmd, ServiceCtx, run_local};
 use crate::supervisor::state_dir::logfile::ServiceLog;
 use crate::supervisor::state_dir::state::{StateDir, write_atomic};
@@ -97,6 +98,19 @@ async fn connection(stream: UnixStream, h: Handlers) {
 
 /// The index of a service this supervisor runs, or the error to answer.
 fn local_index(h: &Handlers, name: &str) -> Result<usize, Response> {
+    let idx = any_index(h, name)?;
+    let node = h.ctx.members().plan.services[idx].node.clone();
+    if node != h.ctx.node {
+        return Err(Response::Error {
+            message: format!("{name} runs on node {node}; ask the supervisor there"),
+        });
+    }
+    Ok(idx)
+}
+
+/// The index of a service this supervisor runs or, on another node, follows (probes and
+/// reports), or the error to answer.
+fn any_index(h: &Handlers, name: &str) -> Result<usize, Response> {
     let members = h.ctx.members();
     let Some(idx) = members.index_of(name) else {
         let names: Vec<String> = members
@@ -109,12 +123,6 @@ fn local_index(h: &Handlers, name: &str) -> Result<usize, Response> {
             message: format!("no service `{name}`; services: {}", names.join(", ")),
         });
     };
-    let svc = &members.plan.services[idx];
-    if svc.node != h.ctx.node {
-        return Err(Response::Error {
-            message: format!("{name} runs on node {}; ask the supervisor there", svc.node),
-        });
-    }
     Ok(idx)
 }
 
@@ -141,7 +149,7 @@ fn restart(h: &Handlers, name: &str) -> Response {
 }
 
 fn drain(h: &Handlers, name: &str) -> Response {
-    let idx = match local_index(h, name) {
+    let idx = match any_index(h, name) {
         Ok(i) => i,
         Err(e) => return e,
     };
@@ -198,15 +206,15 @@ fn save_plan(h: &Handlers) -> Result<(), Response> {
 /// Refuses what the supervisor cannot take on: a service of another node, or one whose
 /// dependencies are not in the cluster.
 fn check_new(h: &Handlers, service: &Service) -> Result<(), Response> {
-    if service.node != h.ctx.node {
+    let members = h.ctx.members();
+    if !members.plan.nodes.contains_key(&service.node) {
         return Err(Response::Error {
             message: format!(
-                "{} would run on node {}: only services of this supervisor's node ({}) can be added or changed here",
-                service.name, service.node, h.ctx.node
+                "{} would run on node {}, which this cluster does not have",
+                service.name, service.node
             ),
         });
     }
-    let members = h.ctx.members();
     if let Some(dep) = service
         .depends_on
         .iter()
@@ -250,18 +258,30 @@ fn add(h: &Handlers, service: Service) -> Response {
         };
     };
     ctx.table.put(idx, &service);
-    tokio::spawn(run_local(ctx.clone(), idx, rx));
+    let remote = service.node != ctx.node;
+    if remote {
+        tokio::spawn(follow_remote(ctx.clone(), idx, rx));
+    } else {
+        tokio::spawn(run_local(ctx.clone(), idx, rx));
+    }
     ctx.console.event(&format!("{name} added"));
     if let Err(e) = save_plan(h) {
         return e;
     }
     Response::Done {
-        message: format!("starting {name}"),
+        message: if remote {
+            format!(
+                "following {name} on node {}: its supervisor there starts it",
+                service.node
+            )
+        } else {
+            format!("starting {name}")
+        },
     }
 }
 
 async fn remove(h: &Handlers, name: &str, timeout_s: u64) -> Response {
-    let idx = match local_index(h, name) {
+    let idx = match any_index(h, name) {
         Ok(i) => i,
         Err(e) => return e,
     };
@@ -281,8 +301,28 @@ async fn remove(h: &Handlers, name: &str, timeout_s: u64) -> Response {
     }
 }
 
+/// Probes a service added on another node (as the services of other nodes in the plan
+/// are) until it is removed: a `Stop` ends the probing and is answered at once.
+async fn follow_remote(
+    ctx: Arc<ServiceCtx>,
+    idx: usize,
+    mut commands: mpsc::UnboundedReceiver<Cmd>,
+) {
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let probing = tokio::spawn(run_remote(ctx, idx, stopped));
+    while let Some(cmd) = commands.recv().await {
+        if let Cmd::Stop { done, .. } = cmd {
+            let _ = stop.send(true);
+            let _ = done.send(());
+            break;
+        }
+    }
+    let _ = stop.send(true);
+    let _ = probing.await;
+}
+
 fn spec(h: &Handlers, name: &str) -> Response {
-    match local_index(h, name) {
+    match any_index(h, name) {
         Ok(idx) => Response::Spec {
             service: Box::new(h.ctx.service(idx)),
         },
@@ -291,7 +331,7 @@ fn spec(h: &Handlers, name: &str) -> Response {
 }
 
 fn replace(h: &Handlers, service: Service) -> Response {
-    let idx = match local_index(h, &service.name) {
+    let idx = match any_index(h, &service.name) {
         Ok(i) => i,
         Err(e) => return e,
     };

@@ -1,5 +1,7 @@
 //! Services placed on other nodes: never spawned here, only probed, so `status` on the
-//! head shows them and local services that depend on them wait for them.
+//! head shows them, local services that depend on them wait for them and the proxy routes
+//! to them. `pdctl scale` and `apply` add and remove such rows too (their own node's
+//! supervisor starts and stops the processes).
 
 use crate::control::ServiceState;
 use crate::supervisor::run::probe::{LIVENESS_INTERVAL, remote_probe, startup_delay};
@@ -31,7 +33,8 @@ pub async fn run_remote(ctx: Arc<ServiceCtx>, idx: usize, mut shutdown: watch::R
             _ = shutdown.changed() => return,
             _ = tokio::time::sleep(delay) => {}
         }
-        if *shutdown.borrow() {
+        // Stopped, or removed from the cluster (`scale`, `apply`): not probed any more.
+        if *shutdown.borrow() || ctx.members().index_of(&svc.name) != Some(idx) {
             return;
         }
         let result = ctx.prober.check(&probe, &never).await;
