@@ -634,21 +634,11 @@ async fn proxy_gauge(proxy: &str, name: &str) -> Option<f64> {
         .map(|s| s.value)
 }
 
-/// The proxy's `/metrics` page.
+/// The proxy's `/metrics` page; Err when it does not answer.
 async fn proxy_page(proxy: &str) -> Result<String, ()> {
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(2))
-        .build()
-        .map_err(|_| ())?;
-    client
-        .get(format!("{}/metrics", proxy.trim_end_matches('/')))
-        .send()
+    super::view::metrics_page(proxy, Duration::from_secs(2))
         .await
-        .map_err(|_| ())?
-        .text()
-        .await
-        .map_err(|_| ())
+        .ok_or(())
 }
 
 /// The proxy's count of requests in flight on the instance at `url`; None when the proxy
@@ -664,9 +654,9 @@ async fn in_flight_on(proxy: &str, url: &str) -> Option<f64> {
 /// the proxy does not answer, Ok(None) when it does not list that instance.
 async fn proxy_metric(proxy: &str, name: &str, url: &str) -> Result<Option<f64>, ()> {
     let text = proxy_page(proxy).await?;
-    let wanted = format!("instance=\"{}\"", url.trim_end_matches('/'));
+    let wanted = url.trim_end_matches('/');
     Ok(crate::prometheus::samples(&text)
         .filter(|s| s.name == name)
-        .find(|s| s.labels.contains(&wanted))
+        .find(|s| crate::prometheus::label_value(s.labels, "instance").as_deref() == Some(wanted))
         .map(|s| s.value))
 }

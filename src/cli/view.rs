@@ -131,15 +131,20 @@ pub fn healthy_text(report: StatusReport) -> Pin<Box<dyn Future<Output = String>
 /// found in decode's own vLLM counters), or `None` when it does not answer within half a
 /// second.
 pub async fn scrape_proxy(proxy_url: &str) -> Option<String> {
+    let text = metrics_page(proxy_url, std::time::Duration::from_millis(500)).await?;
+    let f = crate::proxy::read_figures(&text)?;
+    Some(format_figures(proxy_url, &f))
+}
+
+/// The proxy's `/metrics` page, or `None` when it does not answer within `timeout`.
+pub(super) async fn metrics_page(proxy_url: &str, timeout: std::time::Duration) -> Option<String> {
     let client = reqwest::Client::builder()
         .no_proxy()
-        .timeout(std::time::Duration::from_millis(500))
+        .timeout(timeout)
         .build()
         .ok()?;
     let url = format!("{}/metrics", proxy_url.trim_end_matches('/'));
-    let text = client.get(&url).send().await.ok()?.text().await.ok()?;
-    let f = crate::proxy::read_figures(&text)?;
-    Some(format_figures(proxy_url, &f))
+    client.get(&url).send().await.ok()?.text().await.ok()
 }
 
 /// The status line of a proxy's figures.

@@ -48,6 +48,15 @@ impl Bucket {
 /// one even then, so a limit set while it serves counts the requests already running.
 const UNLIMITED: usize = 1 << 32;
 
+/// Permits of the slot semaphore for a `--max-concurrent` (0: no limit).
+fn permits(max_concurrent: usize) -> usize {
+    if max_concurrent == 0 {
+        UNLIMITED
+    } else {
+        max_concurrent
+    }
+}
+
 /// The admission limits of one proxy. They can change while it serves (`pdctl apply`):
 /// the concurrency slots are one semaphore whose permits are added or taken away, so the
 /// requests already admitted keep counting against the new limit.
@@ -57,10 +66,9 @@ pub struct Limits {
     rate_on: AtomicBool,
     bucket: Mutex<Option<Bucket>>,
     slots: Arc<Semaphore>,
-    /// 0: no concurrency limit (the semaphore holds [`UNLIMITED`] permits).
+    /// 0: no concurrency limit. The semaphore holds [`permits`] of it in all, free and
+    /// taken.
     max_concurrent: AtomicUsize,
-    /// Permits the semaphore holds in all, free and taken (changed under this lock).
-    capacity: Mutex<usize>,
     queue_size: AtomicUsize,
     waiting: AtomicUsize,
     metrics: Arc<Metrics>,
@@ -88,9 +96,8 @@ impl Limits {
         let l = Limits {
             rate_on: AtomicBool::new(false),
             bucket: Mutex::new(None),
-            slots: Arc::new(Semaphore::new(0)),
+            slots: Arc::new(Semaphore::new(permits(0))),
             max_concurrent: AtomicUsize::new(0),
-            capacity: Mutex::new(0),
             queue_size: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             metrics,
@@ -112,32 +119,24 @@ impl Limits {
             self.rate_on.store(bucket.is_some(), Ordering::Relaxed);
         }
         self.queue_size.store(queue_size, Ordering::Relaxed);
-        {
-            let target = if max_concurrent == 0 {
-                UNLIMITED
-            } else {
-                max_concurrent
-            };
-            let mut capacity = self.capacity.lock().unwrap_or_else(|p| p.into_inner());
-            if target > *capacity {
-                self.slots.add_permits(target - *capacity);
-            } else if target < *capacity {
-                let extra = *capacity - target;
-                let later = extra - self.slots.forget_permits(extra);
-                if later > 0 {
-                    // Taken back as requests finish; the semaphore is fair, so this waits
-                    // in line with requests queued before the change.
-                    let slots = self.slots.clone();
-                    tokio::spawn(async move {
-                        if let Ok(p) = slots.acquire_many_owned(later as u32).await {
-                            p.forget();
-                        }
-                    });
-                }
+        let had = permits(self.max_concurrent.swap(max_concurrent, Ordering::Relaxed));
+        let target = permits(max_concurrent);
+        if target > had {
+            self.slots.add_permits(target - had);
+        } else if target < had {
+            let extra = had - target;
+            let later = extra - self.slots.forget_permits(extra);
+            if later > 0 {
+                // Taken back as requests finish; the semaphore is fair, so this waits in
+                // line with requests queued before the change.
+                let slots = self.slots.clone();
+                tokio::spawn(async move {
+                    if let Ok(p) = slots.acquire_many_owned(later as u32).await {
+                        p.forget();
+                    }
+                });
             }
-            *capacity = target;
         }
-        self.max_concurrent.store(max_concurrent, Ordering::Relaxed);
     }
 
     /// Admits a request now, after waiting in the queue, or refuses it with a 429.

@@ -54,16 +54,13 @@ fn names(a: &ProxyArgs) -> (PolicyName, PolicyName) {
     )
 }
 
-/// Why a spec gives no proxy arguments.
+/// Why a spec gives no proxy arguments: which service, and what the reader said (not a
+/// `pdctl proxy` command, flags that do not parse, a config file at fault).
 #[derive(Debug, thiserror::Error)]
-pub enum SpecError {
-    #[error("{service}'s command is not `pdctl proxy ...`: {argv:?}")]
-    NotAProxy { service: String, argv: Vec<String> },
-    #[error("{service}'s settings cannot be read: {source}")]
-    Unreadable {
-        service: String,
-        source: Box<crate::child_config::FromServiceError>,
-    },
+#[error("{service}'s settings cannot be read: {source}")]
+pub struct SpecError {
+    service: String,
+    source: Box<crate::child_config::FromServiceError>,
 }
 
 /// The proxy arguments of a service's spec (`<program> proxy [--config FILE] FLAGS...`,
@@ -71,17 +68,11 @@ pub enum SpecError {
 /// an environment fallback read this process's environment, as they did when the proxy
 /// started.
 pub fn args_of(service: &Service) -> Result<ProxyArgs, SpecError> {
-    if service.argv.get(1).map(String::as_str) != Some("proxy") {
-        return Err(SpecError::NotAProxy {
-            service: service.name.clone(),
-            argv: service.argv.clone(),
-        });
-    }
     let files = service
         .files
         .iter()
         .map(|f| (f.path.as_path(), f.content.as_str()));
-    ProxyArgs::from_service(&service.argv, files).map_err(|source| SpecError::Unreadable {
+    ProxyArgs::from_service(&service.argv, files).map_err(|source| SpecError {
         service: service.name.clone(),
         source: Box::new(source),
     })

@@ -210,8 +210,16 @@ fn check_new(h: &Handlers, service: &Service) -> Result<(), Response> {
     if !members.plan.nodes.contains_key(&service.node) {
         return Err(Response::Error {
             message: format!(
-                "{} would run on node {}, which this cluster does not have",
-                service.name, service.node
+                "{} would run on node {}, which this cluster does not have (nodes: {}); its nodes are fixed when it starts: `pdctl apply --recreate` to change them",
+                service.name,
+                service.node,
+                members
+                    .plan
+                    .nodes
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         });
     }
