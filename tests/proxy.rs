@@ -291,7 +291,10 @@ async fn n_above_one_recomputes_on_decode_for_nixl_and_prefills_once_for_two_ste
 async fn mooncake_sends_both_legs_at_once_with_the_bootstrap_handshake() {
     let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
     // Prefill never answers: decode is reached anyway, so the legs really go out together.
+    // Decode takes a moment, as a real one pulling the KV does: a decode answering at once
+    // could end the stream before a loaded machine has sent the prefill leg at all.
     p.behave(Behavior::Hang);
+    d.behave(Behavior::Delay(Duration::from_millis(300)));
     let boot = p.bootstrap_port.to_string();
     let args = proxy_args(
         &[&p],
