@@ -15,6 +15,7 @@ pub mod control;
 pub mod error_text;
 pub mod export;
 pub mod gpu;
+pub mod ops;
 pub mod plan;
 pub mod profiles;
 pub mod prometheus;

@@ -2,7 +2,7 @@
 //! turning outcomes into exit codes (0 ok, 1 failure, 2 bad input, 3 nothing running).
 
 use super::ExitError;
-use super::common::{TopologyArgs, state_root};
+use super::common::{ClusterArgs, TopologyArgs, state_root};
 use super::detach::{self, LogSettings};
 use super::{logs_cmd, view};
 use crate::control::client;
@@ -35,17 +35,10 @@ pub struct UpArgs {
     /// Rotated log files kept per service.
     #[arg(long, default_value_t = DEFAULT_KEEP)]
     pub log_keep: u32,
-}
-
-/// Which cluster a command acts on.
-#[derive(Debug, Clone, Args)]
-pub struct ClusterArgs {
-    /// The cluster to act on (needed when several run under the state root).
-    #[arg(long)]
-    pub cluster: Option<String>,
-    /// State root holding one directory per cluster.
-    #[arg(long, env = "PDCTL_STATE_DIR")]
-    pub state_dir: Option<PathBuf>,
+    /// The cluster's secret, for a node other than the head (else `PDCTL_CLUSTER_SECRET`;
+    /// `pdctl secret` on the head prints it).
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
 }
 
 /// Arguments of `pdctl down`.
@@ -235,7 +228,10 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
             timeout: super::live::DEFAULT_DRAIN_TIMEOUT_S,
             recreate: false,
         };
-        return super::live::apply(&apply, runtime()?);
+        return match super::live::apply(&apply, &runtime()?)? {
+            super::live::Applied::Code(code) => Ok(code),
+            super::live::Applied::NeedsRecreate(_) => Ok(ExitCode::from(2)),
+        };
     }
     state.create()?;
     let lock = state.lock()?;
@@ -247,6 +243,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     if !problems.is_empty() {
         return Err(anyhow::Error::from(SupervisorError::Preflight(problems)));
     }
+    let secret = super::secret::for_up(&plan, &node, &state, a.secret_file.as_deref())?;
     let local = plan.local_services(&node).count();
     let _ = writeln!(
         out,
@@ -280,14 +277,49 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(code));
     }
     let opts = RunOptions {
+        operations: operations(&plan, &node, &state, secret.clone()),
         node,
         foreground: true,
         log_max_bytes: logs.max_bytes,
         log_keep: logs.keep,
         healthy_text: Some(view::healthy_text),
+        secret,
     };
     let code = runtime()?.block_on(supervisor::run(plan, state, lock, opts))?;
     Ok(ExitCode::from(code))
+}
+
+/// `pdctl apply`: the change made live by the running supervisor; with `--recreate`, one
+/// that cannot be made live is made by taking the cluster down and up again.
+pub fn apply(a: super::live::ApplyArgs) -> anyhow::Result<ExitCode> {
+    let rt = runtime()?;
+    let found = match super::live::apply(&a, &rt)? {
+        super::live::Applied::Code(code) => return Ok(code),
+        super::live::Applied::NeedsRecreate(found) => found,
+    };
+    println!(
+        "pdctl: --recreate: taking cluster {} down and starting it again from the topology (requests in flight are cut)",
+        found.cluster
+    );
+    let down = DownArgs {
+        timeout: 30,
+        which: ClusterArgs {
+            cluster: Some(found.cluster.clone()),
+            state_dir: a.topology.state_dir.clone(),
+        },
+    };
+    let code = super::down::run(&down, rt)?;
+    if code != ExitCode::SUCCESS {
+        return Ok(code);
+    }
+    up(UpArgs {
+        topology: a.topology.clone(),
+        detach: true,
+        plan: None,
+        log_max_bytes: crate::supervisor::DEFAULT_MAX_BYTES,
+        log_keep: crate::supervisor::DEFAULT_KEEP,
+        secret_file: None,
+    })
 }
 
 /// `pdctl down`: stop the running cluster, or clean up after a dead supervisor.
@@ -376,6 +408,21 @@ pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The operations engine of the head node's supervisor (changes to the whole cluster are
+/// carried out there); None on the other nodes.
+fn operations(
+    plan: &Plan,
+    node: &str,
+    state: &StateDir,
+    secret: Option<crate::control::auth::Secret>,
+) -> Option<std::sync::Arc<dyn supervisor::Operations>> {
+    (node == plan.head_node).then(|| {
+        let engine =
+            crate::ops::Engine::new(plan, node, state.socket_path(), state.dir.clone(), secret);
+        std::sync::Arc::new(engine) as std::sync::Arc<dyn supervisor::Operations>
+    })
+}
+
 /// `pdctl supervise`: the detached supervisor (or, with --watchdog, its watchdog).
 pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
     if let Some(run_id) = &a.watchdog {
@@ -389,12 +436,16 @@ pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
         Some(fd) => unsafe { ClusterLock::adopt(fd, state.lock_path()) }?,
         None => state.lock()?,
     };
+    let node = a.node.clone().unwrap_or_else(|| plan.head_node.clone());
+    let secret = super::secret::kept(&state)?;
     let opts = RunOptions {
-        node: a.node.clone().unwrap_or_else(|| plan.head_node.clone()),
+        operations: operations(&plan, &node, &state, secret.clone()),
+        node,
         foreground: false,
         log_max_bytes: a.log_max_bytes,
         log_keep: a.log_keep,
         healthy_text: None,
+        secret,
     };
     let code = runtime()?.block_on(supervisor::run(plan, state, lock, opts))?;
     Ok(ExitCode::from(code))

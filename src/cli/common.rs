@@ -1,10 +1,85 @@
-//! Arguments shared by the commands that read a topology (`plan`, `up`); the path from them
-//! to a plan is `plan::resolve`.
+//! What several commands share: the arguments of those that read a topology (`plan`,
+//! `up`; the path from them to a plan is `plan::resolve`) and of those that act on a
+//! running cluster, and finding that cluster.
 
 use crate::plan::resolve::Request;
 pub use crate::plan::resolve::state_root;
 use clap::Args;
 use std::path::PathBuf;
+
+/// Which cluster a command acts on.
+#[derive(Debug, Clone, Args)]
+pub struct ClusterArgs {
+    /// The cluster to act on (needed when several run under the state root).
+    #[arg(long)]
+    pub cluster: Option<String>,
+    /// State root holding one directory per cluster.
+    #[arg(long, env = "PDCTL_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+}
+
+/// The running cluster a command acts on.
+pub struct Found {
+    pub cluster: String,
+    pub node: String,
+    pub dir: PathBuf,
+    pub socket: PathBuf,
+}
+
+/// The cluster running under the state root (`cluster` names it when several run); exit
+/// 3 with `nothing to VERB` when none does.
+pub fn running(
+    state_dir: &Option<PathBuf>,
+    cluster: Option<&str>,
+    verb: &str,
+) -> anyhow::Result<Found> {
+    let root = state_root(state_dir.as_deref());
+    let Some(found) = crate::supervisor::select::running(&root, cluster)? else {
+        return Err(super::ExitError::nothing_running(format!(
+            "no cluster{} is running under {}; nothing to {verb} (`pdctl up` starts one)",
+            cluster.map(|c| format!(" {c}")).unwrap_or_default(),
+            root.display()
+        )));
+    };
+    let record = found
+        .record
+        .clone()
+        .expect("running clusters have a record");
+    Ok(Found {
+        cluster: record.cluster.clone(),
+        node: record.node.clone(),
+        dir: found.state.dir.clone(),
+        socket: found.state.socket_path(),
+    })
+}
+
+/// Sends `change` to the supervisor of `found` and prints its progress as it comes (the
+/// change goes on if this process is killed); the exit code it ended with, and whether
+/// it was refused for want of a down and up.
+pub fn change(
+    found: &Found,
+    change: crate::control::operation::ChangeRequest,
+    rt: &tokio::runtime::Runtime,
+) -> anyhow::Result<crate::control::client::ChangeEnd> {
+    let end = rt.block_on(crate::ops::request(&found.socket, change, |line, error| {
+        if error {
+            eprintln!("pdctl: {line}");
+        } else if line.starts_with("  ") {
+            println!("{line}");
+        } else {
+            println!("pdctl: {line}");
+        }
+    }))?;
+    for (i, line) in end.message.lines().enumerate() {
+        let prefix = if i == 0 { "pdctl: " } else { "" };
+        if end.code == 0 {
+            println!("{prefix}{line}");
+        } else {
+            eprintln!("{prefix}{line}");
+        }
+    }
+    Ok(end)
+}
 
 /// Where the topology comes from and what this machine contributes to it.
 #[derive(Debug, Clone, Default, Args)]

@@ -56,8 +56,8 @@ pub fn run(a: &DownArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitCode
             "the supervisor of {} refused the down: {message}",
             found.label()
         ),
-        Ok(Response::Status(_) | Response::Spec { .. }) => anyhow::bail!(
-            "the supervisor of {} answered something else instead of stopping",
+        Ok(other) => anyhow::bail!(
+            "the supervisor of {} answered {other:?} instead of stopping",
             found.label()
         ),
         Err(e) => {

@@ -16,6 +16,7 @@ mod live;
 mod log_buffer;
 mod logs_cmd;
 mod restart;
+mod secret;
 mod view;
 
 use crate::child_config::Configured;
@@ -50,6 +51,9 @@ pub enum Command {
     /// Change the running cluster to what a topology says, while serving (`--dry-run` shows
     /// the change only).
     Apply(live::ApplyArgs),
+    /// Print the cluster's secret, which the other nodes of a cluster over several
+    /// machines need (`PDCTL_CLUSTER_SECRET` or `up --secret-file`).
+    Secret(secret::SecretArgs),
     /// Show the logs of a role (`prefill`) or one service (`prefill-2`).
     Logs(cluster::LogsArgs),
     /// List the GPUs this machine has (NVML), or say why none can be read.
@@ -129,8 +133,9 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Logs(a) => cluster::logs(a),
         Command::Restart(a) => cluster::restart(a),
         Command::Scale(a) => live::scale(&a, runtime()?),
-        Command::Apply(a) => live::apply(&a, runtime()?),
+        Command::Apply(a) => cluster::apply(a),
         Command::Supervise(a) => cluster::supervise(a),
+        Command::Secret(a) => secret::show(a),
         Command::Export(a) => export::export(a),
         Command::Proxy(a) => {
             let a = a.resolve(|p| std::fs::read_to_string(p))?;

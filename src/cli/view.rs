@@ -107,6 +107,9 @@ pub fn status_table(report: &StatusReport) -> String {
     }
     out.push_str(&table.trim_fmt());
     out.push('\n');
+    if let Some(op) = &report.operation {
+        let _ = writeln!(out, "{}", op.line(crate::control::operation::now_ms()));
+    }
     out
 }
 

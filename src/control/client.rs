@@ -1,5 +1,7 @@
 //! Client side of the control socket: one request, one response.
 
+use super::auth::Secret;
+use super::operation::ChangeRequest;
 use super::{Request, Response, StatusReport};
 use crate::plan::Service;
 use std::path::Path;
@@ -29,6 +31,8 @@ pub enum ControlError {
         path: String,
         source: serde_json::Error,
     },
+    #[error("the supervisor on {path} refused the connection: {reason}")]
+    Auth { path: String, reason: String },
     #[error("the supervisor on {path} answered: {message}")]
     Refused { path: String, message: String },
     #[error("the supervisor on {path} answered {what} where {asked} was asked for")]
@@ -41,16 +45,15 @@ pub enum ControlError {
 
 /// Asks the supervisor on `socket` for its status report.
 pub async fn status(socket: &Path, timeout: Duration) -> Result<StatusReport, ControlError> {
-    ask(
-        socket,
-        &Request::Status,
-        timeout,
-        "its status",
-        |r| match r {
-            Response::Status(report) => Ok(report),
-            other => Err(other),
-        },
-    )
+    status_at(&Endpoint::Unix(socket.to_path_buf()), timeout).await
+}
+
+/// Asks the supervisor at `to` (this node's or another's) for its status report.
+pub async fn status_at(to: &Endpoint, timeout: Duration) -> Result<StatusReport, ControlError> {
+    ask(to, &Request::Status, timeout, "its status", |r| match r {
+        Response::Status(report) => Ok(report),
+        other => Err(other),
+    })
     .await
 }
 
@@ -60,7 +63,8 @@ pub async fn spec(socket: &Path, name: &str, timeout: Duration) -> Result<Servic
     let req = Request::Spec {
         service: name.to_string(),
     };
-    ask(socket, &req, timeout, "a service's spec", |r| match r {
+    let to = Endpoint::Unix(socket.to_path_buf());
+    ask(&to, &req, timeout, "a service's spec", |r| match r {
         Response::Spec { service } => Ok(*service),
         other => Err(other),
     })
@@ -70,14 +74,14 @@ pub async fn spec(socket: &Path, name: &str, timeout: Duration) -> Result<Servic
 /// Sends `req` and takes the answer `pick` accepts; an error answer is `Refused`, any
 /// other `Unexpected` (what was `asked` for named).
 async fn ask<T>(
-    socket: &Path,
+    to: &Endpoint,
     req: &Request,
     timeout: Duration,
     asked: &'static str,
     pick: impl FnOnce(Response) -> Result<T, Response>,
 ) -> Result<T, ControlError> {
-    let path = socket.display().to_string();
-    match pick(send(socket, req, timeout).await?) {
+    let path = to.label();
+    match pick(send_to(to, req, timeout).await?) {
         Ok(t) => Ok(t),
         Err(Response::Error { message }) => Err(ControlError::Refused { path, message }),
         Err(other) => Err(ControlError::Unexpected {
@@ -88,44 +92,193 @@ async fn ask<T>(
     }
 }
 
+/// Where a supervisor listens: its Unix socket on this machine, or another node's TCP
+/// control channel (which wants the cluster's secret).
+#[derive(Debug, Clone)]
+pub enum Endpoint {
+    Unix(std::path::PathBuf),
+    Tcp {
+        /// `address:port` of the node's control channel.
+        addr: String,
+        cluster: String,
+        secret: Secret,
+    },
+}
+
+impl Endpoint {
+    fn label(&self) -> String {
+        match self {
+            Endpoint::Unix(p) => p.display().to_string(),
+            Endpoint::Tcp { addr, .. } => addr.clone(),
+        }
+    }
+}
+
+/// A connection to a supervisor, past the handshake where there is one.
+struct Conn {
+    read: BufReader<Box<dyn tokio::io::AsyncRead + Send + Unpin>>,
+    write: Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+    path: String,
+}
+
+impl Conn {
+    async fn open(to: &Endpoint) -> Result<Conn, ControlError> {
+        let path = to.label();
+        let connect = |source| ControlError::Connect {
+            path: path.clone(),
+            source,
+        };
+        match to {
+            Endpoint::Unix(socket) => {
+                let stream = UnixStream::connect(socket).await.map_err(connect)?;
+                let (r, w) = stream.into_split();
+                Ok(Conn {
+                    read: BufReader::new(Box::new(r)),
+                    write: Box::new(w),
+                    path,
+                })
+            }
+            Endpoint::Tcp {
+                addr,
+                cluster,
+                secret,
+            } => {
+                let stream = tokio::net::TcpStream::connect(addr.as_str())
+                    .await
+                    .map_err(connect)?;
+                let _ = stream.set_nodelay(true);
+                let (r, w) = stream.into_split();
+                let mut conn = Conn {
+                    read: BufReader::new(Box::new(r)),
+                    write: Box::new(w),
+                    path,
+                };
+                super::auth::connect(&mut conn.read, &mut conn.write, secret, cluster)
+                    .await
+                    .map_err(|e| ControlError::Auth {
+                        path: conn.path.clone(),
+                        reason: e.to_string(),
+                    })?;
+                Ok(conn)
+            }
+        }
+    }
+
+    async fn send(&mut self, req: &Request) -> Result<(), ControlError> {
+        let mut line = serde_json::to_string(req).expect("requests serialize");
+        line.push('\n');
+        let path = self.path.clone();
+        self.write
+            .write_all(line.as_bytes())
+            .await
+            .map_err(|source| ControlError::Io { path, source })
+    }
+
+    async fn receive(&mut self) -> Result<Response, ControlError> {
+        let mut answer = String::new();
+        let n = self
+            .read
+            .read_line(&mut answer)
+            .await
+            .map_err(|source| ControlError::Io {
+                path: self.path.clone(),
+                source,
+            })?;
+        if n == 0 {
+            return Err(ControlError::NoAnswer {
+                path: self.path.clone(),
+            });
+        }
+        serde_json::from_str(&answer).map_err(|source| ControlError::Decode {
+            path: self.path.clone(),
+            source,
+        })
+    }
+}
+
 /// Sends `req` to the supervisor listening on `socket` and waits up to `timeout` for its answer.
 pub async fn send(
     socket: &Path,
     req: &Request,
     timeout: Duration,
 ) -> Result<Response, ControlError> {
-    let path = socket.display().to_string();
+    send_to(&Endpoint::Unix(socket.to_path_buf()), req, timeout).await
+}
+
+/// Sends `req` to the supervisor at `to` and waits up to `timeout` for its answer.
+pub async fn send_to(
+    to: &Endpoint,
+    req: &Request,
+    timeout: Duration,
+) -> Result<Response, ControlError> {
     let work = async {
-        let stream = UnixStream::connect(socket)
-            .await
-            .map_err(|source| ControlError::Connect {
-                path: path.clone(),
-                source,
-            })?;
-        let (read, mut write) = stream.into_split();
-        let mut line = serde_json::to_string(req).expect("requests serialize");
-        line.push('\n');
-        let io = |source| ControlError::Io {
-            path: path.clone(),
-            source,
-        };
-        write.write_all(line.as_bytes()).await.map_err(io)?;
-        let mut reader = BufReader::new(read);
-        let mut answer = String::new();
-        let n = reader.read_line(&mut answer).await.map_err(io)?;
-        if n == 0 {
-            return Err(ControlError::NoAnswer { path: path.clone() });
-        }
-        serde_json::from_str(&answer).map_err(|source| ControlError::Decode {
-            path: path.clone(),
-            source,
-        })
+        let mut conn = Conn::open(to).await?;
+        conn.send(req).await?;
+        conn.receive().await
     };
     match tokio::time::timeout(timeout, work).await {
         Ok(r) => r,
         Err(_) => Err(ControlError::Timeout {
-            path,
+            path: to.label(),
             secs: timeout.as_secs(),
         }),
+    }
+}
+
+/// How a change ended, as the supervisor said.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChangeEnd {
+    /// The exit code: 0 done, 1 a step failed, 2 refused.
+    pub code: u8,
+    pub message: String,
+    /// Refused because only taking the cluster down and up again would make it.
+    pub needs_recreate: bool,
+}
+
+/// Asks the supervisor on `socket` for a change and hands each progress line to
+/// `progress` as it comes; returns how it ended. The change goes on if this client goes
+/// away.
+pub async fn change(
+    socket: &Path,
+    change: ChangeRequest,
+    mut progress: impl FnMut(&str, bool),
+) -> Result<ChangeEnd, ControlError> {
+    let to = Endpoint::Unix(socket.to_path_buf());
+    let mut conn = tokio::time::timeout(Duration::from_secs(10), Conn::open(&to))
+        .await
+        .map_err(|_| ControlError::Timeout {
+            path: to.label(),
+            secs: 10,
+        })??;
+    conn.send(&Request::Change { change }).await?;
+    loop {
+        match conn.receive().await? {
+            Response::Progress { line, error } => progress(&line, error),
+            Response::Finished {
+                code,
+                message,
+                needs_recreate,
+            } => {
+                return Ok(ChangeEnd {
+                    code,
+                    message,
+                    needs_recreate,
+                });
+            }
+            Response::Error { message } => {
+                return Ok(ChangeEnd {
+                    code: 2,
+                    message,
+                    needs_recreate: false,
+                });
+            }
+            other => {
+                return Err(ControlError::Unexpected {
+                    path: to.label(),
+                    asked: "a change",
+                    what: format!("{other:?}"),
+                });
+            }
+        }
     }
 }

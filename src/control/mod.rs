@@ -2,7 +2,9 @@
 //! `pdctl down`, the embedded proxy's health feed, `pdctl bench`), spoken as one JSON
 //! object per line over the Unix socket `<state_dir>/control.sock` (mode 0600).
 
+pub mod auth;
 pub mod client;
+pub mod operation;
 
 use crate::plan::{Role, Service};
 use serde::{Deserialize, Serialize};
@@ -46,6 +48,13 @@ pub enum Request {
     Replace { service: Box<Service> },
     /// How a service is started now (after any `Replace`).
     Spec { service: String },
+    /// A service on another node was restarted by its own supervisor after this one
+    /// drained it: back into routing once its probe answers.
+    Resume { service: String },
+    /// A change to the whole cluster (`scale`, `apply`, drained restarts), carried out by
+    /// the head's supervisor whatever becomes of the client: the answer is a stream of
+    /// `Progress` lines ending with one `Finished`.
+    Change { change: operation::ChangeRequest },
 }
 
 /// What the supervisor answers.
@@ -64,6 +73,22 @@ pub enum Response {
     Error {
         message: String,
     },
+    /// One line of a change's progress, as the client prints it (`error`: on stderr).
+    Progress {
+        line: String,
+        #[serde(default)]
+        error: bool,
+    },
+    /// The end of a change: the exit code the client exits with (0 done, 1 a step
+    /// failed, 2 refused) and its last words.
+    Finished {
+        code: u8,
+        message: String,
+        /// Refused because it cannot be made while the cluster runs (connector, model,
+        /// node layout...): taking the cluster down and up again would make it.
+        #[serde(default)]
+        needs_recreate: bool,
+    },
 }
 
 /// A snapshot of a cluster, as `pdctl status --json` prints it.
@@ -75,6 +100,9 @@ pub struct StatusReport {
     /// Where clients send requests, if the cluster has a proxy.
     pub proxy_url: Option<String>,
     pub services: Vec<ServiceStatus>,
+    /// The change running now, or the last one, when the supervisor carried one out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation: Option<operation::OperationReport>,
 }
 
 impl StatusReport {
@@ -117,8 +145,13 @@ pub struct ServiceStatus {
     /// ended on its own and printed one.
     #[serde(default)]
     pub last_error: Option<String>,
-    /// Runs on another node; its state comes from probing its endpoint.
+    /// Runs on another node; its state comes from its own node's supervisor where that
+    /// answers, and from probing its endpoint.
     pub remote: bool,
+    /// On another node whose supervisor has not answered since then (Unix time, ms):
+    /// the state is `unreachable` meanwhile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unreachable_since_ms: Option<u64>,
 }
 
 /// Lifecycle of a service, as process-compose users know it.
@@ -138,6 +171,9 @@ pub enum ServiceState {
     /// Crash loop or start-up failure: given up on; the proxy stops using it.
     Failed,
     Stopped,
+    /// On another node that cannot be reached (neither its supervisor nor its port
+    /// answers): out of routing until it answers again.
+    Unreachable,
 }
 
 impl ServiceState {
@@ -152,6 +188,7 @@ impl ServiceState {
             ServiceState::Stopping => "stopping",
             ServiceState::Failed => "failed",
             ServiceState::Stopped => "stopped",
+            ServiceState::Unreachable => "unreachable",
         }
     }
 }

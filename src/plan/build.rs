@@ -168,6 +168,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         protocol: protocol_name(protocol),
         services,
         warnings,
+        control_port: (t.nodes.len() > 1).then_some(t.control.port),
     })
 }
 

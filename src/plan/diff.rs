@@ -413,6 +413,7 @@ mod tests {
             protocol: "nixl".into(),
             services,
             warnings: vec![],
+            control_port: None,
         }
     }
 

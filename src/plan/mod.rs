@@ -58,6 +58,10 @@ pub struct Plan {
     pub services: Vec<Service>,
     /// Things a person should look at before spending GPU time (busy GPUs, guesses made).
     pub warnings: Vec<String>,
+    /// Port of the supervisors' TCP control channel at each node's address, when the
+    /// cluster spans several nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_port: Option<u16>,
 }
 
 impl Plan {

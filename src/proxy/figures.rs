@@ -46,6 +46,49 @@ pub fn read(metrics_text: &str) -> Option<ProxyFigures> {
     found.then_some(f)
 }
 
+/// What the proxy's page says of the instance at `url`: requests in flight on it and
+/// whether routing may use it; None when the page does not list that instance.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct InstanceFigures {
+    pub in_flight: f64,
+    pub routed: bool,
+}
+
+/// The proxy's figures for the instance at `url` (`pdctl_proxy_instance_in_flight` and
+/// `pdctl_proxy_instance_healthy`, matched by their `instance` label).
+pub fn instance(metrics_text: &str, url: &str) -> Option<InstanceFigures> {
+    let wanted = url.trim_end_matches('/');
+    let mut f: Option<InstanceFigures> = None;
+    for s in crate::prometheus::samples(metrics_text) {
+        let field = match s.name {
+            "pdctl_proxy_instance_in_flight" => 0,
+            "pdctl_proxy_instance_healthy" => 1,
+            _ => continue,
+        };
+        if crate::prometheus::label_value(s.labels, "instance").as_deref() != Some(wanted) {
+            continue;
+        }
+        let e = f.get_or_insert(InstanceFigures {
+            in_flight: 0.0,
+            routed: false,
+        });
+        if field == 0 {
+            e.in_flight += s.value;
+        } else {
+            e.routed = s.value == 1.0;
+        }
+    }
+    f
+}
+
+/// The revision of the spec whose settings the proxy runs with
+/// (`pdctl_proxy_settings_revision`).
+pub fn settings_revision(metrics_text: &str) -> Option<u64> {
+    crate::prometheus::samples(metrics_text)
+        .find(|s| s.name == "pdctl_proxy_settings_revision" && s.labels.is_empty())
+        .map(|s| s.value as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

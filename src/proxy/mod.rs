@@ -51,7 +51,10 @@ pub use args::{PolicyName, ProxyArgs, ProxyProtocol};
 use axum::serve::ListenerExt;
 pub use config::ConfigError;
 pub use endpoint::parse_endpoint;
-pub use figures::{ProxyFigures, read as read_figures};
+pub use figures::{
+    InstanceFigures, ProxyFigures, instance as instance_figures, read as read_figures,
+    settings_revision,
+};
 pub use instances::Leg;
 use instances::LivePools;
 use limits::Limits;

@@ -30,6 +30,8 @@ pub use preflight::check_added as preflight_added;
 pub use process::procfs::{ProcInfo, marked_processes, process};
 pub use process::watchdog::watch as run_watchdog;
 pub use run::console::colour_wanted;
+pub use run::control_server::Origin;
+pub use run::ops_hook::Operations;
 pub use run::progress::{
     Renderer, StartupEnd, exit_summary, failure_text, rows as progress_rows, startup_verdict,
 };
@@ -65,6 +67,11 @@ pub enum SupervisorError {
     BadRecord { path: PathBuf, reason: String },
     #[error("pre-flight found {} problem(s), nothing was started:\n{}", .0.len(), preflight::bullet_list(.0))]
     Preflight(Vec<String>),
+    #[error(
+        "node `{node}` is one of several: its supervisor needs the cluster's secret to talk to the others. On the head run `pdctl secret` and give it here as {} (or `--secret-file FILE`)",
+        crate::control::auth::SECRET_ENV
+    )]
+    NoSecret { node: String },
     #[error("node `{node}` is not in the topology (nodes: {known}); pass --node with one of them")]
     UnknownNode { node: String, known: String },
     #[error("{count} clusters {what} under {}: {names}; name one with --cluster NAME", root.display())]

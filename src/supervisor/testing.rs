@@ -41,5 +41,6 @@ pub(crate) fn plan(head: &str, services: Vec<Service>) -> Plan {
         protocol: "two-step".into(),
         services,
         warnings: vec![],
+        control_port: None,
     }
 }

@@ -104,6 +104,31 @@ pub struct Topology {
     pub decode: RoleSection,
     #[serde(default)]
     pub proxy: ProxySection,
+    #[serde(default)]
+    pub control: ControlSection,
+}
+
+/// The supervisors' TCP control channel, over which the head's supervisor carries a
+/// change to the other nodes and reads their services' state (clusters over several
+/// nodes only; one node has its Unix socket alone).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ControlSection {
+    /// Port each node's supervisor listens on, at the node's address (default 7070).
+    #[serde(default = "default_control_port")]
+    pub port: u16,
+}
+
+impl Default for ControlSection {
+    fn default() -> Self {
+        ControlSection {
+            port: default_control_port(),
+        }
+    }
+}
+
+fn default_control_port() -> u16 {
+    7070
 }
 
 fn default_cluster() -> String {

@@ -173,6 +173,7 @@ fn check_ports(t: &Topology) -> Result<(), Problem> {
         ),
         ("lmcache_server.port", Some(t.lmcache_server.port)),
         ("proxy.port", Some(t.proxy.port)),
+        ("control.port", Some(t.control.port)),
         ("prefill.base_port", t.prefill.base_port),
         ("decode.base_port", t.decode.base_port),
         ("connector.te_port", Some(t.connector.te_port)),

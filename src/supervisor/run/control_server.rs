@@ -4,6 +4,8 @@
 
 use crate::control::{Request, Response};
 use crate::plan::Service;
+use crate::supervisor::run::ops_hook::Operations;
+use crate::supervisor::run::peers::Peers;
 use crate::supervisor::run::remote::run_remote;
 use crate::supervisor::run::service::{Cmd, ServiceCtx, run_local};
 use crate::supervisor::state_dir::logfile::ServiceLog;
@@ -11,8 +13,8 @@ use crate::supervisor::state_dir::state::{StateDir, write_atomic};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::UnixListener;
 use tokio::sync::{mpsc, oneshot};
 
 /// A `down` asked for over the socket; answered once everything is stopped.
@@ -25,12 +27,24 @@ pub struct DownRequest {
 }
 
 /// What the handlers need from the supervisor.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Handlers {
     pub ctx: Arc<ServiceCtx>,
     /// Where plan.json is kept in step with the services that run now.
     pub state: StateDir,
     pub downs: mpsc::UnboundedSender<DownRequest>,
+    /// The changes to the whole cluster, when this supervisor carries them out.
+    pub operations: Option<Arc<dyn Operations>>,
+    /// The other nodes' supervisors, whose reports fill in their services' rows.
+    pub peers: Option<Arc<Peers>>,
+}
+
+/// Who sent a request: this machine (the Unix socket, mode 0600) or another node's
+/// supervisor over the TCP control channel, past the secret handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    Local,
+    Peer,
 }
 
 /// Binds the socket at `path` (replacing a stale file) with mode 0600.
@@ -48,7 +62,10 @@ pub async fn serve(listener: UnixListener, handlers: Handlers) {
         match listener.accept().await {
             Ok((stream, _)) => {
                 let h = handlers.clone();
-                tokio::spawn(async move { connection(stream, h).await });
+                tokio::spawn(async move {
+                    let (read, write) = stream.into_split();
+                    connection(BufReader::new(read), write, h, Origin::Local).await
+                });
             }
             Err(e) => {
                 tracing::warn!("control socket: {e}");
@@ -58,24 +75,68 @@ pub async fn serve(listener: UnixListener, handlers: Handlers) {
     }
 }
 
-async fn connection(stream: UnixStream, h: Handlers) {
-    let (read, mut write) = stream.into_split();
-    let mut lines = BufReader::new(read).lines();
+/// Writes one answer line; false when the client has gone.
+async fn answer(write: &mut (impl AsyncWrite + Unpin), response: &Response) -> bool {
+    let mut out = serde_json::to_string(response).expect("responses serialize");
+    out.push('\n');
+    let written = write.write_all(out.as_bytes()).await;
+    let _ = write.flush().await;
+    written.is_ok()
+}
+
+/// Serves one client: a request per line, an answer per line (a change: its progress
+/// lines, then its end).
+pub async fn connection(
+    read: impl AsyncBufRead + Unpin,
+    mut write: impl AsyncWrite + Unpin,
+    h: Handlers,
+    origin: Origin,
+) {
+    let mut lines = read.lines();
     while let Ok(Some(line)) = lines.next_line().await {
         if line.trim().is_empty() {
             continue;
         }
         let mut ack = None;
         let response = match serde_json::from_str::<Request>(&line) {
-            Ok(Request::Status) => Response::Status(h.ctx.table.report()),
+            Ok(Request::Status) => Response::Status(status(&h, origin)),
             Ok(Request::Restart { service }) => restart(&h, &service),
             Ok(Request::Drain { service }) => drain(&h, &service),
+            Ok(Request::Resume { service }) => resume(&h, &service),
             Ok(Request::Add { service }) => add(&h, *service),
             Ok(Request::Remove { service, timeout_s }) => remove(&h, &service, timeout_s).await,
             Ok(Request::Replace { service }) => replace(&h, *service),
             Ok(Request::Spec { service }) => spec(&h, &service),
+            Ok(Request::Change { change }) => {
+                let Some(mut progress) = begin_change(&h, change, origin) else {
+                    continue;
+                };
+                // Relayed while the client listens; the change goes on when it leaves.
+                let mut last = None;
+                while let Some(r) = progress.recv().await {
+                    let end = matches!(r, Response::Finished { .. } | Response::Error { .. });
+                    if !answer(&mut write, &r).await {
+                        return;
+                    }
+                    if end {
+                        last = Some(r);
+                        break;
+                    }
+                }
+                if last.is_none() {
+                    let _ = answer(
+                        &mut write,
+                        &Response::Error {
+                            message: "the change ended without a word (see the supervisor log)"
+                                .into(),
+                        },
+                    )
+                    .await;
+                }
+                continue;
+            }
             Ok(Request::Down { timeout_s }) => {
-                let (resp, a) = down(&h, timeout_s).await;
+                let (resp, a) = down(&h, timeout_s, origin).await;
                 ack = a;
                 resp
             }
@@ -83,17 +144,57 @@ async fn connection(stream: UnixStream, h: Handlers) {
                 message: format!("cannot read the request {line:?}: {e}"),
             },
         };
-        let mut out = serde_json::to_string(&response).expect("responses serialize");
-        out.push('\n');
-        let written = write.write_all(out.as_bytes()).await;
-        let _ = write.flush().await;
+        let written = answer(&mut write, &response).await;
         if let Some(a) = ack {
             let _ = a.send(());
         }
-        if written.is_err() {
+        if !written {
             return;
         }
     }
+}
+
+/// The status report: this node's rows, the other nodes' services as their own
+/// supervisors report them, and the change running or last run.
+fn status(h: &Handlers, origin: Origin) -> crate::control::StatusReport {
+    let mut report = h.ctx.table.report();
+    // A peer asks for what this node knows first-hand; merging its own answer back
+    // would only echo it.
+    if origin == Origin::Local
+        && let Some(peers) = &h.peers
+    {
+        peers.merge_into(&mut report);
+    }
+    report.operation = h.operations.as_ref().and_then(|o| o.report());
+    report
+}
+
+/// Hands `change` to the operations layer; the channel its progress comes on, or None
+/// when the refusal was already answered.
+fn begin_change(
+    h: &Handlers,
+    change: crate::control::operation::ChangeRequest,
+    origin: Origin,
+) -> Option<mpsc::UnboundedReceiver<Response>> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let refusal = match (&h.operations, origin) {
+        (_, Origin::Peer) => Some(
+            "changes to the cluster are asked of the head's supervisor by `pdctl` on the head, not over the control channel".to_string(),
+        ),
+        (None, _) => Some(format!(
+            "the supervisor of node {} does not carry out changes to the cluster: run the command on the head node",
+            h.ctx.node
+        )),
+        (Some(ops), Origin::Local) => ops.begin(change, tx.clone()).err(),
+    };
+    if let Some(message) = refusal {
+        let _ = tx.send(Response::Finished {
+            code: 2,
+            message,
+            needs_recreate: false,
+        });
+    }
+    Some(rx)
 }
 
 /// The index of a service this supervisor runs, or the error to answer.
@@ -148,6 +249,19 @@ fn restart(h: &Handlers, name: &str) -> Response {
     }
 }
 
+/// A service of another node, drained here and restarted by its own supervisor: back in
+/// routing once its probe answers again.
+fn resume(h: &Handlers, name: &str) -> Response {
+    let idx = match any_index(h, name) {
+        Ok(i) => i,
+        Err(e) => return e,
+    };
+    h.ctx.table.resume(idx);
+    Response::Done {
+        message: format!("{name} back in routing once it answers"),
+    }
+}
+
 fn drain(h: &Handlers, name: &str) -> Response {
     let idx = match any_index(h, name) {
         Ok(i) => i,
@@ -167,7 +281,18 @@ fn drain(h: &Handlers, name: &str) -> Response {
     }
 }
 
-async fn down(h: &Handlers, timeout_s: u64) -> (Response, Option<oneshot::Sender<()>>) {
+async fn down(
+    h: &Handlers,
+    timeout_s: u64,
+    origin: Origin,
+) -> (Response, Option<oneshot::Sender<()>>) {
+    // `pdctl down` on the head takes the other nodes down first, so none is left running.
+    let mut others = Vec::new();
+    if origin == Origin::Local
+        && let Some(ops) = &h.operations
+    {
+        others = ops.down_others(timeout_s).await;
+    }
     let (tx, rx) = oneshot::channel();
     let req = DownRequest {
         timeout: Duration::from_secs(timeout_s),
@@ -182,7 +307,15 @@ async fn down(h: &Handlers, timeout_s: u64) -> (Response, Option<oneshot::Sender
         );
     }
     match rx.await {
-        Ok((message, ack)) => (Response::Done { message }, Some(ack)),
+        Ok((message, ack)) => {
+            others.push(message);
+            (
+                Response::Done {
+                    message: others.join("\npdctl: "),
+                },
+                Some(ack),
+            )
+        }
         Err(_) => (
             Response::Error {
                 message: "the supervisor exited before finishing the down".into(),

@@ -5,7 +5,10 @@
 //!   watching (readiness, liveness, exits) as children;
 //! - [`policy`], [`stop`]: when to restart, and how a service is stopped;
 //! - [`remote`], [`probe`]: services on other nodes followed by probes, and the probes themselves;
-//! - [`control_server`]: the socket `status`, `restart` and `down` talk to;
+//! - [`control_server`]: the socket `status`, `restart` and `down` talk to; [`control_tcp`]:
+//!   the same requests from other nodes' supervisors, behind the cluster's secret;
+//!   [`peers`]: the other nodes' supervisors, polled for their services' state;
+//!   [`ops_hook`]: where changes to the whole cluster are handed to `crate::ops`;
 //! - [`table`]: the shared per-service state they all write and `status` reads;
 //! - [`members`]: which services run now (the plan, plus what `scale` and `apply` changed);
 //! - [`pump`], [`console`], [`progress`]: moving each service's output to its log and the
@@ -13,7 +16,10 @@
 
 pub(crate) mod console;
 pub(crate) mod control_server;
+pub(crate) mod control_tcp;
 pub(crate) mod members;
+pub(crate) mod ops_hook;
+pub(crate) mod peers;
 pub(crate) mod policy;
 pub(crate) mod probe;
 pub(crate) mod progress;

@@ -110,9 +110,10 @@ pub fn rows(
                         .unwrap_or_default()
                 }
                 ServiceState::Failed | ServiceState::Stopped => exit_summary(s).unwrap_or_default(),
-                ServiceState::Healthy | ServiceState::Draining | ServiceState::Stopping => {
-                    String::new()
-                }
+                ServiceState::Healthy
+                | ServiceState::Draining
+                | ServiceState::Stopping
+                | ServiceState::Unreachable => String::new(),
             };
             Row {
                 name: s.name.clone(),

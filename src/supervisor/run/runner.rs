@@ -3,13 +3,18 @@
 //! `pdctl down`, leaving no process behind.
 
 use crate::control::StatusReport;
+use crate::control::auth::Secret;
+use crate::control::client::Endpoint;
 use crate::plan::Plan;
 use crate::supervisor::SupervisorError;
 use crate::supervisor::process::spawner::Spawner;
 use crate::supervisor::process::watchdog::{self, Watchdog};
 use crate::supervisor::run::console::{Console, ConsoleMode, colour_wanted};
 use crate::supervisor::run::control_server::{self, DownRequest, Handlers};
+use crate::supervisor::run::control_tcp;
 use crate::supervisor::run::members::Members;
+use crate::supervisor::run::ops_hook::Operations;
+use crate::supervisor::run::peers::Peers;
 use crate::supervisor::run::probe::Prober;
 use crate::supervisor::run::progress::{self, Renderer, StartFailure, StartupEnd};
 use crate::supervisor::run::remote::run_remote;
@@ -27,7 +32,7 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::{mpsc, oneshot, watch};
 
 /// How this supervisor runs.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RunOptions {
     /// The node whose services run here.
     pub node: String,
@@ -40,6 +45,12 @@ pub struct RunOptions {
     /// status table and whatever the caller adds to it (the CLI adds the proxy's figures).
     /// Given by the caller because the supervisor knows nothing of how it is shown.
     pub healthy_text: Option<HealthyText>,
+    /// The cluster's secret, which the TCP control channel between the nodes'
+    /// supervisors wants (clusters over several nodes).
+    pub secret: Option<Secret>,
+    /// Changes to the whole cluster (`scale`, `apply`, drained restarts, a cluster-wide
+    /// `down`), carried out in this process when this supervisor is the head's.
+    pub operations: Option<Arc<dyn Operations>>,
 }
 
 /// Turns the status report into the text shown once every local service is healthy.
@@ -144,14 +155,27 @@ pub async fn run(
         log_keep: opts.log_keep,
     });
     let (down_tx, mut downs) = mpsc::unbounded_channel();
-    let server = tokio::spawn(control_server::serve(
-        listener,
-        Handlers {
-            ctx: ctx.clone(),
-            state: StateDir::new(&state.dir),
-            downs: down_tx,
-        },
-    ));
+    let channel = match (plan.control_port, &opts.secret) {
+        (Some(port), Some(secret)) => Some(control_channel(&plan, &node, port, secret).await?),
+        (Some(_), None) => return Err(SupervisorError::NoSecret { node: node.clone() }),
+        (None, _) => None,
+    };
+    let handlers = Handlers {
+        ctx: ctx.clone(),
+        state: StateDir::new(&state.dir),
+        downs: down_tx,
+        operations: opts.operations.clone(),
+        peers: channel.as_ref().map(|(_, peers)| peers.clone()),
+    };
+    let server = tokio::spawn(control_server::serve(listener, handlers.clone()));
+    let tcp_server = channel.map(|(listener, _)| {
+        tokio::spawn(control_tcp::serve(
+            listener,
+            handlers,
+            opts.secret.clone().expect("checked above"),
+            plan.cluster.clone(),
+        ))
+    });
     let mut signals =
         Signals::new().map_err(|e| SupervisorError::io("handle signals", &state.dir, e))?;
     let (stop_remote, remote_stopped) = watch::channel(false);
@@ -208,6 +232,9 @@ pub async fn run(
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
     server.abort();
+    if let Some(t) = tcp_server {
+        t.abort();
+    }
     state.remove_runtime();
     drop(watchdog);
     let local = ctx.members().live_plan().local_services(&node).count();
@@ -229,6 +256,43 @@ pub async fn run(
     reply_all(requests, &message).await;
     drop(lock);
     Ok(u8::from(start_failed))
+}
+
+/// The TCP control channel of this node (listening at its address) and the other nodes'
+/// supervisors, polled for their services' state.
+async fn control_channel(
+    plan: &Plan,
+    node: &str,
+    port: u16,
+    secret: &Secret,
+) -> Result<(tokio::net::TcpListener, Arc<Peers>), SupervisorError> {
+    let address = plan
+        .nodes
+        .get(node)
+        .cloned()
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let at = format!("{address}:{port}");
+    let listener = tokio::net::TcpListener::bind(&at).await.map_err(|e| {
+        SupervisorError::io(
+            "listen on the control channel at",
+            std::path::Path::new(&at),
+            e,
+        )
+    })?;
+    let peers = plan
+        .nodes
+        .iter()
+        .filter(|(n, _)| n.as_str() != node)
+        .map(|(n, addr)| {
+            let endpoint = Endpoint::Tcp {
+                addr: format!("{addr}:{port}"),
+                cluster: plan.cluster.clone(),
+                secret: secret.clone(),
+            };
+            (n.clone(), endpoint)
+        })
+        .collect();
+    Ok((listener, Peers::start(peers)))
 }
 
 /// Until every local service is healthy or one failed; draws progress in the foreground.

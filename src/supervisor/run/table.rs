@@ -54,6 +54,7 @@ impl Row {
                 last_exit: None,
                 last_error: None,
                 remote,
+                unreachable_since_ms: None,
             },
             run_started: None,
             draining: false,
@@ -113,6 +114,7 @@ impl Table {
             node: self.node.clone(),
             proxy_url: self.proxy_url.clone(),
             services,
+            operation: None,
         }
     }
 
@@ -184,6 +186,19 @@ impl Table {
         };
         self.version.send_modify(|v| *v += 1);
         ok
+    }
+
+    /// Service `idx` of another node, drained here, was restarted there: no longer
+    /// draining, and `starting` until its probe answers again.
+    pub fn resume(&self, idx: usize) {
+        {
+            let mut rows = self.rows();
+            if rows[idx].draining {
+                rows[idx].draining = false;
+                rows[idx].status.state = ServiceState::Starting;
+            }
+        }
+        self.version.send_modify(|v| *v += 1);
     }
 
     /// A process for service `idx` just started: state `starting`, pid, uptime from now.

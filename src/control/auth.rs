@@ -1,0 +1,359 @@
+//! The cluster secret and the handshake that proves it on the supervisors' TCP control
+//! channel, without the secret ever crossing the wire.
+//!
+//! Each side sends a fresh random nonce; each answers with HMAC-SHA256 over both nonces
+//! under the secret, with a label saying which side speaks, so neither proof can be
+//! replayed as the other nor on another connection. Proofs are compared in constant time
+//! (`Mac::verify_slice`). What follows the handshake travels in the clear (plans, status):
+//! the channel authenticates peers, it does not hide what they say — keep the nodes on a
+//! private network (docs/security.md).
+
+use hmac::{KeyInit, Mac};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
+
+/// The environment variable that gives a node the cluster's secret (the head writes it to
+/// its state dir at the first `up`; other nodes take it from here or `--secret-file`).
+pub const SECRET_ENV: &str = "PDCTL_CLUSTER_SECRET";
+
+/// Secret file name inside a cluster's state dir (mode 0600, kept across `down`/`up`).
+pub const SECRET_FILE: &str = "cluster.secret";
+
+/// Bytes of randomness in a secret pdctl makes, and in each nonce.
+const RANDOM_BYTES: usize = 32;
+
+/// A per-cluster secret. Its `Debug` never shows it, so it cannot reach a log by accident.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+/// Why a secret could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    #[error("cannot {what} the cluster secret {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "the cluster secret {} is empty or shorter than 16 characters; {hint}",
+        origin
+    )]
+    TooShort { origin: String, hint: &'static str },
+}
+
+impl Secret {
+    /// A secret from text the user gave (environment or file): at least 16 characters.
+    pub fn from_text(text: &str, origin: &str) -> Result<Secret, SecretError> {
+        let t = text.trim();
+        if t.len() < 16 {
+            return Err(SecretError::TooShort {
+                origin: origin.to_string(),
+                hint: "use the one the head made (`pdctl secret` on the head prints it)",
+            });
+        }
+        Ok(Secret(t.to_string()))
+    }
+
+    /// A new random secret (64 hex digits).
+    pub fn random() -> Secret {
+        Secret(hex(&rand::random::<[u8; RANDOM_BYTES]>()))
+    }
+
+    /// The secret as written in its file; for `pdctl secret`, which a person asks for.
+    pub fn reveal(&self) -> &str {
+        &self.0
+    }
+
+    /// Reads `file`, if it exists.
+    pub fn read(file: &Path) -> Result<Option<Secret>, SecretError> {
+        match std::fs::read_to_string(file) {
+            Ok(text) => Secret::from_text(&text, &file.display().to_string()).map(Some),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(SecretError::Io {
+                what: "read",
+                path: file.to_path_buf(),
+                source,
+            }),
+        }
+    }
+
+    /// Writes the secret to `file` with mode 0600 (created so, never readable by others).
+    pub fn write(&self, file: &Path) -> Result<(), SecretError> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let io = |what, source| SecretError::Io {
+            what,
+            path: file.to_path_buf(),
+            source,
+        };
+        let tmp = file.with_extension("tmp");
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| io("create", e))?;
+        f.write_all(format!("{}\n", self.0).as_bytes())
+            .map_err(|e| io("write", e))?;
+        std::fs::rename(&tmp, file).map_err(|e| io("write", e))
+    }
+
+    fn mac(&self, label: &[u8], first: &[u8], second: &[u8]) -> HmacSha256 {
+        let mut m = <HmacSha256 as KeyInit>::new_from_slice(self.0.as_bytes())
+            .expect("HMAC takes keys of any length");
+        m.update(label);
+        m.update(first);
+        m.update(second);
+        m
+    }
+
+    fn proof(&self, label: &[u8], server: &[u8], client: &[u8]) -> String {
+        hex(&self.mac(label, server, client).finalize().into_bytes())
+    }
+
+    /// Whether `proof` (hex) is the HMAC of the nonces; compared in constant time.
+    fn verify(&self, label: &[u8], server: &[u8], client: &[u8], proof: &str) -> bool {
+        match unhex(proof) {
+            Some(bytes) => self.mac(label, server, client).verify_slice(&bytes).is_ok(),
+            None => false,
+        }
+    }
+}
+
+const CLIENT_LABEL: &[u8] = b"pdctl-control-client-v1";
+const SERVER_LABEL: &[u8] = b"pdctl-control-server-v1";
+
+/// The first line the server sends.
+#[derive(Debug, Serialize, Deserialize)]
+struct Challenge {
+    pdctl_control: u32,
+    cluster: String,
+    nonce: String,
+}
+
+/// The client's answer: its proof and its own nonce.
+#[derive(Debug, Serialize, Deserialize)]
+struct Answer {
+    proof: String,
+    nonce: String,
+}
+
+/// The server's last word: its own proof, or why it refused.
+#[derive(Debug, Serialize, Deserialize)]
+struct Verdict {
+    #[serde(default)]
+    proof: Option<String>,
+    #[serde(default)]
+    refused: Option<String>,
+}
+
+/// Why a handshake failed; the text says which side and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("the handshake broke off: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the peer did not speak pdctl's control handshake ({0})")]
+    Protocol(String),
+    #[error(
+        "the peer serves cluster `{theirs}`, not `{ours}`: check the node addresses and control port"
+    )]
+    OtherCluster { ours: String, theirs: String },
+    #[error(
+        "refused: the peer does not know this cluster's secret (give every node the head's secret: {SECRET_ENV} or --secret-file)"
+    )]
+    WrongSecret,
+    #[error("the peer refused us: {0}")]
+    Refused(String),
+}
+
+async fn read_json<T: for<'de> Deserialize<'de>>(
+    r: &mut (impl AsyncBufRead + Unpin),
+) -> Result<T, AuthError> {
+    let mut line = String::new();
+    // A handshake line is short; a peer that sends megabytes is not pdctl.
+    let n = (&mut *r).take(4096).read_line(&mut line).await?;
+    if n == 0 {
+        return Err(AuthError::Protocol("connection closed".into()));
+    }
+    serde_json::from_str(&line).map_err(|e| AuthError::Protocol(e.to_string()))
+}
+
+async fn write_json(w: &mut (impl AsyncWrite + Unpin), v: &impl Serialize) -> std::io::Result<()> {
+    let mut line = serde_json::to_string(v).expect("handshake messages serialize");
+    line.push('\n');
+    w.write_all(line.as_bytes()).await?;
+    w.flush().await
+}
+
+/// The server's side: challenge, check the client's proof, prove itself. Err when the
+/// client failed (the caller logs it and closes the connection).
+pub async fn accept(
+    r: &mut (impl AsyncBufRead + Unpin),
+    w: &mut (impl AsyncWrite + Unpin),
+    secret: &Secret,
+    cluster: &str,
+) -> Result<(), AuthError> {
+    let nonce = rand::random::<[u8; RANDOM_BYTES]>();
+    write_json(
+        w,
+        &Challenge {
+            pdctl_control: 1,
+            cluster: cluster.to_string(),
+            nonce: hex(&nonce),
+        },
+    )
+    .await?;
+    let answer: Answer = read_json(r).await?;
+    let client_nonce =
+        unhex(&answer.nonce).ok_or_else(|| AuthError::Protocol("nonce is not hex".into()))?;
+    if client_nonce.len() != RANDOM_BYTES {
+        return Err(AuthError::Protocol("nonce of the wrong length".into()));
+    }
+    if !secret.verify(CLIENT_LABEL, &nonce, &client_nonce, &answer.proof) {
+        let _ = write_json(
+            w,
+            &Verdict {
+                proof: None,
+                refused: Some("wrong cluster secret".into()),
+            },
+        )
+        .await;
+        return Err(AuthError::WrongSecret);
+    }
+    let proof = secret.proof(SERVER_LABEL, &nonce, &client_nonce);
+    write_json(
+        w,
+        &Verdict {
+            proof: Some(proof),
+            refused: None,
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+/// The client's side: answer the challenge, check the server's proof (so a node never
+/// takes orders from, nor reports to, a peer without the secret).
+pub async fn connect(
+    r: &mut (impl AsyncBufRead + Unpin),
+    w: &mut (impl AsyncWrite + Unpin),
+    secret: &Secret,
+    cluster: &str,
+) -> Result<(), AuthError> {
+    let challenge: Challenge = read_json(r).await?;
+    if challenge.cluster != cluster {
+        return Err(AuthError::OtherCluster {
+            ours: cluster.to_string(),
+            theirs: challenge.cluster,
+        });
+    }
+    let server_nonce = unhex(&challenge.nonce)
+        .filter(|n| n.len() == RANDOM_BYTES)
+        .ok_or_else(|| AuthError::Protocol("bad nonce".into()))?;
+    let nonce = rand::random::<[u8; RANDOM_BYTES]>();
+    let proof = secret.proof(CLIENT_LABEL, &server_nonce, &nonce);
+    write_json(
+        w,
+        &Answer {
+            proof,
+            nonce: hex(&nonce),
+        },
+    )
+    .await?;
+    let verdict: Verdict = read_json(r).await?;
+    if let Some(why) = verdict.refused {
+        return Err(if why.contains("secret") {
+            AuthError::WrongSecret
+        } else {
+            AuthError::Refused(why)
+        });
+    }
+    match verdict.proof {
+        Some(p) if secret.verify(SERVER_LABEL, &server_nonce, &nonce, &p) => Ok(()),
+        _ => Err(AuthError::WrongSecret),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 || text.len() > 256 {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::BufReader;
+
+    async fn handshake(
+        server: &Secret,
+        client: &Secret,
+    ) -> (Result<(), AuthError>, Result<(), AuthError>) {
+        let (a, b) = tokio::io::duplex(4096);
+        let (ar, mut aw) = tokio::io::split(a);
+        let (br, mut bw) = tokio::io::split(b);
+        let (s, c) = (server.clone(), client.clone());
+        let srv = tokio::spawn(async move {
+            let mut r = BufReader::new(ar);
+            accept(&mut r, &mut aw, &s, "c1").await
+        });
+        let mut r = BufReader::new(br);
+        let cl = connect(&mut r, &mut bw, &c, "c1").await;
+        (srv.await.unwrap(), cl)
+    }
+
+    #[tokio::test]
+    async fn the_same_secret_passes_both_ways() {
+        let s = Secret::random();
+        let (server, client) = handshake(&s, &s).await;
+        assert!(server.is_ok() && client.is_ok(), "{server:?} {client:?}");
+    }
+
+    #[tokio::test]
+    async fn a_wrong_secret_is_refused_on_both_sides() {
+        let (server, client) = handshake(&Secret::random(), &Secret::random()).await;
+        assert!(matches!(server, Err(AuthError::WrongSecret)), "{server:?}");
+        assert!(matches!(client, Err(AuthError::WrongSecret)), "{client:?}");
+    }
+
+    #[test]
+    fn secrets_are_long_enough_and_never_shown_by_debug() {
+        assert!(Secret::from_text("short", "env").is_err());
+        let s = Secret::from_text("0123456789abcdef0123", "env").unwrap();
+        assert_eq!(format!("{s:?}"), "Secret(..)");
+        assert_eq!(Secret::random().reveal().len(), 64);
+    }
+
+    #[test]
+    fn secret_files_are_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join(SECRET_FILE);
+        let s = Secret::random();
+        s.write(&f).unwrap();
+        assert_eq!(
+            std::fs::metadata(&f).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(Secret::read(&f).unwrap(), Some(s));
+    }
+}

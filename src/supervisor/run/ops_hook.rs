@@ -1,0 +1,30 @@
+//! The door through which the supervisor hands changes to the whole cluster to the
+//! operations layer above it (`crate::ops`), which the caller of [`super::runner::run`]
+//! plugs in. The supervisor only relays: it knows nothing of what a change does.
+
+use crate::control::Response;
+use crate::control::operation::{ChangeRequest, OperationReport};
+use std::future::Future;
+use std::pin::Pin;
+use tokio::sync::mpsc;
+
+/// Changes to the whole cluster, carried out inside the supervisor process so that they
+/// outlive the client that asked for them.
+pub trait Operations: Send + Sync {
+    /// Starts `change` unless one runs already (then Err names it). Its progress goes to
+    /// `out` as `Progress` lines, ending with one `Finished`; sending stops mattering once
+    /// the client has gone.
+    fn begin(
+        &self,
+        change: ChangeRequest,
+        out: mpsc::UnboundedSender<Response>,
+    ) -> Result<(), String>;
+
+    /// The change running now, or the last one.
+    fn report(&self) -> Option<OperationReport>;
+
+    /// Before this node takes the cluster down: takes the other nodes down; one line per
+    /// node saying how that went.
+    fn down_others(&self, timeout_s: u64)
+    -> Pin<Box<dyn Future<Output = Vec<String>> + Send + '_>>;
+}

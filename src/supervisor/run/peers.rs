@@ -1,0 +1,142 @@
+//! The other nodes' supervisors, asked for their status over the TCP control channel
+//! once a second, so `status` here shows their services as they report them (state, pid,
+//! restarts, last error) and says `unreachable` (since when) while a node cannot be reached.
+
+use crate::control::client::{Endpoint, status_at};
+use crate::control::operation::now_ms;
+use crate::control::{ServiceState, StatusReport};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How often each peer is asked, and how long an answer may take.
+const POLL: Duration = Duration::from_secs(1);
+const ANSWER_WITHIN: Duration = Duration::from_secs(2);
+/// A peer that has not answered for this long is taken as cut off (where its services'
+/// probes fail too).
+const CUT_OFF_AFTER: Duration = Duration::from_secs(3);
+
+/// What is known of one other node's supervisor.
+#[derive(Debug, Default)]
+struct Seen {
+    report: Option<StatusReport>,
+    /// Since when it has not answered (monotonic, and Unix ms for the report).
+    failing_since: Option<(Instant, u64)>,
+    error: Option<String>,
+}
+
+#[derive(Debug)]
+struct Peer {
+    node: String,
+    endpoint: Endpoint,
+    seen: Mutex<Seen>,
+}
+
+/// Every other node of the cluster, polled in the background.
+#[derive(Debug)]
+pub struct Peers {
+    peers: Vec<Arc<Peer>>,
+}
+
+impl Peers {
+    /// Starts polling `nodes` (name, endpoint); stops when the returned value is dropped
+    /// by everyone and the runtime ends.
+    pub fn start(nodes: Vec<(String, Endpoint)>) -> Arc<Peers> {
+        let now = (Instant::now(), now_ms());
+        let peers: Vec<Arc<Peer>> = nodes
+            .into_iter()
+            .map(|(node, endpoint)| {
+                Arc::new(Peer {
+                    node,
+                    endpoint,
+                    seen: Mutex::new(Seen {
+                        failing_since: Some(now),
+                        error: Some("not asked yet".into()),
+                        ..Seen::default()
+                    }),
+                })
+            })
+            .collect();
+        for p in &peers {
+            tokio::spawn(poll(Arc::downgrade(p)));
+        }
+        Arc::new(Peers { peers })
+    }
+
+    /// Fills the rows of other nodes' services in `report` with what their supervisors
+    /// say, or marks them unreachable.
+    pub fn merge_into(&self, report: &mut StatusReport) {
+        for peer in &self.peers {
+            let seen = peer.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let cut_off = seen
+                .failing_since
+                .filter(|(t, _)| t.elapsed() >= CUT_OFF_AFTER);
+            for row in report
+                .services
+                .iter_mut()
+                .filter(|s| s.remote && s.node == peer.node)
+            {
+                if let Some((_, since_ms)) = cut_off {
+                    let why = seen.error.clone().unwrap_or_default();
+                    if row.state != ServiceState::Healthy && row.state != ServiceState::Draining {
+                        row.state = ServiceState::Unreachable;
+                        row.unreachable_since_ms = Some(since_ms);
+                        row.pid = None;
+                        row.uptime_s = None;
+                    }
+                    row.last_exit = Some(format!(
+                        "node {}'s supervisor has not answered for {} s: {why}",
+                        peer.node,
+                        now_ms().saturating_sub(since_ms) / 1000
+                    ));
+                    continue;
+                }
+                let Some(theirs) = seen
+                    .report
+                    .as_ref()
+                    .and_then(|r| r.services.iter().find(|s| s.name == row.name && !s.remote))
+                else {
+                    continue;
+                };
+                // Healthy there: whether this node reaches it is this node's probe's word.
+                if theirs.state != ServiceState::Healthy {
+                    row.state = theirs.state;
+                }
+                row.pid = theirs.pid;
+                row.restarts = theirs.restarts;
+                row.uptime_s = theirs.uptime_s;
+                row.last_exit = theirs.last_exit.clone();
+                row.last_error = theirs.last_error.clone();
+            }
+        }
+    }
+}
+
+/// Asks one peer for its status once a second while anyone holds it.
+async fn poll(peer: std::sync::Weak<Peer>) {
+    loop {
+        let Some(p) = peer.upgrade() else { return };
+        let answer = status_at(&p.endpoint, ANSWER_WITHIN).await;
+        {
+            let mut seen = p.seen.lock().unwrap_or_else(|e| e.into_inner());
+            match answer {
+                Ok(report) => {
+                    if seen.failing_since.is_some() && seen.report.is_some() {
+                        tracing::info!("node {} answers again", p.node);
+                    }
+                    seen.report = Some(report);
+                    seen.failing_since = None;
+                    seen.error = None;
+                }
+                Err(e) => {
+                    if seen.failing_since.is_none() {
+                        tracing::warn!("node {}'s supervisor does not answer: {e}", p.node);
+                        seen.failing_since = Some((Instant::now(), now_ms()));
+                    }
+                    seen.error = Some(e.to_string());
+                }
+            }
+        }
+        drop(p);
+        tokio::time::sleep(POLL).await;
+    }
+}
