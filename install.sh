@@ -56,6 +56,8 @@ PKGS=(etcd-server etcd-client libibverbs1 libnuma1 libcurl4 ca-certificates)
 python3 -c 'import ensurepip, venv' 2>/dev/null || PKGS+=(python3-venv)
 # cargo needs a C linker to build pdctl and its tests; a minimal Debian has none.
 command -v cc >/dev/null || PKGS+=(gcc libc6-dev)
+# The tests make two machines out of network namespaces joined by a veth pair (`ip netns`).
+[ "$TEST_DEPS" -eq 0 ] || command -v ip >/dev/null || PKGS+=(iproute2)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

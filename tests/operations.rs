@@ -3,6 +3,8 @@
 //! requests; and an instance killed while it drains.
 
 mod common;
+#[path = "common/netns.rs"]
+mod netns;
 #[path = "common/supervisor.rs"]
 mod suph;
 
@@ -425,80 +427,366 @@ fn an_instance_killed_while_draining_fails_only_its_requests_and_scale_finishes(
     down(&cluster);
 }
 
-/// Two nodes on loopback addresses (prefill and the proxy on `head`, decode on `worker`),
-/// each with its own supervisor: `scale decode=2` on the head follows the new instance
-/// there (routing waits for it), the same command on the worker starts it, and the proxy
-/// routes to it once healthy; `scale decode=1` on the head drains it out of routing, on the
-/// worker stops it. Requests keep being answered throughout.
+/// `scale decode=4` whose client is SIGKILLed right after it started: the head's
+/// supervisor carries the change out all the same (4 decode instances healthy and routed,
+/// the change's outcome in `status`), and the load running meanwhile has 0 failed requests.
 #[test]
-fn scaling_a_role_on_another_node_takes_the_command_on_each_node() {
+fn a_scale_whose_client_is_killed_still_completes_under_load() {
+    let (cluster, dir, _, port) = up_sim(
+        "okilled",
+        sim_topology("o-killed", "nixl", 1, 2, "[engine.sim]\nitl_ms = 4.0\n"),
+    );
+    let json = dir.path().join("bench.json");
+    let load = bench_streams(port, 600, 8, 32, &json);
+    let whole_json = dir.path().join("bench-whole.json");
+    let whole = bench_whole(port, 600, &whole_json);
+    std::thread::sleep(Duration::from_millis(500));
+    let mut scale = cluster
+        .command(&["scale", "decode=4"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // The change has begun once the supervisor streams its first line.
+    let mut first = String::new();
+    use std::io::BufRead;
+    std::io::BufReader::new(scale.stdout.as_mut().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(scale.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let killed = scale.wait().unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&killed),
+        Some(9),
+        "{first}"
+    );
+    let r = cluster.wait_status(Duration::from_secs(60), &[], |r| {
+        r.operation.as_ref().is_some_and(|o| o.outcome.is_some())
+    });
+    let op = r.operation.clone().expect("status shows the change");
+    assert_eq!(op.what, "scale decode=4");
+    let outcome = op.outcome.expect("the change finished");
+    assert_eq!(outcome.code, 0, "{outcome:?}");
+    let r = cluster.wait_status(Duration::from_secs(20), &[], suph::all_healthy);
+    assert_eq!(decode_names(&cluster).len(), 4, "{r:?}");
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while routed_decode(port).len() < 4 && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(routed_decode(port).len(), 4, "{}", proxy_metrics(port));
+    assert_eq!(finished(load, &json), (600, 0));
+    assert_eq!(finished(whole, &whole_json), (600, 0));
+    down(&cluster);
+}
+
+/// A second change while one runs is refused with exit 2 naming the running one; the
+/// first finishes.
+#[test]
+fn a_second_change_while_one_runs_is_refused() {
+    let (cluster, dir, _, port) = up_sim(
+        "osecond",
+        sim_topology("o-second", "nixl", 1, 2, "[engine.sim]\nitl_ms = 20.0\n"),
+    );
+    let json = dir.path().join("bench.json");
+    // Streams of 100 tokens at 20 ms: a drain waits about 2 s for them.
+    let load = bench_streams(port, 40, 8, 100, &json);
+    std::thread::sleep(Duration::from_millis(500));
+    let rolling = cluster
+        .command(&["restart", "--rolling", "decode"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let r = cluster.wait_status(Duration::from_secs(10), &[], |r| {
+        r.operation.as_ref().is_some_and(|o| o.running())
+    });
+    assert!(r.operation.as_ref().is_some_and(|o| o.running()), "{r:?}");
+    let human = cluster.run(&["status"]);
+    assert!(
+        text(&human).contains("change in progress: restart --rolling decode"),
+        "{}",
+        text(&human)
+    );
+    let second = cluster.run(&["scale", "decode=3"]);
+    assert_eq!(second.status.code(), Some(2), "{}", text(&second));
+    assert!(
+        text(&second).contains("another change is running: restart --rolling decode"),
+        "{}",
+        text(&second)
+    );
+    let out = rolling.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("decode-1 restarted after draining"),
+        "{}",
+        text(&out)
+    );
+    let r = cluster.status(&[]).unwrap();
+    let outcome = r.operation.unwrap().outcome.unwrap();
+    assert_eq!(outcome.code, 0);
+    assert_eq!(
+        decode_names(&cluster).len(),
+        2,
+        "the refused scale changed nothing"
+    );
+    let (completed, failed) = finished(load, &json);
+    assert_eq!((completed, failed), (40, 0));
+    down(&cluster);
+}
+
+/// Runs `f` on a thread inside network namespace `ns` (the caller's own when None).
+fn in_netns<T: Send + 'static>(ns: Option<&str>, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = ns.map(|n| format!("/var/run/netns/{n}"));
+    std::thread::spawn(move || {
+        if let Some(p) = path {
+            let file = std::fs::File::open(&p).unwrap();
+            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        }
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+/// The proxy's `/metrics` at `host:port`, asked from inside `ns`.
+fn proxy_metrics_at(ns: Option<&str>, host: &str, port: u16) -> String {
+    let host = host.to_string();
+    in_netns(ns, move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect((host.as_str(), port)).expect("the proxy");
+        s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    })
+}
+
+/// `pdctl ARGS --state-dir ROOT` of `cluster`, inside `ns` when given.
+fn node_command(ns: Option<&str>, cluster: &Cluster, args: &[&str]) -> std::process::Command {
+    let plain = cluster.command(args);
+    let Some(ns) = ns else { return plain };
+    let mut c = netns::NetnsPair::exec(ns, &common::pdctl_bin());
+    c.args(plain.get_args());
+    for (k, v) in plain.get_envs() {
+        match v {
+            Some(v) => c.env(k, v),
+            None => c.env_remove(k),
+        };
+    }
+    c
+}
+
+/// A cluster over two nodes, each with its own supervisor and network stack (two network
+/// namespaces joined by a veth pair; where they cannot be made, two loopback addresses):
+/// prefill and the proxy on `head`, decode instances spread over `head` and `worker`.
+/// Each `scale` runs once, on the head, and changes both nodes while load runs (0 failed
+/// requests); the head's status shows the worker's services with the pids its supervisor
+/// reports; a control request with a wrong secret is refused and logged; `down` on the
+/// head takes the worker down too.
+#[test]
+fn one_scale_on_the_head_changes_every_node() {
+    let pair = netns::NetnsPair::create("pdo")
+        .map_err(|why| {
+            eprintln!("network namespaces unavailable ({why}): using 127.0.0.2 and 127.0.0.3")
+        })
+        .ok();
+    let (ns_head, ns_worker) = match &pair {
+        Some(p) => (Some(p.a.clone()), Some(p.b.clone())),
+        None => (None, None),
+    };
+    let (head_addr, worker_addr) = match &pair {
+        Some(p) => (p.addr_a.clone(), p.addr_b.clone()),
+        None => ("127.0.0.2".to_string(), "127.0.0.3".to_string()),
+    };
     let run = suph::free_port_run(12);
     let topology = format!(
         "cluster = \"o-2node\"\nhead = \"head\"\n\
-         [nodes]\nhead = \"127.0.0.1\"\nworker = \"127.0.0.3\"\n\
+         [nodes]\nhead = \"{head_addr}\"\nworker = \"{worker_addr}\"\n\
          [model]\nname = \"sim-model\"\n[engine]\nkind = \"sim\"\n[engine.sim]\nitl_ms = 4.0\n\
          [connector]\nkind = \"nixl\"\n\
          [prefill]\ninstances = 1\nnode = \"head\"\nbase_port = {}\n\
-         [decode]\ninstances = 1\nnode = \"worker\"\nbase_port = {}\n\
+         [decode]\ninstances = 1\nnodes = [\"worker\", \"head\"]\nbase_port = {}\n\
+         [control]\nport = {}\n\
          [proxy]\nport = {run}\n",
         run + 2,
         run + 6,
+        run + 11,
     );
     let (head, worker) = (Cluster::new("o2head"), Cluster::new("o2work"));
     let dir = TempDir::new("o2node-topo");
     let file = dir.path().join("topology.toml");
     std::fs::write(&file, &topology).unwrap();
     let f = file.to_str().unwrap();
-    for (c, node) in [(&worker, "worker"), (&head, "head")] {
-        let out = c.run(&["up", "-d", "-f", f, "--node", node]);
-        assert!(out.status.success(), "{node}: {}", text(&out));
-    }
-    let both = |r: &pdctl::control::StatusReport| suph::all_healthy(r);
-    assert!(both(&head.wait_status(Duration::from_secs(30), &[], both)));
-    let json = dir.path().join("bench.json");
-    let load = bench_streams(run, 600, 8, 32, &json);
-
-    // Up: the head follows decode-1 (nothing starts there), the worker starts it.
-    let out = head.run(&["scale", "decode=2"]);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("decode-1: following decode-1 on node worker"),
-        "{}",
-        text(&out)
-    );
-    assert_eq!(routed_decode(run).len(), 1, "not routed before it runs");
-    let out = worker.run(&["scale", "decode=2"]);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("decode-1: starting"), "{}", text(&out));
-    let r = head.wait_status(Duration::from_secs(20), &[], |r| {
-        r.services
-            .iter()
-            .any(|s| s.name == "decode-1" && s.state == ServiceState::Healthy)
+    let (nh, nw) = (ns_head.as_deref(), ns_worker.as_deref());
+    // The head makes the cluster's secret at its first `up`; `pdctl secret` prints it
+    // for the worker. The head's proxy waits for decode-0 on the worker meanwhile.
+    let up_head = node_command(nh, &head, &["up", "-d", "-f", f, "--node", "head"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut secret = None;
+    assert!(common::wait_until(Duration::from_secs(30), || {
+        let out = head.run(&["secret"]);
+        secret = out
+            .status
+            .success()
+            .then(|| String::from_utf8(out.stdout).unwrap().trim().to_string());
+        secret.is_some()
+    }));
+    let secret = secret.unwrap();
+    let mut up_worker = node_command(nw, &worker, &["up", "-d", "-f", f, "--node", "worker"]);
+    up_worker.env(pdctl::control::auth::SECRET_ENV, &secret);
+    let out = suph::run_bounded(up_worker, Duration::from_secs(60));
+    assert!(out.status.success(), "worker: {}", text(&out));
+    let up = up_head.wait_with_output().unwrap();
+    assert!(up.status.success(), "head: {}", text(&up));
+    // The head asks the worker's supervisor once a second.
+    let r = head.wait_status(Duration::from_secs(30), &[], |r| {
+        suph::all_healthy(r) && suph::svc(r, "decode-0").pid.is_some()
     });
-    assert!(suph::svc(&r, "decode-1").remote, "{r:?}");
-    let end = std::time::Instant::now() + Duration::from_secs(10);
-    while routed_decode(run).len() < 2 && std::time::Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert_eq!(routed_decode(run).len(), 2, "{}", proxy_metrics(run));
+    assert!(suph::all_healthy(&r), "{r:?}");
+    let decode0 = suph::svc(&r, "decode-0");
+    assert!(
+        decode0.remote && decode0.pid.is_some(),
+        "the worker's pid: {r:?}"
+    );
 
-    // Down: out of routing and drained from the head, then stopped on the worker.
+    // A wrong secret is refused (and logged); the right one is answered.
+    let control = format!("{head_addr}:{}", run + 11);
+    let (c1, c2) = (control.clone(), secret.clone());
+    let (wrong, right) = in_netns(nw, move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let ask = |secret: pdctl::control::auth::Secret| {
+            let to = pdctl::control::client::Endpoint::Tcp {
+                addr: c1.clone(),
+                cluster: "o-2node".into(),
+                secret,
+            };
+            rt.block_on(pdctl::control::client::status_at(
+                &to,
+                Duration::from_secs(5),
+            ))
+        };
+        let wrong = ask(pdctl::control::auth::Secret::random());
+        let right = ask(pdctl::control::auth::Secret::from_text(&c2, "test").unwrap());
+        (wrong.map(|r| r.node), right.map(|r| r.node))
+    });
+    let err = wrong
+        .expect_err("a wrong secret must be refused")
+        .to_string();
+    assert!(err.contains("does not know this cluster's secret"), "{err}");
+    assert_eq!(right.expect("the right secret is answered"), "head");
+    let log =
+        std::fs::read_to_string(head.root().join("o-2node-head/logs/supervisor.log")).unwrap();
+    assert!(
+        log.contains("control channel: refused a connection from"),
+        "{log}"
+    );
+
+    let json = dir.path().join("bench.json");
+    let url = format!("http://{head_addr}:{run}");
+    let bench_args = [
+        "bench",
+        "--url",
+        &url,
+        "--num-prompts",
+        "1000",
+        "--max-concurrency",
+        "8",
+        "--input-len",
+        "32",
+        "--output-len",
+        "32",
+        "--json",
+        json.to_str().unwrap(),
+    ];
+    let mut bench = match nh {
+        Some(ns) => netns::NetnsPair::exec(ns, &common::pdctl_bin()),
+        None => common::pdctl(&[]),
+    };
+    bench.args(bench_args);
+    let load = bench
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+
+    let routed = |n: usize| {
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let page = proxy_metrics_at(nh, &head_addr, run);
+            let count = page
+                .lines()
+                .filter(|l| {
+                    l.starts_with("pdctl_proxy_instance_healthy{leg=\"decode\"")
+                        && l.ends_with(" 1")
+                })
+                .count();
+            if count == n || std::time::Instant::now() > end {
+                return count;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    for (n, on_worker, on_head) in [(2, 1, 1), (4, 2, 2)] {
+        let target = format!("decode={n}");
+        let out = head.run(&["scale", &target]);
+        assert!(out.status.success(), "{target}: {}", text(&out));
+        assert_eq!(routed(n), n, "{target}");
+        let w = worker.status(&[]).unwrap();
+        let local_decode: Vec<&pdctl::control::ServiceStatus> = w
+            .services
+            .iter()
+            .filter(|s| s.role == pdctl::plan::Role::Decode && !s.remote)
+            .collect();
+        assert_eq!(local_decode.len(), on_worker, "{target}: worker runs {w:?}");
+        // Give the head a poll of the worker's supervisor to see the new pids.
+        let r = head.wait_status(Duration::from_secs(5), &[], |r| {
+            r.services
+                .iter()
+                .filter(|s| s.remote)
+                .all(|s| s.pid.is_some())
+        });
+        for d in &local_decode {
+            assert_eq!(
+                suph::svc(&r, &d.name).pid,
+                d.pid,
+                "{target}: head shows the worker's pid"
+            );
+        }
+        let on_head_now = r
+            .services
+            .iter()
+            .filter(|s| s.role == pdctl::plan::Role::Decode && !s.remote)
+            .count();
+        assert_eq!(on_head_now, on_head, "{target}: {r:?}");
+    }
     let out = head.run(&["scale", "decode=1"]);
     assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(routed(1), 1);
+    assert_eq!(decode_names(&worker), ["decode-0"]);
+
+    let (completed, failed) = finished(load, &json);
+    assert_eq!((completed, failed), (1000, 0));
+    let out = head.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
     assert!(
-        text(&out).contains("decode-1: out of routing, drained and no longer followed here"),
+        text(&out).contains("node worker: stopped"),
         "{}",
         text(&out)
     );
-    assert_eq!(routed_decode(run).len(), 1, "{}", proxy_metrics(run));
-    assert_eq!(decode_names(&head), ["decode-0"]);
-    let out = worker.run(&["scale", "decode=1"]);
-    assert!(out.status.success(), "{}", text(&out));
-    assert_eq!(decode_names(&worker), ["decode-0"]);
-    assert!(suph::port_free("127.0.0.3", run + 7), "decode-1 stopped");
-
-    let (completed, failed) = finished(load, &json);
-    assert_eq!((completed, failed), (600, 0));
-    down(&head);
-    down(&worker);
+    assert!(
+        worker.status(&[]).is_none(),
+        "down on the head took the worker down"
+    );
 }

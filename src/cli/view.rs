@@ -221,7 +221,9 @@ mod tests {
                 last_exit: Some("signal 9 (SIGKILL)".into()),
                 last_error: None,
                 remote: true,
+                unreachable_since_ms: None,
             }],
+            operation: None,
         };
         let t = status_table(&report);
         let lines: Vec<&str> = t.lines().collect();
@@ -259,6 +261,7 @@ mod tests {
                 "ERROR 11-22 05:19:57 [core.py:812] RuntimeError: shape mismatch".into(),
             ),
             remote: false,
+            unreachable_since_ms: None,
         };
         assert_eq!(
             exit_summary(&s).as_deref(),
@@ -271,6 +274,7 @@ mod tests {
             node: "n".into(),
             proxy_url: None,
             services: vec![s.clone()],
+            operation: None,
         };
         let row = status_table(&report).lines().nth(2).unwrap().to_string();
         let cell = row.split("  ").last().unwrap().trim();

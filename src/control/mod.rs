@@ -102,7 +102,7 @@ pub struct StatusReport {
     pub services: Vec<ServiceStatus>,
     /// The change running now, or the last one, when the supervisor carried one out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub operation: Option<operation::OperationReport>,
+    pub operation: Option<Box<operation::OperationReport>>,
 }
 
 impl StatusReport {

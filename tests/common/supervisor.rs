@@ -247,6 +247,7 @@ pub fn plan(cluster: &str, nodes: &[(&str, &str)]) -> Plan {
         protocol: "two-step".into(),
         services: vec![],
         warnings: vec![],
+        control_port: None,
     }
 }
 

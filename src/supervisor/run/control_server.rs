@@ -165,7 +165,7 @@ fn status(h: &Handlers, origin: Origin) -> crate::control::StatusReport {
     {
         peers.merge_into(&mut report);
     }
-    report.operation = h.operations.as_ref().and_then(|o| o.report());
+    report.operation = h.operations.as_ref().and_then(|o| o.report()).map(Box::new);
     report
 }
 

@@ -259,6 +259,7 @@ mod tests {
             last_exit: Some("exit 3".into()),
             last_error: None,
             remote,
+            unreachable_since_ms: None,
         }
     }
 
@@ -268,6 +269,7 @@ mod tests {
             node: "n".into(),
             proxy_url: None,
             services,
+            operation: None,
         }
     }
 

@@ -1,0 +1,91 @@
+//! Two machines on one: network namespaces joined by a veth pair, each with its own
+//! network stack, for tests of a cluster over two nodes. Needs root and `ip`; where
+//! either is missing [`NetnsPair::create`] says why and the test falls back to loopback
+//! addresses.
+#![allow(dead_code)]
+
+use std::process::Command;
+
+/// Two namespaces `<tag>-a` and `<tag>-b` joined by a veth pair, with addresses `a` and
+/// `b`; deleted (with the pair) when dropped.
+pub struct NetnsPair {
+    pub a: String,
+    pub b: String,
+    pub addr_a: String,
+    pub addr_b: String,
+    veth: String,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl NetnsPair {
+    /// The pair, or why it cannot be made here.
+    pub fn create(tag: &str) -> Result<NetnsPair, String> {
+        if std::env::var_os("PDCTL_TEST_NO_NETNS").is_some() {
+            return Err("PDCTL_TEST_NO_NETNS is set".into());
+        }
+        let id = std::process::id() % 250;
+        let pair = NetnsPair {
+            a: format!("{tag}{id}a"),
+            b: format!("{tag}{id}b"),
+            addr_a: format!("10.231.{id}.1"),
+            addr_b: format!("10.231.{id}.2"),
+            veth: format!("v{tag}{id}"),
+        };
+        let _ = ip(&["netns", "del", &pair.a]);
+        let _ = ip(&["netns", "del", &pair.b]);
+        ip(&["netns", "add", &pair.a])?;
+        ip(&["netns", "add", &pair.b])?;
+        let (va, vb) = (format!("{}a", pair.veth), format!("{}b", pair.veth));
+        ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
+        ip(&["link", "set", &va, "netns", &pair.a])?;
+        ip(&["link", "set", &vb, "netns", &pair.b])?;
+        for (ns, dev, addr) in [(&pair.a, &va, &pair.addr_a), (&pair.b, &vb, &pair.addr_b)] {
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
+            ip(&["-n", ns, "link", "set", dev, "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(pair)
+    }
+
+    /// `cmd` run inside namespace `ns` (`ip netns exec`).
+    pub fn exec(ns: &str, program: &std::path::Path) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", ns]).arg(program);
+        c
+    }
+
+    /// Takes the link between the two down (`up = false`) or up again.
+    pub fn set_link(&self, up: bool) -> Result<(), String> {
+        let state = if up { "up" } else { "down" };
+        ip(&[
+            "-n",
+            &self.a,
+            "link",
+            "set",
+            &format!("{}a", self.veth),
+            state,
+        ])
+    }
+}
+
+impl Drop for NetnsPair {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.a]);
+        let _ = ip(&["netns", "del", &self.b]);
+    }
+}
