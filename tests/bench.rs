@@ -214,7 +214,7 @@ async fn sharegpt_files_drive_the_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn results_compare_and_plot() {
     let fast = SimProc::timed("0", "0", "1", &[]).await;
-    let slow = SimProc::timed("0", "20", "1", &[]).await;
+    let slow = SimProc::timed("0", "200", "1", &[]).await;
     let dir = TempDir::new("bench-cmp");
     let (a, b) = (dir.path().join("a.json"), dir.path().join("b.json"));
     for (sim, file, label) in [(&fast, &a, "fast"), (&slow, &b, "slow")] {
