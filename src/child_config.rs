@@ -316,8 +316,10 @@ pub fn to_file<T: ChildConfig>(value: &T) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::{PolicyName, ProxyArgs, ProxyProtocol};
-    use crate::sim::args::{SimArgs, SimModel};
+    use crate::proxy::ProxyArgs;
+    use crate::sim::args::SimArgs;
+    use crate::vocab::SimModel;
+    use crate::vocab::{PolicyName, ProxyProtocol};
 
     /// Parses `args` (after the subcommand) with `file` as the text of `c.toml`.
     fn load<T: ChildConfig>(args: &[&str], file: &str) -> Result<T, ConfigFileError> {

@@ -365,7 +365,7 @@ fn templates(docs: &[Value]) -> BTreeMap<String, (Value, u64)> {
 /// file (among the service's generated files) read back and written as the flags it
 /// holds, which is what a pod runs; any other service's argv as planned.
 fn planned_flags(svc: &Value) -> Vec<String> {
-    let s: pdctl::plan::Service = serde_json::from_value(svc.clone()).unwrap();
+    let s: pdctl::vocab::Service = serde_json::from_value(svc.clone()).unwrap();
     let files = s
         .files
         .iter()

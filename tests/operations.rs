@@ -217,7 +217,7 @@ fn decode_names(cluster: &Cluster) -> Vec<String> {
         .unwrap()
         .services
         .into_iter()
-        .filter(|s| s.role == pdctl::plan::Role::Decode)
+        .filter(|s| s.role == pdctl::vocab::Role::Decode)
         .map(|s| s.name)
         .collect()
 }

@@ -10,10 +10,11 @@ use super::ExitError;
 use super::cluster::ClusterArgs;
 use super::common::{TopologyArgs, state_root};
 use crate::control::{Request, Response, ServiceState, StatusReport, client};
+use crate::plan::Plan;
 use crate::plan::diff::{PlanDiff, diff};
 use crate::plan::source::{ClusterSource, scalable_role};
-use crate::plan::{Plan, Service};
 use crate::supervisor::{StateDir, select};
+use crate::vocab::Service;
 use clap::Args;
 use std::path::Path;
 use std::process::ExitCode;
@@ -302,7 +303,7 @@ impl Change {
             .wanted
             .services
             .iter()
-            .any(|s| s.role == crate::plan::Role::Proxy && s.node == self.node);
+            .any(|s| s.role == crate::vocab::Role::Proxy && s.node == self.node);
         for name in &d.added {
             let message = drainer
                 .expect_done(Request::Add {
@@ -373,7 +374,7 @@ impl Change {
             .wanted
             .services
             .iter()
-            .find(|s| s.role == crate::plan::Role::Proxy)
+            .find(|s| s.role == crate::vocab::Role::Proxy)
             && self.running.service(&proxy.name) != Some(proxy)
         {
             // Its membership follows the supervisor already; a new spec (revision) is

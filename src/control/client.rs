@@ -1,7 +1,7 @@
 //! Client side of the control socket: one request, one response.
 
 use super::{Request, Response, StatusReport};
-use crate::plan::Service;
+use crate::vocab::Service;
 use std::path::Path;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};

@@ -19,8 +19,9 @@ pub mod lws;
 pub mod rbg;
 pub mod rewrite;
 
-use crate::plan::{Plan, Probe, RestartMode, Role, Service};
+use crate::plan::Plan;
 use crate::topology::{Device, EngineKind, Topology};
+use crate::vocab::{Probe, RestartMode, Role, Service};
 use rewrite::{POD_IP_ENV, POD_IP_MARK, POD_NAME_ENV, Rewriter};
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
@@ -636,7 +637,7 @@ fn role_pod(
         volumes.push(json!({"name": "dshm", "emptyDir": {"medium": "Memory"}}));
         mounts.push(json!({"name": "dshm", "mountPath": "/dev/shm"}));
         for c in &svc.checks {
-            if let crate::plan::Check::PythonModule { module, .. } = c
+            if let crate::vocab::Check::PythonModule { module, .. } = c
                 && module != "vllm"
             {
                 warnings.push(format!(

@@ -4,32 +4,10 @@
 
 use crate::child_config::{ChildConfig, FromServiceError};
 use crate::spelling::value_name;
-use clap::{Args, ValueEnum};
+use crate::vocab::{PolicyName, ProxyProtocol};
+use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
-
-/// How one client request is split over a prefill and a decode instance. Chosen by the
-/// connector (see `connectors`), never by the user directly in a topology.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ProxyProtocol {
-    /// Prefill copy with max_tokens=1, wait, then the original to decode.
-    TwoStep,
-    /// kv_transfer_params handshake (NixlConnector): prefill's returned params go to decode.
-    Nixl,
-    /// Mooncake V1: a shared transfer_id, decode told the prefill's bootstrap address.
-    Mooncake,
-}
-
-/// How an instance is picked for one leg.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum PolicyName {
-    RoundRobin,
-    Random,
-    LeastLoaded,
-    PrefixAware,
-}
 
 /// Everything `pdctl proxy` takes, as flags or as keys of its config file.
 #[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]

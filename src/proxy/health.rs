@@ -12,7 +12,7 @@ use super::args::ProxyArgs;
 use super::instances::{Instance, Leg, parse_endpoint};
 use super::tuning;
 use crate::control::{self, ServiceState, StatusReport};
-use crate::plan::Role;
+use crate::vocab::Role;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;

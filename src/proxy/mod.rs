@@ -47,7 +47,7 @@ mod upstream;
 
 use anyhow::Context;
 use arc_swap::ArcSwap;
-pub use args::{PolicyName, ProxyArgs, ProxyProtocol};
+pub use args::ProxyArgs;
 use axum::serve::ListenerExt;
 pub use config::ConfigError;
 pub use endpoint::parse_endpoint;

@@ -9,14 +9,14 @@
 //! names) is listed by [`restart_only`]: `pdctl apply` says those wait for a restart.
 
 use super::Proxy;
-use super::args::{PolicyName, ProxyArgs};
+use super::args::ProxyArgs;
 use super::config::{self, ConfigError};
 use super::instances::Leg;
 use super::metrics::Metrics;
 use super::policy::{self, Policy};
 use crate::control::{self, StatusReport};
-use crate::plan::{Role, Service};
 use crate::spelling::value_name;
+use crate::vocab::{PolicyName, Role, Service};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -322,7 +322,7 @@ mod tests {
     fn a_spec_with_a_config_file_is_read_from_its_generated_files() {
         let mut s = service(&["pdctl", "proxy", "--config", "/state/files/proxy.toml"]);
         let wanted = args(&["--max-concurrent", "3", "--policy", "least-loaded"]);
-        s.files.push(crate::plan::GeneratedFile {
+        s.files.push(crate::vocab::GeneratedFile {
             path: "/state/files/proxy.toml".into(),
             content: toml::to_string(&wanted).unwrap(),
         });

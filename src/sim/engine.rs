@@ -239,7 +239,7 @@ impl Drop for RunGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::args::{SimHandoff, SimModel, SimRole};
+    use crate::vocab::{SimHandoff, SimModel, SimRole};
 
     fn sim(model: SimModel) -> Arc<Sim> {
         Arc::new(Sim::new(SimArgs {

@@ -23,8 +23,9 @@ pub mod stream;
 pub mod tokenizer;
 
 use crate::spelling::value_name;
+use crate::vocab::{SimHandoff, SimRole};
 use anyhow::Context;
-use args::{SimArgs, SimHandoff, SimRole};
+use args::SimArgs;
 use axum::serve::ListenerExt;
 use engine::Sim;
 use std::sync::Arc;
