@@ -371,10 +371,10 @@ fn planned_flags(svc: &Value) -> Vec<String> {
         .iter()
         .map(|f| (f.path.as_path(), f.content.as_str()));
     let flags = match s.argv[1].as_str() {
-        "proxy" => pdctl::proxy::ProxyArgs::from_service(&s.argv, files)
+        "proxy" => pdctl::child_config::proxy::ProxyArgs::from_service(&s.argv, files)
             .unwrap()
             .to_argv(),
-        "sim" => pdctl::sim::args::SimArgs::from_service(&s.argv, files)
+        "sim" => pdctl::child_config::sim::SimArgs::from_service(&s.argv, files)
             .unwrap()
             .to_argv(),
         _ => return s.argv,

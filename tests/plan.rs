@@ -4,10 +4,10 @@
 mod common;
 
 use common::{TempDir, pdctl};
+use pdctl::child_config::proxy::ProxyArgs;
+use pdctl::child_config::sim::SimArgs;
 use pdctl::gpu::Gpu;
 use pdctl::plan::{Plan, PlanInput, build_plan};
-use pdctl::proxy::ProxyArgs;
-use pdctl::sim::args::SimArgs;
 use pdctl::topology::{Source, load_str};
 use pdctl::vocab::{ProxyProtocol, Role};
 use serde_json::Value;

@@ -10,8 +10,8 @@
 //! reason unless the cluster is recreated.
 
 use super::Plan;
-use crate::proxy::{self, ProxyArgs};
-use crate::sim::args::SimArgs;
+use crate::child_config::proxy::{self, ProxyArgs};
+use crate::child_config::sim::SimArgs;
 use crate::vocab::{GeneratedFile, Role, Service};
 use std::collections::BTreeSet;
 

@@ -3,9 +3,9 @@
 
 use super::ports::claim;
 use crate::child_config::Configured;
+use crate::child_config::sim::SimArgs;
 use crate::connectors::{ClusterCtx, Connector, InstanceCtx, LaunchCtx, PortBook};
 use crate::gpu::Gpu;
-use crate::sim::args::SimArgs;
 use crate::topology::{Device, EngineKind, Problem, RoleSection, Topology};
 use crate::vocab::{
     Check, GeneratedFile, Probe, ProxyProtocol, RestartPolicy, Role, Service, Shutdown, SimHandoff,

@@ -1,8 +1,8 @@
 //! The services around the engines: etcd, mooncake_master, the lmcache server, the proxy.
 
 use super::ports::claim;
+use crate::child_config::proxy::ProxyArgs;
 use crate::connectors::{Endpoint, Needs, PortBook};
-use crate::proxy::ProxyArgs;
 use crate::topology::{EngineKind, Problem, Topology};
 use crate::vocab::{
     GeneratedFile, Probe, ProxyProtocol, RestartPolicy, Role, Service, Shutdown, Version,

@@ -1,9 +1,9 @@
 //! Settings of `pdctl sim`, shared by the planner (which writes them into each sim's
 //! config file) and the simulator (which reads them from flags or `--config FILE`, see
-//! [`crate::child_config`]), so the two can never drift apart; one set of defaults
+//! [`super`]), so the two can never drift apart; one set of defaults
 //! ([`SimModel::default`], [`SimArgs::default`]).
 
-use crate::child_config::{ChildConfig, FromServiceError};
+use super::{ChildConfig, FromServiceError};
 use crate::spelling::value_name;
 use crate::vocab::{SimHandoff, SimModel, SimRole};
 use clap::Args;
@@ -96,7 +96,7 @@ impl SimArgs {
         argv: &[String],
         files: impl IntoIterator<Item = (&'a std::path::Path, &'a str)>,
     ) -> Result<SimArgs, FromServiceError> {
-        crate::child_config::from_service(argv, files)
+        super::from_service(argv, files)
     }
 
     /// The argv after `pdctl sim` that parses back into exactly these arguments (what
