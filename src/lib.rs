@@ -27,3 +27,4 @@ pub mod supervisor;
 pub mod tools;
 pub mod topology;
 pub mod vllm;
+pub mod vocab;

@@ -1,8 +1,9 @@
 //! Finding the programs a plan runs.
 //!
 //! A plan names programs bare (`etcd`, `mooncake_master`, `python3`, `pdctl`) so it reads
-//! the same on every machine; `up` resolves them here. install.sh puts the Python tools
-//! (mooncake_master, and vLLM when asked) into a virtualenv that is searched before PATH.
+//! the same on every machine; `up` resolves them with these functions (`plan::resolve`
+//! applies them to a plan). install.sh puts the Python tools (mooncake_master, and vLLM
+//! when asked) into a virtualenv that is searched before PATH.
 
 use std::path::{Path, PathBuf};
 
@@ -105,26 +106,6 @@ impl std::fmt::Display for MissingProgram {
             self.hint()
         )
     }
-}
-
-/// Replaces each service's `argv[0]` with its full path; returns the programs not found
-/// (their argv is left as it was). The one program resolver: `plan::resolve` calls it (or
-/// `up --plan FILE` for a plan read back), and pre-flight reports what it did not find.
-pub fn resolve_programs(plan: &mut crate::plan::Plan) -> Vec<MissingProgram> {
-    let mut missing = Vec::new();
-    for svc in &mut plan.services {
-        let Some(prog) = svc.argv.first().cloned() else {
-            continue;
-        };
-        match find_program(&prog) {
-            Some(path) => svc.argv[0] = path.display().to_string(),
-            None => missing.push(MissingProgram {
-                service: svc.name.clone(),
-                program: prog,
-            }),
-        }
-    }
-    missing
 }
 
 #[cfg(test)]

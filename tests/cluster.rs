@@ -38,7 +38,7 @@ impl Up {
         }
     }
 
-    fn urls(&self, role: pdctl::plan::Role) -> Vec<String> {
+    fn urls(&self, role: pdctl::vocab::Role) -> Vec<String> {
         self.report
             .services
             .iter()
@@ -107,7 +107,7 @@ async fn hand_off_on_1p1d(cluster: &str, connector: &str, tag: &str) -> Up {
 }
 
 async fn four_requests_all_hand_off(up: &Up) {
-    let decode = &up.urls(pdctl::plan::Role::Decode)[0];
+    let decode = &up.urls(pdctl::vocab::Role::Decode)[0];
     let received0 = metric(decode, "pdctl_sim_kv_handoffs_received_total").await;
     let missed0 = metric(decode, "pdctl_sim_kv_handoffs_missed_total").await;
     let completions = format!("{}/v1/completions", up.proxy);
@@ -123,7 +123,7 @@ async fn four_requests_all_hand_off(up: &Up) {
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["usage"]["completion_tokens"], 8);
     // The answer through PD equals the answer of one engine doing both (deterministic sim).
-    let direct = format!("{}/v1/completions", up.urls(pdctl::plan::Role::Prefill)[0]);
+    let direct = format!("{}/v1/completions", up.urls(pdctl::vocab::Role::Prefill)[0]);
     let (_, _, alone) = post(
         &direct,
         &json!({"model": "sim-model", "prompt": p, "max_tokens": 8}),
@@ -265,8 +265,8 @@ async fn four_by_four_routes_designates_and_survives_failures() {
         "r",
         "[engine.sim]\nitl_ms = 20.0\nprefill_ms_per_token = 0.02\n",
     );
-    let prefill = up.urls(pdctl::plan::Role::Prefill);
-    let decode = up.urls(pdctl::plan::Role::Decode);
+    let prefill = up.urls(pdctl::vocab::Role::Prefill);
+    let decode = up.urls(pdctl::vocab::Role::Decode);
     assert_eq!((prefill.len(), decode.len()), (4, 4));
     assert!(
         up.report.services.iter().any(|s| s.name == "etcd")
@@ -422,8 +422,8 @@ async fn client_disconnects_cancel_both_legs() {
         "[engine.sim]\nprefill_ms_per_token = 10.0\nitl_ms = 50.0\n",
     );
     let up = Up::start("ccan", &t, port);
-    let prefill = &up.urls(pdctl::plan::Role::Prefill)[0];
-    let decode = &up.urls(pdctl::plan::Role::Decode)[0];
+    let prefill = &up.urls(pdctl::vocab::Role::Prefill)[0];
+    let decode = &up.urls(pdctl::vocab::Role::Decode)[0];
     let url = format!("{}/v1/completions", up.proxy);
     let aborted = "pdctl_sim_requests_aborted_total";
     let (pa0, da0) = (
@@ -474,7 +474,7 @@ async fn bench_strategies_show_what_routing_does_to_the_hit_rate() {
         "[engine.sim]\nitl_ms = 1.0\nprefill_ms_per_token = 0.0\ncache_blocks = 24\n",
     );
     let dir = TempDir::new("strategies");
-    let prefill = up.urls(pdctl::plan::Role::Prefill);
+    let prefill = up.urls(pdctl::vocab::Role::Prefill);
     let mut rates = std::collections::BTreeMap::new();
     let mut prefill_rates = std::collections::BTreeMap::new();
     for strategy in ["designate", "rr", "random", "none"] {

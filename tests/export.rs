@@ -365,16 +365,16 @@ fn templates(docs: &[Value]) -> BTreeMap<String, (Value, u64)> {
 /// file (among the service's generated files) read back and written as the flags it
 /// holds, which is what a pod runs; any other service's argv as planned.
 fn planned_flags(svc: &Value) -> Vec<String> {
-    let s: pdctl::plan::Service = serde_json::from_value(svc.clone()).unwrap();
+    let s: pdctl::vocab::Service = serde_json::from_value(svc.clone()).unwrap();
     let files = s
         .files
         .iter()
         .map(|f| (f.path.as_path(), f.content.as_str()));
     let flags = match s.argv[1].as_str() {
-        "proxy" => pdctl::proxy::ProxyArgs::from_service(&s.argv, files)
+        "proxy" => pdctl::child_config::proxy::ProxyArgs::from_service(&s.argv, files)
             .unwrap()
             .to_argv(),
-        "sim" => pdctl::sim::args::SimArgs::from_service(&s.argv, files)
+        "sim" => pdctl::child_config::sim::SimArgs::from_service(&s.argv, files)
             .unwrap()
             .to_argv(),
         _ => return s.argv,

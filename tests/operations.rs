@@ -219,7 +219,7 @@ fn decode_names(cluster: &Cluster) -> Vec<String> {
         .unwrap()
         .services
         .into_iter()
-        .filter(|s| s.role == pdctl::plan::Role::Decode)
+        .filter(|s| s.role == pdctl::vocab::Role::Decode)
         .map(|s| s.name)
         .collect()
 }
@@ -747,7 +747,7 @@ fn one_scale_on_the_head_changes_every_node() {
         let local_decode: Vec<&pdctl::control::ServiceStatus> = w
             .services
             .iter()
-            .filter(|s| s.role == pdctl::plan::Role::Decode && !s.remote)
+            .filter(|s| s.role == pdctl::vocab::Role::Decode && !s.remote)
             .collect();
         assert_eq!(local_decode.len(), on_worker, "{target}: worker runs {w:?}");
         // Give the head a poll of the worker's supervisor to see the new pids.
@@ -767,7 +767,7 @@ fn one_scale_on_the_head_changes_every_node() {
         let on_head_now = r
             .services
             .iter()
-            .filter(|s| s.role == pdctl::plan::Role::Decode && !s.remote)
+            .filter(|s| s.role == pdctl::vocab::Role::Decode && !s.remote)
             .count();
         assert_eq!(on_head_now, on_head, "{target}: {r:?}");
     }

@@ -4,11 +4,12 @@
 mod common;
 
 use common::{TempDir, pdctl};
+use pdctl::child_config::proxy::ProxyArgs;
+use pdctl::child_config::sim::SimArgs;
 use pdctl::gpu::Gpu;
-use pdctl::plan::{Plan, PlanInput, Role, build_plan};
-use pdctl::proxy::{ProxyArgs, ProxyProtocol};
-use pdctl::sim::args::SimArgs;
+use pdctl::plan::{Plan, PlanInput, build_plan};
 use pdctl::topology::{Source, load_str};
+use pdctl::vocab::{ProxyProtocol, Role};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -111,7 +112,7 @@ fn pure_plan(profile: &str) -> Plan {
         gpus: &gpus,
         gpu_note: None,
         version: Some(version_for(profile, &t.spec).parse().unwrap()),
-        version_source: pdctl::vllm::VersionSource::Pinned,
+        version_source: pdctl::vocab::VersionSource::Pinned,
         state_root: "/state".into(),
         local_node: None,
     })
@@ -197,7 +198,7 @@ fn try_plan_text(text: &str, version: &str, gpus: u32) -> Result<Plan, pdctl::to
         gpus: &gpus,
         gpu_note: None,
         version: Some(version.parse().unwrap()),
-        version_source: pdctl::vllm::VersionSource::Pinned,
+        version_source: pdctl::vocab::VersionSource::Pinned,
         state_root: "/state".into(),
         local_node: None,
     })
@@ -439,7 +440,7 @@ fn mooncake_te_1p1d_carries_the_seed_flags() {
     let plan = pure_plan("mooncake-te-1p1d");
     let p = plan.by_role(Role::Prefill).next().unwrap();
     let d = plan.by_role(Role::Decode).next().unwrap();
-    let cfg = |s: &pdctl::plan::Service| -> Value {
+    let cfg = |s: &pdctl::vocab::Service| -> Value {
         let i = s
             .argv
             .iter()
@@ -520,7 +521,7 @@ fn proxy_settings(plan: &Plan) -> ProxyArgs {
     ProxyArgs::from_service(&s.argv, files_of(s)).unwrap()
 }
 
-fn files_of(s: &pdctl::plan::Service) -> impl Iterator<Item = (&Path, &str)> {
+fn files_of(s: &pdctl::vocab::Service) -> impl Iterator<Item = (&Path, &str)> {
     s.files
         .iter()
         .map(|f| (f.path.as_path(), f.content.as_str()))
@@ -883,7 +884,7 @@ fn human_plan_shows_runnable_commands_and_files() {
 }
 
 /// The vLLM flag value of a planned service.
-fn flag_of(s: &pdctl::plan::Service, name: &str) -> Option<String> {
+fn flag_of(s: &pdctl::vocab::Service, name: &str) -> Option<String> {
     s.argv
         .windows(2)
         .find(|w| w[0] == name)
@@ -1014,7 +1015,7 @@ fn engines_that_do_not_fit_the_free_memory_are_refused() {
             gpus,
             gpu_note: None,
             version: Some("0.26.0".parse().unwrap()),
-            version_source: pdctl::vllm::VersionSource::Pinned,
+            version_source: pdctl::vocab::VersionSource::Pinned,
             state_root: "/state".into(),
             local_node: None,
         })

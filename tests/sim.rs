@@ -461,7 +461,7 @@ async fn a_planned_sim_refuses_prompts_beyond_the_models_max_model_len() {
         gpus: &[],
         gpu_note: None,
         version: None,
-        version_source: pdctl::vllm::VersionSource::Pinned,
+        version_source: pdctl::vocab::VersionSource::Pinned,
         state_root: state.path().to_path_buf(),
         local_node: None,
     })

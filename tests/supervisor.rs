@@ -7,7 +7,7 @@ mod sup;
 
 use common::{free_ports, wait_until};
 use pdctl::control::ServiceState;
-use pdctl::plan::{RestartMode, Role};
+use pdctl::vocab::{RestartMode, Role};
 use std::time::{Duration, Instant};
 use sup::*;
 
@@ -238,7 +238,7 @@ fn last_exit_cell(table: &str, service: &str) -> String {
 
 /// A test engine that, on its first run only, prints an error line and exits with
 /// status 0 by itself shortly after it was found healthy.
-fn engine_that_exits_0_once(c: &Cluster, port: u16) -> pdctl::plan::Service {
+fn engine_that_exits_0_once(c: &Cluster, port: u16) -> pdctl::vocab::Service {
     let mut s = local_engine(c, "decode-0", Role::Decode, port);
     let marker = c.root().join("decode-0-exited-once");
     s.env

@@ -10,7 +10,7 @@ pub mod report;
 pub mod runner;
 pub mod stats;
 
-use crate::plan::Role;
+use crate::vocab::Role;
 use anyhow::Context;
 use args::{BenchArgs, Strategy};
 use report::{Report, RunInfo};

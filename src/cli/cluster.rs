@@ -10,7 +10,7 @@ use crate::plan::Plan;
 use crate::plan::resolve::Machine;
 use crate::supervisor::{self, ClusterLock, DEFAULT_KEEP, DEFAULT_MAX_BYTES, RunOptions, StateDir};
 use crate::supervisor::{SupervisorError, select};
-use crate::vllm::VersionSource;
+use crate::vocab::VersionSource;
 use anyhow::Context;
 use clap::Args;
 use std::io::Write;
@@ -144,7 +144,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     let (mut plan, note, node, missing, machine, source) = match &a.plan {
         Some(path) => {
             let mut plan = read_plan(path)?;
-            let missing = crate::tools::resolve_programs(&mut plan);
+            let missing = crate::plan::resolve::resolve_programs(&mut plan);
             let node = a
                 .topology
                 .node

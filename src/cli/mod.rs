@@ -64,10 +64,10 @@ pub enum Command {
     Export(export::ExportArgs),
     /// Run the PD proxy alone, in front of instances started by other means (flags, or
     /// `--config FILE` with flags given beside it overriding the file).
-    Proxy(Configured<crate::proxy::ProxyArgs>),
+    Proxy(Configured<crate::child_config::proxy::ProxyArgs>),
     /// Run a simulated engine (speaks vLLM's HTTP API; says it is a simulator); flags, or
     /// `--config FILE` with flags given beside it overriding the file.
-    Sim(Configured<crate::sim::args::SimArgs>),
+    Sim(Configured<crate::child_config::sim::SimArgs>),
     /// Benchmark an OpenAI-compatible endpoint (the running cluster's proxy by default).
     Bench(crate::bench::args::BenchArgs),
     /// Internal: the supervisor process that `up -d` leaves running.

@@ -167,7 +167,7 @@ fn format_figures(proxy_url: &str, f: &crate::proxy::ProxyFigures) -> String {
 mod tests {
     use super::*;
     use crate::control::ServiceState;
-    use crate::plan::Role;
+    use crate::vocab::Role;
 
     #[test]
     fn the_proxy_line_shows_misses_and_recomputed_tokens_when_there_are_some() {

@@ -21,11 +21,8 @@ mod ports;
 pub use lmcache::server_command as lmcache_server_command;
 pub use ports::PortBook;
 
-use crate::plan::{GeneratedFile, Role};
-use crate::proxy::ProxyProtocol;
-use crate::sim::args::SimHandoff;
 use crate::topology::{ConnectorKind, ConnectorSection, MooncakeMetadata, Problem, Topology};
-use crate::vllm::{Version, VersionRange};
+use crate::vocab::{GeneratedFile, ProxyProtocol, Role, SimHandoff, Version, VersionRange};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::PathBuf;

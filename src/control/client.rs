@@ -3,7 +3,7 @@
 use super::auth::Secret;
 use super::operation::ChangeRequest;
 use super::{Request, Response, StatusReport};
-use crate::plan::Service;
+use crate::vocab::Service;
 use std::path::Path;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};

@@ -6,7 +6,7 @@ pub mod auth;
 pub mod client;
 pub mod operation;
 
-use crate::plan::{Role, Service};
+use crate::vocab::{Role, Service};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -18,9 +18,6 @@ pub const STOP_DEADLINE_ENV: &str = "PDCTL_STOP_DEADLINE_FILE";
 
 /// Directory of those files inside a cluster's state dir, one per service.
 pub const STOP_DEADLINE_DIR: &str = "stop-by";
-
-/// Socket file name inside a cluster's state dir.
-pub const SOCKET_NAME: &str = "control.sock";
 
 /// What a client asks of the supervisor.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -19,8 +19,9 @@ pub mod lws;
 pub mod rbg;
 pub mod rewrite;
 
-use crate::plan::{Plan, Probe, RestartMode, Role, Service};
+use crate::plan::Plan;
 use crate::topology::{Device, EngineKind, Topology};
+use crate::vocab::{Probe, RestartMode, Role, Service};
 use rewrite::{POD_IP_ENV, POD_IP_MARK, POD_NAME_ENV, Rewriter};
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
@@ -274,7 +275,7 @@ fn proxy_argv(
     name: &str,
     rewrites: &mut Vec<String>,
 ) -> Result<Vec<String>, ExportError> {
-    let mut a = crate::proxy::ProxyArgs::from_service(&svc.argv, files_of(svc))
+    let mut a = crate::child_config::proxy::ProxyArgs::from_service(&svc.argv, files_of(svc))
         .map_err(|e| ExportError(format!("the plan's proxy settings cannot be read: {e}")))?;
     let port_of = |role: Role| {
         plan.by_role(role)
@@ -467,7 +468,7 @@ fn role_pod(
     let mut argv = if role == Role::Proxy {
         proxy_argv(svc, plan, name, rewrites)?
     } else if plan.engine == "sim" && role.is_engine() {
-        let a = crate::sim::args::SimArgs::from_service(&svc.argv, files_of(svc))
+        let a = crate::child_config::sim::SimArgs::from_service(&svc.argv, files_of(svc))
             .map_err(|e| ExportError(format!("{}'s settings cannot be read: {e}", svc.name)))?;
         let mut flagged = svc.clone();
         flagged.argv.truncate(2);
@@ -636,7 +637,7 @@ fn role_pod(
         volumes.push(json!({"name": "dshm", "emptyDir": {"medium": "Memory"}}));
         mounts.push(json!({"name": "dshm", "mountPath": "/dev/shm"}));
         for c in &svc.checks {
-            if let crate::plan::Check::PythonModule { module, .. } = c
+            if let crate::vocab::Check::PythonModule { module, .. } = c
                 && module != "vllm"
             {
                 warnings.push(format!(

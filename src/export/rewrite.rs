@@ -3,7 +3,8 @@
 //! the same documented way (listed in `docs/kubernetes.md` and in the header of every
 //! export), and anything still naming a host afterwards is reported, never left silently.
 
-use crate::plan::{Plan, Role, Service};
+use crate::plan::Plan;
+use crate::vocab::{Role, Service};
 use std::collections::BTreeMap;
 
 /// The bind address every server in a pod listens on.

@@ -8,11 +8,12 @@ use super::engine::{Inner, Progress};
 use crate::control::client::ChangeEnd;
 use crate::control::operation::{ChangeOptions, ChangeRequest};
 use crate::control::{Request, StatusReport};
+use crate::plan::Plan;
 use crate::plan::diff::{PlanDiff, diff};
 use crate::plan::resolve::LoadedPlan;
 use crate::plan::source::{ClusterSource, scalable_role};
-use crate::plan::{Plan, Role, Service};
 use crate::supervisor::StateDir;
+use crate::vocab::{Role, Service};
 use std::time::{Duration, Instant};
 
 /// How a change ended.

@@ -1,13 +1,13 @@
 //! Topology -> plan: placement, ports, GPUs, and one service per process. Pure: the
 //! inputs that need I/O (GPU inventory, vLLM version, state root) are given.
 
+use super::Plan;
 use super::engines;
 use super::support;
-use super::{Plan, Service};
 use crate::connectors::{self, ClusterCtx, PortBook};
 use crate::gpu::Gpu;
 use crate::topology::{EngineKind, Problem, Topology};
-use crate::vllm::{Version, VersionSource};
+use crate::vocab::{Role, Service, Version, VersionSource};
 use std::path::{Path, PathBuf};
 
 /// A topology that cannot be planned: a [`Problem`] naming the key at fault.
@@ -107,12 +107,12 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         files_dir,
         prefill_hosts: placements
             .iter()
-            .filter(|p| p.role == super::Role::Prefill)
+            .filter(|p| p.role == Role::Prefill)
             .map(|p| p.host.clone())
             .collect(),
         decode_hosts: placements
             .iter()
-            .filter(|p| p.role == super::Role::Decode)
+            .filter(|p| p.role == Role::Decode)
             .map(|p| p.host.clone())
             .collect(),
     };
@@ -133,7 +133,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let proxy = if t.proxy.enabled {
         let proxy_node = t.proxy.node.as_deref().unwrap_or(input.head);
         let socket =
-            state_dir_for(t, &input.state_root, proxy_node).join(crate::control::SOCKET_NAME);
+            state_dir_for(t, &input.state_root, proxy_node).join(crate::vocab::SOCKET_NAME);
         Some(support::plan_proxy(
             t, proxy_node, protocol, &services, &socket, &mut ports,
         )?)
@@ -172,7 +172,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     })
 }
 
-fn protocol_name(p: crate::proxy::ProxyProtocol) -> String {
+fn protocol_name(p: crate::vocab::ProxyProtocol) -> String {
     crate::spelling::value_name(p)
 }
 

@@ -9,9 +9,10 @@
 //! layout, etcd / mooncake_master / the LMCache server) cannot, and is refused with the
 //! reason unless the cluster is recreated.
 
-use super::{GeneratedFile, Plan, Role, Service};
-use crate::proxy::{self, ProxyArgs};
-use crate::sim::args::SimArgs;
+use super::Plan;
+use crate::child_config::proxy::{self, ProxyArgs};
+use crate::child_config::sim::SimArgs;
+use crate::vocab::{GeneratedFile, Role, Service};
 use std::collections::BTreeSet;
 
 /// What turning `running` into `wanted` takes.
@@ -501,7 +502,7 @@ mod tests {
             gpus: &gpus,
             gpu_note: None,
             version: Some("0.11.0".parse().unwrap()),
-            version_source: crate::vllm::VersionSource::Pinned,
+            version_source: crate::vocab::VersionSource::Pinned,
             state_root: "/state".into(),
             local_node: None,
         })
@@ -594,7 +595,7 @@ mod tests {
                 gpus: &[],
                 gpu_note: None,
                 version: None,
-                version_source: crate::vllm::VersionSource::Pinned,
+                version_source: crate::vocab::VersionSource::Pinned,
                 state_root: "/state".into(),
                 local_node: None,
             })

@@ -2,14 +2,15 @@
 //! command line (real vLLM, or the simulator speaking the same protocol).
 
 use super::ports::claim;
-use super::{Check, GeneratedFile, Probe, RestartPolicy, Role, Service, Shutdown};
 use crate::child_config::Configured;
+use crate::child_config::sim::SimArgs;
 use crate::connectors::{ClusterCtx, Connector, InstanceCtx, LaunchCtx, PortBook};
 use crate::gpu::Gpu;
-use crate::proxy::ProxyProtocol;
-use crate::sim::args::{SimArgs, SimHandoff, SimRole};
 use crate::topology::{Device, EngineKind, Problem, RoleSection, Topology};
-use crate::vllm::{Version, VersionRange};
+use crate::vocab::{
+    Check, GeneratedFile, Probe, ProxyProtocol, RestartPolicy, Role, Service, Shutdown, SimHandoff,
+    SimRole, Version, VersionRange,
+};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// One engine instance placed on a node.

@@ -4,8 +4,8 @@
 //! of its total; with instances sharing a GPU the shares add up. Pure: `plan` asks it with
 //! NVML's inventory (when there is one) and `up` asks it again just before starting.
 
-use super::Service;
 use crate::gpu::Gpu;
+use crate::vocab::Service;
 use std::collections::BTreeMap;
 
 /// One GPU the services planned on it do not fit: what they ask, what is free, who holds

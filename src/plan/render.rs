@@ -2,7 +2,8 @@
 //! shell would run (env included), GPUs, ports, readiness probe, dependencies and each
 //! generated file.
 
-use super::{Plan, Probe, RestartMode, Service};
+use super::Plan;
+use crate::vocab::{Probe, RestartMode, Service};
 use std::fmt::Write;
 
 /// Quotes `s` for a POSIX shell when it needs it.
@@ -80,10 +81,10 @@ pub fn render(plan: &Plan, source_note: &str, missing: &[String]) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "cluster {} ({source_note})", plan.cluster);
     let engine = match (&plan.vllm_version, plan.vllm_version_source) {
-        (Some(v), Some(crate::vllm::VersionSource::Assumed)) => {
+        (Some(v), Some(crate::vocab::VersionSource::Assumed)) => {
             format!("vllm {v} (assumed: no vLLM found; `up` needs it)")
         }
-        (Some(v), Some(crate::vllm::VersionSource::Installed)) => format!("vllm {v} (installed)"),
+        (Some(v), Some(crate::vocab::VersionSource::Installed)) => format!("vllm {v} (installed)"),
         (Some(v), _) => format!("vllm {v}"),
         (None, _) => "sim (simulated engines)".to_string(),
     };
@@ -141,8 +142,10 @@ pub fn render(plan: &Plan, source_note: &str, missing: &[String]) -> String {
         let _ = writeln!(o, "   restart  {mode}{with}");
         for c in &svc.checks {
             let what = match c {
-                crate::plan::Check::FileExists { path, .. } => format!("{} exists", path.display()),
-                crate::plan::Check::PythonModule { python, module, .. } => {
+                crate::vocab::Check::FileExists { path, .. } => {
+                    format!("{} exists", path.display())
+                }
+                crate::vocab::Check::PythonModule { python, module, .. } => {
                     format!("{python} can import {module}")
                 }
             };

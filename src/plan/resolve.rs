@@ -10,7 +10,7 @@ use crate::plan::{Plan, PlanInput, build_plan};
 use crate::profiles;
 use crate::tools::{self, MissingProgram};
 use crate::topology::{self, EngineKind, LoadedTopology, Source, TopologyError};
-use crate::vllm::VersionSource;
+use crate::vocab::VersionSource;
 use std::cell::OnceCell;
 use std::path::{Path, PathBuf};
 
@@ -121,7 +121,7 @@ pub fn resolve(req: &Request) -> Result<LoadedPlan, ResolveError> {
     let machine = Machine::new(req.gpus.clone());
     let (topology, source_note) = load_topology(req, &machine)?;
     let mut loaded = plan_programs_unresolved(&topology, req, machine)?;
-    loaded.missing = tools::resolve_programs(&mut loaded.plan);
+    loaded.missing = resolve_programs(&mut loaded.plan);
     loaded.source_note = source_note;
     loaded.source = Some(super::source::ClusterSource::of(
         &topology,
@@ -269,4 +269,24 @@ pub fn plan_programs_unresolved(
         machine,
         source: None,
     })
+}
+
+/// Replaces each service's `argv[0]` with its full path; returns the programs not found
+/// (their argv is left as it was). The one program resolver: [`resolve`] calls it (or
+/// `up --plan FILE` for a plan read back), and pre-flight reports what it did not find.
+pub fn resolve_programs(plan: &mut Plan) -> Vec<MissingProgram> {
+    let mut missing = Vec::new();
+    for svc in &mut plan.services {
+        let Some(prog) = svc.argv.first().cloned() else {
+            continue;
+        };
+        match tools::find_program(&prog) {
+            Some(path) => svc.argv[0] = path.display().to_string(),
+            None => missing.push(MissingProgram {
+                service: svc.name.clone(),
+                program: prog,
+            }),
+        }
+    }
+    missing
 }

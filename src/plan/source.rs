@@ -4,8 +4,8 @@
 //! `--gpus`, and the counts `scale` set since.
 
 use super::resolve::{LoadedPlan, Machine, Request, ResolveError, plan_programs_unresolved};
-use crate::plan::Role;
 use crate::topology::{self, LoadedTopology, Source};
+use crate::vocab::Role;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -118,7 +118,7 @@ impl ClusterSource {
             ..Request::default()
         };
         let mut loaded = plan_programs_unresolved(&t, &req, Machine::new(self.gpus.clone()))?;
-        loaded.missing = crate::tools::resolve_programs(&mut loaded.plan);
+        loaded.missing = crate::plan::resolve::resolve_programs(&mut loaded.plan);
         loaded.source_note = format!("using {}", self.label);
         Ok(loaded)
     }

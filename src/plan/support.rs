@@ -1,11 +1,12 @@
 //! The services around the engines: etcd, mooncake_master, the lmcache server, the proxy.
 
 use super::ports::claim;
-use super::{GeneratedFile, Probe, RestartPolicy, Role, Service, Shutdown};
+use crate::child_config::proxy::ProxyArgs;
 use crate::connectors::{Endpoint, Needs, PortBook};
-use crate::proxy::{ProxyArgs, ProxyProtocol};
 use crate::topology::{EngineKind, Problem, Topology};
-use crate::vllm::Version;
+use crate::vocab::{
+    GeneratedFile, Probe, ProxyProtocol, RestartPolicy, Role, Service, Shutdown, Version,
+};
 use std::collections::BTreeMap;
 use std::path::Path;
 

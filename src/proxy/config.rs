@@ -1,9 +1,10 @@
 //! Checks `pdctl proxy` arguments before anything starts, turning them into endpoint
 //! pools and durations; every mistake is reported with the flag to fix.
 
-use super::args::{ProxyArgs, ProxyProtocol};
 use super::discovery::DnsSource;
 use super::instances::{EndpointError, Instance, Leg, Pools, parse_endpoint};
+use crate::child_config::proxy::ProxyArgs;
+use crate::vocab::ProxyProtocol;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -8,11 +8,11 @@
 //! (`pdctl scale` and `apply` add and remove instances this way, the proxy never restarts).
 
 use super::Proxy;
-use super::args::ProxyArgs;
 use super::instances::{Instance, Leg, parse_endpoint};
 use super::tuning;
+use crate::child_config::proxy::ProxyArgs;
 use crate::control::{self, ServiceState, StatusReport};
-use crate::plan::Role;
+use crate::vocab::Role;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;

@@ -17,7 +17,6 @@
 //! The modules are private; what the other stages use is re-exported here: the command's
 //! arguments, the endpoint parser, the figures `pdctl status` reads from `/metrics`.
 
-mod args;
 mod config;
 mod designate;
 mod discovery;
@@ -45,9 +44,9 @@ mod server;
 mod tuning;
 mod upstream;
 
+use crate::child_config::proxy::ProxyArgs;
 use anyhow::Context;
 use arc_swap::ArcSwap;
-pub use args::{PolicyName, ProxyArgs, ProxyProtocol};
 use axum::serve::ListenerExt;
 pub use config::ConfigError;
 pub use endpoint::parse_endpoint;
@@ -63,7 +62,6 @@ use policy::Policy;
 use protocol::Protocol;
 use std::sync::Arc;
 use std::time::Duration;
-pub use tuning::{SpecError, args_of, live_changes, restart_only};
 use upstream::Upstream;
 
 /// Everything a request needs, shared by all requests.
@@ -87,7 +85,7 @@ pub struct Proxy {
 
 impl Proxy {
     /// Builds a proxy from checked arguments (nothing is started).
-    pub fn new(a: &args::ProxyArgs) -> anyhow::Result<Proxy> {
+    pub fn new(a: &ProxyArgs) -> anyhow::Result<Proxy> {
         let settings = config::settings(a)?;
         let pools = LivePools::new(config::pools(a)?);
         let dns = config::dns_sources(a)?;
@@ -138,7 +136,7 @@ impl Proxy {
 }
 
 /// Runs the proxy until SIGINT or SIGTERM.
-pub async fn run(a: args::ProxyArgs) -> anyhow::Result<()> {
+pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
     let proxy = Arc::new(Proxy::new(&a)?);
     let addr = format!("{}:{}", a.host, a.port);
     let listener = tokio::net::TcpListener::bind(&addr)

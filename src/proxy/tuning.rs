@@ -9,14 +9,13 @@
 //! names) is listed by [`restart_only`]: `pdctl apply` says those wait for a restart.
 
 use super::Proxy;
-use super::args::{PolicyName, ProxyArgs};
 use super::config::{self, ConfigError};
 use super::instances::Leg;
 use super::metrics::Metrics;
 use super::policy::{self, Policy};
+use crate::child_config::proxy::{ProxyArgs, args_of, live_changes, restart_only};
 use crate::control::{self, StatusReport};
-use crate::plan::{Role, Service};
-use crate::spelling::value_name;
+use crate::vocab::{PolicyName, Role};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,7 +30,7 @@ pub struct Policies {
 impl Policies {
     /// The policies the arguments name.
     pub fn new(a: &ProxyArgs, metrics: &Arc<Metrics>) -> Self {
-        let (p, d) = names(a);
+        let (p, d) = a.leg_policies();
         Policies {
             prefill: (p, policy::build(p, Leg::Prefill, metrics.clone()).into()),
             decode: (d, policy::build(d, Leg::Decode, metrics.clone()).into()),
@@ -45,123 +44,6 @@ impl Policies {
             Leg::Decode => &self.decode.1,
         }
     }
-}
-
-fn names(a: &ProxyArgs) -> (PolicyName, PolicyName) {
-    (
-        a.prefill_policy.unwrap_or(a.policy),
-        a.decode_policy.unwrap_or(a.policy),
-    )
-}
-
-/// Why a spec gives no proxy arguments: which service, and what the reader said (not a
-/// `pdctl proxy` command, flags that do not parse, a config file at fault).
-#[derive(Debug, thiserror::Error)]
-#[error("{service}'s settings cannot be read: {source}")]
-pub struct SpecError {
-    service: String,
-    source: Box<crate::child_config::FromServiceError>,
-}
-
-/// The proxy arguments of a service's spec (`<program> proxy [--config FILE] FLAGS...`,
-/// the file among the spec's generated files), read without touching the disk. Flags with
-/// an environment fallback read this process's environment, as they did when the proxy
-/// started.
-pub fn args_of(service: &Service) -> Result<ProxyArgs, SpecError> {
-    let files = service
-        .files
-        .iter()
-        .map(|f| (f.path.as_path(), f.content.as_str()));
-    ProxyArgs::from_service(&service.argv, files).map_err(|source| SpecError {
-        service: service.name.clone(),
-        source: Box::new(source),
-    })
-}
-
-/// Flags a running proxy takes in place (besides the policies, compared as resolved).
-const LIVE: [&str; 9] = [
-    "--rate-limit",
-    "--max-concurrent",
-    "--queue-size",
-    "--prefill-timeout-s",
-    "--first-byte-timeout-s",
-    "--total-timeout-s",
-    "--retries",
-    "--restart-wait-s",
-    "--max-body-bytes",
-];
-
-/// Flags a running proxy takes only when it restarts. The instance lists are in neither
-/// list: the proxy follows the supervisor's services.
-const RESTART: [&str; 9] = [
-    "--host",
-    "--port",
-    "--protocol",
-    "--prefill-dns",
-    "--decode-dns",
-    "--connect-timeout-ms",
-    "--health-interval-ms",
-    "--scrape-metrics",
-    "--supervisor-socket",
-];
-
-/// Every value `flag` has in `argv`, joined (flags may repeat; a switch reads `on`).
-fn values(argv: &[String], flag: &str) -> String {
-    let found: Vec<&str> = argv
-        .iter()
-        .enumerate()
-        .filter(|(_, a)| *a == flag)
-        .map(|(i, _)| match argv.get(i + 1) {
-            Some(v) if !v.starts_with("--") => v.as_str(),
-            _ => "on",
-        })
-        .collect();
-    found.join(",")
-}
-
-/// The `flags` whose values differ between `old` and `new`, as (flag, old, new).
-fn differing<'a>(
-    old: &ProxyArgs,
-    new: &ProxyArgs,
-    flags: &[&'a str],
-) -> Vec<(&'a str, String, String)> {
-    let (a, b) = (old.to_argv(), new.to_argv());
-    flags
-        .iter()
-        .map(|f| (*f, values(&a, f), values(&b, f)))
-        .filter(|(_, x, y)| x != y)
-        .collect()
-}
-
-/// The flags that differ between `old` and `new` which a running proxy cannot take (it
-/// needs a restart for them).
-pub fn restart_only(old: &ProxyArgs, new: &ProxyArgs) -> Vec<&'static str> {
-    let mut out: Vec<&'static str> = differing(old, new, &RESTART)
-        .into_iter()
-        .map(|(f, _, _)| f)
-        .collect();
-    if old.engine_api_key != new.engine_api_key {
-        out.push("--engine-api-key");
-    }
-    out
-}
-
-/// The live settings that differ, as `--flag old -> new` phrases (for the log and the
-/// plan's difference list).
-pub fn live_changes(old: &ProxyArgs, new: &ProxyArgs) -> Vec<String> {
-    let ((op, od), (np, nd)) = (names(old), names(new));
-    let policies = [("--prefill-policy", op, np), ("--decode-policy", od, nd)]
-        .into_iter()
-        .filter(|(_, a, b)| a != b)
-        .map(|(f, a, b)| (f, value_name(a), value_name(b)));
-    let mut out: Vec<String> = policies
-        .chain(differing(old, new, &LIVE))
-        .map(|(f, a, b)| format!("{f} {a} -> {b}"))
-        .collect();
-    if old.api_key != new.api_key {
-        out.push("--api-key changed".into());
-    }
-    out
 }
 
 /// Takes `new`'s live settings into the running proxy, whose current arguments are
@@ -182,8 +64,8 @@ pub fn apply(p: &Proxy, old: &ProxyArgs, new: &ProxyArgs) -> Result<Vec<String>,
         ..checked
     };
     p.set_settings(settings);
-    if names(old) != names(new) {
-        let (np, nd) = names(new);
+    if old.leg_policies() != new.leg_policies() {
+        let (np, nd) = new.leg_policies();
         let current = p.policies();
         let keep = |leg: Leg, name: PolicyName, (had, policy): &(PolicyName, Arc<dyn Policy>)| {
             if *had == name {
@@ -277,6 +159,7 @@ pub async fn follow(p: &Proxy, socket: &Path, report: &StatusReport, own: &mut O
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vocab::Service;
 
     fn args(extra: &[&str]) -> ProxyArgs {
         let mut v = vec![
@@ -293,75 +176,6 @@ mod tests {
 
     fn service(argv: &[&str]) -> Service {
         Service::new("proxy", Role::Proxy, "local", argv.iter().copied())
-    }
-
-    #[test]
-    fn a_spec_gives_the_arguments_after_the_subcommand() {
-        let a = args_of(&service(&[
-            "/bin/pdctl",
-            "proxy",
-            "--prefill",
-            "h:1",
-            "--decode",
-            "h:2",
-            "--max-concurrent",
-            "8",
-        ]))
-        .unwrap();
-        assert_eq!(
-            (a.max_concurrent, a.prefill.clone()),
-            (8, vec!["h:1".to_string()])
-        );
-        let e = args_of(&service(&["/bin/pdctl", "sim"])).unwrap_err();
-        assert!(e.to_string().contains("is not `pdctl proxy"), "{e}");
-        let e = args_of(&service(&["pdctl", "proxy", "--max-concurrent", "many"])).unwrap_err();
-        assert!(e.to_string().contains("--max-concurrent"), "{e}");
-    }
-
-    #[test]
-    fn a_spec_with_a_config_file_is_read_from_its_generated_files() {
-        let mut s = service(&["pdctl", "proxy", "--config", "/state/files/proxy.toml"]);
-        let wanted = args(&["--max-concurrent", "3", "--policy", "least-loaded"]);
-        s.files.push(crate::plan::GeneratedFile {
-            path: "/state/files/proxy.toml".into(),
-            content: toml::to_string(&wanted).unwrap(),
-        });
-        assert_eq!(args_of(&s).unwrap(), wanted);
-        s.files.clear();
-        let e = args_of(&s).unwrap_err().to_string();
-        assert!(e.contains("proxy.toml"), "{e}");
-    }
-
-    #[test]
-    fn what_needs_a_restart_is_told_apart_from_what_changes_live() {
-        let old = args(&[]);
-        let new = args(&[
-            "--port",
-            "9",
-            "--max-concurrent",
-            "4",
-            "--queue-size",
-            "2",
-            "--policy",
-            "least-loaded",
-            "--retries",
-            "0",
-        ]);
-        assert_eq!(restart_only(&old, &new), vec!["--port"]);
-        let live = live_changes(&old, &new);
-        assert!(
-            live.iter().any(|c| c == "--max-concurrent 0 -> 4"),
-            "{live:?}"
-        );
-        assert!(
-            live.iter().any(|c| c.starts_with("--decode-policy ")),
-            "{live:?}"
-        );
-        assert!(live.iter().any(|c| c.starts_with("--retries ")), "{live:?}");
-        assert!(live_changes(&old, &old).is_empty());
-        // Only the instance lists differ: nothing to change in the proxy.
-        let more = args(&["--decode", "127.0.0.1:3"]);
-        assert!(restart_only(&old, &more).is_empty() && live_changes(&old, &more).is_empty());
     }
 
     #[tokio::test]

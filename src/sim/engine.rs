@@ -6,11 +6,11 @@
 //! admitted; each later token one step after the previous, where a step is
 //! `itl_ms * (1 + batch_slowdown * (running - 1))`. All zero means no timer at all.
 
-use super::args::SimArgs;
 use super::cache::PrefixCache;
 use super::faults::Faults;
 use super::handoff::held::HeldKv;
 use super::metrics::Metrics;
+use crate::child_config::sim::SimArgs;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -239,7 +239,7 @@ impl Drop for RunGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::args::{SimHandoff, SimModel, SimRole};
+    use crate::vocab::{SimHandoff, SimModel, SimRole};
 
     fn sim(model: SimModel) -> Arc<Sim> {
         Arc::new(Sim::new(SimArgs {

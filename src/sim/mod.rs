@@ -8,7 +8,6 @@
 //! state, scheduler, latency), [`tokenizer`], [`generate`], [`cache`], [`handoff`],
 //! [`metrics`], [`faults`].
 
-pub mod args;
 pub mod cache;
 pub mod completion;
 pub mod engine;
@@ -22,9 +21,10 @@ pub mod server;
 pub mod stream;
 pub mod tokenizer;
 
+use crate::child_config::sim::SimArgs;
 use crate::spelling::value_name;
+use crate::vocab::{SimHandoff, SimRole};
 use anyhow::Context;
-use args::{SimArgs, SimHandoff, SimRole};
 use axum::serve::ListenerExt;
 use engine::Sim;
 use std::sync::Arc;

@@ -3,10 +3,11 @@
 //! nothing again that `plan::resolve` found: the programs it missed and its GPU inventory
 //! come in as arguments.
 
+use crate::plan::Plan;
 use crate::plan::resolve::Machine;
-use crate::plan::{Check, Plan};
 use crate::supervisor::state_dir::state::{MAX_SOCKET_PATH, StateDir};
 use crate::tools::MissingProgram;
+use crate::vocab::Check;
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::Path;
@@ -313,12 +314,12 @@ pub fn writable_dir(dir: &Path) -> Result<(), DirError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::Service;
     use crate::supervisor::testing;
+    use crate::vocab::Service;
 
     fn svc(name: &str, argv0: &str, port: u16) -> Service {
         Service {
-            role: crate::plan::Role::Decode,
+            role: crate::vocab::Role::Decode,
             argv: vec![argv0.into()],
             ..testing::tcp_service(name, "main", port)
         }
@@ -341,7 +342,7 @@ mod tests {
         bad_gpu.dirs = vec!["/proc/pdctl-cannot-create".into()];
         let mut p = plan(vec![svc("d0", "no-such-program-pdctl", busy_port), bad_gpu]);
         let state = StateDir::new("/tmp/pdctl-preflight-unit");
-        let missing = crate::tools::resolve_programs(&mut p);
+        let missing = crate::plan::resolve::resolve_programs(&mut p);
         let machine = Machine::new(Some(vec![0, 1]));
         let problems = check(&p, "main", &missing, &machine, &state);
         let text = problems.join("\n");
@@ -368,7 +369,7 @@ mod tests {
         let mut other_host = svc("e", "sh", port + 1);
         other_host.host = "192.0.2.1".into();
         let mut p = plan(vec![svc("a", "sh", port), svc("b", "sh", port), other_host]);
-        let missing = crate::tools::resolve_programs(&mut p);
+        let missing = crate::plan::resolve::resolve_programs(&mut p);
         let machine = Machine::new(None);
         let problems = check(&p, "main", &missing, &machine, &StateDir::new("/tmp/x"));
         let text = problems.join("\n");

@@ -1,7 +1,8 @@
 //! Plans and services for the supervisor's unit tests, so that each test writes only the
 //! fields it is about.
 
-use crate::plan::{Plan, Probe, Role, Service};
+use crate::plan::Plan;
+use crate::vocab::{Probe, Role, Service};
 use std::collections::BTreeMap;
 
 /// A prefill service `name` on `node` (at 127.0.0.1) that runs `true`, opens no ports and

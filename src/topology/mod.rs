@@ -12,9 +12,7 @@ mod validate;
 pub use load::{Source, Topology as LoadedTopology, load_file, load_str, recheck};
 pub use locate::Locator;
 
-use crate::plan::RestartMode;
-use crate::proxy::PolicyName;
-use crate::sim::args::SimModel;
+use crate::vocab::{PolicyName, RestartMode, SimModel};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;

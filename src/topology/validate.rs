@@ -202,7 +202,7 @@ fn check_ports(t: &Topology) -> Result<(), Problem> {
 fn check_engine(t: &Topology) -> Result<(), Problem> {
     let e = &t.engine;
     if e.vllm_version != "auto"
-        && let Err(err) = e.vllm_version.parse::<crate::vllm::Version>()
+        && let Err(err) = e.vllm_version.parse::<crate::vocab::Version>()
     {
         return Err(Problem::new("engine.vllm_version", err.to_string())
             .hint("write \"auto\" to ask the installed vLLM"));
@@ -254,7 +254,7 @@ fn check_context_length(t: &Topology) -> Result<(), Problem> {
     if model == 0 {
         return Err(Problem::new("model.max_model_len", "must be at least 1"));
     }
-    let default = crate::sim::args::SimModel::default().max_model_len;
+    let default = crate::vocab::SimModel::default().max_model_len;
     if t.engine.kind == EngineKind::Sim && sim != default && sim != model {
         return Err(Problem::new(
             "engine.sim.max_model_len",

@@ -5,9 +5,10 @@
 
 use crate::common::{TempDir, pdctl};
 use pdctl::control::{ServiceState, StatusReport};
-use pdctl::plan::{Plan, Probe, RestartMode, RestartPolicy, Role, Service, Shutdown};
+use pdctl::plan::Plan;
 use pdctl::supervisor::marked_processes;
 use pdctl::supervisor::{StateDir, read_record};
+use pdctl::vocab::{Probe, RestartMode, RestartPolicy, Role, Service, Shutdown};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Output;

@@ -9,7 +9,7 @@ mod round_robin;
 
 use super::instances::{Instance, Leg};
 use super::metrics::Metrics;
-use crate::proxy::args::PolicyName;
+use crate::vocab::PolicyName;
 use std::sync::Arc;
 
 pub use least_loaded::LeastLoaded;

@@ -10,7 +10,7 @@ mod two_step;
 use super::errors::LegFailure;
 use super::instances::Instance;
 use super::upstream::Upstream;
-use crate::proxy::args::ProxyProtocol;
+use crate::vocab::ProxyProtocol;
 use futures_util::future::BoxFuture;
 use serde_json::{Map, Value, json};
 

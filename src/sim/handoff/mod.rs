@@ -11,12 +11,12 @@ pub mod mooncake;
 pub mod nixl;
 pub mod shared_dir;
 
-use super::args::{SimHandoff, SimRole};
 use super::engine::Sim;
 use super::metrics::Finish;
 use super::openai::KvTransferParams;
 use crate::error_text::chain;
 use crate::spelling::value_name;
+use crate::vocab::{SimHandoff, SimRole};
 use held::{Held, KvBlocks};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;

@@ -3,13 +3,13 @@
 //! `Status` only copies the shared table, so the proxy can poll it twice a second.
 
 use crate::control::{Request, Response};
-use crate::plan::Service;
 use crate::supervisor::run::ops_hook::Operations;
 use crate::supervisor::run::peers::Peers;
 use crate::supervisor::run::remote::run_remote;
 use crate::supervisor::run::service::{Cmd, ServiceCtx, run_local};
 use crate::supervisor::state_dir::logfile::ServiceLog;
 use crate::supervisor::state_dir::state::{StateDir, write_atomic};
+use crate::vocab::Service;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,9 +4,10 @@
 //! channels use it); a removed service leaves a retired slot behind, which a later service
 //! of the same name takes over, so names stay unique and indices never shift.
 
-use crate::plan::{Plan, Service};
+use crate::plan::Plan;
 use crate::supervisor::run::service::Cmd;
 use crate::supervisor::state_dir::logfile::ServiceLog;
+use crate::vocab::Service;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 

@@ -7,7 +7,7 @@
 //! with status 0, and a cluster that took that for a clean finish would serve 503s for
 //! good.
 
-use crate::plan::{RestartMode, RestartPolicy};
+use crate::vocab::{RestartMode, RestartPolicy};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 

@@ -2,7 +2,7 @@
 //! while a service starts: 50 ms at first so a simulated cluster is ready in well under a
 //! second, growing to 1 s so a vLLM that loads for minutes is not hammered.
 
-use crate::plan::{Probe, Service};
+use crate::vocab::{Probe, Service};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 

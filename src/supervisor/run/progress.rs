@@ -240,7 +240,7 @@ pub fn exit_summary(s: &ServiceStatus) -> Option<String> {
 mod tests {
     use super::*;
     use crate::control::ServiceStatus;
-    use crate::plan::Role;
+    use crate::vocab::Role;
 
     fn status(name: &str, state: ServiceState, remote: bool) -> ServiceStatus {
         ServiceStatus {

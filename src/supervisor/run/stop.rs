@@ -126,8 +126,8 @@ pub fn describe_exit(status: &ExitStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::Service;
     use crate::supervisor::testing;
+    use crate::vocab::Service;
 
     #[test]
     fn signal_names_parse_in_the_usual_spellings() {

@@ -4,7 +4,8 @@
 //! wait on.
 
 use crate::control::{ServiceState, ServiceStatus, StatusReport};
-use crate::plan::{Plan, Service};
+use crate::plan::Plan;
+use crate::vocab::Service;
 use std::sync::Mutex;
 use std::time::Instant;
 use tokio::sync::watch;

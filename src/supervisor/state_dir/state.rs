@@ -37,7 +37,7 @@ impl StateDir {
         self.dir.join("plan.json")
     }
     pub fn socket_path(&self) -> PathBuf {
-        self.dir.join(crate::control::SOCKET_NAME)
+        self.dir.join(crate::vocab::SOCKET_NAME)
     }
     pub fn logs_dir(&self) -> PathBuf {
         self.dir.join("logs")

@@ -12,7 +12,6 @@ pub(crate) mod deps;
 pub(crate) mod run_watch;
 
 use crate::control::ServiceState;
-use crate::plan::{Probe, Service};
 use crate::supervisor::process::spawner::{SpawnSpec, Spawned, Spawner};
 use crate::supervisor::run::console::Console;
 use crate::supervisor::run::members::Members;
@@ -25,6 +24,7 @@ use crate::supervisor::run::stop::{clear_group, describe_exit, parse_signal, sto
 use crate::supervisor::run::table::Table;
 use crate::supervisor::state_dir::logfile::{ServiceLog, log_message};
 use crate::supervisor::state_dir::state::RecordWriter;
+use crate::vocab::{Probe, Service};
 use nix::sys::signal::Signal;
 use std::path::PathBuf;
 use std::sync::Arc;

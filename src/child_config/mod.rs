@@ -11,6 +11,15 @@
 //!
 //! [`Configured::resolve`] reads through a given function, so [`from_service`] can build
 //! the struct from a planned service (its argv and generated files) without touching disk.
+//!
+//! The two structs live here, in [`proxy`] and [`sim`], not in `crate::proxy` and
+//! `crate::sim`: the planner writes them, compares them and export reads them back, and
+//! the planner sits below the proxy and the simulator. This module sits above the
+//! topology (its errors are located as a topology's are) and below the connectors and the
+//! planner; see `tests/layers.rs`.
+
+pub mod proxy;
+pub mod sim;
 
 use crate::topology::{backticked_after, expected_list};
 use clap::parser::ValueSource;
@@ -316,8 +325,9 @@ pub fn to_file<T: ChildConfig>(value: &T) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::{PolicyName, ProxyArgs, ProxyProtocol};
-    use crate::sim::args::{SimArgs, SimModel};
+    use crate::vocab::{PolicyName, ProxyProtocol, SimModel};
+    use proxy::ProxyArgs;
+    use sim::SimArgs;
 
     /// Parses `args` (after the subcommand) with `file` as the text of `c.toml`.
     fn load<T: ChildConfig>(args: &[&str], file: &str) -> Result<T, ConfigFileError> {
@@ -359,7 +369,7 @@ mod tests {
     }
 
     fn every_sim_setting() -> SimArgs {
-        crate::sim::args::every_setting()
+        sim::every_setting()
     }
 
     #[test]

@@ -1,0 +1,22 @@
+//! The vocabulary several layers share: types and names that the topology, the
+//! connectors, the planner, the control protocol, the supervisor, the proxy, the
+//! simulator and export all speak, kept here, below every one of them, so that none has
+//! to import another's module for a word they share and imports only ever run downward
+//! (the layers are listed in `tests/layers.rs`, which checks them). Pure data: nothing
+//! here does I/O or depends on anything of this crate.
+
+mod control_socket;
+mod proxy;
+mod restart;
+mod role;
+mod service;
+mod sim;
+mod vllm_version;
+
+pub use control_socket::SOCKET_NAME;
+pub use proxy::{PolicyName, ProxyProtocol};
+pub use restart::{RestartMode, RestartPolicy};
+pub use role::Role;
+pub use service::{Check, GeneratedFile, Probe, Service, Shutdown};
+pub use sim::{SimHandoff, SimModel, SimRole};
+pub use vllm_version::{BadVersion, Version, VersionRange, VersionSource};
