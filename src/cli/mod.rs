@@ -5,6 +5,7 @@
 //! `view` (the status table, composing the supervisor's status report with the proxy's
 //! figures), `logs_cmd` (`pdctl logs`) and `detach` (the client half of `up -d`).
 
+mod check;
 pub mod cluster;
 pub mod common;
 mod detach;
@@ -16,6 +17,7 @@ mod live;
 mod log_buffer;
 mod logs_cmd;
 mod restart;
+mod tune;
 mod view;
 
 use crate::child_config::Configured;
@@ -50,6 +52,12 @@ pub enum Command {
     /// Change the running cluster to what a topology says, while serving (`--dry-run` shows
     /// the change only).
     Apply(live::ApplyArgs),
+    /// Find the prefill:decode split for a workload and its objectives by measuring each
+    /// split on the running cluster (moved there live).
+    Tune(tune::TuneCommand),
+    /// Prove the KV path: one probe per prefill -> decode pair, the decode's own counters
+    /// say whether the KV moved (exit 1 when a pair did not), plus transport and pair checks.
+    Check(check::CheckArgs),
     /// Show the logs of a role (`prefill`) or one service (`prefill-2`).
     Logs(cluster::LogsArgs),
     /// List the GPUs this machine has (NVML), or say why none can be read.
@@ -130,6 +138,8 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Restart(a) => cluster::restart(a),
         Command::Scale(a) => live::scale(&a, runtime()?),
         Command::Apply(a) => live::apply(&a, runtime()?),
+        Command::Tune(a) => tune::tune(a),
+        Command::Check(a) => check::check(a),
         Command::Supervise(a) => cluster::supervise(a),
         Command::Export(a) => export::export(a),
         Command::Proxy(a) => {

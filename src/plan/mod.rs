@@ -17,6 +17,7 @@ pub mod diff;
 mod engines;
 pub mod gpu_fit;
 mod ports;
+pub mod pairs;
 pub mod render;
 pub mod resolve;
 pub mod source;
