@@ -1,8 +1,9 @@
 //! `pdctl tune`: finds the prefill:decode split for a workload and its objectives on the
 //! running cluster by measuring it. Each candidate split is reached with a live change
 //! (the caller's `move_to`, which never restarts the proxy nor fails a request), the
-//! bench's own runner sends the workload, and the splits are ranked by goodput within the
-//! objectives (`choose`). The table, JSON and plot of the result are in `report`.
+//! bench's own runner sends the workload (its prompts led by a word of their own per
+//! split, so no split is served from caches an earlier one filled), and the splits are
+//! ranked by goodput within the objectives (`choose`). The table, JSON and plot of the result are in `report`.
 
 pub mod args;
 pub mod choose;
@@ -84,6 +85,10 @@ where
         .build()?;
     let mut out = Vec::with_capacity(splits.len());
     let n = splits.len();
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as u64;
     for (i, split) in splits.iter().enumerate() {
         eprintln!("pdctl tune: [{}/{n}] {split}: changing the split", i + 1);
         move_to(*split)
@@ -94,8 +99,8 @@ where
             "pdctl tune: [{}/{n}] {split}: sending {total} requests",
             i + 1
         );
-        let (outcomes, duration) =
-            runner::run(&client, &workload.load, &workload.requests, move |done| {
+        let requests = fresh(&workload.requests, &format!("{nonce:x}{split}"));
+        let (outcomes, duration) = runner::run(&client, &workload.load, &requests, move |done| {
                 if done == total || done % (total / 4).max(1) == 0 {
                     eprintln!("pdctl tune:         {done}/{total} requests done");
                 }
@@ -114,6 +119,19 @@ where
         out.push(m);
     }
     Ok(out)
+}
+
+/// The workload's requests, each prompt led by `salt`, so no split is served from the
+/// prefix caches an earlier split (or an earlier sweep) filled: every block hash chains
+/// from the first one. Prompts sharing a prefix within the workload still share it.
+pub fn fresh(requests: &[BenchRequest], salt: &str) -> Vec<BenchRequest> {
+    requests
+        .iter()
+        .map(|r| BenchRequest {
+            prompt: format!("{salt} {}", r.prompt),
+            ..r.clone()
+        })
+        .collect()
 }
 
 /// The figures of one split from its outcomes.
