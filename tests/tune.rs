@@ -94,7 +94,13 @@ fn topology(cluster: &str) -> String {
 }
 
 /// `pdctl tune --budget 4` with the workload's flags; returns its JSON and stdout.
-fn tune(cluster: &Cluster, dir: &TempDir, name: &str, w: &Workload, extra: &[&str]) -> (Value, String) {
+fn tune(
+    cluster: &Cluster,
+    dir: &TempDir,
+    name: &str,
+    w: &Workload,
+    extra: &[&str],
+) -> (Value, String) {
     let json = dir.path().join(format!("{name}.json"));
     let (input, output, conc, prompts) = (
         w.input_len.to_string(),
@@ -135,7 +141,11 @@ fn split(v: &Value) -> (u32, u32) {
 fn running(cluster: &Cluster) -> ((u32, u32), Option<u32>) {
     let r = cluster.status(&[]).expect("the cluster runs");
     let count = |role| r.services.iter().filter(|s| s.role == role).count() as u32;
-    let proxy = r.services.iter().find(|s| s.role == Role::Proxy).and_then(|s| s.pid);
+    let proxy = r
+        .services
+        .iter()
+        .find(|s| s.role == Role::Proxy)
+        .and_then(|s| s.pid);
     ((count(Role::Prefill), count(Role::Decode)), proxy)
 }
 
@@ -166,7 +176,10 @@ fn tune_picks_the_split_the_sim_model_predicts() {
     };
     let want_prompt = predicted(&SIM, &long_prompt, 4);
     let want_output = predicted(&SIM, &long_output, 4);
-    assert!(want_prompt.0 > want_output.0, "{want_prompt:?} {want_output:?}");
+    assert!(
+        want_prompt.0 > want_output.0,
+        "{want_prompt:?} {want_output:?}"
+    );
 
     let cluster = Cluster::new("tune");
     let dir = TempDir::new("tune-topo");
@@ -183,9 +196,16 @@ fn tune_picks_the_split_the_sim_model_predicts() {
         &["--plot", plot.to_str().unwrap()],
     );
     assert_no_failures(&v, long_prompt.prompts);
-    assert_eq!(split(&v["best"]), want_prompt, "long prompts:\n{stdout}\n{v}");
+    assert_eq!(
+        split(&v["best"]),
+        want_prompt,
+        "long prompts:\n{stdout}\n{v}"
+    );
     assert!(
-        stdout.contains(&format!("best split: {}P:{}D", want_prompt.0, want_prompt.1)),
+        stdout.contains(&format!(
+            "best split: {}P:{}D",
+            want_prompt.0, want_prompt.1
+        )),
         "{stdout}"
     );
     // Without --apply the cluster is back where it was, through the same proxy.
@@ -195,7 +215,11 @@ fn tune_picks_the_split_the_sim_model_predicts() {
 
     let (v, stdout) = tune(&cluster, &dir, "long-output", &long_output, &["--apply"]);
     assert_no_failures(&v, long_output.prompts);
-    assert_eq!(split(&v["best"]), want_output, "long outputs:\n{stdout}\n{v}");
+    assert_eq!(
+        split(&v["best"]),
+        want_output,
+        "long outputs:\n{stdout}\n{v}"
+    );
     // --apply leaves the cluster on the best split, still through the same proxy.
     assert_eq!(running(&cluster), (want_output, proxy_pid));
     assert_eq!(split(&v["left_on"]), want_output);
@@ -211,7 +235,11 @@ fn tune_refuses_a_budget_without_a_split_before_it_moves_anything() {
     cluster.up_topology(dir.path(), &topology("tune-bad"));
     let out = cluster.run(&["tune", "--budget", "1", "--num-prompts", "1"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
-    assert!(text(&out).contains("a budget of 1 instance leaves no split"), "{}", text(&out));
+    assert!(
+        text(&out).contains("a budget of 1 instance leaves no split"),
+        "{}",
+        text(&out)
+    );
     let out = cluster.run(&["tune", "--gpu-budget", "4"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(text(&out).contains("hold no GPU"), "{}", text(&out));

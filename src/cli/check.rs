@@ -125,7 +125,11 @@ async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
         .map(|r| format!("{} -> {}", r.prefill, r.decode))
         .collect();
     if failed.is_empty() {
-        println!("every pair moved its KV ({} of {})", results.len(), results.len());
+        println!(
+            "every pair moved its KV ({} of {})",
+            results.len(),
+            results.len()
+        );
         Ok(ExitCode::SUCCESS)
     } else {
         println!(

@@ -56,7 +56,11 @@ pub async fn set_split(cluster: &ClusterArgs, to: Split, drain_timeout: u64) -> 
     .await
     .context("the split change stopped")??;
     if code != ExitCode::SUCCESS {
-        anyhow::bail!("`pdctl scale prefill={} decode={}` failed", to.prefill, to.decode);
+        anyhow::bail!(
+            "`pdctl scale prefill={} decode={}` failed",
+            to.prefill,
+            to.decode
+        );
     }
     Ok(())
 }
@@ -78,11 +82,7 @@ async fn run(a: TuneCommand) -> anyhow::Result<ExitCode> {
         decode: count(Role::Decode),
     };
     let plan = super::cluster::read_plan(&StateDir::new(&found.dir).plan_path())?;
-    let gpus_of = |role: Role| {
-        plan.by_role(role)
-            .next()
-            .map_or(0, |s| s.gpus.len() as u32)
-    };
+    let gpus_of = |role: Role| plan.by_role(role).next().map_or(0, |s| s.gpus.len() as u32);
     let gpus_per = (gpus_of(Role::Prefill), gpus_of(Role::Decode));
     if t.gpu_budget.is_some() && gpus_per == (0, 0) {
         return Err(ExitError::usage(format!(
@@ -150,7 +150,10 @@ async fn run(a: TuneCommand) -> anyhow::Result<ExitCode> {
     let measured: Vec<Measured> = match swept {
         Ok(m) => m,
         Err(e) => {
-            eprintln!("pdctl tune: {e:#}; returning cluster {} to {start}", found.cluster);
+            eprintln!(
+                "pdctl tune: {e:#}; returning cluster {} to {start}",
+                found.cluster
+            );
             set_split(&which, start, drain).await?;
             return Err(e);
         }

@@ -38,9 +38,12 @@ pub fn of(connector: &str, svc: &Service) -> Transport {
             let tcp = tls.is_some_and(|t| {
                 let t = t.to_ascii_lowercase();
                 t.split(',').any(|x| x.trim() == "tcp")
-                    && !t
-                        .split(',')
-                        .any(|x| matches!(x.trim(), "rc" | "ud" | "dc" | "rc_x" | "ud_x" | "dc_x" | "ib" | "all"))
+                    && !t.split(',').any(|x| {
+                        matches!(
+                            x.trim(),
+                            "rc" | "ud" | "dc" | "rc_x" | "ud_x" | "dc_x" | "ib" | "all"
+                        )
+                    })
             });
             Transport {
                 text: format!(
@@ -134,7 +137,10 @@ mod tests {
 
     #[test]
     fn nixl_names_ucx_and_tells_tcp_only() {
-        let t = of("nixl", &engine(&["python3"], &[("UCX_TLS", "tcp,cuda_copy")]));
+        let t = of(
+            "nixl",
+            &engine(&["python3"], &[("UCX_TLS", "tcp,cuda_copy")]),
+        );
         assert!(t.tcp, "{t:?}");
         assert_eq!(
             t.text,

@@ -215,10 +215,10 @@ mod tests {
             "prefill-1",
             Role::Prefill,
             "local",
-            vec!["vllm".into(), "serve".into(), "m/x".into()],
+            ["vllm", "serve", "m/x"],
         );
         assert_eq!(engine_facts(&serve).unwrap().model.as_deref(), Some("m/x"));
-        let proxy = Service::new("proxy", Role::Proxy, "local", vec!["pdctl".into()]);
+        let proxy = Service::new("proxy", Role::Proxy, "local", ["pdctl"]);
         assert_eq!(engine_facts(&proxy), None);
     }
 

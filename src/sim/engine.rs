@@ -357,7 +357,11 @@ mod tests {
         for h in all.collect::<Vec<_>>() {
             h.await.unwrap();
         }
-        assert!(t.elapsed() >= Duration::from_millis(120), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() >= Duration::from_millis(120),
+            "{:?}",
+            t.elapsed()
+        );
         // 0 sets no limit: every prompt computes alongside the others, as before.
         let parallel = sim(SimModel {
             max_concurrent_prefills: 0,

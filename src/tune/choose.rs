@@ -130,7 +130,13 @@ pub struct Score {
 /// The index of the best split: one that meets the objectives and failed no request
 /// first, then the highest goodput, then the highest throughput; None for no splits.
 pub fn best(scores: &[Score]) -> Option<usize> {
-    let key = |s: &Score| (s.meets_slo && s.failed == 0, s.goodput, s.request_throughput);
+    let key = |s: &Score| {
+        (
+            s.meets_slo && s.failed == 0,
+            s.goodput,
+            s.request_throughput,
+        )
+    };
     (0..scores.len()).max_by(|&a, &b| {
         let (x, y) = (key(&scores[a]), key(&scores[b]));
         x.0.cmp(&y.0)

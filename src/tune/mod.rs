@@ -101,11 +101,11 @@ where
         );
         let requests = fresh(&workload.requests, &format!("{nonce:x}{split}"));
         let (outcomes, duration) = runner::run(&client, &workload.load, &requests, move |done| {
-                if done == total || done % (total / 4).max(1) == 0 {
-                    eprintln!("pdctl tune:         {done}/{total} requests done");
-                }
-            })
-            .await;
+            if done == total || done % (total / 4).max(1) == 0 {
+                eprintln!("pdctl tune:         {done}/{total} requests done");
+            }
+        })
+        .await;
         let m = measure(*split, workload, &outcomes, duration);
         eprintln!(
             "pdctl tune: [{}/{n}] {split}: {:.2} req/s, goodput {:.2} req/s, TTFT p90 {:.1} ms, ITL p90 {:.1} ms, {} failed",
