@@ -41,16 +41,8 @@ impl TuneResult {
         let mut o = String::new();
         let _ = writeln!(
             o,
-            "{:<8} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9} {:>9}  {}",
-            "split",
-            "req/s",
-            "goodput",
-            "failed",
-            "TTFT p50",
-            "TTFT p90",
-            "ITL p50",
-            "ITL p90",
-            "SLO"
+            "{:<8} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9} {:>9}  SLO",
+            "split", "req/s", "goodput", "failed", "TTFT p50", "TTFT p90", "ITL p50", "ITL p90",
         );
         for m in &self.splits {
             let mark = if m.split() == self.best { " *" } else { "" };
