@@ -8,6 +8,7 @@
 //! `--config FILE` of the processes pdctl runs as itself (proxy, sim).
 
 pub mod bench;
+pub mod check;
 pub mod child_config;
 pub mod cli;
 pub mod connectors;
@@ -26,5 +27,6 @@ pub mod sse;
 pub mod supervisor;
 pub mod tools;
 pub mod topology;
+pub mod tune;
 pub mod vllm;
 pub mod vocab;

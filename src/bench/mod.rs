@@ -215,8 +215,9 @@ async fn target(a: &BenchArgs) -> anyhow::Result<Target> {
     })
 }
 
-/// The first model the server lists; a clear error when it cannot be asked.
-async fn first_model(client: &reqwest::Client, url: &str) -> anyhow::Result<String> {
+/// The first model the server lists; a clear error when it cannot be asked (also what
+/// `pdctl tune` sends when no model is given).
+pub async fn first_model(client: &reqwest::Client, url: &str) -> anyhow::Result<String> {
     let models = format!("{url}/v1/models");
     let resp = client
         .get(&models)

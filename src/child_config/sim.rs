@@ -163,6 +163,7 @@ pub(crate) fn every_setting() -> SimArgs {
             kv_load_ms_per_token: 0.0001,
             handoff_wait_ms: 1234,
             kv_hold_timeout_ms: 5678,
+            max_concurrent_prefills: 2,
         },
         fault_exit_after: Some(7),
         kv_host: Some("10.0.0.2".into()),

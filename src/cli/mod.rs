@@ -5,6 +5,7 @@
 //! `view` (the status table, composing the supervisor's status report with the proxy's
 //! figures), `logs_cmd` (`pdctl logs`) and `detach` (the client half of `up -d`).
 
+mod check;
 pub mod cluster;
 pub mod common;
 mod detach;
@@ -17,6 +18,7 @@ mod log_buffer;
 mod logs_cmd;
 mod restart;
 mod secret;
+mod tune;
 mod view;
 
 use crate::child_config::Configured;
@@ -54,6 +56,12 @@ pub enum Command {
     /// Print the cluster's secret, which the other nodes of a cluster over several
     /// machines need (`PDCTL_CLUSTER_SECRET` or `up --secret-file`).
     Secret(secret::SecretArgs),
+    /// Find the prefill:decode split for a workload and its objectives by measuring each
+    /// split on the running cluster (moved there live).
+    Tune(tune::TuneCommand),
+    /// Prove the KV path: one probe per prefill -> decode pair, the decode's own counters
+    /// say whether the KV moved (exit 1 when a pair did not), plus transport and pair checks.
+    Check(check::CheckArgs),
     /// Show the logs of a role (`prefill`) or one service (`prefill-2`).
     Logs(cluster::LogsArgs),
     /// List the GPUs this machine has (NVML), or say why none can be read.
@@ -134,6 +142,8 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Restart(a) => cluster::restart(a),
         Command::Scale(a) => live::scale(&a, runtime()?),
         Command::Apply(a) => cluster::apply(a),
+        Command::Tune(a) => tune::tune(a),
+        Command::Check(a) => check::check(a),
         Command::Supervise(a) => cluster::supervise(a),
         Command::Secret(a) => secret::show(a),
         Command::Export(a) => export::export(a),

@@ -17,6 +17,7 @@ mod mooncake_store;
 mod mooncake_te;
 mod nixl;
 mod ports;
+pub mod transport;
 
 pub use lmcache::server_command as lmcache_server_command;
 pub use ports::PortBook;

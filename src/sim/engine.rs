@@ -3,8 +3,11 @@
 //!
 //! Time model: a request's first token comes `overhead + uncached_prompt_tokens *
 //! prefill_ms_per_token + handed_off_tokens * kv_load_ms_per_token` after it is
-//! admitted; each later token one step after the previous, where a step is
-//! `itl_ms * (1 + batch_slowdown * (running - 1))`. All zero means no timer at all.
+//! admitted, plus its wait for a turn to compute: at most `max_concurrent_prefills`
+//! prompts compute at once (in arrival order), so an instance's prefill time grows with
+//! the prompt tokens queued on it. Each later token comes one step after the previous,
+//! where a step is `itl_ms * (1 + batch_slowdown * (running - 1))`, so a decode step grows
+//! with its batch. All zero means no timer at all.
 
 use super::cache::PrefixCache;
 use super::faults::Faults;
@@ -29,6 +32,8 @@ pub struct Sim {
     pub faults: Faults,
     cache: Mutex<PrefixCache>,
     slots: Arc<Semaphore>,
+    /// Turns to compute a prompt (`max_concurrent_prefills`; None: no limit).
+    prefill_turns: Option<Semaphore>,
     next_id: AtomicU64,
     id_tag: u32,
     /// KV kept for decodes (nixl and mooncake prefill side).
@@ -67,6 +72,8 @@ impl Sim {
             faults: Faults::new(args.fault_exit_after),
             cache: Mutex::new(PrefixCache::new(m.cache_blocks as usize)),
             slots: Arc::new(Semaphore::new(m.max_num_seqs as usize)),
+            prefill_turns: (m.max_concurrent_prefills > 0)
+                .then(|| Semaphore::new(m.max_concurrent_prefills as usize)),
             next_id: AtomicU64::new(1),
             id_tag: tag,
             held: HeldKv::default(),
@@ -122,12 +129,38 @@ impl Sim {
             .insert(hashes);
     }
 
-    /// Time to compute `uncached` prompt tokens and load `loaded` handed-off ones.
+    /// Time to compute `uncached` prompt tokens and load `loaded` handed-off ones, when
+    /// no other prompt waits for its turn.
     pub fn prefill_time(&self, uncached: u64, loaded: u64) -> Duration {
+        self.fixed_prefill_time(loaded) + self.compute_time(uncached)
+    }
+
+    /// The part of the time to first token that runs alongside other requests: the
+    /// per-request overhead and loading handed-off KV.
+    fn fixed_prefill_time(&self, loaded: u64) -> Duration {
         let m = &self.args.model_params;
-        ms(m.overhead_ms
-            + uncached as f64 * m.prefill_ms_per_token
-            + loaded as f64 * m.kv_load_ms_per_token)
+        ms(m.overhead_ms + loaded as f64 * m.kv_load_ms_per_token)
+    }
+
+    /// Computing `uncached` prompt tokens, once it is this prompt's turn.
+    fn compute_time(&self, uncached: u64) -> Duration {
+        ms(uncached as f64 * self.args.model_params.prefill_ms_per_token)
+    }
+
+    /// Waits a prompt's time to first token: the fixed part, then its turn to compute
+    /// (behind the prompts queued before it when `max_concurrent_prefills` compute
+    /// already), then the computing.
+    pub async fn prefill(&self, uncached: u64, loaded: u64) {
+        pause(self.fixed_prefill_time(loaded)).await;
+        let compute = self.compute_time(uncached);
+        if compute.is_zero() {
+            return;
+        }
+        let _turn = match &self.prefill_turns {
+            Some(turns) => Some(turns.acquire().await.expect("never closed")),
+            None => None,
+        };
+        pause(compute).await;
     }
 
     /// One decode step with the current number of running sequences.
@@ -304,6 +337,37 @@ mod tests {
         drop(g);
         assert_eq!(s.metrics.aborted.load(Relaxed), 1);
         assert_eq!(s.metrics.blocks_in_use.load(Relaxed), 0);
+    }
+
+    #[tokio::test]
+    async fn prompts_on_one_instance_compute_one_at_a_time() {
+        let model = SimModel {
+            overhead_ms: 0.0,
+            prefill_ms_per_token: 1.0,
+            ..SimModel::default()
+        };
+        // Three 40-token prompts at once: the last gets its first token after all three
+        // computed in turn (120 ms); load can only make it later.
+        let serial = sim(model.clone());
+        let t = std::time::Instant::now();
+        let all = (0..3).map(|_| {
+            let s = serial.clone();
+            tokio::spawn(async move { s.prefill(40, 0).await })
+        });
+        for h in all.collect::<Vec<_>>() {
+            h.await.unwrap();
+        }
+        assert!(
+            t.elapsed() >= Duration::from_millis(120),
+            "{:?}",
+            t.elapsed()
+        );
+        // 0 sets no limit: every prompt computes alongside the others, as before.
+        let parallel = sim(SimModel {
+            max_concurrent_prefills: 0,
+            ..model
+        });
+        assert!(parallel.prefill_turns.is_none());
     }
 
     #[test]

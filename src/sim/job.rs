@@ -212,7 +212,7 @@ impl Job {
         }
         guard.add_blocks(blocks);
         self.guard = Some(guard);
-        pause(sim.prefill_time(uncached, loaded)).await;
+        sim.prefill(uncached, loaded).await;
         for h in &all_hashes {
             sim.cache_insert(h);
         }

@@ -39,6 +39,7 @@ pub fn check(
     check_gpus(plan, node, machine, &mut problems);
     check_dirs(plan, node, &mut problems);
     check_requirements(plan, node, &mut problems);
+    check_pairs(plan, &mut problems);
     let sock = state.socket_path();
     if sock.as_os_str().len() > MAX_SOCKET_PATH {
         problems.push(format!(
@@ -78,6 +79,17 @@ pub fn check_added(
     check_dirs(&sub, node, &mut problems);
     check_requirements(&sub, node, &mut problems);
     problems
+}
+
+/// Prefill/decode pairs that cannot hand KV over (another model, another block size,
+/// tensor-parallel sizes the connector cannot bridge), each named with both sides; what
+/// the connector may bridge is left to `pdctl check`.
+fn check_pairs(plan: &Plan, problems: &mut Vec<String>) {
+    for m in crate::plan::pairs::mismatches(plan) {
+        if m.fatal {
+            problems.push(m.to_string());
+        }
+    }
 }
 
 fn check_programs(plan: &Plan, node: &str, missing: &[MissingProgram], problems: &mut Vec<String>) {

@@ -75,6 +75,11 @@ pub struct SimModel {
     /// (vLLM's NIXL abort timeout plays this part).
     #[arg(long, default_value_t = SimModel::default().kv_hold_timeout_ms)]
     pub kv_hold_timeout_ms: u64,
+    /// Prompts an instance computes at once, each at full speed; the others wait their
+    /// turn in arrival order, so prefill time grows with the prompt tokens queued on the
+    /// instance, as on a GPU. 0 = no limit (every prompt computes alongside the others).
+    #[arg(long, default_value_t = SimModel::default().max_concurrent_prefills)]
+    pub max_concurrent_prefills: u32,
 }
 
 /// The one place the simulated model's defaults are written: clap's `default_value_t`s,
@@ -94,6 +99,7 @@ impl Default for SimModel {
             kv_load_ms_per_token: 0.005,
             handoff_wait_ms: 30_000,
             kv_hold_timeout_ms: 120_000,
+            max_concurrent_prefills: 1,
         }
     }
 }
@@ -138,6 +144,8 @@ impl SimModel {
             self.handoff_wait_ms.to_string(),
             "--kv-hold-timeout-ms".into(),
             self.kv_hold_timeout_ms.to_string(),
+            "--max-concurrent-prefills".into(),
+            self.max_concurrent_prefills.to_string(),
         ]
     }
 }

@@ -1,0 +1,296 @@
+//! `pdctl check`: proves the KV path of a running cluster, pair by pair. For each prefill
+//! -> decode pair it asks both engines what a handoff needs them to agree on (model, KV
+//! block size, vLLM version; tensor-parallel sizes come from the plan), then sends one
+//! probe request through the proxy pinned to that pair, and holds the decode's own
+//! counter `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` to having
+//! grown by the probe prompt's full blocks: a handoff that silently fell back to a
+//! recompute shows there and nowhere else.
+
+use crate::plan::pairs::{EngineFacts, Mismatch, compare};
+use serde::Serialize;
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+
+/// The decode counter a received handoff adds to.
+pub const EXTERNAL_KV_SERIES: &str = "vllm:prompt_tokens_by_source_total";
+
+/// One running engine to check.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    /// Its facts as the plan starts it (name, role, model, TP, block size).
+    pub planned: EngineFacts,
+    pub url: String,
+}
+
+/// What a running engine says of itself.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Answered {
+    pub version: Option<String>,
+    pub model: Option<String>,
+    pub block_size: Option<u32>,
+    /// Tokens its handoffs brought so far (the external_kv_transfer counter).
+    pub external_tokens: Option<f64>,
+}
+
+/// The outcome for one prefill -> decode pair.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PairResult {
+    pub prefill: String,
+    pub decode: String,
+    /// True when the probe's KV reached the decode.
+    pub moved: bool,
+    pub prompt_tokens: u64,
+    /// The prompt's full blocks: what the handoff must bring.
+    pub expected_tokens: u64,
+    /// How much the decode's external_kv_transfer counter grew.
+    pub external_tokens: f64,
+    pub elapsed_ms: f64,
+    /// Handed-off tokens per second of the probe, end to end.
+    pub tokens_per_s: f64,
+    /// Mismatches between the two running engines (named with both sides).
+    pub mismatches: Vec<String>,
+    /// Why the KV did not move, or what else went wrong.
+    pub problem: Option<String>,
+}
+
+/// Asks an engine its version, model, block size and handoff counter.
+pub async fn ask(client: &reqwest::Client, url: &str) -> Result<Answered, String> {
+    let get = |path: &str| {
+        let u = format!("{url}{path}");
+        let c = client.clone();
+        async move {
+            let r = c
+                .get(&u)
+                .timeout(Duration::from_secs(10))
+                .send()
+                .await
+                .map_err(|e| format!("cannot reach {u}: {}", crate::error_text::chain(&e)))?;
+            r.text().await.map_err(|e| format!("{u}: {e}"))
+        }
+    };
+    let version: Value = serde_json::from_str(&get("/version").await?).unwrap_or_default();
+    let models: Value = serde_json::from_str(&get("/v1/models").await?).unwrap_or_default();
+    let metrics = get("/metrics").await?;
+    let block_size = crate::prometheus::samples(&metrics)
+        .find(|s| s.name == "vllm:cache_config_info")
+        .and_then(|s| crate::prometheus::label_value(s.labels, "block_size"))
+        .and_then(|b| b.parse().ok());
+    Ok(Answered {
+        version: version["version"].as_str().map(str::to_string),
+        model: models["data"][0]["id"].as_str().map(str::to_string),
+        block_size,
+        external_tokens: external_tokens(&metrics),
+    })
+}
+
+/// The sum of the decode's external_kv_transfer prompt tokens over its engines.
+pub fn external_tokens(metrics: &str) -> Option<f64> {
+    let mut total = None;
+    for s in crate::prometheus::samples(metrics).filter(|s| s.name == EXTERNAL_KV_SERIES) {
+        if crate::prometheus::label_value(s.labels, "source").as_deref()
+            == Some("external_kv_transfer")
+        {
+            *total.get_or_insert(0.0) += s.value;
+        }
+    }
+    total
+}
+
+/// What the two running engines disagree on, as they answer (plan facts corrected by
+/// what they say).
+pub fn running_mismatches(
+    prefill: &Engine,
+    p: &Answered,
+    decode: &Engine,
+    d: &Answered,
+    connector: &str,
+) -> Vec<Mismatch> {
+    let live = |e: &Engine, a: &Answered| EngineFacts {
+        model: a.model.clone().or_else(|| e.planned.model.clone()),
+        block_size: a.block_size.unwrap_or(e.planned.block_size),
+        ..e.planned.clone()
+    };
+    let mut out = compare(&live(prefill, p), &live(decode, d), connector);
+    // The served name may differ from the planned path: compare what they serve.
+    out.retain(|m| m.what != "model" || p.model.is_some() && d.model.is_some());
+    if let (Some(pv), Some(dv)) = (&p.version, &d.version)
+        && pv != dv
+    {
+        out.push(Mismatch {
+            what: "vLLM version",
+            prefill: prefill.planned.name.clone(),
+            prefill_value: pv.clone(),
+            decode: decode.planned.name.clone(),
+            decode_value: dv.clone(),
+            fatal: true,
+        });
+    }
+    out
+}
+
+/// The full blocks of a `prompt_tokens` prompt, which a handoff brings (vLLM computes the
+/// last token itself, so a prompt of whole blocks hands over one block less).
+pub fn full_block_tokens(prompt_tokens: u64, block_size: u32) -> u64 {
+    let bs = u64::from(block_size.max(1));
+    (prompt_tokens.saturating_sub(1) / bs) * bs
+}
+
+/// A prompt of about `words` tokens that no engine has cached (its first words are
+/// unique), so the decode can only get its KV by the handoff.
+pub fn probe_prompt(words: usize, nonce: u64) -> String {
+    const WORDS: [&str; 12] = [
+        "check", "the", "path", "that", "moves", "cache", "blocks", "from", "prefill", "to",
+        "decode", "now",
+    ];
+    let mut p = format!("pdctl check {nonce:016x}");
+    for i in 0..words.saturating_sub(3) {
+        p.push(' ');
+        p.push_str(WORDS[(i * 7 + nonce as usize) % WORDS.len()]);
+    }
+    p
+}
+
+/// Sends the probe through the proxy, pinned to the pair with the `user` designation, and
+/// measures what reached the decode.
+pub async fn probe(
+    client: &reqwest::Client,
+    proxy: &str,
+    model: &str,
+    prefill: &Engine,
+    decode: &Engine,
+    words: usize,
+    block_size: u32,
+) -> PairResult {
+    let mut r = PairResult {
+        prefill: prefill.planned.name.clone(),
+        decode: decode.planned.name.clone(),
+        moved: false,
+        prompt_tokens: 0,
+        expected_tokens: 0,
+        external_tokens: 0.0,
+        elapsed_ms: 0.0,
+        tokens_per_s: 0.0,
+        mismatches: Vec::new(),
+        problem: None,
+    };
+    let before = match ask(client, &decode.url).await {
+        Ok(a) => a.external_tokens,
+        Err(e) => {
+            r.problem = Some(e);
+            return r;
+        }
+    };
+    let Some(before) = before else {
+        r.problem = Some(format!(
+            "{} has no {EXTERNAL_KV_SERIES}{{source=\"external_kv_transfer\"}} counter (vLLM 0.26 or later has it): the handoff cannot be proved",
+            decode.planned.name
+        ));
+        return r;
+    };
+    let host_port = |u: &str| {
+        u.trim_start_matches("http://")
+            .trim_start_matches("https://")
+            .trim_end_matches('/')
+            .to_string()
+    };
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64;
+    let body = json!({
+        "model": model,
+        "prompt": probe_prompt(words, nonce),
+        "max_tokens": 2,
+        "temperature": 0.0,
+        "user": format!("prefill={};decode={}", host_port(&prefill.url), host_port(&decode.url)),
+    });
+    let t = Instant::now();
+    let answer = client
+        .post(format!("{proxy}/v1/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await;
+    let answer = match answer {
+        Ok(a) => a,
+        Err(e) => {
+            r.problem = Some(format!(
+                "the probe through {proxy} failed: {}",
+                crate::error_text::chain(&e)
+            ));
+            return r;
+        }
+    };
+    let status = answer.status();
+    let text = answer.text().await.unwrap_or_default();
+    r.elapsed_ms = t.elapsed().as_secs_f64() * 1e3;
+    if !status.is_success() {
+        r.problem = Some(format!(
+            "the probe got HTTP {status}: {}",
+            crate::error_text::answer_message(text.as_bytes())
+        ));
+        return r;
+    }
+    let v: Value = serde_json::from_str(&text).unwrap_or_default();
+    r.prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    r.expected_tokens = full_block_tokens(r.prompt_tokens, block_size);
+    // vLLM updates its counters as the step's stats come in: give them a moment.
+    let end = Instant::now() + Duration::from_secs(3);
+    loop {
+        let now = ask(client, &decode.url)
+            .await
+            .ok()
+            .and_then(|a| a.external_tokens)
+            .unwrap_or(before);
+        r.external_tokens = now - before;
+        if r.external_tokens >= r.expected_tokens as f64 || Instant::now() >= end {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    r.moved = r.expected_tokens > 0 && r.external_tokens >= r.expected_tokens as f64;
+    r.tokens_per_s = r.expected_tokens as f64 / (r.elapsed_ms / 1e3).max(1e-9);
+    if !r.moved {
+        r.problem = Some(if r.expected_tokens == 0 {
+            format!(
+                "the probe's prompt ({} tokens) fills no KV block of {block_size}: give a longer --prompt-tokens",
+                r.prompt_tokens
+            )
+        } else {
+            format!(
+                "the KV did NOT move: {} took {} of the prompt's {} full-block tokens by handoff and computed the rest itself (a silent recompute: see its log and the connector's transport)",
+                decode.planned.name, r.external_tokens, r.expected_tokens
+            )
+        });
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_handoff_brings_the_full_blocks_before_the_last_token() {
+        assert_eq!(full_block_tokens(70, 16), 64);
+        assert_eq!(full_block_tokens(64, 16), 48);
+        assert_eq!(full_block_tokens(65, 16), 64);
+        assert_eq!(full_block_tokens(10, 16), 0);
+    }
+
+    #[test]
+    fn the_handoff_counter_sums_over_engines() {
+        let page = "vllm:prompt_tokens_by_source_total{engine=\"0\",source=\"external_kv_transfer\"} 64\n\
+                    vllm:prompt_tokens_by_source_total{engine=\"0\",source=\"local_compute\"} 6\n\
+                    vllm:prompt_tokens_by_source_total{engine=\"1\",source=\"external_kv_transfer\"} 32\n";
+        assert_eq!(external_tokens(page), Some(96.0));
+        assert_eq!(external_tokens("vllm:num_requests_running 0\n"), None);
+    }
+
+    #[test]
+    fn probe_prompts_differ_from_the_first_words() {
+        let (a, b) = (probe_prompt(50, 1), probe_prompt(50, 2));
+        assert_ne!(a.split(' ').nth(2), b.split(' ').nth(2));
+        assert_eq!(a.split(' ').count(), 50);
+    }
+}

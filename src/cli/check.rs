@@ -1,0 +1,187 @@
+//! `pdctl check`: the command-line half of `crate::check` — the running cluster's pairs,
+//! the transport each engine is configured with (and a warning for TCP on a machine with
+//! RDMA devices), one line per pair, exit 0 when every pair moved its KV and 1 when one
+//! did not.
+
+use super::ExitError;
+use super::common::ClusterArgs;
+use super::common::running;
+use crate::check::{Engine, PairResult, ask, probe, running_mismatches};
+use crate::connectors::transport;
+use crate::control::client;
+use crate::plan::pairs::engine_facts;
+use crate::supervisor::StateDir;
+use crate::vocab::Role;
+use clap::Args;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Arguments of `pdctl check`.
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// Length of each probe prompt, in words (about as many tokens).
+    #[arg(long, default_value_t = 256)]
+    pub prompt_tokens: usize,
+    /// Write every pair's result as JSON.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub which: ClusterArgs,
+}
+
+/// `pdctl check`.
+pub fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
+    super::runtime()?.block_on(run(a))
+}
+
+async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
+    let found = running(&a.which.state_dir, a.which.cluster.as_deref(), "check")?;
+    let report = client::status(&found.socket, Duration::from_secs(5)).await?;
+    let plan = super::cluster::read_plan(&StateDir::new(&found.dir).plan_path())?;
+    let proxy = report.proxy_url.clone().ok_or_else(|| {
+        ExitError::usage(format!(
+            "cluster {} has no proxy: check sends its probes through it",
+            found.cluster
+        ))
+    })?;
+    // The engines as they run now (after any scale), with their planned facts.
+    let engines = |role: Role| -> Vec<Engine> {
+        report
+            .services
+            .iter()
+            .filter(|s| s.role == role)
+            .filter_map(|s| {
+                let svc = plan.service(&s.name)?;
+                Some(Engine {
+                    planned: engine_facts(svc)?,
+                    url: s.url.clone()?,
+                })
+            })
+            .collect()
+    };
+    let (prefill, decode) = (engines(Role::Prefill), engines(Role::Decode));
+    if prefill.is_empty() || decode.is_empty() {
+        return Err(ExitError::usage(format!(
+            "cluster {} has no prefill/decode pair to check",
+            found.cluster
+        )));
+    }
+    println!(
+        "cluster {}: connector {}, proxy protocol {}",
+        found.cluster, plan.connector, plan.protocol
+    );
+    let rdma = transport::rdma_devices();
+    let mut transports: Vec<(String, transport::Transport)> = Vec::new();
+    for e in prefill.iter().chain(&decode) {
+        if let Some(svc) = plan.service(&e.planned.name) {
+            transports.push((e.planned.name.clone(), transport::of(&plan.connector, svc)));
+        }
+    }
+    let first = &transports[0].1;
+    if transports.iter().all(|(_, t)| t == first) {
+        println!("KV transport: {}", first.text);
+    } else {
+        for (name, t) in &transports {
+            println!("KV transport of {name}: {}", t.text);
+        }
+    }
+    if transports.iter().any(|(_, t)| t.tcp) && !rdma.is_empty() {
+        println!(
+            "warning: the KV moves over TCP, but this machine has RDMA devices ({}): set the connector's transport to use them",
+            rdma.join(", ")
+        );
+    }
+    let http = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(5))
+        .build()?;
+    let model = crate::bench::first_model(&http, &proxy).await?;
+    let mut results: Vec<PairResult> = Vec::new();
+    for p in &prefill {
+        let pa = ask(&http, &p.url).await;
+        for d in &decode {
+            let da = ask(&http, &d.url).await;
+            let (pa, da) = match (&pa, &da) {
+                (Ok(x), Ok(y)) => (x, y),
+                (Err(e), _) | (_, Err(e)) => {
+                    results.push(unreachable(p, d, e));
+                    continue;
+                }
+            };
+            let mismatches = running_mismatches(p, pa, d, da, &plan.connector);
+            let block = da.block_size.unwrap_or(d.planned.block_size);
+            let mut r = probe(&http, &proxy, &model, p, d, a.prompt_tokens, block).await;
+            r.mismatches = mismatches.iter().map(ToString::to_string).collect();
+            results.push(r);
+        }
+    }
+    print!("{}", table(&results));
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")?;
+        eprintln!("results written to {}", path.display());
+    }
+    let failed: Vec<String> = results
+        .iter()
+        .filter(|r| !r.moved)
+        .map(|r| format!("{} -> {}", r.prefill, r.decode))
+        .collect();
+    if failed.is_empty() {
+        println!(
+            "every pair moved its KV ({} of {})",
+            results.len(),
+            results.len()
+        );
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!(
+            "{} of {} pairs did NOT move their KV: {}",
+            failed.len(),
+            results.len(),
+            failed.join(", ")
+        );
+        Ok(ExitCode::from(1))
+    }
+}
+
+fn unreachable(p: &Engine, d: &Engine, e: &str) -> PairResult {
+    PairResult {
+        prefill: p.planned.name.clone(),
+        decode: d.planned.name.clone(),
+        moved: false,
+        prompt_tokens: 0,
+        expected_tokens: 0,
+        external_tokens: 0.0,
+        elapsed_ms: 0.0,
+        tokens_per_s: 0.0,
+        mismatches: Vec::new(),
+        problem: Some(e.to_string()),
+    }
+}
+
+/// One line per pair, then its mismatches and problem indented under it.
+fn table(results: &[PairResult]) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "{:<28} {:<6} {:>16} {:>10} {:>12}",
+        "PAIR", "KV", "HANDED OFF", "TIME", "TOKENS/S"
+    );
+    for r in results {
+        let _ = writeln!(
+            o,
+            "{:<28} {:<6} {:>16} {:>10} {:>12}",
+            format!("{} -> {}", r.prefill, r.decode),
+            if r.moved { "moved" } else { "NOT" },
+            format!("{}/{} tok", r.external_tokens, r.expected_tokens),
+            format!("{:.1} ms", r.elapsed_ms),
+            format!("{:.0}", r.tokens_per_s),
+        );
+        for m in &r.mismatches {
+            let _ = writeln!(o, "    mismatch: {m}");
+        }
+        if let Some(p) = &r.problem {
+            let _ = writeln!(o, "    {p}");
+        }
+    }
+    o
+}

@@ -1,0 +1,94 @@
+//! `pdctl check` on simulated engines: every pair's probe hands its KV over (exit 0); a
+//! decode told to lose its next handoffs makes it exit 1 naming the pair; and `up`'s
+//! pre-flight refuses a pair whose block sizes differ, naming both sides.
+
+mod common;
+#[path = "common/supervisor.rs"]
+mod suph;
+
+use common::TempDir;
+use std::time::Duration;
+use suph::{Cluster, free_port_run, post_json, text};
+
+fn topology(cluster: &str, prefill_args: &str) -> (String, u16) {
+    let run = free_port_run(6);
+    let text = format!(
+        "cluster = \"{cluster}\"\n\
+         [model]\nname = \"sim-model\"\n\
+         [engine]\nkind = \"sim\"\n\
+         [connector]\nkind = \"example\"\n\
+         [prefill]\ninstances = 1\nbase_port = {run}\n{prefill_args}\n\
+         [decode]\ninstances = 2\nbase_port = {}\n\
+         [proxy]\nport = {}\n",
+        run + 2,
+        run + 5,
+    );
+    (text, run + 2)
+}
+
+#[test]
+fn check_proves_each_pair_and_names_the_one_that_lost_its_kv() {
+    let cluster = Cluster::new("check");
+    let dir = TempDir::new("check-topo");
+    let (topo, decode0) = topology("check-sim", "");
+    cluster.up_topology(dir.path(), &topo);
+
+    let out = cluster.run(&["check"]);
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{all}");
+    for pair in ["prefill-0 -> decode-0", "prefill-0 -> decode-1"] {
+        let line = all
+            .lines()
+            .find(|l| l.starts_with(pair))
+            .unwrap_or_else(|| panic!("no line for {pair}:\n{all}"));
+        assert!(line.contains("moved"), "{line}");
+    }
+    assert!(all.contains("simulated shared-dir handoff"), "{all}");
+    assert!(all.contains("every pair moved its KV (2 of 2)"), "{all}");
+
+    // decode-0 loses its next handoffs: it answers, but computes the prompt itself.
+    let status = post_json(decode0, "/sim/fault", r#"{"fail_handoff_next": 5}"#);
+    assert_eq!(status, 200);
+    let out = cluster.run(&["check"]);
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{all}");
+    let bad = all
+        .lines()
+        .find(|l| l.starts_with("prefill-0 -> decode-0"))
+        .unwrap();
+    assert!(bad.contains("NOT"), "{all}");
+    assert!(all.contains("the KV did NOT move: decode-0"), "{all}");
+    assert!(
+        all.contains("1 of 2 pairs did NOT move their KV: prefill-0 -> decode-0"),
+        "{all}"
+    );
+    let good = all
+        .lines()
+        .find(|l| l.starts_with("prefill-0 -> decode-1"))
+        .unwrap();
+    assert!(good.contains("moved"), "{all}");
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+#[test]
+fn up_refuses_a_pair_whose_block_sizes_differ() {
+    let cluster = Cluster::new("check-pre");
+    let dir = TempDir::new("check-pre-topo");
+    let (topo, _) = topology("check-pre", "args = [\"--block-size\", \"32\"]");
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, topo).unwrap();
+    let out = suph::run_bounded(
+        cluster.command(&["up", "-d", "-f", file.to_str().unwrap()]),
+        Duration::from_secs(60),
+    );
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{all}");
+    assert!(
+        all.contains(
+            "prefill-0 (KV block size 32) and decode-0 (KV block size 16) differ in KV block size"
+        ),
+        "{all}"
+    );
+    assert!(cluster.status(&[]).is_none(), "nothing may start");
+}
