@@ -1,7 +1,9 @@
-//! `pdctl export k8s`: every built-in profile exports in both formats; every document is
-//! valid for the API it targets (RoleBasedGroup v1alpha2 of RBG v0.7.0, LeaderWorkerSet v1
-//! of LWS v0.10.0, Kubernetes' own kinds); each role's command is the plan's argv but for
-//! the documented rewrites; what a pod cannot express is said.
+//! `pdctl export k8s`: every built-in profile exports in all three formats; every document
+//! is valid for the API it targets (RoleBasedGroup v1alpha2 of RBG v0.7.0, LeaderWorkerSet
+//! v1 and DisaggregatedSet v1 of LWS v0.10.0, Kubernetes' own kinds); each role's command is
+//! the plan's argv but for the documented rewrites; no Service takes a name a controller
+//! creates or adopts; every image names a version; the proxy is ready only when engines
+//! are; what a pod cannot express is said.
 //!
 //! Schemas: Kubernetes' own kinds (PodTemplateSpec, Service, ConfigMap, Deployment,
 //! ObjectMeta) come from the k8s-openapi crate's JSON schemas (schemars). The RBG and LWS
@@ -18,8 +20,9 @@
 //!   need an API server to check.
 //!
 //! With `PDCTL_K8S_CRD_DIR` naming a directory that holds the upstream CRD files
-//! (`workloads.x-k8s.io_rolebasedgroups.yaml`, `leaderworkerset.x-k8s.io_leaderworkersets.yaml`),
-//! every document is also checked against their full openAPIV3Schema, converted the same way.
+//! (`workloads.x-k8s.io_rolebasedgroups.yaml`, `leaderworkerset.x-k8s.io_leaderworkersets.yaml`,
+//! `disaggregatedset.x-k8s.io_disaggregatedsets.yaml`), every document is also checked
+//! against their full openAPIV3Schema, converted the same way.
 
 mod common;
 
@@ -32,6 +35,9 @@ use std::sync::OnceLock;
 fn profiles() -> Vec<&'static str> {
     pdctl::profiles::ALL.iter().map(|p| p.name).collect()
 }
+
+/// Every `--format`.
+const FORMATS: [&str; 3] = ["rbg", "lws", "disaggregatedset"];
 
 /// Runs `pdctl export k8s` with `args`: stdout, stderr, exit code.
 fn export(args: &[&str]) -> (String, String, i32) {
@@ -178,6 +184,7 @@ fn validators() -> &'static BTreeMap<&'static str, jsonschema::Validator> {
         for (kind, file) in [
             ("RoleBasedGroup", "rolebasedgroup-v1alpha2.yaml"),
             ("LeaderWorkerSet", "leaderworkerset-v1.yaml"),
+            ("DisaggregatedSet", "disaggregatedset-v1.yaml"),
         ] {
             let path = format!("{}/tests/data/k8s/{file}", env!("CARGO_MANIFEST_DIR"));
             let text = std::fs::read_to_string(&path).unwrap();
@@ -212,6 +219,11 @@ fn upstream_validators() -> &'static BTreeMap<&'static str, jsonschema::Validato
             (
                 "LeaderWorkerSet",
                 "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
+                "v1",
+            ),
+            (
+                "DisaggregatedSet",
+                "disaggregatedset.x-k8s.io_disaggregatedsets.yaml",
                 "v1",
             ),
         ] {
@@ -254,7 +266,31 @@ fn schema_errors(doc: &Value) -> Vec<String> {
     if let Some(v) = upstream_validators().get(kind) {
         errors.extend(check(v, "upstream CRD"));
     }
+    if kind == "DisaggregatedSet" {
+        errors.extend(disaggregated_set_cel(doc));
+    }
     errors
+}
+
+/// The CEL rule of the DisaggregatedSet CRD (v0.10.0) a validator without an API server
+/// skips: the replicas of the roles not scaled externally are all above 0 or all 0.
+fn disaggregated_set_cel(doc: &Value) -> Vec<String> {
+    let Some(roles) = doc["spec"]["roles"].as_array() else {
+        return vec![];
+    };
+    let static_replicas: Vec<u64> = roles
+        .iter()
+        .filter(|r| r["scaling"]["mode"] != "External")
+        .map(|r| r["spec"]["replicas"].as_u64().unwrap_or(0))
+        .collect();
+    if static_replicas.iter().all(|n| *n > 0) || static_replicas.iter().all(|n| *n == 0) {
+        vec![]
+    } else {
+        vec![format!(
+            "DisaggregatedSet {}: replicas must be zero for all non-External roles or non-zero for all ({static_replicas:?})",
+            doc["metadata"]["name"]
+        )]
+    }
 }
 
 #[test]
@@ -281,25 +317,57 @@ fn the_schemas_catch_a_misspelt_field_and_a_wrong_type() {
         !schema_errors(&bad).is_empty(),
         "a string replica count passed"
     );
+    let (docs, _) = exported("sim-1p1d", "disaggregatedset");
+    let set = docs
+        .iter()
+        .find(|d| d["kind"] == "DisaggregatedSet")
+        .unwrap();
+    assert!(schema_errors(set).is_empty());
+    let mut bad = set.clone();
+    bad["spec"]["roles"][0]["spec"]["replica"] = json!(1);
+    assert!(
+        !schema_errors(&bad).is_empty(),
+        "an unknown LWS spec field passed"
+    );
+    let mut bad = set.clone();
+    bad["spec"]["roles"][1]["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"]
+        [0]["imag"] = json!("x");
+    assert!(
+        !schema_errors(&bad).is_empty(),
+        "a misspelt container field passed"
+    );
+    let mut bad = set.clone();
+    bad["spec"]["roles"][0]["spec"]["replicas"] = json!(0);
+    assert!(
+        !schema_errors(&bad).is_empty(),
+        "one role at 0 replicas and the other not passed (the CRD's CEL rule)"
+    );
 }
 
 #[test]
-fn every_profile_exports_in_both_formats_and_every_document_is_valid() {
+fn every_profile_exports_in_all_three_formats_and_every_document_is_valid() {
     for profile in profiles() {
-        for format in ["rbg", "lws"] {
+        for format in FORMATS {
             let (docs, _) = exported(profile, format);
             let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+            let count = |kind: &str| kinds.iter().filter(|k| **k == kind).count();
             match format {
-                "rbg" => assert_eq!(
-                    kinds.iter().filter(|k| **k == "RoleBasedGroup").count(),
-                    1,
-                    "{profile}: {kinds:?}"
-                ),
-                _ => assert_eq!(
-                    kinds.iter().filter(|k| **k == "LeaderWorkerSet").count(),
+                "rbg" => assert_eq!(count("RoleBasedGroup"), 1, "{profile}: {kinds:?}"),
+                "lws" => assert_eq!(
+                    count("LeaderWorkerSet"),
                     2,
                     "{profile}: one per engine role: {kinds:?}"
                 ),
+                _ => {
+                    assert_eq!(count("DisaggregatedSet"), 1, "{profile}: {kinds:?}");
+                    let set = docs
+                        .iter()
+                        .find(|d| d["kind"] == "DisaggregatedSet")
+                        .unwrap();
+                    let roles: Vec<&str> = common::field_strs(&set["spec"]["roles"], "name");
+                    assert_eq!(roles, ["prefill", "decode"], "{profile}");
+                    assert_eq!(count("LeaderWorkerSet"), 0, "{profile}: the set makes them");
+                }
             }
             for d in &docs {
                 let errors = schema_errors(d);
@@ -327,6 +395,17 @@ fn templates(docs: &[Value]) -> BTreeMap<String, (Value, u64)> {
                         (
                             r["standalonePattern"]["template"].clone(),
                             r["replicas"].as_u64().unwrap(),
+                        ),
+                    );
+                }
+            }
+            Some("DisaggregatedSet") => {
+                for r in d["spec"]["roles"].as_array().unwrap() {
+                    out.insert(
+                        r["name"].as_str().unwrap().to_string(),
+                        (
+                            r["spec"]["leaderWorkerTemplate"]["workerTemplate"].clone(),
+                            r["spec"]["replicas"].as_u64().unwrap(),
                         ),
                     );
                 }
@@ -470,7 +549,7 @@ fn every_role_runs_the_plans_argv_but_for_the_documented_rewrites() {
         let (docs, _) = exported(profile, "rbg");
         let group = docs.iter().find(|d| d["kind"] == "RoleBasedGroup").unwrap();
         let name = group["metadata"]["name"].as_str().unwrap().to_string();
-        let service_of = |role: &str| format!("{name}-{role}");
+        let service_of = |role: &str| format!("{name}-{role}-svc");
         let tpl = templates(&docs);
         let services = plan["services"].as_array().unwrap();
         let mut roles: Vec<&str> = services
@@ -561,6 +640,7 @@ fn four_p_four_d_is_a_role_based_group_with_the_plans_kv_transfer_config() {
         assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "1");
         assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/health");
         assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/health");
+        assert_eq!(c["image"], "vllm/vllm-openai:v0.32.0");
     }
     // The proxy finds the engines through their headless Services.
     let proxy = &role("proxy")["standalonePattern"]["template"]["spec"]["containers"][0];
@@ -577,6 +657,10 @@ fn four_p_four_d_is_a_role_based_group_with_the_plans_kv_transfer_config() {
     assert_eq!(
         svc["spec"]["clusterIP"], "None",
         "engines' Services are headless"
+    );
+    assert_eq!(
+        svc["spec"]["publishNotReadyAddresses"], false,
+        "they list ready pods only"
     );
     assert!(
         docs.iter().any(|d| d["kind"] == "Service"
@@ -606,10 +690,13 @@ fn generated_files_are_config_maps_and_the_own_address_is_the_pods() {
     );
     let group = docs.iter().find(|d| d["kind"] == "RoleBasedGroup").unwrap();
     let name = group["metadata"]["name"].as_str().unwrap();
-    assert_eq!(file["metadata_server"], format!("etcd://{name}-etcd:2379"));
+    assert_eq!(
+        file["metadata_server"],
+        format!("etcd://{name}-etcd-svc:2379")
+    );
     assert_eq!(
         file["master_server_address"],
-        format!("{name}-mooncake-master:50001")
+        format!("{name}-mooncake-master-svc:50001")
     );
     let roles = group["spec"]["roles"].as_array().unwrap();
     let names: Vec<&str> = roles.iter().map(|r| r["name"].as_str().unwrap()).collect();
@@ -624,7 +711,8 @@ fn generated_files_are_config_maps_and_the_own_address_is_the_pods() {
     for svc in ["etcd", "mooncake-master"] {
         assert!(
             docs.iter()
-                .any(|d| d["kind"] == "Service" && d["metadata"]["name"] == format!("{name}-{svc}")),
+                .any(|d| d["kind"] == "Service"
+                    && d["metadata"]["name"] == format!("{name}-{svc}-svc")),
             "{svc} has a Service"
         );
     }
@@ -719,4 +807,391 @@ fn the_yaml_in_docs_kubernetes_md_is_what_export_prints() {
         shown, printed,
         "docs/kubernetes.md is out of date: paste `pdctl export k8s -p 4p4d | grep -v '^#'`"
     );
+}
+
+// ---------------------------------------------------------------- what a cluster accepts
+
+/// The Service names the workload controllers create or adopt for `docs`: RBG v0.7.0 adopts
+/// `<group>-<role>` as a role's headless Service when it exists, else creates
+/// `s-<group>-<role>` (both cut to 63 characters); LWS v0.10.0 names its headless Service
+/// after the LeaderWorkerSet and, per group, after the leader pod (`<lws>-<index>`).
+fn controller_service_names(docs: &[Value]) -> Vec<String> {
+    let cut = |s: String| s[..s.len().min(63)].trim_end_matches('-').to_string();
+    let mut names = Vec::new();
+    for d in docs {
+        let name = d["metadata"]["name"].as_str().unwrap_or_default();
+        match d["kind"].as_str() {
+            Some("RoleBasedGroup") => {
+                for r in d["spec"]["roles"].as_array().unwrap() {
+                    let role = r["name"].as_str().unwrap();
+                    names.push(cut(format!("{name}-{role}")));
+                    names.push(cut(format!("s-{name}-{role}")));
+                }
+            }
+            Some("LeaderWorkerSet") => {
+                names.push(name.to_string());
+                let replicas = d["spec"]["replicas"].as_u64().unwrap();
+                names.extend((0..replicas).map(|i| format!("{name}-{i}")));
+            }
+            _ => {}
+        }
+    }
+    names
+}
+
+/// Whether `service` has the shape of a name the DisaggregatedSet controller (v0.10.0)
+/// gives its LeaderWorkerSets (`<set>-<slice>-<revision>-<role>`, whose headless Services
+/// LWS names alike) or its per-revision Services (the same with `-prv`).
+fn is_disaggregated_set_name(set: &str, roles: &[&str], service: &str) -> bool {
+    let Some(rest) = service.strip_prefix(&format!("{set}-")) else {
+        return false;
+    };
+    let rest = rest.strip_suffix("-prv").unwrap_or(rest);
+    let parts: Vec<&str> = rest.splitn(3, '-').collect();
+    parts.len() == 3
+        && parts[0].chars().all(|c| c.is_ascii_digit())
+        && roles.iter().any(|r| parts[2] == *r)
+}
+
+#[test]
+fn no_exported_service_takes_a_name_a_controller_creates_or_adopts() {
+    for profile in profiles() {
+        for format in FORMATS {
+            let (docs, _) = exported(profile, format);
+            let services: Vec<&str> = docs
+                .iter()
+                .filter(|d| d["kind"] == "Service")
+                .map(|d| d["metadata"]["name"].as_str().unwrap())
+                .collect();
+            assert!(!services.is_empty(), "{profile} {format}");
+            let taken = controller_service_names(&docs);
+            for s in &services {
+                assert!(
+                    !taken.iter().any(|t| t == s),
+                    "{profile} {format}: Service {s} is a name the controller manages ({taken:?})"
+                );
+            }
+            if let Some(set) = docs.iter().find(|d| d["kind"] == "DisaggregatedSet") {
+                let name = set["metadata"]["name"].as_str().unwrap();
+                let roles = common::field_strs(&set["spec"]["roles"], "name");
+                for s in &services {
+                    assert!(
+                        !is_disaggregated_set_name(name, &roles, s),
+                        "{profile}: Service {s} has the shape of the DisaggregatedSet's names"
+                    );
+                }
+            }
+        }
+    }
+    // The check itself: the names the issue found taken are caught.
+    let (docs, _) = exported("4p4d", "rbg");
+    let taken = controller_service_names(&docs);
+    assert!(taken.contains(&"pd-4p4d-prefill".to_string()));
+    assert!(taken.contains(&"s-pd-4p4d-proxy".to_string()));
+    assert!(is_disaggregated_set_name(
+        "pd-4p4d",
+        &["prefill", "decode"],
+        "pd-4p4d-0-7f9c2d1b-prefill-prv"
+    ));
+}
+
+/// Every image of every container and init container in `docs`.
+fn images_of(docs: &[Value]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (template, _) in templates(docs).values() {
+        for key in ["containers", "initContainers"] {
+            for c in template["spec"][key].as_array().into_iter().flatten() {
+                out.push(c["image"].as_str().unwrap().to_string());
+            }
+        }
+    }
+    out
+}
+
+/// The tag of an image reference (after the last `:` of its last path segment).
+fn tag_of(image: &str) -> Option<&str> {
+    image.rsplit('/').next()?.split_once(':').map(|(_, t)| t)
+}
+
+#[test]
+fn every_image_names_a_version_and_the_roles_get_images_that_have_their_programs() {
+    let version = env!("CARGO_PKG_VERSION");
+    for profile in profiles() {
+        for format in FORMATS {
+            let (docs, _) = exported(profile, format);
+            for image in images_of(&docs) {
+                let tag = tag_of(&image).unwrap_or_else(|| panic!("{profile}: {image} has no tag"));
+                assert!(
+                    tag.trim_start_matches('v')
+                        .split('.')
+                        .take(2)
+                        .all(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit())),
+                    "{profile} {format}: {image} names no version"
+                );
+            }
+            // Who runs what: pdctl's own image has pdctl and mooncake_master (the Dockerfile).
+            for (role, (template, _)) in templates(&docs) {
+                let c = &template["spec"]["containers"][0];
+                let (image, program) = (c["image"].as_str().unwrap(), &c["command"][0]);
+                match role.as_str() {
+                    "proxy" | "mooncake-master" => {
+                        assert_eq!(image, format!("pdctl:{version}"), "{profile} {role}")
+                    }
+                    "etcd" => assert_eq!(image, "quay.io/coreos/etcd:v3.5.21"),
+                    "lmcache-server" => assert_eq!(image, "lmcache/vllm-openai:v0.5.5"),
+                    _ if program == "pdctl" => assert_eq!(image, format!("pdctl:{version}")),
+                    _ => assert!(
+                        image.starts_with("vllm/vllm-openai:v")
+                            || image.starts_with("public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v"),
+                        "{profile} {role}: {image}"
+                    ),
+                }
+            }
+        }
+    }
+    // The simulator's cluster runs mooncake_master from pdctl's image, never a vLLM one.
+    let (docs, _) = exported("sim-4p4d", "rbg");
+    let tpl = templates(&docs);
+    let master = &tpl["mooncake-master"].0["spec"]["containers"][0];
+    assert_eq!(master["command"][0], "mooncake_master");
+    assert_eq!(master["image"], format!("pdctl:{version}"));
+    // A CPU profile gets vLLM's CPU image of the planned version, and says so.
+    let (docs, err) = exported("cpu-1p1d", "rbg");
+    let prefill = &templates(&docs)["prefill"].0["spec"]["containers"][0];
+    assert_eq!(
+        prefill["image"],
+        "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
+    );
+    assert!(
+        prefill.get("resources").is_none(),
+        "no GPU for the CPU build"
+    );
+    assert!(err.contains("vLLM's CPU image"), "{err}");
+}
+
+#[test]
+fn the_engine_image_follows_the_planned_version_and_an_assumed_one_is_marked() {
+    // The tests blind pdctl to installed vLLM: "auto" is assumed, and the header says so.
+    let (out, err, code) = export(&["-p", "nixl-1p1d"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("image: vllm/vllm-openai:v0.32.0"), "{out}");
+    assert!(
+        out.lines().any(|l| l.starts_with("#")
+            && l.contains("vllm/vllm-openai:v0.32.0")
+            && l.contains("ASSUMED")),
+        "the header marks the assumed version"
+    );
+    // A pinned version is its image, with no mark.
+    let dir = common::TempDir::new("export-pinned");
+    let file = dir.path().join("pinned.toml");
+    let topology = std::fs::read_to_string(format!(
+        "{}/profiles/nixl-1p1d.toml",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap()
+    .replace("vllm_version = \"auto\"", "vllm_version = \"0.11.0\"");
+    assert!(
+        topology.contains("0.11.0"),
+        "nixl-1p1d pins no version to replace"
+    );
+    std::fs::write(&file, topology).unwrap();
+    let (out, err, code) = export(&["-f", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("image: vllm/vllm-openai:v0.11.0"), "{out}");
+    assert!(!err.contains("ASSUMED"), "{err}");
+    // An image the user gives is used and named as one pdctl cannot vouch for, `latest` too.
+    let (out, err, code) = export(&[
+        "-p",
+        "lmcache-1p1d",
+        "--image",
+        "registry.example/vllm-lmcache:latest",
+        "--pdctl-image",
+        "registry.example/pdctl:0.1.0",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let docs = documents(&out);
+    let tpl = templates(&docs);
+    for role in ["prefill", "decode", "lmcache-server"] {
+        assert_eq!(
+            tpl[role].0["spec"]["containers"][0]["image"], "registry.example/vllm-lmcache:latest",
+            "{role}: the engines' image has their LMCache"
+        );
+    }
+    assert!(
+        err.contains("--image registry.example/vllm-lmcache:latest is your image")
+            && err.contains("names no version"),
+        "{err}"
+    );
+    assert!(
+        err.contains("--pdctl-image registry.example/pdctl:0.1.0 is your image"),
+        "{err}"
+    );
+}
+
+/// `GET path` on 127.0.0.1:port: the status code, or None when nothing answers.
+fn http_status(port: u16, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut head = String::new();
+    s.read_to_string(&mut head).ok()?;
+    head.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[test]
+fn the_proxy_pod_is_ready_only_when_a_prefill_and_a_decode_are_usable() {
+    for format in FORMATS {
+        let (docs, _) = exported("nixl-1p1d", format);
+        let proxy = &templates(&docs)["proxy"].0["spec"]["containers"][0];
+        assert_eq!(
+            proxy["readinessProbe"]["httpGet"]["path"], "/health?ready",
+            "{format}"
+        );
+        assert_eq!(proxy["livenessProbe"]["httpGet"]["path"], "/health");
+    }
+    // The exported command, run here with engine names that resolve to nothing: alive, not
+    // ready, as the probes will see it in a pod whose engines are not up yet.
+    let (docs, _) = exported("nixl-1p1d", "rbg");
+    let proxy = &templates(&docs)["proxy"].0["spec"]["containers"][0];
+    let port = common::free_port();
+    let mut argv: Vec<String> = common::strs(&proxy["command"])
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let at = |flag: &str, argv: &[String]| argv.iter().position(|a| a == flag).unwrap() + 1;
+    let i = at("--port", &argv);
+    argv[i] = port.to_string();
+    let i = at("--host", &argv);
+    argv[i] = "127.0.0.1".into();
+    assert_eq!(argv[0], "pdctl");
+    let child = std::process::Command::new(common::pdctl_bin())
+        .args(&argv[1..])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let _guard = common::ChildGuard(child);
+    let live = common::wait_until(std::time::Duration::from_secs(30), || {
+        http_status(port, "/health") == Some(200)
+    });
+    assert!(live, "the exported proxy command does not answer /health");
+    let path = proxy["readinessProbe"]["httpGet"]["path"].as_str().unwrap();
+    assert_eq!(
+        http_status(port, path),
+        Some(503),
+        "readiness {path} must fail while no engine is usable"
+    );
+}
+
+#[test]
+fn scaling_works_as_each_format_writes_it() {
+    // RBG: the CRD has no scale subresource; engine roles get a scaling adapter that has one.
+    let (docs, _) = exported("4p4d", "rbg");
+    let group = docs.iter().find(|d| d["kind"] == "RoleBasedGroup").unwrap();
+    for r in group["spec"]["roles"].as_array().unwrap() {
+        let engine = r["name"] == "prefill" || r["name"] == "decode";
+        assert_eq!(
+            r["scalingAdapter"]["enable"].as_bool().unwrap_or(false),
+            engine,
+            "{}",
+            r["name"]
+        );
+    }
+    // mooncake-te pairs one prefill with one decode: nothing invites scaling it.
+    let (docs, _) = exported("mooncake-te-1p1d", "rbg");
+    let group = docs.iter().find(|d| d["kind"] == "RoleBasedGroup").unwrap();
+    assert!(
+        group["spec"]["roles"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r.get("scalingAdapter").is_none())
+    );
+    // DisaggregatedSet: Static roles whose replicas are the plan's instances.
+    let (docs, _) = exported("4p4d", "disaggregatedset");
+    let set = docs
+        .iter()
+        .find(|d| d["kind"] == "DisaggregatedSet")
+        .unwrap();
+    for r in set["spec"]["roles"].as_array().unwrap() {
+        assert!(
+            r.get("scaling").is_none(),
+            "Static: the seed of External is 1"
+        );
+        assert_eq!(r["spec"]["replicas"], 4);
+    }
+    // The docs say the same.
+    let doc = std::fs::read_to_string(format!("{}/docs/kubernetes.md", env!("CARGO_MANIFEST_DIR")))
+        .unwrap();
+    assert!(doc.contains("kubectl scale rolebasedgroupscalingadapter pd-4p4d-prefill"));
+    assert!(doc.contains("kubectl scale leaderworkerset pd-4p4d-prefill"));
+    assert!(!doc.contains("needs nothing else"));
+}
+
+#[test]
+fn one_gpu_sharing_is_exported_as_whole_gpus_and_said() {
+    let (docs, err) = exported("1gpu-1p1d", "rbg");
+    let tpl = templates(&docs);
+    for role in ["prefill", "decode"] {
+        let c = &tpl[role].0["spec"]["containers"][0];
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "1", "{role}");
+        assert!(
+            !common::strs(&c["command"]).contains(&"--gpu-memory-utilization"),
+            "{role}: a whole GPU carries no share"
+        );
+    }
+    assert!(
+        err.contains("a pod gets whole GPUs")
+            && err.contains("--gpu-memory-utilization 0.45")
+            && !err.contains("stay in the vLLM flags"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_dockerfile_builds_the_image_the_exports_name() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let dockerfile = std::fs::read_to_string(format!("{root}/Dockerfile")).unwrap();
+    let version = env!("CARGO_PKG_VERSION");
+    let (out, _, _) = export(&["-p", "mooncake-store-4p4d"]);
+    let default = format!("pdctl:{version}");
+    assert!(out.contains(&format!("image: {default}")));
+    assert!(
+        dockerfile.contains(&format!("docker build -t {default} .")),
+        "the Dockerfile's build command tags the image the exports name"
+    );
+    assert!(dockerfile.contains(&format!("org.opencontainers.image.version=\"{version}\"")));
+    // It carries both programs the pods run from it, on PATH, and mooncake_master at the
+    // version install.sh installs.
+    assert!(
+        dockerfile.contains("COPY --from=build /src/target/release/pdctl /usr/local/bin/pdctl")
+    );
+    assert!(dockerfile.contains("ENV PATH=/opt/pdctl/venv/bin:"));
+    let install = std::fs::read_to_string(format!("{root}/install.sh")).unwrap();
+    let pin = install
+        .lines()
+        .find_map(|l| l.strip_prefix("NONCUDA_PIN=${PDCTL_MOONCAKE_PIN-"))
+        .and_then(|l| l.strip_suffix('}'))
+        .expect("install.sh pins mooncake");
+    assert!(
+        dockerfile.contains(&format!("mooncake-transfer-engine-non-cuda{pin}")),
+        "Dockerfile and install.sh install the same mooncake ({pin})"
+    );
+    let docs = documents(&out);
+    for (role, (template, _)) in templates(&docs) {
+        let c = &template["spec"]["containers"][0];
+        if c["image"] == default.as_str() {
+            let program = c["command"][0].as_str().unwrap();
+            assert!(
+                ["pdctl", "mooncake_master"].contains(&program),
+                "{role} runs {program} from the pdctl image, which has only pdctl and mooncake_master"
+            );
+        }
+    }
 }

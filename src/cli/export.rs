@@ -2,8 +2,10 @@
 
 use super::ExitError;
 use super::common::TopologyArgs;
+use crate::export::images::ImageArgs;
 use crate::export::{self, Format, Options};
 use crate::plan::resolve::{Machine, load_topology, plan_programs_unresolved};
+use crate::topology::LoadedTopology;
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -22,7 +24,8 @@ pub struct ExportArgs {
 /// What a plan can be exported to.
 #[derive(Debug, Subcommand)]
 pub enum ExportTarget {
-    /// Kubernetes manifests: a RoleBasedGroup (or LeaderWorkerSets), Services, ConfigMaps.
+    /// Kubernetes manifests: a RoleBasedGroup (or LeaderWorkerSets, or a DisaggregatedSet),
+    /// Services, ConfigMaps.
     K8s(K8sArgs),
 }
 
@@ -35,18 +38,25 @@ pub struct K8sArgs {
     /// Built-in profile name (`pdctl profiles` lists them).
     #[arg(short = 'p', long = "profile")]
     pub profile: Option<String>,
-    /// The workload API: one RoleBasedGroup, or a LeaderWorkerSet per engine role.
+    /// The workload API: one RoleBasedGroup, a LeaderWorkerSet per engine role, or one
+    /// DisaggregatedSet for the engines.
     #[arg(long, value_enum, default_value = "rbg")]
     pub format: Format,
-    /// Image of the vLLM engines (default vllm/vllm-openai:vVERSION, VERSION being the planned vLLM version).
+    /// Image of the vLLM engines (default vllm/vllm-openai:vVERSION, or vLLM's CPU image for
+    /// device = "cpu", VERSION being the planned vLLM version).
     #[arg(long)]
     pub image: Option<String>,
-    /// Image with `pdctl` on its PATH, for the proxy (and simulated engines).
-    #[arg(long, default_value = concat!("pdctl:", env!("CARGO_PKG_VERSION")))]
-    pub pdctl_image: String,
-    /// Image of etcd, when the connector needs it.
-    #[arg(long, default_value = export::DEFAULT_ETCD_IMAGE)]
-    pub etcd_image: String,
+    /// Image with `pdctl` and `mooncake_master` on its PATH, for the proxy, simulated engines
+    /// and the Mooncake master (default pdctl:VERSION, built from the repository's Dockerfile).
+    #[arg(long)]
+    pub pdctl_image: Option<String>,
+    /// Image of etcd, when the connector needs it (default quay.io/coreos/etcd:v3.5.21).
+    #[arg(long)]
+    pub etcd_image: Option<String>,
+    /// Image of the LMCache server, when the connector needs it (default
+    /// lmcache/vllm-openai:v0.5.5).
+    #[arg(long)]
+    pub lmcache_image: Option<String>,
     /// Namespace written into every object (default: none, kubectl's current one).
     #[arg(long)]
     pub namespace: Option<String>,
@@ -96,6 +106,15 @@ fn k8s(a: K8sArgs) -> anyhow::Result<ExitCode> {
         gpus: Some((0..needed.max(pinned).max(1)).collect()),
         ..args
     };
+    let shared_gpu_utilization = if t.engine.instances_per_gpu > 1 {
+        shared_utilization(
+            &topology,
+            &args,
+            needed.div_ceil(t.engine.instances_per_gpu),
+        )
+    } else {
+        None
+    };
     let machine = Machine::new(args.gpus.clone());
     let loaded = plan_programs_unresolved(&topology, &args.request(), machine)?;
     let mut warnings = Vec::new();
@@ -107,9 +126,13 @@ fn k8s(a: K8sArgs) -> anyhow::Result<ExitCode> {
     }
     let options = Options {
         format: a.format,
-        image: a.image,
-        pdctl_image: a.pdctl_image,
-        etcd_image: a.etcd_image,
+        images: ImageArgs {
+            engine: a.image,
+            pdctl: a.pdctl_image,
+            etcd: a.etcd_image,
+            lmcache: a.lmcache_image,
+        },
+        shared_gpu_utilization,
         namespace: a.namespace,
         kv_pvc: a.kv_pvc,
         model_pvc: a.model_pvc,
@@ -131,6 +154,25 @@ fn k8s(a: K8sArgs) -> anyhow::Result<ExitCode> {
         eprintln!("pdctl: warning: {w}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The `--gpu-memory-utilization` of an engine in a plan made with `gpus` GPUs, fewer than
+/// the instances: what `pdctl up` gives each instance that shares a GPU.
+fn shared_utilization(topology: &LoadedTopology, args: &TopologyArgs, gpus: u32) -> Option<f64> {
+    let args = TopologyArgs {
+        gpus: Some((0..gpus.max(1)).collect()),
+        ..args.clone()
+    };
+    let machine = Machine::new(args.gpus.clone());
+    let shared = plan_programs_unresolved(topology, &args.request(), machine).ok()?;
+    let argv = &shared
+        .plan
+        .services
+        .iter()
+        .find(|s| s.role.is_engine())?
+        .argv;
+    let i = argv.iter().position(|a| a == "--gpu-memory-utilization")?;
+    argv.get(i + 1)?.parse().ok()
 }
 
 /// One file per object, `<kind>-<name>.yaml`, each with the header.

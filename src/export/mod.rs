@@ -8,13 +8,19 @@
 //! ([`rewrite`]), its ports fixed per container, its probes as Kubernetes probes, its
 //! generated files as a ConfigMap. The config file of `pdctl proxy` / `pdctl sim` is read
 //! back into its struct and given to the pod as the flags it holds instead (the pod's
-//! rewrites, such as the pod name as the sim's instance, are flag rewrites). [`rbg`] puts the templates into one RoleBasedGroup,
-//! [`lws`] into a LeaderWorkerSet per engine role and Deployments for the rest. Services
-//! are the same for both: a headless one per engine role (the proxy follows its pods by
-//! DNS) and a ClusterIP one in front of the proxy and of each support service.
+//! rewrites, such as the pod name as the sim's instance, are flag rewrites). [`rbg`] puts
+//! the templates into one RoleBasedGroup, [`lws`] into a LeaderWorkerSet per engine role and
+//! Deployments for the rest, [`disaggregated`] the engines into one DisaggregatedSet and the
+//! rest into Deployments. [`images`] picks each role's image. Services are the same for all
+//! formats, named `<cluster>-<role>-svc` so that no workload controller creates or adopts
+//! one of the same name ([`service_name`]): a headless one per engine role listing ready pods
+//! only (the proxy follows them by DNS) and a ClusterIP one in front of the proxy and of
+//! each support service.
 //!
 //! What a pod cannot express is said in [`Manifests::warnings`], never dropped silently.
 
+pub mod disaggregated;
+pub mod images;
 pub mod lws;
 pub mod rbg;
 pub mod rewrite;
@@ -22,6 +28,7 @@ pub mod rewrite;
 use crate::plan::Plan;
 use crate::topology::{Device, EngineKind, Topology};
 use crate::vocab::{Probe, RestartMode, Role, Service};
+use images::{ImageArgs, Images};
 use rewrite::{POD_IP_ENV, POD_IP_MARK, POD_NAME_ENV, Rewriter};
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
@@ -34,26 +41,33 @@ pub enum Format {
     /// A LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) per engine role, Deployments for
     /// the proxy and support services.
     Lws,
+    /// One DisaggregatedSet (disaggregatedset.x-k8s.io/v1, LWS v0.10.0) holding prefill and
+    /// decode, which it rolls out together; Deployments for the proxy and support services.
+    #[value(name = "disaggregatedset")]
+    DisaggregatedSet,
 }
 
 /// The API version of the RoleBasedGroup written (served and stored by RBG v0.7.0).
 pub const RBG_API_VERSION: &str = "workloads.x-k8s.io/v1alpha2";
 /// The API version of the LeaderWorkerSet written (served by LWS v0.10.0).
 pub const LWS_API_VERSION: &str = "leaderworkerset.x-k8s.io/v1";
+/// The API version of the DisaggregatedSet written (served by LWS v0.10.0).
+pub const DISAGGREGATED_SET_API_VERSION: &str = "disaggregatedset.x-k8s.io/v1";
 
-/// The etcd image used unless `--etcd-image` says otherwise.
-pub const DEFAULT_ETCD_IMAGE: &str = "quay.io/coreos/etcd:v3.5.21";
+/// The proxy's readiness path: 503 until at least one prefill and one decode are usable
+/// (`/health` alone says only that the process answers).
+pub const PROXY_READY_PATH: &str = "/health?ready";
 
 /// Everything `export k8s` takes besides the plan.
 #[derive(Debug, Clone)]
 pub struct Options {
     pub format: Format,
-    /// The image of the vLLM engines (and of mooncake_master / lmcache_server); default
-    /// `vllm/vllm-openai:v<planned version>`.
-    pub image: Option<String>,
-    /// The image with `pdctl` on its PATH (proxy, and engines with engine = "sim").
-    pub pdctl_image: String,
-    pub etcd_image: String,
+    /// Images given on the command line (the rest are [`images`]' defaults).
+    pub images: ImageArgs,
+    /// The `--gpu-memory-utilization` each engine gets when `engine.instances_per_gpu`
+    /// instances share one GPU (read from a plan made with that few GPUs), for the note on
+    /// GPU sharing; None when nothing shares.
+    pub shared_gpu_utilization: Option<f64>,
     pub namespace: Option<String>,
     /// The PersistentVolumeClaim that stands for the shared KV directory.
     pub kv_pvc: Option<String>,
@@ -87,6 +101,9 @@ pub struct RolePod {
     pub replicas: u32,
     /// Roles that must be ready first (from the plan's dependencies).
     pub depends_on: Vec<String>,
+    /// Whether its replicas may change while it runs: engine roles, unless the connector
+    /// pairs one prefill with one decode (mooncake-te).
+    pub scalable: bool,
     /// A PodTemplateSpec.
     pub template: Value,
 }
@@ -138,8 +155,21 @@ pub fn selector(name: &str, role: Role) -> Value {
     json!({"app.kubernetes.io/instance": name, "app.kubernetes.io/component": role.as_str()})
 }
 
-/// The Service name of a role: `<cluster>-<role>`.
+/// The Service name of a role: `<cluster>-<role>-svc`.
+///
+/// Not `<cluster>-<role>`: RBG v0.7.0 adopts a Service of that name as the role's headless
+/// Service (else it creates `s-<cluster>-<role>`) and force-applies its own selector,
+/// `clusterIP: None` and `publishNotReadyAddresses: true` to it, which a ClusterIP Service
+/// refuses; LWS names its headless Service after the LeaderWorkerSet (`<cluster>-<role>`
+/// here) and a DisaggregatedSet's end in `-prv`. No role name ends in `-svc`, and `name` is
+/// at most 40 characters, so this name is never truncated into one of theirs.
 pub fn service_name(name: &str, role: Role) -> String {
+    k8s_name(&format!("{name}-{}-svc", role.as_str()), 63)
+}
+
+/// The name of a role's workload (StatefulSet or RoleInstanceSet under RBG, LeaderWorkerSet,
+/// Deployment): `<cluster>-<role>`, as RBG names it too.
+pub fn workload_name(name: &str, role: Role) -> String {
     k8s_name(&format!("{name}-{}", role.as_str()), 63)
 }
 
@@ -158,6 +188,7 @@ pub fn export(plan: &Plan, topology: &Topology, o: &Options) -> Result<Manifests
     Ok(match o.format {
         Format::Rbg => rbg::manifests(parts, o),
         Format::Lws => lws::manifests(parts, o),
+        Format::DisaggregatedSet => disaggregated::manifests(parts, o),
     })
 }
 
@@ -190,6 +221,8 @@ const STARTUP_PERIOD_S: u64 = 10;
 /// Readiness, liveness and startup probes from the plan's probe: readiness every 5 s,
 /// liveness after the plan's liveness failures, startup as long as the plan's start-up
 /// timeout (vLLM loads for minutes before /health answers).
+/// The proxy's readiness is [`PROXY_READY_PATH`] (engines usable), its liveness and startup
+/// the plan's `/health`.
 fn probes(svc: &Service, warnings: &mut Vec<String>) -> Map<String, Value> {
     let action = match &svc.probe {
         Probe::Http {
@@ -223,10 +256,12 @@ fn probes(svc: &Service, warnings: &mut Vec<String>) -> Map<String, Value> {
         p
     };
     let mut m = Map::new();
-    m.insert(
-        "readinessProbe".into(),
-        with(json!({"periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5})),
-    );
+    let mut readiness =
+        with(json!({"periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5}));
+    if svc.role == Role::Proxy && readiness.get("httpGet").is_some() {
+        readiness["httpGet"]["path"] = PROXY_READY_PATH.into();
+    }
+    m.insert("readinessProbe".into(), readiness);
     m.insert(
         "livenessProbe".into(),
         with(json!({
@@ -249,21 +284,6 @@ fn probes(svc: &Service, warnings: &mut Vec<String>) -> Map<String, Value> {
 /// The env var whose value the downward API fills from `field`.
 fn field_env(name: &str, field: &str) -> Value {
     json!({"name": name, "valueFrom": {"fieldRef": {"fieldPath": field}}})
-}
-
-/// The image a role's container runs.
-fn image_for(role: Role, plan: &Plan, o: &Options) -> String {
-    match role {
-        Role::Proxy => o.pdctl_image.clone(),
-        Role::Etcd => o.etcd_image.clone(),
-        Role::Prefill | Role::Decode if plan.engine == "sim" => o.pdctl_image.clone(),
-        _ => o.image.clone().unwrap_or_else(|| {
-            format!(
-                "vllm/vllm-openai:v{}",
-                plan.vllm_version.as_deref().unwrap_or("latest")
-            )
-        }),
-    }
 }
 
 /// The proxy's argv in a pod: its planned settings (read from its config file) as
@@ -337,21 +357,13 @@ pub fn parts(plan: &Plan, topology: &Topology, o: &Options) -> Result<Parts, Exp
     let mut warnings: Vec<String> = Vec::new();
     let mut roles = Vec::new();
     let mut objects = Vec::new();
+    let images = images::choose(plan, topology, &o.images, &mut warnings)?;
     if plan.engine == "sim" {
         warnings.push(format!(
             "engine = \"sim\": the engines are pdctl's simulator (`pdctl sim`, image {}), not vLLM: for trying the manifests on a cluster without GPUs",
-            o.pdctl_image
+            images.pdctl()
         ));
     }
-    warnings.push(format!(
-        "{} {}: pdctl publishes no image, build one with pdctl on its PATH (docs/kubernetes.md) or pass --pdctl-image",
-        if plan.engine == "sim" {
-            "the proxy and the simulated engines run"
-        } else {
-            "the proxy runs"
-        },
-        o.pdctl_image
-    ));
     if plan.connector == "mooncake-te" {
         warnings.push(format!(
             "connector mooncake-te (V0 transfer engine) pairs one prefill with one decode: keep 1 replica each; its prefill_url and decode_url name the roles' Services ({}, {}), which list a pod only once it is ready",
@@ -375,16 +387,15 @@ pub fn parts(plan: &Plan, topology: &Topology, o: &Options) -> Result<Parts, Exp
             continue;
         };
         let replicas = plan.by_role(role).count() as u32;
-        let pod = role_pod(
+        let cx = PodCtx {
             plan,
             topology,
             o,
-            &name,
-            &rw,
-            first,
-            &mut rewrites,
-            &mut warnings,
-        )?;
+            name: &name,
+            rw: &rw,
+            images: &images,
+        };
+        let pod = role_pod(&cx, first, &mut rewrites, &mut warnings)?;
         if let Some(cm) = pod.config_map {
             objects.push(cm);
         }
@@ -401,6 +412,7 @@ pub fn parts(plan: &Plan, topology: &Topology, o: &Options) -> Result<Parts, Exp
             role,
             replicas,
             depends_on,
+            scalable: role.is_engine() && plan.connector != "mooncake-te",
             template: pod.template,
         });
     }
@@ -452,19 +464,33 @@ struct Pod {
     config_map: Option<Value>,
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What every role's pod is made from.
+struct PodCtx<'a> {
+    plan: &'a Plan,
+    topology: &'a Topology,
+    o: &'a Options,
+    /// The cluster's Kubernetes name.
+    name: &'a str,
+    rw: &'a Rewriter,
+    images: &'a Images,
+}
+
 fn role_pod(
-    plan: &Plan,
-    topology: &Topology,
-    o: &Options,
-    name: &str,
-    rw: &Rewriter,
+    cx: &PodCtx,
     svc: &Service,
     rewrites: &mut Vec<String>,
     warnings: &mut Vec<String>,
 ) -> Result<Pod, ExportError> {
+    let PodCtx {
+        plan,
+        topology,
+        o,
+        name,
+        rw,
+        images,
+    } = *cx;
     let role = svc.role;
-    let image = image_for(role, plan, o);
+    let image = images.for_role(role).to_string();
     let mut argv = if role == Role::Proxy {
         proxy_argv(svc, plan, name, rewrites)?
     } else if plan.engine == "sim" && role.is_engine() {
@@ -659,7 +685,7 @@ fn role_pod(
     for (k, v) in probes(svc, warnings) {
         container[k] = v;
     }
-    if let Some(gpus) = gpus_of(role, plan, topology, warnings) {
+    if let Some(gpus) = gpus_of(role, plan, topology, o, warnings) {
         // A quantity, written as the string Kubernetes prints it.
         let gpus = gpus.to_string();
         container["resources"] = json!({
@@ -715,8 +741,15 @@ fn sim_argv(argv: &mut [String], rewrites: &mut Vec<String>) {
     }
 }
 
-/// GPUs per pod: the topology's gpus_per_instance for vLLM on CUDA.
-fn gpus_of(role: Role, plan: &Plan, t: &Topology, warnings: &mut Vec<String>) -> Option<u32> {
+/// GPUs per pod: the topology's gpus_per_instance for vLLM on CUDA. A pod gets whole GPUs,
+/// so instances that share a GPU under `pdctl up` get one each (said in `warnings`).
+fn gpus_of(
+    role: Role,
+    plan: &Plan,
+    t: &Topology,
+    o: &Options,
+    warnings: &mut Vec<String>,
+) -> Option<u32> {
     if !role.is_engine() || plan.engine != "vllm" || t.engine.device != Device::Cuda {
         return None;
     }
@@ -724,9 +757,14 @@ fn gpus_of(role: Role, plan: &Plan, t: &Topology, warnings: &mut Vec<String>) ->
         return None;
     }
     if t.engine.instances_per_gpu > 1 {
+        let n = t.engine.instances_per_gpu;
+        let instances = t.prefill.instances + t.decode.instances;
+        let flag = match o.shared_gpu_utilization {
+            Some(u) => format!("--gpu-memory-utilization {u}"),
+            None => "a --gpu-memory-utilization of its share".into(),
+        };
         warnings.push(format!(
-            "engine.instances_per_gpu = {} shares a GPU between instances on one machine; on Kubernetes each pod gets whole GPUs (the planned memory shares stay in the vLLM flags: raise them for a GPU of its own)",
-            t.engine.instances_per_gpu
+            "engine.instances_per_gpu = {n}: a pod gets whole GPUs (nvidia.com/gpu is counted in GPUs), so each of the {instances} engine pods asks for its own GPU and vLLM takes its default share of it; the commands carry no memory share. To put {n} pods on one GPU, the cluster's NVIDIA device plugin must offer each GPU as {n} nvidia.com/gpu (time-slicing or MPS sharing), and each engine needs {flag} added to its command, as `pdctl up` gives it on a shared GPU"
         ));
     }
     let section = if role == Role::Prefill {
@@ -767,8 +805,8 @@ fn model_volume(
     }
 }
 
-/// The Service of a role: headless for engines (one DNS address per ready pod, what the
-/// proxy follows), ClusterIP for the proxy and support services.
+/// The Service of a role, named by [`service_name`]: headless for engines (one DNS address
+/// per ready pod, what the proxy follows), ClusterIP for the proxy and support services.
 fn service(name: &str, svc: &Service, o: &Options) -> Value {
     let role = svc.role;
     let ports: Vec<Value> = svc
@@ -781,7 +819,9 @@ fn service(name: &str, svc: &Service, o: &Options) -> Value {
         "ports": ports,
     });
     if role.is_engine() {
+        // One DNS address per ready pod: the proxy adds an engine only once it is ready.
         spec["clusterIP"] = "None".into();
+        spec["publishNotReadyAddresses"] = false.into();
     } else {
         spec["type"] = "ClusterIP".into();
     }

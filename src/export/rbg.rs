@@ -1,6 +1,11 @@
 //! One RoleBasedGroup (RBG, `workloads.x-k8s.io/v1alpha2`) holding every role of the plan:
 //! RBG starts a role only after the roles it depends on are ready, which is the plan's
 //! start order, and scales each role by its `replicas`.
+//!
+//! The RoleBasedGroup CRD has no `scale` subresource, so `kubectl scale` cannot reach a
+//! role; each scalable role gets `scalingAdapter.enable`, for which RBG creates a
+//! RoleBasedGroupScalingAdapter named `<group>-<role>` that has one
+//! (`kubectl scale rolebasedgroupscalingadapter <group>-<role> --replicas=N`).
 
 use super::{Manifests, Options, Parts, RBG_API_VERSION, metadata};
 use serde_json::{Value, json};
@@ -18,6 +23,9 @@ pub fn manifests(parts: Parts, o: &Options) -> Manifests {
             });
             if !r.depends_on.is_empty() {
                 role["dependencies"] = json!(r.depends_on);
+            }
+            if r.scalable {
+                role["scalingAdapter"] = json!({"enable": true});
             }
             role
         })
