@@ -4,9 +4,15 @@
 
 use crate::child_config::{ChildConfig, FromServiceError};
 use crate::spelling::value_name;
+use crate::topology::KvLoadFailurePolicy;
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
+
+/// Left out of generated config files: the policy the proxy assumes unless told.
+fn is_recompute(p: &KvLoadFailurePolicy) -> bool {
+    *p == KvLoadFailurePolicy::Recompute
+}
 
 /// How one client request is split over a prefill and a decode instance. Chosen by the
 /// connector (see `connectors`), never by the user directly in a topology.
@@ -19,6 +25,9 @@ pub enum ProxyProtocol {
     Nixl,
     /// Mooncake V1: a shared transfer_id, decode told the prefill's bootstrap address.
     Mooncake,
+    /// NixlPushConnector: both legs at once, decode told where the prefill is (learned from
+    /// that prefill's first answer), prefill writes the KV into decode's blocks.
+    NixlPush,
 }
 
 /// How an instance is picked for one leg.
@@ -61,6 +70,11 @@ pub struct ProxyArgs {
     pub bootstrap_ports: Vec<u16>,
     #[arg(long, value_enum, default_value_t = ProxyArgs::default().protocol)]
     pub protocol: ProxyProtocol,
+    /// The decodes' kv_load_failure_policy: with "fail", a decode's generation error on a
+    /// request it was handed KV for is reported as a failed KV load (and counted).
+    #[arg(long, value_enum, default_value_t = ProxyArgs::default().kv_load_failure_policy)]
+    #[serde(skip_serializing_if = "is_recompute")]
+    pub kv_load_failure_policy: KvLoadFailurePolicy,
     /// Policy for both legs, unless --prefill-policy / --decode-policy say otherwise.
     #[arg(long, value_enum, default_value_t = ProxyArgs::default().policy)]
     pub policy: PolicyName,
@@ -130,6 +144,7 @@ impl Default for ProxyArgs {
             decode_dns: Vec::new(),
             bootstrap_ports: Vec::new(),
             protocol: ProxyProtocol::TwoStep,
+            kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
             policy: PolicyName::RoundRobin,
             prefill_policy: None,
             decode_policy: None,
@@ -196,6 +211,12 @@ impl ProxyArgs {
             v.extend(["--bootstrap-port".into(), b.to_string()]);
         }
         v.extend(["--protocol".into(), value_name(self.protocol)]);
+        if !is_recompute(&self.kv_load_failure_policy) {
+            v.extend([
+                "--kv-load-failure-policy".into(),
+                value_name(self.kv_load_failure_policy),
+            ]);
+        }
         v.extend(["--policy".into(), value_name(self.policy)]);
         if let Some(p) = self.prefill_policy {
             v.extend(["--prefill-policy".into(), value_name(p)]);
