@@ -1377,6 +1377,13 @@ fn kv_load_failure_policy_and_nixl_push_are_planned_where_vllm_has_them() {
     let e = try_plan_text(&text, "0.12.0", 2).unwrap_err();
     assert_eq!(e.key, "connector.kv_load_failure_policy");
     assert!(e.message.contains("0.13.0"), "{}", e.message);
+    let e = try_plan_text(
+        "[model]\nname = \"/m\"\n[engine]\nkind = \"vllm\"\n[connector]\nkind = \"example\"\nnixl_mode = \"push\"\n",
+        "0.33.0",
+        2,
+    )
+    .unwrap_err();
+    assert_eq!(e.key, "connector.nixl_mode");
     // Unset: nothing is passed, vLLM keeps its own default.
     let plan = try_plan_text(base, "0.33.0", 2).unwrap();
     let v = serde_json::to_value(&plan).unwrap();

@@ -330,6 +330,22 @@ pub fn apply_load_failure_policy(c: &ConnectorSection, launch: &mut Launch) {
     }
 }
 
+/// Fails when `connector.nixl_mode = "push"` is set for another connector than NIXL (it
+/// would be silently ignored).
+pub fn check_nixl_mode(c: &ConnectorSection) -> Result<(), Problem> {
+    if c.nixl_mode == crate::topology::NixlMode::Pull || c.kind == ConnectorKind::Nixl {
+        return Ok(());
+    }
+    Err(Problem::new(
+        "connector.nixl_mode",
+        format!(
+            "nixl_mode only applies to kind = \"nixl\", not `{}`",
+            kind_name(c.kind)
+        ),
+    )
+    .hint("remove connector.nixl_mode, or set connector.kind = \"nixl\""))
+}
+
 /// `kv_producer` for prefill, `kv_consumer` for decode.
 fn producer_consumer(role: Role) -> &'static str {
     if role == Role::Prefill {

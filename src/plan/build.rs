@@ -69,6 +69,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         })?),
     };
     // The connector's own refusals first: they say more than "no template for vLLM X".
+    connectors::check_nixl_mode(&t.connector)?;
     conn.check(t, version.as_ref())?;
     if let Some(v) = &version {
         connectors::check_version(conn, v)?;
