@@ -59,28 +59,78 @@ pub struct Sample<'a> {
 }
 
 /// The sample lines of a page, comments, blank lines and unreadable values left out.
+///
+/// Both text formats an engine may serve are read: Prometheus text (vLLM's Python
+/// server) and OpenMetrics text (`application/openmetrics-text`, as vLLM's Rust front end
+/// serves it, `VLLM_USE_RUST_FRONTEND=1`): its `# EOF` and `# TYPE`/`# UNIT` lines are
+/// comments here, counter samples keep their `_total` name (and `_created` ones are
+/// samples of their own name, summed by nobody who asks for `_total`), an exemplar after
+/// the value (`# {trace_id="..."} 1.0`) is not taken for labels, and a metric name may be
+/// quoted inside the braces (`{"vllm:x",a="b"} 1`).
 pub fn samples(text: &str) -> impl Iterator<Item = Sample<'_>> {
     text.lines().filter_map(|line| {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
             return None;
         }
-        let name_end = line.find(['{', ' '])?;
-        let (labels, rest) = match line[name_end..].strip_prefix('{') {
-            // The last `}`: label values may contain one.
-            Some(r) => {
-                let close = r.rfind('}')?;
-                (&r[..close], &r[close + 1..])
+        let (name, labels, rest) = if let Some(inner) = line.strip_prefix('{') {
+            // A quoted name first in the braces, then the labels, if any.
+            let close = closing_brace(inner)?;
+            let inside = &inner[..close];
+            let body = inside.strip_prefix('"')?;
+            let end = quoted_end(body)?;
+            let labels = body[end + 1..].trim_start();
+            let labels = labels.strip_prefix(',').unwrap_or(labels).trim_start();
+            (&body[..end], labels, &inner[close + 1..])
+        } else {
+            let name_end = line.find(['{', ' ', '\t'])?;
+            match line[name_end..].strip_prefix('{') {
+                Some(r) => {
+                    let close = closing_brace(r)?;
+                    (&line[..name_end], &r[..close], &r[close + 1..])
+                }
+                None => (&line[..name_end], "", &line[name_end..]),
             }
-            None => ("", &line[name_end..]),
         };
         let value: f64 = rest.split_whitespace().next()?.parse().ok()?;
         value.is_finite().then_some(Sample {
-            name: &line[..name_end],
+            name,
             labels,
             value,
         })
     })
+}
+
+/// Where the label set that `s` starts inside of ends: the first `}` outside a quoted
+/// value (values may hold `}`, and an OpenMetrics exemplar after the value has braces of
+/// its own).
+fn closing_brace(s: &str) -> Option<usize> {
+    let mut quoted = false;
+    let mut escaped = false;
+    for (i, c) in s.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if quoted => escaped = true,
+            '"' => quoted = !quoted,
+            '}' if !quoted => return Some(i),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The index of the `"` that ends a quoted string whose opening quote is just before `s`.
+fn quoted_end(s: &str) -> Option<usize> {
+    let mut escaped = false;
+    for (i, c) in s.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
+            '"' => return Some(i),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// The sum of every sample of the named series (any labels); `None` when none is there.
@@ -142,6 +192,44 @@ mod tests {
         assert_eq!(label_value("", "source"), None);
         assert_eq!(label_value(r#"a="unterminated"#, "a"), None);
         assert_eq!(label_value(r#"a = "1" , b="2""#, "b").as_deref(), Some("2"));
+    }
+
+    /// An OpenMetrics page as vLLM's Rust front end serves it (`# EOF`, `_created`
+    /// samples, an exemplar, float timestamps, a quoted name) reads like Prometheus text.
+    #[test]
+    fn openmetrics_pages_read_like_prometheus_text() {
+        let om = "# HELP vllm:nixl_num_failed_transfers Number of failed NIXL KV Cache transfers.\n\
+            # TYPE vllm:nixl_num_failed_transfers counter\n\
+            vllm:nixl_num_failed_transfers_total{engine=\"0\",model_name=\"m\"} 2.0\n\
+            vllm:nixl_num_failed_transfers_created{engine=\"0\",model_name=\"m\"} 1.7e9\n\
+            # TYPE vllm:admission_rejections counter\n\
+            vllm:admission_rejections_total{model_name=\"m\",reason=\"max_num_queued_reqs\"} 5 # {trace_id=\"a}b\"} 1.0 1712345678.5\n\
+            vllm:admission_rejections_total{model_name=\"m\",reason=\"max_num_queued_tokens\"} 1 1712345678.250\n\
+            # TYPE vllm:num_requests_running gauge\n\
+            {\"vllm:num_requests_running\",engine=\"0\"} 3\n\
+            {\"vllm:num_requests_waiting\"} 4\n\
+            # EOF\n";
+        assert_eq!(
+            sum(om, &["vllm:nixl_num_failed_transfers_total"]),
+            Some(2.0)
+        );
+        assert_eq!(sum(om, &["vllm:admission_rejections_total"]), Some(6.0));
+        let s: Vec<Sample> = samples(om).collect();
+        assert_eq!(s.len(), 6);
+        assert_eq!(
+            label_value(s[2].labels, "reason").as_deref(),
+            Some("max_num_queued_reqs")
+        );
+        assert_eq!(s[4].name, "vllm:num_requests_running");
+        assert_eq!(s[4].labels, "engine=\"0\"");
+        assert_eq!(s[5].labels, "");
+        assert_eq!(
+            sum(
+                om,
+                &["vllm:num_requests_running", "vllm:num_requests_waiting"]
+            ),
+            Some(7.0)
+        );
     }
 
     #[test]

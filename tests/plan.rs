@@ -1203,3 +1203,194 @@ fn a_pinned_version_other_than_the_installed_one_is_a_warning() {
         "{warnings}"
     );
 }
+
+/// What vLLM 0.33.0's own source says its command line, KV transfer config, connector
+/// registry and environment are (read from the wheel by scripts/vllm-surface.py).
+fn vllm_surface(version: &str) -> Value {
+    let text =
+        std::fs::read_to_string(manifest(&format!("tests/data/vllm-{version}-surface.json")))
+            .unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn listed(surface: &Value, key: &str, name: &str) -> bool {
+    surface[key]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|v| v.as_str() == Some(name))
+}
+
+/// Checks one planned vLLM engine against what the wheel's source has: the module run,
+/// every flag pdctl wrote (not the topology's `own` args), every kv_transfer_config key and connector class (inside a MultiConnector
+/// too), every VLLM_* variable. Returns what does not exist there.
+fn unknown_to_vllm(s: &pdctl::vocab::Service, surface: &Value, own: &[String]) -> Vec<String> {
+    let mut bad = Vec::new();
+    let module = &s.argv[2];
+    if !listed(surface, "modules", module) {
+        bad.push(format!("module {module}"));
+    }
+    for a in s
+        .argv
+        .iter()
+        .filter(|a| a.starts_with("--") && !own.contains(a))
+    {
+        if !listed(surface, "flags", a) {
+            bad.push(format!("flag {a}"));
+        }
+    }
+    let i = s
+        .argv
+        .iter()
+        .position(|a| a == "--kv-transfer-config")
+        .unwrap();
+    let kv: Value = serde_json::from_str(&s.argv[i + 1]).unwrap();
+    let mut configs = vec![kv.clone()];
+    if kv["kv_connector"] == "MultiConnector" {
+        configs.extend(
+            kv["kv_connector_extra_config"]["connectors"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .cloned(),
+        );
+    }
+    for c in &configs {
+        for k in c.as_object().unwrap().keys() {
+            if !listed(surface, "kv_transfer_config_fields", k) {
+                bad.push(format!("kv_transfer_config key {k}"));
+            }
+        }
+        let class = c["kv_connector"].as_str().unwrap();
+        if !listed(surface, "connectors", class) {
+            bad.push(format!("connector {class}"));
+        }
+    }
+    for k in s.env.keys().filter(|k| k.starts_with("VLLM_")) {
+        if !listed(surface, "env", k) {
+            bad.push(format!("env {k}"));
+        }
+    }
+    bad
+}
+
+/// Every real-vLLM profile, and the connector settings the profiles do not show (NIXL
+/// push, the load failure policy, Mooncake store inside MultiConnector), planned for vLLM
+/// 0.33.0 pinned: each flag, class, key and variable exists in 0.33.0's own source.
+#[test]
+fn every_real_vllm_plan_for_0_33_uses_only_what_vllm_0_33_has() {
+    let surface = vllm_surface("0.33.0");
+    assert_eq!(surface["version"], "0.33.0");
+    let mut texts: Vec<(String, String)> = pdctl::profiles::ALL
+        .iter()
+        .map(|p| (p.name.to_string(), p.text.to_string()))
+        .filter(|(_, text)| {
+            let t = load_str(text, Source::Profile("x".into()), "x".into()).unwrap();
+            t.spec.engine.kind == pdctl::topology::EngineKind::Vllm
+        })
+        .collect();
+    assert!(texts.len() >= 8, "{}", texts.len());
+    let gpu = "[model]\nname = \"/m\"\n[engine]\nkind = \"vllm\"\n[prefill]\ninstances = 2\n[decode]\ninstances = 2\n";
+    for extra in [
+        "[connector]\nkind = \"nixl\"\nnixl_mode = \"push\"\nkv_load_failure_policy = \"fail\"\n",
+        "[connector]\nkind = \"mooncake-store\"\nmulti = true\nkv_load_failure_policy = \"recompute\"\n",
+        "[connector]\nkind = \"mooncake\"\n",
+        "[connector]\nkind = \"lmcache\"\n",
+    ] {
+        texts.push((extra.to_string(), format!("{gpu}{extra}")));
+    }
+    let v: pdctl::vocab::Version = "0.33.0".parse().unwrap();
+    for (name, text) in texts {
+        let t = load_str(&text, Source::Profile("x".into()), "x.toml".into()).unwrap();
+        let gpus: Vec<Gpu> = (0..8).map(Gpu::declared).collect();
+        let plan = build_plan(&PlanInput {
+            topology: &t.spec,
+            head: &t.head,
+            gpus: &gpus,
+            gpu_note: None,
+            version: Some(v.clone()),
+            version_source: pdctl::vocab::VersionSource::Pinned,
+            state_root: "/state".into(),
+            local_node: None,
+        });
+        let plan = match plan {
+            Ok(plan) => plan,
+            // The V0 transfer-engine connector ended with vLLM 0.10.0: refused, by name.
+            Err(e) if t.spec.connector.kind == pdctl::topology::ConnectorKind::MooncakeTe => {
+                assert!(e.message.contains("has no `mooncake-te`"), "{e}");
+                continue;
+            }
+            Err(e) => panic!("{name} does not plan for vLLM 0.33.0: {e}"),
+        };
+        let engines: Vec<_> = plan
+            .services
+            .iter()
+            .filter(|s| matches!(s.role, Role::Prefill | Role::Decode))
+            .collect();
+        assert!(!engines.is_empty(), "{name}");
+        for s in engines {
+            // The topology's own args are the user's, written for the version it pins
+            // (lmcache-1p1d's `--swap-space` is 0.9.2's); pdctl's are what is checked.
+            let own: Vec<String> = [
+                &t.spec.engine.args,
+                &t.spec.prefill.args,
+                &t.spec.decode.args,
+            ]
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect();
+            let bad = unknown_to_vllm(s, &surface, &own);
+            assert!(
+                bad.is_empty(),
+                "{name} {}: not in vLLM 0.33.0: {bad:?}",
+                s.name
+            );
+        }
+    }
+}
+
+/// The load failure policy reaches kv_transfer_config where vLLM has it, push mode names
+/// NixlPushConnector and the nixl-push proxy protocol, and a version without either gets a
+/// located error naming the versions that have it.
+#[test]
+fn kv_load_failure_policy_and_nixl_push_are_planned_where_vllm_has_them() {
+    let base = "[model]\nname = \"/m\"\n[engine]\nkind = \"vllm\"\n[connector]\nkind = \"nixl\"\n";
+    let text = format!("{base}nixl_mode = \"push\"\nkv_load_failure_policy = \"fail\"\n");
+    let plan = try_plan_text(&text, "0.33.0", 2).unwrap();
+    let v = serde_json::to_value(&plan).unwrap();
+    for role in ["prefill", "decode"] {
+        let kv = kv_config(services(&v, role)[0]);
+        assert_eq!(kv["kv_connector"], "NixlPushConnector");
+        assert_eq!(kv["kv_load_failure_policy"], "fail");
+        let want = if role == "prefill" {
+            "kv_producer"
+        } else {
+            "kv_consumer"
+        };
+        assert_eq!(kv["kv_role"], want);
+    }
+    assert_eq!(v["protocol"], "nixl-push");
+    let e = try_plan_text(&text, "0.23.0", 2).unwrap_err();
+    assert_eq!(e.key, "connector.nixl_mode");
+    assert!(e.message.contains("0.24.0"), "{}", e.message);
+    let text = format!("{base}kv_load_failure_policy = \"recompute\"\n");
+    let e = try_plan_text(&text, "0.12.0", 2).unwrap_err();
+    assert_eq!(e.key, "connector.kv_load_failure_policy");
+    assert!(e.message.contains("0.13.0"), "{}", e.message);
+    let e = try_plan_text(
+        "[model]\nname = \"/m\"\n[engine]\nkind = \"vllm\"\n[connector]\nkind = \"example\"\nnixl_mode = \"push\"\n",
+        "0.33.0",
+        2,
+    )
+    .unwrap_err();
+    assert_eq!(e.key, "connector.nixl_mode");
+    // Unset: nothing is passed, vLLM keeps its own default.
+    let plan = try_plan_text(base, "0.33.0", 2).unwrap();
+    let v = serde_json::to_value(&plan).unwrap();
+    assert!(
+        kv_config(services(&v, "decode")[0])
+            .get("kv_load_failure_policy")
+            .is_none()
+    );
+}

@@ -488,3 +488,96 @@ async fn a_failing_prefill_sim_is_a_json_error_and_a_killed_decode_sim_an_error_
     assert!(!rest.contains("[DONE]"));
     let _ = d.wait_exit(WAIT);
 }
+
+const KV_LOAD_FAILED: &str =
+    "pdctl_proxy_kv_handoff_failures_total{reason=\"decode_failed_the_request\"}";
+const ENGINE_FAILED: &str =
+    "pdctl_proxy_kv_handoff_failures_total{reason=\"engine_reported_failed_transfers\"}";
+
+/// Under kv_load_failure_policy "fail" a lost handoff fails the request on the decode sim
+/// (as vLLM: a bare "Internal server error"); the client gets an error naming the decode
+/// leg, the instance and the KV load, whole or streamed, and the failure counters rise (the
+/// one the proxy saw, and the one from the decode's vllm:nixl_num_failed_transfers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_the_fail_policy_a_lost_handoff_reaches_the_client_as_a_kv_load_error() {
+    let fail = ["--kv-load-failure-policy", "fail"];
+    let p = start_sim("prefill", "nixl", &[]).await;
+    let d = start_sim("decode", "nixl", &fail).await;
+    let mut extra = vec!["--protocol", "nixl", "--health-interval-ms", "100"];
+    extra.extend(fail);
+    let proxy = ProxyProcess::start(&args(&[&p], &[&d], &extra)).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // A working handoff is untouched by the policy.
+    let resp = complete(&proxy, &prompt_of(70, "fine"), false).await;
+    assert_eq!(resp.status(), 200);
+
+    d.post("/sim/fault", &json!({"fail_handoff_next": 1})).await;
+    let resp = complete(&proxy, &prompt_of(70, "lost-whole"), false).await;
+    assert_eq!(resp.status(), 502);
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["leg"], "decode", "{err}");
+    assert_eq!(err["error"]["instance"], d.base.as_str(), "{err}");
+    assert_eq!(err["error"]["type"], "kv_load_error", "{err}");
+    let msg = err["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("KV load failed") && msg.contains(&d.base),
+        "{msg}"
+    );
+    assert_eq!(proxy.metric(KV_LOAD_FAILED).await, 1.0);
+
+    d.post("/sim/fault", &json!({"fail_handoff_next": 1})).await;
+    let resp = complete(&proxy, &prompt_of(70, "lost-stream"), true).await;
+    assert_eq!(
+        resp.status(),
+        502,
+        "the error came before any byte went out"
+    );
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["type"], "kv_load_error", "{err}");
+    assert_eq!(proxy.metric(KV_LOAD_FAILED).await, 2.0);
+    assert_eq!(d.metric("pdctl_sim_kv_load_failures_total").await, 2.0);
+    proxy.wait_metric(ENGINE_FAILED, 2.0).await;
+    // Not a dead decode: the next request goes through it.
+    let resp = complete(&proxy, &prompt_of(70, "after"), false).await;
+    assert_eq!(resp.status(), 200);
+    assert!(
+        proxy.log().contains("could not load the KV handed over"),
+        "{}",
+        proxy.log()
+    );
+}
+
+/// NIXL push: the first request to a prefill learns where it is (prefill first), the
+/// next ones send both legs at once; the decode sim waits for the pushed KV and reports a
+/// KV hit, not a recompute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_push_hands_the_kv_over_with_both_legs_at_once() {
+    let p = start_sim("prefill", "nixl-push", &[]).await;
+    let d = start_sim("decode", "nixl-push", &[]).await;
+    let proxy = ProxyProcess::start(&args(
+        &[&p],
+        &[&d],
+        &["--protocol", "nixl-push", "--health-interval-ms", "100"],
+    ))
+    .await;
+    for (i, stream) in [false, true, false].into_iter().enumerate() {
+        let resp = complete(&proxy, &prompt_of(70, &format!("push-{i}")), stream).await;
+        assert_eq!(resp.status(), 200);
+        if stream {
+            assert_eq!(sse_events(resp).await.last().unwrap(), "[DONE]");
+        } else {
+            let a: Value = resp.json().await.unwrap();
+            // Whole 16-token blocks arrived: all of the prompt but its last partial block.
+            let prompt = a["usage"]["prompt_tokens"].as_u64().unwrap();
+            assert_eq!(
+                a["usage"]["prompt_tokens_details"]["cached_tokens"],
+                prompt / 16 * 16,
+                "{a}"
+            );
+        }
+    }
+    assert_eq!(d.metric("pdctl_sim_kv_handoffs_received_total").await, 3.0);
+    assert_eq!(d.metric("pdctl_sim_kv_handoffs_missed_total").await, 0.0);
+    assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 3.0);
+    assert!(d.log().contains("(pushed)"), "{}", d.log());
+}

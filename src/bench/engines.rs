@@ -90,4 +90,16 @@ mod tests {
         );
         assert_eq!(cache_counters("nothing 1\n"), None);
     }
+
+    /// vLLM's Rust front end serves OpenMetrics text: the same counters are found there.
+    #[test]
+    fn counters_are_read_from_an_openmetrics_page() {
+        let om = "# TYPE vllm:prefix_cache_queries counter\n\
+            vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 120.0 # {trace_id=\"x\"} 1.0\n\
+            vllm:prefix_cache_queries_created{engine=\"0\",model_name=\"m\"} 1.7e9\n\
+            # TYPE vllm:prefix_cache_hits counter\n\
+            {\"vllm:prefix_cache_hits_total\",engine=\"0\",model_name=\"m\"} 30.0\n\
+            # EOF\n";
+        assert_eq!(cache_counters(om), Some((120.0, 30.0)));
+    }
 }

@@ -347,6 +347,7 @@ mod tests {
             decode_dns: vec!["pd-decode:8200".into()],
             bootstrap_ports: vec![8998, 8999, 9000],
             protocol: ProxyProtocol::Mooncake,
+            kv_load_failure_policy: crate::topology::KvLoadFailurePolicy::Fail,
             policy: PolicyName::LeastLoaded,
             prefill_policy: Some(PolicyName::PrefixAware),
             decode_policy: Some(PolicyName::Random),

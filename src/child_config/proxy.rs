@@ -6,10 +6,16 @@
 
 use super::{ChildConfig, FromServiceError};
 use crate::spelling::value_name;
+use crate::topology::KvLoadFailurePolicy;
 use crate::vocab::{PolicyName, ProxyProtocol, Service};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
+
+/// Left out of generated config files: the policy the proxy assumes unless told.
+fn is_recompute(p: &KvLoadFailurePolicy) -> bool {
+    *p == KvLoadFailurePolicy::Recompute
+}
 
 /// Everything `pdctl proxy` takes, as flags or as keys of its config file.
 #[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
@@ -41,6 +47,11 @@ pub struct ProxyArgs {
     pub bootstrap_ports: Vec<u16>,
     #[arg(long, value_enum, default_value_t = ProxyArgs::default().protocol)]
     pub protocol: ProxyProtocol,
+    /// The decodes' kv_load_failure_policy: with "fail", a decode's generation error on a
+    /// request it was handed KV for is reported as a failed KV load (and counted).
+    #[arg(long, value_enum, default_value_t = ProxyArgs::default().kv_load_failure_policy)]
+    #[serde(skip_serializing_if = "is_recompute")]
+    pub kv_load_failure_policy: KvLoadFailurePolicy,
     /// Policy for both legs, unless --prefill-policy / --decode-policy say otherwise.
     #[arg(long, value_enum, default_value_t = ProxyArgs::default().policy)]
     pub policy: PolicyName,
@@ -110,6 +121,7 @@ impl Default for ProxyArgs {
             decode_dns: Vec::new(),
             bootstrap_ports: Vec::new(),
             protocol: ProxyProtocol::TwoStep,
+            kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
             policy: PolicyName::RoundRobin,
             prefill_policy: None,
             decode_policy: None,
@@ -184,6 +196,12 @@ impl ProxyArgs {
             v.extend(["--bootstrap-port".into(), b.to_string()]);
         }
         v.extend(["--protocol".into(), value_name(self.protocol)]);
+        if !is_recompute(&self.kv_load_failure_policy) {
+            v.extend([
+                "--kv-load-failure-policy".into(),
+                value_name(self.kv_load_failure_policy),
+            ]);
+        }
         v.extend(["--policy".into(), value_name(self.policy)]);
         if let Some(p) = self.prefill_policy {
             v.extend(["--prefill-policy".into(), value_name(p)]);

@@ -5,10 +5,16 @@
 
 use super::{ChildConfig, FromServiceError};
 use crate::spelling::value_name;
+use crate::topology::KvLoadFailurePolicy;
 use crate::vocab::{SimHandoff, SimModel, SimRole};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
+
+/// Left out of generated config files: the policy the simulator always played.
+fn is_recompute(p: &KvLoadFailurePolicy) -> bool {
+    *p == KvLoadFailurePolicy::Recompute
+}
 
 /// Everything `pdctl sim` takes, as flags or as keys of its config file (the latency
 /// model's keys in its `[model_params]` table).
@@ -39,6 +45,13 @@ pub struct SimArgs {
     /// Port of the bootstrap `/query` server for the `mooncake` handoff (prefill only).
     #[arg(long)]
     pub bootstrap_port: Option<u16>,
+    /// What a decode does with a KV handoff it could not load, as vLLM's
+    /// `kv_load_failure_policy`: recompute the prompt (the answer is right, only slower),
+    /// or fail the request with vLLM's generation error (a 500, or an error event in a
+    /// stream).
+    #[arg(long, value_enum, default_value_t = SimArgs::default().kv_load_failure_policy)]
+    #[serde(skip_serializing_if = "is_recompute")]
+    pub kv_load_failure_policy: KvLoadFailurePolicy,
     #[command(flatten)]
     pub model_params: SimModel,
     /// Fault injection: exit with status 1 after serving this many requests.
@@ -72,6 +85,7 @@ impl Default for SimArgs {
             handoff: SimHandoff::None,
             kv_dir: None,
             bootstrap_port: None,
+            kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
             model_params: SimModel::default(),
             fault_exit_after: None,
             kv_host: None,
@@ -117,6 +131,12 @@ impl SimArgs {
             v.extend(["--instance".into(), i.clone()]);
         }
         v.extend(["--handoff".into(), value_name(self.handoff)]);
+        if !is_recompute(&self.kv_load_failure_policy) {
+            v.extend([
+                "--kv-load-failure-policy".into(),
+                value_name(self.kv_load_failure_policy),
+            ]);
+        }
         if let Some(d) = &self.kv_dir {
             v.extend(["--kv-dir".into(), d.display().to_string()]);
         }
@@ -150,6 +170,7 @@ pub(crate) fn every_setting() -> SimArgs {
         handoff: SimHandoff::Mooncake,
         kv_dir: Some(PathBuf::from("/tmp/kv dir")),
         bootstrap_port: Some(8998),
+        kv_load_failure_policy: KvLoadFailurePolicy::Fail,
         model_params: SimModel {
             prefill_ms_per_token: 0.125,
             overhead_ms: 0.1,

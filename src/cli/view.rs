@@ -157,8 +157,13 @@ fn format_figures(proxy_url: &str, f: &crate::proxy::ProxyFigures) -> String {
     } else {
         String::new()
     };
+    let failures = if f.kv_handoff_failures > 0.0 {
+        format!(", {:.0} KV handoff failures", f.kv_handoff_failures)
+    } else {
+        String::new()
+    };
     format!(
-        "proxy {proxy_url}: {:.0} requests ({:.0} failed), {:.0} in flight, {:.0} retries, {:.0} KV handoff misses{recomputed}",
+        "proxy {proxy_url}: {:.0} requests ({:.0} failed), {:.0} in flight, {:.0} retries, {:.0} KV handoff misses{recomputed}{failures}",
         f.requests, f.failed, f.in_flight, f.retries, f.kv_handoff_misses
     )
 }
@@ -177,6 +182,7 @@ mod tests {
             in_flight: 2.0,
             retries: 5.0,
             kv_handoff_misses: 0.0,
+            kv_handoff_failures: 0.0,
             recomputed_tokens: 0.0,
         };
         assert_eq!(
@@ -188,6 +194,11 @@ mod tests {
         assert!(
             format_figures("http://p:8000", &f)
                 .ends_with("2 KV handoff misses (900 prompt tokens recomputed)")
+        );
+        f.kv_handoff_failures = 3.0;
+        assert!(
+            format_figures("http://p:8000", &f)
+                .ends_with("(900 prompt tokens recomputed), 3 KV handoff failures")
         );
     }
 

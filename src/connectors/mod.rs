@@ -22,7 +22,9 @@ pub mod transport;
 pub use lmcache::server_command as lmcache_server_command;
 pub use ports::PortBook;
 
-use crate::topology::{ConnectorKind, ConnectorSection, MooncakeMetadata, Problem, Topology};
+use crate::topology::{
+    ConnectorKind, ConnectorSection, KvLoadFailurePolicy, MooncakeMetadata, Problem, Topology,
+};
 use crate::vocab::{GeneratedFile, ProxyProtocol, Role, SimHandoff, Version, VersionRange};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -193,10 +195,11 @@ pub fn for_kind(kind: ConnectorKind) -> &'static dyn Connector {
     }
 }
 
-/// The newest vLLM release the templates here were written and checked against (vLLM
+/// The newest vLLM release the templates here were written and checked against (every
+/// flag, class and key read in the 0.33.0 wheel's source, docs/connectors.md; vLLM
 /// 0.32.0's CPU build end to end; 0.26.0 on a GPU). `vllm_version = "auto"` plans for it
 /// when no vLLM is installed, so a plan can be read before vLLM is.
-pub const NEWEST_TEMPLATED: Version = Version::new(0, 32, 0);
+pub const NEWEST_TEMPLATED: Version = Version::new(0, 33, 0);
 
 /// Every connector pdctl can plan, for "which connectors does vLLM X have" hints.
 pub fn all() -> [&'static dyn Connector; 6] {
@@ -224,6 +227,7 @@ pub fn sim_handoff(protocol: ProxyProtocol) -> SimHandoff {
         ProxyProtocol::TwoStep => SimHandoff::SharedDir,
         ProxyProtocol::Nixl => SimHandoff::Nixl,
         ProxyProtocol::Mooncake => SimHandoff::Mooncake,
+        ProxyProtocol::NixlPush => SimHandoff::NixlPush,
     }
 }
 
@@ -276,6 +280,68 @@ pub fn check_extra_config(c: &ConnectorSection, v: &Version) -> Result<(), Probl
         ),
     )
     .hint("remove connector.extra_config, or pin engine.vllm_version to 0.8.0 or later"))
+}
+
+/// vLLM with `kv_load_failure_policy` in its KVTransferConfig (absent in 0.12.0, present in
+/// 0.13.0; vLLM refuses unknown keys there).
+const LOAD_FAILURE_POLICY: VersionRange = VersionRange::from((0, 13, 0));
+
+/// vLLM whose default policy is "fail" (0.13.0 to 0.16.0 default to "recompute").
+const FAILS_BY_DEFAULT: VersionRange = VersionRange::from((0, 17, 0));
+
+/// Fails when the topology sets `connector.kv_load_failure_policy` for a vLLM that has no
+/// such key, naming the versions that have it.
+pub fn check_load_failure_policy(c: &ConnectorSection, v: &Version) -> Result<(), Problem> {
+    if c.kv_load_failure_policy.is_none() || LOAD_FAILURE_POLICY.contains(v) {
+        return Ok(());
+    }
+    Err(Problem::new(
+        "connector.kv_load_failure_policy",
+        format!(
+            "vLLM {v} has no kv_load_failure_policy: it came with vLLM 0.13.0 (vLLM {LOAD_FAILURE_POLICY}); before it a decode always recomputes what it could not load"
+        ),
+    )
+    .hint("remove connector.kv_load_failure_policy, or pin engine.vllm_version to 0.13.0 or later"))
+}
+
+/// The policy decodes run with: the topology's, else vLLM `v`'s own default ("fail" from
+/// 0.17.0, "recompute" before and without the key). The simulator (`v` None) plays
+/// "recompute" unless told otherwise, as it always did.
+pub fn load_failure_policy(c: &ConnectorSection, v: Option<&Version>) -> KvLoadFailurePolicy {
+    c.kv_load_failure_policy.unwrap_or_else(|| match v {
+        Some(v) if FAILS_BY_DEFAULT.contains(v) => KvLoadFailurePolicy::Fail,
+        _ => KvLoadFailurePolicy::Recompute,
+    })
+}
+
+/// Writes the topology's `kv_load_failure_policy` into a launch's kv_transfer_config (the
+/// top level: vLLM's scheduler reads it there, also under a MultiConnector). Unset, vLLM
+/// keeps its default; [`check_load_failure_policy`] has refused versions without the key.
+pub fn apply_load_failure_policy(c: &ConnectorSection, launch: &mut Launch) {
+    if let Some(p) = c.kv_load_failure_policy
+        && let Some(cfg) = launch.kv_transfer_config.as_object_mut()
+    {
+        cfg.insert(
+            "kv_load_failure_policy".into(),
+            serde_json::to_value(p).expect("policy serializes"),
+        );
+    }
+}
+
+/// Fails when `connector.nixl_mode = "push"` is set for another connector than NIXL (it
+/// would be silently ignored).
+pub fn check_nixl_mode(c: &ConnectorSection) -> Result<(), Problem> {
+    if c.nixl_mode == crate::topology::NixlMode::Pull || c.kind == ConnectorKind::Nixl {
+        return Ok(());
+    }
+    Err(Problem::new(
+        "connector.nixl_mode",
+        format!(
+            "nixl_mode only applies to kind = \"nixl\", not `{}`",
+            kind_name(c.kind)
+        ),
+    )
+    .hint("remove connector.nixl_mode, or set connector.kind = \"nixl\""))
 }
 
 /// `kv_producer` for prefill, `kv_consumer` for decode.

@@ -1,21 +1,32 @@
 //! NixlConnector (every V1 vLLM): decode pulls KV from prefill; the proxy copies the
-//! prefill's returned kv_transfer_params into the decode request.
+//! prefill's returned kv_transfer_params into the decode request. With
+//! `connector.nixl_mode = "push"`, NixlPushConnector (vLLM 0.24.0 and later): decode
+//! registers its blocks with the prefill named in its kv_transfer_params and the prefill
+//! writes into them, so the proxy sends both legs at once (protocol `nixl-push`).
 //!
 //! Side channel: VLLM_NIXL_SIDE_CHANNEL_PORT defaults to 5557 up to 0.11 and 5600 from 0.12;
 //! before 0.12 each TP rank opens port + rank, from 0.12 one port per engine. The host must
 //! be the node's address when prefill and decode are on different machines.
 
 use super::*;
+use crate::topology::NixlMode;
 
 pub struct Nixl;
 
 const NIXL: VersionRange = VersionRange::from((0, 9, 0));
 
+/// vLLM that registers NixlPushConnector (absent in 0.23.0, present in 0.24.0).
+const PUSH: VersionRange = VersionRange::from((0, 24, 0));
+
 const ABOUT: About = About {
     kind: ConnectorKind::Nixl,
-    classes: "NixlConnector",
+    classes: "NixlConnector (NixlPushConnector with nixl_mode = \"push\")",
     versions: &[NIXL],
 };
+
+fn push(c: &ConnectorSection) -> bool {
+    c.nixl_mode == NixlMode::Push
+}
 
 /// True when vLLM opens one side-channel port per engine rather than per TP rank.
 fn one_port_per_engine(v: &Version) -> bool {
@@ -26,11 +37,27 @@ impl Connector for Nixl {
     fn about(&self) -> &'static About {
         &ABOUT
     }
+    fn check(&self, t: &Topology, v: Option<&Version>) -> Result<(), Problem> {
+        if let Some(v) = v.filter(|v| push(&t.connector) && !PUSH.contains(v)) {
+            return Err(Problem::new(
+                "connector.nixl_mode",
+                format!(
+                    "vLLM {v} has no NixlPushConnector: it came with vLLM 0.24.0 (vLLM {PUSH})"
+                ),
+            )
+            .hint("set nixl_mode = \"pull\", or pin engine.vllm_version to 0.24.0 or later"));
+        }
+        Ok(())
+    }
     fn python_module(&self) -> Option<(&'static str, &'static str)> {
         Some(("nixl", "NixlConnector imports it (pip install nixl)"))
     }
-    fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
-        ProxyProtocol::Nixl
+    fn protocol(&self, c: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
+        if push(c) {
+            ProxyProtocol::NixlPush
+        } else {
+            ProxyProtocol::Nixl
+        }
     }
     fn launch(&self, at: LaunchCtx) -> Result<Launch, Problem> {
         let LaunchCtx { cx, v, inst, ports } = at;
@@ -57,8 +84,22 @@ impl Connector for Nixl {
                 )
                 .hint("set connector.side_channel_port lower, below the ports in use")
             })?;
+        // Push mode: vLLM 0.33's NixlPushConnector refuses bidirectional transfer, and its
+        // scheduler tells the prefill (do_remote_decode) from the decode side by the
+        // request's params; kv_producer / kv_consumer as vLLM asks of every NIXL connector
+        // now (kv_both is deprecated there). Pull keeps kv_both, which every version takes.
+        let kv_transfer_config = if push(c) {
+            transfer_config(
+                c,
+                "NixlPushConnector",
+                producer_consumer(inst.role),
+                json!({}),
+            )
+        } else {
+            transfer_config(c, "NixlConnector", "kv_both", json!({}))
+        };
         let mut launch = Launch {
-            kv_transfer_config: transfer_config(c, "NixlConnector", "kv_both", json!({})),
+            kv_transfer_config,
             ..Launch::default()
         };
         launch

@@ -69,10 +69,12 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         })?),
     };
     // The connector's own refusals first: they say more than "no template for vLLM X".
+    connectors::check_nixl_mode(&t.connector)?;
     conn.check(t, version.as_ref())?;
     if let Some(v) = &version {
         connectors::check_version(conn, v)?;
         connectors::check_extra_config(&t.connector, v)?;
+        connectors::check_load_failure_policy(&t.connector, v)?;
     }
     let needs = conn.needs(&t.connector, version.as_ref());
     let protocol = conn.protocol(&t.connector, version.as_ref());
@@ -135,7 +137,13 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         let socket =
             state_dir_for(t, &input.state_root, proxy_node).join(crate::vocab::SOCKET_NAME);
         Some(support::plan_proxy(
-            t, proxy_node, protocol, &services, &socket, &mut ports,
+            t,
+            proxy_node,
+            protocol,
+            version.as_ref(),
+            &services,
+            &socket,
+            &mut ports,
         )?)
     } else {
         None

@@ -288,12 +288,13 @@ pub(super) fn plan_engines(
         };
         let mut svc = match (t.engine.kind, cx.version) {
             (EngineKind::Vllm, Some(v)) => {
-                let launch = conn.launch(LaunchCtx {
+                let mut launch = conn.launch(LaunchCtx {
                     cx,
                     v,
                     inst: &inst,
                     ports,
                 })?;
+                crate::connectors::apply_load_failure_policy(&t.connector, &mut launch);
                 let shares_node = per_node[p.node.as_str()] > 1;
                 let mut svc = vllm_service(t, p, &inst, &gpus, launch, shares_node);
                 memory_flags(&mut svc, &share, kv_cache_bytes);

@@ -230,6 +230,7 @@ pub(super) fn plan_proxy(
     t: &Topology,
     node: &str,
     protocol: ProxyProtocol,
+    version: Option<&crate::vocab::Version>,
     services: &[Service],
     socket: &Path,
     ports: &mut PortBook,
@@ -260,6 +261,7 @@ pub(super) fn plan_proxy(
             Vec::new()
         },
         protocol,
+        kv_load_failure_policy: crate::connectors::load_failure_policy(&t.connector, version),
         policy: p.policy,
         prefill_policy: p.prefill_policy,
         decode_policy: p.decode_policy,

@@ -33,6 +33,28 @@ pub enum LegFailure {
     BadAnswer(String),
     #[error("its mooncake bootstrap server {url} failed: {reason}")]
     Bootstrap { url: String, reason: String },
+    /// Decode could not load the KV the prefill handed over and, under
+    /// kv_load_failure_policy "fail", failed the request (vLLM says only `message`).
+    #[error(
+        "could not load the KV cache the prefill leg handed over (KV load failed), so it failed the request under kv_load_failure_policy = \"fail\" (it answered {status}: {message}); retry the request, look at the KV transfer between the two instances, or set connector.kv_load_failure_policy = \"recompute\" to have decode compute the prompt itself"
+    )]
+    KvLoad { status: u16, message: String },
+}
+
+/// Why an engine refused a request at admission (vLLM's 503 for `--max-num-queued-reqs` /
+/// `--max-num-queued-tokens`), as its `vllm:admission_rejections_total{reason}` says it;
+/// None for any other answer. vLLM 0.33's messages (vllm/exceptions.py).
+pub fn admission_reason(status: u16, message: &str) -> Option<&'static str> {
+    if status != 503 {
+        return None;
+    }
+    if message.contains("cannot accept new requests") {
+        Some("max_num_queued_reqs")
+    } else if message.contains("prefill token backlog limit") {
+        Some("max_num_queued_tokens")
+    } else {
+        None
+    }
 }
 
 /// Where to raise the prefill leg's limit.
@@ -55,9 +77,25 @@ impl LegFailure {
         }
     }
 
-    /// Whether this says something about the instance's health (a client's own 4xx never does).
+    /// Whether this says something about the instance's health: a client's own 4xx never
+    /// does, nor an engine's admission 503 (it is full, not dead), nor a failed KV load
+    /// (the transfer failed, not the decode).
     pub fn blames_instance(&self) -> bool {
-        !matches!(self, LegFailure::Status { status, .. } if *status < 500)
+        match self {
+            LegFailure::Status { status, .. } if *status < 500 => false,
+            LegFailure::KvLoad { .. } => false,
+            _ => self.admission().is_none(),
+        }
+    }
+
+    /// The admission reason of an engine's 503 (see [`admission_reason`]).
+    pub fn admission(&self) -> Option<&'static str> {
+        match self {
+            LegFailure::Status {
+                status, message, ..
+            } => admission_reason(*status, message),
+            _ => None,
+        }
     }
 }
 
@@ -150,6 +188,8 @@ impl ProxyError {
             ProxyError::TotalTimeout(_) => "timeout_error",
             ProxyError::Leg(e) => match e.failure {
                 LegFailure::Timeout { .. } => "timeout_error",
+                LegFailure::KvLoad { .. } => "kv_load_error",
+                _ if e.failure.admission().is_some() => "engine_overloaded",
                 _ => "upstream_error",
             },
         }
@@ -167,6 +207,12 @@ impl ProxyError {
             ProxyError::Leg(e) => {
                 error["leg"] = json!(e.leg.as_str());
                 error["instance"] = json!(e.instance);
+                if let Some(reason) = e.failure.admission() {
+                    error["reason"] = json!(reason);
+                }
+                if matches!(e.failure, LegFailure::KvLoad { .. }) {
+                    error["kv_load_failure_policy"] = json!("fail");
+                }
             }
             ProxyError::NoInstance { leg, .. } => error["leg"] = json!(leg.as_str()),
             _ => {}
@@ -213,6 +259,8 @@ impl IntoResponse for ProxyError {
         let mut r = (self.status(), axum::Json(self.to_json())).into_response();
         let retry_after = match &self {
             ProxyError::RateLimited { retry_after_s, .. } => Some(*retry_after_s),
+            // An engine full at admission: vLLM's own advice is to come back later.
+            ProxyError::Leg(e) if e.failure.admission().is_some() => Some(1),
             // An instance may be back soon (a restart, a start-up): ask clients to come back.
             ProxyError::NoInstance { .. } | ProxyError::ShuttingDown => {
                 Some(NO_INSTANCE_RETRY_AFTER_S)
@@ -273,6 +321,57 @@ mod tests {
         assert_eq!(j["error"]["code"], 502);
         let msg = j["error"]["message"].as_str().unwrap();
         assert!(msg.contains("prefill") && msg.contains("http://10.0.0.1:8100"));
+    }
+
+    #[test]
+    fn an_admission_503_keeps_its_reason_and_does_not_blame_the_engine() {
+        let busy = LegFailure::Status {
+            status: 503,
+            message: "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance.".into(),
+            body: Bytes::new(),
+            content_type: None,
+        };
+        assert!(busy.is_retryable() && !busy.blames_instance());
+        let e = leg(busy);
+        assert_eq!(e.status(), 503);
+        let j = e.to_json();
+        assert_eq!(j["error"]["reason"], "max_num_queued_reqs");
+        assert_eq!(j["error"]["type"], "engine_overloaded");
+        assert!(j["error"]["message"].as_str().unwrap().contains("busy"));
+        let r = e.into_response();
+        assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+        assert_eq!(
+            admission_reason(
+                503,
+                "The engine has reached its prefill token backlog limit."
+            ),
+            Some("max_num_queued_tokens")
+        );
+        // Any other 503 (an engine shutting down) still counts against the instance.
+        assert!(status(503).blames_instance());
+    }
+
+    #[test]
+    fn a_failed_kv_load_names_decode_the_instance_and_the_kv_load() {
+        let e: ProxyError = LegError {
+            leg: Leg::Decode,
+            instance: "http://10.0.0.2:8200".into(),
+            failure: LegFailure::KvLoad {
+                status: 500,
+                message: "Internal server error".into(),
+            },
+        }
+        .into();
+        let j = e.to_json();
+        assert_eq!(j["error"]["leg"], "decode");
+        assert_eq!(j["error"]["instance"], "http://10.0.0.2:8200");
+        assert_eq!(j["error"]["type"], "kv_load_error");
+        let msg = j["error"]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("decode leg") && msg.contains("KV load"),
+            "{msg}"
+        );
+        assert_eq!(e.status(), 502);
     }
 
     #[test]

@@ -13,6 +13,9 @@ pub struct ProxyFigures {
     /// Decode had to recompute because the KV handoff did not happen: those the proxy
     /// caused or saw coming, and those found in decode's own vLLM counters and usage.
     pub kv_handoff_misses: f64,
+    /// KV handoffs decode could not load: the larger of the requests failed for it and
+    /// the failed transfers decodes reported.
+    pub kv_handoff_failures: f64,
     /// Prompt tokens decodes computed themselves in those misses (found ones only).
     pub recomputed_tokens: f64,
 }
@@ -22,6 +25,7 @@ pub struct ProxyFigures {
 pub fn read(metrics_text: &str) -> Option<ProxyFigures> {
     let mut f = ProxyFigures::default();
     let mut found = false;
+    let mut failures = [0.0f64; 2];
     for crate::prometheus::Sample {
         name,
         labels,
@@ -39,6 +43,13 @@ pub fn read(metrics_text: &str) -> Option<ProxyFigures> {
             "pdctl_proxy_requests_in_flight" => f.in_flight += value,
             "pdctl_proxy_retries_total" => f.retries += value,
             "pdctl_proxy_kv_handoff_misses_total" => f.kv_handoff_misses += value,
+            // A request failed for its KV load is most often also a failed transfer its
+            // decode reports: the larger of the two views, not their sum.
+            "pdctl_proxy_kv_handoff_failures_total" => {
+                let slot = usize::from(labels.contains(super::metrics::ENGINE_FAILED_TRANSFERS));
+                failures[slot] += value;
+                f.kv_handoff_failures = failures[0].max(failures[1]);
+            }
             "pdctl_proxy_kv_handoff_recomputed_tokens_total" => f.recomputed_tokens += value,
             _ => {}
         }
@@ -105,6 +116,7 @@ mod tests {
                     pdctl_proxy_retries_total{leg=\"decode\"} 2\n\
                     pdctl_proxy_kv_handoff_misses_total{reason=\"no_kv_transfer_params\"} 4\n\
                     pdctl_proxy_kv_handoff_misses_total{reason=\"engine_reported\"} 2\n\
+                    pdctl_proxy_kv_handoff_failures_total{reason=\"decode_failed_the_request\"} 1\n\
                     pdctl_proxy_kv_handoff_recomputed_tokens_total 900\n";
         let f = read(text).unwrap();
         assert_eq!(
@@ -115,6 +127,7 @@ mod tests {
                 in_flight: 3.0,
                 retries: 3.0,
                 kv_handoff_misses: 6.0,
+                kv_handoff_failures: 1.0,
                 recomputed_tokens: 900.0
             }
         );

@@ -139,8 +139,17 @@ pub async fn decode_once(
     )
     .await
     .map_err(timed_out)??;
+    let load_may_fail = kv_load_may_fail(proxy, expect);
     if !(200..300).contains(&resp.status) {
-        return Err(status_failure(resp, deadline).await);
+        let f = status_failure(resp, deadline).await;
+        return Err(match f {
+            LegFailure::Status {
+                status: 500,
+                message,
+                ..
+            } if load_may_fail => kv_load_failed(proxy, &inst, &req.id, 500, message),
+            f => f,
+        });
     }
     if !req.stream {
         let body = tokio::time::timeout_at(deadline, resp.body.read_all(MAX_ANSWER_BYTES))
@@ -169,6 +178,9 @@ pub async fn decode_once(
         Ok(Some(Err(e))) => return Err(LegFailure::Body(e.to_string())),
         Ok(Some(Ok(first))) => first,
     };
+    if load_may_fail && let Some(message) = error_event_message(&first) {
+        return Err(kv_load_failed(proxy, &inst, &req.id, 500, message));
+    }
     let took = sent.elapsed();
     proxy.metrics.decode_ttft.observe(took);
     Ok((
@@ -183,4 +195,66 @@ pub async fn decode_once(
         },
         Some(took),
     ))
+}
+
+/// Whether a decode error may be a KV load that failed: the decode runs with
+/// kv_load_failure_policy "fail" and this request was handed KV. vLLM then finishes the
+/// request with finish reason "error" and answers its generic generation error (a 500
+/// "Internal server error", or that error as the first event of a stream), which says
+/// nothing of the KV; the proxy knows the handoff was due and names it.
+fn kv_load_may_fail(proxy: &Proxy, expect: Expect) -> bool {
+    proxy.kv_load_failure_policy == crate::topology::KvLoadFailurePolicy::Fail
+        && matches!(expect, Expect::Handoff { .. })
+}
+
+/// Counts and logs a decode that failed a request it was handed KV for.
+fn kv_load_failed(
+    proxy: &Proxy,
+    inst: &Instance,
+    request_id: &str,
+    status: u16,
+    message: String,
+) -> LegFailure {
+    proxy
+        .metrics
+        .handoff_failures_n(super::metrics::KV_LOAD_FAILED, 1);
+    tracing::warn!(
+        request_id = %request_id,
+        "decode {} could not load the KV handed over and failed the request (kv_load_failure_policy fail; it said {status}: {message})",
+        inst.url
+    );
+    LegFailure::KvLoad { status, message }
+}
+
+/// The message of an OpenAI-style error event (`data: {"error": {...}}`) that opens a
+/// stream, as vLLM sends a generation error once the stream has begun.
+fn error_event_message(chunk: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(chunk).ok()?;
+    let data = text.trim_start().strip_prefix("data:")?;
+    let data = data.split("\n\n").next()?.trim();
+    let v: serde_json::Value = serde_json::from_str(data).ok()?;
+    let e = v.get("error")?;
+    Some(
+        e.get("message")
+            .and_then(|m| m.as_str())
+            .unwrap_or("(no message)")
+            .to_string(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_event_opening_a_stream_is_found_and_tokens_are_not() {
+        let ev = b"data: {\"error\": {\"message\": \"Internal server error\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\ndata: [DONE]\n\n";
+        assert_eq!(
+            error_event_message(ev).as_deref(),
+            Some("Internal server error")
+        );
+        let tok = b"data: {\"id\":\"cmpl-1\",\"choices\":[{\"text\":\"error\"}]}\n\n";
+        assert_eq!(error_event_message(tok), None);
+        assert_eq!(error_event_message(b"data: [DONE]\n\n"), None);
+    }
 }

@@ -6,6 +6,12 @@
 //! others are handles kept here and bumped without a lookup.
 
 pub use super::histogram::Histogram;
+/// Handoff failure reason: decode could not load the KV and failed the request
+/// (kv_load_failure_policy "fail"); the client got an error naming the KV load.
+pub const KV_LOAD_FAILED: &str = "decode_failed_the_request";
+/// Handoff failure reason: growth of a decode's `vllm:nixl_num_failed_transfers`.
+pub const ENGINE_FAILED_TRANSFERS: &str = "engine_reported_failed_transfers";
+
 use super::instances::{FailureKind, Instance, Leg, Pools};
 use crate::prometheus::FixedFamily;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
@@ -50,6 +56,7 @@ pub struct Metrics {
     /// Client request received until the first byte of the answer goes out.
     pub ttft: Histogram,
     handoff_misses: Sparse<[(&'static str, &'static str); 1]>,
+    handoff_failures: Sparse<[(&'static str, &'static str); 1]>,
     recomputed_tokens: Counter,
     rate_limited: FixedFamily<Counter, 2>,
     queued: Counter,
@@ -74,6 +81,7 @@ impl Default for Metrics {
             decode_ttft: Histogram::default(),
             ttft: Histogram::default(),
             handoff_misses: Sparse::default(),
+            handoff_failures: Sparse::default(),
             recomputed_tokens: Counter::default(),
             rate_limited: FixedFamily::new("reason", ["rate", "concurrency"]),
             queued: Counter::default(),
@@ -169,6 +177,11 @@ impl Metrics {
             self.handoff_misses.clone(),
         );
         r.register(
+            "kv_handoff_failures",
+            "KV handoffs that failed to load on decode, by reason: requests failed for it (kv_load_failure_policy fail), and failed transfers decodes reported (vllm:nixl_num_failed_transfers)",
+            self.handoff_failures.clone(),
+        );
+        r.register(
             "kv_handoff_recomputed_tokens",
             "Prompt tokens decodes computed themselves in the misses found from their usage (all of them) or counters (those beyond one block per handoff)",
             self.recomputed_tokens.clone(),
@@ -254,6 +267,11 @@ impl Metrics {
     /// Counts `n` KV handoffs that did not happen.
     pub fn handoff_misses_n(&self, reason: &'static str, n: u64) {
         self.handoff_misses.add([("reason", reason)], n);
+    }
+
+    /// Counts `n` KV handoffs whose load failed on decode (see [`KV_LOAD_FAILED`]).
+    pub fn handoff_failures_n(&self, reason: &'static str, n: u64) {
+        self.handoff_failures.add([("reason", reason)], n);
     }
 
     /// Counts prompt tokens a decode computed itself in KV handoff misses found from its

@@ -41,6 +41,7 @@ mod relay;
 mod request;
 mod scrape;
 mod server;
+mod transfer_failures;
 mod tuning;
 mod upstream;
 
@@ -76,6 +77,9 @@ pub struct Proxy {
     /// The routing policy of each leg; swapped when `pdctl apply` names another.
     policies: ArcSwap<tuning::Policies>,
     pub protocol: Box<dyn Protocol>,
+    /// The decodes' kv_load_failure_policy: under "fail" a decode's generation error on a
+    /// request with a KV handoff is a failed KV load (legs.rs).
+    pub kv_load_failure_policy: crate::topology::KvLoadFailurePolicy,
     pub upstream: Upstream,
     pub limits: Limits,
     pub metrics: Arc<Metrics>,
@@ -95,6 +99,7 @@ impl Proxy {
         Ok(Proxy {
             policies: ArcSwap::from_pointee(tuning::Policies::new(a, &metrics)),
             protocol: protocol::build(a.protocol, bootstrap_timeout),
+            kv_load_failure_policy: a.kv_load_failure_policy,
             limits: Limits::new(
                 a.rate_limit,
                 a.max_concurrent,

@@ -125,6 +125,9 @@ async fn both_legs(
     handshake: &Handshake,
 ) -> Result<Answer, (Leg, Arc<Instance>, LegFailure)> {
     let pbody = proxy.protocol.prefill_body(&req.body, &req.id, handshake);
+    if handshake.learn_first {
+        return learn_then_decode(proxy, req, rec, prefill, decode, handshake, pbody).await;
+    }
     let dbody = proxy
         .protocol
         .decode_body(&req.body, &req.id, prefill, handshake, None);
@@ -143,7 +146,8 @@ async fn both_legs(
     loop {
         tokio::select! {
             done = &mut background.0, if !prefill_done => match done {
-                Ok(Ok(_)) => {
+                Ok(Ok(answer)) => {
+                    proxy.protocol.learned(prefill, &answer);
                     prefill_done = true;
                     rec.prefill_time = Some(started.elapsed());
                 }
@@ -154,8 +158,13 @@ async fn both_legs(
                 }
             },
             answer = &mut decoding => {
-                let (mut answer, first_byte) =
-                    answer.map_err(|f| (Leg::Decode, decode.clone(), f))?;
+                let (mut answer, first_byte) = answer.map_err(|f| {
+                    if matches!(f, LegFailure::KvLoad { .. }) {
+                        // What decode was told of the prefill may be stale (a restart).
+                        proxy.protocol.forget(prefill);
+                    }
+                    (Leg::Decode, decode.clone(), f)
+                })?;
                 rec.decode_first_byte = first_byte;
                 note_recompute(rec, &answer);
                 if let Answer::Stream { keep, .. } = &mut answer
@@ -172,6 +181,49 @@ async fn both_legs(
             }
         }
     }
+}
+
+/// A concurrent protocol's attempt on a prefill it does not know yet (nixl-push): prefill
+/// first, then decode with what it answered, as a sequential flow does.
+async fn learn_then_decode(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+    prefill: &Arc<Instance>,
+    decode: &Arc<Instance>,
+    handshake: &Handshake,
+    pbody: Body,
+) -> Result<Answer, (Leg, Arc<Instance>, LegFailure)> {
+    let started = Instant::now();
+    let answer = prefill_once(
+        proxy.clone(),
+        prefill.clone(),
+        req.path,
+        pbody,
+        req.id.clone(),
+    )
+    .await
+    .map_err(|f| (Leg::Prefill, prefill.clone(), f))?;
+    rec.prefill_time = Some(started.elapsed());
+    proxy.protocol.learned(prefill, &answer);
+    let dbody = proxy
+        .protocol
+        .decode_body(&req.body, &req.id, prefill, handshake, Some(&answer));
+    let expect = match dbody.handoff_miss {
+        Some(reason) => {
+            proxy.metrics.handoff_miss(reason);
+            rec.handoff_miss = Some(reason);
+            Expect::Recompute
+        }
+        None => handoff_due(req),
+    };
+    let dbytes = encode(dbody.body, req);
+    let (answer, first_byte) = decode_once(proxy, req, decode.clone(), dbytes, expect)
+        .await
+        .map_err(|f| (Leg::Decode, decode.clone(), f))?;
+    rec.decode_first_byte = first_byte;
+    note_recompute(rec, &answer);
+    Ok(answer)
 }
 
 /// Keeps a prefill that is still running once decode's stream has begun: its failure is
@@ -410,9 +462,10 @@ fn note_failure(inst: &Instance, f: &LegFailure) {
         LegFailure::Connect(_) => FailureKind::Connect,
         LegFailure::Timeout { .. } => FailureKind::Timeout,
         LegFailure::Status { .. } => FailureKind::Status5xx,
-        LegFailure::Body(_) | LegFailure::BadAnswer(_) | LegFailure::Bootstrap { .. } => {
-            FailureKind::Body
-        }
+        LegFailure::Body(_)
+        | LegFailure::BadAnswer(_)
+        | LegFailure::Bootstrap { .. }
+        | LegFailure::KvLoad { .. } => FailureKind::Body,
     };
     inst.record_failure(kind);
     if matches!(f, LegFailure::Connect(_)) && inst.set_usable(false) {

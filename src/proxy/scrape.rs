@@ -32,6 +32,7 @@ pub fn start(p: Arc<Proxy>, interval: Duration, load: bool) {
         let mut watches: HashMap<usize, DecodeWatch> = HashMap::new();
         // Instances whose page could not be read last time, so each outage is said once.
         let mut unreadable: HashMap<(Leg, usize), bool> = HashMap::new();
+        let mut failed = super::transfer_failures::FailedTransfers::default();
         loop {
             let all: Vec<_> = p
                 .pools
@@ -75,6 +76,7 @@ pub fn start(p: Arc<Proxy>, interval: Duration, load: bool) {
                 }
                 if inst.leg == Leg::Decode && why_not.is_none() {
                     watch_decode(&p, inst, &text, &mut watches);
+                    failed.observe(&p, inst, &text);
                 }
             }
             tokio::time::sleep(interval).await;

@@ -92,6 +92,9 @@ async fn run(
 /// Runs the job to its end and answers with one JSON body.
 async fn whole(mut job: Job) -> Response {
     job.prefill().await;
+    if job.kv_load_failed {
+        return job.fail_kv_load().into_response();
+    }
     while job.step().await {}
     let kv = job.finish();
     let usage = Some(Some(job.usage()));

@@ -284,6 +284,7 @@ mod tests {
             handoff: SimHandoff::None,
             kv_dir: None,
             bootstrap_port: None,
+            kv_load_failure_policy: crate::topology::KvLoadFailurePolicy::Recompute,
             model_params: model,
             fault_exit_after: None,
             kv_host: None,

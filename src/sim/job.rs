@@ -10,6 +10,7 @@ use super::handoff::{self, Incoming, Producer};
 use super::metrics::Finish;
 use super::openai::response::Usage;
 use super::openai::{Endpoint, GenRequest};
+use crate::topology::KvLoadFailurePolicy;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -109,6 +110,9 @@ pub struct Job {
     max_stop_len: usize,
     first_token: Option<Instant>,
     finished: bool,
+    /// A KV handoff could not be loaded and the policy is "fail": the request ends with
+    /// vLLM's generation error instead of being computed.
+    pub kv_load_failed: bool,
 }
 
 impl Drop for Job {
@@ -169,6 +173,7 @@ impl Job {
             seqs,
             first_token: None,
             finished: false,
+            kv_load_failed: false,
         }
     }
 
@@ -192,6 +197,19 @@ impl Job {
                 Incoming::Received { tokens } => tokens,
                 Incoming::NotExpected | Incoming::Missed => 0,
             };
+            if incoming == Incoming::Missed
+                && sim.args.kv_load_failure_policy == KvLoadFailurePolicy::Fail
+            {
+                m.external_lookup(len - cached, 0);
+                m.kv_load_failures.fetch_add(1, Relaxed);
+                tracing::warn!(
+                    "KV load failed for {} and kv_load_failure_policy is fail: the request ends with an error instead of recomputing",
+                    self.id
+                );
+                self.kv_load_failed = true;
+                self.guard = Some(guard);
+                return;
+            }
             if incoming != Incoming::NotExpected {
                 m.external_lookup(len - cached, got);
             }
@@ -276,6 +294,17 @@ impl Job {
         kv
     }
 
+    /// Ends a request whose KV could not be loaded (policy "fail"): frees its slot, counts
+    /// it, and gives vLLM's error for it (`GenerationError`: finish reason "error").
+    pub fn fail_kv_load(&mut self) -> super::openai::ApiError {
+        if let Some(mut g) = self.guard.take() {
+            g.finish();
+        }
+        self.finished = true;
+        self.producer = None;
+        kv_load_error()
+    }
+
     /// Token counts for the answer.
     pub fn usage(&self) -> Usage {
         let completion = self.seqs.iter().map(|s| u64::from(s.generated)).sum();
@@ -289,4 +318,14 @@ pub fn exit_soon(status: i32) {
         tokio::time::sleep(Duration::from_millis(100)).await;
         std::process::exit(status);
     });
+}
+
+/// What vLLM 0.33's OpenAI server answers for a request finished with an error (as a
+/// KV load failure under kv_load_failure_policy "fail" is): `GenerationError("Internal
+/// server error")`, a 500 whose message does not say why.
+pub fn kv_load_error() -> super::openai::ApiError {
+    super::openai::ApiError::status(
+        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+        "Internal server error",
+    )
 }

@@ -130,6 +130,11 @@ pub struct Metrics {
     pub handoffs_received: Count,
     pub handoff_tokens_received: Count,
     pub handoffs_missed: Count,
+    /// NIXL transfers (pull or push) that failed, as vLLM's NIXL connector stats count
+    /// them (`vllm:nixl_num_failed_transfers`).
+    pub nixl_failed_transfers: Count,
+    /// Requests failed because their KV could not be loaded (policy "fail").
+    pub kv_load_failures: Count,
     pub handoffs_sent: Count,
     pub handoffs_expired: Count,
     /// KV blocks a prefill keeps for decodes that have not pulled them yet.
@@ -164,6 +169,8 @@ impl Metrics {
             handoffs_received: Count::default(),
             handoff_tokens_received: Count::default(),
             handoffs_missed: Count::default(),
+            nixl_failed_transfers: Count::default(),
+            kv_load_failures: Count::default(),
             handoffs_sent: Count::default(),
             handoffs_expired: Count::default(),
             blocks_held: Level::default(),
@@ -238,6 +245,11 @@ impl Metrics {
             r.register(name, help, c.clone());
         }
         r.register(
+            "vllm:nixl_num_failed_transfers",
+            "Number of failed NIXL KV Cache transfers",
+            self.nixl_failed_transfers.clone(),
+        );
+        r.register(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source",
             self.prompt_tokens_by_source.clone(),
@@ -272,7 +284,7 @@ impl Metrics {
             self.e2e.0.clone(),
         );
         let r = r.sub_registry_with_prefix("pdctl_sim");
-        let counters: [(&str, &str, &Count); 6] = [
+        let counters: [(&str, &str, &Count); 7] = [
             (
                 "requests_aborted",
                 "Requests aborted because the client went away",
@@ -292,6 +304,11 @@ impl Metrics {
                 "kv_handoffs_missed",
                 "Requests that expected KV from a prefill, found none and recomputed",
                 &self.handoffs_missed,
+            ),
+            (
+                "kv_load_failures",
+                "Requests failed because their KV could not be loaded (kv_load_failure_policy fail)",
+                &self.kv_load_failures,
             ),
             (
                 "kv_handoffs_sent",

@@ -141,7 +141,10 @@ pub async fn run(args: SimArgs) -> anyhow::Result<()> {
             }
         });
     }
-    if matches!(a.handoff, SimHandoff::Nixl | SimHandoff::Mooncake) {
+    if matches!(
+        a.handoff,
+        SimHandoff::Nixl | SimHandoff::Mooncake | SimHandoff::NixlPush
+    ) {
         tokio::spawn(handoff::expire_loop(sim.clone()));
     }
     if a.log_stats_interval_ms > 0 {

@@ -211,7 +211,23 @@ async fn fault_status(State(sim): State<Arc<Sim>>) -> Response {
     axum::Json(sim.faults.pending(sim.uptime_ms())).into_response()
 }
 
-async fn kv_pull(State(sim): State<Arc<Sim>>, Path(id): Path<String>) -> Response {
-    let held = sim.held.take(&sim.metrics, &id);
+/// `?wait_ms=N` on `/sim/kv/{id}`: how long to wait for KV not held yet (nixl push).
+#[derive(serde::Deserialize)]
+struct KvWait {
+    wait_ms: Option<u64>,
+}
+
+async fn kv_pull(
+    State(sim): State<Arc<Sim>>,
+    Path(id): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<KvWait>,
+) -> Response {
+    let held = match q.wait_ms {
+        Some(ms) => {
+            let wait = std::time::Duration::from_millis(ms.min(600_000));
+            sim.held.wait_take(&sim.metrics, &id, wait).await
+        }
+        None => sim.held.take(&sim.metrics, &id),
+    };
     held_response(&sim, &id, held)
 }

@@ -42,6 +42,15 @@ pub fn response(job: Job) -> Response {
             match st.phase {
                 Phase::Prefill => {
                     st.job.prefill().await;
+                    if st.job.kv_load_failed {
+                        // vLLM's stream: the error as one event, then [DONE].
+                        let err = st.job.fail_kv_load().body();
+                        let mut out = Vec::with_capacity(160);
+                        event(&mut out, &err);
+                        out.extend_from_slice(b"data: [DONE]\n\n");
+                        st.phase = Phase::End;
+                        return Some((Ok(Bytes::from(out)), st));
+                    }
                     st.phase = Phase::Tokens;
                 }
                 Phase::Tokens => {

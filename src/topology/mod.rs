@@ -301,6 +301,18 @@ pub enum Transport {
     Rdma,
 }
 
+/// What a decode does when it cannot load the KV a prefill handed over: vLLM's
+/// `kv_load_failure_policy` (in `--kv-transfer-config`), and what the simulator plays.
+/// Named here because the topology, the sim's flags and the proxy's flags all carry it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum KvLoadFailurePolicy {
+    /// Reschedule the request and compute the blocks that did not arrive (slower, silent).
+    Recompute,
+    /// Fail the request with an error (vLLM's finish reason "error", an HTTP 500).
+    Fail,
+}
+
 /// The KV connector and its settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -346,6 +358,25 @@ pub struct ConnectorSection {
     /// Merged into kv_connector_extra_config.
     #[serde(default)]
     pub extra_config: BTreeMap<String, toml::Value>,
+    /// vLLM's `kv_load_failure_policy`; unset leaves vLLM's default for its version
+    /// (see `connectors::load_failure_policy`).
+    #[serde(default)]
+    pub kv_load_failure_policy: Option<KvLoadFailurePolicy>,
+    /// NixlConnector mode: `pull` (decode reads after prefill answered) or `push`
+    /// (NixlPushConnector: prefill writes into decode's blocks; both legs at once).
+    #[serde(default)]
+    pub nixl_mode: NixlMode,
+}
+
+/// Which NIXL connector class carries the KV.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NixlMode {
+    /// NixlConnector (NixlPullConnector): decode reads prefill's blocks.
+    #[default]
+    Pull,
+    /// NixlPushConnector: decode registers its blocks, prefill writes into them.
+    Push,
 }
 
 impl ConnectorSection {

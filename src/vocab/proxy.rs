@@ -16,6 +16,9 @@ pub enum ProxyProtocol {
     Nixl,
     /// Mooncake V1: a shared transfer_id, decode told the prefill's bootstrap address.
     Mooncake,
+    /// NixlPushConnector: both legs at once, decode told where the prefill is (learned from
+    /// that prefill's first answer), prefill writes the KV into decode's blocks.
+    NixlPush,
 }
 
 /// How an instance is picked for one leg.

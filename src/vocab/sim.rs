@@ -29,6 +29,9 @@ pub enum SimHandoff {
     Nixl,
     /// Mooncake V1-style: `transfer_id` plus a bootstrap `/query` server on the prefill.
     Mooncake,
+    /// NIXL push-style: decode, told where the prefill is, waits for the prefill to hand
+    /// over the KV of the request with its own request id (both legs at once).
+    NixlPush,
 }
 
 /// Latency, cache and start-up model of the simulated engine. Also the `[engine.sim]`

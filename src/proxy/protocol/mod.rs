@@ -5,6 +5,7 @@
 
 mod mooncake;
 mod nixl;
+mod nixl_push;
 mod two_step;
 
 use super::errors::LegFailure;
@@ -16,6 +17,7 @@ use serde_json::{Map, Value, json};
 
 pub use mooncake::Mooncake;
 pub use nixl::Nixl;
+pub use nixl_push::NixlPush;
 pub use two_step::TwoStep;
 
 /// A request body: a JSON object.
@@ -31,10 +33,15 @@ pub enum Flow {
 }
 
 /// What a protocol learned about the chosen prefill instance before the legs go out
-/// (mooncake: the engine id its bootstrap server reports).
+/// (mooncake: the engine id its bootstrap server reports; nixl-push: where the prefill is).
 #[derive(Debug, Clone, Default)]
 pub struct Handshake {
     pub remote_engine_id: Option<Value>,
+    /// nixl-push: the prefill's engine id, side-channel host and port, TP size.
+    pub prefill_coordinates: Option<Value>,
+    /// A concurrent protocol that does not know the prefill yet: this request runs
+    /// prefill first and decode with its answer, as a sequential one does.
+    pub learn_first: bool,
 }
 
 /// What the proxy keeps of a prefill answer: the fields a protocol hands on to decode.
@@ -82,6 +89,9 @@ pub trait Protocol: Send + Sync + std::fmt::Debug {
     /// restarted with new identity).
     fn forget(&self, _prefill: &Instance) {}
 
+    /// Notes what a prefill answered (nixl-push learns where the prefill is from it).
+    fn learned(&self, _prefill: &Instance, _answer: &PrefillAnswer) {}
+
     /// The prefill leg's body.
     fn prefill_body(&self, original: &Body, request_id: &str, handshake: &Handshake) -> Body;
 
@@ -103,6 +113,7 @@ pub fn build(p: ProxyProtocol, bootstrap_timeout: std::time::Duration) -> Box<dy
         ProxyProtocol::TwoStep => Box::new(TwoStep),
         ProxyProtocol::Nixl => Box::new(Nixl),
         ProxyProtocol::Mooncake => Box::new(Mooncake::new(bootstrap_timeout)),
+        ProxyProtocol::NixlPush => Box::new(NixlPush::default()),
     }
 }
 

@@ -82,6 +82,7 @@ impl Protocol for Mooncake {
             if let Some(id) = self.cached(prefill) {
                 return Ok(Handshake {
                     remote_engine_id: Some(id),
+                    ..Handshake::default()
                 });
             }
             let url = format!("{}/query", bootstrap_addr(prefill));
@@ -106,6 +107,7 @@ impl Protocol for Mooncake {
                 .insert(prefill.index, id.clone());
             Ok(Handshake {
                 remote_engine_id: Some(id),
+                ..Handshake::default()
             })
         })
     }
@@ -181,6 +183,7 @@ mod tests {
         let original = json!({"prompt": "p", "max_tokens": 5, "stream": true});
         let h = Handshake {
             remote_engine_id: Some(json!("engine-7")),
+            ..Handshake::default()
         };
         let p = m.prefill_body(original.as_object().unwrap(), "abc", &h);
         assert_eq!(

@@ -70,6 +70,7 @@ pub async fn receive(
             How::Pull(kv) => match sim.args.handoff {
                 SimHandoff::Nixl => nixl::pull(sim, kv, hashes).await,
                 SimHandoff::Mooncake => mooncake::pull(sim, kv, hashes).await,
+                SimHandoff::NixlPush => nixl::wait_for_push(sim, kv, hashes, request_id).await,
                 other => Err(HandoffError::NotThisHandoff(value_name(other))),
             },
             How::SharedDir => {
@@ -98,6 +99,9 @@ pub async fn receive(
         }
         Err(reason) => {
             m.handoffs_missed.fetch_add(1, Relaxed);
+            if matches!(sim.args.handoff, SimHandoff::Nixl | SimHandoff::NixlPush) {
+                m.nixl_failed_transfers.fetch_add(1, Relaxed);
+            }
             let n = tokens.len() - local_blocks * bs;
             tracing::warn!("KV handoff missed ({reason}): recomputing {n} tokens for {request_id}");
             Incoming::Missed
@@ -117,6 +121,7 @@ pub struct Producer {
 enum ProducerKind {
     Nixl,
     Mooncake,
+    NixlPush,
 }
 
 /// The prefill side: writes shared-dir blocks now, or returns a [`Producer`] that hands
@@ -132,6 +137,7 @@ pub async fn send(
     if let Some(kv) = kv.filter(|kv| kv.remote_decode()) {
         let kind = match (sim.args.handoff, &kv.transfer_id) {
             (SimHandoff::Nixl, _) => ProducerKind::Nixl,
+            (SimHandoff::NixlPush, _) => ProducerKind::NixlPush,
             (SimHandoff::Mooncake, Some(_)) => ProducerKind::Mooncake,
             (SimHandoff::Mooncake, None) => {
                 tracing::warn!(
@@ -148,7 +154,7 @@ pub async fn send(
             }
         };
         let key = match kind {
-            ProducerKind::Nixl => request_id.to_string(),
+            ProducerKind::Nixl | ProducerKind::NixlPush => request_id.to_string(),
             ProducerKind::Mooncake => kv.transfer_id.clone().unwrap_or_default(),
         };
         return Some(Producer {
@@ -208,6 +214,11 @@ impl Producer {
         let tokens = self.blocks.num_tokens;
         let params = match self.kind {
             ProducerKind::Nixl => Some(nixl::transfer_params(sim, &self.key, &self.blocks)),
+            ProducerKind::NixlPush => {
+                let mut p = nixl::transfer_params(sim, &self.key, &self.blocks);
+                p["transfer_mode"] = "push".into();
+                Some(p)
+            }
             ProducerKind::Mooncake => None,
         };
         sim.held.hold(
@@ -227,10 +238,10 @@ impl Producer {
 }
 
 impl Producer {
-    /// Mooncake's decode is already waiting on the bootstrap/transfer route: tell it why
-    /// no KV will come rather than let it time out. (Nixl's decode never asks.)
+    /// Mooncake's and NIXL push's decode is already waiting for the KV: tell it why
+    /// no KV will come rather than let it time out. (Nixl pull's decode never asks.)
     fn refuse(&self, why: &str) {
-        if let ProducerKind::Mooncake = self.kind {
+        if let ProducerKind::Mooncake | ProducerKind::NixlPush = self.kind {
             let ttl = Duration::from_millis(self.sim.args.model_params.kv_hold_timeout_ms);
             self.sim
                 .held

@@ -1,6 +1,9 @@
 //! The NIXL-style handoff: the prefill answers with `kv_transfer_params` naming itself
 //! (engine id, host, port, request id, block ids); the decode pulls the blocks from
 //! the prefill's HTTP port (`GET /sim/kv/{remote_request_id}`), which frees them.
+//! Push mode (NixlPushConnector): the decode is sent at the same time as the prefill,
+//! knowing only where the prefill is, and waits there for the KV of its own request id
+//! (`GET /sim/kv/{id}?wait_ms=N`), as vLLM's decode waits for the prefill's WRITE.
 
 use super::held::KvBlocks;
 use super::{HandoffError, check_blocks, fetch, required};
@@ -42,4 +45,31 @@ pub async fn pull(
     let blocks = fetch(sim, &url, timeout).await?;
     check_blocks(&blocks, kv.remote_engine_id.as_deref(), hashes)?;
     Ok(format!("{} at {host_part}:{port}", blocks.engine_id))
+}
+
+/// The push decode side: waits on the prefill named in `kv` for the KV of this request
+/// (`remote_request_id` when given, else the decode's own id, which is the same X-Request-Id
+/// as the prefill leg's), bounded by `handoff_wait_ms`.
+pub async fn wait_for_push(
+    sim: &Sim,
+    kv: &KvTransferParams,
+    hashes: &[u64],
+    request_id: &str,
+) -> Result<String, HandoffError> {
+    let host = required(kv.remote_host.as_deref(), "remote_host")?;
+    let port = required(kv.remote_port, "remote_port")?;
+    let id = kv.remote_request_id.as_deref().unwrap_or(request_id);
+    let host_part = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    };
+    let wait = sim.args.model_params.handoff_wait_ms;
+    let url = format!("http://{host_part}:{port}/sim/kv/{id}?wait_ms={wait}");
+    let blocks = fetch(sim, &url, Duration::from_millis(wait + 5_000)).await?;
+    check_blocks(&blocks, kv.remote_engine_id.as_deref(), hashes)?;
+    Ok(format!(
+        "{} at {host_part}:{port} (pushed)",
+        blocks.engine_id
+    ))
 }
