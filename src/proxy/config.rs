@@ -4,7 +4,7 @@
 use super::discovery::DnsSource;
 use super::instances::{EndpointError, Instance, Leg, Pools, parse_endpoint};
 use crate::child_config::proxy::ProxyArgs;
-use crate::vocab::ProxyProtocol;
+use crate::vocab::{AdmissionError, ProxyProtocol, check_admission};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,12 +35,10 @@ pub enum ConfigError {
     NoInstances { leg: &'static str },
     #[error("--bootstrap-port only applies to --protocol mooncake")]
     BootstrapUnused,
-    #[error("--{flag} must be a number >= 0 (got {value}); 0 turns the limit off")]
-    BadNumber { flag: &'static str, value: String },
     #[error("--{flag} must be at least 1")]
     Zero { flag: &'static str },
-    #[error("--queue-size {0} needs --max-concurrent: without a concurrency limit nothing waits")]
-    QueueWithoutLimit(usize),
+    #[error("{}: {}", flag(.0.setting()), .0.message(flag))]
+    Admission(AdmissionError),
     #[error(
         "--engine-api-key (or PDCTL_ENGINE_API_KEY) contains characters not allowed in an HTTP header"
     )]
@@ -158,17 +156,15 @@ pub fn dns_sources(args: &ProxyArgs) -> Result<Vec<DnsSource>, ConfigError> {
     Ok(out)
 }
 
+/// A setting's key (`max_concurrent`) as its flag (`--max-concurrent`).
+fn flag(key: &str) -> String {
+    format!("--{}", key.replace('_', "-"))
+}
+
 /// Reads the timeouts and limits, refusing values that cannot work.
 pub fn settings(args: &ProxyArgs) -> Result<Settings, ConfigError> {
-    if !args.rate_limit.is_finite() || args.rate_limit < 0.0 {
-        return Err(ConfigError::BadNumber {
-            flag: "rate-limit",
-            value: args.rate_limit.to_string(),
-        });
-    }
-    if args.queue_size > 0 && args.max_concurrent == 0 {
-        return Err(ConfigError::QueueWithoutLimit(args.queue_size));
-    }
+    check_admission(args.rate_limit, args.max_concurrent, args.queue_size)
+        .map_err(ConfigError::Admission)?;
     for (flag, v) in [
         ("connect-timeout-ms", args.connect_timeout_ms),
         ("prefill-timeout-s", args.prefill_timeout_s),
@@ -309,7 +305,7 @@ mod tests {
         let a = args(&["--prefill", "h:1", "--decode", "h:3", "--queue-size", "5"]);
         assert!(matches!(
             settings(&a),
-            Err(ConfigError::QueueWithoutLimit(5))
+            Err(ConfigError::Admission(AdmissionError::QueueWithoutLimit(5)))
         ));
         let a = args(&[
             "--prefill",
@@ -326,6 +322,7 @@ mod tests {
                 .contains("--total-timeout-s")
         );
         let a = args(&["--prefill", "h:1", "--decode", "h:3", "--rate-limit=-1"]);
-        assert!(settings(&a).is_err());
+        let e = settings(&a).unwrap_err().to_string();
+        assert!(e.starts_with("--rate-limit: -1 must be >= 0"), "{e}");
     }
 }

@@ -304,20 +304,10 @@ fn check_connector(t: &Topology, head: &str) -> Result<(), Problem> {
 
 fn check_proxy(t: &Topology) -> Result<(), Problem> {
     let p = &t.proxy;
-    if !(p.rate_limit.is_finite() && p.rate_limit >= 0.0) {
-        return Err(Problem::new(
-            "proxy.rate_limit",
-            format!(
-                "{} must be >= 0 requests per second (0 = unlimited)",
-                p.rate_limit
-            ),
-        ));
-    }
-    if p.queue_size > 0 && p.max_concurrent == 0 {
-        return Err(Problem::new(
-            "proxy.queue_size",
-            "a wait queue needs proxy.max_concurrent > 0",
-        ));
-    }
-    Ok(())
+    crate::vocab::check_admission(p.rate_limit, p.max_concurrent, p.queue_size).map_err(|e| {
+        Problem::new(
+            format!("proxy.{}", e.setting()),
+            e.message(|key| format!("proxy.{key}")),
+        )
+    })
 }

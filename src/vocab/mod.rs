@@ -14,7 +14,7 @@ mod sim;
 mod vllm_version;
 
 pub use control_socket::SOCKET_NAME;
-pub use proxy::{PolicyName, ProxyProtocol};
+pub use proxy::{AdmissionError, PolicyName, ProxyProtocol, check_admission};
 pub use restart::{RestartMode, RestartPolicy};
 pub use role::Role;
 pub use service::{Check, GeneratedFile, Probe, Service, Shutdown};

@@ -30,3 +30,85 @@ pub enum PolicyName {
     LeastLoaded,
     PrefixAware,
 }
+
+/// An admission limit of the proxy that cannot work, as a topology's `[proxy]` table or
+/// `pdctl proxy`'s flags and config file may give it: [`check_admission`] is the one place
+/// these rules are written, and each reader names the settings its own way.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AdmissionError {
+    /// `rate_limit` below zero, or not a number.
+    NegativeRate(f64),
+    /// A wait queue (`queue_size`, the value) with no concurrency limit to wait for.
+    QueueWithoutLimit(usize),
+}
+
+impl AdmissionError {
+    /// The setting at fault, as the config file and the topology's `[proxy]` table spell
+    /// it (`queue_size`).
+    pub fn setting(&self) -> &'static str {
+        match self {
+            AdmissionError::NegativeRate(_) => "rate_limit",
+            AdmissionError::QueueWithoutLimit(_) => "queue_size",
+        }
+    }
+
+    /// What is wrong with [`Self::setting`] (which the reader names before it, as its
+    /// errors name a key or a flag), other settings named by `name` (`proxy.max_concurrent`,
+    /// `--max-concurrent`).
+    pub fn message(&self, name: impl Fn(&str) -> String) -> String {
+        match self {
+            AdmissionError::NegativeRate(v) => {
+                format!("{v} must be >= 0 requests per second (0 = unlimited)")
+            }
+            AdmissionError::QueueWithoutLimit(n) => format!(
+                "a wait queue of {n} needs {} > 0: without a concurrency limit nothing waits",
+                name("max_concurrent")
+            ),
+        }
+    }
+}
+
+/// Checks the proxy's admission limits: a token bucket of `rate_limit` requests per second
+/// (0 = unlimited), `max_concurrent` requests in flight (0 = unlimited) and a queue of
+/// `queue_size` waiting for a slot.
+pub fn check_admission(
+    rate_limit: f64,
+    max_concurrent: usize,
+    queue_size: usize,
+) -> Result<(), AdmissionError> {
+    if !(rate_limit.is_finite() && rate_limit >= 0.0) {
+        return Err(AdmissionError::NegativeRate(rate_limit));
+    }
+    if queue_size > 0 && max_concurrent == 0 {
+        return Err(AdmissionError::QueueWithoutLimit(queue_size));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admission_limits_that_cannot_work_are_named() {
+        assert_eq!(check_admission(0.0, 0, 0), Ok(()));
+        assert_eq!(check_admission(2.5, 4, 16), Ok(()));
+        let e = check_admission(1.0, 0, 5).unwrap_err();
+        assert_eq!(e, AdmissionError::QueueWithoutLimit(5));
+        assert_eq!(e.setting(), "queue_size");
+        assert_eq!(
+            e.message(|k| format!("--{}", k.replace('_', "-"))),
+            "a wait queue of 5 needs --max-concurrent > 0: without a concurrency limit nothing waits"
+        );
+        assert!(matches!(
+            check_admission(f64::NAN, 1, 0),
+            Err(AdmissionError::NegativeRate(_))
+        ));
+        assert_eq!(
+            check_admission(-1.0, 0, 0)
+                .unwrap_err()
+                .message(|k| format!("proxy.{k}")),
+            "-1 must be >= 0 requests per second (0 = unlimited)"
+        );
+    }
+}
