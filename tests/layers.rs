@@ -36,7 +36,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         "the running parts",
         &["supervisor", "proxy", "sim", "bench", "export"],
     ),
-    ("changes to a running cluster", &["ops"]),
+    (
+        "changes to a running cluster, and what measures and proves it",
+        &["ops", "tune", "check"],
+    ),
     ("the command line", &["cli"]),
 ];
 
