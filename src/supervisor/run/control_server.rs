@@ -372,7 +372,34 @@ fn check_new(h: &Handlers, service: &Service) -> Result<(), Response> {
     Ok(())
 }
 
-fn add(h: &Handlers, service: Service) -> Response {
+/// A service planned on another machine (the head) names its program by that machine's
+/// path; where no such file is here, the program of the same name this machine has is
+/// run instead (pdctl, mooncake_master, a venv's python), as `up` here would have found.
+fn localize_program(h: &Handlers, service: &mut Service) {
+    if service.node != h.ctx.node {
+        return;
+    }
+    let Some(program) = service.argv.first() else {
+        return;
+    };
+    let path = std::path::Path::new(program);
+    if !path.is_absolute() || path.exists() {
+        return;
+    }
+    let name = path.file_name().and_then(|n| n.to_str()).map(str::to_string);
+    let found = match name.as_deref() {
+        // The head's own binary: this machine's is the one running here.
+        Some("pdctl") => std::env::current_exe().ok(),
+        Some(n) => crate::tools::find_program(n),
+        None => None,
+    };
+    if let Some(found) = found {
+        service.argv[0] = found.display().to_string();
+    }
+}
+
+fn add(h: &Handlers, mut service: Service) -> Response {
+    localize_program(h, &mut service);
     if let Err(e) = check_new(h, &service) {
         return e;
     }
@@ -471,7 +498,8 @@ fn spec(h: &Handlers, name: &str) -> Response {
     }
 }
 
-fn replace(h: &Handlers, service: Service) -> Response {
+fn replace(h: &Handlers, mut service: Service) -> Response {
+    localize_program(h, &mut service);
     let idx = match any_index(h, &service.name) {
         Ok(i) => i,
         Err(e) => return e,
