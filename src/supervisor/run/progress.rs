@@ -258,6 +258,9 @@ mod tests {
             last_exit: Some("exit 3".into()),
             last_error: None,
             remote,
+            cpu_percent: None,
+            rss_bytes: None,
+            gpu_memory_bytes: None,
         }
     }
 

@@ -15,7 +15,7 @@ use crate::supervisor::run::progress::{self, Renderer, StartFailure, StartupEnd}
 use crate::supervisor::run::remote::run_remote;
 use crate::supervisor::run::service::{Cmd, FAILURE_LINES, ServiceCtx, run_local};
 use crate::supervisor::run::stop::stop_waves;
-use crate::supervisor::run::table::Table;
+use crate::supervisor::run::table::{Table, sample_usage};
 use crate::supervisor::state_dir::logfile::ServiceLog;
 use crate::supervisor::state_dir::state::{ClusterLock, RecordWriter, RunRecord, StateDir};
 use futures_util::future::join_all;
@@ -143,6 +143,7 @@ pub async fn run(
         log_max_bytes: opts.log_max_bytes,
         log_keep: opts.log_keep,
     });
+    let usage = tokio::spawn(sample_usage(ctx.table.clone()));
     let (down_tx, mut downs) = mpsc::unbounded_channel();
     let server = tokio::spawn(control_server::serve(
         listener,
@@ -208,6 +209,7 @@ pub async fn run(
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
     server.abort();
+    usage.abort();
     state.remove_runtime();
     drop(watchdog);
     let local = ctx.members().live_plan().local_services(&node).count();
