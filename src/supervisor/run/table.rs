@@ -262,6 +262,37 @@ impl Table {
     }
 }
 
+/// Samples the local services' processes every [`SAMPLE_EVERY`] into `table`, for as long
+/// as the supervisor runs (the reading of `/proc` and NVML on a blocking thread).
+pub async fn sample_usage(table: std::sync::Arc<Table>) {
+    let mut sampler = match Sampler::new() {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!("no CPU and memory figures in status: {e}");
+            None
+        }
+    };
+    let mut every = tokio::time::interval(SAMPLE_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let Some(mut s) = sampler.take() else {
+            return;
+        };
+        let pids = table.local_pids();
+        let Ok((s, usage)) = tokio::task::spawn_blocking(move || {
+            let usage = s.sample(&pids);
+            (s, usage)
+        })
+        .await
+        else {
+            return;
+        };
+        table.set_usage(&usage);
+        sampler = Some(s);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -300,36 +331,5 @@ mod tests {
         t.run_ended(0, ServiceState::Stopped, Some("stopped".into()), None);
         assert_eq!(t.report().services[0].last_error, None);
         assert_eq!((r.services[0].pid, r.services[0].uptime_s), (None, None));
-    }
-}
-
-/// Samples the local services' processes every [`SAMPLE_EVERY`] into `table`, for as long
-/// as the supervisor runs (the reading of `/proc` and NVML on a blocking thread).
-pub async fn sample_usage(table: std::sync::Arc<Table>) {
-    let mut sampler = match Sampler::new() {
-        Ok(s) => Some(s),
-        Err(e) => {
-            tracing::warn!("no CPU and memory figures in status: {e}");
-            None
-        }
-    };
-    let mut every = tokio::time::interval(SAMPLE_EVERY);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        every.tick().await;
-        let Some(mut s) = sampler.take() else {
-            return;
-        };
-        let pids = table.local_pids();
-        let Ok((s, usage)) = tokio::task::spawn_blocking(move || {
-            let usage = s.sample(&pids);
-            (s, usage)
-        })
-        .await
-        else {
-            return;
-        };
-        table.set_usage(&usage);
-        sampler = Some(s);
     }
 }
