@@ -100,6 +100,50 @@ pub fn detect() -> Result<Vec<Gpu>, GpuError> {
     Ok(gpus)
 }
 
+/// NVML kept open to ask, every few seconds, how much GPU memory each process holds (the
+/// supervisor's usage sampler, `pdctl status`); opening NVML costs more than asking.
+pub struct ProcessMemory {
+    nvml: nvml_wrapper::Nvml,
+}
+
+impl ProcessMemory {
+    /// NVML, or `None` on a machine without an NVIDIA driver (or with
+    /// [`crate::vllm::IGNORE_INSTALLED_ENV`] set, as for planning).
+    pub fn open() -> Option<ProcessMemory> {
+        if crate::vllm::ignoring_installed() {
+            return None;
+        }
+        nvml_wrapper::Nvml::init()
+            .ok()
+            .map(|nvml| ProcessMemory { nvml })
+    }
+
+    /// Bytes of GPU memory per pid, summed over every GPU, for the processes NVML lists
+    /// (compute and graphics, a process in both counted once per GPU); a process NVML
+    /// gives no figure for is left out.
+    pub fn by_pid(&self) -> std::collections::HashMap<u32, u64> {
+        use nvml_wrapper::enums::device::UsedGpuMemory;
+        let mut out = std::collections::HashMap::new();
+        let count = self.nvml.device_count().unwrap_or(0);
+        for dev in (0..count).filter_map(|i| self.nvml.device_by_index(i).ok()) {
+            let compute = dev.running_compute_processes().unwrap_or_default();
+            let graphics = dev.running_graphics_processes().unwrap_or_default();
+            let on_this_gpu: std::collections::HashMap<u32, u64> = compute
+                .into_iter()
+                .chain(graphics)
+                .filter_map(|p| match p.used_gpu_memory {
+                    UsedGpuMemory::Used(bytes) => Some((p.pid, bytes)),
+                    UsedGpuMemory::Unavailable => None,
+                })
+                .collect();
+            for (pid, bytes) in on_this_gpu {
+                *out.entry(pid).or_insert(0) += bytes;
+            }
+        }
+        out
+    }
+}
+
 /// The inventory to plan with: the declared indices when given, else NVML's answer.
 /// `Err` carries NVML's reason so callers can say why there are no GPUs.
 pub fn inventory(declared: Option<&[u32]>) -> Result<Vec<Gpu>, GpuError> {

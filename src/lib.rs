@@ -5,7 +5,8 @@
 //! generic services) -> [`proxy`] (knows endpoints and a protocol). [`connectors`] holds
 //! all knowledge of vLLM's KV connectors; [`sim`] is the simulated engine for machines
 //! without GPUs; [`mod@bench`] measures a running cluster; [`child_config`] is the
-//! `--config FILE` of the processes pdctl runs as itself (proxy, sim).
+//! `--config FILE` of the processes pdctl runs as itself (proxy, sim). [`vocab`] holds the
+//! types several of them share, below all of them (the layers: `tests/layers.rs`).
 
 pub mod bench;
 pub mod check;

@@ -197,7 +197,30 @@ async fn two_step_protocol_hands_kv_over_through_a_shared_directory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nixl_protocol_hands_kv_over_by_kv_transfer_params() {
-    hand_off_on_1p1d("c-nixl", "nixl", "cnx").await;
+    let up = hand_off_on_1p1d("c-nixl", "nixl", "cnx").await;
+    // `status --json` gives what each local service's processes use, as the supervisor
+    // samples it every 2 s: a running sim engine holds memory and has a CPU figure.
+    let r = up.cluster.wait_status(Duration::from_secs(30), &[], |r| {
+        let d = suph::svc(r, "decode-0");
+        d.rss_bytes.is_some() && d.cpu_percent.is_some()
+    });
+    let d = suph::svc(&r, "decode-0");
+    assert!(d.rss_bytes.is_some_and(|b| b > 1 << 20), "{d:?}");
+    assert!(d.cpu_percent.is_some_and(|c| c >= 0.0), "{d:?}");
+    // No NVML for the tests (PDCTL_IGNORE_INSTALLED): no GPU figure.
+    assert_eq!(d.gpu_memory_bytes, None, "{d:?}");
+    let table = text(&up.cluster.run(&["status"]));
+    assert!(
+        table
+            .lines()
+            .find(|l| l.starts_with("SERVICE"))
+            .is_some_and(|h| h
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .windows(3)
+                .any(|w| w == ["CPU", "MEM", "GPU-MEM"])),
+        "{table}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -640,7 +640,7 @@ fn four_p_four_d_is_a_role_based_group_with_the_plans_kv_transfer_config() {
         assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "1");
         assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/health");
         assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/health");
-        assert_eq!(c["image"], "vllm/vllm-openai:v0.32.0");
+        assert_eq!(c["image"], format!("vllm/vllm-openai:v{}", newest()));
     }
     // The proxy finds the engines through their headless Services.
     let proxy = &role("proxy")["standalonePattern"]["template"]["spec"]["containers"][0];
@@ -960,7 +960,10 @@ fn every_image_names_a_version_and_the_roles_get_images_that_have_their_programs
     let prefill = &templates(&docs)["prefill"].0["spec"]["containers"][0];
     assert_eq!(
         prefill["image"],
-        "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0"
+        format!(
+            "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v{}",
+            newest()
+        )
     );
     assert!(
         prefill.get("resources").is_none(),
@@ -974,11 +977,11 @@ fn the_engine_image_follows_the_planned_version_and_an_assumed_one_is_marked() {
     // The tests blind pdctl to installed vLLM: "auto" is assumed, and the header says so.
     let (out, err, code) = export(&["-p", "nixl-1p1d"]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("image: vllm/vllm-openai:v0.32.0"), "{out}");
+    let image = format!("vllm/vllm-openai:v{}", newest());
+    assert!(out.contains(&format!("image: {image}")), "{out}");
     assert!(
-        out.lines().any(|l| l.starts_with("#")
-            && l.contains("vllm/vllm-openai:v0.32.0")
-            && l.contains("ASSUMED")),
+        out.lines()
+            .any(|l| l.starts_with("#") && l.contains(&image) && l.contains("ASSUMED")),
         "the header marks the assumed version"
     );
     // A pinned version is its image, with no mark.
@@ -1194,4 +1197,9 @@ fn the_dockerfile_builds_the_image_the_exports_name() {
             );
         }
     }
+}
+
+/// The vLLM version an "auto" plan assumes without vLLM (the newest templated one).
+fn newest() -> String {
+    pdctl::connectors::NEWEST_TEMPLATED.to_string()
 }

@@ -32,7 +32,23 @@ pub fn human_duration(secs: f64) -> String {
     }
 }
 
-fn cells(s: &ServiceStatus) -> [String; 10] {
+/// `512K`, `340M`, `1.2G`, `14G` (powers of 1024, as `ps` and `top` count).
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["K", "M", "G", "T"];
+    let mut v = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if v < 9.95 && unit > 0 {
+        format!("{v:.1}{}", UNITS[unit])
+    } else {
+        format!("{v:.0}{}", UNITS[unit])
+    }
+}
+
+fn cells(s: &ServiceStatus) -> [String; 13] {
     let dash = || "-".to_string();
     let mut node = s.node.clone();
     if s.remote {
@@ -56,6 +72,11 @@ fn cells(s: &ServiceStatus) -> [String; 10] {
         s.port.map(|p| p.to_string()).unwrap_or_else(dash),
         s.restarts.to_string(),
         s.uptime_s.map(human_duration).unwrap_or_else(dash),
+        s.cpu_percent
+            .map(|c| format!("{c:.0}%"))
+            .unwrap_or_else(dash),
+        s.rss_bytes.map(human_bytes).unwrap_or_else(dash),
+        s.gpu_memory_bytes.map(human_bytes).unwrap_or_else(dash),
         exit_summary(s)
             .map(|t| shorten(&t, LAST_EXIT_WIDTH))
             .unwrap_or_else(dash),
@@ -64,7 +85,7 @@ fn cells(s: &ServiceStatus) -> [String; 10] {
 
 /// The table `pdctl status` prints: a heading line, then one row per service.
 pub fn status_table(report: &StatusReport) -> String {
-    const HEAD: [&str; 10] = [
+    const HEAD: [&str; 13] = [
         "SERVICE",
         "ROLE",
         "NODE",
@@ -74,6 +95,9 @@ pub fn status_table(report: &StatusReport) -> String {
         "PORT",
         "RESTARTS",
         "UPTIME",
+        "CPU",
+        "MEM",
+        "GPU-MEM",
         "LAST EXIT",
     ];
     let healthy = report
@@ -233,6 +257,9 @@ mod tests {
                 last_error: None,
                 remote: true,
                 unreachable_since_ms: None,
+                cpu_percent: None,
+                rss_bytes: None,
+                gpu_memory_bytes: None,
             }],
             operation: None,
         };
@@ -250,6 +277,38 @@ mod tests {
         ] {
             assert!(lines[2].contains(cell), "{cell} missing in {t}");
         }
+        // A service on this node shows what its processes use; no GPU figure is a dash.
+        let mut local = report.services[0].clone();
+        local.remote = false;
+        local.cpu_percent = Some(187.4);
+        local.rss_bytes = Some(3 * 1024 * 1024 * 1024 + 300 * 1024 * 1024);
+        let t = status_table(&StatusReport {
+            services: vec![local.clone()],
+            ..report.clone()
+        });
+        let heading: Vec<&str> = t.lines().nth(1).unwrap().split_whitespace().collect();
+        let row: Vec<&str> = t.lines().nth(2).unwrap().split_whitespace().collect();
+        let at = |name: &str| row[heading.iter().position(|h| *h == name).unwrap()];
+        assert_eq!(
+            (at("CPU"), at("MEM"), at("GPU-MEM")),
+            ("187%", "3.3G", "-"),
+            "{t}"
+        );
+        local.gpu_memory_bytes = Some(70 * 1024 * 1024 * 1024);
+        let t = status_table(&StatusReport {
+            services: vec![local],
+            ..report
+        });
+        assert!(t.lines().nth(2).unwrap().contains(" 70G "), "{t}");
+    }
+
+    #[test]
+    fn bytes_read_like_top() {
+        assert_eq!(human_bytes(0), "0K");
+        assert_eq!(human_bytes(512 * 1024), "512K");
+        assert_eq!(human_bytes(5 * 1024 * 1024 + 300 * 1024), "5.3M");
+        assert_eq!(human_bytes(340 * 1024 * 1024), "340M");
+        assert_eq!(human_bytes(14 * 1024 * 1024 * 1024), "14G");
     }
 
     #[test]
@@ -273,6 +332,9 @@ mod tests {
             ),
             remote: false,
             unreachable_since_ms: None,
+            cpu_percent: None,
+            rss_bytes: None,
+            gpu_memory_bytes: None,
         };
         assert_eq!(
             exit_summary(&s).as_deref(),

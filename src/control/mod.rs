@@ -149,6 +149,18 @@ pub struct ServiceStatus {
     /// the state is `unreachable` meanwhile.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unreachable_since_ms: Option<u64>,
+    /// CPU use of the service's process and every process below it, in percent of one core
+    /// (200 = two cores busy), between the supervisor's last two samples; `None` for a
+    /// service that does not run here, or before its second sample.
+    #[serde(default)]
+    pub cpu_percent: Option<f32>,
+    /// Resident memory of the service's process and every process below it, in bytes.
+    #[serde(default)]
+    pub rss_bytes: Option<u64>,
+    /// GPU memory NVML reports for those processes, in bytes; `None` without NVML or when
+    /// NVML lists none of them.
+    #[serde(default)]
+    pub gpu_memory_bytes: Option<u64>,
 }
 
 /// Lifecycle of a service, as process-compose users know it.

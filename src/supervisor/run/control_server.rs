@@ -386,7 +386,10 @@ fn localize_program(h: &Handlers, service: &mut Service) {
     if !path.is_absolute() || path.exists() {
         return;
     }
-    let name = path.file_name().and_then(|n| n.to_str()).map(str::to_string);
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .map(str::to_string);
     let found = match name.as_deref() {
         // The head's own binary: this machine's is the one running here.
         Some("pdctl") => std::env::current_exe().ok(),

@@ -260,6 +260,9 @@ mod tests {
             last_error: None,
             remote,
             unreachable_since_ms: None,
+            cpu_percent: None,
+            rss_bytes: None,
+            gpu_memory_bytes: None,
         }
     }
 

@@ -20,7 +20,7 @@ use crate::supervisor::run::progress::{self, Renderer, StartFailure, StartupEnd}
 use crate::supervisor::run::remote::run_remote;
 use crate::supervisor::run::service::{Cmd, FAILURE_LINES, ServiceCtx, run_local};
 use crate::supervisor::run::stop::stop_waves;
-use crate::supervisor::run::table::Table;
+use crate::supervisor::run::table::{Table, sample_usage};
 use crate::supervisor::state_dir::logfile::ServiceLog;
 use crate::supervisor::state_dir::state::{ClusterLock, RecordWriter, RunRecord, StateDir};
 use futures_util::future::join_all;
@@ -154,6 +154,7 @@ pub async fn run(
         log_max_bytes: opts.log_max_bytes,
         log_keep: opts.log_keep,
     });
+    let usage = tokio::spawn(sample_usage(ctx.table.clone()));
     let (down_tx, mut downs) = mpsc::unbounded_channel();
     let channel = match (plan.control_port, &opts.secret) {
         (Some(port), Some(secret)) => Some(control_channel(&plan, &node, port, secret).await?),
@@ -235,6 +236,7 @@ pub async fn run(
     if let Some(t) = tcp_server {
         t.abort();
     }
+    usage.abort();
     state.remove_runtime();
     drop(watchdog);
     let local = ctx.members().live_plan().local_services(&node).count();

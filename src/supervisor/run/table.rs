@@ -5,7 +5,9 @@
 
 use crate::control::{ServiceState, ServiceStatus, StatusReport};
 use crate::plan::Plan;
+use crate::supervisor::process::usage::{SAMPLE_EVERY, Sampler, Usage};
 use crate::vocab::Service;
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
 use tokio::sync::watch;
@@ -27,6 +29,8 @@ struct Row {
     draining: bool,
     /// Removed (`scale`, `apply`): no longer reported.
     retired: bool,
+    /// The last sample of its processes' use, and the pid it was taken of.
+    usage: Option<(u32, Usage)>,
 }
 
 impl Row {
@@ -56,8 +60,12 @@ impl Row {
                 last_error: None,
                 remote,
                 unreachable_since_ms: None,
+                cpu_percent: None,
+                rss_bytes: None,
+                gpu_memory_bytes: None,
             },
             run_started: None,
+            usage: None,
             draining: false,
             retired: false,
         }
@@ -87,6 +95,26 @@ impl Table {
         }
     }
 
+    /// The pids of the local services that run now (what the usage sampler reads).
+    pub fn local_pids(&self) -> Vec<u32> {
+        self.rows()
+            .iter()
+            .filter(|r| !r.retired && !r.status.remote)
+            .filter_map(|r| r.status.pid)
+            .collect()
+    }
+
+    /// Takes a usage sample (by pid) into the rows of the processes it was taken of.
+    /// Watchers are not woken: a figure changing is not a change of state.
+    pub fn set_usage(&self, by_pid: &HashMap<u32, Usage>) {
+        for r in self.rows().iter_mut() {
+            r.usage = r
+                .status
+                .pid
+                .and_then(|pid| by_pid.get(&pid).map(|u| (pid, *u)));
+        }
+    }
+
     fn rows(&self) -> std::sync::MutexGuard<'_, Vec<Row>> {
         self.rows.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -107,6 +135,12 @@ impl Table {
                     .run_started
                     .map(|t| (now - t).as_secs_f64())
                     .map(|u| (u * 10.0).round() / 10.0);
+                // A sample of an earlier run's process says nothing of this one.
+                if let Some((_, u)) = r.usage.filter(|(pid, _)| s.pid == Some(*pid)) {
+                    s.cpu_percent = u.cpu_percent.map(|c| (c * 10.0).round() / 10.0);
+                    s.rss_bytes = Some(u.rss_bytes);
+                    s.gpu_memory_bytes = u.gpu_memory_bytes;
+                }
                 s
             })
             .collect();
@@ -240,6 +274,37 @@ impl Table {
     /// A receiver that wakes on every change.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.version.subscribe()
+    }
+}
+
+/// Samples the local services' processes every [`SAMPLE_EVERY`] into `table`, for as long
+/// as the supervisor runs (the reading of `/proc` and NVML on a blocking thread).
+pub async fn sample_usage(table: std::sync::Arc<Table>) {
+    let mut sampler = match Sampler::new() {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!("no CPU and memory figures in status: {e}");
+            None
+        }
+    };
+    let mut every = tokio::time::interval(SAMPLE_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let Some(mut s) = sampler.take() else {
+            return;
+        };
+        let pids = table.local_pids();
+        let Ok((s, usage)) = tokio::task::spawn_blocking(move || {
+            let usage = s.sample(&pids);
+            (s, usage)
+        })
+        .await
+        else {
+            return;
+        };
+        table.set_usage(&usage);
+        sampler = Some(s);
     }
 }
 
