@@ -28,7 +28,7 @@ use std::io::Write as _;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
@@ -38,7 +38,10 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle connections kept per engine: enough for every stream of a busy proxy to find one.
 const MAX_IDLE: usize = 1024;
 
-/// Room made for each read from an engine.
+/// The most read from an engine's socket at once, into a scratch buffer on the stack: only
+/// the bytes that arrived are copied into the body's buffer, so a connection costs memory
+/// for what it holds, not for the room a read might have needed (1000 streams waiting for
+/// their next event hold no read buffer at all).
 const READ_SIZE: usize = 16 * 1024;
 
 /// Largest response head accepted.
@@ -293,12 +296,23 @@ async fn exchange(
     };
     sent.await
         .map_err(|e| Fail::Early(format!("sending the request failed: {e}")))?;
-    let mut buf = BytesMut::with_capacity(READ_SIZE);
+    let mut buf = BytesMut::new();
     loop {
-        if buf.capacity() - buf.len() < READ_SIZE / 4 {
-            buf.reserve(READ_SIZE);
-        }
-        let got = conn.read_buf(&mut buf).await;
+        let got = match conn.readable().await {
+            Ok(()) => read_arrived(&conn, &mut buf),
+            Err(e) => Err(e),
+        };
+        let got = match got {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                continue;
+            }
+            other => other,
+        };
         let early = buf.is_empty();
         match got {
             Ok(0) if early => {
@@ -399,6 +413,15 @@ pub enum BodyError {
     LineTooLong,
 }
 
+/// Reads what has arrived on `conn` (at most [`READ_SIZE`]) and appends it to `buf`,
+/// which grows by exactly that; `WouldBlock` when nothing has.
+fn read_arrived(conn: &TcpStream, buf: &mut BytesMut) -> std::io::Result<usize> {
+    let mut scratch = [0u8; READ_SIZE];
+    let n = conn.try_read(&mut scratch)?;
+    buf.extend_from_slice(&scratch[..n]);
+    Ok(n)
+}
+
 fn bad(msg: String) -> Fail {
     Fail::Leg(LegFailure::BadAnswer(msg))
 }
@@ -415,6 +438,11 @@ impl Body {
                 Ok(d) => d,
                 Err(msg) => return Poll::Ready(Some(Err(self.broke(msg)))),
             };
+            if self.buf.is_empty() {
+                // Whatever the buffer shares with what was handed on is freed with that:
+                // a stream waiting for its next event holds no buffer.
+                self.buf = BytesMut::new();
+            }
             if done {
                 self.finish();
             }
@@ -427,10 +455,7 @@ impl Body {
             let Some(conn) = &self.conn else {
                 return Poll::Ready(None);
             };
-            if self.buf.capacity() - self.buf.len() < READ_SIZE / 4 {
-                self.buf.reserve(READ_SIZE);
-            }
-            match conn.try_read_buf(&mut self.buf) {
+            match read_arrived(conn, &mut self.buf) {
                 Ok(0) if self.framing == Framing::Eof => {
                     self.ended = true;
                     self.conn = None;
@@ -605,6 +630,7 @@ fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, BodyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncReadExt;
 
     fn dechunk_all(pieces: &[&[u8]]) -> (Vec<u8>, bool) {
         let mut buf = BytesMut::new();
