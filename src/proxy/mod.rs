@@ -26,6 +26,7 @@ mod endpoint;
 mod errors;
 mod figures;
 mod h1;
+mod hyper_legs;
 mod health;
 mod histogram;
 mod instances;
