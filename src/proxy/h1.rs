@@ -69,10 +69,6 @@ struct Inner {
     /// The whole `authorization` header line, when engines want a key.
     auth: Option<Vec<u8>>,
     idle: Mutex<HashMap<String, VecDeque<Idle>>>,
-    /// Measurement only (issue 25): `PDCTL_PROXY_LEGS_CLIENT=hyper` sends the legs through
-    /// hyper's connection-level client instead.
-    hyper: Option<Arc<super::hyper_legs::Pool>>,
-    engine_key: Option<HeaderValue>,
 }
 
 #[derive(Debug)]
@@ -98,7 +94,6 @@ pub struct Body {
     /// The pool to give the connection back to once the body has ended, if it may be reused.
     back_to: Option<(Arc<Inner>, String)>,
     ended: bool,
-    hyper: Option<super::hyper_legs::Body>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,9 +147,6 @@ impl Client {
                 keepalive,
                 auth,
                 idle: Mutex::new(HashMap::new()),
-                hyper: (std::env::var("PDCTL_PROXY_LEGS_CLIENT").as_deref() == Ok("hyper"))
-                    .then(Default::default),
-                engine_key: engine_key.cloned(),
             }),
         }
     }
@@ -169,10 +161,6 @@ impl Client {
         request_id: &str,
     ) -> Result<Response, LegFailure> {
         let authority = authority(base)?;
-        if let Some(pool) = &self.inner.hyper {
-            return super::hyper_legs::post_json(self, pool, authority, path, body, request_id)
-                .await;
-        }
         if HeaderValue::from_str(request_id).is_err() {
             return Err(LegFailure::BadAnswer(format!(
                 "request id {request_id:?} is not a header value"
@@ -214,39 +202,6 @@ impl Client {
                 Err(Fail::Early(msg)) => return Err(LegFailure::Body(msg)),
                 Err(Fail::Leg(f)) => return Err(f),
             }
-        }
-    }
-}
-
-impl Client {
-    /// A fresh TCP connection with the client's settings.
-    pub(super) async fn connect_tcp(&self, authority: &str) -> Result<TcpStream, LegFailure> {
-        self.inner.connect(authority).await
-    }
-
-    /// The `authorization` header the engines want, if any.
-    pub(super) fn engine_key(&self) -> Option<&HeaderValue> {
-        self.inner.engine_key.as_ref()
-    }
-}
-
-impl Response {
-    pub(super) fn from_hyper(
-        status: u16,
-        content_type: Option<HeaderValue>,
-        body: super::hyper_legs::Body,
-    ) -> Response {
-        Response {
-            status,
-            content_type,
-            body: Body {
-                conn: None,
-                buf: BytesMut::new(),
-                framing: Framing::Eof,
-                back_to: None,
-                ended: false,
-                hyper: Some(body),
-            },
         }
     }
 }
@@ -438,7 +393,6 @@ async fn exchange(
             // Named by the caller, which knows the pool, when `reusable`.
             back_to: None,
             ended: false,
-            hyper: None,
         };
         return Ok((status, content_type, body, reusable));
     }
@@ -476,9 +430,6 @@ impl Body {
     /// Everything of the body that has arrived since the last call, in one piece (never
     /// empty); `None` at its end; `Err` with why when it broke off.
     pub fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, BodyError>>> {
-        if let Some(h) = &mut self.hyper {
-            return h.poll_data(cx);
-        }
         if self.ended {
             return Poll::Ready(None);
         }
@@ -542,8 +493,7 @@ impl Body {
                     "an answer larger than {limit} bytes"
                 )));
             }
-            let ended = self.hyper.as_ref().map_or(self.ended, |h| h.ended());
-            if all.is_empty() && ended {
+            if all.is_empty() && self.ended {
                 return Ok(piece); // all of it in one piece: no copy
             }
             all.extend_from_slice(&piece);

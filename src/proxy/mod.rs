@@ -26,7 +26,6 @@ mod endpoint;
 mod errors;
 mod figures;
 mod h1;
-mod hyper_legs;
 mod health;
 mod histogram;
 mod instances;
