@@ -4,7 +4,8 @@
 # STREAMS concurrent streamed completions through its proxy from the official `openai`
 # Python async client (not written here, bench/streams.py). Reports, per process (the
 # supervisor, the proxy, the prefill and decode sims), resident memory idle before the load,
-# at its peak (the kernel's high-water mark, VmHWM) and some seconds after every stream ended.
+# at its peak (the kernel's high-water mark, VmHWM) and some seconds after every stream ended,
+# and the most requests the proxy had in flight at once (its own gauge, read every 0.2 s).
 #
 #   bench/proxy-memory.sh                           # 3 rounds of 1000 streams of 100 tokens
 #   PROXY_MEM_STREAMS=500 PROXY_MEM_TOKENS=50 PROXY_MEM_ROUNDS=5 bench/proxy-memory.sh
@@ -25,7 +26,7 @@ cd "$(dirname "$0")/.."
 ROUNDS=${PROXY_MEM_ROUNDS:-3}
 STREAMS=${PROXY_MEM_STREAMS:-1000}
 TOKENS=${PROXY_MEM_TOKENS:-100}
-SETTLE=${PROXY_MEM_SETTLE_S:-5}
+SETTLE=${PROXY_MEM_SETTLE_S:-10}
 PY=${PROXY_MEM_PYTHON:-python3}
 OUT=$(mktemp -d -t pdctl-proxy-mem.XXXXXX)
 "$PY" -c 'import openai' 2>/dev/null || { echo "$PY has no openai module (pip install openai, or set PROXY_MEM_PYTHON)" >&2; exit 2; }
@@ -91,7 +92,20 @@ TOML
     for p in supervisor proxy prefill-0 decode-0; do PID[$p]=$(pid_of "$p"); done
     declare -A IDLE=()
     for p in "${!PID[@]}"; do IDLE[$p]=$(kib "${PID[$p]}" VmRSS); done
+    # the most requests in flight at the proxy, from its own gauge, while the load runs
+    ( most=0; while :; do
+        n=$(curl -fsS "http://127.0.0.1:$px/metrics" 2>/dev/null | awk '$1 == "pdctl_proxy_requests_in_flight" {print $2}')
+        [ "${n:-0}" -gt "$most" ] && most=$n && echo "$most" >"$OUT/inflight-$name-$r"
+        sleep 0.2
+      done ) & SAMPLER=$!
     "$PY" bench/streams.py "http://127.0.0.1:$px" "$STREAMS" "$TOKENS" >"$OUT/load-$name-$r.json"
+    kill "$SAMPLER" 2>/dev/null; wait "$SAMPLER" 2>/dev/null || true
+    inflight=$(cat "$OUT/inflight-$name-$r" 2>/dev/null || echo 0)
+    python3 - "$OUT/load-$name-$r.json" "$inflight" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1])); r["proxy_in_flight_max"] = int(sys.argv[2])
+json.dump(r, open(sys.argv[1], "w"))
+PY
     sleep "$SETTLE"
     for p in "${!PID[@]}"; do
       printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$r" "$p" "${IDLE[$p]}" "$(kib "${PID[$p]}" VmHWM)" \
@@ -110,7 +124,7 @@ med = statistics.median
 mib = lambda xs: f"{med(int(x) for x in xs) / 1024:.1f}"
 print(f"{sys.argv[2]} concurrent streams of {sys.argv[3]} tokens (10 ms per token), official openai async client, medians over rounds (MiB)")
 print()
-print("| build | process | idle | peak | after the streams | streams complete (per round) | most open at once | wall s |")
+print("| build | process | idle | peak | after the streams | streams complete (per round) | most in flight at the proxy | wall s |")
 print("|---|---|---:|---:|---:|---:|---:|---:|")
 order = ["proxy", "supervisor", "prefill-0", "decode-0"]
 for build in dict.fromkeys(r[0] for r in rows):
@@ -118,7 +132,7 @@ for build in dict.fromkeys(r[0] for r in rows):
         sel = [r for r in rows if r[0] == build and r[2] == proc]
         loads = [json.loads(r[6]) for r in sel]
         done = "/".join(str(l["complete"]) for l in loads)
-        most = "/".join(str(l["most_open"]) for l in loads)
+        most = "/".join(str(l["proxy_in_flight_max"]) for l in loads)
         wall = med(l["wall_s"] for l in loads)
         print(f"| {build} | {proc} | {mib(r[3] for r in sel)} | {mib(r[4] for r in sel)} | {mib(r[5] for r in sel)} | {done} | {most} | {wall:.1f} |")
 PY

@@ -7,6 +7,7 @@
 //! without GPUs; [`mod@bench`] measures a running cluster; [`child_config`] is the
 //! `--config FILE` of the processes pdctl runs as itself (proxy, sim).
 
+pub mod allocator;
 pub mod bench;
 pub mod child_config;
 pub mod cli;

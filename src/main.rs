@@ -9,26 +9,41 @@
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
-    no_huge_pages_for_servers();
     pdctl::cli::main()
 }
 
-/// Turns transparent huge pages off for the proxy and the sim, before they allocate.
+/// Turns transparent huge pages off for the proxy and the sim, before anything is allocated.
 ///
 /// mimalloc commits its arenas eagerly; where the kernel backs anonymous memory with huge
 /// pages on first touch (`/sys/kernel/mm/transparent_hugepage/enabled` is `always`, as on
 /// Debian and Ubuntu), every 2 MiB of an arena that holds one live object is 2 MiB resident:
-/// an idle proxy held 8.7 MiB of anonymous memory instead of 1.3, and under 1000 streams
-/// and after them far more than it used (docs/proxy.md, "Memory"). Only for these two
-/// commands, which start no other programs: the flag is inherited, and the supervisor's
-/// children are vLLM engines. The command is read from argv here because by the time the
-/// arguments are parsed the allocator has already touched its first pages.
-fn no_huge_pages_for_servers() {
-    #[cfg(target_os = "linux")]
-    {
-        let command = std::env::args_os().nth(1);
-        if matches!(command.as_deref().and_then(|c| c.to_str()), Some("proxy" | "sim")) {
-            let _ = nix::sys::prctl::set_thp_disable(true);
-        }
+/// an idle proxy held 8.7 MiB of anonymous memory instead of 1.3 (docs/proxy.md, "Memory").
+/// Only for these two commands, which start no other programs: the flag is inherited, and
+/// the supervisor's children are vLLM engines. It runs as a constructor (glibc passes
+/// these the program's arguments) because the Rust runtime allocates before `main`, and
+/// pages touched before the flag is set stay huge.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[used]
+#[unsafe(link_section = ".init_array")]
+static NO_HUGE_PAGES_FOR_SERVERS: extern "C" fn(
+    std::ffi::c_int,
+    *const *const std::ffi::c_char,
+    *const *const std::ffi::c_char,
+) = no_huge_pages_for_servers;
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+extern "C" fn no_huge_pages_for_servers(
+    argc: std::ffi::c_int,
+    argv: *const *const std::ffi::c_char,
+    _env: *const *const std::ffi::c_char,
+) {
+    if argc < 2 || argv.is_null() {
+        return;
+    }
+    // SAFETY: glibc calls the executable's init_array functions with main's argc and argv,
+    // so argv[1] is a NUL-terminated string; nothing here allocates.
+    let command = unsafe { std::ffi::CStr::from_ptr(*argv.add(1)) };
+    if matches!(command.to_bytes(), b"proxy" | b"sim") {
+        let _ = nix::sys::prctl::set_thp_disable(true);
     }
 }

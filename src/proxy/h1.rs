@@ -32,8 +32,12 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-/// How long an unused connection to an engine is kept open.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long an unused connection to an engine is kept open: less than the 5 s after which
+/// vLLM's server (uvicorn's `--timeout-keep-alive`) closes an idle one itself, so a kept
+/// connection is one the engine still has. A sweep every this long drops older ones, so
+/// the connections a burst of 1000 streams left are gone seconds after it, with the memory
+/// they pinned (docs/proxy.md, "Memory").
+const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// Idle connections kept per engine: enough for every stream of a busy proxy to find one.
 const MAX_IDLE: usize = 1024;
@@ -69,6 +73,8 @@ struct Inner {
     /// The whole `authorization` header line, when engines want a key.
     auth: Option<Vec<u8>>,
     idle: Mutex<HashMap<String, VecDeque<Idle>>>,
+    /// Whether the task that drops expired idle connections runs.
+    sweeping: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug)]
@@ -147,6 +153,7 @@ impl Client {
                 keepalive,
                 auth,
                 idle: Mutex::new(HashMap::new()),
+                sweeping: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -240,7 +247,8 @@ impl Inner {
     }
 
     /// Keeps a connection whose answer has been read completely for the next request.
-    fn put(&self, authority: String, conn: TcpStream) {
+    fn put(self: &Arc<Self>, authority: String, conn: TcpStream) {
+        self.start_sweeping();
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let conns = idle.entry(authority).or_default();
         while conns
@@ -255,6 +263,50 @@ impl Inner {
                 since: Instant::now(),
             });
         }
+    }
+
+    /// Starts, once, the task that drops idle connections older than [`IDLE_TIMEOUT`]
+    /// every [`IDLE_TIMEOUT`] (and ends with the client).
+    fn start_sweeping(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.sweeping.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let pool = Arc::downgrade(self);
+        runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(IDLE_TIMEOUT).await;
+                let Some(pool) = pool.upgrade() else {
+                    return;
+                };
+                if pool.sweep() > 0 {
+                    crate::allocator::return_free_memory();
+                }
+            }
+        });
+    }
+
+    /// Drops the idle connections older than [`IDLE_TIMEOUT`]; returns how many.
+    fn sweep(&self) -> usize {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut dropped = 0;
+        for conns in idle.values_mut() {
+            while conns
+                .front()
+                .is_some_and(|i| i.since.elapsed() >= IDLE_TIMEOUT)
+            {
+                conns.pop_front();
+                dropped += 1;
+            }
+            if conns.is_empty() {
+                // Its room too: a burst grew it to as many as it held.
+                *conns = VecDeque::new();
+            }
+        }
+        dropped
     }
 
     async fn connect(&self, authority: &str) -> Result<TcpStream, LegFailure> {
