@@ -118,10 +118,11 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 /// Threads a long-running server process (proxy, sim) runs blocking work on at most. Each
-/// such thread costs memory for as long as it lives (its stack and its own allocator heap):
-/// tokio's default of 512 let the decode sim start hundreds of them under 1000 concurrent
-/// streams, one per KV load of the shared-directory handoff (docs/proxy.md, "Memory").
-/// The work they do (small file reads and writes, DNS lookups) queues for a free one.
+/// such thread costs memory for as long as it lives (its stack and its own allocator heap),
+/// and tokio's default allows 512: under 1000 concurrent streams the decode sim runs one
+/// blocking KV load of the shared-directory handoff per request, which could start as many
+/// threads as loads overlap (docs/proxy.md, "Memory"). The work they do (small file reads
+/// and writes, DNS lookups) queues for a free one instead.
 const SERVER_BLOCKING_THREADS: usize = 4;
 
 /// The runtime of a server process (proxy, sim): the default worker threads, few blocking
