@@ -10,6 +10,9 @@
 #   PROXY_CPU_BASELINE=/path/to/old/pdctl bench/proxy-cpu.sh
 #       adds that build's proxy as "pdctl-baseline", in front of the same engines, taking
 #       turns with the others, so a change is judged against its predecessor in one run
+#   PROXY_CPU_BUILDS="name=/path/to/pdctl other=/path/to/script" bench/proxy-cpu.sh
+#       adds more builds the same way, each under its name (a script must exec pdctl, so
+#       that its process is the proxy's)
 #
 # CPU is the proxy process's user + system time (its whole process tree) over the run,
 # divided by the requests answered 200; "direct" has no proxy, so its column is the engine's.
@@ -52,13 +55,15 @@ TARGETS=("direct http://127.0.0.1:$dp $DECODE_PID")
   --prefill "127.0.0.1:$pp" --decode "127.0.0.1:$dp" 2>"$OUT/pdctl-proxy.log" & PIDS+=($!)
 TARGETS+=("pdctl-proxy http://127.0.0.1:$px $!")
 wait_http "http://127.0.0.1:$px/health"
-if [ -n "${PROXY_CPU_BASELINE:-}" ]; then
+OTHERS=${PROXY_CPU_BUILDS:-}
+[ -n "${PROXY_CPU_BASELINE:-}" ] && OTHERS="pdctl-baseline=$PROXY_CPU_BASELINE $OTHERS"
+for other in $OTHERS; do
   bp=$(free_port)
-  "$PROXY_CPU_BASELINE" proxy --host 127.0.0.1 --port "$bp" --protocol nixl \
-    --prefill "127.0.0.1:$pp" --decode "127.0.0.1:$dp" 2>"$OUT/pdctl-baseline.log" & PIDS+=($!)
-  TARGETS+=("pdctl-baseline http://127.0.0.1:$bp $!")
+  "${other#*=}" proxy --host 127.0.0.1 --port "$bp" --protocol nixl \
+    --prefill "127.0.0.1:$pp" --decode "127.0.0.1:$dp" 2>"$OUT/${other%%=*}.log" & PIDS+=($!)
+  TARGETS+=("${other%%=*} http://127.0.0.1:$bp $!")
   wait_http "http://127.0.0.1:$bp/health"
-fi
+done
 if [ -n "$ROUTER" ]; then
   rp=$(free_port); mp=$(free_port)
   "$ROUTER" --host 127.0.0.1 --port "$rp" --prometheus-port "$mp" --vllm-pd-disaggregation --kv-connector nixl \

@@ -8,6 +8,7 @@
 //! `--config FILE` of the processes pdctl runs as itself (proxy, sim). [`vocab`] holds the
 //! types several of them share, below all of them (the layers: `tests/layers.rs`).
 
+pub mod allocator;
 pub mod bench;
 pub mod check;
 pub mod child_config;

@@ -129,6 +129,23 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
+/// Threads a long-running server process (proxy, sim) runs blocking work on at most. Each
+/// such thread costs memory for as long as it lives (its stack and its own allocator heap),
+/// and tokio's default allows 512: under 1000 concurrent streams the decode sim runs one
+/// blocking KV load of the shared-directory handoff per request, which could start as many
+/// threads as loads overlap (docs/proxy.md, "Memory"). The work they do (small file reads
+/// and writes, DNS lookups) queues for a free one instead.
+const SERVER_BLOCKING_THREADS: usize = 4;
+
+/// The runtime of a server process (proxy, sim): the default worker threads, few blocking
+/// threads.
+fn server_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .max_blocking_threads(SERVER_BLOCKING_THREADS)
+        .build()?)
+}
+
 /// Runs one command to completion.
 pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
     match cmd {
@@ -149,13 +166,13 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Export(a) => export::export(a),
         Command::Proxy(a) => {
             let a = a.resolve(|p| std::fs::read_to_string(p))?;
-            runtime()?
+            server_runtime()?
                 .block_on(crate::proxy::run(a))
                 .map(|_| ExitCode::SUCCESS)
         }
         Command::Sim(a) => {
             let a = a.resolve(|p| std::fs::read_to_string(p))?;
-            runtime()?
+            server_runtime()?
                 .block_on(crate::sim::run(a))
                 .map(|_| ExitCode::SUCCESS)
         }

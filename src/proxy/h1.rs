@@ -28,17 +28,24 @@ use std::io::Write as _;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-/// How long an unused connection to an engine is kept open.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long an unused connection to an engine is kept open: less than the 5 s after which
+/// vLLM's server (uvicorn's `--timeout-keep-alive`) closes an idle one itself, so a kept
+/// connection is one the engine still has. A sweep every this long drops older ones, so
+/// the connections a burst of 1000 streams left are gone seconds after it, with the memory
+/// they pinned (docs/proxy.md, "Memory").
+const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// Idle connections kept per engine: enough for every stream of a busy proxy to find one.
 const MAX_IDLE: usize = 1024;
 
-/// Room made for each read from an engine.
+/// The most read from an engine's socket at once, into a scratch buffer on the stack: only
+/// the bytes that arrived are copied into the body's buffer, so a connection costs memory
+/// for what it holds, not for the room a read might have needed (1000 streams waiting for
+/// their next event hold no read buffer at all).
 const READ_SIZE: usize = 16 * 1024;
 
 /// Largest response head accepted.
@@ -66,6 +73,8 @@ struct Inner {
     /// The whole `authorization` header line, when engines want a key.
     auth: Option<Vec<u8>>,
     idle: Mutex<HashMap<String, VecDeque<Idle>>>,
+    /// Whether the task that drops expired idle connections runs.
+    sweeping: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug)]
@@ -144,6 +153,7 @@ impl Client {
                 keepalive,
                 auth,
                 idle: Mutex::new(HashMap::new()),
+                sweeping: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -237,7 +247,8 @@ impl Inner {
     }
 
     /// Keeps a connection whose answer has been read completely for the next request.
-    fn put(&self, authority: String, conn: TcpStream) {
+    fn put(self: &Arc<Self>, authority: String, conn: TcpStream) {
+        self.start_sweeping();
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let conns = idle.entry(authority).or_default();
         while conns
@@ -252,6 +263,50 @@ impl Inner {
                 since: Instant::now(),
             });
         }
+    }
+
+    /// Starts, once, the task that drops idle connections older than [`IDLE_TIMEOUT`]
+    /// every [`IDLE_TIMEOUT`] (and ends with the client).
+    fn start_sweeping(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.sweeping.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let pool = Arc::downgrade(self);
+        runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(IDLE_TIMEOUT).await;
+                let Some(pool) = pool.upgrade() else {
+                    return;
+                };
+                if pool.sweep() > 0 {
+                    crate::allocator::return_free_memory();
+                }
+            }
+        });
+    }
+
+    /// Drops the idle connections older than [`IDLE_TIMEOUT`]; returns how many.
+    fn sweep(&self) -> usize {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut dropped = 0;
+        for conns in idle.values_mut() {
+            while conns
+                .front()
+                .is_some_and(|i| i.since.elapsed() >= IDLE_TIMEOUT)
+            {
+                conns.pop_front();
+                dropped += 1;
+            }
+            if conns.is_empty() {
+                // Its room too: a burst grew it to as many as it held.
+                *conns = VecDeque::new();
+            }
+        }
+        dropped
     }
 
     async fn connect(&self, authority: &str) -> Result<TcpStream, LegFailure> {
@@ -293,12 +348,23 @@ async fn exchange(
     };
     sent.await
         .map_err(|e| Fail::Early(format!("sending the request failed: {e}")))?;
-    let mut buf = BytesMut::with_capacity(READ_SIZE);
+    let mut buf = BytesMut::new();
     loop {
-        if buf.capacity() - buf.len() < READ_SIZE / 4 {
-            buf.reserve(READ_SIZE);
-        }
-        let got = conn.read_buf(&mut buf).await;
+        let got = match conn.readable().await {
+            Ok(()) => read_arrived(&conn, &mut buf),
+            Err(e) => Err(e),
+        };
+        let got = match got {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                continue;
+            }
+            other => other,
+        };
         let early = buf.is_empty();
         match got {
             Ok(0) if early => {
@@ -399,6 +465,15 @@ pub enum BodyError {
     LineTooLong,
 }
 
+/// Reads what has arrived on `conn` (at most [`READ_SIZE`]) and appends it to `buf`,
+/// which grows by exactly that; `WouldBlock` when nothing has.
+fn read_arrived(conn: &TcpStream, buf: &mut BytesMut) -> std::io::Result<usize> {
+    let mut scratch = [0u8; READ_SIZE];
+    let n = conn.try_read(&mut scratch)?;
+    buf.extend_from_slice(&scratch[..n]);
+    Ok(n)
+}
+
 fn bad(msg: String) -> Fail {
     Fail::Leg(LegFailure::BadAnswer(msg))
 }
@@ -415,6 +490,11 @@ impl Body {
                 Ok(d) => d,
                 Err(msg) => return Poll::Ready(Some(Err(self.broke(msg)))),
             };
+            if self.buf.is_empty() {
+                // Whatever the buffer shares with what was handed on is freed with that:
+                // a stream waiting for its next event holds no buffer.
+                self.buf = BytesMut::new();
+            }
             if done {
                 self.finish();
             }
@@ -427,10 +507,7 @@ impl Body {
             let Some(conn) = &self.conn else {
                 return Poll::Ready(None);
             };
-            if self.buf.capacity() - self.buf.len() < READ_SIZE / 4 {
-                self.buf.reserve(READ_SIZE);
-            }
-            match conn.try_read_buf(&mut self.buf) {
+            match read_arrived(conn, &mut self.buf) {
                 Ok(0) if self.framing == Framing::Eof => {
                     self.ended = true;
                     self.conn = None;
@@ -605,6 +682,7 @@ fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, BodyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncReadExt;
 
     fn dechunk_all(pieces: &[&[u8]]) -> (Vec<u8>, bool) {
         let mut buf = BytesMut::new();
