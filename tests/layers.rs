@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[(&str, &[&str])] = &[
     (
         "leaves: formats and text every layer may use",
-        &["error_text", "spelling", "prometheus", "sse"],
+        &["error_text", "spelling", "prometheus", "sse", "allocator"],
     ),
     ("vocabulary several layers share", &["vocab"]),
     ("what this machine has", &["tools", "vllm", "gpu"]),
