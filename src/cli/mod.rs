@@ -143,6 +143,7 @@ fn server_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .max_blocking_threads(SERVER_BLOCKING_THREADS)
+        .on_thread_park(crate::allocator::on_thread_park)
         .build()?)
 }
 
