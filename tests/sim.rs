@@ -619,7 +619,7 @@ async fn repeating_a_request_makes_the_prefix_cache_hit_rate_climb() {
     stats.post("/v1/completions", &req).await;
     assert!(
         stats
-            .wait_log("Prefix cache hit rate: 50.00%", Duration::from_secs(5))
+            .wait_log("Prefix cache hit rate: 37.50%", Duration::from_secs(5))
             .await,
         "{}",
         stats.log()
@@ -647,7 +647,8 @@ async fn prefill_cost_is_paid_for_uncached_tokens_only() {
         "160 tokens at 2 ms each took {first:?}"
     );
     let (_, r) = sim.post("/v1/completions", &req).await;
-    assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 160);
+    // Ten whole blocks: the last one holds the prompt's last token and is computed again.
+    assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 144);
     assert_eq!(
         sim.metric("vllm:time_to_first_token_seconds_count").await,
         2.0
@@ -915,7 +916,7 @@ async fn nixl_handoff_prefill_returns_params_and_decode_pulls() {
     assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 1.0);
     assert!(
         dsim.log()
-            .contains("KV handoff received 64 tokens from pdctl-sim-"),
+            .contains("KV handoff received 48 tokens from pdctl-sim-"),
         "{}",
         dsim.log()
     );
@@ -1027,7 +1028,7 @@ async fn mooncake_handoff_with_both_legs_sent_at_once() {
     assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 1.0);
     assert_eq!(p.metric("pdctl_sim_kv_blocks_held").await, 0.0);
     assert!(
-        dsim.log().contains("KV handoff received 48 tokens from"),
+        dsim.log().contains("KV handoff received 32 tokens from"),
         "{}",
         dsim.log()
     );
