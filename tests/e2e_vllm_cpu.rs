@@ -474,7 +474,11 @@ fn shared_dir(plan: &Value) -> Option<PathBuf> {
         .as_array()?
         .iter()
         .find(|s| s["name"] == "decode-0")?;
-    let argv: Vec<&str> = decode["argv"].as_array()?.iter().filter_map(Value::as_str).collect();
+    let argv: Vec<&str> = decode["argv"]
+        .as_array()?
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
     let at = argv.iter().position(|a| *a == "--kv-transfer-config")?;
     let cfg: Value = serde_json::from_str(argv.get(at + 1)?).ok()?;
     cfg["kv_connector_extra_config"]["shared_storage_path"]
@@ -538,15 +542,14 @@ async fn real_misses(
         assert_eq!(long.status(), 200, "the long request to decode failed");
         long.chunk().await.expect("the long request's first chunk");
         let stored_before = subdirs(&dir);
-        let body = request_body(
-            "/v1/completions",
-            &prompt(case.name, "miss", i),
-            16,
-            false,
-        );
+        let body = request_body("/v1/completions", &prompt(case.name, "miss", i), 16, false);
         let external_before = external_kv_tokens(http, decode).await;
         let sent = {
-            let (http, url, body) = (http.clone(), format!("{proxy}/v1/completions"), body.clone());
+            let (http, url, body) = (
+                http.clone(),
+                format!("{proxy}/v1/completions"),
+                body.clone(),
+            );
             tokio::spawn(async move { http.post(url).json(&body).send().await })
         };
         // Prefill answered and stored the KV; decode holds the leg waiting.
@@ -554,7 +557,10 @@ async fn real_misses(
             decode_gauge(http, decode, "vllm:num_requests_waiting").await >= 1.0
         })
         .await;
-        assert!(waiting, "miss {i}: the proxied request's decode leg never waited on decode");
+        assert!(
+            waiting,
+            "miss {i}: the proxied request's decode leg never waited on decode"
+        );
         assert_eq!(
             decode_gauge(http, decode, "vllm:num_requests_running").await,
             1.0,
@@ -586,7 +592,10 @@ async fn real_misses(
             "miss {i}: decode still loaded KV: the handoff did not fail"
         );
         let direct = send(http, &format!("{prefill}/v1/completions"), &body).await;
-        assert_eq!(text, direct.text, "miss {i}: a recomputed answer differs from prefill's");
+        assert_eq!(
+            text, direct.text,
+            "miss {i}: a recomputed answer differs from prefill's"
+        );
         made.push((id, prompt_tokens));
     }
     // Counted per request, named in the proxy's log: id, decode, tokens recomputed.
@@ -625,10 +634,11 @@ async fn real_misses(
             "the proxy's line for {id} should name decode {decode} and {n} tokens recomputed: {line}"
         );
     }
-    json!(made
-        .iter()
-        .map(|(id, n)| json!({"request_id": id, "prompt_tokens": n}))
-        .collect::<Vec<_>>())
+    json!(
+        made.iter()
+            .map(|(id, n)| json!({"request_id": id, "prompt_tokens": n}))
+            .collect::<Vec<_>>()
+    )
 }
 
 /// SIGKILLs decode's vLLM engine core (the process that holds the model and the KV): its
@@ -721,7 +731,11 @@ async fn kill_decode_engine_core_and_recover(
 fn parent_of(pid: u32) -> Option<u32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // "pid (comm) state ppid ...": comm may hold spaces, so read after the last ')'.
-    stat[stat.rfind(')')? + 1..].split_whitespace().nth(1)?.parse().ok()
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 // --- set-up ---------------------------------------------------------------------------------

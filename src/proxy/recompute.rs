@@ -683,7 +683,10 @@ mod tests {
         let s = w.step(counters(433, 1152, 4), ended(3), BS);
         assert_eq!((s.finding, s.unjudged), (None, None));
         // One more: its whole prompt computed, 495 - 128 beyond what a handoff leaves.
-        let f = w.step(counters(928, 1152, 5), ended(4), BS).finding.unwrap();
+        let f = w
+            .step(counters(928, 1152, 5), ended(4), BS)
+            .finding
+            .unwrap();
         assert_eq!((f.recomputed_tokens, f.misses, f.due), (367, 1, 1));
     }
 
@@ -725,10 +728,13 @@ mod tests {
             sent: 1,
             ..LedgerSnapshot::default()
         };
-        assert_eq!(w.step(counters(495, 0, 1), running, BS), Step {
-            tokens: counters(495, 0, 0).sources,
-            ..Step::default()
-        });
+        assert_eq!(
+            w.step(counters(495, 0, 1), running, BS),
+            Step {
+                tokens: counters(495, 0, 0).sources,
+                ..Step::default()
+            }
+        );
         // It ended: the merged window holds the leg and its prompt, judged once.
         let f = w.step(counters(495, 0, 1), ended(1), BS).finding.unwrap();
         assert_eq!((f.recomputed_tokens, f.misses), (367, 1));
@@ -939,7 +945,16 @@ mod tests {
         // The prefill's cache hits in cached_tokens say nothing of the handoff: not judged.
         let j = leg_sent(&m, &inst, nixl, true, "n");
         assert_eq!(j.judge(Some(UsageSeen::new(900, Some(0)))), None);
-        drop(leg_sent(&m, &inst, Expect::Handoff { prompts: 3, own_usage: true }, true, "p"));
+        drop(leg_sent(
+            &m,
+            &inst,
+            Expect::Handoff {
+                prompts: 3,
+                own_usage: true,
+            },
+            true,
+            "p",
+        ));
         drop(leg_sent(&m, &inst, ONE, false, "s"));
         drop(leg_sent(&m, &inst, Expect::Recompute, true, "k"));
         let l = inst.ledger.snapshot();
@@ -984,7 +999,8 @@ mod tests {
                 own_usage: false
             }
         );
-        let older = body(json!({"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_prefill": true}}));
+        let older =
+            body(json!({"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_prefill": true}}));
         assert_eq!(
             Expect::handoff(&older, Some(&older)),
             Expect::Handoff {
