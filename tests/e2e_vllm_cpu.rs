@@ -804,7 +804,11 @@ fn topology(case: &Case, cluster: &str, model: &Path, ports: &[u16]) -> String {
     if case.real_misses > 0 {
         // Decode runs one request at a time, so a proxied request's decode leg can be
         // held waiting behind another (see real_misses).
-        t["decode"]["args"] = toml::Value::Array(vec!["--max-num-seqs".into(), "1".into()]);
+        let decode = t["decode"].as_table_mut().unwrap();
+        decode.insert(
+            "args".into(),
+            toml::Value::Array(vec!["--max-num-seqs".into(), "1".into()]),
+        );
     }
     let table = |pairs: &[(&str, u16)]| -> toml::Value {
         let mut m = toml::Table::new();
@@ -1388,8 +1392,9 @@ fn preflight_names_the_nixl_wheels_a_cpu_topology_lacks() {
     std::fs::write(model.join("config.json"), "{}").unwrap();
     let mut t: toml::Table =
         toml::from_str(&topology(&NIXL, "e2e-pf", &model, &free_ports(8))).unwrap();
-    t["engine"]["python"] = python.display().to_string().into();
-    t["engine"]["vllm_version"] = "0.32.0".into();
+    let engine = t["engine"].as_table_mut().unwrap();
+    engine.insert("python".into(), python.display().to_string().into());
+    engine.insert("vllm_version".into(), "0.32.0".into());
     let file = dir.path().join("t.toml");
     std::fs::write(&file, toml::to_string(&t).unwrap()).unwrap();
     let out = pdctl(&[
