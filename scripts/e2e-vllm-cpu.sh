@@ -6,6 +6,7 @@
 #   scripts/e2e-vllm-cpu.sh [--only CASE] [--model DIR] [--venv DIR]
 #
 #   --only CASE  run one case: example (ExampleConnector, shared directory),
+#                nixl (NixlConnector, decode pulls over UCX),
 #                mooncake-store (MooncakeStoreConnector, etcd + mooncake_master) or
 #                mooncake-store-http (the same, mooncake_master's HTTP metadata, no etcd)
 #   --model DIR  where the tiny model lives (default: ~/.local/share/pdctl/models/tiny-llama,
@@ -24,19 +25,20 @@ MODEL=""
 VENV=""
 while (($#)); do
   case "$1" in
-    --only) ONLY="${2:?--only needs a case: example, mooncake-store, mooncake-store-http}"; shift 2 ;;
+    --only) ONLY="${2:?--only needs a case: example, nixl, mooncake-store, mooncake-store-http}"; shift 2 ;;
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
     --venv) VENV="${2:?--venv needs a directory}"; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e-vllm-cpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 case "$ONLY" in
   "") FILTER="vllm_cpu_" ;;
   example) FILTER="vllm_cpu_example_connector_1p1d" ;;
+  nixl) FILTER="vllm_cpu_nixl_1p1d" ;;
   mooncake-store) FILTER="vllm_cpu_mooncake_store_1p1d" ;;
   mooncake-store-http) FILTER="vllm_cpu_mooncake_store_http_metadata_1p1d" ;;
-  *) echo "e2e-vllm-cpu.sh: --only takes example, mooncake-store or mooncake-store-http, not '$ONLY'" >&2; exit 2 ;;
+  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, mooncake-store or mooncake-store-http, not '$ONLY'" >&2; exit 2 ;;
 esac
 
 step() { printf '\n==> %s\n' "$*"; }
@@ -59,7 +61,7 @@ if [ -z "$ONLY" ] || [ "$ONLY" = mooncake-store ]; then
   command -v etcd >/dev/null || [ -x "$VENV/bin/etcd" ] \
     || fail "etcd is not installed: run ./install.sh first (the mooncake-store case needs it)"
 fi
-if [ "$ONLY" != example ]; then
+if [ -z "$ONLY" ] || [ "${ONLY#mooncake-store}" != "$ONLY" ]; then
   [ -x "$VENV/bin/mooncake_master" ] || command -v mooncake_master >/dev/null \
     || fail "mooncake_master is not installed: run ./install.sh first (the mooncake-store cases need it)"
 fi

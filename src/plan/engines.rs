@@ -321,7 +321,7 @@ fn engine_checks(t: &Topology, conn: &dyn Connector) -> Vec<Check> {
         module: "vllm".into(),
         fix: "engine.python must be the python that has vLLM: install it (./install.sh --with-vllm) or point engine.python at it".into(),
     }];
-    if let Some((module, why)) = conn.python_module() {
+    for (module, why) in conn.python_modules(t.engine.device) {
         checks.push(Check::PythonModule {
             python: python.clone(),
             module: module.into(),
@@ -512,6 +512,9 @@ fn base_service(p: &Placement, inst: &InstanceCtx, port: u16) -> Service {
 }
 
 /// A real vLLM instance: `python -m vllm.entrypoints.openai.api_server ...`.
+/// vLLM's flag for `usage.prompt_tokens_details` in its answers (every V1 version).
+const DETAILS: &str = "--enable-prompt-tokens-details";
+
 fn vllm_service(
     t: &Topology,
     p: &Placement,
@@ -551,6 +554,12 @@ fn vllm_service(
     }
     if inst.tp > 1 {
         argv.extend(["--tensor-parallel-size".into(), inst.tp.to_string()]);
+    }
+    // Decode's answers then carry usage.prompt_tokens_details.cached_tokens (prompt tokens
+    // it did not compute, the handoff's included): the proxy judges each request's KV
+    // handoff by it, and names the request when decode recomputed (docs/proxy.md).
+    if p.role == Role::Decode && !t.engine.args.iter().chain(&r.args).any(|a| a == DETAILS) {
+        argv.push(DETAILS.into());
     }
     argv.extend(launch.args.iter().cloned());
     argv.extend(t.engine.args.iter().cloned());

@@ -38,7 +38,8 @@ pub enum Answer {
 
 /// What a relayed stream keeps alive: decode's in-flight count, in a concurrent flow the
 /// prefill leg still running in the background (cancelled if the stream is dropped), and
-/// the check of the usage chunk for a recompute when the client asked for usage.
+/// the leg's account for recompute detection (judged by the usage chunk when the client
+/// asked for usage; the leg counts as ended when it is taken or dropped).
 pub struct Keep {
     pub decode: InFlight,
     pub prefill: Option<AbortOnDrop>,
@@ -156,7 +157,7 @@ pub async fn decode_once(
             .await
             .map_err(timed_out)??;
         let took = sent.elapsed();
-        let recompute = judgment.and_then(|j| j.judge(recompute::usage_in(&body)));
+        let recompute = judgment.judge(recompute::usage_in(&body));
         return Ok((
             Answer::Full {
                 status: resp.status,
@@ -190,7 +191,7 @@ pub async fn decode_once(
             keep: Keep {
                 decode: guard,
                 prefill: None,
-                judgment,
+                judgment: Some(judgment),
             },
         },
         Some(took),

@@ -8,7 +8,7 @@ use super::errors::{LegError, LegFailure, ProxyError};
 use super::instances::{FailureKind, Instance, Leg};
 use super::legs::{AbortOnDrop, Answer, decode_once, prefill_once};
 use super::protocol::{Body, Flow, Handshake, choices};
-use super::recompute::{self, Expect};
+use super::recompute::Expect;
 use super::record::RequestRecord;
 pub use super::request::ClientRequest;
 use bytes::Bytes;
@@ -74,7 +74,7 @@ async fn sequential(
         rec.handoff_miss = Some(reason);
         Expect::Recompute
     } else {
-        handoff_due(req)
+        Expect::handoff(&req.body, decode.body.as_ref())
     };
     let body = encode(decode.body, req);
     decode_leg(proxy, req, rec, body, expect).await
@@ -131,6 +131,7 @@ async fn both_legs(
     let dbody = proxy
         .protocol
         .decode_body(&req.body, &req.id, prefill, handshake, None);
+    let expect = Expect::handoff(&req.body, dbody.body.as_ref());
     let dbytes = encode(dbody.body, req);
     let started = Instant::now();
     let mut background = AbortOnDrop(tokio::spawn(prefill_once(
@@ -140,7 +141,7 @@ async fn both_legs(
         pbody,
         req.id.clone(),
     )));
-    let decoding = decode_once(proxy, req, decode.clone(), dbytes, handoff_due(req));
+    let decoding = decode_once(proxy, req, decode.clone(), dbytes, expect);
     tokio::pin!(decoding);
     let mut prefill_done = false;
     loop {
@@ -215,7 +216,7 @@ async fn learn_then_decode(
             rec.handoff_miss = Some(reason);
             Expect::Recompute
         }
-        None => handoff_due(req),
+        None => Expect::handoff(&req.body, dbody.body.as_ref()),
     };
     let dbytes = encode(dbody.body, req);
     let (answer, first_byte) = decode_once(proxy, req, decode.clone(), dbytes, expect)
@@ -257,13 +258,6 @@ fn encode(body: Option<Body>, req: &ClientRequest) -> Bytes {
     match body {
         Some(b) => Bytes::from(serde_json::to_vec(&b).expect("JSON values serialize")),
         None => req.raw.clone(),
-    }
-}
-
-/// A KV handoff due for each of the request's prompts.
-fn handoff_due(req: &ClientRequest) -> Expect {
-    Expect::Handoff {
-        prompts: recompute::prompts(&req.body),
     }
 }
 

@@ -7,7 +7,7 @@
 
 use super::Proxy;
 use super::instances::{Instance, Leg};
-use super::recompute::{self, BY_SOURCE, DecodeWatch, PromptSources};
+use super::recompute::{self, BY_SOURCE, DecodeCounters, DecodeWatch, LedgerSnapshot, Unjudged};
 use crate::prometheus::sum;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -41,13 +41,16 @@ pub fn start(p: Arc<Proxy>, interval: Duration, load: bool) {
                 .filter(|i| load || i.leg == Leg::Decode)
                 .cloned()
                 .collect();
+            // Each decode's legs as they stand before its page is read: every leg counted
+            // as ended here has its prompt on the page.
+            let ledgers: Vec<LedgerSnapshot> = all.iter().map(|i| i.ledger.snapshot()).collect();
             let results = futures_util::future::join_all(all.iter().map(|i| {
                 let url = format!("{}/metrics", i.url);
                 let up = p.upstream.clone();
                 async move { up.get(&url, timeout).await }
             }))
             .await;
-            for (inst, r) in all.iter().zip(results) {
+            for ((inst, r), ledger) in all.iter().zip(results).zip(ledgers) {
                 let (text, why_not) = match r {
                     Ok((200, body)) => (String::from_utf8_lossy(&body).into_owned(), None),
                     Ok((status, _)) => (String::new(), Some(format!("it answered {status}"))),
@@ -75,7 +78,7 @@ pub fn start(p: Arc<Proxy>, interval: Duration, load: bool) {
                     inst.set_engine_load(engine_load(&text));
                 }
                 if inst.leg == Leg::Decode && why_not.is_none() {
-                    watch_decode(&p, inst, &text, &mut watches);
+                    watch_decode(&p, inst, &text, ledger, &mut watches);
                     failed.observe(&p, inst, &text);
                 }
             }
@@ -85,9 +88,15 @@ pub fn start(p: Arc<Proxy>, interval: Duration, load: bool) {
 }
 
 /// Follows one decode's prompt token counters and counts the recompute they show.
-fn watch_decode(p: &Proxy, inst: &Instance, text: &str, watches: &mut HashMap<usize, DecodeWatch>) {
+fn watch_decode(
+    p: &Proxy,
+    inst: &Instance,
+    text: &str,
+    snapshot: LedgerSnapshot,
+    watches: &mut HashMap<usize, DecodeWatch>,
+) {
     let ledger = &inst.ledger;
-    let Some(now) = PromptSources::read(text) else {
+    let Some(now) = DecodeCounters::read(text) else {
         if ledger.set_has_counters(false) || !watches.contains_key(&inst.index) {
             tracing::info!(
                 "decode instance {} has no {BY_SOURCE} on its /metrics (vLLM before 0.26, or not vLLM): KV handoff misses on it are only seen in answers' usage.prompt_tokens_details.cached_tokens (vLLM --enable-prompt-tokens-details)",
@@ -102,8 +111,6 @@ fn watch_decode(p: &Proxy, inst: &Instance, text: &str, watches: &mut HashMap<us
     if let Some(b) = recompute::block_size(text) {
         ledger.set_block_size(b);
     }
-    // Read after the page: a request judged from now on is judged after its prompt counted.
-    let snapshot = ledger.snapshot();
     let bs = ledger.block_size();
     let step = watches
         .entry(inst.index)
@@ -116,12 +123,30 @@ fn watch_decode(p: &Proxy, inst: &Instance, text: &str, watches: &mut HashMap<us
             inst.url
         );
     }
+    match step.unjudged {
+        Some(Unjudged::OtherTraffic { prefilled, legs }) => tracing::debug!(
+            decode = %inst.url,
+            "KV handoff check skipped a window: decode prefilled {prefilled} prompts, {legs} of them from this proxy's legs; requests that reached it another way cannot be told from misses"
+        ),
+        Some(Unjudged::PrefillsUnknown) => tracing::debug!(
+            decode = %inst.url,
+            "KV handoff check skipped a window: decode's /metrics has no {} to rule out requests that reached it another way",
+            recompute::PREFILLS
+        ),
+        Some(Unjudged::NeverIdle) => tracing::debug!(
+            decode = %inst.url,
+            "KV handoff check dropped a window: legs were in flight for {} scrapes in a row",
+            recompute::MAX_MERGED
+        ),
+        None => {}
+    }
     if let Some(f) = step.finding {
         p.metrics.handoff_misses_n(MISS_ENGINE_REPORTED, f.misses);
         p.metrics.recomputed_tokens(f.recomputed_tokens);
         tracing::warn!(
             decode = %inst.url,
-            "KV handoff missed: decode {} computed {} prompt tokens itself beyond what the {} KV handoff(s) due to it leave to compute ({bs} tokens each), by its own vllm:prompt_tokens_by_source_total{{source=\"local_compute\"}}: about {} request(s) silently recomputed their prompt (right answers, TTFT not disaggregated); see its log",
+            recomputed_tokens = f.recomputed_tokens,
+            "KV handoff missed: decode {} computed {} prompt tokens itself beyond what the {} KV handoff(s) that ended on it leave to compute ({bs} tokens each), by its own vllm:prompt_tokens_by_source_total{{source=\"local_compute\"}}: about {} request(s) silently recomputed their prompt (right answers, TTFT not disaggregated); see its log",
             inst.url,
             f.recomputed_tokens,
             f.due,

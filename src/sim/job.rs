@@ -189,10 +189,14 @@ impl Job {
         for tokens in &self.req.prompts {
             let len = tokens.len() as u64;
             let hashes = block_hashes(tokens, bs);
-            let local = sim.cache_lookup(&hashes);
+            // As vLLM: the prompt's last token is always computed (its logits give the first
+            // output token), so the prefix cache and a KV handoff cover at most the whole
+            // blocks before it; a prompt of whole blocks computes its last block.
+            let reusable = &hashes[..tokens.len().saturating_sub(1) / bs.max(1)];
+            let local = sim.cache_lookup(reusable);
             let cached = (local * bs) as u64;
             let kv = self.req.kv.as_ref();
-            let incoming = handoff::receive(&sim, kv, tokens, &hashes, local, &self.id).await;
+            let incoming = handoff::receive(&sim, kv, tokens, reusable, local, &self.id).await;
             let got = match incoming {
                 Incoming::Received { tokens } => tokens,
                 Incoming::NotExpected | Incoming::Missed => 0,

@@ -42,7 +42,8 @@ enum How<'a> {
 }
 
 /// The decode side: fetches the prompt's KV if this request or sim expects a handoff.
-/// `local_blocks` are already in the local prefix cache.
+/// `hashes` are the blocks it may reuse (those before the prompt's last token);
+/// `local_blocks` of them are already in the local prefix cache.
 pub async fn receive(
     sim: &Arc<Sim>,
     kv: Option<&KvTransferParams>,
@@ -347,7 +348,9 @@ pub(crate) fn check_blocks(
             });
         }
     }
-    if blocks.block_hashes != hashes {
+    // The prefill holds every whole block of the prompt; a decode needs those before the
+    // prompt's last token (all of them unless the prompt is whole blocks).
+    if !blocks.block_hashes.starts_with(hashes) {
         return Err(HandoffError::OtherPrompt {
             have: blocks.block_hashes.len(),
             want: hashes.len(),
