@@ -244,8 +244,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         return Err(anyhow::Error::from(SupervisorError::Preflight(problems)));
     }
     let secret = super::secret::for_up(&plan, &node, &state, a.secret_file.as_deref())?;
-    let engine_key = super::secret::engine_key_for_up(&state, &secret)?;
-    let secret = Some(secret);
+    let engine_key = super::secret::engine_key_for_up(&state, secret.as_ref())?;
     let local = plan.local_services(&node).count();
     let _ = writeln!(
         out,
@@ -286,7 +285,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         log_keep: logs.keep,
         healthy_text: Some(view::healthy_text),
         secret,
-        engine_key: Some(engine_key),
+        engine_key,
     };
     let code = runtime()?.block_on(supervisor::run(plan, state, lock, opts))?;
     Ok(ExitCode::from(code))

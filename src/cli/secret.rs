@@ -27,13 +27,17 @@ pub struct SecretArgs {
 /// The secret a node of `plan` runs with, kept in its state dir (mode 0600) for its
 /// supervisor: the one given (`--secret-file`, else `PDCTL_CLUSTER_SECRET`), else the one
 /// kept from an earlier `up`, else — on the head only — a new random one. Every cluster
-/// has one, also on one node: its engine key follows from it.
+/// has one, also on one node: its engine key follows from it. None only on another node
+/// that needs none (no control channel, no service there takes the engine key).
 pub fn for_up(
     plan: &Plan,
     node: &str,
     state: &StateDir,
     file: Option<&Path>,
-) -> anyhow::Result<Secret> {
+) -> anyhow::Result<Option<Secret>> {
+    let needed = node == plan.head_node
+        || plan.control_port.is_some()
+        || plan.local_services(node).any(|s| !s.secret_env.is_empty());
     let kept = state.dir.join(SECRET_FILE);
     let given = match file {
         Some(f) => Some(Secret::read(f)?.ok_or_else(|| {
@@ -49,6 +53,7 @@ pub fn for_up(
         None => match Secret::read(&kept)? {
             Some(s) => s,
             None if node == plan.head_node => Secret::random(),
+            None if !needed => return Ok(None),
             None => {
                 return Err(ExitError::usage(format!(
                     "node `{node}` of cluster {} needs the cluster's secret to talk to the other nodes' supervisors: on the head ({}) run `pdctl secret --cluster {}` and give it here as {SECRET_ENV}=... or with --secret-file FILE",
@@ -60,14 +65,17 @@ pub fn for_up(
     if Secret::read(&kept)?.as_ref() != Some(&secret) {
         secret.write(&kept)?;
     }
-    Ok(secret)
+    Ok(Some(secret))
 }
 
 /// The engine key a node runs its cluster with: `PDCTL_ENGINE_API_KEY` when the user sets
 /// one (kept in the state dir, mode 0600, for the detached supervisor and `pdctl secret
 /// --engine-key`; every node must be given the same), else the one derived from the
 /// cluster's secret (so every node that has the secret has the key).
-pub fn engine_key_for_up(state: &StateDir, secret: &Secret) -> anyhow::Result<EngineKey> {
+pub fn engine_key_for_up(
+    state: &StateDir,
+    secret: Option<&Secret>,
+) -> anyhow::Result<Option<EngineKey>> {
     let file = state.dir.join(ENGINE_KEY_FILE);
     match std::env::var(ENGINE_KEY_ENV) {
         Ok(text) if !text.trim().is_empty() => {
@@ -76,7 +84,7 @@ pub fn engine_key_for_up(state: &StateDir, secret: &Secret) -> anyhow::Result<En
             if EngineKey::read(&file)?.as_ref() != Some(&key) {
                 key.write(&file)?;
             }
-            Ok(key)
+            Ok(Some(key))
         }
         _ => {
             match std::fs::remove_file(&file) {
@@ -89,7 +97,7 @@ pub fn engine_key_for_up(state: &StateDir, secret: &Secret) -> anyhow::Result<En
                     ));
                 }
             }
-            Ok(secret.engine_key())
+            Ok(secret.map(Secret::engine_key))
         }
     }
 }

@@ -88,8 +88,12 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         placements.iter().map(|p| (p.role, p.node.clone())),
         input.head,
     );
-    let pull_via_http =
-        t.engine.kind == EngineKind::Sim || protocol == crate::vocab::ProxyProtocol::Mooncake;
+    // Decode finds the prefill's KV at the prefill's HTTP address: the simulator pulls it
+    // from there (but through a shared directory), Mooncake's bootstrap host is taken
+    // from the prefill's URL.
+    let pull_via_http = protocol == crate::vocab::ProxyProtocol::Mooncake
+        || (t.engine.kind == EngineKind::Sim
+            && connectors::sim_handoff(protocol) != crate::vocab::SimHandoff::SharedDir);
     engines::bind(&mut placements, &reach, pull_via_http);
     let sup = support::plan_support(
         t,
