@@ -122,14 +122,19 @@ async fn four_requests_all_hand_off(up: &Up) {
     assert!(ct.starts_with("application/json"));
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["usage"]["completion_tokens"], 8);
-    // The answer through PD equals the answer of one engine doing both (deterministic sim).
+    // The answer through PD equals the answer of one engine doing both (deterministic sim),
+    // asked straight with the cluster's engine key.
     let direct = format!("{}/v1/completions", up.urls(pdctl::vocab::Role::Prefill)[0]);
-    let (_, _, alone) = post(
-        &direct,
-        &json!({"model": "sim-model", "prompt": p, "max_tokens": 8}),
-    )
-    .await;
-    let alone: Value = serde_json::from_str(&alone).unwrap();
+    let alone: Value = client()
+        .post(&direct)
+        .bearer_auth(up.cluster.engine_key())
+        .json(&json!({"model": "sim-model", "prompt": p, "max_tokens": 8}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["choices"][0]["text"], alone["choices"][0]["text"]);
     let (s, ct, body) = post(
         &completions,
@@ -226,6 +231,111 @@ async fn nixl_protocol_hands_kv_over_by_kv_transfer_params() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mooncake_protocol_hands_kv_over_by_transfer_id() {
     hand_off_on_1p1d("c-mooncake", "mooncake", "cmc").await;
+}
+
+/// Issue 30: an engine of a running cluster refuses a request without the engine key
+/// (401), takes it with the key, leaves its probes and scrapes open, and the proxy's
+/// answers are unchanged; the key is in no plan, log line or status output, and only the
+/// engines and the proxy have it in their environment.
+#[tokio::test(flavor = "multi_thread")]
+async fn engines_refuse_requests_without_the_engine_key_and_the_key_shows_nowhere() {
+    let up = hand_off_on_1p1d("keys", "nixl", "keys").await;
+    let key = up.cluster.engine_key();
+    assert_eq!(key.len(), 64, "a derived key is 64 hex digits: {key:?}");
+    let body = json!({"model": "sim-model", "prompt": "straight to an engine", "max_tokens": 2});
+    let mut engines = up.urls(pdctl::vocab::Role::Prefill);
+    engines.extend(up.urls(pdctl::vocab::Role::Decode));
+    for url in &engines {
+        let (s, _, b) = post(&format!("{url}/v1/completions"), &body).await;
+        assert_eq!(s, 401, "{url} answered without the engine key: {b}");
+        let wrong = client()
+            .post(format!("{url}/v1/completions"))
+            .bearer_auth("not-the-engine-key-0123456789")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(wrong.status().as_u16(), 401, "{url} took a wrong key");
+        let models = client()
+            .get(format!("{url}/v1/models"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(models.status().as_u16(), 401, "{url}/v1/models is open");
+        for open in ["/health", "/metrics"] {
+            let r = client().get(format!("{url}{open}")).send().await.unwrap();
+            assert_eq!(
+                r.status().as_u16(),
+                200,
+                "{url}{open} needs no key (probes, scrapes)"
+            );
+        }
+        let with_key = client()
+            .post(format!("{url}/v1/completions"))
+            .bearer_auth(&key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(with_key.status().as_u16(), 200, "{url} refused its own key");
+    }
+    // Through the proxy, with no key at all, as before.
+    let (s, _, b) = post(&format!("{}/v1/completions", up.proxy), &body).await;
+    assert_eq!(s, 200, "{b}");
+
+    // Nowhere to be read: plan, generated files, logs, status, the plan as printed.
+    let state = up.cluster.root().join("keys");
+    let mut files = vec![state.join("plan.json")];
+    for dir in [state.join("logs"), state.join("files")] {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            files.push(e.unwrap().path());
+        }
+    }
+    for f in &files {
+        let content = std::fs::read(f).unwrap();
+        assert!(
+            !String::from_utf8_lossy(&content).contains(&key),
+            "the engine key is in {}",
+            f.display()
+        );
+    }
+    let status = up.cluster.run(&["status", "--json"]);
+    assert!(!String::from_utf8_lossy(&status.stdout).contains(&key));
+    let topology = up._dir.path().join("topology.toml");
+    let printed = up.cluster.run(&["plan", "-f", topology.to_str().unwrap()]);
+    let printed = text(&printed);
+    assert!(
+        printed.contains("VLLM_API_KEY=\"$(pdctl secret --engine-key)\""),
+        "{printed}"
+    );
+    assert!(!printed.contains(&key), "pdctl plan shows the key");
+
+    // The engines and the proxy have it in their environment, the way their plan says;
+    // none inherited the cluster's secret.
+    let report = up.cluster.status(&[]).unwrap();
+    for s in &report.services {
+        let environ = std::fs::read(format!("/proc/{}/environ", s.pid.unwrap())).unwrap();
+        let vars: Vec<String> = environ
+            .split(|b| *b == 0)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .collect();
+        let var = if s.role == pdctl::vocab::Role::Proxy {
+            "PDCTL_ENGINE_API_KEY"
+        } else {
+            "VLLM_API_KEY"
+        };
+        assert!(
+            vars.contains(&format!("{var}={key}")),
+            "{} has no {var} with the engine key",
+            s.name
+        );
+        assert!(
+            !vars.iter().any(|v| v.starts_with("PDCTL_CLUSTER_SECRET=")),
+            "{} inherited the cluster secret",
+            s.name
+        );
+    }
+    up.down();
 }
 
 /// Limits configured in the topology reach the embedded proxy: with one request allowed
@@ -350,6 +460,7 @@ async fn four_by_four_routes_designates_and_survives_failures() {
     // A failing prefill: a JSON error naming the leg, quickly; the proxy stays up.
     let fault = client()
         .post(format!("{}/sim/fault", prefill[1]))
+        .bearer_auth(up.cluster.engine_key())
         .json(&json!({"fail_next": 1}))
         .send()
         .await

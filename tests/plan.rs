@@ -1394,3 +1394,166 @@ fn kv_load_failure_policy_and_nixl_push_are_planned_where_vllm_has_them() {
             .is_none()
     );
 }
+
+/// Every address a service of `plan` binds, as its command line, environment and
+/// generated files say, with what says it.
+fn binds(svc: &pdctl::vocab::Service) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let flags = [
+        "--host",
+        "--listen-client-urls",
+        "--listen-peer-urls",
+        "--rpc_address",
+        "--metrics_host",
+        "--http_metadata_server_host",
+    ];
+    for w in svc.argv.windows(2) {
+        if flags.contains(&w[0].as_str()) {
+            let addr = w[1]
+                .trim_start_matches("http://")
+                .rsplit_once(':')
+                .map_or(w[1].as_str(), |(h, _)| h);
+            out.push((w[0].clone(), addr.to_string()));
+        }
+    }
+    for var in ["VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_HOST_IP"] {
+        if let Some(v) = svc.env.get(var) {
+            out.push((var.to_string(), v.clone()));
+        }
+    }
+    for f in &svc.files {
+        if let Ok(Value::Object(doc)) = toml::from_str::<Value>(&f.content)
+            && let Some(Value::String(h)) = doc.get("host")
+        {
+            out.push((format!("{} host", f.path.display()), h.clone()));
+        }
+    }
+    out
+}
+
+/// Issue 30, item 2: in plans over two nodes nothing listens on 0.0.0.0, and only what
+/// the other node (or, for the proxy, a client) reaches listens on the node's address.
+#[test]
+fn two_node_plans_bind_only_what_the_other_node_reaches() {
+    let sim_two_nodes = r#"
+cluster = "two"
+head = "a"
+[nodes]
+a = "10.0.0.1"
+b = "10.0.0.2"
+[model]
+name = "m"
+[engine]
+kind = "sim"
+[connector]
+kind = "mooncake-store"
+metadata = "etcd"
+multi = true
+[prefill]
+node = "a"
+[decode]
+node = "b"
+"#;
+    let t = load_str(
+        sim_two_nodes,
+        Source::Profile("two".into()),
+        "two.toml".into(),
+    )
+    .unwrap();
+    let sim = build_plan(&PlanInput {
+        topology: &t.spec,
+        head: &t.head,
+        gpus: &[],
+        gpu_note: None,
+        version: None,
+        version_source: pdctl::vocab::VersionSource::Pinned,
+        state_root: "/state".into(),
+        local_node: None,
+    })
+    .unwrap();
+    // (plan, node address -> the binds expected on it; everything else on loopback)
+    let cases: Vec<(Plan, Vec<(&str, &str)>)> = vec![
+        (
+            pure_plan("2node-4p4d"),
+            // Prefill HTTP serves only the proxy beside it; decode HTTP the proxy on the
+            // other node; the side channels the other node's engines.
+            vec![
+                ("prefill-0", "VLLM_NIXL_SIDE_CHANNEL_HOST"),
+                ("prefill-3", "VLLM_NIXL_SIDE_CHANNEL_HOST"),
+                ("decode-0", "--host"),
+                ("decode-0", "VLLM_NIXL_SIDE_CHANNEL_HOST"),
+                ("decode-3", "--host"),
+                ("proxy", "proxy.toml host"),
+            ],
+        ),
+        (
+            sim,
+            // etcd's clients and the master's RPC serve the engines on b; the sim prefill's
+            // HTTP the decode on b (Mooncake's bootstrap host is the prefill's URL's); the
+            // peer and metrics ports nobody elsewhere.
+            vec![
+                ("etcd", "--listen-client-urls"),
+                ("mooncake-master", "--rpc_address"),
+                ("prefill-0", "prefill-0.sim.toml host"),
+                ("decode-0", "decode-0.sim.toml host"),
+                ("proxy", "proxy.toml host"),
+            ],
+        ),
+    ];
+    for (plan, wide) in cases {
+        let json = serde_json::to_string(&plan).unwrap();
+        assert!(
+            !json.contains("0.0.0.0"),
+            "{}: something binds 0.0.0.0",
+            plan.cluster
+        );
+        for s in &plan.services {
+            let node_addr = &plan.nodes[&s.node];
+            let found = binds(s);
+            assert!(
+                !found.is_empty() || s.name == "lmcache-server",
+                "{}: {} binds nothing the test can read",
+                plan.cluster,
+                s.name
+            );
+            for (what, addr) in found {
+                let expected_wide = wide.iter().any(|(n, w)| *n == s.name && what.ends_with(w))
+                    || (wide.iter().any(|(n, w)| {
+                        // prefill-0 and prefill-3 stand for every instance between.
+                        n.split('-').next() == s.name.split('-').next()
+                            && n.contains('-')
+                            && s.name.contains('-')
+                            && what.ends_with(w)
+                    }));
+                let want = if expected_wide {
+                    node_addr.as_str()
+                } else {
+                    "127.0.0.1"
+                };
+                assert_eq!(
+                    addr, want,
+                    "{}: {} {what} binds {addr}, expected {want}",
+                    plan.cluster, s.name
+                );
+            }
+        }
+    }
+    let two = pure_plan("2node-4p4d");
+    let warning = two
+        .warnings
+        .iter()
+        .find(|w| w.contains("no authentication"))
+        .expect("a two-node plan says what stays open");
+    assert!(
+        warning.contains("NIXL side channels (port 5600-5603)"),
+        "{warning}"
+    );
+    assert!(warning.contains("private network"), "{warning}");
+    assert!(
+        pure_plan("sim-1p1d")
+            .warnings
+            .iter()
+            .all(|w| !w.contains("no authentication")),
+        "one node: nothing is open to other machines"
+    );
+}

@@ -153,7 +153,13 @@ fn a_sim_topology_comes_up_through_the_planner_and_a_crashed_engine_comes_back()
 
     // The simulator's own crash fault: exits with status 1.
     let port = svc(&r, "prefill-1").port.unwrap();
-    assert_eq!(post_json(port, "/sim/fault", r#"{"crash": true}"#), 200);
+    // Engines require the cluster's engine key on everything but probes and scrapes.
+    assert_eq!(post_json(port, "/sim/fault", r#"{"crash": true}"#), 401);
+    let key = c.engine_key();
+    assert_eq!(
+        post_json_with_key(port, "/sim/fault", r#"{"crash": true}"#, Some(&key)),
+        200
+    );
     let r = c.wait_status(UP_LIMIT, &[], |r| {
         svc(r, "prefill-1").restarts == 1 && all_healthy(r)
     });
@@ -349,7 +355,11 @@ fn a_sim_engine_that_exits_0_is_restarted_and_serves_again() {
     assert_eq!(up.status.code(), Some(0), "{}", text(&up));
     let r = c.status(&[]).unwrap();
     let port = svc(&r, "decode-0").port.unwrap();
-    assert_eq!(post_json(port, "/sim/fault", r#"{"exit": 0}"#), 200);
+    let key = c.engine_key();
+    assert_eq!(
+        post_json_with_key(port, "/sim/fault", r#"{"exit": 0}"#, Some(&key)),
+        200
+    );
     let r = c.wait_status(UP_LIMIT, &[], |r| {
         svc(r, "decode-0").restarts == 1 && all_healthy(r)
     });

@@ -40,6 +40,11 @@ pub struct BenchArgs {
     /// Base URL of an OpenAI-compatible server (default: the running cluster's proxy).
     #[arg(long)]
     pub url: Option<String>,
+    /// Key sent as `Authorization: Bearer KEY` to --url (the proxy's client key, when it
+    /// has one). When --url is an engine of a cluster running under the state root, its
+    /// engine key is sent instead, found in the cluster's state dir.
+    #[arg(long, env = "PDCTL_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     /// Model name sent in requests (default: the first one GET /v1/models lists).
     #[arg(long)]
     pub model: Option<String>,

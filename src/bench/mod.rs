@@ -33,6 +33,57 @@ struct Target {
     url: String,
     prefill: Vec<String>,
     decode: Vec<String>,
+    /// Sent as a bearer token with every request to `url`.
+    key: Option<String>,
+}
+
+/// The benchmark's HTTP client, sending `key` as `Authorization: Bearer KEY`.
+fn http_client(key: Option<&str>) -> anyhow::Result<reqwest::Client> {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(k) = key {
+        let mut value =
+            reqwest::header::HeaderValue::from_str(&format!("Bearer {k}")).map_err(|_| {
+                usage("--api-key (or PDCTL_API_KEY) has characters an HTTP header cannot carry")
+            })?;
+        value.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
+    Ok(reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(5))
+        .pool_max_idle_per_host(1024)
+        .default_headers(headers)
+        .build()?)
+}
+
+/// The engine key to send to `url` when it is an engine of a cluster running under
+/// `root` (its plan lists the URL); None when it is not one.
+fn engine_key_for(root: &std::path::Path, url: &str) -> anyhow::Result<Option<String>> {
+    let Ok(wanted) = crate::proxy::parse_endpoint(url) else {
+        return Ok(None);
+    };
+    for found in crate::supervisor::select::scan(root) {
+        if !found.running {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(found.state.plan_path()) else {
+            continue;
+        };
+        let Ok(plan) = serde_json::from_str::<crate::plan::Plan>(&text) else {
+            continue;
+        };
+        let is_engine = plan.services.iter().any(|s| {
+            s.role.is_engine()
+                && s.url
+                    .as_deref()
+                    .and_then(|u| crate::proxy::parse_endpoint(u).ok())
+                    .is_some_and(|e| e.url == wanted.url)
+        });
+        if is_engine {
+            let key = crate::control::auth::kept_engine_key(&found.state.dir)?;
+            return Ok(key.map(|k| k.reveal().to_string()));
+        }
+    }
+    Ok(None)
 }
 
 /// Runs a benchmark (or `--compare`s two results).
@@ -41,11 +92,10 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         return compare(files, a.plot.as_deref());
     }
     check_args(&a)?;
-    let client = reqwest::Client::builder()
-        .connect_timeout(Duration::from_secs(5))
-        .pool_max_idle_per_host(1024)
-        .build()?;
     let target = target(&a).await?;
+    let client = http_client(target.key.as_deref())?;
+    // The engines' /metrics are open (as vLLM's): no key goes to them.
+    let plain = http_client(None)?;
     let model = match &a.model {
         Some(m) => m.clone(),
         None => first_model(&client, &target.url).await?,
@@ -54,7 +104,7 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         dataset::build(&a, &target.prefill, &target.decode).map_err(|e| usage(e.to_string()))?;
     let mut engines = target.prefill.clone();
     engines.extend(target.decode.iter().cloned());
-    let before = engines::snapshot(&client, &engines).await;
+    let before = engines::snapshot(&plain, &engines).await;
 
     let load = runner::Load {
         url: target.url.clone(),
@@ -79,7 +129,7 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     if tty {
         eprintln!();
     }
-    let after = engines::snapshot(&client, &engines).await;
+    let after = engines::snapshot(&plain, &engines).await;
     let cache = engines::deltas(&engines, &before, &after);
     let info = RunInfo {
         label: a.label.clone().unwrap_or_else(|| default_label(&a)),
@@ -175,14 +225,19 @@ fn engine_urls(flag: &str, given: &[String]) -> anyhow::Result<Vec<String>> {
 
 /// The URL and engines: as given, else from the running cluster.
 async fn target(a: &BenchArgs) -> anyhow::Result<Target> {
+    let root = crate::plan::resolve::state_root(a.state_dir.as_deref());
     if let Some(url) = &a.url {
+        let key = match engine_key_for(&root, url)? {
+            Some(k) => Some(k),
+            None => a.api_key.clone(),
+        };
         return Ok(Target {
             url: url.trim_end_matches('/').to_string(),
             prefill: engine_urls("--prefill", &a.prefill)?,
             decode: engine_urls("--decode", &a.decode)?,
+            key,
         });
     }
-    let root = crate::plan::resolve::state_root(a.state_dir.as_deref());
     let found =
         crate::supervisor::select::running(&root, a.cluster.as_deref())?.ok_or_else(|| {
             usage(format!(
@@ -212,6 +267,7 @@ async fn target(a: &BenchArgs) -> anyhow::Result<Target> {
         url,
         prefill: engine_urls("--prefill", &urls(Role::Prefill, &a.prefill))?,
         decode: engine_urls("--decode", &urls(Role::Decode, &a.decode))?,
+        key: a.api_key.clone(),
     })
 }
 

@@ -244,6 +244,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         return Err(anyhow::Error::from(SupervisorError::Preflight(problems)));
     }
     let secret = super::secret::for_up(&plan, &node, &state, a.secret_file.as_deref())?;
+    let engine_key = super::secret::engine_key_for_up(&state, secret.as_ref())?;
     let local = plan.local_services(&node).count();
     let _ = writeln!(
         out,
@@ -284,6 +285,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         log_keep: logs.keep,
         healthy_text: Some(view::healthy_text),
         secret,
+        engine_key,
     };
     let code = runtime()?.block_on(supervisor::run(plan, state, lock, opts))?;
     Ok(ExitCode::from(code))
@@ -438,6 +440,7 @@ pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
     };
     let node = a.node.clone().unwrap_or_else(|| plan.head_node.clone());
     let secret = super::secret::kept(&state)?;
+    let engine_key = super::secret::kept_engine_key(&state)?;
     let opts = RunOptions {
         operations: operations(&plan, &node, &state, secret.clone()),
         node,
@@ -446,6 +449,7 @@ pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
         log_keep: a.log_keep,
         healthy_text: None,
         secret,
+        engine_key,
     };
     let code = runtime()?.block_on(supervisor::run(plan, state, lock, opts))?;
     Ok(ExitCode::from(code))

@@ -93,8 +93,11 @@ pub struct InstanceCtx {
     pub role: Role,
     /// Service name, e.g. `prefill-0`.
     pub name: String,
-    /// The address of its node.
+    /// The address of its node, under which its ports are booked.
     pub host: String,
+    /// The address its KV transfer listeners bind and advertise: the node's when engines
+    /// on other nodes reach them, else loopback.
+    pub listen: String,
     /// GPUs per instance (tensor-parallel size).
     pub tp: u32,
     /// Bootstrap port when the proxy protocol needs one (Mooncake V1 prefill).

@@ -32,7 +32,9 @@ pub(super) fn v1_config(c: &ConnectorSection, role: Role) -> Value {
 /// Env of a MooncakeConnector V1 side: the bootstrap port (prefill) and the address the
 /// transfer engine advertises.
 pub(super) fn v1_env(inst: &InstanceCtx, launch: &mut Launch) {
-    launch.env.insert("VLLM_HOST_IP".into(), inst.host.clone());
+    launch
+        .env
+        .insert("VLLM_HOST_IP".into(), inst.listen.clone());
     if let Some(p) = inst.bootstrap_port {
         launch
             .env

@@ -111,12 +111,14 @@ impl Connector for MooncakeStore {
         let LaunchCtx { cx, v, inst, .. } = at;
         let c = &cx.topology.connector;
         let path = cx.files_dir.join(format!("{}.mooncake.json", inst.name));
-        let content = serde_json::to_string_pretty(&store_json(cx, &inst.host)?).expect("json");
+        let content = serde_json::to_string_pretty(&store_json(cx, &inst.listen)?).expect("json");
         let mut launch = Launch::default();
         launch
             .env
             .insert("MOONCAKE_CONFIG_PATH".into(), path.display().to_string());
-        launch.env.insert("VLLM_HOST_IP".into(), inst.host.clone());
+        launch
+            .env
+            .insert("VLLM_HOST_IP".into(), inst.listen.clone());
         launch.files.push(GeneratedFile { path, content });
         let role = producer_consumer(inst.role);
         if !V1.contains(v) {

@@ -119,7 +119,7 @@ impl Connector for Nixl {
         };
         launch
             .env
-            .insert("VLLM_NIXL_SIDE_CHANNEL_HOST".into(), inst.host.clone());
+            .insert("VLLM_NIXL_SIDE_CHANNEL_HOST".into(), inst.listen.clone());
         launch
             .env
             .insert("VLLM_NIXL_SIDE_CHANNEL_PORT".into(), port.to_string());

@@ -22,6 +22,18 @@ pub const SECRET_ENV: &str = "PDCTL_CLUSTER_SECRET";
 /// Secret file name inside a cluster's state dir (mode 0600, kept across `down`/`up`).
 pub const SECRET_FILE: &str = "cluster.secret";
 
+/// The environment variable that sets the engines' key for `up` (every node of the cluster
+/// the same), instead of the one derived from the cluster's secret; also how the proxy
+/// takes the key it sends to the engines.
+pub const ENGINE_KEY_ENV: &str = crate::vocab::PROXY_ENGINE_KEY_VAR;
+
+/// File in a cluster's state dir holding an engine key the user set (mode 0600); absent
+/// when the key is the one derived from the secret.
+pub const ENGINE_KEY_FILE: &str = "engine.key";
+
+/// The label under which the engine key is derived from the secret.
+const ENGINE_KEY_LABEL: &[u8] = b"pdctl-engine-key-v1";
+
 /// Bytes of randomness in a secret pdctl makes, and in each nonce.
 const RANDOM_BYTES: usize = 32;
 
@@ -109,6 +121,18 @@ impl Secret {
         std::fs::rename(&tmp, file).map_err(|e| io("write", e))
     }
 
+    /// The key every engine of the cluster requires (`VLLM_API_KEY`) and the proxy sends:
+    /// HMAC-SHA256 of a fixed label under the secret, so each node that holds the secret
+    /// has the same key without it being sent anywhere, and the key does not reveal the
+    /// secret (a process that can read an engine's environment cannot join the control
+    /// channel).
+    pub fn engine_key(&self) -> EngineKey {
+        EngineKey(hex(&self
+            .mac(ENGINE_KEY_LABEL, b"", b"")
+            .finalize()
+            .into_bytes()))
+    }
+
     fn mac(&self, label: &[u8], first: &[u8], second: &[u8]) -> HmacSha256 {
         let mut m = <HmacSha256 as KeyInit>::new_from_slice(self.0.as_bytes())
             .expect("HMAC takes keys of any length");
@@ -129,6 +153,78 @@ impl Secret {
             None => false,
         }
     }
+}
+
+/// The key the engines of a cluster require: derived from its secret, or set by the user
+/// (`PDCTL_ENGINE_API_KEY`). Its `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EngineKey(String);
+
+impl std::fmt::Debug for EngineKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EngineKey(..)")
+    }
+}
+
+/// Why a key the user gave cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{origin}: the engine key {why}; use at least 16 visible ASCII characters (or leave it unset: pdctl derives one from the cluster's secret)"
+)]
+pub struct EngineKeyError {
+    origin: String,
+    why: &'static str,
+}
+
+impl EngineKey {
+    /// A key from text the user gave: at least 16 characters, all visible ASCII (it
+    /// travels in an `Authorization` header).
+    pub fn from_text(text: &str, origin: &str) -> Result<EngineKey, EngineKeyError> {
+        let t = text.trim();
+        let why = if t.len() < 16 {
+            Some("is shorter than 16 characters")
+        } else if !t.bytes().all(|b| b.is_ascii_graphic()) {
+            Some("has characters an HTTP header cannot carry")
+        } else {
+            None
+        };
+        match why {
+            Some(why) => Err(EngineKeyError {
+                origin: origin.to_string(),
+                why,
+            }),
+            None => Ok(EngineKey(t.to_string())),
+        }
+    }
+
+    /// The key itself, for the environment of the services that need it and for
+    /// `pdctl secret --engine-key`.
+    pub fn reveal(&self) -> &str {
+        &self.0
+    }
+
+    /// Reads a key the user set from `file` (kept by `up`), if it exists.
+    pub fn read(file: &Path) -> Result<Option<EngineKey>, SecretError> {
+        match Secret::read(file)? {
+            Some(s) => Ok(Some(EngineKey(s.0))),
+            None => Ok(None),
+        }
+    }
+
+    /// Writes the key to `file` with mode 0600.
+    pub fn write(&self, file: &Path) -> Result<(), SecretError> {
+        Secret(self.0.clone()).write(file)
+    }
+}
+
+/// The engine key of the cluster whose state dir is `dir`: the one the user set at `up`
+/// (kept in [`ENGINE_KEY_FILE`]), else the one derived from its secret; None when the
+/// directory has neither.
+pub fn kept_engine_key(dir: &Path) -> Result<Option<EngineKey>, SecretError> {
+    if let Some(k) = EngineKey::read(&dir.join(ENGINE_KEY_FILE))? {
+        return Ok(Some(k));
+    }
+    Ok(Secret::read(&dir.join(SECRET_FILE))?.map(|s| s.engine_key()))
 }
 
 const CLIENT_LABEL: &[u8] = b"pdctl-control-client-v1";
@@ -341,6 +437,27 @@ mod tests {
         let s = Secret::from_text("0123456789abcdef0123", "env").unwrap();
         assert_eq!(format!("{s:?}"), "Secret(..)");
         assert_eq!(Secret::random().reveal().len(), 64);
+    }
+
+    #[test]
+    fn the_engine_key_is_the_same_from_the_same_secret_and_reveals_nothing_of_it() {
+        let s = Secret::from_text("0123456789abcdef0123", "env").unwrap();
+        let k = s.engine_key();
+        assert_eq!(k, s.engine_key());
+        assert_ne!(k, Secret::random().engine_key());
+        assert_eq!(k.reveal().len(), 64);
+        assert!(!k.reveal().contains(s.reveal()));
+        assert_eq!(format!("{k:?}"), "EngineKey(..)");
+    }
+
+    #[test]
+    fn engine_keys_users_set_must_fit_a_header() {
+        assert!(EngineKey::from_text("short", "env").is_err());
+        let e = EngineKey::from_text("sixteen chars and a space", "PDCTL_ENGINE_API_KEY")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("PDCTL_ENGINE_API_KEY: "), "{e}");
+        assert!(EngineKey::from_text(" 0123456789abcdef\n", "env").is_ok());
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use super::Plan;
 use super::engines;
+use super::listen::Reach;
 use super::support;
 use crate::connectors::{self, ClusterCtx, PortBook};
 use crate::gpu::Gpu;
@@ -83,16 +84,29 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let mut ports = PortBook::default();
     let mut warnings = Vec::new();
 
+    let mut placements = engines::place(t, input.head);
+    let reach = Reach::new(
+        t,
+        placements.iter().map(|p| (p.role, p.node.clone())),
+        input.head,
+    );
+    // Decode finds the prefill's KV at the prefill's HTTP address: the simulator pulls it
+    // from there (but through a shared directory), Mooncake's bootstrap host is taken
+    // from the prefill's URL.
+    let pull_via_http = protocol == crate::vocab::ProxyProtocol::Mooncake
+        || (t.engine.kind == EngineKind::Sim
+            && connectors::sim_handoff(protocol) != crate::vocab::SimHandoff::SharedDir);
+    engines::bind(&mut placements, &reach, pull_via_http);
     let sup = support::plan_support(
         t,
         input.head,
         &state_dir,
         &needs,
         version.as_ref(),
+        &reach,
         &mut ports,
         &mut warnings,
     )?;
-    let placements = engines::place(t, input.head);
     let shared_dir = t
         .connector
         .shared_storage_path
@@ -110,12 +124,12 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         prefill_hosts: placements
             .iter()
             .filter(|p| p.role == Role::Prefill)
-            .map(|p| p.host.clone())
+            .map(|p| p.kv_listen.clone())
             .collect(),
         decode_hosts: placements
             .iter()
             .filter(|p| p.role == Role::Decode)
-            .map(|p| p.host.clone())
+            .map(|p| p.kv_listen.clone())
             .collect(),
     };
     let engine_services = engines::plan_engines(
@@ -160,6 +174,10 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     }
     let proxy_url = proxy.as_ref().and_then(|p| p.url.clone());
     services.extend(proxy);
+    if t.nodes.len() > 1 {
+        warnings.extend(super::listen::open_by_design(&services, &reach));
+    }
+    warnings.extend(super::listen::binds_every_address(&services));
     Ok(Plan {
         cluster: t.cluster.clone(),
         state_dir,

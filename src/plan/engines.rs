@@ -19,11 +19,18 @@ pub(super) struct Placement {
     pub role: Role,
     pub index: u32,
     pub node: String,
+    /// Its node's address as the topology writes it (ports are booked per node under it).
     pub host: String,
+    /// The address its KV transfer listeners bind and advertise (side channel, transfer
+    /// engine): the node's when engines on other nodes reach them, else loopback.
+    pub kv_listen: String,
+    /// The address its HTTP server binds (see [`super::listen::Reach::engine_http`]).
+    pub http_listen: String,
 }
 
 /// Every prefill instance, then every decode instance, each on its node: `node`, else
-/// round-robin over `nodes`, else the head.
+/// round-robin over `nodes`, else the head (listening on the node's address until
+/// [`bind`] narrows it).
 pub(super) fn place(t: &Topology, head: &str) -> Vec<Placement> {
     let mut out = Vec::new();
     for (role, r) in [(Role::Prefill, &t.prefill), (Role::Decode, &t.decode)] {
@@ -38,11 +45,27 @@ pub(super) fn place(t: &Topology, head: &str) -> Vec<Placement> {
                 role,
                 index: i,
                 node,
+                kv_listen: host.clone(),
+                http_listen: host.clone(),
                 host,
             });
         }
     }
     out
+}
+
+/// Narrows each placed instance's listeners to what other nodes reach: the KV listeners
+/// when engines run on other nodes, the HTTP port as [`super::listen::Reach::engine_http`]
+/// says (`pull_via_http`: decode pulls KV through the prefill's HTTP address).
+pub(super) fn bind(
+    placements: &mut [Placement],
+    reach: &super::listen::Reach,
+    pull_via_http: bool,
+) {
+    for p in placements {
+        p.kv_listen = reach.addr(&p.node, reach.engines_elsewhere(&p.node));
+        p.http_listen = reach.addr(&p.node, reach.engine_http(&p.node, p.role, pull_via_http));
+    }
 }
 
 /// The GPUs of one machine, handed out per node (every node is assumed to have this
@@ -283,6 +306,7 @@ pub(super) fn plan_engines(
             role: p.role,
             name: name.clone(),
             host: p.host.clone(),
+            listen: p.kv_listen.clone(),
             tp: r.gpus_per_instance,
             bootstrap_port,
         };
@@ -303,6 +327,7 @@ pub(super) fn plan_engines(
             }
             _ => sim_service(cx, p, &inst, protocol)?,
         };
+        svc.secret_env = vec![crate::vocab::ENGINE_API_KEY_VAR.to_string()];
         svc.depends_on = support.to_vec();
         svc.depends_on.extend(share.start_after);
         svc.restart_with = expand_restart_with(t, r, &name);
@@ -483,7 +508,7 @@ fn expand_restart_with(t: &Topology, r: &RoleSection, me: &str) -> Vec<String> {
 }
 
 fn base_service(p: &Placement, inst: &InstanceCtx, port: u16) -> Service {
-    let url = format!("http://{}:{port}", inst.host);
+    let url = format!("http://{}:{port}", p.http_listen);
     Service {
         name: inst.name.clone(),
         role: p.role,
@@ -508,6 +533,7 @@ fn base_service(p: &Placement, inst: &InstanceCtx, port: u16) -> Service {
         shutdown: Shutdown::default(),
         dirs: Vec::new(),
         checks: Vec::new(),
+        secret_env: Vec::new(),
     }
 }
 
@@ -539,7 +565,7 @@ fn vllm_service(
     }
     argv.extend([
         "--host".into(),
-        inst.host.clone(),
+        p.http_listen.clone(),
         "--port".into(),
         port.to_string(),
     ]);
@@ -668,7 +694,7 @@ fn sim_service(
         model_params.max_model_len = n;
     }
     let a = SimArgs {
-        host: inst.host.clone(),
+        host: p.http_listen.clone(),
         port,
         role: if p.role == Role::Prefill {
             SimRole::Prefill

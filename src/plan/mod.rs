@@ -16,6 +16,7 @@ pub mod build;
 pub mod diff;
 mod engines;
 pub mod gpu_fit;
+pub mod listen;
 pub mod pairs;
 mod ports;
 pub mod render;

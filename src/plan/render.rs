@@ -18,16 +18,28 @@ pub fn shell_quote(s: &str) -> String {
     }
 }
 
-/// The service's command as a copy-pasteable shell command: env, program, then one flag
-/// (with its values) per line.
+/// How the printed command sets a variable the supervisor fills with the cluster's
+/// engine key: from the running cluster, never the key itself.
+pub const ENGINE_KEY_FROM: &str = "\"$(pdctl secret --engine-key)\"";
+
+/// The service's command as a copy-pasteable shell command: env (a variable the engine
+/// key fills shown as read from `pdctl secret --engine-key`), program, then one flag (with
+/// its values) per line.
 pub fn shell_command(svc: &Service) -> String {
     let mut lines: Vec<String> = Vec::new();
-    if !svc.env.is_empty() {
-        let env: Vec<String> = svc
+    let has_env = !svc.env.is_empty() || !svc.secret_env.is_empty();
+    if has_env {
+        let mut env: Vec<String> = svc
             .env
             .iter()
+            .filter(|(k, _)| !svc.secret_env.contains(k))
             .map(|(k, v)| format!("{k}={}", shell_quote(v)))
             .collect();
+        env.extend(
+            svc.secret_env
+                .iter()
+                .map(|k| format!("{k}={ENGINE_KEY_FROM}")),
+        );
         lines.push(env.join(" "));
     }
     let mut current = String::new();
@@ -46,7 +58,7 @@ pub fn shell_command(svc: &Service) -> String {
     }
     let mut out = String::new();
     for (i, l) in lines.iter().enumerate() {
-        let indent = if i >= 2 || (i == 1 && svc.env.is_empty()) {
+        let indent = if i >= 2 || (i == 1 && !has_env) {
             "  "
         } else {
             ""

@@ -42,6 +42,7 @@ fn support_service(
         },
         dirs: Vec::new(),
         checks: Vec::new(),
+        secret_env: Vec::new(),
     }
 }
 
@@ -63,6 +64,7 @@ pub(super) fn plan_support(
     state_dir: &Path,
     needs: &Needs,
     version: Option<&Version>,
+    reach: &super::listen::Reach,
     ports: &mut PortBook,
     warnings: &mut Vec<String>,
 ) -> Result<SupportPlan, Problem> {
@@ -81,8 +83,11 @@ pub(super) fn plan_support(
         let host = host_of(node);
         let (client, peer) = (t.etcd.client_port, t.etcd.peer_port);
         let member = format!("pdctl-{}", t.cluster);
-        let client_url = format!("http://{host}:{client}");
-        let peer_url = format!("http://{host}:{peer}");
+        // Engines on other nodes read the transfer metadata; the peer port serves a
+        // cluster of one member, which no other node joins.
+        let client_bind = reach.addr(node, reach.engines_elsewhere(node));
+        let client_url = format!("http://{client_bind}:{client}");
+        let peer_url = format!("http://{}:{peer}", reach.addr(node, false));
         let argv = [
             "etcd",
             "--name",
@@ -119,7 +124,10 @@ pub(super) fn plan_support(
         claim(ports, &host, peer, "etcd", "peer")?;
         svc.ports = BTreeMap::from([("client".into(), client), ("peer".into(), peer)]);
         svc.url = Some(client_url);
-        out.etcd = Some(Endpoint { host, port: client });
+        out.etcd = Some(Endpoint {
+            host: client_bind,
+            port: client,
+        });
         out.names.push(svc.name.clone());
         out.services.push(svc);
     }
@@ -128,10 +136,18 @@ pub(super) fn plan_support(
         let m = &t.mooncake_master;
         let node = m.node.as_deref().unwrap_or(head);
         let host = host_of(node);
+        // The RPC (and HTTP metadata) port serve the engines; the metrics port only this
+        // node's supervisor, which probes it.
+        let bind = reach.addr(node, reach.engines_elsewhere(node));
+        let metrics_bind = reach.addr(node, false);
         let mut argv: Vec<String> = vec![
             "mooncake_master".into(),
+            "--rpc_address".into(),
+            bind.clone(),
             "--rpc_port".into(),
             m.rpc_port.to_string(),
+            "--metrics_host".into(),
+            metrics_bind.clone(),
             "--metrics_port".into(),
             m.metrics_port.to_string(),
         ];
@@ -144,6 +160,8 @@ pub(super) fn plan_support(
         if needs.master_http_metadata {
             argv.extend([
                 "--enable_http_metadata_server=true".into(),
+                "--http_metadata_server_host".into(),
+                bind.clone(),
                 "--http_metadata_server_port".into(),
                 m.http_metadata_port.to_string(),
             ]);
@@ -156,13 +174,13 @@ pub(super) fn plan_support(
             )?;
             named.insert("http-metadata".into(), m.http_metadata_port);
             out.master_http_metadata = Some(Endpoint {
-                host: host.clone(),
+                host: bind.clone(),
                 port: m.http_metadata_port,
             });
         }
         argv.extend(m.args.iter().cloned());
         let probe = Probe::Http {
-            url: format!("http://{host}:{}/health", m.metrics_port),
+            url: format!("http://{metrics_bind}:{}/health", m.metrics_port),
             status: 200,
             body_contains: None,
         };
@@ -177,7 +195,7 @@ pub(super) fn plan_support(
         svc.ports = named;
         // The master needs etcd only in HA mode, which pdctl does not plan: start both at once.
         out.master = Some(Endpoint {
-            host,
+            host: bind,
             port: m.rpc_port,
         });
         out.names.push(svc.name.clone());
@@ -188,9 +206,10 @@ pub(super) fn plan_support(
         let l = &t.lmcache_server;
         let node = l.node.as_deref().unwrap_or(head);
         let host = host_of(node);
+        let bind = reach.addr(node, reach.engines_elsewhere(node));
         claim(ports, &host, l.port, "lmcache-server", "server")?;
         out.lmcache = Some(Endpoint {
-            host: host.clone(),
+            host: bind.clone(),
             port: l.port,
         });
         if t.engine.kind == EngineKind::Sim {
@@ -200,9 +219,9 @@ pub(super) fn plan_support(
             );
         } else {
             let (argv, env) =
-                crate::connectors::lmcache_server_command(&t.engine.python, version, &host, l.port);
+                crate::connectors::lmcache_server_command(&t.engine.python, version, &bind, l.port);
             let probe = Probe::Tcp {
-                host: host.clone(),
+                host: bind.clone(),
                 port: l.port,
             };
             let mut svc = support_service(
@@ -299,6 +318,7 @@ pub(super) fn plan_proxy(
         path: config,
         content: crate::child_config::to_file(&args),
     }];
+    svc.secret_env = vec![crate::vocab::PROXY_ENGINE_KEY_VAR.to_string()];
     svc.depends_on = services
         .iter()
         .filter(|s| s.role.is_engine())

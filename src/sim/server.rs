@@ -23,29 +23,32 @@ const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
 
 /// All routes of the main port.
 pub fn router(sim: Arc<Sim>) -> Router {
-    // Like vLLM's --api-key: only the /v1 routes need the key.
-    let openai = Router::new()
+    // Like vLLM's --api-key (vllm/entrypoints/openai/server_utils.py): every route needs
+    // the key but the ones vLLM leaves public for probes and scrapes (/health, /version,
+    // /metrics of those the simulator has). Older vLLM guarded only /v1; the newer rule
+    // is the stricter, and what a cluster of real engines gets from a current vLLM.
+    let guarded = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        .route("/sim/fault", post(fault).get(fault_status))
+        .route("/sim/kv/{request_id}", get(kv_pull))
         .route_layer(axum::middleware::from_fn_with_state(
             sim.clone(),
             require_key,
         ));
     Router::new()
-        .merge(openai)
+        .merge(guarded)
         .route("/health", get(health))
         .route("/version", get(version))
         .route("/metrics", get(metrics))
-        .route("/sim/fault", post(fault).get(fault_status))
-        .route("/sim/kv/{request_id}", get(kv_pull))
         .fallback(|| async { ApiError::status(StatusCode::NOT_FOUND, "no such route (the simulator serves /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics, /sim/fault, /sim/kv/REQUEST_ID)") })
         .method_not_allowed_fallback(|| async { ApiError::status(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this route") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(sim)
 }
 
-/// vLLM's `--api-key` check, once for every /v1 route.
+/// vLLM's `--api-key` check, once for every guarded route.
 async fn require_key(
     State(sim): State<Arc<Sim>>,
     request: axum::extract::Request,
@@ -66,7 +69,11 @@ fn authorized(sim: &Sim, headers: &HeaderMap) -> Result<(), ApiError> {
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if given == Some(key) {
+    // As vLLM: the SHA-256 digests are compared, so the time taken says nothing of how
+    // much of the key a guess got right.
+    use sha2::Digest;
+    let digest = |t: &str| sha2::Sha256::digest(t.as_bytes());
+    if given.is_some_and(|g| digest(g) == digest(key)) {
         Ok(())
     } else {
         Err(ApiError::status(

@@ -101,6 +101,10 @@ impl TuneArgs {
     pub fn bench_args(&self) -> BenchArgs {
         BenchArgs {
             url: None,
+            // Through the proxy, with its client key when the cluster has one.
+            api_key: std::env::var("PDCTL_API_KEY")
+                .ok()
+                .filter(|k| !k.is_empty()),
             model: self.model.clone(),
             dataset: self.dataset,
             dataset_path: self.dataset_path.clone(),

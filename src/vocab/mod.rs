@@ -17,6 +17,8 @@ pub use control_socket::SOCKET_NAME;
 pub use proxy::{AdmissionError, PolicyName, ProxyProtocol, check_admission};
 pub use restart::{RestartMode, RestartPolicy};
 pub use role::Role;
-pub use service::{Check, GeneratedFile, Probe, Service, Shutdown};
+pub use service::{
+    Check, ENGINE_API_KEY_VAR, GeneratedFile, PROXY_ENGINE_KEY_VAR, Probe, Service, Shutdown,
+};
 pub use sim::{SimHandoff, SimModel, SimRole};
 pub use vllm_version::{BadVersion, Version, VersionRange, VersionSource};

@@ -55,7 +55,21 @@ pub struct Service {
     /// Python package), checked by `up` before anything is spawned.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub checks: Vec<Check>,
+    /// Environment variables the supervisor sets to the cluster's engine key when it
+    /// starts the service (`VLLM_API_KEY` for an engine, `PDCTL_ENGINE_API_KEY` for the
+    /// proxy). Only the names are planned: the key never enters the plan, so it is in no
+    /// plan file, plan output or status.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secret_env: Vec<String>,
 }
+
+/// The variable vLLM (and `pdctl sim`) takes its API key from: requests without
+/// `Authorization: Bearer KEY` are refused.
+pub const ENGINE_API_KEY_VAR: &str = "VLLM_API_KEY";
+
+/// The variable the proxy takes the key it sends to the engines from (`pdctl proxy
+/// --engine-api-key`); the same name sets the cluster's engine key for `pdctl up`.
+pub const PROXY_ENGINE_KEY_VAR: &str = "PDCTL_ENGINE_API_KEY";
 
 impl Service {
     /// A service of `role` on `node` (at 127.0.0.1) running `argv`, with nothing else:
@@ -90,6 +104,7 @@ impl Service {
             shutdown: Shutdown::default(),
             dirs: vec![],
             checks: vec![],
+            secret_env: vec![],
         }
     }
 }

@@ -140,6 +140,13 @@ impl Cluster {
         self.run(&args)
     }
 
+    /// The running cluster's engine key, as `pdctl secret --engine-key` prints it.
+    pub fn engine_key(&self) -> String {
+        let out = self.run(&["secret", "--engine-key"]);
+        assert!(out.status.success(), "secret --engine-key: {}", text(&out));
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    }
+
     /// `pdctl status --json` parsed, or None when nothing runs (exit 3).
     pub fn status(&self, extra: &[&str]) -> Option<StatusReport> {
         let mut args = vec!["status", "--json"];
@@ -437,11 +444,20 @@ pub fn sim_topology(cluster: &str, connector: &str, p: u16, d: u16, extra: &str)
 
 /// `POST path` with a JSON body to 127.0.0.1:port; returns the status code.
 pub fn post_json(port: u16, path: &str, body: &str) -> u16 {
+    post_json_with_key(port, path, body, None)
+}
+
+/// [`post_json`] with `Authorization: Bearer KEY` when a key is given (an engine of a
+/// cluster pdctl started requires its engine key).
+pub fn post_json_with_key(port: u16, path: &str, body: &str, key: Option<&str>) -> u16 {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    let auth = key
+        .map(|k| format!("authorization: Bearer {k}\r\n"))
+        .unwrap_or_default();
     let req = format!(
         "POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+         {auth}content-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).unwrap();

@@ -300,16 +300,20 @@ pub enum HandoffError {
     Loader(String),
 }
 
-/// GETs a held entry from a prefill sim (`/sim/kv/..` or `/sim/transfer/..`).
+/// GETs a held entry from a prefill sim (`/sim/kv/..` or `/sim/transfer/..`), with this
+/// engine's key.
 pub(crate) async fn fetch(
     sim: &Sim,
     url: &str,
     timeout: Duration,
 ) -> Result<KvBlocks, HandoffError> {
-    let resp = sim
-        .http
-        .get(url)
-        .timeout(timeout)
+    // The prefill requires the cluster's engine key on /sim/kv as on every route that
+    // is not a probe's; every engine of a cluster has the same key.
+    let mut request = sim.http.get(url).timeout(timeout);
+    if let Some(key) = &sim.args.api_key {
+        request = request.bearer_auth(key);
+    }
+    let resp = request
         .send()
         .await
         .map_err(|e| HandoffError::Unreachable {

@@ -21,6 +21,9 @@ pub struct SpawnSpec {
     pub argv: Vec<String>,
     /// Added to the supervisor's own environment.
     pub env: BTreeMap<String, String>,
+    /// Taken out of the supervisor's own environment first (secrets the service must not
+    /// inherit), unless `env` sets them.
+    pub env_remove: Vec<String>,
     pub cwd: PathBuf,
 }
 
@@ -85,6 +88,9 @@ fn spawn_now(spec: &SpawnSpec) -> std::io::Result<(tokio::process::Child, OwnedF
     let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
     let write_err = write.try_clone()?;
     let mut cmd = tokio::process::Command::new(program);
+    for k in &spec.env_remove {
+        cmd.env_remove(k);
+    }
     cmd.args(args)
         .envs(&spec.env)
         .current_dir(&spec.cwd)
@@ -128,6 +134,7 @@ mod tests {
                     "echo out; echo err >&2; echo $X".into(),
                 ],
                 env: BTreeMap::from([("X".to_string(), "from-env".to_string())]),
+                env_remove: vec![],
                 cwd: std::env::temp_dir(),
             })
             .await
@@ -150,6 +157,7 @@ mod tests {
             .spawn(SpawnSpec {
                 argv: vec!["/nonexistent/program".into()],
                 env: BTreeMap::new(),
+                env_remove: vec![],
                 cwd: std::env::temp_dir(),
             })
             .await

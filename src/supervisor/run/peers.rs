@@ -27,6 +27,8 @@ struct Seen {
 #[derive(Debug)]
 struct Peer {
     node: String,
+    /// The node's address, as the topology gives it.
+    address: String,
     endpoint: Endpoint,
     seen: Mutex<Seen>,
 }
@@ -40,13 +42,14 @@ pub struct Peers {
 impl Peers {
     /// Starts polling `nodes` (name, endpoint); stops when the returned value is dropped
     /// by everyone and the runtime ends.
-    pub fn start(nodes: Vec<(String, Endpoint)>) -> Arc<Peers> {
+    pub fn start(nodes: Vec<(String, String, Endpoint)>) -> Arc<Peers> {
         let now = (Instant::now(), now_ms());
         let peers: Vec<Arc<Peer>> = nodes
             .into_iter()
-            .map(|(node, endpoint)| {
+            .map(|(node, address, endpoint)| {
                 Arc::new(Peer {
                     node,
+                    address,
                     endpoint,
                     seen: Mutex::new(Seen {
                         failing_since: Some(now),
@@ -97,8 +100,12 @@ impl Peers {
                 else {
                     continue;
                 };
-                // Healthy there: whether this node reaches it is this node's probe's word.
-                if theirs.state != ServiceState::Healthy {
+                // Healthy there: whether this node reaches it is this node's probe's word,
+                // unless it listens where only its own node reaches it.
+                let unprobed = row.url.as_deref().and_then(url_host).is_some_and(|h| {
+                    crate::supervisor::run::probe::only_on_its_node(h, Some(&peer.address))
+                });
+                if theirs.state != ServiceState::Healthy || unprobed {
                     row.state = theirs.state;
                 }
                 row.pid = theirs.pid;
@@ -109,6 +116,13 @@ impl Peers {
             }
         }
     }
+}
+
+/// The host of `http://HOST:PORT/...`.
+fn url_host(url: &str) -> Option<&str> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next()?;
+    Some(authority.rsplit_once(':').map_or(authority, |(h, _)| h))
 }
 
 /// Asks one peer for its status once a second while anyone holds it.

@@ -150,6 +150,18 @@ async fn tcp_check(host: &str, port: u16) -> Result<(), ProbeError> {
 
 /// How a service on another node is checked: its own probe when that works from here,
 /// a TCP connect to its main port when its probe is a log line (unreadable from here).
+/// Whether `host` is a loopback address other than `node_address`: a service bound there
+/// on another node answers only on that node (pdctl binds what no other node reaches to
+/// loopback), so its state comes from its own node's supervisor, never from a probe here.
+pub fn only_on_its_node(host: &str, node_address: Option<&str>) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let loopback = host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    loopback && node_address != Some(host)
+}
+
 pub fn remote_probe(svc: &Service) -> Option<Probe> {
     match &svc.probe {
         Probe::LogLine { .. } => {
@@ -176,6 +188,17 @@ pub const OUTPUT_PROBE_GAP: Duration = Duration::from_millis(50);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loopback_services_of_other_nodes_are_not_probed_from_here() {
+        assert!(only_on_its_node("127.0.0.1", Some("10.0.0.2")));
+        assert!(only_on_its_node("localhost", Some("10.0.0.2")));
+        assert!(only_on_its_node("::1", Some("10.0.0.2")));
+        assert!(!only_on_its_node("10.0.0.2", Some("10.0.0.2")));
+        // Test nodes on loopback addresses: a service at the node's own address is probed.
+        assert!(!only_on_its_node("127.0.0.3", Some("127.0.0.3")));
+        assert!(only_on_its_node("127.0.0.1", Some("127.0.0.3")));
+    }
 
     #[test]
     fn startup_polling_starts_fast_grows_with_the_wait_and_caps_at_a_second() {

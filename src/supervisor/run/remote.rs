@@ -4,7 +4,9 @@
 //! supervisor starts and stops the processes).
 
 use crate::control::ServiceState;
-use crate::supervisor::run::probe::{LIVENESS_INTERVAL, remote_probe, startup_delay};
+use crate::supervisor::run::probe::{
+    LIVENESS_INTERVAL, only_on_its_node, remote_probe, startup_delay,
+};
 use crate::supervisor::run::service::ServiceCtx;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -14,6 +16,16 @@ use tokio::sync::watch;
 /// answered yet, every second after; `healthy` on success, `unhealthy` on failure.
 pub async fn run_remote(ctx: Arc<ServiceCtx>, idx: usize, mut shutdown: watch::Receiver<bool>) {
     let svc = ctx.service(idx);
+    let node_address = ctx.members().plan.nodes.get(&svc.node).cloned();
+    if only_on_its_node(&svc.host, node_address.as_deref()) {
+        ctx.table.update(idx, |s| {
+            s.last_exit = Some(format!(
+                "listens on {} of node {}: its state comes from that node's supervisor",
+                svc.host, svc.node
+            ));
+        });
+        return;
+    }
     let Some(probe) = remote_probe(&svc) else {
         ctx.table.update(idx, |s| {
             s.last_exit = Some("cannot be probed from this node (no port or URL)".into());

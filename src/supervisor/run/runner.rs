@@ -3,7 +3,7 @@
 //! `pdctl down`, leaving no process behind.
 
 use crate::control::StatusReport;
-use crate::control::auth::Secret;
+use crate::control::auth::{EngineKey, Secret};
 use crate::control::client::Endpoint;
 use crate::plan::Plan;
 use crate::supervisor::SupervisorError;
@@ -48,6 +48,9 @@ pub struct RunOptions {
     /// The cluster's secret, which the TCP control channel between the nodes'
     /// supervisors wants (clusters over several nodes).
     pub secret: Option<Secret>,
+    /// The key every engine requires and the proxy sends, given to the services whose
+    /// plan names it (`Service::secret_env`).
+    pub engine_key: Option<EngineKey>,
     /// Changes to the whole cluster (`scale`, `apply`, drained restarts, a cluster-wide
     /// `down`), carried out in this process when this supervisor is the head's.
     pub operations: Option<Arc<dyn Operations>>,
@@ -153,6 +156,7 @@ pub async fn run(
         cwd: state.dir.clone(),
         log_max_bytes: opts.log_max_bytes,
         log_keep: opts.log_keep,
+        engine_key: opts.engine_key.clone(),
     });
     let usage = tokio::spawn(sample_usage(ctx.table.clone()));
     let (down_tx, mut downs) = mpsc::unbounded_channel();
@@ -291,7 +295,7 @@ async fn control_channel(
                 cluster: plan.cluster.clone(),
                 secret: secret.clone(),
             };
-            (n.clone(), endpoint)
+            (n.clone(), addr.clone(), endpoint)
         })
         .collect();
     Ok((listener, Peers::start(peers)))

@@ -12,6 +12,7 @@ pub(crate) mod deps;
 pub(crate) mod run_watch;
 
 use crate::control::ServiceState;
+use crate::control::auth::EngineKey;
 use crate::supervisor::process::spawner::{SpawnSpec, Spawned, Spawner};
 use crate::supervisor::run::console::Console;
 use crate::supervisor::run::members::Members;
@@ -46,6 +47,10 @@ pub enum StartError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "its plan sets {vars} to the cluster's engine key, but this supervisor was given none (start it with `pdctl up`)"
+    )]
+    NoEngineKey { vars: String },
     #[error("could not start `{program}`: {source}")]
     Spawn {
         program: String,
@@ -81,7 +86,18 @@ pub struct ServiceCtx {
     /// Log rotation of services added while running: size and files kept.
     pub log_max_bytes: u64,
     pub log_keep: u32,
+    /// The cluster's engine key, set in each service's `secret_env` at spawn (and only
+    /// there: it is never planned, logged nor reported).
+    pub engine_key: Option<EngineKey>,
 }
+
+/// Variables that carry the cluster's secrets: no service inherits them from the
+/// supervisor; a service gets the engine key only where its plan names the variable.
+const SECRET_VARS: &[&str] = &[
+    crate::control::auth::SECRET_ENV,
+    crate::vocab::PROXY_ENGINE_KEY_VAR,
+    crate::vocab::ENGINE_API_KEY_VAR,
+];
 
 impl ServiceCtx {
     /// The services as they are now.
@@ -265,9 +281,20 @@ impl Task {
             crate::control::STOP_DEADLINE_ENV.to_string(),
             deadline_file.display().to_string(),
         );
+        if !self.svc().secret_env.is_empty() {
+            let Some(key) = &self.ctx.engine_key else {
+                return Err(StartError::NoEngineKey {
+                    vars: self.svc().secret_env.join(", "),
+                });
+            };
+            for var in &self.svc().secret_env {
+                env.insert(var.clone(), key.reveal().to_string());
+            }
+        }
         let spec = SpawnSpec {
             argv: self.svc().argv.clone(),
             env,
+            env_remove: SECRET_VARS.iter().map(|v| v.to_string()).collect(),
             cwd: self.ctx.cwd.clone(),
         };
         self.ctx
