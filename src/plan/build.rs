@@ -101,9 +101,11 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         t,
         input.head,
         &state_dir,
-        &needs,
-        version.as_ref(),
-        &reach,
+        support::SupportFor {
+            needs: &needs,
+            version: version.as_ref(),
+            reach: &reach,
+        },
         &mut ports,
         &mut warnings,
     )?;

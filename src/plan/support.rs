@@ -56,18 +56,29 @@ pub(super) struct SupportPlan {
     pub lmcache: Option<Endpoint>,
 }
 
+/// What the shared services are planned for: what the connector needs of them, for which
+/// vLLM, and which nodes reach which (their bind addresses).
+pub(super) struct SupportFor<'a> {
+    pub needs: &'a Needs,
+    pub version: Option<&'a Version>,
+    pub reach: &'a super::listen::Reach<'a>,
+}
+
 /// Plans etcd, mooncake_master and the lmcache server as the connector needs (or the
 /// topology forces with `enabled = true`).
 pub(super) fn plan_support(
     t: &Topology,
     head: &str,
     state_dir: &Path,
-    needs: &Needs,
-    version: Option<&Version>,
-    reach: &super::listen::Reach,
+    what: SupportFor<'_>,
     ports: &mut PortBook,
     warnings: &mut Vec<String>,
 ) -> Result<SupportPlan, Problem> {
+    let SupportFor {
+        needs,
+        version,
+        reach,
+    } = what;
     let mut out = SupportPlan {
         services: Vec::new(),
         names: Vec::new(),
