@@ -8,7 +8,7 @@ mod suph;
 
 use common::TempDir;
 use std::time::Duration;
-use suph::{Cluster, free_port_run, post_json, text};
+use suph::{Cluster, free_port_run, text};
 
 fn topology(cluster: &str, prefill_args: &str) -> (String, u16) {
     let run = free_port_run(6);
@@ -47,7 +47,14 @@ fn check_proves_each_pair_and_names_the_one_that_lost_its_kv() {
     assert!(all.contains("every pair moved its KV (2 of 2)"), "{all}");
 
     // decode-0 loses its next handoffs: it answers, but computes the prompt itself.
-    let status = post_json(decode0, "/sim/fault", r#"{"fail_handoff_next": 5}"#);
+    // The engines answer only the cluster's engine key.
+    let key = cluster.engine_key();
+    let status = suph::post_json_with_key(
+        decode0,
+        "/sim/fault",
+        r#"{"fail_handoff_next": 5}"#,
+        Some(&key),
+    );
     assert_eq!(status, 200);
     let out = cluster.run(&["check"]);
     let all = text(&out);

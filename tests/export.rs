@@ -499,7 +499,7 @@ fn expected_argv(plan: &Value, svc: &Value, service_of: &dyn Fn(&str) -> String)
             i += 2;
             continue;
         }
-        let v = if prev == "--host" || prev.starts_with("--listen-") {
+        let v = if pdctl::export::rewrite::is_bind_flag(prev) {
             a.replace(&format!("//{host}:"), "//0.0.0.0:")
                 .replace(host, "0.0.0.0")
         } else if prev == "--instance" && argv[1] == "sim" {

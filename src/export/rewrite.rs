@@ -66,9 +66,13 @@ pub fn names_host(text: &str, host: &str) -> bool {
     replace_whole(text, host, "\u{0}") != text
 }
 
-/// Flags whose value is an address to listen on: it becomes [`ANY`].
-fn is_bind_flag(flag: &str) -> bool {
-    flag == "--host" || flag == "--bind" || flag.starts_with("--listen-")
+/// Flags whose value is an address to listen on: it becomes [`ANY`] (each pod listens on
+/// its own IP). Besides vLLM's and etcd's, mooncake_master's bind flags.
+pub fn is_bind_flag(flag: &str) -> bool {
+    matches!(
+        flag,
+        "--host" | "--bind" | "--rpc_address" | "--metrics_host" | "--http_metadata_server_host"
+    ) || flag.starts_with("--listen-")
 }
 
 impl Rewriter {
