@@ -39,6 +39,8 @@ pub enum ConfigError {
     BadNumber { flag: &'static str, value: String },
     #[error("--{flag} must be at least 1")]
     Zero { flag: &'static str },
+    #[error("--{flag} must be at least 1 (in a topology: network.{}); leave it out for the default", .flag.replace('-', "_"))]
+    ZeroTcp { flag: String },
     #[error("--queue-size {0} needs --max-concurrent: without a concurrency limit nothing waits")]
     QueueWithoutLimit(usize),
     #[error(
@@ -179,6 +181,13 @@ pub fn settings(args: &ProxyArgs) -> Result<Settings, ConfigError> {
     ] {
         if v == 0 {
             return Err(ConfigError::Zero { flag });
+        }
+    }
+    for (name, v) in args.tcp().named() {
+        if v == 0 {
+            return Err(ConfigError::ZeroTcp {
+                flag: name.replace('_', "-"),
+            });
         }
     }
     Ok(Settings {

@@ -11,6 +11,7 @@ mod restart;
 mod role;
 mod service;
 mod sim;
+mod tcp;
 mod vllm_version;
 
 pub use control_socket::SOCKET_NAME;
@@ -19,4 +20,5 @@ pub use restart::{RestartMode, RestartPolicy};
 pub use role::Role;
 pub use service::{Check, GeneratedFile, Probe, Service, Shutdown};
 pub use sim::{SimHandoff, SimModel, SimRole};
+pub use tcp::TcpLiveness;
 pub use vllm_version::{BadVersion, Version, VersionRange, VersionSource};
