@@ -1736,8 +1736,12 @@ async fn a_decode_cut_off_before_its_first_byte_is_redone_with_its_prefill_elsew
         (d2.url.clone(), "starting".into()),
     ]);
     let sock = sup.path.display().to_string();
-    let proxy =
-        ProxyProcess::start(&proxy_args(&[&p], &[&d1, &d2], &["--supervisor-socket", &sock])).await;
+    let proxy = ProxyProcess::start(&proxy_args(
+        &[&p],
+        &[&d1, &d2],
+        &["--supervisor-socket", &sock],
+    ))
+    .await;
     let mut body = completion("x");
     body["stream"] = json!(true);
     let started = std::time::Instant::now();

@@ -155,9 +155,8 @@ pub fn apply_report(p: &Proxy, report: &StatusReport) {
                         | ServiceState::Restarting
                         | ServiceState::Draining
                 ));
-                let unreachable = (s.state == ServiceState::Unreachable).then(|| {
-                    format!("supervisor says service {} is unreachable", s.name)
-                });
+                let unreachable = (s.state == ServiceState::Unreachable)
+                    .then(|| format!("supervisor says service {} is unreachable", s.name));
                 if inst.reach.set(unreachable) && inst.reach.is_unreachable() {
                     tracing::warn!(
                         "{} instance {} is unreachable (its node is cut off): its legs in flight end now ({} in flight)",
