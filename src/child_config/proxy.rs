@@ -12,9 +12,23 @@ use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-/// Left out of generated config files: the policy the proxy assumes unless told.
+/// Left out of generated config files: the policy the proxy assumes unless told (and,
+/// below, the TCP settings at their defaults).
 fn is_recompute(p: &KvLoadFailurePolicy) -> bool {
     *p == KvLoadFailurePolicy::Recompute
+}
+
+fn is_default_tcp_keepalive_idle_s(v: &u32) -> bool {
+    *v == TcpLiveness::default().tcp_keepalive_idle_s
+}
+fn is_default_tcp_keepalive_interval_s(v: &u32) -> bool {
+    *v == TcpLiveness::default().tcp_keepalive_interval_s
+}
+fn is_default_tcp_keepalive_count(v: &u32) -> bool {
+    *v == TcpLiveness::default().tcp_keepalive_count
+}
+fn is_default_tcp_user_timeout_s(v: &u32) -> bool {
+    *v == TcpLiveness::default().tcp_user_timeout_s
 }
 
 /// Everything `pdctl proxy` takes, as flags or as keys of its config file.
@@ -108,16 +122,20 @@ pub struct ProxyArgs {
     pub health_interval_ms: u64,
     /// Seconds a leg's connection to an engine may stay silent before TCP keepalive probes it.
     #[arg(long, default_value_t = ProxyArgs::default().tcp_keepalive_idle_s)]
+    #[serde(skip_serializing_if = "is_default_tcp_keepalive_idle_s")]
     pub tcp_keepalive_idle_s: u32,
     /// Seconds between keepalive probes of a silent connection.
     #[arg(long, default_value_t = ProxyArgs::default().tcp_keepalive_interval_s)]
+    #[serde(skip_serializing_if = "is_default_tcp_keepalive_interval_s")]
     pub tcp_keepalive_interval_s: u32,
     /// Unanswered keepalive probes that end the connection (and its leg).
     #[arg(long, default_value_t = ProxyArgs::default().tcp_keepalive_count)]
+    #[serde(skip_serializing_if = "is_default_tcp_keepalive_count")]
     pub tcp_keepalive_count: u32,
     /// Seconds a request sent to an engine may stay unacknowledged before the connection
     /// ends (TCP_USER_TIMEOUT).
     #[arg(long, default_value_t = ProxyArgs::default().tcp_user_timeout_s)]
+    #[serde(skip_serializing_if = "is_default_tcp_user_timeout_s")]
     pub tcp_user_timeout_s: u32,
 }
 

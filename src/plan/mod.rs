@@ -66,7 +66,7 @@ pub struct Plan {
     pub control_port: Option<u16>,
     /// TCP keepalive and user timeout for connections to other machines (the topology's
     /// `[network]`): the supervisors' probes of other nodes' services use them.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "crate::vocab::TcpLiveness::is_default")]
     pub tcp: crate::vocab::TcpLiveness,
 }
 

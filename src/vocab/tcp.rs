@@ -44,6 +44,11 @@ impl TcpLiveness {
         ]
     }
 
+    /// Whether these are the defaults (left out of a plan's JSON then).
+    pub fn is_default(&self) -> bool {
+        *self == TcpLiveness::default()
+    }
+
     /// Silence before the first keepalive probe.
     pub fn keepalive_idle(&self) -> Duration {
         Duration::from_secs(self.tcp_keepalive_idle_s.into())
