@@ -9,6 +9,7 @@ mod netns;
 mod suph;
 
 use common::TempDir;
+use netns::in_netns;
 use pdctl::control::ServiceState;
 use serde_json::Value;
 use std::process::{Child, Stdio};
@@ -538,20 +539,6 @@ fn a_second_change_while_one_runs_is_refused() {
     down(&cluster);
 }
 
-/// Runs `f` on a thread inside network namespace `ns` (the caller's own when None).
-fn in_netns<T: Send + 'static>(ns: Option<&str>, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let path = ns.map(|n| format!("/var/run/netns/{n}"));
-    std::thread::spawn(move || {
-        if let Some(p) = path {
-            let file = std::fs::File::open(&p).unwrap();
-            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-        }
-        f()
-    })
-    .join()
-    .unwrap()
-}
-
 /// The proxy's `/metrics` at `host:port`, asked from inside `ns`.
 fn proxy_metrics_at(ns: Option<&str>, host: &str, port: u16) -> String {
     let host = host.to_string();
@@ -566,19 +553,9 @@ fn proxy_metrics_at(ns: Option<&str>, host: &str, port: u16) -> String {
     })
 }
 
-/// `pdctl ARGS --state-dir ROOT` of `cluster`, inside `ns` when given.
+/// `cluster`'s pdctl command, run inside `ns` when there is one.
 fn node_command(ns: Option<&str>, cluster: &Cluster, args: &[&str]) -> std::process::Command {
-    let plain = cluster.command(args);
-    let Some(ns) = ns else { return plain };
-    let mut c = netns::NetnsPair::exec(ns, &common::pdctl_bin());
-    c.args(plain.get_args());
-    for (k, v) in plain.get_envs() {
-        match v {
-            Some(v) => c.env(k, v),
-            None => c.env_remove(k),
-        };
-    }
-    c
+    netns::NetnsPair::wrap(ns, cluster.command(args))
 }
 
 /// A cluster over two nodes, each with its own supervisor and network stack (two network

@@ -521,6 +521,31 @@ fn proxy_settings(plan: &Plan) -> ProxyArgs {
     ProxyArgs::from_service(&s.argv, files_of(s)).unwrap()
 }
 
+/// `[network]` reaches the proxy's settings (its legs' connections) and the plan (the
+/// supervisors' probes of other nodes); at its defaults neither file mentions it.
+#[test]
+fn network_settings_reach_the_proxy_and_the_plan() {
+    let base = "[model]\nname = \"m\"\n[engine]\nkind = \"sim\"\n";
+    let plain = plan_text(base, "0.11.0");
+    assert!(plain.tcp.is_default());
+    assert_eq!(proxy_settings(&plain).tcp(), plain.tcp);
+    let json = serde_json::to_string(&plain).unwrap();
+    assert!(!json.contains("tcp_keepalive"), "{json}");
+    let set = plan_text(
+        &format!("{base}[network]\ntcp_keepalive_idle_s = 7\ntcp_user_timeout_s = 30\n"),
+        "0.11.0",
+    );
+    assert_eq!(
+        (
+            set.tcp.tcp_keepalive_idle_s,
+            set.tcp.tcp_user_timeout_s,
+            set.tcp.tcp_keepalive_count
+        ),
+        (7, 30, 3)
+    );
+    assert_eq!(proxy_settings(&set).tcp(), set.tcp);
+}
+
 fn files_of(s: &pdctl::vocab::Service) -> impl Iterator<Item = (&Path, &str)> {
     s.files
         .iter()

@@ -1721,3 +1721,142 @@ async fn names_that_resolve_later_become_instances_and_follow_their_addresses() 
         proxy.log()
     );
 }
+
+// ---------------------------------------------------------------- an instance cut off
+
+/// A decode the supervisor reports `unreachable` (its node cut off) while a streamed
+/// request waits for its first byte: the leg ends at once, not at the first-byte timeout,
+/// and the request is served whole by the other decode, its prefill redone (the KV handed
+/// to the lost decode may be gone); the client sees one answer, never a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_cut_off_before_its_first_byte_is_redone_with_its_prefill_elsewhere() {
+    let p = FakeEngine::start("P").await;
+    let (d1, d2) = (FakeEngine::start("D1").await, FakeEngine::start("D2").await);
+    d1.behave(Behavior::Hang);
+    let sup = FakeSupervisor::start(vec![
+        (p.url.clone(), "healthy".into()),
+        (d1.url.clone(), "healthy".into()),
+        (d2.url.clone(), "starting".into()),
+    ]);
+    let sock = sup.path.display().to_string();
+    let proxy = ProxyProcess::start(&proxy_args(
+        &[&p],
+        &[&d1, &d2],
+        &["--supervisor-socket", &sock],
+    ))
+    .await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let started = std::time::Instant::now();
+    let waiting = tokio::spawn({
+        let url = proxy.url.clone();
+        async move {
+            let resp = client()
+                .post(format!("{url}/v1/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (resp.status().as_u16(), sse_events(resp).await)
+        }
+    });
+    assert!(eventually(WAIT, || async { d1.count() == 1 }).await);
+    sup.set(&d2.url, "healthy");
+    sup.set(&d1.url, "unreachable");
+    let (status, events) = waiting.await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(status, 200);
+    let served: Vec<String> = ids(&events)
+        .iter()
+        .map(|e| e["served_by"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(served, ["D2", "D2", "D2"], "one whole answer: {events:?}");
+    assert_eq!(events.iter().filter(|e| *e == "[DONE]").count(), 1);
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert_eq!((p.count(), d2.count()), (2, 1), "prefill redone once");
+    assert!(eventually(WAIT, || async { d1.cancelled() == 1 }).await);
+    assert!(proxy.log().contains("is unreachable"), "{}", proxy.log());
+}
+
+/// A stream already relaying when its decode is found unreachable ends with an SSE error
+/// event naming the instance and "unreachable", then `data: [DONE]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_decode_is_cut_off_ends_with_an_error_event_then_done() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    d.behave(Behavior::Hold(Arc::new(Notify::new())));
+    let sup = FakeSupervisor::start(vec![
+        (p.url.clone(), "healthy".into()),
+        (d.url.clone(), "healthy".into()),
+    ]);
+    let sock = sup.path.display().to_string();
+    let proxy =
+        ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--supervisor-socket", &sock])).await;
+    let mut body = completion("x");
+    body["stream"] = json!(true);
+    let resp = post(&proxy, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let first = stream.next().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: {"), "{first:?}");
+    sup.set(&d.url, "unreachable");
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(WAIT, async {
+        while let Some(chunk) = stream.next().await {
+            rest.extend_from_slice(&chunk.unwrap());
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "the stream ends soon after the finding");
+    let text = String::from_utf8(rest).unwrap();
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| e.trim_start_matches("data: "))
+        .collect();
+    assert_eq!(events.len(), 2, "{text}");
+    let err: Value = serde_json::from_str(events[0]).unwrap();
+    assert_eq!(err["error"]["instance"], d.url);
+    let msg = err["error"]["message"].as_str().unwrap();
+    assert!(msg.contains(&d.url) && msg.contains("unreachable"), "{msg}");
+    assert_eq!(events[1], "[DONE]");
+    assert!(eventually(WAIT, || async { d.cancelled() == 1 }).await);
+}
+
+/// Without a supervisor, a decode whose health probes go unanswered (a machine cut off,
+/// not one answering 503) is unreachable: a non-streamed request hanging on it is retried
+/// on the other decode within seconds, far inside the first-byte and total timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_a_decode_whose_probes_go_unanswered_loses_its_legs() {
+    let p = FakeEngine::start("P").await;
+    let (d1, d2) = (FakeEngine::start("D1").await, FakeEngine::start("D2").await);
+    d1.behave(Behavior::Hang);
+    d2.set_health(503);
+    let proxy = ProxyProcess::start(&proxy_args(
+        &[&p],
+        &[&d1, &d2],
+        &["--health-interval-ms", "200"],
+    ))
+    .await;
+    let started = std::time::Instant::now();
+    let waiting = tokio::spawn({
+        let url = proxy.url.clone();
+        async move {
+            let resp = client()
+                .post(format!("{url}/v1/completions"))
+                .json(&completion("x"))
+                .send()
+                .await
+                .unwrap();
+            (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+        }
+    });
+    assert!(eventually(WAIT, || async { d1.count() == 1 }).await);
+    d2.set_health(200);
+    d1.set_health(0);
+    let (status, answer) = waiting.await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["served_by"], "D2", "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(p.count(), 2, "prefill redone");
+    assert!(proxy.log().contains("health probes go unanswered"));
+}

@@ -7,14 +7,28 @@
 use super::{ChildConfig, FromServiceError};
 use crate::spelling::value_name;
 use crate::topology::KvLoadFailurePolicy;
-use crate::vocab::{PolicyName, ProxyProtocol, Service};
+use crate::vocab::{PolicyName, ProxyProtocol, Service, TcpLiveness};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-/// Left out of generated config files: the policy the proxy assumes unless told.
+/// Left out of generated config files: the policy the proxy assumes unless told (and,
+/// below, the TCP settings at their defaults).
 fn is_recompute(p: &KvLoadFailurePolicy) -> bool {
     *p == KvLoadFailurePolicy::Recompute
+}
+
+fn is_default_tcp_keepalive_idle_s(v: &u32) -> bool {
+    *v == TcpLiveness::default().tcp_keepalive_idle_s
+}
+fn is_default_tcp_keepalive_interval_s(v: &u32) -> bool {
+    *v == TcpLiveness::default().tcp_keepalive_interval_s
+}
+fn is_default_tcp_keepalive_count(v: &u32) -> bool {
+    *v == TcpLiveness::default().tcp_keepalive_count
+}
+fn is_default_tcp_user_timeout_s(v: &u32) -> bool {
+    *v == TcpLiveness::default().tcp_user_timeout_s
 }
 
 /// Everything `pdctl proxy` takes, as flags or as keys of its config file.
@@ -106,6 +120,23 @@ pub struct ProxyArgs {
     /// Interval of own health probes (standalone mode).
     #[arg(long, default_value_t = ProxyArgs::default().health_interval_ms)]
     pub health_interval_ms: u64,
+    /// Seconds a leg's connection to an engine may stay silent before TCP keepalive probes it.
+    #[arg(long, default_value_t = ProxyArgs::default().tcp_keepalive_idle_s)]
+    #[serde(skip_serializing_if = "is_default_tcp_keepalive_idle_s")]
+    pub tcp_keepalive_idle_s: u32,
+    /// Seconds between keepalive probes of a silent connection.
+    #[arg(long, default_value_t = ProxyArgs::default().tcp_keepalive_interval_s)]
+    #[serde(skip_serializing_if = "is_default_tcp_keepalive_interval_s")]
+    pub tcp_keepalive_interval_s: u32,
+    /// Unanswered keepalive probes that end the connection (and its leg).
+    #[arg(long, default_value_t = ProxyArgs::default().tcp_keepalive_count)]
+    #[serde(skip_serializing_if = "is_default_tcp_keepalive_count")]
+    pub tcp_keepalive_count: u32,
+    /// Seconds a request sent to an engine may stay unacknowledged before the connection
+    /// ends (TCP_USER_TIMEOUT).
+    #[arg(long, default_value_t = ProxyArgs::default().tcp_user_timeout_s)]
+    #[serde(skip_serializing_if = "is_default_tcp_user_timeout_s")]
+    pub tcp_user_timeout_s: u32,
 }
 
 /// The one place the proxy's defaults are written: clap's `default_value_t`s and the
@@ -140,6 +171,10 @@ impl Default for ProxyArgs {
             engine_api_key: None,
             supervisor_socket: None,
             health_interval_ms: 1_000,
+            tcp_keepalive_idle_s: TcpLiveness::default().tcp_keepalive_idle_s,
+            tcp_keepalive_interval_s: TcpLiveness::default().tcp_keepalive_interval_s,
+            tcp_keepalive_count: TcpLiveness::default().tcp_keepalive_count,
+            tcp_user_timeout_s: TcpLiveness::default().tcp_user_timeout_s,
         }
     }
 }
@@ -160,6 +195,24 @@ impl ProxyArgs {
         files: impl IntoIterator<Item = (&'a std::path::Path, &'a str)>,
     ) -> Result<ProxyArgs, FromServiceError> {
         super::from_service(argv, files)
+    }
+
+    /// The TCP keepalive and user timeout of the legs' connections.
+    pub fn tcp(&self) -> TcpLiveness {
+        TcpLiveness {
+            tcp_keepalive_idle_s: self.tcp_keepalive_idle_s,
+            tcp_keepalive_interval_s: self.tcp_keepalive_interval_s,
+            tcp_keepalive_count: self.tcp_keepalive_count,
+            tcp_user_timeout_s: self.tcp_user_timeout_s,
+        }
+    }
+
+    /// Takes the TCP keepalive and user timeout of the legs' connections from `tcp`.
+    pub fn set_tcp(&mut self, tcp: TcpLiveness) {
+        self.tcp_keepalive_idle_s = tcp.tcp_keepalive_idle_s;
+        self.tcp_keepalive_interval_s = tcp.tcp_keepalive_interval_s;
+        self.tcp_keepalive_count = tcp.tcp_keepalive_count;
+        self.tcp_user_timeout_s = tcp.tcp_user_timeout_s;
     }
 
     /// The policy of each leg (prefill, decode): its own, else `--policy`.
@@ -231,6 +284,14 @@ impl ProxyArgs {
         for (flag, val) in nums {
             v.extend([flag.to_string(), val]);
         }
+        // Written only where they differ from the defaults.
+        let tcp = self.tcp();
+        let usual = TcpLiveness::default().named();
+        for ((name, val), (_, default)) in tcp.named().into_iter().zip(usual) {
+            if val != default {
+                v.extend([format!("--{}", name.replace('_', "-")), val.to_string()]);
+            }
+        }
         if let Some(s) = &self.supervisor_socket {
             v.extend(["--supervisor-socket".into(), s.display().to_string()]);
         }
@@ -277,7 +338,7 @@ const LIVE: [&str; 9] = [
 
 /// Flags a running proxy takes only when it restarts. The instance lists are in neither
 /// list: the proxy follows the supervisor's services.
-const RESTART: [&str; 9] = [
+const RESTART: [&str; 13] = [
     "--host",
     "--port",
     "--protocol",
@@ -287,6 +348,10 @@ const RESTART: [&str; 9] = [
     "--health-interval-ms",
     "--scrape-metrics",
     "--supervisor-socket",
+    "--tcp-keepalive-idle-s",
+    "--tcp-keepalive-interval-s",
+    "--tcp-keepalive-count",
+    "--tcp-user-timeout-s",
 ];
 
 /// Every value `flag` has in `argv`, joined (flags may repeat; a switch reads `on`).

@@ -197,6 +197,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         services,
         warnings,
         control_port: (t.nodes.len() > 1).then_some(t.control.port),
+        tcp: t.network,
     })
 }
 

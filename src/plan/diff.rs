@@ -415,6 +415,7 @@ mod tests {
             services,
             warnings: vec![],
             control_port: None,
+            tcp: Default::default(),
         }
     }
 

@@ -65,6 +65,10 @@ pub struct Plan {
     /// cluster spans several nodes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_port: Option<u16>,
+    /// TCP keepalive and user timeout for connections to other machines (the topology's
+    /// `[network]`): the supervisors' probes of other nodes' services use them.
+    #[serde(default, skip_serializing_if = "crate::vocab::TcpLiveness::is_default")]
+    pub tcp: crate::vocab::TcpLiveness,
 }
 
 impl Plan {

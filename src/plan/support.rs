@@ -276,7 +276,7 @@ pub(super) fn plan_proxy(
             .collect()
     };
     let d = ProxyArgs::default();
-    let args = ProxyArgs {
+    let mut args = ProxyArgs {
         host: host.clone(),
         port: p.port,
         prefill: urls(Role::Prefill),
@@ -309,6 +309,7 @@ pub(super) fn plan_proxy(
         supervisor_socket: Some(socket.to_path_buf()),
         ..d
     };
+    args.set_tcp(t.network);
     let config = socket.with_file_name("files").join("proxy.toml");
     let argv = vec![
         crate::tools::SELF_PROGRAM.to_string(),

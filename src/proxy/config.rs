@@ -39,6 +39,8 @@ pub enum ConfigError {
     Zero { flag: &'static str },
     #[error("{}: {}", flag(.0.setting()), .0.message(flag))]
     Admission(AdmissionError),
+    #[error("--{flag} must be at least 1 (in a topology: network.{}); leave it out for the default", .flag.replace('-', "_"))]
+    ZeroTcp { flag: String },
     #[error(
         "--engine-api-key (or PDCTL_ENGINE_API_KEY) contains characters not allowed in an HTTP header"
     )]
@@ -175,6 +177,13 @@ pub fn settings(args: &ProxyArgs) -> Result<Settings, ConfigError> {
     ] {
         if v == 0 {
             return Err(ConfigError::Zero { flag });
+        }
+    }
+    for (name, v) in args.tcp().named() {
+        if v == 0 {
+            return Err(ConfigError::ZeroTcp {
+                flag: name.replace('_', "-"),
+            });
         }
     }
     Ok(Settings {

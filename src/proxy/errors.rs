@@ -39,6 +39,10 @@ pub enum LegFailure {
         "could not load the KV cache the prefill leg handed over (KV load failed), so it failed the request under kv_load_failure_policy = \"fail\" (it answered {status}: {message}); retry the request, look at the KV transfer between the two instances, or set connector.kv_load_failure_policy = \"recompute\" to have decode compute the prompt itself"
     )]
     KvLoad { status: u16, message: String },
+    /// The instance was found unreachable while the leg waited on it (its node cut off):
+    /// the leg ends in seconds rather than at its timeout.
+    #[error("is unreachable ({0}): the leg was ended without waiting for its timeout")]
+    Unreachable(String),
 }
 
 /// Why an engine refused a request at admission (vLLM's 503 for `--max-num-queued-reqs` /
@@ -68,10 +72,13 @@ pub const RAISE_TOTAL: &str =
     " (raise --total-timeout-s, or proxy.total_timeout_s in the topology)";
 
 impl LegFailure {
-    /// Connect errors and 502/503 are worth trying on another instance.
+    /// Connect errors, 502/503 and an instance found unreachable are worth trying on
+    /// another instance.
     pub fn is_retryable(&self) -> bool {
         match self {
-            LegFailure::Connect(_) | LegFailure::Bootstrap { .. } => true,
+            LegFailure::Connect(_) | LegFailure::Bootstrap { .. } | LegFailure::Unreachable(_) => {
+                true
+            }
             LegFailure::Status { status, .. } => matches!(status, 502 | 503),
             _ => false,
         }

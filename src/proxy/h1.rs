@@ -12,8 +12,8 @@
 //! stream paced by the engine is relayed event by event as it comes. The prefill leg uses
 //! it too: no connection task to wake, one read for a whole answer.
 //!
-//! Connections: nodelay, the same TCP keepalive and connect timeout as the other legs'
-//! client, kept idle for [`IDLE_TIMEOUT`] at most [`MAX_IDLE`] per engine, taken most
+//! Connections: nodelay, the same TCP keepalive, user timeout and connect timeout as the
+//! proxy's other client, kept idle for [`IDLE_TIMEOUT`] at most [`MAX_IDLE`] per engine, taken most
 //! recently used first. An idle connection the engine has closed is dropped when taken; a
 //! reused one that fails before any byte of an answer (the engine closed it as the request
 //! went out) is retried on the next one, finally on a fresh connection, whose failure is the
@@ -21,6 +21,7 @@
 //! that the client went away.
 
 use super::errors::LegFailure;
+use crate::vocab::TcpLiveness;
 use axum::http::HeaderValue;
 use bytes::{Buf, Bytes, BytesMut};
 use std::collections::{HashMap, VecDeque};
@@ -69,7 +70,7 @@ pub struct Client {
 #[derive(Debug)]
 struct Inner {
     connect_timeout: Duration,
-    keepalive: (Duration, Duration, u32),
+    tcp: TcpLiveness,
     /// The whole `authorization` header line, when engines want a key.
     auth: Option<Vec<u8>>,
     idle: Mutex<HashMap<String, VecDeque<Idle>>>,
@@ -134,11 +135,11 @@ enum Fail {
 }
 
 impl Client {
-    /// A client with the other legs' connect timeout and TCP keepalive, sending `engine_key`
-    /// as a bearer token.
+    /// A client with the other legs' connect timeout, TCP keepalive and user timeout,
+    /// sending `engine_key` as a bearer token.
     pub fn new(
         connect_timeout: Duration,
-        keepalive: (Duration, Duration, u32),
+        tcp: TcpLiveness,
         engine_key: Option<&HeaderValue>,
     ) -> Client {
         let auth = engine_key.map(|k| {
@@ -150,7 +151,7 @@ impl Client {
         Client {
             inner: Arc::new(Inner {
                 connect_timeout,
-                keepalive,
+                tcp,
                 auth,
                 idle: Mutex::new(HashMap::new()),
                 sweeping: std::sync::atomic::AtomicBool::new(false),
@@ -321,13 +322,15 @@ impl Inner {
             .map_err(|e| LegFailure::Connect(e.to_string()))?;
         conn.set_nodelay(true)
             .map_err(|e| LegFailure::Connect(e.to_string()))?;
-        let (time, interval, retries) = self.keepalive;
+        // A peer that goes silent (a machine cut off) ends the connection in seconds:
+        // keepalive while the leg waits for bytes, the user timeout while it sends.
         let keepalive = socket2::TcpKeepalive::new()
-            .with_time(time)
-            .with_interval(interval)
-            .with_retries(retries);
-        socket2::SockRef::from(&conn)
-            .set_tcp_keepalive(&keepalive)
+            .with_time(self.tcp.keepalive_idle())
+            .with_interval(self.tcp.keepalive_interval())
+            .with_retries(self.tcp.tcp_keepalive_count);
+        let sock = socket2::SockRef::from(&conn);
+        sock.set_tcp_keepalive(&keepalive)
+            .and_then(|()| sock.set_tcp_user_timeout(Some(self.tcp.user_timeout())))
             .map_err(|e| LegFailure::Connect(e.to_string()))?;
         Ok(conn)
     }
@@ -760,11 +763,7 @@ mod tests {
     }
 
     fn client() -> Client {
-        Client::new(
-            Duration::from_secs(2),
-            (Duration::from_secs(15), Duration::from_secs(15), 3),
-            None,
-        )
+        Client::new(Duration::from_secs(2), TcpLiveness::default(), None)
     }
 
     #[tokio::test]

@@ -77,6 +77,7 @@ pub async fn probe_round(p: &Arc<Proxy>, first: bool) {
         } else {
             inst.record_probe(result.is_ok(), DOWN_AFTER, UP_AFTER)
         };
+        note_reach(inst, &result);
         if changed || (first && result.is_err()) {
             let why = match &result {
                 Ok(()) => "health probes pass".to_string(),
@@ -84,6 +85,27 @@ pub async fn probe_round(p: &Arc<Proxy>, first: bool) {
             };
             log_change(inst, &why);
         }
+    }
+}
+
+/// Takes an instance as unreachable while it is out of rotation and its probes go
+/// unanswered (no connection, or no answer in time; an answer of any status means it is
+/// alive), so the legs on it end; reachable again on its first answered probe.
+fn note_reach(inst: &Instance, result: &Result<(), ProbeError>) {
+    let why = match result {
+        Err(ProbeError::Unanswered(f)) if !inst.is_usable() => {
+            Some(format!("its health probes go unanswered: {f}"))
+        }
+        Err(_) if inst.reach.is_unreachable() && !inst.is_usable() => return,
+        _ => None,
+    };
+    if inst.reach.set(why) && inst.reach.is_unreachable() {
+        tracing::warn!(
+            "{} instance {} is unreachable: its legs in flight end now ({} in flight)",
+            inst.leg,
+            inst.url,
+            inst.in_flight()
+        );
     }
 }
 
@@ -133,6 +155,16 @@ pub fn apply_report(p: &Proxy, report: &StatusReport) {
                         | ServiceState::Restarting
                         | ServiceState::Draining
                 ));
+                let unreachable = (s.state == ServiceState::Unreachable)
+                    .then(|| format!("supervisor says service {} is unreachable", s.name));
+                if inst.reach.set(unreachable) && inst.reach.is_unreachable() {
+                    tracing::warn!(
+                        "{} instance {} is unreachable (its node is cut off): its legs in flight end now ({} in flight)",
+                        inst.leg,
+                        inst.url,
+                        inst.in_flight()
+                    );
+                }
                 let healthy = s.state == ServiceState::Healthy;
                 if inst.is_usable() != healthy {
                     inst.set_usable(healthy);

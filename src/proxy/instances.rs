@@ -95,6 +95,8 @@ pub struct Instance {
     out_reason: std::sync::Mutex<String>,
     /// KV handoffs due to it as a decode, and what its counters showed (recompute.rs).
     pub ledger: super::recompute::HandoffLedger,
+    /// Whether it can be reached at all: the legs on it end when it cannot (reach.rs).
+    pub reach: super::reach::Reach,
 }
 
 impl Instance {
@@ -120,6 +122,7 @@ impl Instance {
             coming_back: AtomicBool::new(false),
             out_reason: std::sync::Mutex::new(String::new()),
             ledger: Default::default(),
+            reach: Default::default(),
         }
     }
 

@@ -37,13 +37,31 @@ pub enum Answer {
 }
 
 /// What a relayed stream keeps alive: decode's in-flight count, in a concurrent flow the
-/// prefill leg still running in the background (cancelled if the stream is dropped), and
-/// the leg's account for recompute detection (judged by the usage chunk when the client
-/// asked for usage; the leg counts as ended when it is taken or dropped).
+/// prefill leg still running in the background (cancelled if the stream is dropped), the
+/// leg's account for recompute detection (judged by the usage chunk when the client asked
+/// for usage; the leg counts as ended when it is taken or dropped), and the signal that
+/// decode's instance was found unreachable (the stream then ends with an error event
+/// rather than waiting on a silent peer).
 pub struct Keep {
     pub decode: InFlight,
     pub prefill: Option<AbortOnDrop>,
     pub judgment: Option<Judgment>,
+    pub unreachable: Lost,
+}
+
+/// Resolves with the reason once an instance is found unreachable ([`super::reach`]).
+pub type Lost = std::pin::Pin<Box<dyn Future<Output = String> + Send>>;
+
+/// Runs one leg's `work` on `inst` until it ends or the instance is found unreachable,
+/// whichever comes first.
+async fn unless_unreachable<T>(
+    inst: &Instance,
+    work: impl Future<Output = Result<T, LegFailure>>,
+) -> Result<T, LegFailure> {
+    tokio::select! {
+        done = work => done,
+        why = inst.reach.lost() => Err(LegFailure::Unreachable(why)),
+    }
 }
 
 /// A background task cancelled when this handle is dropped.
@@ -78,7 +96,7 @@ pub async fn prefill_once(
         }
         resp.body.read_all(MAX_ANSWER_BYTES).await
     };
-    let answer = tokio::time::timeout_at(deadline, work)
+    let answer = tokio::time::timeout_at(deadline, unless_unreachable(&inst, work))
         .await
         .map_err(|_| LegFailure::Timeout {
             limit,
@@ -109,8 +127,20 @@ async fn status_failure(resp: h1::Response, deadline: Instant) -> LegFailure {
 /// One decode attempt. Streams: wait for the first chunk within --first-byte-timeout-s.
 /// Non-streamed answers: read it all within the total deadline (vLLM sends nothing before
 /// it has finished generating), and check its usage for a recompute. `expect` says what
-/// the proxy expects of decode's KV, for the recompute check (recompute.rs).
+/// the proxy expects of decode's KV, for the recompute check (recompute.rs). Ends early,
+/// [`LegFailure::Unreachable`], when the instance is found unreachable meanwhile.
 pub async fn decode_once(
+    proxy: &Proxy,
+    req: &ClientRequest,
+    inst: Arc<Instance>,
+    body: Bytes,
+    expect: Expect,
+) -> Result<(Answer, Option<Duration>), LegFailure> {
+    let reach = inst.clone();
+    unless_unreachable(&reach, decode_attempt(proxy, req, inst, body, expect)).await
+}
+
+async fn decode_attempt(
     proxy: &Proxy,
     req: &ClientRequest,
     inst: Arc<Instance>,
@@ -189,6 +219,7 @@ pub async fn decode_once(
             first,
             rest,
             keep: Keep {
+                unreachable: Box::pin(inst.reach.lost()),
                 decode: guard,
                 prefill: None,
                 judgment: Some(judgment),

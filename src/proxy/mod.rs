@@ -35,6 +35,7 @@ mod models;
 mod pipeline;
 mod policy;
 mod protocol;
+mod reach;
 mod recompute;
 mod record;
 mod relay;
@@ -94,7 +95,11 @@ impl Proxy {
         let pools = LivePools::new(config::pools(a)?);
         let dns = config::dns_sources(a)?;
         let metrics = Arc::new(Metrics::default());
-        let upstream = Upstream::new(settings.connect_timeout, a.engine_api_key.as_deref())?;
+        let upstream = Upstream::new(
+            settings.connect_timeout,
+            a.tcp(),
+            a.engine_api_key.as_deref(),
+        )?;
         let bootstrap_timeout = settings.connect_timeout + Duration::from_secs(2);
         Ok(Proxy {
             policies: ArcSwap::from_pointee(tuning::Policies::new(a, &metrics)),

@@ -42,12 +42,33 @@ pub async fn run(
     }
 }
 
-/// Prefill, wait for it, then decode (two-step, nixl).
+/// Prefill, wait for it, then decode (two-step, nixl). A decode found unreachable before
+/// it sent anything may have taken the KV the prefill handed over (or may yet): the pair
+/// is redone, prefill and all, on instances still reachable.
 async fn sequential(
     proxy: &Arc<Proxy>,
     req: &ClientRequest,
     rec: &mut RequestRecord,
 ) -> Result<Answer, ProxyError> {
+    let mut redone = 0;
+    loop {
+        match sequential_once(proxy, req, rec).await? {
+            Ok(answer) => return Ok(answer),
+            Err((inst, f)) => {
+                retry_or_give_up(proxy, req, rec, Leg::Decode, &inst, f, redone).await?;
+                redone += 1;
+            }
+        }
+    }
+}
+
+/// One prefill (retried on its own) and its decode (retried on its own while the KV
+/// handed over is still there); the inner Err is a decode found unreachable.
+async fn sequential_once(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+) -> Result<Result<Answer, (Arc<Instance>, LegFailure)>, ProxyError> {
     let started = Instant::now();
     let (prefill, (handshake, answer)) = retry_leg(proxy, req, rec, Leg::Prefill, |inst| {
         let proxy = proxy.clone();
@@ -77,7 +98,24 @@ async fn sequential(
         Expect::handoff(&req.body, decode.body.as_ref())
     };
     let body = encode(decode.body, req);
-    decode_leg(proxy, req, rec, body, expect).await
+    let (inst, attempt) = retry_leg(proxy, req, rec, Leg::Decode, |inst| {
+        let body = body.clone();
+        async move {
+            match decode_once(proxy, req, inst, body, expect).await {
+                Err(f @ LegFailure::Unreachable(_)) => Ok(Err(f)),
+                other => other.map(Ok),
+            }
+        }
+    })
+    .await?;
+    Ok(match attempt {
+        Ok((answer, first_byte)) => {
+            rec.decode_first_byte = first_byte;
+            note_recompute(rec, &answer);
+            Ok(answer)
+        }
+        Err(f) => Err((inst, f)),
+    })
 }
 
 /// Both legs at once (mooncake), retried as a pair on other instances while that helps.
@@ -454,7 +492,7 @@ fn note_failure(inst: &Instance, f: &LegFailure) {
     }
     let kind = match f {
         LegFailure::Connect(_) => FailureKind::Connect,
-        LegFailure::Timeout { .. } => FailureKind::Timeout,
+        LegFailure::Timeout { .. } | LegFailure::Unreachable(_) => FailureKind::Timeout,
         LegFailure::Status { .. } => FailureKind::Status5xx,
         LegFailure::Body(_)
         | LegFailure::BadAnswer(_)

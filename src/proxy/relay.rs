@@ -87,6 +87,15 @@ pub fn stream_response(
     r
 }
 
+/// An error event followed by `data: [DONE]`, so a client reading to `[DONE]` stops there
+/// and knows why the answer is short.
+fn with_done(event: &[u8]) -> Bytes {
+    let mut both = Vec::with_capacity(event.len() + 14);
+    both.extend_from_slice(event);
+    both.extend_from_slice(b"data: [DONE]\n\n");
+    Bytes::from(both)
+}
+
 /// An SSE event carrying an OpenAI-style error object.
 pub fn error_event(err: &ProxyError) -> Bytes {
     Bytes::from(format!("data: {}\n\n", err.to_json()))
@@ -124,6 +133,22 @@ impl Relay {
 }
 
 impl Relay {
+    /// Ends a stream whose decode instance was found unreachable: an error event naming
+    /// it, then `[DONE]`, as a shutdown's cut does.
+    fn cut_off(&mut self, why: String) -> Poll<Option<Result<Bytes, std::convert::Infallible>>> {
+        let inst = self.keep.decode.instance().clone();
+        inst.record_failure(FailureKind::Timeout);
+        let event = self.last_event(
+            LegError {
+                leg: Leg::Decode,
+                instance: inst.url.clone(),
+                failure: LegFailure::Unreachable(why),
+            }
+            .into(),
+        );
+        Poll::Ready(Some(Ok(with_done(&event))))
+    }
+
     /// Notes a chunk handed to the client. Once the last event is `[DONE]` the client has
     /// the whole answer: a client that closes then (most do, at once) completed, it did not
     /// disconnect, even if decode has not closed its end yet.
@@ -166,14 +191,14 @@ impl Stream for Relay {
             let limit = this.total_limit;
             return this.fail(ProxyError::TotalTimeout(limit));
         }
+        if let Poll::Ready(why) = this.keep.unreachable.as_mut().poll(cx) {
+            return this.cut_off(why);
+        }
         if this.ties.cut.as_mut().poll(cx).is_ready() {
             // Like vLLM's own error ends: the error event, then [DONE], so a client reading
             // to [DONE] stops there and knows why the answer is short.
             let event = this.last_event(ProxyError::CutByShutdown);
-            let mut both = Vec::with_capacity(event.len() + 14);
-            both.extend_from_slice(&event);
-            both.extend_from_slice(b"data: [DONE]\n\n");
-            return Poll::Ready(Some(Ok(Bytes::from(both))));
+            return Poll::Ready(Some(Ok(with_done(&event))));
         }
         match this.rest.poll_data(cx) {
             Poll::Pending => Poll::Pending,

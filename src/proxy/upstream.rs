@@ -11,6 +11,7 @@
 //! (callgrind, docs/proxy.md "Overhead"); the proxy needs none of what those layers add.
 
 use super::errors::LegFailure;
+use crate::vocab::TcpLiveness;
 use axum::http::{HeaderValue, Request, Uri, header};
 use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
@@ -30,12 +31,6 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle connections kept per engine: enough for every stream of a busy proxy to find one.
 const POOL_MAX_IDLE_PER_ENGINE: usize = 1024;
 
-/// TCP keepalive on engine connections (idle time before the first probe, time between
-/// probes, probes before giving up): a silent stream or pooled connection to an engine
-/// host that vanished without closing its sockets fails within about a minute.
-const TCP_KEEPALIVE: (Duration, Duration, u32) =
-    (Duration::from_secs(15), Duration::from_secs(15), 3);
-
 /// An engine's answer: status and headers have arrived, the body is still to be read.
 pub type EngineResponse = axum::http::Response<Incoming>;
 
@@ -50,17 +45,20 @@ pub struct Upstream {
 
 impl Upstream {
     /// A client with the given connect timeout that sends `engine_key` as a bearer token.
+    /// `tcp` (keepalive and user timeout) makes a connection to an engine host that went
+    /// silent, without closing its sockets, fail within seconds (about 10 by default).
     pub fn new(
         connect_timeout: Duration,
+        tcp: TcpLiveness,
         engine_key: Option<&str>,
     ) -> Result<Self, super::config::ConfigError> {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(connect_timeout));
         connector.set_nodelay(true);
-        let (idle, interval, retries) = TCP_KEEPALIVE;
-        connector.set_keepalive(Some(idle));
-        connector.set_keepalive_interval(Some(interval));
-        connector.set_keepalive_retries(Some(retries));
+        connector.set_keepalive(Some(tcp.keepalive_idle()));
+        connector.set_keepalive_interval(Some(tcp.keepalive_interval()));
+        connector.set_keepalive_retries(Some(tcp.tcp_keepalive_count));
+        connector.set_tcp_user_timeout(Some(tcp.user_timeout()));
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .pool_max_idle_per_host(POOL_MAX_IDLE_PER_ENGINE)
@@ -70,7 +68,7 @@ impl Upstream {
             .map(|k| HeaderValue::from_str(&format!("Bearer {k}")))
             .transpose()
             .map_err(|_| super::config::ConfigError::EngineKey)?;
-        let legs = super::h1::Client::new(connect_timeout, TCP_KEEPALIVE, engine_key.as_ref());
+        let legs = super::h1::Client::new(connect_timeout, tcp, engine_key.as_ref());
         Ok(Upstream {
             client,
             engine_key,

@@ -43,5 +43,6 @@ pub(crate) fn plan(head: &str, services: Vec<Service>) -> Plan {
         services,
         warnings: vec![],
         control_port: None,
+        tcp: Default::default(),
     }
 }

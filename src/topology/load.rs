@@ -220,6 +220,25 @@ mod tests {
     }
 
     #[test]
+    fn a_network_setting_of_zero_is_located_and_the_rest_default() {
+        let e = err("[model]\nname = \"m\"\n[network]\ntcp_keepalive_count = 0\n");
+        assert_eq!(
+            (e.key.as_str(), e.line),
+            ("network.tcp_keepalive_count", 4),
+            "{e}"
+        );
+        assert!(e.message.contains("at least 1"), "{e}");
+        let t = load_str(
+            "[model]\nname = \"m\"\n[network]\ntcp_user_timeout_s = 20\n",
+            Source::Profile("t".into()),
+            "t".into(),
+        )
+        .unwrap();
+        assert_eq!(t.spec.network.tcp_user_timeout_s, 20);
+        assert_eq!(t.spec.network.tcp_keepalive_idle_s, 4);
+    }
+
+    #[test]
     fn syntax_errors_are_located() {
         let e = err("[model]\nname = \"m\n");
         assert_eq!(e.line, 2, "{e}");

@@ -104,6 +104,10 @@ pub struct Topology {
     pub proxy: ProxySection,
     #[serde(default)]
     pub control: ControlSection,
+    /// How connections between machines find a silent peer (TCP keepalive and user
+    /// timeout): the proxy's legs and the supervisors' probes of other nodes.
+    #[serde(default)]
+    pub network: crate::vocab::TcpLiveness,
 }
 
 /// The supervisors' TCP control channel, over which the head's supervisor carries a

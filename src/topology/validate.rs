@@ -11,6 +11,7 @@ pub fn check(t: &Topology, head: &str) -> Result<(), Problem> {
     check_role(t, "decode", &t.decode)?;
     check_placements(t)?;
     check_ports(t)?;
+    check_network(t)?;
     check_engine(t)?;
     check_connector(t, head)?;
     check_proxy(t)?;
@@ -194,6 +195,18 @@ fn check_ports(t: &Topology) -> Result<(), Problem> {
                 format!("{role}.base_port"),
                 format!("{} instances from port {base} run past 65535", r.instances),
             ));
+        }
+    }
+    Ok(())
+}
+
+fn check_network(t: &Topology) -> Result<(), Problem> {
+    for (name, value) in t.network.named() {
+        if value == 0 {
+            return Err(
+                Problem::new(format!("network.{name}"), "must be at least 1")
+                    .hint("leave it out for the default, which finds a dead peer in about 10 s"),
+            );
         }
     }
     Ok(())

@@ -11,6 +11,7 @@ mod restart;
 mod role;
 mod service;
 mod sim;
+mod tcp;
 mod vllm_version;
 
 pub use control_socket::SOCKET_NAME;
@@ -21,4 +22,5 @@ pub use service::{
     Check, ENGINE_API_KEY_VAR, GeneratedFile, PROXY_ENGINE_KEY_VAR, Probe, Service, Shutdown,
 };
 pub use sim::{SimHandoff, SimModel, SimRole};
+pub use tcp::TcpLiveness;
 pub use vllm_version::{BadVersion, Version, VersionRange, VersionSource};

@@ -69,6 +69,52 @@ impl NetnsPair {
         c
     }
 
+    /// `plain` (a command and its arguments and environment) run inside namespace `ns`,
+    /// or as it is where `ns` is None.
+    pub fn wrap(ns: Option<&str>, plain: Command) -> Command {
+        let Some(ns) = ns else { return plain };
+        let mut c = Self::exec(ns, std::path::Path::new(plain.get_program()));
+        c.args(plain.get_args());
+        for (k, v) in plain.get_envs() {
+            match v {
+                Some(v) => c.env(k, v),
+                None => c.env_remove(k),
+            };
+        }
+        c
+    }
+
+    /// Drops every packet between the two without a word (`on`), as a switch that fails
+    /// silently does, or lets them through again. The link stays up, so nothing tells
+    /// either side: a byte-limit-0 FIFO on each end's egress (iproute2's `tc`; netem is
+    /// not in every kernel).
+    pub fn set_silent_drop(&self, on: bool) -> Result<(), String> {
+        for (ns, dev) in [
+            (&self.a, format!("{}a", self.veth)),
+            (&self.b, format!("{}b", self.veth)),
+        ] {
+            let args: Vec<&str> = if on {
+                vec![
+                    "-n", ns, "qdisc", "replace", "dev", &dev, "root", "bfifo", "limit", "0",
+                ]
+            } else {
+                vec!["-n", ns, "qdisc", "del", "dev", &dev, "root"]
+            };
+            let out = Command::new("tc")
+                .args(&args)
+                .output()
+                .map_err(|e| format!("tc {}: {e}", args.join(" ")))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "tc {}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Takes the link between the two down (`up = false`) or up again.
     pub fn set_link(&self, up: bool) -> Result<(), String> {
         let state = if up { "up" } else { "down" };
@@ -87,5 +133,24 @@ impl Drop for NetnsPair {
     fn drop(&mut self) {
         let _ = ip(&["netns", "del", &self.a]);
         let _ = ip(&["netns", "del", &self.b]);
+    }
+}
+
+/// Runs `f` on a thread inside namespace `ns` (as is where None) and returns its result.
+pub fn in_netns<T: Send + 'static>(ns: Option<&str>, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = ns.map(|n| format!("/var/run/netns/{n}"));
+    std::thread::spawn(move || {
+        enter(path.as_deref());
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+/// Moves the calling thread into the namespace at `path` (none: stays).
+pub fn enter(path: Option<&str>) {
+    if let Some(p) = path {
+        let file = std::fs::File::open(p).unwrap();
+        nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
     }
 }

@@ -192,6 +192,7 @@ impl FakeEngine {
         self.state.cancelled.load(Ordering::SeqCst)
     }
 
+    /// The status `/health` answers; 0: it never answers (a machine cut off).
     pub fn set_health(&self, status: u16) {
         self.state.health_status.store(status, Ordering::SeqCst);
     }
@@ -203,7 +204,11 @@ async fn health(State(s): State<Arc<FakeState>>, headers: HeaderMap) -> StatusCo
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     s.health_auth.lock().unwrap().push(auth);
-    StatusCode::from_u16(s.health_status.load(Ordering::SeqCst)).unwrap()
+    match s.health_status.load(Ordering::SeqCst) {
+        // No answer at all, as from a machine cut off.
+        0 => std::future::pending().await,
+        status => StatusCode::from_u16(status).unwrap(),
+    }
 }
 
 async fn models(State(s): State<Arc<FakeState>>) -> Response {

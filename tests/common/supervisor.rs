@@ -256,6 +256,7 @@ pub fn plan(cluster: &str, nodes: &[(&str, &str)]) -> Plan {
         services: vec![],
         warnings: vec![],
         control_port: None,
+        tcp: Default::default(),
     }
 }
 

@@ -154,7 +154,8 @@ mod tests {
     fn the_first_request_to_a_prefill_learns_where_it_is_then_both_legs_go_at_once() {
         let p = NixlPush::default();
         let inst = test_prefill();
-        let up = Upstream::new(std::time::Duration::from_secs(1), None).unwrap();
+        let up =
+            Upstream::new(std::time::Duration::from_secs(1), Default::default(), None).unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();

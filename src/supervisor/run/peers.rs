@@ -129,6 +129,9 @@ fn url_host(url: &str) -> Option<&str> {
 async fn poll(peer: std::sync::Weak<Peer>) {
     loop {
         let Some(p) = peer.upgrade() else { return };
+        // A peer that does not answer has not answered since it was asked: a silent one
+        // takes ANSWER_WITHIN to fail, which is not added to the time it takes to be cut off.
+        let asked = (Instant::now(), now_ms());
         let answer = status_at(&p.endpoint, ANSWER_WITHIN).await;
         {
             let mut seen = p.seen.lock().unwrap_or_else(|e| e.into_inner());
@@ -144,7 +147,7 @@ async fn poll(peer: std::sync::Weak<Peer>) {
                 Err(e) => {
                     if seen.failing_since.is_none() {
                         tracing::warn!("node {}'s supervisor does not answer: {e}", p.node);
-                        seen.failing_since = Some((Instant::now(), now_ms()));
+                        seen.failing_since = Some(asked);
                     }
                     seen.error = Some(e.to_string());
                 }

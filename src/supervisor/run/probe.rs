@@ -2,7 +2,7 @@
 //! while a service starts: 50 ms at first so a simulated cluster is ready in well under a
 //! second, growing to 1 s so a vLLM that loads for minutes is not hammered.
 
-use crate::vocab::{Probe, Service};
+use crate::vocab::{Probe, Service, TcpLiveness};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -46,16 +46,22 @@ pub struct Prober {
 
 impl Default for Prober {
     fn default() -> Self {
-        Prober::new()
+        Prober::new(TcpLiveness::default())
     }
 }
 
 impl Prober {
-    pub fn new() -> Prober {
+    /// A prober whose connections carry `tcp`'s keepalive and user timeout, so a pooled
+    /// connection to a node that went silent is given up in seconds, not reused.
+    pub fn new(tcp: TcpLiveness) -> Prober {
         let http = reqwest::Client::builder()
             .no_proxy()
             .timeout(PROBE_TIMEOUT)
             .connect_timeout(PROBE_TIMEOUT)
+            .tcp_keepalive(tcp.keepalive_idle())
+            .tcp_keepalive_interval(tcp.keepalive_interval())
+            .tcp_keepalive_retries(tcp.tcp_keepalive_count)
+            .tcp_user_timeout(tcp.user_timeout())
             .build()
             .expect("a plain HTTP client builds");
         Prober { http }
@@ -226,7 +232,7 @@ mod tests {
                 let _ = s.write_all(resp.as_bytes()).await;
             }
         });
-        let p = Prober::new();
+        let p = Prober::default();
         let seen = AtomicBool::new(false);
         let url = format!("http://127.0.0.1:{port}/health");
         let http = |status, body: Option<&str>| Probe::Http {

@@ -150,7 +150,7 @@ pub async fn run(
         node: node.clone(),
         table: Arc::new(Table::new(&plan, &node)),
         spawner,
-        prober: Prober::new(),
+        prober: Prober::new(plan.tcp),
         record: record.clone(),
         console: console.clone(),
         cwd: state.dir.clone(),

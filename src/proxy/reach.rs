@@ -1,0 +1,81 @@
+//! Whether an instance can be reached at all, as a signal the legs on it wait on: a leg
+//! on an instance found unreachable (the supervisor says its node is cut off, or, without
+//! a supervisor, its health probes go unanswered) ends at once instead of waiting out the
+//! first-byte or total timeout, which stay for instances that are alive and slow.
+
+use std::future::Future;
+use tokio::sync::watch;
+
+/// An instance's reachability: `Some(why)` while it is unreachable.
+#[derive(Debug)]
+pub struct Reach {
+    tx: watch::Sender<Option<String>>,
+}
+
+impl Default for Reach {
+    fn default() -> Self {
+        Reach {
+            tx: watch::Sender::new(None),
+        }
+    }
+}
+
+impl Reach {
+    /// Records the instance as unreachable (`Some(why)`) or reachable again (`None`);
+    /// true when this changed which of the two it is. Legs waiting on [`Reach::lost`]
+    /// end when it turns unreachable.
+    pub fn set(&self, why: Option<String>) -> bool {
+        self.tx.send_if_modified(|now| {
+            let changed = now.is_some() != why.is_some();
+            if changed {
+                *now = why;
+            }
+            changed
+        })
+    }
+
+    /// Whether the instance is taken as unreachable now.
+    pub fn is_unreachable(&self) -> bool {
+        self.tx.borrow().is_some()
+    }
+
+    /// Resolves with the reason once the instance is unreachable (at once if it is now);
+    /// never while it is reachable.
+    pub fn lost(&self) -> impl Future<Output = String> + Send + 'static {
+        let mut rx = self.tx.subscribe();
+        async move {
+            let why = rx
+                .wait_for(Option::is_some)
+                .await
+                .map(|why| why.clone().unwrap_or_default());
+            match why {
+                Ok(why) => why,
+                // The instance is gone, and with it every leg on it.
+                Err(_) => std::future::pending().await,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_leg_waiting_on_an_instance_learns_when_it_is_cut_off() {
+        let reach = Reach::default();
+        let waiting = tokio::spawn(reach.lost());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished(), "reachable: nothing ends");
+        assert!(reach.set(Some("node worker cut off".into())));
+        assert!(!reach.set(Some("again".into())), "no change");
+        let why = tokio::time::timeout(Duration::from_secs(2), waiting)
+            .await
+            .expect("the leg learns at once")
+            .unwrap();
+        assert_eq!(why, "node worker cut off");
+        assert_eq!(reach.lost().await, "node worker cut off");
+        assert!(reach.set(None) && !reach.is_unreachable());
+    }
+}
