@@ -502,6 +502,7 @@ fn expected_argv(plan: &Value, svc: &Value, service_of: &dyn Fn(&str) -> String)
         let v = if pdctl::export::rewrite::is_bind_flag(prev) {
             a.replace(&format!("//{host}:"), "//0.0.0.0:")
                 .replace(host, "0.0.0.0")
+                .replace("127.0.0.1", "0.0.0.0")
         } else if prev == "--instance" && argv[1] == "sim" {
             "$(POD_NAME)".to_string()
         } else if a == host {

@@ -351,7 +351,7 @@ pub fn parts(plan: &Plan, topology: &Topology, o: &Options) -> Result<Parts, Exp
     let mut rewrites: Vec<String> = vec![
         "every program by name (argv[0] without its directory), found on the image's PATH"
             .into(),
-        "--host and --listen-* addresses -> 0.0.0.0 (each pod listens on its own IP); ports are the first instance's, the same in every pod".into(),
+        "--host, --listen-* and mooncake_master's bind addresses (the node's or loopback) -> 0.0.0.0 (each pod listens on its own IP); ports are the first instance's, the same in every pod".into(),
         "HOST:PORT of another service -> its Service name and port".into(),
     ];
     let mut warnings: Vec<String> = Vec::new();

@@ -163,13 +163,19 @@ pub fn program_name(program: &str) -> String {
 }
 
 /// A listen address: the host's own address becomes [`ANY`], also inside a URL.
+/// The address a bind flag listens on, in a pod: the service's own address, and loopback
+/// (where the plan keeps what only its own node reaches — in a cluster every role is a pod
+/// of its own, reached over the pod network), become [`ANY`].
 fn bind_value(value: &str, host: &str) -> String {
-    if value == host {
+    if value == host || value == LOOPBACK {
         ANY.to_string()
     } else {
-        replace_whole(value, host, ANY)
+        replace_whole(&replace_whole(value, host, ANY), LOOPBACK, ANY)
     }
 }
+
+/// The loopback address the plan binds what no other node reaches to.
+const LOOPBACK: &str = "127.0.0.1";
 
 /// Kubernetes expands `$(NAME)` in command and args; a literal `$(` must be written `$$(`.
 pub fn escape_dollar(s: &str) -> String {
@@ -179,6 +185,20 @@ pub fn escape_dollar(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bind_addresses_become_any_whether_the_nodes_or_loopback() {
+        assert_eq!(bind_value("10.0.0.1", "10.0.0.1"), ANY);
+        assert_eq!(bind_value("127.0.0.1", "10.0.0.1"), ANY);
+        assert_eq!(
+            bind_value("http://127.0.0.1:2379", "10.0.0.1"),
+            "http://0.0.0.0:2379"
+        );
+        assert_eq!(
+            bind_value("http://10.0.0.1:2379", "10.0.0.1"),
+            "http://0.0.0.0:2379"
+        );
+    }
 
     #[test]
     fn only_whole_addresses_are_replaced() {
