@@ -607,16 +607,7 @@ fn one_scale_on_the_head_changes_every_node() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut secret = None;
-    assert!(common::wait_until(Duration::from_secs(30), || {
-        let out = head.run(&["secret"]);
-        secret = out
-            .status
-            .success()
-            .then(|| String::from_utf8(out.stdout).unwrap().trim().to_string());
-        secret.is_some()
-    }));
-    let secret = secret.unwrap();
+    let secret = head.wait_secret(Duration::from_secs(30));
     let mut up_worker = node_command(nw, &worker, &["up", "-d", "-f", f, "--node", "worker"]);
     up_worker.env(pdctl::control::auth::SECRET_ENV, &secret);
     let out = suph::run_bounded(up_worker, Duration::from_secs(60));

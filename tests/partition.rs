@@ -130,20 +130,12 @@ fn cut_under_load(tag: &str, how: Cut) {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-    let mut secret = None;
-    assert!(common::wait_until(Duration::from_secs(60), || {
-        let out = head.run(&["secret"]);
-        secret = out
-            .status
-            .success()
-            .then(|| String::from_utf8(out.stdout).unwrap().trim().to_string());
-        secret.is_some()
-    }));
+    let secret = head.wait_secret(Duration::from_secs(60));
     let mut up_worker = netns::NetnsPair::wrap(
         nw,
         worker.command(&["up", "-d", "-f", f, "--node", "worker"]),
     );
-    up_worker.env(pdctl::control::auth::SECRET_ENV, secret.unwrap());
+    up_worker.env(pdctl::control::auth::SECRET_ENV, &secret);
     let out = suph::run_bounded(up_worker, Duration::from_secs(90));
     assert!(out.status.success(), "worker: {}", text(&out));
     let up = up_head.wait_with_output().unwrap();

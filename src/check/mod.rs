@@ -53,6 +53,24 @@ pub struct PairResult {
     pub problem: Option<String>,
 }
 
+impl PairResult {
+    /// The pair before its probe: nothing moved, nothing measured, no problem yet.
+    pub fn untried(prefill: &Engine, decode: &Engine) -> PairResult {
+        PairResult {
+            prefill: prefill.planned.name.clone(),
+            decode: decode.planned.name.clone(),
+            moved: false,
+            prompt_tokens: 0,
+            expected_tokens: 0,
+            external_tokens: 0.0,
+            elapsed_ms: 0.0,
+            tokens_per_s: 0.0,
+            mismatches: Vec::new(),
+            problem: None,
+        }
+    }
+}
+
 /// Asks an engine its version, model, block size and handoff counter.
 pub async fn ask(client: &reqwest::Client, url: &str) -> Result<Answered, String> {
     let get = |path: &str| {
@@ -161,18 +179,7 @@ pub async fn probe(
     words: usize,
     block_size: u32,
 ) -> PairResult {
-    let mut r = PairResult {
-        prefill: prefill.planned.name.clone(),
-        decode: decode.planned.name.clone(),
-        moved: false,
-        prompt_tokens: 0,
-        expected_tokens: 0,
-        external_tokens: 0.0,
-        elapsed_ms: 0.0,
-        tokens_per_s: 0.0,
-        mismatches: Vec::new(),
-        problem: None,
-    };
+    let mut r = PairResult::untried(prefill, decode);
     let before = match ask(client, &decode.url).await {
         Ok(a) => a.external_tokens,
         Err(e) => {

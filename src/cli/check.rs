@@ -144,16 +144,8 @@ async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
 
 fn unreachable(p: &Engine, d: &Engine, e: &str) -> PairResult {
     PairResult {
-        prefill: p.planned.name.clone(),
-        decode: d.planned.name.clone(),
-        moved: false,
-        prompt_tokens: 0,
-        expected_tokens: 0,
-        external_tokens: 0.0,
-        elapsed_ms: 0.0,
-        tokens_per_s: 0.0,
-        mismatches: Vec::new(),
         problem: Some(e.to_string()),
+        ..PairResult::untried(p, d)
     }
 }
 

@@ -140,6 +140,22 @@ impl Cluster {
         self.run(&args)
     }
 
+    /// The cluster's secret as `pdctl secret` prints it, once the head's `up` (started
+    /// elsewhere) has made it; waits up to `limit`.
+    pub fn wait_secret(&self, limit: Duration) -> String {
+        let mut secret = None;
+        let made = crate::common::wait_until(limit, || {
+            let out = self.run(&["secret"]);
+            secret = out
+                .status
+                .success()
+                .then(|| String::from_utf8(out.stdout).unwrap().trim().to_string());
+            secret.is_some()
+        });
+        assert!(made, "the head made no secret within {limit:?}");
+        secret.unwrap()
+    }
+
     /// The running cluster's engine key, as `pdctl secret --engine-key` prints it.
     pub fn engine_key(&self) -> String {
         let out = self.run(&["secret", "--engine-key"]);
