@@ -450,12 +450,16 @@ fn planned_flags(svc: &Value) -> Vec<String> {
         .iter()
         .map(|f| (f.path.as_path(), f.content.as_str()));
     let flags = match s.argv[1].as_str() {
-        "proxy" => pdctl::child_config::proxy::ProxyArgs::from_service(&s.argv, files)
-            .unwrap()
-            .to_argv(),
-        "sim" => pdctl::child_config::sim::SimArgs::from_service(&s.argv, files)
-            .unwrap()
-            .to_argv(),
+        "proxy" => pdctl::child_config::from_service::<pdctl::child_config::proxy::ProxyArgs>(
+            &s.argv, files,
+        )
+        .unwrap()
+        .to_argv(),
+        "sim" => {
+            pdctl::child_config::from_service::<pdctl::child_config::sim::SimArgs>(&s.argv, files)
+                .unwrap()
+                .to_argv()
+        }
         _ => return s.argv,
     };
     assert_eq!(s.argv[2], "--config", "{:?}", s.argv);

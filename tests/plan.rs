@@ -515,10 +515,17 @@ fn shared_storage_1p1d_carries_the_seed_flags() {
     assert_eq!(proxy.protocol, ProxyProtocol::TwoStep);
 }
 
-/// The settings the plan gives its proxy: its config file (and flags) read back.
+/// The settings the plan gives its proxy: its config file (and flags) read back as the
+/// proxy reads them at its start, which must be the plan's typed settings exactly.
 fn proxy_settings(plan: &Plan) -> ProxyArgs {
     let s = plan.service("proxy").unwrap();
-    ProxyArgs::from_service(&s.argv, files_of(s)).unwrap()
+    let read: ProxyArgs = pdctl::child_config::from_service(&s.argv, files_of(s)).unwrap();
+    let typed = plan.settings_of("proxy").and_then(|t| t.proxy()).unwrap();
+    assert_eq!(
+        &read, typed,
+        "the proxy's config file and the plan's settings differ"
+    );
+    read
 }
 
 /// `[network]` reaches the proxy's settings (its legs' connections) and the plan (the
@@ -759,7 +766,13 @@ fn context_lengths(plan: &Plan) -> Vec<(String, Option<String>)> {
         .filter(|s| s.role.is_engine())
         .map(|s| {
             let v = if s.argv[1] == "sim" {
-                let a = SimArgs::from_service(&s.argv, files_of(s)).unwrap();
+                let a: SimArgs = pdctl::child_config::from_service(&s.argv, files_of(s)).unwrap();
+                let typed = plan.settings_of(&s.name).and_then(|t| t.sim()).unwrap();
+                assert_eq!(
+                    &a, typed,
+                    "{}'s config file and the plan's settings differ",
+                    s.name
+                );
                 Some(a.model_params.max_model_len.to_string())
             } else {
                 flag(&s.argv, "--max-model-len").map(str::to_string)

@@ -942,3 +942,90 @@ fn logs_rotate_by_size_and_follow_continues_across_rotations() {
     );
     assert_eq!(c.run(&["down"]).status.code(), Some(0));
 }
+
+/// Issue 23: a service's typed settings go to whoever follows them (the running proxy
+/// does) as a typed message: at once, and again when a `Replace` brings new ones, which
+/// plan.json keeps. Nothing is read back from a file.
+#[test]
+fn typed_settings_are_sent_to_their_follower_at_once_and_again_when_replaced() {
+    use pdctl::child_config::ChildSettings;
+    use pdctl::child_config::proxy::ProxyArgs;
+    use pdctl::control::{Request, Response};
+    let c = Cluster::new("settings");
+    let p = free_ports(1);
+    let mut plan = plan("settings", &[("main", "127.0.0.1")]);
+    let engine = local_engine(&c, "prefill-0", Role::Prefill, p[0]);
+    let first = ProxyArgs {
+        retries: 1,
+        ..ProxyArgs::default()
+    };
+    plan.settings.insert(
+        "prefill-0".into(),
+        ChildSettings::Proxy(Box::new(first.clone())),
+    );
+    plan.services = vec![engine.clone()];
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let state = c.state(&plan, "main");
+    let socket = state.socket_path();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let follower = {
+        let socket = socket.clone();
+        rt.spawn(async move {
+            pdctl::control::client::watch_settings(&socket, "prefill-0", |rev, s| {
+                let _ = tx.send((rev, s));
+            })
+            .await
+        })
+    };
+    let next = |rx: &mut tokio::sync::mpsc::UnboundedReceiver<(u64, Option<ChildSettings>)>| {
+        rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), rx.recv()).await })
+            .expect("no settings within 10 s")
+            .expect("the follower ended")
+    };
+    let (rev, got) = next(&mut rx);
+    assert_eq!(rev, 0);
+    assert_eq!(got.as_ref().and_then(|s| s.proxy()), Some(&first));
+
+    let second = ProxyArgs {
+        retries: 7,
+        ..first.clone()
+    };
+    let req = Request::Replace {
+        service: Box::new(engine),
+        settings: Some(Box::new(ChildSettings::Proxy(Box::new(second.clone())))),
+    };
+    let answer = rt
+        .block_on(pdctl::control::client::send(
+            &socket,
+            &req,
+            Duration::from_secs(5),
+        ))
+        .unwrap();
+    assert!(matches!(answer, Response::Done { .. }), "{answer:?}");
+    let (rev, got) = next(&mut rx);
+    assert_eq!(rev, 1);
+    assert_eq!(got.as_ref().and_then(|s| s.proxy()), Some(&second));
+    assert_eq!(svc(&c.status(&[]).unwrap(), "prefill-0").revision, 1);
+    let kept: pdctl::plan::Plan =
+        serde_json::from_str(&std::fs::read_to_string(state.plan_path()).unwrap()).unwrap();
+    assert_eq!(
+        kept.settings_of("prefill-0").and_then(|s| s.proxy()),
+        Some(&second),
+        "plan.json keeps the new settings"
+    );
+    follower.abort();
+
+    // A service the cluster does not have is refused by name.
+    let e = rt
+        .block_on(pdctl::control::client::watch_settings(
+            &socket,
+            "nosuch",
+            |_, _| {},
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no service `nosuch`"), "{e}");
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+}

@@ -4,16 +4,19 @@
 //! and the same defaults (the struct's `Default`, which the clap attributes read).
 //!
 //! The planner writes the file, the plan shows it, the supervisor writes it before the
-//! start, and the command line is `pdctl proxy --config FILE`. Flags given beside
+//! start, and the command line is `pdctl proxy --config FILE`. The plan also keeps the
+//! same values typed ([`ChildSettings`], `Plan::settings`): what `plan::diff` compares,
+//! export turns into a pod's flags and the supervisor sends a running proxy. Flags given beside
 //! `--config` override the file's values (a simulated role's own `args` in a topology ride
 //! on the command line that way). Secrets are never in the file: they come from the
 //! environment (`PDCTL_API_KEY`, `VLLM_API_KEY`), a file naming one is refused.
 //!
 //! [`Configured::resolve`] reads through a given function, so [`from_service`] can build
-//! the struct from a planned service (its argv and generated files) without touching disk.
+//! the struct from a planned service (its argv and generated files) without touching disk
+//! (the planner resolves a sim's role flags over its file this way, once).
 //!
 //! The two structs live here, in [`proxy`] and [`sim`], not in `crate::proxy` and
-//! `crate::sim`: the planner writes them, compares them and export reads them back, and
+//! `crate::sim`: the planner writes them, compares them and export reads them, and
 //! the planner sits below the proxy and the simulator. This module sits above the
 //! topology (its errors are located as a topology's are) and below the connectors and the
 //! planner; see `tests/layers.rs`.
@@ -315,6 +318,36 @@ fn first_line(s: &str) -> String {
         .unwrap_or_default()
         .trim_start_matches("error: ")
         .to_string()
+}
+
+/// The settings of a service pdctl runs as itself, typed: the plan keeps them beside the
+/// service's command (`Plan::settings`), `plan::diff` compares them field by field, and
+/// the supervisor hands a running proxy its new ones as they are (`Request::WatchSettings`).
+/// The generated config file carries the same values for the process's start; nothing
+/// reads it back.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ChildSettings {
+    Proxy(Box<proxy::ProxyArgs>),
+    Sim(Box<sim::SimArgs>),
+}
+
+impl ChildSettings {
+    /// The proxy's settings, when these are a proxy's.
+    pub fn proxy(&self) -> Option<&proxy::ProxyArgs> {
+        match self {
+            ChildSettings::Proxy(a) => Some(a),
+            ChildSettings::Sim(_) => None,
+        }
+    }
+
+    /// A simulated engine's settings, when these are a sim's.
+    pub fn sim(&self) -> Option<&sim::SimArgs> {
+        match self {
+            ChildSettings::Sim(a) => Some(a),
+            ChildSettings::Proxy(_) => None,
+        }
+    }
 }
 
 /// The file text the planner writes for `value` (TOML, defaults spelled out).

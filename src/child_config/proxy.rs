@@ -4,10 +4,10 @@
 //! ([`ProxyArgs::default`]), and the one list of which settings a running proxy takes in
 //! place ([`live_changes`]) and which wait for its restart ([`restart_only`]).
 
-use super::{ChildConfig, FromServiceError};
+use super::ChildConfig;
 use crate::spelling::value_name;
 use crate::topology::KvLoadFailurePolicy;
-use crate::vocab::{PolicyName, ProxyProtocol, Service, TcpLiveness};
+use crate::vocab::{PolicyName, ProxyProtocol, TcpLiveness};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -188,15 +188,6 @@ impl ChildConfig for ProxyArgs {
 }
 
 impl ProxyArgs {
-    /// The settings of a planned proxy service from its argv and generated files (path,
-    /// content), without touching disk: what a running proxy re-reads from its spec.
-    pub fn from_service<'a>(
-        argv: &[String],
-        files: impl IntoIterator<Item = (&'a std::path::Path, &'a str)>,
-    ) -> Result<ProxyArgs, FromServiceError> {
-        super::from_service(argv, files)
-    }
-
     /// The TCP keepalive and user timeout of the legs' connections.
     pub fn tcp(&self) -> TcpLiveness {
         TcpLiveness {
@@ -299,30 +290,6 @@ impl ProxyArgs {
     }
 }
 
-/// Why a spec gives no proxy arguments: which service, and what the reader said (not a
-/// `pdctl proxy` command, flags that do not parse, a config file at fault).
-#[derive(Debug, thiserror::Error)]
-#[error("{service}'s settings cannot be read: {source}")]
-pub struct SpecError {
-    service: String,
-    source: Box<FromServiceError>,
-}
-
-/// The proxy arguments of a service's spec (`<program> proxy [--config FILE] FLAGS...`,
-/// the file among the spec's generated files), read without touching the disk. Flags with
-/// an environment fallback read this process's environment, as they did when the proxy
-/// started.
-pub fn args_of(service: &Service) -> Result<ProxyArgs, SpecError> {
-    let files = service
-        .files
-        .iter()
-        .map(|f| (f.path.as_path(), f.content.as_str()));
-    ProxyArgs::from_service(&service.argv, files).map_err(|source| SpecError {
-        service: service.name.clone(),
-        source: Box::new(source),
-    })
-}
-
 /// Flags a running proxy takes in place (besides the policies, compared as resolved).
 const LIVE: [&str; 9] = [
     "--rate-limit",
@@ -413,31 +380,50 @@ pub fn live_changes(old: &ProxyArgs, new: &ProxyArgs) -> Vec<String> {
     out
 }
 
+/// For tests of the proxy's settings: `pdctl proxy --prefill 127.0.0.1:1 --decode
+/// 127.0.0.1:2 EXTRA...` as the proxy parses it.
+#[cfg(test)]
+pub fn test_args(extra: &[&str]) -> ProxyArgs {
+    let argv: Vec<String> = [
+        "pdctl",
+        "proxy",
+        "--prefill",
+        "127.0.0.1:1",
+        "--decode",
+        "127.0.0.1:2",
+    ]
+    .into_iter()
+    .chain(extra.iter().copied())
+    .map(String::from)
+    .collect();
+    super::from_service(&argv, []).expect("test flags parse")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::vocab::Role;
+    use crate::vocab::{Role, Service};
 
     fn args(extra: &[&str]) -> ProxyArgs {
-        let mut v = vec![
-            "pdctl",
-            "proxy",
-            "--prefill",
-            "127.0.0.1:1",
-            "--decode",
-            "127.0.0.1:2",
-        ];
-        v.extend_from_slice(extra);
-        args_of(&service(&v)).unwrap()
+        test_args(extra)
     }
 
     fn service(argv: &[&str]) -> Service {
         Service::new("proxy", Role::Proxy, "local", argv.iter().copied())
     }
 
+    /// What the proxy reads at its start from a planned service's command and files.
+    fn read(s: &Service) -> Result<ProxyArgs, crate::child_config::FromServiceError> {
+        let files = s
+            .files
+            .iter()
+            .map(|f| (f.path.as_path(), f.content.as_str()));
+        crate::child_config::from_service(&s.argv, files)
+    }
+
     #[test]
     fn a_spec_gives_the_arguments_after_the_subcommand() {
-        let a = args_of(&service(&[
+        let a = read(&service(&[
             "/bin/pdctl",
             "proxy",
             "--prefill",
@@ -452,9 +438,9 @@ mod tests {
             (a.max_concurrent, a.prefill.clone()),
             (8, vec!["h:1".to_string()])
         );
-        let e = args_of(&service(&["/bin/pdctl", "sim"])).unwrap_err();
+        let e = read(&service(&["/bin/pdctl", "sim"])).unwrap_err();
         assert!(e.to_string().contains("is not `pdctl proxy"), "{e}");
-        let e = args_of(&service(&["pdctl", "proxy", "--max-concurrent", "many"])).unwrap_err();
+        let e = read(&service(&["pdctl", "proxy", "--max-concurrent", "many"])).unwrap_err();
         assert!(e.to_string().contains("--max-concurrent"), "{e}");
     }
 
@@ -466,9 +452,9 @@ mod tests {
             path: "/state/files/proxy.toml".into(),
             content: toml::to_string(&wanted).unwrap(),
         });
-        assert_eq!(args_of(&s).unwrap(), wanted);
+        assert_eq!(read(&s).unwrap(), wanted);
         s.files.clear();
-        let e = args_of(&s).unwrap_err().to_string();
+        let e = read(&s).unwrap_err().to_string();
         assert!(e.contains("proxy.toml"), "{e}");
     }
 

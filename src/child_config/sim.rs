@@ -3,7 +3,7 @@
 //! [`super`]), so the two can never drift apart; one set of defaults
 //! ([`SimModel::default`], [`SimArgs::default`]).
 
-use super::{ChildConfig, FromServiceError};
+use super::ChildConfig;
 use crate::spelling::value_name;
 use crate::topology::KvLoadFailurePolicy;
 use crate::vocab::{SimHandoff, SimModel, SimRole};
@@ -104,15 +104,6 @@ impl ChildConfig for SimArgs {
 }
 
 impl SimArgs {
-    /// The settings of a planned sim service from its argv and generated files (path,
-    /// content), without touching disk.
-    pub fn from_service<'a>(
-        argv: &[String],
-        files: impl IntoIterator<Item = (&'a std::path::Path, &'a str)>,
-    ) -> Result<SimArgs, FromServiceError> {
-        super::from_service(argv, files)
-    }
-
     /// The argv after `pdctl sim` that parses back into exactly these arguments (what
     /// `export` gives a pod), the API key excepted: a secret travels in the environment (`VLLM_API_KEY`), never on a
     /// command line that `ps` shows.

@@ -53,7 +53,7 @@ async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
             .filter_map(|s| {
                 let svc = plan.service(&s.name)?;
                 Some(Engine {
-                    planned: engine_facts(svc)?,
+                    planned: engine_facts(svc, plan.settings_of(&s.name))?,
                     url: s.url.clone()?,
                 })
             })
@@ -74,7 +74,10 @@ async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
     let mut transports: Vec<(String, transport::Transport)> = Vec::new();
     for e in prefill.iter().chain(&decode) {
         if let Some(svc) = plan.service(&e.planned.name) {
-            transports.push((e.planned.name.clone(), transport::of(&plan.connector, svc)));
+            transports.push((
+                e.planned.name.clone(),
+                transport::of(&plan.connector, svc, plan.settings_of(&svc.name)),
+            ));
         }
     }
     let first = &transports[0].1;

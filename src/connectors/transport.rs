@@ -3,7 +3,7 @@
 //! shared-storage connector, the handoff of a simulated engine. `pdctl check` prints it,
 //! and warns when it is TCP on a machine that has RDMA devices.
 
-use crate::child_config::sim::SimArgs;
+use crate::child_config::ChildSettings;
 use crate::vocab::Service;
 use serde_json::Value;
 
@@ -14,17 +14,11 @@ pub struct Transport {
     pub tcp: bool,
 }
 
-/// The transport `svc` (a prefill or decode engine of a plan with connector `connector`)
-/// is configured with.
-pub fn of(connector: &str, svc: &Service) -> Transport {
-    if svc.argv.get(1).map(String::as_str) == Some("sim") {
-        let files = svc
-            .files
-            .iter()
-            .map(|f| (f.path.as_path(), f.content.as_str()));
-        let handoff = crate::child_config::from_service::<SimArgs>(&svc.argv, files)
-            .map(|a| crate::spelling::value_name(a.handoff))
-            .unwrap_or_else(|_| "?".into());
+/// The transport `svc` (a prefill or decode engine of a plan with connector `connector`;
+/// a simulated one's typed `settings`) is configured with.
+pub fn of(connector: &str, svc: &Service, settings: Option<&ChildSettings>) -> Transport {
+    if let Some(sim) = settings.and_then(ChildSettings::sim) {
+        let handoff = crate::spelling::value_name(sim.handoff);
         return Transport {
             text: format!("simulated {handoff} handoff (no KV bytes move)"),
             tcp: false,
@@ -140,14 +134,22 @@ mod tests {
         let t = of(
             "nixl",
             &engine(&["python3"], &[("UCX_TLS", "tcp,cuda_copy")]),
+            None,
         );
         assert!(t.tcp, "{t:?}");
         assert_eq!(
             t.text,
             "NIXL over UCX: UCX_TLS=tcp,cuda_copy, UCX_NET_DEVICES=(unset: UCX picks)"
         );
-        assert!(!of("nixl", &engine(&["python3"], &[("UCX_TLS", "rc,tcp")])).tcp);
-        assert!(!of("nixl", &engine(&["python3"], &[])).tcp);
+        assert!(
+            !of(
+                "nixl",
+                &engine(&["python3"], &[("UCX_TLS", "rc,tcp")]),
+                None
+            )
+            .tcp
+        );
+        assert!(!of("nixl", &engine(&["python3"], &[]), None).tcp);
     }
 
     #[test]
@@ -156,6 +158,7 @@ mod tests {
         let t = of(
             "mooncake",
             &engine(&["python3", "--kv-transfer-config", kv], &[]),
+            None,
         );
         assert_eq!(
             t,

@@ -3,7 +3,7 @@
 use super::auth::Secret;
 use super::operation::ChangeRequest;
 use super::{Request, Response, StatusReport};
-use crate::vocab::Service;
+use crate::child_config::ChildSettings;
 use std::path::Path;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -57,18 +57,47 @@ pub async fn status_at(to: &Endpoint, timeout: Duration) -> Result<StatusReport,
     .await
 }
 
-/// Asks the supervisor on `socket` how service `name` is started now (after any
-/// `Replace`).
-pub async fn spec(socket: &Path, name: &str, timeout: Duration) -> Result<Service, ControlError> {
-    let req = Request::Spec {
-        service: name.to_string(),
-    };
+/// Follows service `name`'s typed settings on the supervisor at `socket`: hands `each`
+/// (revision, settings) at once and after every change, until the connection ends
+/// (Ok when the supervisor closed it) or fails.
+pub async fn watch_settings(
+    socket: &Path,
+    name: &str,
+    mut each: impl FnMut(u64, Option<ChildSettings>),
+) -> Result<(), ControlError> {
     let to = Endpoint::Unix(socket.to_path_buf());
-    ask(&to, &req, timeout, "a service's spec", |r| match r {
-        Response::Spec { service } => Ok(*service),
-        other => Err(other),
+    let mut conn = tokio::time::timeout(Duration::from_secs(2), Conn::open(&to))
+        .await
+        .map_err(|_| ControlError::Timeout {
+            path: to.label(),
+            secs: 2,
+        })??;
+    conn.send(&Request::WatchSettings {
+        service: name.to_string(),
     })
-    .await
+    .await?;
+    loop {
+        match conn.receive().await {
+            Ok(Response::Settings {
+                revision, settings, ..
+            }) => each(revision, settings.map(|s| *s)),
+            Ok(Response::Error { message }) => {
+                return Err(ControlError::Refused {
+                    path: to.label(),
+                    message,
+                });
+            }
+            Ok(other) => {
+                return Err(ControlError::Unexpected {
+                    path: to.label(),
+                    asked: "a service's settings",
+                    what: format!("{other:?}"),
+                });
+            }
+            Err(ControlError::NoAnswer { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Sends `req` and takes the answer `pick` accepts; an error answer is `Refused`, any

@@ -6,6 +6,7 @@ pub mod auth;
 pub mod client;
 pub mod operation;
 
+use crate::child_config::ChildSettings;
 use crate::vocab::{Role, Service};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -33,18 +34,29 @@ pub enum Request {
     /// run ends, so requests in flight can finish before it is restarted or stopped.
     Drain { service: String },
     /// Start a new service on this node (`pdctl scale` / `apply` adding an instance); it
-    /// waits for its dependencies like any other and is reported from then on.
-    Add { service: Box<Service> },
+    /// waits for its dependencies like any other and is reported from then on. `settings`:
+    /// its typed settings where pdctl runs it as itself (a simulated engine).
+    Add {
+        service: Box<Service>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        settings: Option<Box<ChildSettings>>,
+    },
     /// Stop a service (its shutdown signal, SIGKILL after `timeout_s`) and forget it:
     /// `status` and the proxy stop listing it. Answered once it is stopped.
     Remove { service: String, timeout_s: u64 },
-    /// Replace how a service is started (its command, environment, files); it takes effect
-    /// at its next start, which the client asks for (after draining it). The service's
-    /// `revision` goes up by one, so a service that can take new settings while it runs
-    /// (the proxy) sees the change and asks for them with `Spec`.
-    Replace { service: Box<Service> },
-    /// How a service is started now (after any `Replace`).
-    Spec { service: String },
+    /// Replace how a service is started (its command, environment, files, typed settings);
+    /// it takes effect at its next start, which the client asks for (after draining it).
+    /// The service's `revision` goes up by one, and whoever follows its settings
+    /// (`WatchSettings`: the running proxy) is sent the new ones at once.
+    Replace {
+        service: Box<Service>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        settings: Option<Box<ChildSettings>>,
+    },
+    /// Follow a service's typed settings: answered at once with `Settings`, then with
+    /// another `Settings` each time a `Replace` changes its revision, for as long as the
+    /// client stays connected. The running proxy takes its live settings this way.
+    WatchSettings { service: String },
     /// A service on another node was restarted by its own supervisor after this one
     /// drained it: back into routing once its probe answers.
     Resume { service: String },
@@ -59,9 +71,13 @@ pub enum Request {
 #[serde(tag = "reply", rename_all = "kebab-case")]
 pub enum Response {
     Status(StatusReport),
-    /// The answer to `Spec`.
-    Spec {
-        service: Box<Service>,
+    /// A service's typed settings and the revision of its spec they belong to (the
+    /// answers to `WatchSettings`); `settings` is None for a service pdctl does not run as
+    /// itself.
+    Settings {
+        service: String,
+        revision: u64,
+        settings: Option<Box<ChildSettings>>,
     },
     /// The request was carried out.
     Done {

@@ -286,7 +286,7 @@ fn field_env(name: &str, field: &str) -> Value {
     json!({"name": name, "valueFrom": {"fieldRef": {"fieldPath": field}}})
 }
 
-/// The proxy's argv in a pod: its planned settings (read from its config file) as
+/// The proxy's argv in a pod: its planned settings (the plan's typed ones) as
 /// `pdctl proxy` flags, but the engines named by their headless Services
 /// (`--prefill-dns`), no supervisor socket, bound to 0.0.0.0.
 fn proxy_argv(
@@ -295,8 +295,11 @@ fn proxy_argv(
     name: &str,
     rewrites: &mut Vec<String>,
 ) -> Result<Vec<String>, ExportError> {
-    let mut a = crate::child_config::proxy::ProxyArgs::from_service(&svc.argv, files_of(svc))
-        .map_err(|e| ExportError(format!("the plan's proxy settings cannot be read: {e}")))?;
+    let mut a = plan
+        .settings_of(&svc.name)
+        .and_then(crate::child_config::ChildSettings::proxy)
+        .cloned()
+        .ok_or_else(|| ExportError(format!("the plan has no settings for {}", svc.name)))?;
     let port_of = |role: Role| {
         plan.by_role(role)
             .next()
@@ -494,8 +497,10 @@ fn role_pod(
     let mut argv = if role == Role::Proxy {
         proxy_argv(svc, plan, name, rewrites)?
     } else if plan.engine == "sim" && role.is_engine() {
-        let a = crate::child_config::sim::SimArgs::from_service(&svc.argv, files_of(svc))
-            .map_err(|e| ExportError(format!("{}'s settings cannot be read: {e}", svc.name)))?;
+        let a = plan
+            .settings_of(&svc.name)
+            .and_then(crate::child_config::ChildSettings::sim)
+            .ok_or_else(|| ExportError(format!("the plan has no settings for {}", svc.name)))?;
         let mut flagged = svc.clone();
         flagged.argv.truncate(2);
         flagged.argv.extend(a.to_argv());

@@ -275,6 +275,12 @@ impl<'a> Change<'a> {
             .expect("the diff names services of the wanted plan")
     }
 
+    /// The wanted plan's typed settings of service `name`, as a control message carries
+    /// them.
+    fn settings(&self, name: &str) -> Option<Box<crate::child_config::ChildSettings>> {
+        self.wanted.settings_of(name).cloned().map(Box::new)
+    }
+
     /// Says the change, refuses it or carries it out.
     async fn run(&self) -> anyhow::Result<End> {
         let d = &self.diff;
@@ -352,6 +358,7 @@ impl<'a> Change<'a> {
             let message = self
                 .everywhere(&drainer, &svc.node, || Request::Add {
                     service: Box::new(svc.clone()),
+                    settings: self.settings(name),
                 })
                 .await?;
             p.line(&message);
@@ -381,6 +388,7 @@ impl<'a> Change<'a> {
             p.step(&format!("{name}: restarting with its new settings"));
             self.everywhere(&drainer, &svc.node, || Request::Replace {
                 service: Box::new(svc.clone()),
+                settings: self.settings(name),
             })
             .await?;
             drainer.restart_drained(name, &svc.node).await?;
@@ -419,12 +427,15 @@ impl<'a> Change<'a> {
         let Some(proxy) = self.wanted.services.iter().find(|s| s.role == Role::Proxy) else {
             return Ok(());
         };
-        if self.running.service(&proxy.name) == Some(proxy) {
+        if self.running.service(&proxy.name) == Some(proxy)
+            && self.running.settings_of(&proxy.name) == self.wanted.settings_of(&proxy.name)
+        {
             return Ok(());
         }
         p.step(&format!("{}: new settings", proxy.name));
         self.everywhere(drainer, &proxy.node, || Request::Replace {
             service: Box::new(proxy.clone()),
+            settings: self.settings(&proxy.name),
         })
         .await?;
         if !d.proxy_live.is_empty() {

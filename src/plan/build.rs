@@ -5,10 +5,12 @@ use super::Plan;
 use super::engines;
 use super::listen::Reach;
 use super::support;
+use crate::child_config::ChildSettings;
 use crate::connectors::{self, ClusterCtx, PortBook};
 use crate::gpu::Gpu;
 use crate::topology::{EngineKind, Problem, Topology};
 use crate::vocab::{Role, Service, Version, VersionSource};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// A topology that cannot be planned: a [`Problem`] naming the key at fault.
@@ -134,6 +136,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
             .map(|p| p.kv_listen.clone())
             .collect(),
     };
+    let mut settings = BTreeMap::new();
     let engine_services = engines::plan_engines(
         &cx,
         conn,
@@ -144,6 +147,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         &sup.names,
         &mut ports,
         &mut warnings,
+        &mut settings,
     )?;
 
     let mut services: Vec<Service> = sup.services;
@@ -174,6 +178,10 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         .also("engine.instances_per_gpu")
         .hint("free that GPU, lower engine.gpu_memory_utilization (shared GPUs split it), or set engine.kv_cache_memory"));
     }
+    let proxy = proxy.map(|(svc, args)| {
+        settings.insert(svc.name.clone(), ChildSettings::Proxy(Box::new(args)));
+        svc
+    });
     let proxy_url = proxy.as_ref().and_then(|p| p.url.clone());
     services.extend(proxy);
     if t.nodes.len() > 1 {
@@ -198,6 +206,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         warnings,
         control_port: (t.nodes.len() > 1).then_some(t.control.port),
         tcp: t.network,
+        settings,
     })
 }
 

@@ -10,8 +10,8 @@
 //! reason unless the cluster is recreated.
 
 use super::Plan;
-use crate::child_config::proxy::{self, ProxyArgs};
-use crate::child_config::sim::SimArgs;
+use crate::child_config::ChildSettings;
+use crate::child_config::proxy;
 use crate::vocab::{GeneratedFile, Role, Service};
 use std::collections::BTreeSet;
 
@@ -94,17 +94,18 @@ pub fn diff(running: &Plan, wanted: &Plan) -> PlanDiff {
                 s.name
             )),
             Some(old) if s.role == Role::Proxy => {
-                d.proxy = changes(old, s);
-                (d.proxy_live, d.proxy_restart) = proxy_changes(old, s);
+                let typed = typed(running, wanted, &s.name);
+                d.proxy = changes(old, s, typed);
+                (d.proxy_live, d.proxy_restart) = proxy_changes(old, s, typed);
             }
             Some(old) if s.role.is_engine() => {
-                let why = changes(old, s);
+                let why = changes(old, s, typed(running, wanted, &s.name));
                 if !why.is_empty() {
                     d.rolled.push((s.name.clone(), why));
                 }
             }
             Some(old) => {
-                let why = changes(old, s);
+                let why = changes(old, s, typed(running, wanted, &s.name));
                 if !why.is_empty() {
                     d.refused.push(format!(
                         "{} would change ({}): every instance depends on it",
@@ -132,6 +133,16 @@ pub fn diff(running: &Plan, wanted: &Plan) -> PlanDiff {
         }
     }
     d
+}
+
+/// The typed settings of service `name` in both plans, when pdctl runs it as itself in
+/// both: compared as values.
+fn typed<'a>(
+    running: &'a Plan,
+    wanted: &'a Plan,
+    name: &str,
+) -> Option<(&'a ChildSettings, &'a ChildSettings)> {
+    Some((running.settings_of(name)?, wanted.settings_of(name)?))
 }
 
 /// The plan-wide settings every instance shares.
@@ -173,7 +184,7 @@ fn refuse_shared(running: &Plan, wanted: &Plan, refused: &mut Vec<String>) {
         p.services
             .iter()
             .filter(|s| s.role.is_engine())
-            .filter_map(model_of)
+            .filter_map(|s| model_of(s, p.settings_of(&s.name)))
             .collect()
     };
     let (old, new) = (models(running), models(wanted));
@@ -186,13 +197,11 @@ fn join(set: &BTreeSet<String>) -> String {
     set.iter().cloned().collect::<Vec<_>>().join(", ")
 }
 
-/// The model an engine serves: `vllm serve MODEL` or `--model MODEL`, or a simulated
-/// engine's `model` (its config file with its flags over it).
-fn model_of(s: &Service) -> Option<String> {
-    if s.argv.get(1).is_some_and(|a| a == "sim") {
-        return SimArgs::from_service(&s.argv, files_of(s))
-            .ok()
-            .map(|a| a.model);
+/// The model an engine serves: a simulated engine's `model` (its typed settings), or
+/// `vllm serve MODEL` / `--model MODEL`.
+fn model_of(s: &Service, settings: Option<&ChildSettings>) -> Option<String> {
+    if let Some(sim) = settings.and_then(ChildSettings::sim) {
+        return Some(sim.model.clone());
     }
     let argv = &s.argv;
     let after = |flag: &str| {
@@ -205,21 +214,26 @@ fn model_of(s: &Service) -> Option<String> {
 }
 
 /// How the proxy's change is taken: (settings it changes in place, what waits for its
-/// restart). Its instance lists are neither: it follows the supervisor's services.
-fn proxy_changes(old: &Service, new: &Service) -> (Vec<String>, Vec<String>) {
+/// restart), from its typed settings. Its instance lists are neither: it follows the
+/// supervisor's services.
+fn proxy_changes(
+    old: &Service,
+    new: &Service,
+    typed: Option<(&ChildSettings, &ChildSettings)>,
+) -> (Vec<String>, Vec<String>) {
     let mut restart = Vec::new();
     if old.env != new.env {
         restart.push("its environment".to_string());
     }
-    if as_run(old).1 != as_run(new).1 {
+    if other_files(old) != other_files(new) {
         restart.push("its files".to_string());
     }
-    match (proxy::args_of(old), proxy::args_of(new)) {
-        (Ok(a), Ok(b)) => {
-            restart.extend(proxy::restart_only(&a, &b).into_iter().map(String::from));
-            (proxy::live_changes(&a, &b), restart)
+    match typed.and_then(|(a, b)| Some((a.proxy()?, b.proxy()?))) {
+        Some((a, b)) => {
+            restart.extend(proxy::restart_only(a, b).into_iter().map(String::from));
+            (proxy::live_changes(a, b), restart)
         }
-        _ => {
+        None => {
             if old.argv != new.argv {
                 restart.push("its command".to_string());
             }
@@ -228,47 +242,64 @@ fn proxy_changes(old: &Service, new: &Service) -> (Vec<String>, Vec<String>) {
     }
 }
 
-/// A service as it runs: its command line and its other generated files. For `pdctl proxy`
-/// and `pdctl sim` with `--config FILE` that is the file read back and written as the
-/// flags it holds, so a change reads as the setting that changed (`--itl-ms 4` -> `3`),
-/// whether a flag or the file carries it; other services as planned.
-fn as_run(s: &Service) -> (Vec<String>, Vec<GeneratedFile>) {
-    let planned = || (s.argv.clone(), s.files.clone());
-    let Some((own, _)) = crate::child_config::config_file(&s.argv, files_of(s)) else {
-        return planned();
-    };
-    let flags = match s.argv[1].as_str() {
-        "proxy" => ProxyArgs::from_service(&s.argv, files_of(s))
-            .ok()
-            .map(|a| a.to_argv()),
-        "sim" => SimArgs::from_service(&s.argv, files_of(s))
-            .ok()
-            .map(|a| a.to_argv()),
-        _ => None,
-    };
-    let Some(flags) = flags else {
-        return planned();
-    };
-    let mut argv = s.argv[..2].to_vec();
-    argv.extend(flags);
-    let files = s.files.iter().filter(|f| f.path != own).cloned().collect();
-    (argv, files)
-}
-
-/// A service's generated files as (path, content), as the child configs read them.
-fn files_of(s: &Service) -> impl Iterator<Item = (&std::path::Path, &str)> {
+/// A service's generated files but the config file its typed settings are written to
+/// (`--config FILE` of `pdctl proxy` / `pdctl sim`): those settings are compared as values.
+fn other_files(s: &Service) -> Vec<&GeneratedFile> {
+    let own = s
+        .argv
+        .iter()
+        .position(|a| a == "--config")
+        .and_then(|i| s.argv.get(i + 1))
+        .map(std::path::Path::new);
     s.files
         .iter()
-        .map(|f| (f.path.as_path(), f.content.as_str()))
+        .filter(|f| Some(f.path.as_path()) != own)
+        .collect()
+}
+
+/// The arguments typed settings stand for, as `pdctl proxy` / `pdctl sim` would take them
+/// (so a change reads as the setting that changed: `--itl-ms 4` -> `3`).
+fn settings_argv(settings: &ChildSettings) -> Vec<String> {
+    match settings {
+        ChildSettings::Proxy(a) => a.to_argv(),
+        ChildSettings::Sim(a) => a.to_argv(),
+    }
 }
 
 /// What differs between two versions of one service, one phrase per kind of change.
-fn changes(old: &Service, new: &Service) -> Vec<String> {
+fn changes(
+    old: &Service,
+    new: &Service,
+    typed: Option<(&ChildSettings, &ChildSettings)>,
+) -> Vec<String> {
     let mut why = Vec::new();
-    let ((old_argv, old_files), (new_argv, new_files)) = (as_run(old), as_run(new));
-    if old_argv != new_argv {
-        why.push(format!("arguments {}", argv_change(&old_argv, &new_argv)));
-    }
+    let (old_files, new_files): (Vec<GeneratedFile>, Vec<GeneratedFile>) = match typed {
+        // pdctl's own processes: their settings as values (the flags on their command line
+        // are in them), the program itself, and any other file.
+        Some((a, b)) => {
+            if old.argv.first() != new.argv.first() {
+                why.push(format!(
+                    "program {} -> {}",
+                    old.argv.first().map_or("", String::as_str),
+                    new.argv.first().map_or("", String::as_str)
+                ));
+            }
+            if a != b {
+                why.push(format!(
+                    "arguments {}",
+                    argv_change(&settings_argv(a), &settings_argv(b))
+                ));
+            }
+            let cloned = |s: &Service| other_files(s).into_iter().cloned().collect();
+            (cloned(old), cloned(new))
+        }
+        None => {
+            if old.argv != new.argv {
+                why.push(format!("arguments {}", argv_change(&old.argv, &new.argv)));
+            }
+            (old.files.clone(), new.files.clone())
+        }
+    };
     if old.env != new.env {
         let keys: BTreeSet<&String> = old
             .env
@@ -380,6 +411,7 @@ fn instance_number(name: &str) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::child_config::proxy::ProxyArgs;
     use std::collections::BTreeMap;
 
     fn service(name: &str, role: Role, argv: &[&str]) -> Service {
@@ -399,8 +431,13 @@ mod tests {
         services.push(service(
             "proxy",
             Role::Proxy,
-            &["pdctl", "proxy", "--prefill", "h:1", "--decode", "h:2"],
+            &["pdctl", "proxy", "--config", "/state/c/files/proxy.toml"],
         ));
+        let proxy = ProxyArgs {
+            prefill: vec!["h:1".into()],
+            decode: vec!["h:2".into()],
+            ..ProxyArgs::default()
+        };
         Plan {
             cluster: "c".into(),
             state_dir: "/state/c".into(),
@@ -416,6 +453,15 @@ mod tests {
             warnings: vec![],
             control_port: None,
             tcp: Default::default(),
+            settings: BTreeMap::from([("proxy".into(), ChildSettings::Proxy(Box::new(proxy)))]),
+        }
+    }
+
+    /// The proxy's typed settings in a test plan, to change.
+    fn proxy_args(p: &mut Plan) -> &mut ProxyArgs {
+        match p.settings.get_mut("proxy") {
+            Some(ChildSettings::Proxy(a)) => a,
+            other => panic!("no proxy settings: {other:?}"),
         }
     }
 
@@ -537,10 +583,7 @@ mod tests {
     fn proxy_settings_change_in_place() {
         let old = plan(1, &[]);
         let mut new = plan(1, &[]);
-        let proxy = new.services.last_mut().unwrap();
-        proxy
-            .argv
-            .extend(["--decode-policy".into(), "least-loaded".into()]);
+        proxy_args(&mut new).decode_policy = Some(crate::vocab::PolicyName::LeastLoaded);
         let d = diff(&old, &new);
         assert_eq!(d.proxy, ["arguments with `--decode-policy least-loaded`"]);
         assert_eq!(
@@ -552,8 +595,8 @@ mod tests {
             d.lines(),
             ["~ proxy: arguments with `--decode-policy least-loaded` (in place, no restart)"]
         );
+        proxy_args(&mut new).port = 9001;
         let proxy = new.services.last_mut().unwrap();
-        proxy.argv.extend(["--port".into(), "9001".into()]);
         proxy.env.insert("RUST_LOG".into(), "debug".into());
         let d = diff(&old, &new);
         assert_eq!(d.proxy_restart, ["its environment", "--port"]);

@@ -2,8 +2,8 @@
 //! command line (real vLLM, or the simulator speaking the same protocol).
 
 use super::ports::claim;
-use crate::child_config::Configured;
 use crate::child_config::sim::SimArgs;
+use crate::child_config::{ChildSettings, Configured};
 use crate::connectors::{ClusterCtx, Connector, InstanceCtx, LaunchCtx, PortBook};
 use crate::gpu::Gpu;
 use crate::topology::{Device, EngineKind, Problem, RoleSection, Topology};
@@ -222,6 +222,7 @@ pub(super) fn plan_engines(
     support: &[String],
     ports: &mut PortBook,
     warnings: &mut Vec<String>,
+    settings: &mut BTreeMap<String, ChildSettings>,
 ) -> Result<Vec<Service>, Problem> {
     let t = cx.topology;
     // Fixed HTTP ports first, so clashes name the keys the user wrote.
@@ -325,7 +326,11 @@ pub(super) fn plan_engines(
                 svc.checks = engine_checks(t, conn);
                 svc
             }
-            _ => sim_service(cx, p, &inst, protocol)?,
+            _ => {
+                let (svc, sim) = sim_service(cx, p, &inst, protocol)?;
+                settings.insert(name.clone(), ChildSettings::Sim(Box::new(sim)));
+                svc
+            }
         };
         svc.secret_env = vec![crate::vocab::ENGINE_API_KEY_VAR.to_string()];
         svc.depends_on = support.to_vec();
@@ -676,7 +681,7 @@ fn sim_service(
     p: &Placement,
     inst: &InstanceCtx,
     protocol: ProxyProtocol,
-) -> Result<Service, Problem> {
+) -> Result<(Service, SimArgs), Problem> {
     let t = cx.topology;
     let r = role_section(t, p.role);
     let port = http_port(t, p);
@@ -732,15 +737,23 @@ fn sim_service(
         })?;
         argv.extend(extra.iter().cloned());
     }
-    svc.files.push(GeneratedFile {
+    let file = GeneratedFile {
         path: config,
         content: crate::child_config::to_file(&a),
-    });
+    };
+    // What the sim will run with: the file with the role's flags over it, resolved once
+    // here by the loader the sim itself uses (checked above, so it resolves).
+    let effective = crate::child_config::from_service::<SimArgs>(
+        &argv,
+        [(file.path.as_path(), file.content.as_str())],
+    )
+    .map_err(|e| Problem::new(role_key(p.role), format!("simulated engine settings: {e}")))?;
+    svc.files.push(file);
     svc.argv = argv;
     svc.shutdown.timeout_s = 10;
     let startup = t.engine.sim.startup_ms.div_ceil(1000);
     apply_user_settings(&mut svc, t, r, 60 + startup);
-    Ok(svc)
+    Ok((svc, effective))
 }
 
 /// The topology table of a role, for locating a problem (`prefill.args`).

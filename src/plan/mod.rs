@@ -24,6 +24,7 @@ pub mod resolve;
 pub mod source;
 mod support;
 
+use crate::child_config::ChildSettings;
 use crate::vocab::{Role, Service};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -69,6 +70,11 @@ pub struct Plan {
     /// `[network]`): the supervisors' probes of other nodes' services use them.
     #[serde(default, skip_serializing_if = "crate::vocab::TcpLiveness::is_default")]
     pub tcp: crate::vocab::TcpLiveness,
+    /// The typed settings of the services pdctl runs as itself (the proxy, simulated
+    /// engines), by service name: what their generated config files say, kept as values
+    /// so a change is compared and carried as one, never as text read back.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub settings: BTreeMap<String, ChildSettings>,
 }
 
 impl Plan {
@@ -86,6 +92,11 @@ impl Plan {
     /// Services of one role, in plan order.
     pub fn by_role(&self, role: Role) -> impl Iterator<Item = &Service> {
         self.services.iter().filter(move |s| s.role == role)
+    }
+
+    /// The typed settings of the service of that name, when pdctl runs it as itself.
+    pub fn settings_of(&self, name: &str) -> Option<&ChildSettings> {
+        self.settings.get(name)
     }
 
     /// Only the services placed on `node` (what `pdctl up --node NODE` runs).

@@ -5,7 +5,7 @@
 //! time is spent; `pdctl check` asks the running engines the same questions.
 
 use super::{Plan, Role, Service};
-use crate::child_config::sim::SimArgs;
+use crate::child_config::ChildSettings;
 use std::fmt;
 
 /// vLLM's KV block size when `--block-size` is not given (CUDA).
@@ -22,17 +22,14 @@ pub struct EngineFacts {
     pub block_size: u32,
 }
 
-/// The facts of one engine service; None for a service that is not an engine.
-pub fn engine_facts(svc: &Service) -> Option<EngineFacts> {
+/// The facts of one engine service (a simulated one's from its typed `settings`); None
+/// for a service that is not an engine.
+pub fn engine_facts(svc: &Service, settings: Option<&ChildSettings>) -> Option<EngineFacts> {
     if !svc.role.is_engine() {
         return None;
     }
-    if svc.argv.get(1).map(String::as_str) == Some("sim") {
-        let files = svc
-            .files
-            .iter()
-            .map(|f| (f.path.as_path(), f.content.as_str()));
-        let sim: SimArgs = crate::child_config::from_service(&svc.argv, files).ok()?;
+    if let Some(sim) = settings.and_then(ChildSettings::sim) {
+        let sim = sim.clone();
         return Some(EngineFacts {
             name: svc.name.clone(),
             role: svc.role,
@@ -163,7 +160,7 @@ pub fn compare(prefill: &EngineFacts, decode: &EngineFacts, connector: &str) -> 
 pub fn mismatches(plan: &Plan) -> Vec<Mismatch> {
     let facts = |role| {
         plan.by_role(role)
-            .filter_map(engine_facts)
+            .filter_map(|s| engine_facts(s, plan.settings_of(&s.name)))
             .collect::<Vec<_>>()
     };
     let (prefill, decode) = (facts(Role::Prefill), facts(Role::Decode));
@@ -201,15 +198,18 @@ mod tests {
 
     #[test]
     fn engine_facts_come_from_the_command_line() {
-        let f = engine_facts(&vllm(
-            "decode-0",
-            Role::Decode,
-            &["--tensor-parallel-size", "4", "--block-size=32"],
-        ))
+        let f = engine_facts(
+            &vllm(
+                "decode-0",
+                Role::Decode,
+                &["--tensor-parallel-size", "4", "--block-size=32"],
+            ),
+            None,
+        )
         .unwrap();
         assert_eq!(f.model.as_deref(), Some("Qwen/Qwen2.5-7B-Instruct"));
         assert_eq!((f.tensor_parallel, f.block_size), (4, 32));
-        let plain = engine_facts(&vllm("prefill-0", Role::Prefill, &[])).unwrap();
+        let plain = engine_facts(&vllm("prefill-0", Role::Prefill, &[]), None).unwrap();
         assert_eq!((plain.tensor_parallel, plain.block_size), (1, 16));
         let serve = Service::new(
             "prefill-1",
@@ -217,19 +217,25 @@ mod tests {
             "local",
             ["vllm", "serve", "m/x"],
         );
-        assert_eq!(engine_facts(&serve).unwrap().model.as_deref(), Some("m/x"));
+        assert_eq!(
+            engine_facts(&serve, None).unwrap().model.as_deref(),
+            Some("m/x")
+        );
         let proxy = Service::new("proxy", Role::Proxy, "local", ["pdctl"]);
-        assert_eq!(engine_facts(&proxy), None);
+        assert_eq!(engine_facts(&proxy, None), None);
     }
 
     #[test]
     fn mismatches_name_both_sides_and_say_what_to_do() {
-        let p = engine_facts(&vllm("prefill-0", Role::Prefill, &[])).unwrap();
-        let d = engine_facts(&vllm(
-            "decode-0",
-            Role::Decode,
-            &["--tensor-parallel-size", "4", "--block-size", "32"],
-        ))
+        let p = engine_facts(&vllm("prefill-0", Role::Prefill, &[]), None).unwrap();
+        let d = engine_facts(
+            &vllm(
+                "decode-0",
+                Role::Decode,
+                &["--tensor-parallel-size", "4", "--block-size", "32"],
+            ),
+            None,
+        )
         .unwrap();
         let got = compare(&p, &d, "example");
         assert_eq!(got.len(), 2, "{got:?}");

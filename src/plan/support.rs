@@ -252,8 +252,8 @@ pub(super) fn plan_support(
     Ok(out)
 }
 
-/// Plans the proxy in front of the engines planned so far: its settings in a generated
-/// config file (`files/proxy.toml` beside the control socket), its command
+/// Plans the proxy in front of the engines planned so far, and returns its settings
+/// typed beside it: its settings in a generated config file (`files/proxy.toml` beside the control socket), its command
 /// `pdctl proxy --config FILE`. The API keys stay out of it: the proxy takes them from the
 /// environment the supervisor passes on.
 pub(super) fn plan_proxy(
@@ -264,7 +264,7 @@ pub(super) fn plan_proxy(
     services: &[Service],
     socket: &Path,
     ports: &mut PortBook,
-) -> Result<Service, Problem> {
+) -> Result<(Service, ProxyArgs), Problem> {
     let host = t.nodes[node].clone();
     let p = &t.proxy;
     claim(ports, &host, p.port, "proxy", "http")?;
@@ -337,5 +337,5 @@ pub(super) fn plan_proxy(
         .map(|s| s.name.clone())
         .collect();
     svc.startup_timeout_s = 30;
-    Ok(svc)
+    Ok((svc, args))
 }

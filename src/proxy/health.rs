@@ -242,25 +242,30 @@ fn join_new(p: &Proxy, report: &StatusReport) {
     }
 }
 
-/// Asks the supervisor once and follows its report (health, membership, this proxy's own
-/// settings); Err says why it could not be used.
+/// Asks the supervisor once and follows its report (health, membership); Err says why it
+/// could not be used. (This proxy's own settings come on a connection of their own:
+/// [`tuning::follow`].)
 pub async fn poll_supervisor(
     p: &Proxy,
     socket: &std::path::Path,
-    own: &mut tuning::Own,
 ) -> Result<(), control::client::ControlError> {
     let report = control::client::status(socket, Duration::from_secs(2)).await?;
     apply_report(p, &report);
-    tuning::follow(p, socket, &report, own).await;
     Ok(())
 }
 
 /// Starts the health tasks; the first look at every instance is done before this returns,
 /// so the proxy never serves with made-up health.
 pub async fn start(p: Arc<Proxy>, socket: Option<PathBuf>, args: ProxyArgs) {
-    let mut own = tuning::Own::new(args);
+    if let Some(sock) = &socket {
+        tokio::spawn(tuning::follow(
+            p.clone(),
+            sock.clone(),
+            tuning::Own::new(args),
+        ));
+    }
     if let Some(sock) = &socket
-        && let Err(e) = poll_supervisor(&p, sock, &mut own).await
+        && let Err(e) = poll_supervisor(&p, sock).await
     {
         tracing::warn!(
             "supervisor socket {} unusable ({e}); probing instances directly",
@@ -283,7 +288,7 @@ pub async fn start(p: Arc<Proxy>, socket: Option<PathBuf>, args: ProxyArgs) {
             let mut reachable = true;
             loop {
                 tokio::time::sleep(SUPERVISOR_POLL).await;
-                match poll_supervisor(&p, &sock, &mut own).await {
+                match poll_supervisor(&p, &sock).await {
                     Ok(()) if !reachable => {
                         reachable = true;
                         tracing::info!(

@@ -2,9 +2,10 @@
 //! (`--rate-limit`, `--max-concurrent`, `--queue-size`), timeouts, retries, the wait for
 //! a restarting instance, the body limit (and the clients' API key of a proxy given it as a
 //! flag; a planned proxy takes its keys from its environment). `pdctl apply` replaces
-//! the proxy's spec in the supervisor; the proxy sees the spec's revision go up in the
-//! report it polls, asks for the spec and swaps these in, so its counters, its limits'
-//! queue and the streams in flight carry on. What it cannot change while it listens (its
+//! the proxy's spec and typed settings in the supervisor, which sends the new settings to
+//! the proxy over the connection the proxy keeps open to follow them ([`follow`]); the
+//! proxy swaps them in, so its counters, its limits' queue and the streams in flight
+//! carry on. What it cannot change while it listens (its
 //! address, protocol, the engines' key, connect timeout, health interval, scraping, DNS
 //! names) is listed by [`restart_only`]: `pdctl apply` says those wait for a restart.
 
@@ -13,10 +14,11 @@ use super::config::{self, ConfigError};
 use super::instances::Leg;
 use super::metrics::Metrics;
 use super::policy::{self, Policy};
-use crate::child_config::proxy::{ProxyArgs, args_of, live_changes, restart_only};
-use crate::control::{self, StatusReport};
+use crate::child_config::proxy::{ProxyArgs, live_changes, restart_only};
+use crate::child_config::{ChildConfig, ChildSettings};
+use crate::control;
 use crate::vocab::{PolicyName, Role};
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -84,11 +86,11 @@ pub fn apply(p: &Proxy, old: &ProxyArgs, new: &ProxyArgs) -> Result<Vec<String>,
     Ok(changes)
 }
 
-/// What this proxy runs with, as far as the supervisor's spec of it goes.
+/// What this proxy runs with, and the revision of its spec that came from.
 #[derive(Debug)]
 pub struct Own {
     args: ProxyArgs,
-    /// The spec revision those arguments came from; None until the first report.
+    /// The spec revision those arguments came from; None until the supervisor sent them.
     revision: Option<u64>,
 }
 
@@ -102,81 +104,79 @@ impl Own {
     }
 }
 
-/// Follows this proxy's spec in a supervisor report: when its revision is not the one the
-/// proxy runs with (and at the first report, in case a change came between its start and
-/// then), asks for the spec and takes its live settings. Problems are logged; a spec that
-/// cannot be read or used is not asked for again until its revision moves.
-pub async fn follow(p: &Proxy, socket: &Path, report: &StatusReport, own: &mut Own) {
-    let Some(me) = report
-        .services
-        .iter()
-        .find(|s| s.role == Role::Proxy && !s.remote)
-    else {
-        return;
-    };
-    if own.revision == Some(me.revision) {
+/// How long to wait before following the supervisor again after the connection ended.
+const REFOLLOW: Duration = Duration::from_secs(1);
+
+/// Follows this proxy's typed settings as its supervisor sends them
+/// (`Request::WatchSettings`): the ones it runs with at once (a change may have come
+/// between its start and now), then each change `pdctl apply` makes, taken in place. The
+/// proxy's own service is the one the supervisor reports with role proxy on this node.
+/// Runs until the process ends; a lost connection is made again.
+pub async fn follow(p: Arc<Proxy>, socket: PathBuf, mut own: Own) {
+    loop {
+        let name = match control::client::status(&socket, Duration::from_secs(2)).await {
+            Ok(report) => report
+                .services
+                .into_iter()
+                .find(|s| s.role == Role::Proxy && !s.remote)
+                .map(|s| s.name),
+            Err(_) => None,
+        };
+        if let Some(name) = name {
+            let ended = control::client::watch_settings(&socket, &name, |revision, settings| {
+                take(&p, &name, revision, settings, &mut own)
+            })
+            .await;
+            if let Err(e) = ended {
+                tracing::debug!("following {name}'s settings: {e}");
+            }
+        }
+        tokio::time::sleep(REFOLLOW).await;
+    }
+}
+
+/// Takes the settings of `revision` the supervisor sent: the live ones in place, a warning
+/// for those that wait for a restart; problems are logged and change nothing.
+fn take(p: &Proxy, name: &str, revision: u64, settings: Option<ChildSettings>, own: &mut Own) {
+    if own.revision == Some(revision) {
         return;
     }
-    let spec = match control::client::spec(socket, &me.name, Duration::from_secs(2)).await {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!("cannot read {}'s spec from the supervisor: {e}", me.name);
-            return;
-        }
+    own.revision = Some(revision);
+    let Some(ChildSettings::Proxy(new)) = settings else {
+        tracing::warn!(
+            "the supervisor has no proxy settings for {name}: settings left as they are"
+        );
+        return;
     };
-    own.revision = Some(me.revision);
-    let new = match args_of(&spec) {
-        Ok(a) => a,
-        Err(e) => {
-            tracing::warn!("settings left as they are: {e}");
-            return;
-        }
-    };
+    let mut new = *new;
+    // The keys come from this process's environment, never over the socket.
+    new.keep_secrets(&own.args);
     let later = restart_only(&own.args, &new);
     match apply(p, &own.args, &new) {
         Ok(changes) => {
             if !changes.is_empty() {
                 tracing::info!(
-                    "settings changed while serving (revision {}): {}",
-                    me.revision,
+                    "settings changed while serving (revision {revision}): {}",
                     changes.join(", ")
                 );
             }
             if !later.is_empty() {
                 tracing::warn!(
-                    "{} changed: takes effect when the proxy restarts (`pdctl restart {}`)",
-                    later.join(", "),
-                    me.name
+                    "{} changed: takes effect when the proxy restarts (`pdctl restart {name}`)",
+                    later.join(", ")
                 );
             }
             own.args = new;
-            p.metrics.settings_applied(me.revision);
+            p.metrics.settings_applied(revision);
         }
-        Err(e) => tracing::warn!("settings of revision {} left unapplied: {e}", me.revision),
+        Err(e) => tracing::warn!("settings of revision {revision} left unapplied: {e}"),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::vocab::Service;
-
-    fn args(extra: &[&str]) -> ProxyArgs {
-        let mut v = vec![
-            "pdctl",
-            "proxy",
-            "--prefill",
-            "127.0.0.1:1",
-            "--decode",
-            "127.0.0.1:2",
-        ];
-        v.extend_from_slice(extra);
-        args_of(&service(&v)).unwrap()
-    }
-
-    fn service(argv: &[&str]) -> Service {
-        Service::new("proxy", Role::Proxy, "local", argv.iter().copied())
-    }
+    use crate::child_config::proxy::test_args as args;
 
     #[tokio::test]
     async fn applying_swaps_policies_and_limits_and_keeps_what_needs_a_restart() {

@@ -44,5 +44,6 @@ pub(crate) fn plan(head: &str, services: Vec<Service>) -> Plan {
         warnings: vec![],
         control_port: None,
         tcp: Default::default(),
+        settings: BTreeMap::new(),
     }
 }

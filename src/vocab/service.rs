@@ -1,7 +1,7 @@
 //! One process to run ([`Service`]) and the parts it is made of: the files written before
 //! it starts, how its readiness is probed, what must hold on the machine, how it stops.
 //! Lives in `vocab` because the planner writes it, the connectors contribute its files,
-//! the control protocol carries it (`Add`, `Replace`, `Spec`), the supervisor runs it and
+//! the control protocol carries it (`Add`, `Replace`), the supervisor runs it and
 //! export turns it into manifests: pure data that every one of them reads.
 
 use super::restart::RestartPolicy;

@@ -273,6 +273,7 @@ pub fn plan(cluster: &str, nodes: &[(&str, &str)]) -> Plan {
         warnings: vec![],
         control_port: None,
         tcp: Default::default(),
+        settings: Default::default(),
     }
 }
 

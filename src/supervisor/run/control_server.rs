@@ -2,7 +2,9 @@
 //! one JSON request per line, one answer per line, one handler per request kind.
 //! `Status` only copies the shared table, so the proxy can poll it twice a second.
 
+use crate::child_config::ChildSettings;
 use crate::control::{Request, Response};
+use crate::supervisor::run::members::Members;
 use crate::supervisor::run::ops_hook::Operations;
 use crate::supervisor::run::peers::Peers;
 use crate::supervisor::run::remote::run_remote;
@@ -103,10 +105,14 @@ pub async fn connection(
             Ok(Request::Restart { service }) => restart(&h, &service),
             Ok(Request::Drain { service }) => drain(&h, &service),
             Ok(Request::Resume { service }) => resume(&h, &service),
-            Ok(Request::Add { service }) => add(&h, *service),
+            Ok(Request::Add { service, settings }) => add(&h, *service, settings),
             Ok(Request::Remove { service, timeout_s }) => remove(&h, &service, timeout_s).await,
-            Ok(Request::Replace { service }) => replace(&h, *service),
-            Ok(Request::Spec { service }) => spec(&h, &service),
+            Ok(Request::Replace { service, settings }) => replace(&h, *service, settings),
+            Ok(Request::WatchSettings { service }) => {
+                // Answered until the client leaves: this connection serves nothing else.
+                watch_settings(&h, &service, &mut lines, &mut write).await;
+                return;
+            }
             Ok(Request::Change { change }) => {
                 let Some(mut progress) = begin_change(&h, change, origin) else {
                     continue;
@@ -401,7 +407,19 @@ fn localize_program(h: &Handlers, service: &mut Service) {
     }
 }
 
-fn add(h: &Handlers, mut service: Service) -> Response {
+/// Keeps service `name`'s typed settings (or forgets them) in the supervisor's plan.
+fn set_settings(m: &mut Members, name: &str, settings: Option<Box<ChildSettings>>) {
+    match settings {
+        Some(s) => {
+            m.plan.settings.insert(name.to_string(), *s);
+        }
+        None => {
+            m.plan.settings.remove(name);
+        }
+    }
+}
+
+fn add(h: &Handlers, mut service: Service, settings: Option<Box<ChildSettings>>) -> Response {
     localize_program(h, &mut service);
     if let Err(e) = check_new(h, &service) {
         return e;
@@ -421,6 +439,7 @@ fn add(h: &Handlers, mut service: Service) -> Response {
             ctx.log_max_bytes,
             ctx.log_keep,
         );
+        set_settings(m, &name, settings);
         Some(m.insert(service.clone(), Arc::new(log), tx))
     });
     let Some(idx) = idx else {
@@ -492,16 +511,56 @@ async fn follow_remote(
     let _ = probing.await;
 }
 
-fn spec(h: &Handlers, name: &str) -> Response {
-    match any_index(h, name) {
-        Ok(idx) => Response::Spec {
-            service: Box::new(h.ctx.service(idx)),
+/// The settings of service `idx` as they are now, as a `Settings` answer.
+fn settings_now(h: &Handlers, idx: usize) -> (u64, Response) {
+    let members = h.ctx.members();
+    let name = members.plan.services[idx].name.clone();
+    let revision = h.ctx.table.revision(idx);
+    let settings = members.plan.settings_of(&name).cloned().map(Box::new);
+    (
+        revision,
+        Response::Settings {
+            service: name,
+            revision,
+            settings,
         },
-        Err(e) => e,
+    )
+}
+
+/// Sends service `name`'s typed settings now and again whenever its revision moves, until
+/// the client closes the connection (or writing to it fails).
+async fn watch_settings(
+    h: &Handlers,
+    name: &str,
+    lines: &mut tokio::io::Lines<impl AsyncBufRead + Unpin>,
+    write: &mut (impl AsyncWrite + Unpin),
+) {
+    let idx = match any_index(h, name) {
+        Ok(i) => i,
+        Err(e) => {
+            answer(write, &e).await;
+            return;
+        }
+    };
+    let mut changed = h.ctx.table.subscribe();
+    let mut sent = None;
+    loop {
+        let (revision, response) = settings_now(h, idx);
+        if sent != Some(revision) {
+            if !answer(write, &response).await {
+                return;
+            }
+            sent = Some(revision);
+        }
+        tokio::select! {
+            r = changed.changed() => if r.is_err() { return },
+            // The client says nothing more; end of input (or anything it sends) ends this.
+            _ = lines.next_line() => return,
+        }
     }
 }
 
-fn replace(h: &Handlers, mut service: Service) -> Response {
+fn replace(h: &Handlers, mut service: Service, settings: Option<Box<ChildSettings>>) -> Response {
     localize_program(h, &mut service);
     let idx = match any_index(h, &service.name) {
         Ok(i) => i,
@@ -511,8 +570,14 @@ fn replace(h: &Handlers, mut service: Service) -> Response {
         return e;
     }
     let name = service.name.clone();
-    let revision = h.ctx.table.describe(idx, &service);
-    h.ctx.change_members(|m| m.plan.services[idx] = service);
+    let row = service.clone();
+    // The new spec and settings first, then the revision: whoever watches the settings
+    // and sees the revision move reads the new ones.
+    h.ctx.change_members(|m| {
+        m.plan.services[idx] = service;
+        set_settings(m, &name, settings);
+    });
+    let revision = h.ctx.table.describe(idx, &row);
     if let Err(e) = save_plan(h) {
         return e;
     }

@@ -91,6 +91,9 @@ impl Members {
             .filter(|(_, retired)| !**retired)
             .map(|(s, _)| s.clone())
             .collect();
+        let live = &plan.services;
+        plan.settings
+            .retain(|name, _| live.iter().any(|s| &s.name == name));
         plan
     }
 }

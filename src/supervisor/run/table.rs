@@ -189,6 +189,11 @@ impl Table {
         self.version.send_modify(|v| *v += 1);
     }
 
+    /// How many times service `idx`'s spec was replaced (its `revision`).
+    pub fn revision(&self, idx: usize) -> u64 {
+        self.rows()[idx].status.revision
+    }
+
     /// Current state of service `idx`.
     pub fn state(&self, idx: usize) -> ServiceState {
         self.rows()[idx].status.state
