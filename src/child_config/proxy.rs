@@ -206,6 +206,26 @@ impl ProxyArgs {
         self.tcp_user_timeout_s = tcp.tcp_user_timeout_s;
     }
 
+    /// The first timeout or limit that is 0, by its key (`total_timeout_s`, the topology's
+    /// `[proxy]` key and the flag's id), where 0 cannot work (a timeout that fires at once,
+    /// no body at all); the TCP settings by [`TcpLiveness::first_zero`]. The one rule for
+    /// them: the planner applies it to the settings it plans, the proxy at its start and to
+    /// every change it is sent.
+    pub fn first_zero(&self) -> Option<&'static str> {
+        [
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("prefill_timeout_s", self.prefill_timeout_s),
+            ("first_byte_timeout_s", self.first_byte_timeout_s),
+            ("total_timeout_s", self.total_timeout_s),
+            ("health_interval_ms", self.health_interval_ms),
+            ("max_body_bytes", self.max_body_bytes as u64),
+        ]
+        .into_iter()
+        .find(|(_, v)| *v == 0)
+        .map(|(key, _)| key)
+        .or_else(|| self.tcp().first_zero())
+    }
+
     /// The policy of each leg (prefill, decode): its own, else `--policy`.
     pub fn leg_policies(&self) -> (PolicyName, PolicyName) {
         (

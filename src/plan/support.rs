@@ -310,6 +310,11 @@ pub(super) fn plan_proxy(
         ..d
     };
     args.set_tcp(t.network);
+    // The topology's network.* are checked with the topology; these are the [proxy] keys.
+    if let Some(key) = args.first_zero() {
+        return Err(Problem::new(format!("proxy.{key}"), "must be at least 1")
+            .hint("leave it out for the default"));
+    }
     let config = socket.with_file_name("files").join("proxy.toml");
     let argv = vec![
         crate::tools::SELF_PROGRAM.to_string(),

@@ -35,12 +35,10 @@ pub enum ConfigError {
     NoInstances { leg: &'static str },
     #[error("--bootstrap-port only applies to --protocol mooncake")]
     BootstrapUnused,
-    #[error("--{flag} must be at least 1")]
-    Zero { flag: &'static str },
+    #[error("{}{}", zero(.key), if .key.starts_with("tcp_") { format!(" (in a topology: network.{}); leave it out for the default", .key) } else { String::new() })]
+    Zero { key: &'static str },
     #[error("{}: {}", flag(.0.setting()), .0.message(flag))]
     Admission(AdmissionError),
-    #[error("--{flag} must be at least 1 (in a topology: network.{}); leave it out for the default", .flag.replace('-', "_"))]
-    ZeroTcp { flag: String },
     #[error(
         "--engine-api-key (or PDCTL_ENGINE_API_KEY) contains characters not allowed in an HTTP header"
     )]
@@ -158,6 +156,11 @@ pub fn dns_sources(args: &ProxyArgs) -> Result<Vec<DnsSource>, ConfigError> {
     Ok(out)
 }
 
+/// "--KEY must be at least 1", the key spelled as its flag.
+fn zero(key: &str) -> String {
+    format!("{} must be at least 1", flag(key))
+}
+
 /// A setting's key (`max_concurrent`) as its flag (`--max-concurrent`).
 fn flag(key: &str) -> String {
     format!("--{}", key.replace('_', "-"))
@@ -167,24 +170,8 @@ fn flag(key: &str) -> String {
 pub fn settings(args: &ProxyArgs) -> Result<Settings, ConfigError> {
     check_admission(args.rate_limit, args.max_concurrent, args.queue_size)
         .map_err(ConfigError::Admission)?;
-    for (flag, v) in [
-        ("connect-timeout-ms", args.connect_timeout_ms),
-        ("prefill-timeout-s", args.prefill_timeout_s),
-        ("first-byte-timeout-s", args.first_byte_timeout_s),
-        ("total-timeout-s", args.total_timeout_s),
-        ("health-interval-ms", args.health_interval_ms),
-        ("max-body-bytes", args.max_body_bytes as u64),
-    ] {
-        if v == 0 {
-            return Err(ConfigError::Zero { flag });
-        }
-    }
-    for (name, v) in args.tcp().named() {
-        if v == 0 {
-            return Err(ConfigError::ZeroTcp {
-                flag: name.replace('_', "-"),
-            });
-        }
+    if let Some(key) = args.first_zero() {
+        return Err(ConfigError::Zero { key });
     }
     Ok(Settings {
         connect_timeout: Duration::from_millis(args.connect_timeout_ms),

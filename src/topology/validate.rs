@@ -201,15 +201,13 @@ fn check_ports(t: &Topology) -> Result<(), Problem> {
 }
 
 fn check_network(t: &Topology) -> Result<(), Problem> {
-    for (name, value) in t.network.named() {
-        if value == 0 {
-            return Err(
-                Problem::new(format!("network.{name}"), "must be at least 1")
-                    .hint("leave it out for the default, which finds a dead peer in about 10 s"),
-            );
-        }
+    match t.network.first_zero() {
+        Some(name) => Err(
+            Problem::new(format!("network.{name}"), "must be at least 1")
+                .hint("leave it out for the default, which finds a dead peer in about 10 s"),
+        ),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 fn check_engine(t: &Topology) -> Result<(), Problem> {

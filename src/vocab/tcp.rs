@@ -44,6 +44,16 @@ impl TcpLiveness {
         ]
     }
 
+    /// The first setting that is 0, which cannot work (no keepalive probe, a timeout that
+    /// fires at once): the one rule for them, which the topology (`network.NAME`) and the
+    /// proxy's flags (`--tcp-...`) both apply.
+    pub fn first_zero(&self) -> Option<&'static str> {
+        self.named()
+            .into_iter()
+            .find(|(_, v)| *v == 0)
+            .map(|(name, _)| name)
+    }
+
     /// Whether these are the defaults (left out of a plan's JSON then).
     pub fn is_default(&self) -> bool {
         *self == TcpLiveness::default()
