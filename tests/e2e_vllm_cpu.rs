@@ -71,6 +71,20 @@ const NIXL: Case = Case {
     real_misses: 0,
 };
 
+/// NixlPushConnector (vLLM 0.24.0 on): the proxy sends both legs at once (protocol
+/// `nixl-push`), decode registers its blocks with prefill and prefill writes the KV into
+/// them when its forward pass ends. Decode computes only once the blocks are written, so
+/// every request must hand over.
+const NIXL_PUSH: Case = Case {
+    name: "nixl-push",
+    connector: "kind = \"nixl\"\nnixl_mode = \"push\"\n",
+    programs: &[],
+    support: &[],
+    handoff_guaranteed: true,
+    log_proof: "KV Transfer metrics: Num successful transfers>0, Num failed transfers=0",
+    real_misses: 0,
+};
+
 const MOONCAKE_STORE: Case = Case {
     name: "mooncake-store",
     // Small pools: the defaults (4 GB segment, 1 GB buffer per instance) are sized for GPU
@@ -104,6 +118,12 @@ fn vllm_cpu_example_connector_1p1d() {
 #[ignore = "needs vLLM's CPU build with NIXL and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
 fn vllm_cpu_nixl_1p1d() {
     run_case(&NIXL);
+}
+
+#[test]
+#[ignore = "needs vLLM's CPU build with NIXL and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
+fn vllm_cpu_nixl_push_1p1d() {
+    run_case(&NIXL_PUSH);
 }
 
 #[test]
@@ -1055,8 +1075,8 @@ fn handoff_line(case: &Case, log: &str) -> Option<String> {
         .find(|l| {
             if case.name == "example" {
                 l.contains("Inject KV cache of")
-            } else if case.name == "nixl" {
-                // NixlConnector logs its transfer counters every few seconds too.
+            } else if case.name.starts_with("nixl") {
+                // NixlConnector (pull or push) logs its transfer counters every few seconds.
                 l.contains("KV Transfer metrics")
                     && count_after(l, "Num successful transfers=").is_some_and(|n| n > 0)
                     && count_after(l, "Num failed transfers=") == Some(0)
@@ -1330,7 +1350,13 @@ fn names_of(plan: &Value) -> Vec<String> {
 #[test]
 fn topology_is_cpu_1p1d_with_this_runs_ports_and_connector() {
     let ports = [18100, 18200, 18000, 12379, 12380, 15051, 19003, 18080];
-    for case in [&EXAMPLE, &NIXL, &MOONCAKE_STORE, &MOONCAKE_STORE_HTTP] {
+    for case in [
+        &EXAMPLE,
+        &NIXL,
+        &NIXL_PUSH,
+        &MOONCAKE_STORE,
+        &MOONCAKE_STORE_HTTP,
+    ] {
         let dir = TempDir::new("e2e-topo");
         let file = dir.path().join("t.toml");
         std::fs::write(
@@ -1387,6 +1413,9 @@ fn topology_is_cpu_1p1d_with_this_runs_ports_and_connector() {
             );
             let file = svc("decode-0")["files"][0]["content"].to_string();
             assert!(file.contains("http://127.0.0.1:18080/metadata"), "{file}");
+        } else if case.name == "nixl-push" {
+            assert!(argv.contains("NixlPushConnector"), "{argv}");
+            assert_eq!(plan["protocol"], "nixl-push");
         } else if case.name == "nixl" {
             assert!(argv.contains("NixlConnector"), "{argv}");
             let env = svc("decode-0")["env"].to_string();
