@@ -34,17 +34,11 @@ pub enum Endpoint {
     Chat,
 }
 
-/// Everything `pdctl bench` takes.
+/// The requests of a run: dataset, lengths, arrivals, concurrency, model, seed and
+/// timeout. One set of flags for `pdctl bench` and `pdctl tune` (which sends the same
+/// requests to every split it measures), checked in one place ([`WorkloadArgs::check`]).
 #[derive(Debug, Clone, Args)]
-pub struct BenchArgs {
-    /// Base URL of an OpenAI-compatible server (default: the running cluster's proxy).
-    #[arg(long)]
-    pub url: Option<String>,
-    /// Key sent as `Authorization: Bearer KEY` to --url (the proxy's client key, when it
-    /// has one). When --url is an engine of a cluster running under the state root, its
-    /// engine key is sent instead, found in the cluster's state dir.
-    #[arg(long, env = "PDCTL_API_KEY", hide_env_values = true)]
-    pub api_key: Option<String>,
+pub struct WorkloadArgs {
     /// Model name sent in requests (default: the first one GET /v1/models lists).
     #[arg(long)]
     pub model: Option<String>,
@@ -53,6 +47,7 @@ pub struct BenchArgs {
     /// The ShareGPT JSON file (`--dataset sharegpt`).
     #[arg(long)]
     pub dataset_path: Option<PathBuf>,
+    /// Requests to send (`pdctl tune`: to each split).
     #[arg(long, default_value_t = 100)]
     pub num_prompts: usize,
     /// Poisson arrivals at this many requests per second (default: all at once, bounded
@@ -71,16 +66,73 @@ pub struct BenchArgs {
     pub output_len: Option<usize>,
     #[arg(long, value_enum, default_value = "completions")]
     pub endpoint: Endpoint,
-    /// Ask for whole JSON answers instead of streams (`"stream": false`): no TTFT or
-    /// inter-token figures then, only end-to-end latency and throughput.
-    #[arg(long)]
-    pub no_stream: bool,
     /// Prefix dataset: number of groups sharing a context.
     #[arg(long, default_value_t = 4)]
     pub prefix_groups: usize,
     /// Prefix dataset: length of each group's shared context, in tokens.
     #[arg(long, default_value_t = 512)]
     pub prefix_len: usize,
+    /// Seed for the dataset, arrivals and random designation (`pdctl tune`: the same
+    /// requests for every split).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Per-request timeout in seconds.
+    #[arg(long, default_value_t = 600)]
+    pub timeout_s: u64,
+}
+
+impl WorkloadArgs {
+    /// Refuses values no run can use, naming the flag and what to give instead.
+    pub fn check(&self) -> Result<(), String> {
+        if let Some(r) = self.request_rate
+            && !(r.is_finite() && r > 0.0)
+        {
+            return Err(format!(
+                "--request-rate {r}: give a number of requests per second above 0"
+            ));
+        }
+        if self.max_concurrency == Some(0) {
+            return Err("--max-concurrency 0: give at least 1".into());
+        }
+        if self.output_len == Some(0) {
+            return Err("--output-len 0: give at least 1 token".into());
+        }
+        Ok(())
+    }
+
+    /// How the runner sends these requests to `url` (`model`: the one to name in them).
+    pub fn load(&self, url: String, model: String, stream: bool) -> super::runner::Load {
+        super::runner::Load {
+            url,
+            model,
+            endpoint: self.endpoint,
+            stream,
+            max_concurrency: self.max_concurrency,
+            request_rate: self.request_rate,
+            seed: self.seed,
+            timeout: std::time::Duration::from_secs(self.timeout_s),
+        }
+    }
+}
+
+/// Everything `pdctl bench` takes.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// The requests to send.
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    /// Base URL of an OpenAI-compatible server (default: the running cluster's proxy).
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Key sent as `Authorization: Bearer KEY` to --url (the proxy's client key, when it
+    /// has one). When --url is an engine of a cluster running under the state root, its
+    /// engine key is sent instead, found in the cluster's state dir.
+    #[arg(long, env = "PDCTL_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Ask for whole JSON answers instead of streams (`"stream": false`): no TTFT or
+    /// inter-token figures then, only end-to-end latency and throughput.
+    #[arg(long)]
+    pub no_stream: bool,
     /// Prefix dataset: how requests are pinned to instances via `user`.
     #[arg(long, value_enum, default_value = "none")]
     pub strategy: Strategy,
@@ -100,12 +152,6 @@ pub struct BenchArgs {
     /// Draw latency CDFs (TTFT, end-to-end) into an SVG file.
     #[arg(long)]
     pub plot: Option<PathBuf>,
-    /// Seed for datasets, arrivals and random designation.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Per-request timeout in seconds.
-    #[arg(long, default_value_t = 600)]
-    pub timeout_s: u64,
     /// Name of this run in JSON, comparisons and plots.
     #[arg(long)]
     pub label: Option<String>,

@@ -141,29 +141,34 @@ pub fn build(
     prefill: &[String],
     decode: &[String],
 ) -> Result<Vec<BenchRequest>, DatasetError> {
-    if args.num_prompts == 0 {
+    if args.workload.num_prompts == 0 {
         return Err(DatasetError::NoPrompts);
     }
-    let mut rng = StdRng::seed_from_u64(args.seed);
-    let mut reqs = match args.dataset {
-        DatasetKind::Random => (0..args.num_prompts)
+    let mut rng = StdRng::seed_from_u64(args.workload.seed);
+    let mut reqs = match args.workload.dataset {
+        DatasetKind::Random => (0..args.workload.num_prompts)
             .map(|_| BenchRequest {
-                prompt: words(&mut rng, args.input_len),
-                max_tokens: args.output_len.unwrap_or(DEFAULT_OUTPUT_LEN),
+                prompt: words(&mut rng, args.workload.input_len),
+                max_tokens: args.workload.output_len.unwrap_or(DEFAULT_OUTPUT_LEN),
                 user: None,
                 group: None,
             })
             .collect(),
         DatasetKind::Prefix => prefix_groups(args, &mut rng),
         DatasetKind::Sharegpt => {
-            let path = args.dataset_path.as_deref().ok_or(DatasetError::NoPath)?;
+            let path = args
+                .workload
+                .dataset_path
+                .as_deref()
+                .ok_or(DatasetError::NoPath)?;
             let convs = load_sharegpt(path)?;
-            (0..args.num_prompts)
+            (0..args.workload.num_prompts)
                 .map(|i| {
                     let c = &convs[i % convs.len()];
                     BenchRequest {
                         prompt: c.prompt.clone(),
                         max_tokens: args
+                            .workload
                             .output_len
                             .map_or(c.reply_words, |cap| c.reply_words.min(cap)),
                         user: None,
@@ -180,17 +185,22 @@ pub fn build(
 /// The prefix-caching workload: G groups, each a long shared context; request i belongs to group
 /// i mod G and adds its own question, so groups interleave as users' traffic would.
 fn prefix_groups(args: &BenchArgs, rng: &mut StdRng) -> Vec<BenchRequest> {
-    let groups = args.prefix_groups.max(1);
+    let groups = args.workload.prefix_groups.max(1);
     let contexts: Vec<String> = (0..groups)
-        .map(|g| format!("Shared context #{g}: {}", words(rng, args.prefix_len)))
+        .map(|g| {
+            format!(
+                "Shared context #{g}: {}",
+                words(rng, args.workload.prefix_len)
+            )
+        })
         .collect();
-    (0..args.num_prompts)
+    (0..args.workload.num_prompts)
         .map(|i| {
             let g = i % groups;
-            let question = words(rng, args.input_len);
+            let question = words(rng, args.workload.input_len);
             BenchRequest {
                 prompt: format!("{} Question {i}: {question}", contexts[g]),
-                max_tokens: args.output_len.unwrap_or(DEFAULT_OUTPUT_LEN),
+                max_tokens: args.workload.output_len.unwrap_or(DEFAULT_OUTPUT_LEN),
                 user: None,
                 group: Some(g),
             }

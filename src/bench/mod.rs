@@ -96,7 +96,7 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     let client = http_client(target.key.as_deref())?;
     // The engines' /metrics are open (as vLLM's): no key goes to them.
     let plain = http_client(None)?;
-    let model = match &a.model {
+    let model = match &a.workload.model {
         Some(m) => m.clone(),
         None => first_model(&client, &target.url).await?,
     };
@@ -106,16 +106,9 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     engines.extend(target.decode.iter().cloned());
     let before = engines::snapshot(&plain, &engines).await;
 
-    let load = runner::Load {
-        url: target.url.clone(),
-        model: model.clone(),
-        endpoint: a.endpoint,
-        stream: !a.no_stream,
-        max_concurrency: a.max_concurrency,
-        request_rate: a.request_rate,
-        seed: a.seed,
-        timeout: Duration::from_secs(a.timeout_s),
-    };
+    let load = a
+        .workload
+        .load(target.url.clone(), model.clone(), !a.no_stream);
     let total = reqs.len();
     let tty = std::io::stderr().is_terminal();
     eprintln!(
@@ -135,12 +128,12 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         label: a.label.clone().unwrap_or_else(|| default_label(&a)),
         url: target.url,
         model,
-        endpoint: value_name(a.endpoint),
+        endpoint: value_name(a.workload.endpoint),
         stream: !a.no_stream,
-        dataset: value_name(a.dataset),
+        dataset: value_name(a.workload.dataset),
         strategy: value_name(a.strategy),
-        request_rate: a.request_rate,
-        max_concurrency: a.max_concurrency,
+        request_rate: a.workload.request_rate,
+        max_concurrency: a.workload.max_concurrency,
     };
     let report = Report::from_outcomes(info, &outcomes, duration, cache);
     print!("{}", report.table());
@@ -175,27 +168,15 @@ fn distinguish_labels(runs: &mut [Report]) {
 }
 
 fn default_label(a: &BenchArgs) -> String {
-    match a.dataset {
+    match a.workload.dataset {
         args::DatasetKind::Prefix => format!("prefix/{}", value_name(a.strategy)),
         d => value_name(d),
     }
 }
 
 fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
-    if let Some(r) = a.request_rate
-        && !(r.is_finite() && r > 0.0)
-    {
-        return Err(usage(format!(
-            "--request-rate {r}: give a number of requests per second above 0"
-        )));
-    }
-    if a.max_concurrency == Some(0) {
-        return Err(usage("--max-concurrency 0: give at least 1"));
-    }
-    if a.output_len == Some(0) {
-        return Err(usage("--output-len 0: give at least 1 token"));
-    }
-    if a.strategy != Strategy::None && a.dataset != args::DatasetKind::Prefix {
+    a.workload.check().map_err(usage)?;
+    if a.strategy != Strategy::None && a.workload.dataset != args::DatasetKind::Prefix {
         return Err(usage("--strategy applies to --dataset prefix only"));
     }
     if let Some(u) = &a.url {

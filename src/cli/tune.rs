@@ -4,7 +4,6 @@
 
 use super::ExitError;
 use super::common::{ClusterArgs, running};
-use crate::bench::runner::Load;
 use crate::control::client;
 use crate::control::operation::{ChangeOptions, ChangeRequest};
 use crate::supervisor::StateDir;
@@ -118,7 +117,7 @@ async fn run(a: TuneCommand) -> anyhow::Result<ExitCode> {
     let http = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(5))
         .build()?;
-    let model = match &t.model {
+    let model = match &t.workload.model {
         Some(m) => m.clone(),
         None => crate::bench::first_model(&http, &proxy).await?,
     };
@@ -126,19 +125,10 @@ async fn run(a: TuneCommand) -> anyhow::Result<ExitCode> {
     let requests = crate::bench::dataset::build(&bench, &[], &[])
         .map_err(|e| ExitError::usage(e.to_string()))?;
     let workload = Workload {
-        load: Load {
-            url: proxy.clone(),
-            model,
-            endpoint: t.endpoint,
-            stream: true,
-            max_concurrency: t.max_concurrency,
-            request_rate: t.request_rate,
-            seed: t.seed,
-            timeout: Duration::from_secs(t.timeout_s),
-        },
+        load: t.workload.load(proxy.clone(), model, true),
         requests,
         slo: t.slo(),
-        dataset: crate::spelling::value_name(t.dataset),
+        dataset: crate::spelling::value_name(t.workload.dataset),
     };
     eprintln!(
         "pdctl tune: cluster {} runs {start}; measuring {} splits of {budget_text} ({} requests each, objectives: {}); Ctrl-C returns it to {start}",
@@ -184,11 +174,11 @@ async fn run(a: TuneCommand) -> anyhow::Result<ExitCode> {
         slo: workload.slo,
         workload: WorkloadInfo {
             dataset: workload.dataset.clone(),
-            num_prompts: t.num_prompts,
-            input_len: t.input_len,
-            output_len: t.output_len,
-            request_rate: t.request_rate,
-            max_concurrency: t.max_concurrency,
+            num_prompts: t.workload.num_prompts,
+            input_len: t.workload.input_len,
+            output_len: t.workload.output_len,
+            request_rate: t.workload.request_rate,
+            max_concurrency: t.workload.max_concurrency,
         },
         start,
         best_meets_slo: measured[best_at].meets_slo,
@@ -216,19 +206,7 @@ async fn run(a: TuneCommand) -> anyhow::Result<ExitCode> {
 
 /// The workload flags the bench would refuse, refused before anything moves.
 fn check_args(t: &TuneArgs) -> anyhow::Result<()> {
-    if let Some(r) = t.request_rate
-        && !(r.is_finite() && r > 0.0)
-    {
-        return Err(ExitError::usage(format!(
-            "--request-rate {r}: give a number of requests per second above 0"
-        )));
-    }
-    if t.max_concurrency == Some(0) {
-        return Err(ExitError::usage("--max-concurrency 0: give at least 1"));
-    }
-    if t.output_len == Some(0) {
-        return Err(ExitError::usage("--output-len 0: give at least 1 token"));
-    }
+    t.workload.check().map_err(ExitError::usage)?;
     if t.budget == Some(0) || t.gpu_budget == Some(0) {
         return Err(ExitError::usage(
             "a budget of 0 leaves nothing to split; give at least 2",
