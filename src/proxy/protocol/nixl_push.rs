@@ -126,6 +126,14 @@ impl Protocol for NixlPush {
         };
         params.insert("do_remote_prefill".into(), json!(true));
         params.insert("do_remote_decode".into(), json!(false));
+        // vLLM (0.32 at least) reads `remote_request_id` for every request it receives KV
+        // for, push included, and dies on its absence (KeyError in the scheduler, found by
+        // the CPU end-to-end run). Push does not match by it (the prefill matches decode's
+        // registration by the request id's base, which the shared X-Request-Id makes
+        // equal); only decode's lease heartbeats carry it, and the prefill's own id has a
+        // random suffix no proxy can know before it answers, so the id both legs share is
+        // the honest value.
+        params.insert("remote_request_id".into(), json!(request_id));
         body.insert("kv_transfer_params".into(), Value::Object(params));
         DecodeBody {
             body: Some(body),
@@ -186,6 +194,7 @@ mod tests {
                 "do_remote_prefill": true, "do_remote_decode": false,
                 "remote_engine_id": "e-1", "remote_host": "10.0.0.5",
                 "remote_port": 5600, "tp_size": 1, "pp_size": 1,
+                "remote_request_id": "r",
             })
         );
         assert_eq!(body["max_tokens"], 7);
