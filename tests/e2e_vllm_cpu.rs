@@ -40,7 +40,10 @@ struct Case {
     /// `pdctl plan` warns). Guaranteed: every request must hand over. Not: at least one
     /// must, and the count is reported.
     handoff_guaranteed: bool,
-    /// What the decode log says when the connector loaded KV (for the failure message).
+    /// The service whose log shows the connector moved KV: decode, which loads it, except
+    /// in NIXL push mode, where the prefill writes it and counts the transfers.
+    log_of: &'static str,
+    /// What that log says then (for the failure message).
     log_proof: &'static str,
     /// Handoffs the test makes fail for real (see [`real_misses`]); decode then runs one
     /// request at a time. Only the ExampleConnector's stored files can be taken away
@@ -54,6 +57,7 @@ const EXAMPLE: Case = Case {
     programs: &[],
     support: &[],
     handoff_guaranteed: true,
+    log_of: "decode-0",
     log_proof: "Inject KV cache of N tokens",
     real_misses: 2,
 };
@@ -67,6 +71,7 @@ const NIXL: Case = Case {
     programs: &[],
     support: &[],
     handoff_guaranteed: true,
+    log_of: "decode-0",
     log_proof: "KV Transfer metrics: Num successful transfers>0, Num failed transfers=0",
     real_misses: 0,
 };
@@ -81,6 +86,7 @@ const NIXL_PUSH: Case = Case {
     programs: &[],
     support: &[],
     handoff_guaranteed: true,
+    log_of: "prefill-0",
     log_proof: "KV Transfer metrics: Num successful transfers>0, Num failed transfers=0",
     real_misses: 0,
 };
@@ -93,6 +99,7 @@ const MOONCAKE_STORE: Case = Case {
     programs: &["etcd", "mooncake_master"],
     support: &["etcd", "mooncake-master"],
     handoff_guaranteed: false,
+    log_of: "decode-0",
     log_proof: "KV Transfer metrics: load_get_count>0, load_get_failed_keys=0",
     real_misses: 0,
 };
@@ -104,6 +111,7 @@ const MOONCAKE_STORE_HTTP: Case = Case {
     programs: &["mooncake_master"],
     support: &["mooncake-master"],
     handoff_guaranteed: false,
+    log_of: "decode-0",
     log_proof: "KV Transfer metrics: load_get_count>0, load_get_failed_keys=0",
     real_misses: 0,
 };
@@ -316,25 +324,26 @@ fn run_case(case: &Case) {
         "a prompt no prefill instance saw was counted as loaded from the KV connector"
     );
 
-    // The connector says so in the decode instance's log too.
+    // The connector says so in the log too (decode's; the prefill's in push mode).
     let log_proof = rt.block_on(async {
         let end = Instant::now() + Duration::from_secs(40);
         loop {
-            let out = run(pdctl_in(&guard, &["logs", "decode-0"]), 30);
+            let out = run(pdctl_in(&guard, &["logs", case.log_of]), 30);
             let log = String::from_utf8_lossy(&out.stdout).to_string();
             if let Some(line) = handoff_line(case, &log) {
                 return line;
             }
             assert!(
                 Instant::now() < end,
-                "the decode log has no KV handoff line ({}); last lines:\n{}",
+                "the {} log has no KV handoff line ({}); last lines:\n{}",
+                case.log_of,
                 case.log_proof,
                 tail(&log, 20)
             );
             tokio::time::sleep(Duration::from_secs(2)).await;
         }
     });
-    println!("[{}] decode log: {}", case.name, short(&log_proof));
+    println!("[{}] {} log: {}", case.name, case.log_of, short(&log_proof));
 
     // Latency: fresh prompts each (no cache anywhere), alternating direct and proxied.
     let load_before = loadavg();
@@ -463,7 +472,8 @@ fn run_case(case: &Case) {
             handed,
             handoffs.len()
         ),
-        "decode_log": log_proof,
+        "handoff_log": log_proof,
+        "handoff_log_of": case.log_of,
         "proxy_misses": {
             "made_to_fail": case.real_misses,
             "counted_before": misses,
