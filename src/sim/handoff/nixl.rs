@@ -47,9 +47,11 @@ pub async fn pull(
     Ok(format!("{} at {host_part}:{port}", blocks.engine_id))
 }
 
-/// The push decode side: waits on the prefill named in `kv` for the KV of this request
-/// (`remote_request_id` when given, else the decode's own id, which is the same X-Request-Id
-/// as the prefill leg's), bounded by `handoff_wait_ms`.
+/// The push decode side: waits on the prefill named in `kv` for the KV of this request,
+/// bounded by `handoff_wait_ms`. Matched by the decode's own request id, which the shared
+/// X-Request-Id makes the prefill leg's too, as vLLM's push prefill matches decode's
+/// registration; `remote_request_id` (which vLLM's decode only puts in its lease
+/// heartbeats) is not used.
 pub async fn wait_for_push(
     sim: &Sim,
     kv: &KvTransferParams,
@@ -58,7 +60,7 @@ pub async fn wait_for_push(
 ) -> Result<String, HandoffError> {
     let host = required(kv.remote_host.as_deref(), "remote_host")?;
     let port = required(kv.remote_port, "remote_port")?;
-    let id = kv.remote_request_id.as_deref().unwrap_or(request_id);
+    let id = request_id;
     let host_part = if host.contains(':') {
         format!("[{host}]")
     } else {
