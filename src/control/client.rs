@@ -66,12 +66,7 @@ pub async fn watch_settings(
     mut each: impl FnMut(u64, Option<ChildSettings>),
 ) -> Result<(), ControlError> {
     let to = Endpoint::Unix(socket.to_path_buf());
-    let mut conn = tokio::time::timeout(Duration::from_secs(2), Conn::open(&to))
-        .await
-        .map_err(|_| ControlError::Timeout {
-            path: to.label(),
-            secs: 2,
-        })??;
+    let mut conn = Conn::open_within(&to, 2).await?;
     conn.send(&Request::WatchSettings {
         service: name.to_string(),
     })
@@ -151,6 +146,16 @@ struct Conn {
 }
 
 impl Conn {
+    /// [`Conn::open`], given up as `Timeout` after `secs`.
+    async fn open_within(to: &Endpoint, secs: u64) -> Result<Conn, ControlError> {
+        tokio::time::timeout(Duration::from_secs(secs), Conn::open(to))
+            .await
+            .map_err(|_| ControlError::Timeout {
+                path: to.label(),
+                secs,
+            })?
+    }
+
     async fn open(to: &Endpoint) -> Result<Conn, ControlError> {
         let path = to.label();
         let connect = |source| ControlError::Connect {
@@ -273,12 +278,7 @@ pub async fn change(
     mut progress: impl FnMut(&str, bool),
 ) -> Result<ChangeEnd, ControlError> {
     let to = Endpoint::Unix(socket.to_path_buf());
-    let mut conn = tokio::time::timeout(Duration::from_secs(10), Conn::open(&to))
-        .await
-        .map_err(|_| ControlError::Timeout {
-            path: to.label(),
-            secs: 10,
-        })??;
+    let mut conn = Conn::open_within(&to, 10).await?;
     conn.send(&Request::Change { change }).await?;
     loop {
         match conn.receive().await? {

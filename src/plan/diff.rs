@@ -245,12 +245,11 @@ fn proxy_changes(
 /// A service's generated files but the config file its typed settings are written to
 /// (`--config FILE` of `pdctl proxy` / `pdctl sim`): those settings are compared as values.
 fn other_files(s: &Service) -> Vec<&GeneratedFile> {
-    let own = s
-        .argv
+    let files = s
+        .files
         .iter()
-        .position(|a| a == "--config")
-        .and_then(|i| s.argv.get(i + 1))
-        .map(std::path::Path::new);
+        .map(|f| (f.path.as_path(), f.content.as_str()));
+    let own = crate::child_config::config_file(&s.argv, files).map(|(path, _)| path);
     s.files
         .iter()
         .filter(|f| Some(f.path.as_path()) != own)
