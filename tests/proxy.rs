@@ -1538,7 +1538,16 @@ async fn shutdown_refuses_new_requests_and_ends_cut_streams_with_an_error_and_do
         nix::sys::signal::Signal::SIGTERM,
     )
     .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The drain has begun once the proxy's own /health says so.
+    let health = format!("{}/health", proxy.url);
+    assert!(
+        eventually(WAIT, || async {
+            reqwest::get(&health).await.is_ok_and(|r| r.status() == 503)
+        })
+        .await,
+        "SIGTERM did not start the drain:\n{}",
+        proxy.log()
+    );
     let refused = post(&proxy, "/v1/completions", &completion("x")).await;
     assert_eq!(refused.status(), 503);
     assert_eq!(refused.headers()["retry-after"], "5");
