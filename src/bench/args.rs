@@ -158,3 +158,39 @@ pub struct BenchArgs {
     #[arg(long)]
     pub cluster: Option<String>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        workload: WorkloadArgs,
+    }
+
+    fn check(flags: &[&str]) -> Result<(), WorkloadError> {
+        let all = std::iter::once("bench").chain(flags.iter().copied());
+        Flags::parse_from(all).workload.check()
+    }
+
+    #[test]
+    fn each_unusable_flag_is_its_own_error() {
+        assert_eq!(check(&[]), Ok(()));
+        assert_eq!(
+            check(&["--request-rate", "0"]),
+            Err(WorkloadError::RequestRate(0.0))
+        );
+        assert_eq!(
+            check(&["--max-concurrency", "0"]),
+            Err(WorkloadError::NoConcurrency)
+        );
+        assert_eq!(check(&["--output-len", "0"]), Err(WorkloadError::NoOutput));
+        assert!(
+            WorkloadError::NoConcurrency
+                .to_string()
+                .contains("--max-concurrency 0")
+        );
+    }
+}
