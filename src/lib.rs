@@ -14,6 +14,7 @@ pub mod check;
 pub mod child_config;
 pub mod cli;
 pub mod connectors;
+pub mod constant_time;
 pub mod control;
 pub mod error_text;
 pub mod export;

@@ -5,8 +5,8 @@
 //! 15 s and none hanging, at least 95 % answered (whole, never twice) and the rest JSON
 //! errors or SSE error events, the head's `status` saying `unreachable` (exit 1) during
 //! the cut, and the worker's decode back in routing within 5 s of the link's return.
-//! Needs root and `ip netns` (CI runs as root); where they are refused the test says so
-//! and skips, since a cut cannot be made on loopback.
+//! Needs root and `ip netns` (CI runs as root): where they are refused the test fails
+//! saying why, since a cut cannot be made on loopback and a skipped test would pass green.
 
 mod common;
 #[path = "common/netns.rs"]
@@ -78,22 +78,19 @@ fn a_worker_whose_packets_are_dropped_silently_for_45_s_under_load() {
 }
 
 fn cut_under_load(tag: &str, how: Cut) {
-    let pair = match netns::NetnsPair::create(tag) {
-        Ok(p) => p,
-        Err(why) => {
-            eprintln!(
-                "skipped: network namespaces unavailable ({why}); a cut cannot be made on loopback"
-            );
-            return;
-        }
-    };
+    let pair = netns::NetnsPair::create(tag).unwrap_or_else(|why| {
+        panic!(
+            "network namespaces cannot be made here ({why}): this test needs root and `ip netns` (a cut cannot be made on loopback)"
+        )
+    });
     if let Cut::SilentDrop = how
         && let Err(why) = pair
             .set_silent_drop(true)
             .and_then(|()| pair.set_silent_drop(false))
     {
-        eprintln!("skipped: packets cannot be dropped here ({why})");
-        return;
+        panic!(
+            "packets cannot be dropped here ({why}): this test needs root and `tc` (iproute2) with the bfifo qdisc"
+        );
     }
     let (nh, nw) = (Some(pair.a.as_str()), Some(pair.b.as_str()));
     let run = suph::free_port_run(12);

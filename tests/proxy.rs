@@ -222,7 +222,7 @@ async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_a_counted_miss
         d.url
     );
     // Let the scraper take its baseline.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    d.wait_scraped().await;
     // A working handoff: 64 tokens arrive, 3 of the last partial block are computed.
     assert_eq!(
         post(&proxy, "/v1/completions", &completion("x"))
@@ -232,7 +232,7 @@ async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_a_counted_miss
     );
     set_page(vllm_prompt_sources(3, 64, 1));
     proxy.wait_metric(&received, 64.0).await;
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    d.wait_scraped().await;
     assert_eq!(proxy.metric(misses).await, 0.0, "{}", proxy.metrics().await);
     // A silent recompute: decode answers normally but computed all 70 tokens itself.
     assert_eq!(
@@ -256,9 +256,9 @@ async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_a_counted_miss
         "{log}"
     );
     // Growth from a prompt that did not pass this proxy is not a miss.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    d.wait_scraped().await;
     set_page(vllm_prompt_sources(1073, 64, 3));
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    d.wait_scraped().await;
     assert_eq!(proxy.metric(misses).await, 1.0);
 }
 
@@ -1538,7 +1538,16 @@ async fn shutdown_refuses_new_requests_and_ends_cut_streams_with_an_error_and_do
         nix::sys::signal::Signal::SIGTERM,
     )
     .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The drain has begun once the proxy's own /health says so.
+    let health = format!("{}/health", proxy.url);
+    assert!(
+        eventually(WAIT, || async {
+            reqwest::get(&health).await.is_ok_and(|r| r.status() == 503)
+        })
+        .await,
+        "SIGTERM did not start the drain:\n{}",
+        proxy.log()
+    );
     let refused = post(&proxy, "/v1/completions", &completion("x")).await;
     assert_eq!(refused.status(), 503);
     assert_eq!(refused.headers()["retry-after"], "5");

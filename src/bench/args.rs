@@ -83,36 +83,32 @@ pub struct WorkloadArgs {
 
 impl WorkloadArgs {
     /// Refuses values no run can use, naming the flag and what to give instead.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), WorkloadError> {
         if let Some(r) = self.request_rate
             && !(r.is_finite() && r > 0.0)
         {
-            return Err(format!(
-                "--request-rate {r}: give a number of requests per second above 0"
-            ));
+            return Err(WorkloadError::RequestRate(r));
         }
         if self.max_concurrency == Some(0) {
-            return Err("--max-concurrency 0: give at least 1".into());
+            return Err(WorkloadError::NoConcurrency);
         }
         if self.output_len == Some(0) {
-            return Err("--output-len 0: give at least 1 token".into());
+            return Err(WorkloadError::NoOutput);
         }
         Ok(())
     }
+}
 
-    /// How the runner sends these requests to `url` (`model`: the one to name in them).
-    pub fn load(&self, url: String, model: String, stream: bool) -> super::runner::Load {
-        super::runner::Load {
-            url,
-            model,
-            endpoint: self.endpoint,
-            stream,
-            max_concurrency: self.max_concurrency,
-            request_rate: self.request_rate,
-            seed: self.seed,
-            timeout: std::time::Duration::from_secs(self.timeout_s),
-        }
-    }
+/// A workload flag no run can use ([`WorkloadArgs::check`]): each variant names the flag
+/// and what to give instead, so `pdctl bench` and `pdctl tune` refuse it the same way.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum WorkloadError {
+    #[error("--request-rate {0}: give a number of requests per second above 0")]
+    RequestRate(f64),
+    #[error("--max-concurrency 0: give at least 1")]
+    NoConcurrency,
+    #[error("--output-len 0: give at least 1 token")]
+    NoOutput,
 }
 
 /// Everything `pdctl bench` takes.
@@ -161,4 +157,40 @@ pub struct BenchArgs {
     /// The running cluster to benchmark when several run.
     #[arg(long)]
     pub cluster: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        workload: WorkloadArgs,
+    }
+
+    fn check(flags: &[&str]) -> Result<(), WorkloadError> {
+        let all = std::iter::once("bench").chain(flags.iter().copied());
+        Flags::parse_from(all).workload.check()
+    }
+
+    #[test]
+    fn each_unusable_flag_is_its_own_error() {
+        assert_eq!(check(&[]), Ok(()));
+        assert_eq!(
+            check(&["--request-rate", "0"]),
+            Err(WorkloadError::RequestRate(0.0))
+        );
+        assert_eq!(
+            check(&["--max-concurrency", "0"]),
+            Err(WorkloadError::NoConcurrency)
+        );
+        assert_eq!(check(&["--output-len", "0"]), Err(WorkloadError::NoOutput));
+        assert!(
+            WorkloadError::NoConcurrency
+                .to_string()
+                .contains("--max-concurrency 0")
+        );
+    }
 }

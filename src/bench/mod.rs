@@ -106,9 +106,7 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
     engines.extend(target.decode.iter().cloned());
     let before = engines::snapshot(&plain, &engines).await;
 
-    let load = a
-        .workload
-        .load(target.url.clone(), model.clone(), !a.no_stream);
+    let load = runner::Load::of(&a.workload, target.url.clone(), model.clone(), !a.no_stream);
     let total = reqs.len();
     let tty = std::io::stderr().is_terminal();
     eprintln!(
@@ -175,7 +173,7 @@ fn default_label(a: &BenchArgs) -> String {
 }
 
 fn check_args(a: &BenchArgs) -> anyhow::Result<()> {
-    a.workload.check().map_err(usage)?;
+    a.workload.check().map_err(|e| usage(e.to_string()))?;
     if a.strategy != Strategy::None && a.workload.dataset != args::DatasetKind::Prefix {
         return Err(usage("--strategy applies to --dataset prefix only"));
     }

@@ -27,15 +27,48 @@ fn axis(max: f64) -> (f64, f64) {
     ((max / step).ceil() * step, step)
 }
 
+/// Where a panel sits and how values map onto it.
+struct Frame {
+    /// The panel's left edge.
+    x0: f64,
+    /// The value at the right end of the x axis.
+    xmax: f64,
+    /// The plot area's width and height.
+    pw: f64,
+    ph: f64,
+}
+
+impl Frame {
+    fn px(&self, v: f64) -> f64 {
+        self.x0 + PAD_L + v / self.xmax * self.pw
+    }
+    fn py(&self, p: f64) -> f64 {
+        PAD_T + (1.0 - p) * self.ph
+    }
+}
+
+/// One panel at `x0`: its axes and one CDF line per series.
 fn panel(o: &mut String, x0: f64, title: &str, series: &[(&str, Vec<f64>)]) {
     let max = series
         .iter()
         .flat_map(|(_, v)| v.iter().copied())
         .fold(0.0, f64::max);
     let (xmax, step) = axis(max);
-    let (pw, ph) = (W - PAD_L - PAD_R, H - PAD_T - PAD_B);
-    let px = |v: f64| x0 + PAD_L + v / xmax * pw;
-    let py = |p: f64| PAD_T + (1.0 - p) * ph;
+    let f = Frame {
+        x0,
+        xmax,
+        pw: W - PAD_L - PAD_R,
+        ph: H - PAD_T - PAD_B,
+    };
+    axes(o, &f, step, title);
+    for (i, (_, values)) in series.iter().enumerate() {
+        cdf_line(o, &f, values, COLORS[i % COLORS.len()]);
+    }
+}
+
+/// The panel's title, frame, grid lines, tick labels and axis names.
+fn axes(o: &mut String, f: &Frame, step: f64, title: &str) {
+    let (x0, pw, ph) = (f.x0, f.pw, f.ph);
     let _ = writeln!(
         o,
         r#"<text x="{}" y="18" font-size="14" text-anchor="middle" font-weight="bold">{title}</text>"#,
@@ -47,8 +80,8 @@ fn panel(o: &mut String, x0: f64, title: &str, series: &[(&str, Vec<f64>)]) {
         x0 + PAD_L
     );
     let mut t = 0.0;
-    while t <= xmax + step / 2.0 {
-        let x = px(t);
+    while t <= f.xmax + step / 2.0 {
+        let x = f.px(t);
         let _ = writeln!(
             o,
             r##"<line x1="{x:.1}" y1="{PAD_T}" x2="{x:.1}" y2="{:.1}" stroke="#eee"/>"##,
@@ -63,7 +96,7 @@ fn panel(o: &mut String, x0: f64, title: &str, series: &[(&str, Vec<f64>)]) {
         t += step;
     }
     for p in [0.0, 0.25, 0.5, 0.75, 0.9, 1.0] {
-        let y = py(p);
+        let y = f.py(p);
         let _ = writeln!(
             o,
             r##"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#eee"/>"##,
@@ -92,29 +125,30 @@ fn panel(o: &mut String, x0: f64, title: &str, series: &[(&str, Vec<f64>)]) {
         x0 + 14.0,
         PAD_T + ph / 2.0
     );
-    for (i, (_, values)) in series.iter().enumerate() {
-        let mut v = values.clone();
-        v.sort_by(f64::total_cmp);
-        let n = v.len() as f64;
-        let mut pts = String::new();
-        let mut prev = 0.0;
-        for (k, x) in v.iter().enumerate() {
-            let _ = write!(
-                pts,
-                "{:.1},{:.1} {:.1},{:.1} ",
-                px(*x),
-                py(prev),
-                px(*x),
-                py((k + 1) as f64 / n)
-            );
-            prev = (k + 1) as f64 / n;
-        }
-        let _ = writeln!(
-            o,
-            r#"<polyline points="{pts}" fill="none" stroke="{}" stroke-width="2"/>"#,
-            COLORS[i % COLORS.len()]
+}
+
+/// The empirical CDF of `values` as a step line.
+fn cdf_line(o: &mut String, f: &Frame, values: &[f64], color: &str) {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len() as f64;
+    let mut pts = String::new();
+    let mut prev = 0.0;
+    for (k, x) in v.iter().enumerate() {
+        let _ = write!(
+            pts,
+            "{:.1},{:.1} {:.1},{:.1} ",
+            f.px(*x),
+            f.py(prev),
+            f.px(*x),
+            f.py((k + 1) as f64 / n)
         );
+        prev = (k + 1) as f64 / n;
     }
+    let _ = writeln!(
+        o,
+        r#"<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>"#
+    );
 }
 
 fn trim(v: f64) -> String {

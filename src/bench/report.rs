@@ -155,94 +155,23 @@ impl Report {
     /// The table a person reads after a run.
     pub fn table(&self) -> String {
         let mut o = String::new();
-        let line = |o: &mut String, k: &str, v: String| {
-            let _ = writeln!(o, "{k:<40}{v:>12}");
-        };
         let _ = writeln!(o, "{:=^52}", format!(" {} ", self.run.label));
-        line(&mut o, "Successful requests:", self.completed.to_string());
-        line(&mut o, "Failed requests:", self.failed.to_string());
-        line(
-            &mut o,
-            "Benchmark duration (s):",
-            format!("{:.2}", self.duration),
-        );
-        line(
-            &mut o,
-            "Total input tokens:",
-            self.total_input_tokens.to_string(),
-        );
-        line(
-            &mut o,
-            "Total generated tokens:",
-            self.total_output_tokens.to_string(),
-        );
-        line(
-            &mut o,
-            "Request throughput (req/s):",
-            format!("{:.2}", self.request_throughput),
-        );
-        line(
-            &mut o,
-            "Output token throughput (tok/s):",
-            format!("{:.2}", self.output_throughput),
-        );
-        line(
-            &mut o,
-            "Total token throughput (tok/s):",
-            format!("{:.2}", self.total_token_throughput),
-        );
-        let latencies = [
-            ("Time to First Token", &self.ttft_ms),
-            ("Time per Output Token (excl. 1st token)", &self.tpot_ms),
-            ("Inter-token Latency", &self.itl_ms),
-            ("End-to-end Latency", &self.e2el_ms),
-        ];
+        self.totals_rows(&mut o);
         // With nothing completed there is no latency to show, only the errors.
-        let shown = if self.completed == 0 {
-            0
-        } else {
-            latencies.len()
-        };
-        for (name, s) in latencies.into_iter().take(shown) {
-            let short = match name.chars().next() {
-                Some('T') if name.starts_with("Time to") => "TTFT",
-                Some('T') => "TPOT",
-                Some('I') => "ITL",
-                _ => "E2EL",
-            };
-            let _ = writeln!(o, "{:-^52}", format!(" {name} "));
-            line(
-                &mut o,
-                &format!("Mean {short} (ms):"),
-                format!("{:.2}", s.mean),
-            );
-            line(
-                &mut o,
-                &format!("Median {short} (ms):"),
-                format!("{:.2}", s.median),
-            );
-            line(
-                &mut o,
-                &format!("P90 {short} (ms):"),
-                format!("{:.2}", s.p90),
-            );
-            line(
-                &mut o,
-                &format!("P99 {short} (ms):"),
-                format!("{:.2}", s.p99),
-            );
+        if self.completed > 0 {
+            self.latency_rows(&mut o);
         }
         if !self.prefix_cache.is_empty() {
             let _ = writeln!(o, "{:-^52}", " Prefix cache (engines' /metrics, this run) ");
             for c in &self.prefix_cache {
-                line(
+                table_line(
                     &mut o,
                     &format!("{}:", c.instance),
                     format!("{:.1} %", c.hit_rate * 100.0),
                 );
             }
             if let Some(r) = self.prefix_cache_hit_rate {
-                line(&mut o, "All instances:", format!("{:.1} %", r * 100.0));
+                table_line(&mut o, "All instances:", format!("{:.1} %", r * 100.0));
             }
         }
         if !self.errors.is_empty() {
@@ -254,6 +183,65 @@ impl Report {
         let _ = writeln!(o, "{}", "=".repeat(52));
         o
     }
+
+    /// The table's first rows: requests, duration, tokens, throughputs.
+    fn totals_rows(&self, o: &mut String) {
+        let rows = [
+            ("Successful requests:", self.completed.to_string()),
+            ("Failed requests:", self.failed.to_string()),
+            ("Benchmark duration (s):", format!("{:.2}", self.duration)),
+            ("Total input tokens:", self.total_input_tokens.to_string()),
+            (
+                "Total generated tokens:",
+                self.total_output_tokens.to_string(),
+            ),
+            (
+                "Request throughput (req/s):",
+                format!("{:.2}", self.request_throughput),
+            ),
+            (
+                "Output token throughput (tok/s):",
+                format!("{:.2}", self.output_throughput),
+            ),
+            (
+                "Total token throughput (tok/s):",
+                format!("{:.2}", self.total_token_throughput),
+            ),
+        ];
+        for (k, v) in rows {
+            table_line(o, k, v);
+        }
+    }
+
+    /// Mean, median, P90 and P99 of each latency, a section each.
+    fn latency_rows(&self, o: &mut String) {
+        let latencies = [
+            ("Time to First Token", "TTFT", &self.ttft_ms),
+            (
+                "Time per Output Token (excl. 1st token)",
+                "TPOT",
+                &self.tpot_ms,
+            ),
+            ("Inter-token Latency", "ITL", &self.itl_ms),
+            ("End-to-end Latency", "E2EL", &self.e2el_ms),
+        ];
+        for (name, short, s) in latencies {
+            let _ = writeln!(o, "{:-^52}", format!(" {name} "));
+            for (which, v) in [
+                ("Mean", s.mean),
+                ("Median", s.median),
+                ("P90", s.p90),
+                ("P99", s.p99),
+            ] {
+                table_line(o, &format!("{which} {short} (ms):"), format!("{v:.2}"));
+            }
+        }
+    }
+}
+
+/// One row of [`Report::table`]: the name left, the value right.
+fn table_line(o: &mut String, k: &str, v: String) {
+    let _ = writeln!(o, "{k:<40}{v:>12}");
 }
 
 /// Runs side by side, for `--compare`: each figure of each run, and each run's ratio to

@@ -3,7 +3,7 @@
 //! the server reports. An answer counts as completed only when it is whole: a stream that
 //! ends with `[DONE]` and no error event, a JSON answer with its choices finished.
 
-use super::args::Endpoint;
+use super::args::{Endpoint, WorkloadArgs};
 use super::dataset::BenchRequest;
 use crate::error_text::chain;
 use futures_util::StreamExt;
@@ -39,6 +39,23 @@ pub struct Load {
     pub request_rate: Option<f64>,
     pub seed: u64,
     pub timeout: Duration,
+}
+
+impl Load {
+    /// How the runner sends `workload`'s requests to `url` (`model`: the one to name in
+    /// them).
+    pub fn of(workload: &WorkloadArgs, url: String, model: String, stream: bool) -> Load {
+        Load {
+            url,
+            model,
+            endpoint: workload.endpoint,
+            stream,
+            max_concurrency: workload.max_concurrency,
+            request_rate: workload.request_rate,
+            seed: workload.seed,
+            timeout: Duration::from_secs(workload.timeout_s),
+        }
+    }
 }
 
 /// When each request is sent, in seconds from the start: Poisson arrivals at `rate`, or
@@ -171,6 +188,16 @@ async fn one(client: &reqwest::Client, url: &str, body: &Value, stream: bool) ->
         }
         return o;
     }
+    streamed_answer(resp, t0, &mut o).await;
+    o.e2e_ms = ms(Instant::now());
+    o
+}
+
+/// Reads a streamed answer into `o` (`t0`: when the request was sent): completed when
+/// `[DONE]` ends it with no error event; the first content chunk gives the time to first
+/// token, the gaps between the later ones the inter-token latencies.
+async fn streamed_answer(resp: reqwest::Response, t0: Instant, o: &mut Outcome) {
+    let ms = |t: Instant| t.duration_since(t0).as_secs_f64() * 1e3;
     let mut stream = resp.bytes_stream();
     let mut events = crate::sse::Events::default();
     let mut last: Option<Instant> = None;
@@ -221,8 +248,6 @@ async fn one(client: &reqwest::Client, url: &str, body: &Value, stream: bool) ->
     if o.output_tokens == 0 {
         o.output_tokens = chunks;
     }
-    o.e2e_ms = ms(Instant::now());
-    o
 }
 
 /// Reads a whole JSON answer into `o`: completed when it parses, carries no error, and

@@ -3,7 +3,7 @@
 //! writing the result.
 
 use super::ExitError;
-use super::common::{ClusterArgs, running};
+use super::common::{ClusterArgs, Found, running};
 use crate::control::client;
 use crate::control::operation::{ChangeOptions, ChangeRequest};
 use crate::supervisor::StateDir;
@@ -94,42 +94,8 @@ async fn run(a: TuneCommand) -> anyhow::Result<ExitCode> {
         prefill: count(Role::Prefill),
         decode: count(Role::Decode),
     };
-    let plan = super::cluster::read_plan(&StateDir::new(&found.dir).plan_path())?;
-    let gpus_of = |role: Role| plan.by_role(role).next().map_or(0, |s| s.gpus.len() as u32);
-    let gpus_per = (gpus_of(Role::Prefill), gpus_of(Role::Decode));
-    if t.gpu_budget.is_some() && gpus_per == (0, 0) {
-        return Err(ExitError::usage(format!(
-            "--gpu-budget: the engines of cluster {} hold no GPU; give --budget N (instances) instead",
-            found.cluster
-        )));
-    }
-    let budget = t.budget(start.prefill + start.decode, gpus_per);
-    let splits = choose::candidates(budget);
-    let budget_text = match budget {
-        Budget::Instances(n) => format!("{n} instance{}", if n == 1 { "" } else { "s" }),
-        Budget::Gpus { gpus, .. } => format!("{gpus} GPUs"),
-    };
-    if splits.is_empty() {
-        return Err(ExitError::usage(format!(
-            "a budget of {budget_text} leaves no split with at least one prefill and one decode instance; give a larger --budget"
-        )));
-    }
-    let http = reqwest::Client::builder()
-        .connect_timeout(Duration::from_secs(5))
-        .build()?;
-    let model = match &t.workload.model {
-        Some(m) => m.clone(),
-        None => crate::bench::first_model(&http, &proxy).await?,
-    };
-    let bench = t.bench_args();
-    let requests = crate::bench::dataset::build(&bench, &[], &[])
-        .map_err(|e| ExitError::usage(e.to_string()))?;
-    let workload = Workload {
-        load: t.workload.load(proxy.clone(), model, true),
-        requests,
-        slo: t.slo(),
-        dataset: crate::spelling::value_name(t.workload.dataset),
-    };
+    let (splits, budget_text) = splits_to_measure(t, &found, start)?;
+    let workload = workload_of(t, &proxy).await?;
     eprintln!(
         "pdctl tune: cluster {} runs {start}; measuring {} splits of {budget_text} ({} requests each, objectives: {}); Ctrl-C returns it to {start}",
         found.cluster,
@@ -172,23 +138,89 @@ async fn run(a: TuneCommand) -> anyhow::Result<ExitCode> {
         cluster: found.cluster.clone(),
         budget: budget_text,
         slo: workload.slo,
-        workload: WorkloadInfo {
-            dataset: workload.dataset.clone(),
-            num_prompts: t.workload.num_prompts,
-            input_len: t.workload.input_len,
-            output_len: t.workload.output_len,
-            request_rate: t.workload.request_rate,
-            max_concurrency: t.workload.max_concurrency,
-        },
+        workload: workload_info(t, &workload),
         start,
         best_meets_slo: measured[best_at].meets_slo,
         splits: measured,
         best,
         left_on,
     };
+    write_result(t, &result)?;
+    Ok(if result.splits.iter().all(|m| m.completed == 0) {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// The splits the budget allows (the cluster's GPUs per instance counted for
+/// `--gpu-budget`), and the budget as the table says it.
+fn splits_to_measure(
+    t: &TuneArgs,
+    found: &Found,
+    start: Split,
+) -> anyhow::Result<(Vec<Split>, String)> {
+    let plan = super::cluster::read_plan(&StateDir::new(&found.dir).plan_path())?;
+    let gpus_of = |role: Role| plan.by_role(role).next().map_or(0, |s| s.gpus.len() as u32);
+    let gpus_per = (gpus_of(Role::Prefill), gpus_of(Role::Decode));
+    if t.gpu_budget.is_some() && gpus_per == (0, 0) {
+        return Err(ExitError::usage(format!(
+            "--gpu-budget: the engines of cluster {} hold no GPU; give --budget N (instances) instead",
+            found.cluster
+        )));
+    }
+    let budget = t.budget(start.prefill + start.decode, gpus_per);
+    let splits = choose::candidates(budget);
+    let budget_text = match budget {
+        Budget::Instances(n) => format!("{n} instance{}", if n == 1 { "" } else { "s" }),
+        Budget::Gpus { gpus, .. } => format!("{gpus} GPUs"),
+    };
+    if splits.is_empty() {
+        return Err(ExitError::usage(format!(
+            "a budget of {budget_text} leaves no split with at least one prefill and one decode instance; give a larger --budget"
+        )));
+    }
+    Ok((splits, budget_text))
+}
+
+/// The requests every split is measured with, sent to the proxy at `proxy` (the model:
+/// `--model`, else the first one the proxy lists).
+async fn workload_of(t: &TuneArgs, proxy: &str) -> anyhow::Result<Workload> {
+    let http = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(5))
+        .build()?;
+    let model = match &t.workload.model {
+        Some(m) => m.clone(),
+        None => crate::bench::first_model(&http, proxy).await?,
+    };
+    let bench = t.bench_args();
+    let requests = crate::bench::dataset::build(&bench, &[], &[])
+        .map_err(|e| ExitError::usage(e.to_string()))?;
+    Ok(Workload {
+        load: crate::bench::runner::Load::of(&t.workload, proxy.to_string(), model, true),
+        requests,
+        slo: t.slo(),
+        dataset: crate::spelling::value_name(t.workload.dataset),
+    })
+}
+
+/// The workload as the result records it.
+fn workload_info(t: &TuneArgs, workload: &Workload) -> WorkloadInfo {
+    WorkloadInfo {
+        dataset: workload.dataset.clone(),
+        num_prompts: t.workload.num_prompts,
+        input_len: t.workload.input_len,
+        output_len: t.workload.output_len,
+        request_rate: t.workload.request_rate,
+        max_concurrency: t.workload.max_concurrency,
+    }
+}
+
+/// Prints the table, and writes `--json` and `--plot` when asked.
+fn write_result(t: &TuneArgs, result: &TuneResult) -> anyhow::Result<()> {
     print!("{}", result.table());
     if let Some(path) = &t.json {
-        std::fs::write(path, serde_json::to_string_pretty(&result)? + "\n")
+        std::fs::write(path, serde_json::to_string_pretty(result)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("figures written to {}", path.display());
     }
@@ -197,16 +229,14 @@ async fn run(a: TuneCommand) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("plot written to {}", path.display());
     }
-    Ok(if result.splits.iter().all(|m| m.completed == 0) {
-        ExitCode::from(1)
-    } else {
-        ExitCode::SUCCESS
-    })
+    Ok(())
 }
 
 /// The workload flags the bench would refuse, refused before anything moves.
 fn check_args(t: &TuneArgs) -> anyhow::Result<()> {
-    t.workload.check().map_err(ExitError::usage)?;
+    t.workload
+        .check()
+        .map_err(|e| ExitError::usage(e.to_string()))?;
     if t.budget == Some(0) || t.gpu_budget == Some(0) {
         return Err(ExitError::usage(
             "a budget of 0 leaves nothing to split; give at least 2",

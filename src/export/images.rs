@@ -95,23 +95,47 @@ pub fn choose(
     given: &ImageArgs,
     warnings: &mut Vec<String>,
 ) -> Result<Images, ExportError> {
-    let sim = plan.engine == "sim";
-    let roles: Vec<Role> = plan.services.iter().map(|s| s.role).collect();
-    let has = |r: Role| roles.contains(&r);
-    let engine = if sim {
+    let engine = if plan.engine == "sim" {
         None
     } else {
         Some(engine_image(plan, topology, given, warnings)?)
     };
+    let pdctl = pdctl_image(plan, given, warnings);
+    let etcd = given
+        .etcd
+        .clone()
+        .unwrap_or_else(|| DEFAULT_ETCD_IMAGE.to_string());
+    if plan.by_role(Role::Etcd).next().is_some()
+        && let Some(image) = &given.etcd
+    {
+        warnings.push(yours(
+            "--etcd-image",
+            image,
+            "it must have etcd on its PATH",
+        ));
+    }
+    let lmcache = lmcache_image(plan, given, warnings);
+    Ok(Images {
+        engine,
+        pdctl,
+        etcd,
+        lmcache,
+    })
+}
+
+/// pdctl's image (`--pdctl-image`, else the default nobody publishes), and what it must
+/// hold for the roles it runs.
+fn pdctl_image(plan: &Plan, given: &ImageArgs, warnings: &mut Vec<String>) -> String {
+    let has_master = plan.by_role(Role::MooncakeMaster).next().is_some();
     let pdctl = given
         .pdctl
         .clone()
         .unwrap_or_else(|| DEFAULT_PDCTL_IMAGE.to_string());
     let mut pdctl_runs = vec!["the proxy"];
-    if sim {
+    if plan.engine == "sim" {
         pdctl_runs.push("the simulated engines");
     }
-    if has(Role::MooncakeMaster) {
+    if has_master {
         pdctl_runs.push("mooncake_master");
     }
     match &given.pdctl {
@@ -125,7 +149,7 @@ pub fn choose(
             &format!(
                 "it must have pdctl {} on its PATH{}",
                 env!("CARGO_PKG_VERSION"),
-                if has(Role::MooncakeMaster) {
+                if has_master {
                     " and mooncake_master (the Dockerfile installs both)"
                 } else {
                     ""
@@ -133,57 +157,44 @@ pub fn choose(
             ),
         )),
     }
-    let etcd = given
-        .etcd
-        .clone()
-        .unwrap_or_else(|| DEFAULT_ETCD_IMAGE.to_string());
-    if has(Role::Etcd)
-        && let Some(image) = &given.etcd
-    {
-        warnings.push(yours(
-            "--etcd-image",
-            image,
-            "it must have etcd on its PATH",
-        ));
-    }
-    // The engines of an LMCache cluster need LMCache in their image too: an engine image the
-    // user gives has the server of the engines' own LMCache release.
+    pdctl
+}
+
+/// The LMCache server's image. The engines of an LMCache cluster need LMCache in their
+/// image too: an engine image the user gives has the server of the engines' own LMCache
+/// release.
+fn lmcache_image(plan: &Plan, given: &ImageArgs, warnings: &mut Vec<String>) -> String {
     let lmcache = given
         .lmcache
         .clone()
         .or_else(|| given.engine.clone())
         .unwrap_or_else(|| DEFAULT_LMCACHE_IMAGE.to_string());
-    if has(Role::LmcacheServer) {
-        let v0_server = plan
-            .by_role(Role::LmcacheServer)
-            .next()
-            .and_then(|s| s.argv.first())
-            .is_some_and(|p| super::rewrite::program_name(p) == "lmcache_server");
-        match (&given.lmcache, &given.engine) {
-            (Some(image), _) => warnings.push(yours(
-                "--lmcache-image",
-                image,
-                "it must have the lmcache Python package of the engines' release",
-            )),
-            (None, Some(image)) => warnings.push(format!(
-                "the LMCache server runs the engines' image {image} (--image), which must have LMCache; --lmcache-image gives it another"
-            )),
-            (None, None) => warnings.push(format!(
-                "the LMCache server runs LMCache's image {lmcache} (LMCache 0.5.5); the engines need the same LMCache release in their image (--image), or give the server the engines' release with --lmcache-image{}",
-                if v0_server {
-                    "; this plan's vLLM uses LMCache's V0 server (`lmcache_server`), from LMCache releases before that image's"
-                } else {
-                    ""
-                }
-            )),
-        }
+    let Some(server) = plan.by_role(Role::LmcacheServer).next() else {
+        return lmcache;
+    };
+    let v0_server = server
+        .argv
+        .first()
+        .is_some_and(|p| super::rewrite::program_name(p) == "lmcache_server");
+    match (&given.lmcache, &given.engine) {
+        (Some(image), _) => warnings.push(yours(
+            "--lmcache-image",
+            image,
+            "it must have the lmcache Python package of the engines' release",
+        )),
+        (None, Some(image)) => warnings.push(format!(
+            "the LMCache server runs the engines' image {image} (--image), which must have LMCache; --lmcache-image gives it another"
+        )),
+        (None, None) => warnings.push(format!(
+            "the LMCache server runs LMCache's image {lmcache} (LMCache 0.5.5); the engines need the same LMCache release in their image (--image), or give the server the engines' release with --lmcache-image{}",
+            if v0_server {
+                "; this plan's vLLM uses LMCache's V0 server (`lmcache_server`), from LMCache releases before that image's"
+            } else {
+                ""
+            }
+        )),
     }
-    Ok(Images {
-        engine,
-        pdctl,
-        etcd,
-        lmcache,
-    })
+    lmcache
 }
 
 /// The vLLM engines' image: `--image`, else vLLM's image of the planned version.

@@ -341,15 +341,7 @@ fn proxy_argv(
 /// Builds every role's pod template and the ConfigMaps and Services around them.
 pub fn parts(plan: &Plan, topology: &Topology, o: &Options) -> Result<Parts, ExportError> {
     let name = k8s_name(&plan.cluster, 40);
-    for (flag, v) in [("kv-pvc", &o.kv_pvc), ("model-pvc", &o.model_pvc)] {
-        if let Some(v) = v
-            && k8s_name(v, 253) != *v
-        {
-            return Err(ExportError(format!(
-                "--{flag} {v:?} is not a Kubernetes object name: use lower case letters, digits and '-', starting with a letter"
-            )));
-        }
-    }
+    check_claim_names(o)?;
     let rw = Rewriter::new(plan, |r| service_name(&name, r));
     let mut rewrites: Vec<String> = vec![
         "every program by name (argv[0] without its directory), found on the image's PATH"
@@ -358,25 +350,18 @@ pub fn parts(plan: &Plan, topology: &Topology, o: &Options) -> Result<Parts, Exp
         "HOST:PORT of another service -> its Service name and port".into(),
     ];
     let mut warnings: Vec<String> = Vec::new();
+    let images = images::choose(plan, topology, &o.images, &mut warnings)?;
+    plan_warnings(plan, o, &name, &images, &mut warnings);
+    let cx = PodCtx {
+        plan,
+        topology,
+        o,
+        name: &name,
+        rw: &rw,
+        images: &images,
+    };
     let mut roles = Vec::new();
     let mut objects = Vec::new();
-    let images = images::choose(plan, topology, &o.images, &mut warnings)?;
-    if plan.engine == "sim" {
-        warnings.push(format!(
-            "engine = \"sim\": the engines are pdctl's simulator (`pdctl sim`, image {}), not vLLM: for trying the manifests on a cluster without GPUs",
-            images.pdctl()
-        ));
-    }
-    if plan.connector == "mooncake-te" {
-        warnings.push(format!(
-            "connector mooncake-te (V0 transfer engine) pairs one prefill with one decode: keep 1 replica each; its prefill_url and decode_url name the roles' Services ({}, {}), which list a pod only once it is ready",
-            service_name(&name, Role::Prefill),
-            service_name(&name, Role::Decode)
-        ));
-    }
-    if plan.nodes.len() > 1 {
-        pin_note(plan, o, &mut warnings);
-    }
     let order = [
         Role::Etcd,
         Role::MooncakeMaster,
@@ -389,35 +374,12 @@ pub fn parts(plan: &Plan, topology: &Topology, o: &Options) -> Result<Parts, Exp
         let Some(first) = plan.by_role(role).next() else {
             continue;
         };
-        let replicas = plan.by_role(role).count() as u32;
-        let cx = PodCtx {
-            plan,
-            topology,
-            o,
-            name: &name,
-            rw: &rw,
-            images: &images,
-        };
         let pod = role_pod(&cx, first, &mut rewrites, &mut warnings)?;
         if let Some(cm) = pod.config_map {
             objects.push(cm);
         }
         objects.push(service(&name, first, o));
-        let mut depends_on: Vec<String> = first
-            .depends_on
-            .iter()
-            .filter_map(|d| plan.service(d))
-            .map(|s| s.role.as_str().to_string())
-            .filter(|r| r != role.as_str())
-            .collect();
-        depends_on.dedup();
-        roles.push(RolePod {
-            role,
-            replicas,
-            depends_on,
-            scalable: role.is_engine() && plan.connector != "mooncake-te",
-            template: pod.template,
-        });
+        roles.push(role_part(plan, first, pod.template));
     }
     if plan
         .services
@@ -440,6 +402,67 @@ pub fn parts(plan: &Plan, topology: &Topology, o: &Options) -> Result<Parts, Exp
         rewrites,
         warnings,
     })
+}
+
+/// Refuses a claim name (`--kv-pvc`, `--model-pvc`) Kubernetes would refuse.
+fn check_claim_names(o: &Options) -> Result<(), ExportError> {
+    for (flag, v) in [("kv-pvc", &o.kv_pvc), ("model-pvc", &o.model_pvc)] {
+        if let Some(v) = v
+            && k8s_name(v, 253) != *v
+        {
+            return Err(ExportError(format!(
+                "--{flag} {v:?} is not a Kubernetes object name: use lower case letters, digits and '-', starting with a letter"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What the whole plan's manifests cannot keep: the simulated engine, mooncake-te's one
+/// pair, `[nodes]` pinning.
+fn plan_warnings(
+    plan: &Plan,
+    o: &Options,
+    name: &str,
+    images: &Images,
+    warnings: &mut Vec<String>,
+) {
+    if plan.engine == "sim" {
+        warnings.push(format!(
+            "engine = \"sim\": the engines are pdctl's simulator (`pdctl sim`, image {}), not vLLM: for trying the manifests on a cluster without GPUs",
+            images.pdctl()
+        ));
+    }
+    if plan.connector == "mooncake-te" {
+        warnings.push(format!(
+            "connector mooncake-te (V0 transfer engine) pairs one prefill with one decode: keep 1 replica each; its prefill_url and decode_url name the roles' Services ({}, {}), which list a pod only once it is ready",
+            service_name(name, Role::Prefill),
+            service_name(name, Role::Decode)
+        ));
+    }
+    if plan.nodes.len() > 1 {
+        pin_note(plan, o, warnings);
+    }
+}
+
+/// A role's pod template with its replicas (one per instance) and the roles it waits for.
+fn role_part(plan: &Plan, first: &Service, template: Value) -> RolePod {
+    let role = first.role;
+    let mut depends_on: Vec<String> = first
+        .depends_on
+        .iter()
+        .filter_map(|d| plan.service(d))
+        .map(|s| s.role.as_str().to_string())
+        .filter(|r| r != role.as_str())
+        .collect();
+    depends_on.dedup();
+    RolePod {
+        role,
+        replicas: plan.by_role(role).count() as u32,
+        depends_on,
+        scalable: role.is_engine() && plan.connector != "mooncake-te",
+        template,
+    }
 }
 
 /// Says what becomes of `[nodes]` pinning.
@@ -478,25 +501,65 @@ struct PodCtx<'a> {
     images: &'a Images,
 }
 
+/// A role's pod, made from its first instance `svc`: the command, the environment and
+/// the files with host-specific values rewritten, the volumes around them, the container.
 fn role_pod(
     cx: &PodCtx,
     svc: &Service,
     rewrites: &mut Vec<String>,
     warnings: &mut Vec<String>,
 ) -> Result<Pod, ExportError> {
-    let PodCtx {
-        plan,
-        topology,
-        o,
-        name,
-        rw,
-        images,
-    } = *cx;
     let role = svc.role;
-    let image = images.for_role(role).to_string();
+    let image = cx.images.for_role(role).to_string();
+    let (argv, own_config) = pod_argv(cx, svc, rewrites)?;
+    let mut env = pod_env(cx.rw, svc, rewrites);
+    let (files, file_names_host) = pod_files(cx.rw, svc, own_config.as_ref());
+    let render = files.values().any(|(_, c)| c.contains(POD_IP_MARK));
+    if render {
+        rewrites.push(format!(
+            "{role}: the own address in generated files -> the pod IP, written by an init container from the ConfigMap"
+        ));
+    }
+    warn_leftover_hosts(cx.rw, role, &argv, &env, &files, warnings);
+    if file_names_host || argv.iter().any(|a| a.contains("$(POD_IP)")) {
+        env.push(field_env(POD_IP_ENV, "status.podIP"));
+    }
+    if argv.iter().any(|a| a.contains("$(POD_NAME)")) {
+        env.push(field_env(POD_NAME_ENV, "metadata.name"));
+    }
+    // Volumes: the state dir is the pod's own; files come from the ConfigMap; the shared
+    // KV directory and a local model are claims the user names.
+    let mut vols = Volumes {
+        volumes: vec![json!({"name": "state", "emptyDir": {}})],
+        mounts: vec![
+            json!({"name": "state", "mountPath": cx.plan.state_dir.display().to_string()}),
+        ],
+        init: Vec::new(),
+    };
+    let config_map = files_volume(cx, role, &image, &files, render, &mut vols);
+    kv_volume(cx, svc, &mut vols, warnings);
+    if role.is_engine() && cx.plan.engine == "vllm" {
+        engine_volumes(cx, svc, &image, &mut vols, warnings);
+    }
+    let template = pod_template(cx, svc, &image, argv, env, vols, warnings);
+    Ok(Pod {
+        template,
+        config_map,
+    })
+}
+
+/// The pod's command (pdctl's own config file of the proxy and sim turned into flags),
+/// and the path of that config file, which is then no file of the pod.
+fn pod_argv(
+    cx: &PodCtx,
+    svc: &Service,
+    rewrites: &mut Vec<String>,
+) -> Result<(Vec<String>, Option<std::path::PathBuf>), ExportError> {
+    let (plan, role) = (cx.plan, svc.role);
+    let sim_engine = plan.engine == "sim" && role.is_engine();
     let mut argv = if role == Role::Proxy {
-        proxy_argv(svc, plan, name, rewrites)?
-    } else if plan.engine == "sim" && role.is_engine() {
+        proxy_argv(svc, plan, cx.name, rewrites)?
+    } else if sim_engine {
         let a = plan
             .settings_of(&svc.name)
             .and_then(crate::child_config::ChildSettings::sim)
@@ -504,22 +567,24 @@ fn role_pod(
         let mut flagged = svc.clone();
         flagged.argv.truncate(2);
         flagged.argv.extend(a.to_argv());
-        rw.argv(&flagged)
+        cx.rw.argv(&flagged)
     } else {
-        rw.argv(svc)
+        cx.rw.argv(svc)
     };
-    // pdctl's own config file became the flags above: it is no file of the pod.
-    let own_config = (role == Role::Proxy || plan.engine == "sim" && role.is_engine())
+    let own_config = (role == Role::Proxy || sim_engine)
         .then(|| crate::child_config::config_file(&svc.argv, files_of(svc)))
         .flatten()
         .map(|(path, _)| path.to_path_buf());
-    if plan.engine == "sim" && role.is_engine() {
+    if sim_engine {
         sim_argv(&mut argv, rewrites);
     }
-    // Environment: GPUs are the device plugin's, the own address is the pod's.
+    Ok((argv, own_config))
+}
+
+/// The container's environment: GPUs are the device plugin's, the own address is the
+/// pod's, other services' addresses are their Services'.
+fn pod_env(rw: &Rewriter, svc: &Service, rewrites: &mut Vec<String>) -> Vec<Value> {
     let mut env: Vec<Value> = Vec::new();
-    let mut needs_pod_ip = argv.iter().any(|a| a.contains("$(POD_IP)"));
-    let needs_pod_name = argv.iter().any(|a| a.contains("$(POD_NAME)"));
     let mut own_env = Vec::new();
     for (k, v) in &svc.env {
         if k == "CUDA_VISIBLE_DEVICES" {
@@ -540,14 +605,22 @@ fn role_pod(
             own_env.join(", ")
         ));
     }
-    // Generated files: the same content, other services by name, the own address marked
-    // for the init container to fill in.
-    let mut files: BTreeMap<String, (String, String)> = BTreeMap::new();
-    for f in svc
-        .files
-        .iter()
-        .filter(|f| Some(&f.path) != own_config.as_ref())
-    {
+    env
+}
+
+/// A pod's generated files by ConfigMap key: (path, content).
+type PodFiles = BTreeMap<String, (String, String)>;
+
+/// Generated files: the same content, other services by name, the own address marked for
+/// the init container to fill in (the flag: some file named it). `own_config` is left out.
+fn pod_files(
+    rw: &Rewriter,
+    svc: &Service,
+    own_config: Option<&std::path::PathBuf>,
+) -> (PodFiles, bool) {
+    let mut names_host = false;
+    let mut files = PodFiles::new();
+    for f in svc.files.iter().filter(|f| Some(&f.path) != own_config) {
         let key = f
             .path
             .file_name()
@@ -556,30 +629,32 @@ fn role_pod(
         let mut content = rw.endpoints(&f.content);
         if rewrite::names_host(&content, &svc.host) {
             content = rewrite::replace_whole(&content, &svc.host, POD_IP_MARK);
-            needs_pod_ip = true;
+            names_host = true;
         }
         files.insert(key, (f.path.display().to_string(), content));
     }
-    let render = files.values().any(|(_, c)| c.contains(POD_IP_MARK));
-    if render {
-        rewrites.push(format!(
-            "{role}: the own address in generated files -> the pod IP, written by an init container from the ConfigMap"
-        ));
-    }
-    // Anything still naming a host is said.
-    let mut leftovers: Vec<String> = Vec::new();
-    for text in argv
+    (files, names_host)
+}
+
+/// Says any host still named in the command, env or files after the rewrites.
+fn warn_leftover_hosts(
+    rw: &Rewriter,
+    role: Role,
+    argv: &[String],
+    env: &[Value],
+    files: &PodFiles,
+    warnings: &mut Vec<String>,
+) {
+    let env_values: Vec<String> = env
         .iter()
-        .chain(
-            env.iter()
-                .filter_map(|e| e["value"].as_str().map(str::to_string))
-                .collect::<Vec<_>>()
-                .iter(),
-        )
+        .filter_map(|e| e["value"].as_str().map(str::to_string))
+        .collect();
+    let mut leftovers: Vec<String> = argv
+        .iter()
+        .chain(env_values.iter())
         .chain(files.values().map(|(_, c)| c))
-    {
-        leftovers.extend(rw.leftover_hosts(text));
-    }
+        .flat_map(|text| rw.leftover_hosts(text))
+        .collect();
     leftovers.sort();
     leftovers.dedup();
     if !leftovers.is_empty() {
@@ -588,101 +663,145 @@ fn role_pod(
             leftovers.join(", ")
         ));
     }
-    if needs_pod_ip {
-        env.push(field_env(POD_IP_ENV, "status.podIP"));
+}
+
+/// A pod's volumes, the container's mounts of them, and its init containers.
+struct Volumes {
+    volumes: Vec<Value>,
+    mounts: Vec<Value>,
+    init: Vec<Value>,
+}
+
+/// The ConfigMap of the generated files (None without files) and their mounts: straight
+/// from the ConfigMap, or (`render`) through an init container that puts in the pod IP.
+fn files_volume(
+    cx: &PodCtx,
+    role: Role,
+    image: &str,
+    files: &PodFiles,
+    render: bool,
+    vols: &mut Volumes,
+) -> Option<Value> {
+    if files.is_empty() {
+        return None;
     }
-    if needs_pod_name {
-        env.push(field_env(POD_NAME_ENV, "metadata.name"));
-    }
-    // Volumes: the state dir is the pod's own; files come from the ConfigMap; the shared
-    // KV directory and a local model are claims the user names.
-    let mut volumes: Vec<Value> = vec![json!({"name": "state", "emptyDir": {}})];
-    let mut mounts: Vec<Value> =
-        vec![json!({"name": "state", "mountPath": plan.state_dir.display().to_string()})];
-    let mut init: Vec<Value> = Vec::new();
-    let cm_name = k8s_name(&format!("{name}-{}-files", role.as_str()), 253);
-    let config_map = (!files.is_empty()).then(|| {
-        let data: Map<String, Value> = files
-            .iter()
-            .map(|(k, (_, c))| (k.clone(), Value::String(c.clone())))
-            .collect();
-        json!({
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": metadata(name, &cm_name, Some(role), o),
-            "data": data,
-        })
+    let cm_name = k8s_name(&format!("{}-{}-files", cx.name, role.as_str()), 253);
+    let data: Map<String, Value> = files
+        .iter()
+        .map(|(k, (_, c))| (k.clone(), Value::String(c.clone())))
+        .collect();
+    let config_map = json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(cx.name, &cm_name, Some(role), cx.o),
+        "data": data,
     });
-    if !files.is_empty() {
-        volumes.push(json!({"name": "files", "configMap": {"name": cm_name}}));
-        let source = if render {
-            volumes.push(json!({"name": "rendered", "emptyDir": {}}));
-            init.push(json!({
-                "name": "render-files",
-                "image": image,
-                "command": ["sh", "-c", format!(
-                    "for f in /etc/pdctl/templates/*; do sed \"s/{POD_IP_MARK}/$POD_IP/g\" \"$f\" > \"/etc/pdctl/rendered/${{f##*/}}\"; done"
-                )],
-                "env": [field_env(POD_IP_ENV, "status.podIP")],
-                "volumeMounts": [
-                    {"name": "files", "mountPath": "/etc/pdctl/templates", "readOnly": true},
-                    {"name": "rendered", "mountPath": "/etc/pdctl/rendered"},
-                ],
-            }));
-            "rendered"
-        } else {
-            "files"
-        };
-        for (key, (path, _)) in &files {
-            mounts.push(json!({"name": source, "mountPath": path, "subPath": key}));
-        }
+    vols.volumes
+        .push(json!({"name": "files", "configMap": {"name": cm_name}}));
+    let source = if render {
+        vols.volumes
+            .push(json!({"name": "rendered", "emptyDir": {}}));
+        vols.init.push(json!({
+            "name": "render-files",
+            "image": image,
+            "command": ["sh", "-c", format!(
+                "for f in /etc/pdctl/templates/*; do sed \"s/{POD_IP_MARK}/$POD_IP/g\" \"$f\" > \"/etc/pdctl/rendered/${{f##*/}}\"; done"
+            )],
+            "env": [field_env(POD_IP_ENV, "status.podIP")],
+            "volumeMounts": [
+                {"name": "files", "mountPath": "/etc/pdctl/templates", "readOnly": true},
+                {"name": "rendered", "mountPath": "/etc/pdctl/rendered"},
+            ],
+        }));
+        "rendered"
+    } else {
+        "files"
+    };
+    for (key, (path, _)) in files {
+        vols.mounts
+            .push(json!({"name": source, "mountPath": path, "subPath": key}));
     }
-    if let Some(dir) = svc.dirs.first() {
-        let claim = o
-            .kv_pvc
-            .clone()
-            .unwrap_or_else(|| k8s_name(&format!("{name}-kv"), 253));
-        volumes.push(json!({"name": "kv", "persistentVolumeClaim": {"claimName": claim}}));
-        mounts.push(json!({"name": "kv", "mountPath": dir.display().to_string()}));
+    Some(config_map)
+}
+
+/// The shared KV directory (the first of the service's directories) as a claim.
+fn kv_volume(cx: &PodCtx, svc: &Service, vols: &mut Volumes, warnings: &mut Vec<String>) {
+    let Some(dir) = svc.dirs.first() else {
+        return;
+    };
+    let o = cx.o;
+    let claim = o
+        .kv_pvc
+        .clone()
+        .unwrap_or_else(|| k8s_name(&format!("{}-kv", cx.name), 253));
+    vols.volumes
+        .push(json!({"name": "kv", "persistentVolumeClaim": {"claimName": claim}}));
+    vols.mounts
+        .push(json!({"name": "kv", "mountPath": dir.display().to_string()}));
+    warnings.push(format!(
+        "the shared KV directory {} is PersistentVolumeClaim {claim} (ReadWriteMany, so prefill and decode pods on different nodes share it): create it before applying{}",
+        dir.display(),
+        if o.kv_pvc.is_none() { ", or name an existing one with --kv-pvc" } else { "" }
+    ));
+    if svc.dirs.len() > 1 {
         warnings.push(format!(
-            "the shared KV directory {} is PersistentVolumeClaim {claim} (ReadWriteMany, so prefill and decode pods on different nodes share it): create it before applying{}",
-            dir.display(),
-            if o.kv_pvc.is_none() { ", or name an existing one with --kv-pvc" } else { "" }
+            "{}: only the first of its directories ({}) is a volume",
+            svc.role,
+            dir.display()
         ));
-        if svc.dirs.len() > 1 {
+    }
+}
+
+/// A vLLM engine's model (when a local path) and shared memory, and what its image must
+/// hold.
+fn engine_volumes(
+    cx: &PodCtx,
+    svc: &Service,
+    image: &str,
+    vols: &mut Volumes,
+    warnings: &mut Vec<String>,
+) {
+    let model = svc
+        .argv
+        .iter()
+        .position(|a| a == "--model")
+        .and_then(|i| svc.argv.get(i + 1))
+        .cloned()
+        .unwrap_or_else(|| cx.topology.model.name.clone());
+    model_volume(&model, cx.o, &mut vols.volumes, &mut vols.mounts, warnings);
+    vols.volumes
+        .push(json!({"name": "dshm", "emptyDir": {"medium": "Memory"}}));
+    vols.mounts
+        .push(json!({"name": "dshm", "mountPath": "/dev/shm"}));
+    for c in &svc.checks {
+        if let crate::vocab::Check::PythonModule { module, .. } = c
+            && module != "vllm"
+        {
             warnings.push(format!(
-                "{role}: only the first of its directories ({}) is a volume",
-                dir.display()
+                "image {image} must have the Python module {module} (the plan checks it on a host; here nobody can)"
             ));
         }
     }
-    if role.is_engine() && plan.engine == "vllm" {
-        let model = svc
-            .argv
-            .iter()
-            .position(|a| a == "--model")
-            .and_then(|i| svc.argv.get(i + 1))
-            .cloned()
-            .unwrap_or_else(|| topology.model.name.clone());
-        model_volume(&model, o, &mut volumes, &mut mounts, warnings);
-        volumes.push(json!({"name": "dshm", "emptyDir": {"medium": "Memory"}}));
-        mounts.push(json!({"name": "dshm", "mountPath": "/dev/shm"}));
-        for c in &svc.checks {
-            if let crate::vocab::Check::PythonModule { module, .. } = c
-                && module != "vllm"
-            {
-                warnings.push(format!(
-                    "image {image} must have the Python module {module} (the plan checks it on a host; here nobody can)"
-                ));
-            }
-        }
-    }
+}
+
+/// The pod template: one container with its probes and GPUs, the volumes, init
+/// containers, and a nodeSelector when every instance of the role is on one node.
+fn pod_template(
+    cx: &PodCtx,
+    svc: &Service,
+    image: &str,
+    argv: Vec<String>,
+    env: Vec<Value>,
+    vols: Volumes,
+    warnings: &mut Vec<String>,
+) -> Value {
+    let (plan, role) = (cx.plan, svc.role);
     let mut container = json!({
         "name": role.as_str(),
         "image": image,
         "command": argv,
         "ports": container_ports(svc),
-        "volumeMounts": mounts,
+        "volumeMounts": vols.mounts,
     });
     if !env.is_empty() {
         container["env"] = Value::Array(env);
@@ -690,7 +809,7 @@ fn role_pod(
     for (k, v) in probes(svc, warnings) {
         container[k] = v;
     }
-    if let Some(gpus) = gpus_of(role, plan, topology, o, warnings) {
+    if let Some(gpus) = gpus_of(role, plan, cx.topology, cx.o, warnings) {
         // A quantity, written as the string Kubernetes prints it.
         let gpus = gpus.to_string();
         container["resources"] = json!({
@@ -700,14 +819,14 @@ fn role_pod(
     }
     let mut spec = json!({
         "containers": [container],
-        "volumes": volumes,
+        "volumes": vols.volumes,
         "terminationGracePeriodSeconds": svc.shutdown.timeout_s,
     });
-    if !init.is_empty() {
-        spec["initContainers"] = Value::Array(init);
+    if !vols.init.is_empty() {
+        spec["initContainers"] = Value::Array(vols.init);
     }
     if plan.nodes.len() > 1
-        && let Some(key) = &o.node_label
+        && let Some(key) = &cx.o.node_label
     {
         let nodes: Vec<&str> = plan.by_role(role).map(|s| s.node.as_str()).collect();
         if nodes.iter().all(|n| *n == nodes[0]) {
@@ -719,13 +838,9 @@ fn role_pod(
             ));
         }
     }
-    let template = json!({
-        "metadata": {"labels": labels(name, Some(role))},
+    json!({
+        "metadata": {"labels": labels(cx.name, Some(role))},
         "spec": spec,
-    });
-    Ok(Pod {
-        template,
-        config_map,
     })
 }
 

@@ -89,8 +89,19 @@ fn from_hosts_file(name: &str) -> Option<Vec<IpAddr>> {
     (!found.is_empty()).then_some(found)
 }
 
+/// Why a name gave no addresses this time (the proxy logs it and looks again).
+#[derive(Debug, thiserror::Error)]
+pub enum LookupError {
+    #[error("the name has no address")]
+    NoAddress,
+    #[error("{0}")]
+    Failed(#[from] std::io::Error),
+    #[error("the lookup took longer than 5 s")]
+    TimedOut,
+}
+
 /// Every address `name` resolves to now, sorted and without repeats.
-pub async fn resolve(name: &str, port: u16) -> Result<BTreeSet<IpAddr>, String> {
+pub async fn resolve(name: &str, port: u16) -> Result<BTreeSet<IpAddr>, LookupError> {
     if let Some(ips) = from_hosts_file(name) {
         return Ok(ips.into_iter().collect());
     }
@@ -99,13 +110,13 @@ pub async fn resolve(name: &str, port: u16) -> Result<BTreeSet<IpAddr>, String> 
         Ok(Ok(addrs)) => {
             let ips: BTreeSet<IpAddr> = addrs.map(|a| a.ip()).collect();
             if ips.is_empty() {
-                Err("the name has no address".to_string())
+                Err(LookupError::NoAddress)
             } else {
                 Ok(ips)
             }
         }
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err("the lookup took longer than 5 s".to_string()),
+        Ok(Err(e)) => Err(LookupError::Failed(e)),
+        Err(_) => Err(LookupError::TimedOut),
     }
 }
 

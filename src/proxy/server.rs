@@ -107,13 +107,7 @@ fn authorized(p: &Proxy, headers: &HeaderMap) -> bool {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    // Compare without an early exit so timing does not reveal the key.
-    sent.len() == key.len()
-        && sent
-            .bytes()
-            .zip(key.bytes())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+    crate::constant_time::equal(sent.as_bytes(), key.as_bytes())
 }
 
 async fn generate(p: Arc<Proxy>, route: &'static str, body: Body) -> Response {

@@ -195,7 +195,33 @@ impl Metrics {
             .into_iter()
             .map(|(k, v)| (Cow::Borrowed(k), v))
         };
-        let r = self.registry.sub_registry_with_labels(vllm_labels());
+        // The registry is taken out while the families are registered, so the methods
+        // below can read the counters it registers.
+        let mut registry = std::mem::take(&mut self.registry);
+        self.register_scheduler_and_cache(registry.sub_registry_with_labels(vllm_labels()));
+        // vLLM's info gauge: its labels are the cache settings (here the ones the sim has),
+        // not the model's, and its help has no full stop.
+        registry
+            .sub_registry_with_labels(std::iter::empty())
+            .register_collector(Box::new(CacheConfigInfo {
+                block_size,
+                num_gpu_blocks: self.cache_blocks,
+            }));
+        let r = registry.sub_registry_with_labels(vllm_labels());
+        self.register_requests(r);
+        self.register_sim_own(r.sub_registry_with_prefix("pdctl_sim"));
+        // Not per model: a plain counter without the vLLM labels.
+        registry.sub_registry_with_prefix("pdctl_sim").register(
+            "connections_accepted",
+            "TCP connections accepted on the API port",
+            self.connections_accepted.clone(),
+        );
+        self.registry = registry;
+        self
+    }
+
+    /// vLLM's scheduler, KV cache, prefix cache and connector families.
+    fn register_scheduler_and_cache(&self, r: &mut Registry) {
         r.register(
             "vllm:num_requests_running",
             "Number of requests in model execution batches",
@@ -254,15 +280,10 @@ impl Metrics {
             "Number of prompt tokens by source",
             self.prompt_tokens_by_source.clone(),
         );
-        // vLLM's info gauge: its labels are the cache settings (here the ones the sim has),
-        // not the model's, and its help has no full stop.
-        self.registry
-            .sub_registry_with_labels(std::iter::empty())
-            .register_collector(Box::new(CacheConfigInfo {
-                block_size,
-                num_gpu_blocks: self.cache_blocks,
-            }));
-        let r = self.registry.sub_registry_with_labels(vllm_labels());
+    }
+
+    /// vLLM's families of finished requests: tokens generated, successes, latencies.
+    fn register_requests(&self, r: &mut Registry) {
         r.register(
             "vllm:generation_tokens",
             "Number of generation tokens processed",
@@ -283,7 +304,10 @@ impl Metrics {
             "Histogram of e2e request latency in seconds",
             self.e2e.0.clone(),
         );
-        let r = r.sub_registry_with_prefix("pdctl_sim");
+    }
+
+    /// pdctl_sim's own families: handoffs, aborts, faults.
+    fn register_sim_own(&self, r: &mut Registry) {
         let counters: [(&str, &str, &Count); 7] = [
             (
                 "requests_aborted",
@@ -334,15 +358,6 @@ impl Metrics {
             "Requests failed, hung or stalled on purpose (fault injection)",
             self.faults_injected.clone(),
         );
-        // Not per model: a plain counter without the vLLM labels.
-        self.registry
-            .sub_registry_with_prefix("pdctl_sim")
-            .register(
-                "connections_accepted",
-                "TCP connections accepted on the API port",
-                self.connections_accepted.clone(),
-            );
-        self
     }
 
     /// Counts a finished sequence.

@@ -149,7 +149,7 @@ pub fn best(scores: &[Score]) -> Option<usize> {
 
 /// Reads a duration as people write one: `200ms`, `0.2s`, `1.5 s`, or a bare number of
 /// milliseconds; gives milliseconds.
-pub fn parse_ms(text: &str) -> Result<f64, String> {
+pub fn parse_ms(text: &str) -> Result<f64, NotADuration> {
     let t = text.trim();
     let (number, scale) = if let Some(n) = t.strip_suffix("ms") {
         (n, 1.0)
@@ -160,11 +160,15 @@ pub fn parse_ms(text: &str) -> Result<f64, String> {
     };
     match number.trim().parse::<f64>() {
         Ok(v) if v.is_finite() && v > 0.0 => Ok(v * scale),
-        _ => Err(format!(
-            "`{text}` is not a duration: write e.g. 200ms, 0.2s or 200 (milliseconds)"
-        )),
+        _ => Err(NotADuration(text.to_string())),
     }
 }
+
+/// Text [`parse_ms`] cannot read as a positive duration (the flag parser shows it with the
+/// forms it takes).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("`{0}` is not a duration: write e.g. 200ms, 0.2s or 200 (milliseconds)")]
+pub struct NotADuration(pub String);
 
 #[cfg(test)]
 mod tests {
@@ -261,7 +265,7 @@ mod tests {
         assert_eq!(parse_ms("0.2s"), Ok(200.0));
         assert_eq!(parse_ms("1.5 s"), Ok(1500.0));
         assert_eq!(parse_ms("30"), Ok(30.0));
-        assert!(parse_ms("fast").unwrap_err().contains("200ms"));
+        assert!(parse_ms("fast").unwrap_err().to_string().contains("200ms"));
         assert!(parse_ms("-1ms").is_err());
     }
 }

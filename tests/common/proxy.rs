@@ -73,6 +73,8 @@ pub struct FakeState {
     pub completed: AtomicUsize,
     pub models: Mutex<Vec<String>>,
     pub metrics_text: Mutex<String>,
+    /// Times `/metrics` was read (by the proxy's scraper: nothing else reads it).
+    pub metrics_reads: AtomicUsize,
     pub bootstrap_queries: AtomicUsize,
     pub bootstrap_status: AtomicU16,
     pub engine_id: Mutex<String>,
@@ -136,6 +138,7 @@ impl FakeEngine {
             completed: AtomicUsize::new(0),
             models: Mutex::new(vec!["fake-model".to_string()]),
             metrics_text: Mutex::new(String::new()),
+            metrics_reads: AtomicUsize::new(0),
             bootstrap_queries: AtomicUsize::new(0),
             bootstrap_status: AtomicU16::new(200),
             engine_id: Mutex::new(format!("engine-{name}")),
@@ -192,6 +195,22 @@ impl FakeEngine {
         self.state.cancelled.load(Ordering::SeqCst)
     }
 
+    /// Waits (10 s at most) until the proxy's scraper has read `/metrics` twice more: it
+    /// reads every engine, acts on the pages, then sleeps, so the second read means it has
+    /// acted on a page read after this call began.
+    pub async fn wait_scraped(&self) {
+        let reads = || self.state.metrics_reads.load(Ordering::SeqCst);
+        let want = reads() + 2;
+        let seen =
+            crate::common::eventually(Duration::from_secs(10), || async { reads() >= want }).await;
+        assert!(
+            seen,
+            "{}'s /metrics was read {} times in 10 s, not {want}: is the proxy scraping it?",
+            self.state.name,
+            reads()
+        );
+    }
+
     /// The status `/health` answers; 0: it never answers (a machine cut off).
     pub fn set_health(&self, status: u16) {
         self.state.health_status.store(status, Ordering::SeqCst);
@@ -223,6 +242,7 @@ async fn models(State(s): State<Arc<FakeState>>) -> Response {
 }
 
 async fn metrics(State(s): State<Arc<FakeState>>) -> String {
+    s.metrics_reads.fetch_add(1, Ordering::SeqCst);
     s.metrics_text.lock().unwrap().clone()
 }
 

@@ -122,60 +122,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: Limits) -> Result<GenReque
         ));
     }
     // The fast parser first; only a failure pays for the one that names the field.
-    let raw: RawRequest = match serde_json::from_slice(body) {
+    let mut raw: RawRequest = match serde_json::from_slice(body) {
         Ok(r) => r,
         Err(_) => return Err(explain(body)),
     };
     check_sampling(&raw)?;
-    let prompts = match endpoint {
-        Endpoint::Completions => parse_prompt(raw.prompt)?,
-        Endpoint::Chat => {
-            let messages = raw.messages.ok_or_else(|| {
-                ApiError::bad_request(
-                    Some("messages"),
-                    "messages is required: an array of {\"role\", \"content\"} objects",
-                )
-            })?;
-            let text = chat_template::render(&messages, raw.add_generation_prompt.unwrap_or(true))?;
-            vec![tokenizer::encode(&text)]
-        }
-    };
-    let max_field = match endpoint {
-        Endpoint::Chat if raw.max_completion_tokens.is_some() => "max_completion_tokens",
-        _ => "max_tokens",
-    };
-    let max_value = match endpoint {
-        Endpoint::Chat => raw.max_completion_tokens.or(raw.max_tokens),
-        Endpoint::Completions => raw.max_tokens,
-    };
-    let max_tokens = match max_value {
-        None => None,
-        Some(v) if v < 1 => {
-            return Err(ApiError::bad_request(
-                Some(max_field),
-                format!("{max_field} must be at least 1, got {v}"),
-            ));
-        }
-        Some(v) => Some(u32::try_from(v).unwrap_or(u32::MAX)),
-    };
-    let min_tokens = match raw.min_tokens {
-        None => 0,
-        Some(v) if v < 0 => {
-            return Err(ApiError::bad_request(
-                Some("min_tokens"),
-                format!("min_tokens must be 0 or more, got {v}"),
-            ));
-        }
-        Some(v) => u32::try_from(v).unwrap_or(u32::MAX),
-    };
-    if let Some(max) = max_tokens {
-        if min_tokens > max {
-            return Err(ApiError::bad_request(
-                Some("min_tokens"),
-                format!("min_tokens ({min_tokens}) must not exceed {max_field} ({max})"),
-            ));
-        }
-    }
+    let prompts = prompts_of(endpoint, &mut raw)?;
+    let lengths = Lengths::of(endpoint, &raw)?;
     let n = match raw.n {
         None => 1,
         Some(v) if v < 1 || v > i64::from(limits.max_n) => {
@@ -196,28 +149,19 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: Limits) -> Result<GenReque
             "stream_options is only allowed together with \"stream\": true",
         ));
     }
-    let kv = match raw.kv_transfer_params {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(serde_json::from_value::<KvTransferParams>(v).map_err(|e| {
-            ApiError::bad_request(
-                Some("kv_transfer_params"),
-                format!("kv_transfer_params: {e}"),
-            )
-        })?),
-    };
-    if kv.is_some() && prompts.len() > 1 {
-        return Err(ApiError::bad_request(
-            Some("kv_transfer_params"),
-            "kv_transfer_params needs a single prompt, not a batch",
-        ));
-    }
-    check_context(&prompts, max_tokens, limits.max_model_len, max_field)?;
+    let kv = kv_params(raw.kv_transfer_params.take(), prompts.len())?;
+    check_context(
+        &prompts,
+        lengths.max_tokens,
+        limits.max_model_len,
+        lengths.max_field,
+    )?;
     Ok(GenRequest {
         endpoint,
         model: raw.model,
         prompts,
-        max_tokens,
-        min_tokens,
+        max_tokens: lengths.max_tokens,
+        min_tokens: lengths.min_tokens,
         n,
         stop: parse_stop(raw.stop)?,
         include_stop_str_in_output: raw.include_stop_str_in_output.unwrap_or(false),
@@ -229,6 +173,99 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: Limits) -> Result<GenReque
             .unwrap_or(false),
         kv,
     })
+}
+
+/// The token ids of the request's prompts: `prompt` (one or a batch) for completions, the
+/// rendered `messages` for chat.
+fn prompts_of(endpoint: Endpoint, raw: &mut RawRequest) -> Result<Vec<Vec<u32>>, ApiError> {
+    match endpoint {
+        Endpoint::Completions => parse_prompt(raw.prompt.take()),
+        Endpoint::Chat => {
+            let messages = raw.messages.take().ok_or_else(|| {
+                ApiError::bad_request(
+                    Some("messages"),
+                    "messages is required: an array of {\"role\", \"content\"} objects",
+                )
+            })?;
+            let text = chat_template::render(&messages, raw.add_generation_prompt.unwrap_or(true))?;
+            Ok(vec![tokenizer::encode(&text)])
+        }
+    }
+}
+
+/// A request's output lengths, checked against each other.
+struct Lengths {
+    /// The field that caps the output (`max_completion_tokens` for chat when given), as
+    /// errors name it.
+    max_field: &'static str,
+    max_tokens: Option<u32>,
+    min_tokens: u32,
+}
+
+impl Lengths {
+    fn of(endpoint: Endpoint, raw: &RawRequest) -> Result<Lengths, ApiError> {
+        let max_field = match endpoint {
+            Endpoint::Chat if raw.max_completion_tokens.is_some() => "max_completion_tokens",
+            _ => "max_tokens",
+        };
+        let max_value = match endpoint {
+            Endpoint::Chat => raw.max_completion_tokens.or(raw.max_tokens),
+            Endpoint::Completions => raw.max_tokens,
+        };
+        let max_tokens = match max_value {
+            None => None,
+            Some(v) if v < 1 => {
+                return Err(ApiError::bad_request(
+                    Some(max_field),
+                    format!("{max_field} must be at least 1, got {v}"),
+                ));
+            }
+            Some(v) => Some(u32::try_from(v).unwrap_or(u32::MAX)),
+        };
+        let min_tokens = match raw.min_tokens {
+            None => 0,
+            Some(v) if v < 0 => {
+                return Err(ApiError::bad_request(
+                    Some("min_tokens"),
+                    format!("min_tokens must be 0 or more, got {v}"),
+                ));
+            }
+            Some(v) => u32::try_from(v).unwrap_or(u32::MAX),
+        };
+        if let Some(max) = max_tokens
+            && min_tokens > max
+        {
+            return Err(ApiError::bad_request(
+                Some("min_tokens"),
+                format!("min_tokens ({min_tokens}) must not exceed {max_field} ({max})"),
+            ));
+        }
+        Ok(Lengths {
+            max_field,
+            max_tokens,
+            min_tokens,
+        })
+    }
+}
+
+/// The request's `kv_transfer_params` (null is none); a handoff carries one prompt.
+fn kv_params(raw: Option<Value>, prompts: usize) -> Result<Option<KvTransferParams>, ApiError> {
+    let kv = match raw {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(serde_json::from_value::<KvTransferParams>(v).map_err(|e| {
+            ApiError::bad_request(
+                Some("kv_transfer_params"),
+                format!("kv_transfer_params: {e}"),
+            )
+        })?),
+    };
+    if kv.is_some() && prompts > 1 {
+        return Err(ApiError::bad_request(
+            Some("kv_transfer_params"),
+            "kv_transfer_params needs a single prompt, not a batch",
+        ));
+    }
+    Ok(kv)
 }
 
 /// The ranges vLLM's SamplingParams enforce for the fields the simulator ignores.
