@@ -364,6 +364,7 @@ fn the_head_killed_in_the_middle_of_a_change_comes_back_whole() {
         runs_on_worker(w, "decode-1")
     });
     drop(scale);
+    let started = suph::svc(&c.worker.status(&[]).unwrap(), "decode-1").pid;
     let _ = load.wait_with_output();
     let (r, took) = c.up_head_again(&file);
     eprintln!(
@@ -371,9 +372,10 @@ fn the_head_killed_in_the_middle_of_a_change_comes_back_whole() {
         took.as_secs_f64()
     );
     c.assert_whole(&r, took, "scale decode=2", Recovered::Finished);
-    assert!(
-        runs_on_worker(&c.worker.status(&[]).unwrap(), "decode-1"),
-        "decode-1 adopted"
+    assert_eq!(
+        suph::svc(&c.worker.status(&[]).unwrap(), "decode-1").pid,
+        started,
+        "decode-1 adopted as it ran, not started again"
     );
     let source = std::fs::read_to_string(c.head_state().dir.join("topology.json")).unwrap();
     let source: Value = serde_json::from_str(&source).unwrap();
@@ -444,7 +446,47 @@ fn the_head_killed_in_the_middle_of_a_change_comes_back_whole() {
     );
     c.scale_ok(4);
     c.serves(40);
+
+    // 4. scale decode=6, killed once the worker runs decode-5; `up` again with a topology
+    // that is neither plan (the first file, 1 decode instance): the scale is set aside and
+    // the instances the worker runs beyond that plan are stopped as orphans.
+    let mut scale = c.on_head(&["scale", "decode=6"]);
+    let scale = scale
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    c.kill_head_when("decode-5 started on the worker", |_, w| {
+        runs_on_worker(w, "decode-5")
+    });
+    drop(scale);
+    let (r, took) = c.up_head_again(&file);
+    eprintln!(
+        "scale set aside: the head came back whole in {:.1} s",
+        took.as_secs_f64()
+    );
+    c.assert_whole(&r, took, "scale decode=6", Recovered::SetAside);
+    let message = &r
+        .operation
+        .as_ref()
+        .unwrap()
+        .outcome
+        .as_ref()
+        .unwrap()
+        .message;
+    assert!(
+        message.contains("decode-5: ran on node worker but not in the plan"),
+        "{message}"
+    );
+    assert_eq!(decode_count(&r), 1, "{r:?}");
+    c.scale_ok(2);
+    c.serves(40);
     c.down();
+}
+
+/// How many decode instances a report shows.
+fn decode_count(r: &StatusReport) -> usize {
+    r.services.iter().filter(|s| s.role == Role::Decode).count()
 }
 
 /// A drained restart of decode-1 on the worker whose restart cannot happen (the worker's
@@ -614,4 +656,77 @@ fn a_scale_whose_new_instance_fails_is_undone() {
     assert_eq!(op.outcome.map(|o| o.code), Some(1));
     c.serves(20);
     c.down();
+}
+
+/// A drained restart while the proxy cannot be asked for its count of requests in flight
+/// (SIGSTOPped once the drain began, streams running): the drain waits and says so, and
+/// at `--timeout` the restart fails rather than cut requests it cannot see — decode-1 is
+/// not restarted and goes back in routing; its streams all finish.
+#[test]
+fn a_drain_that_cannot_read_the_in_flight_count_waits_and_does_not_cut() {
+    let cluster = Cluster::new("j36blind");
+    let dir = TempDir::new("j36blind-topo");
+    let (topology, port) =
+        suph::sim_topology("j-blind", "nixl", 1, 2, "[engine.sim]\nitl_ms = 40.0\n");
+    cluster.up_topology(dir.path(), &topology);
+    let json = dir.path().join("bench.json");
+    let url = format!("http://127.0.0.1:{port}");
+    // Streams of 150 tokens at 40 ms (about 6 s each), 8 at a time.
+    let load = common::pdctl(&[
+        "bench",
+        "--url",
+        &url,
+        "--num-prompts",
+        "8",
+        "--max-concurrency",
+        "8",
+        "--input-len",
+        "32",
+        "--output-len",
+        "150",
+        "--json",
+        json.to_str().unwrap(),
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    let r = cluster.status(&[]).unwrap();
+    let proxy = suph::svc(&r, "proxy").pid.expect("the proxy runs") as i32;
+    let restarts = suph::svc(&r, "decode-1").restarts;
+    let restart = cluster
+        .command(&["restart", "--drain", "decode-1", "--timeout", "4"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let r = cluster.wait_status(Duration::from_secs(10), &[], |r| {
+        suph::svc(r, "decode-1").state == ServiceState::Draining
+    });
+    assert_eq!(suph::svc(&r, "decode-1").state, ServiceState::Draining);
+    let signal = |sig| nix::sys::signal::kill(nix::unistd::Pid::from_raw(proxy), sig).unwrap();
+    signal(nix::sys::signal::Signal::SIGSTOP);
+    let out = restart.wait_with_output().unwrap();
+    signal(nix::sys::signal::Signal::SIGCONT);
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("cannot read the proxy's count"), "{said}");
+    assert!(said.contains("waiting"), "{said}");
+    assert!(
+        said.contains("not going on, so as not to cut them"),
+        "{said}"
+    );
+    assert!(said.contains("put back in routing"), "{said}");
+    let r = cluster.wait_status(Duration::from_secs(10), &[], suph::all_healthy);
+    assert!(suph::all_healthy(&r), "{r:?}");
+    assert_eq!(
+        suph::svc(&r, "decode-1").restarts,
+        restarts,
+        "not restarted"
+    );
+    let (completed, failed) = finished(load, &json);
+    assert_eq!((completed, failed), (8, 0), "no stream was cut");
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
 }
