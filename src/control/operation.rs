@@ -204,3 +204,44 @@ pub fn now_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_says_what_became_of_an_interrupted_change() {
+        let mut r = OperationReport {
+            what: "scale decode=2".into(),
+            started_ms: 1_000,
+            step: "decode-1: waiting until healthy".into(),
+            outcome: None,
+            interrupted: Some(Interrupted {
+                what: "scale decode=2".into(),
+                step: "decode-1: wait until healthy".into(),
+                recovered: None,
+            }),
+        };
+        let line = r.line(3_000);
+        assert!(line.starts_with("change in progress: scale decode=2 (cut short at `decode-1: wait until healthy` when the head's supervisor stopped; being taken up at its start)"), "{line}");
+        r.interrupted.as_mut().unwrap().recovered = Some(Recovered::Finished);
+        r.outcome = Some(Outcome {
+            code: 0,
+            message: "`scale decode=2` finished".into(),
+            ended_ms: 4_000,
+        });
+        let line = r.line(5_000);
+        assert!(
+            line.contains("; finished at its start) done 1 s ago"),
+            "{line}"
+        );
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["interrupted"]["recovered"], "finished");
+        r.interrupted = None;
+        let json = serde_json::to_value(&r).unwrap();
+        assert!(
+            json.get("interrupted").is_none(),
+            "absent when nothing was cut short"
+        );
+    }
+}

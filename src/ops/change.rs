@@ -597,27 +597,25 @@ impl<'a> Change<'a> {
         self.journal(|j, dir| j.step(dir, step))
     }
 
-    async fn steps(&self) -> anyhow::Result<()> {
-        let d = &self.diff;
+    /// New capacity first: every node learns of it, its own node starts it; then each is
+    /// waited for until healthy and routed.
+    async fn add_steps(&self, drainer: &Drainer<'_>) -> anyhow::Result<()> {
         let p = self.progress;
-        let drainer = drainer(self.inner, &self.running, &self.wanted, self.how, p);
-        let proxy_node = drainer.proxy_node.clone();
-        // New capacity first: every node learns of it, its own node starts it.
-        for name in &d.added {
+        for name in &self.diff.added {
             let svc = self.service(name);
             self.next(
                 &format!("{name}: add on node {}", svc.node),
                 &format!("{name}: starting on node {}", svc.node),
             )?;
             let message = self
-                .everywhere(&drainer, &svc.node, || Request::Add {
+                .everywhere(drainer, &svc.node, || Request::Add {
                     service: Box::new(svc.clone()),
                     settings: self.settings(name),
                 })
                 .await?;
             p.line(&message);
         }
-        for name in &d.added {
+        for name in &self.diff.added {
             let svc = self.service(name);
             let t = Instant::now();
             self.next(
@@ -625,7 +623,9 @@ impl<'a> Change<'a> {
                 &format!("{name}: waiting until healthy"),
             )?;
             drainer.wait_healthy(&svc.node, name, None).await?;
-            drainer.wait_healthy(&proxy_node, name, None).await?;
+            drainer
+                .wait_healthy(&drainer.proxy_node, name, None)
+                .await?;
             drainer.wait_routed(name, svc.url.as_deref(), true).await;
             p.line(&format!(
                 "{name}: healthy{} ({:.1} s)",
@@ -637,6 +637,14 @@ impl<'a> Change<'a> {
                 t.elapsed().as_secs_f64()
             ));
         }
+        Ok(())
+    }
+
+    async fn steps(&self) -> anyhow::Result<()> {
+        let d = &self.diff;
+        let p = self.progress;
+        let drainer = drainer(self.inner, &self.running, &self.wanted, self.how, p);
+        self.add_steps(&drainer).await?;
         // Changed instances one at a time: every node keeps the new spec, its own node
         // restarts it after the proxy drained it.
         for (name, _) in &d.rolled {

@@ -15,7 +15,9 @@ use super::journal::{Journal, JournalKind};
 use crate::control::Request;
 use crate::control::client::ChangeEnd;
 use crate::control::operation::Recovered;
+use crate::plan::Plan;
 use crate::plan::diff::diff;
+use crate::plan::source::ClusterSource;
 use std::time::Duration;
 
 /// How long a node's supervisor gets to answer at the head's start (it may be starting
@@ -25,10 +27,9 @@ const NODE_PATIENCE: Duration = Duration::from_secs(30);
 /// Takes up `journal`'s change; how that ended and what became of it.
 pub async fn take_up(
     inner: &Inner,
-    mut journal: Journal,
+    journal: Journal,
     progress: &Progress,
 ) -> anyhow::Result<(ChangeEnd, Recovered)> {
-    let dir = &inner.state_dir;
     match journal.kind.clone() {
         JournalKind::Plans {
             from,
@@ -36,108 +37,120 @@ pub async fn take_up(
             from_source,
             wanted_source,
         } => {
-            let started = &inner.started_with;
-            if !diff(started, &from).is_empty() && !diff(started, &wanted).is_empty() {
-                Journal::clear(dir)?;
-                progress.warn(&format!(
-                    "`{}` was cut short, but this node was started from a topology that is neither the plan before it nor the one it was making: it is set aside, and the other nodes follow what runs here",
-                    journal.what
-                ));
-                let end = ChangeEnd {
-                    code: 0,
-                    message: format!(
-                        "`{}` set aside; the cluster runs the topology `up` was given",
-                        journal.what
-                    ),
-                    needs_recreate: false,
-                };
-                return Ok((end, Recovered::SetAside));
-            }
-            let how = journal.how.clone();
-            let (run, want, sources, verdict) = if journal.undoing {
-                (
-                    *wanted,
-                    *from,
-                    (wanted_source.map(|s| *s), from_source.map(|s| *s)),
-                    Recovered::Undone,
-                )
-            } else {
-                (
-                    *from,
-                    *wanted,
-                    (from_source.map(|s| *s), wanted_source.map(|s| *s)),
-                    Recovered::Finished,
-                )
-            };
-            let cluster = run.cluster.clone();
-            progress.line(&format!(
-                "taking up `{}`, cut short at `{}`: {}",
-                journal.what,
-                journal.step,
-                if verdict == Recovered::Undone {
-                    "undoing it"
-                } else {
-                    "finishing it"
-                }
-            ));
-            let change = Change::between(inner, run, want, sources, &how, progress);
-            change.set_journal(journal.clone());
-            match change.make().await {
-                Ok(()) => {
-                    let end = ChangeEnd {
-                        code: 0,
-                        message: format!(
-                            "`{}` {} at the head's start: cluster {cluster} runs its plan",
-                            journal.what,
-                            verdict.as_str()
-                        ),
-                        needs_recreate: false,
-                    };
-                    Ok((end, verdict))
-                }
-                Err(e) if verdict == Recovered::Finished => {
-                    let end = change.undo_after(e).await;
-                    Ok((end, Recovered::Undone))
-                }
-                Err(e) => {
-                    Journal::clear(dir)?;
-                    let end = ChangeEnd {
-                        code: 1,
-                        message: format!(
-                            "undoing `{}` at the head's start failed: {e:#}\n`pdctl status` shows what runs now",
-                            journal.what
-                        ),
-                        needs_recreate: false,
-                    };
-                    Ok((end, Recovered::Undone))
-                }
-            }
+            let plans = (*from, *wanted);
+            let sources = (from_source.map(|s| *s), wanted_source.map(|s| *s));
+            take_up_plans(inner, journal, plans, sources, progress).await
         }
         JournalKind::Restart { services, drained } => {
-            progress.line(&format!(
-                "taking up `{}`, cut short at `{}`: restarting what it had not restarted yet",
-                journal.what, journal.step
-            ));
-            let running = read_plan(dir)?;
-            let how = journal.how.clone();
-            let services: Vec<String> = services
-                .into_iter()
-                .filter(|s| running.service(s).is_some())
-                .collect();
-            let end = restart(
-                inner,
-                &running,
-                &services,
-                drained,
-                &how,
-                progress,
-                &mut journal,
-            )
-            .await;
-            Journal::clear(dir)?;
-            Ok((end?, Recovered::Finished))
+            take_up_restart(inner, journal, services, drained, progress).await
         }
     }
+}
+
+/// A `scale` or `apply` cut short: finished, undone or set aside (the module's rule).
+async fn take_up_plans(
+    inner: &Inner,
+    journal: Journal,
+    (from, wanted): (Plan, Plan),
+    (from_source, wanted_source): (Option<ClusterSource>, Option<ClusterSource>),
+    progress: &Progress,
+) -> anyhow::Result<(ChangeEnd, Recovered)> {
+    let dir = &inner.state_dir;
+    let what = journal.what.clone();
+    let end = |code: u8, message: String| ChangeEnd {
+        code,
+        message,
+        needs_recreate: false,
+    };
+    let started = &inner.started_with;
+    if !diff(started, &from).is_empty() && !diff(started, &wanted).is_empty() {
+        Journal::clear(dir)?;
+        progress.warn(&format!(
+            "`{what}` was cut short, but this node was started from a topology that is neither the plan before it nor the one it was making: it is set aside, and the other nodes follow what runs here"
+        ));
+        let message = format!("`{what}` set aside; the cluster runs the topology `up` was given");
+        return Ok((end(0, message), Recovered::SetAside));
+    }
+    let (run, want, sources, verdict) = if journal.undoing {
+        (
+            wanted,
+            from,
+            (wanted_source, from_source),
+            Recovered::Undone,
+        )
+    } else {
+        (
+            from,
+            wanted,
+            (from_source, wanted_source),
+            Recovered::Finished,
+        )
+    };
+    let cluster = run.cluster.clone();
+    progress.line(&format!(
+        "taking up `{what}`, cut short at `{}`: {}",
+        journal.step,
+        if verdict == Recovered::Undone {
+            "undoing it"
+        } else {
+            "finishing it"
+        }
+    ));
+    let how = journal.how.clone();
+    let change = Change::between(inner, run, want, sources, &how, progress);
+    change.set_journal(journal);
+    match change.make().await {
+        Ok(()) => {
+            let message = format!(
+                "`{what}` {} at the head's start: cluster {cluster} runs its plan",
+                verdict.as_str()
+            );
+            Ok((end(0, message), verdict))
+        }
+        Err(e) if verdict == Recovered::Finished => {
+            Ok((change.undo_after(e).await, Recovered::Undone))
+        }
+        Err(e) => {
+            Journal::clear(dir)?;
+            let message = format!(
+                "undoing `{what}` at the head's start failed: {e:#}\n`pdctl status` shows what runs now"
+            );
+            Ok((end(1, message), Recovered::Undone))
+        }
+    }
+}
+
+/// A `restart` cut short: the instances it had not restarted yet are restarted.
+async fn take_up_restart(
+    inner: &Inner,
+    mut journal: Journal,
+    services: Vec<String>,
+    drained: bool,
+    progress: &Progress,
+) -> anyhow::Result<(ChangeEnd, Recovered)> {
+    let dir = &inner.state_dir;
+    progress.line(&format!(
+        "taking up `{}`, cut short at `{}`: restarting what it had not restarted yet",
+        journal.what, journal.step
+    ));
+    let running = read_plan(dir)?;
+    let how = journal.how.clone();
+    let services: Vec<String> = services
+        .into_iter()
+        .filter(|s| running.service(s).is_some())
+        .collect();
+    let end = restart(
+        inner,
+        &running,
+        &services,
+        drained,
+        &how,
+        progress,
+        &mut journal,
+    )
+    .await;
+    Journal::clear(dir)?;
+    Ok((end?, Recovered::Finished))
 }
 
 /// Asks every other node what it runs and brings it in line with the plan this node
