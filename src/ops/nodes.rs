@@ -127,3 +127,61 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    fn no_answer() -> ControlError {
+        ControlError::NoAnswer {
+            path: "worker:7070".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_transient_error_is_asked_again_until_it_answers() {
+        let tries = AtomicU32::new(0);
+        let got = retrying("worker", Duration::from_secs(5), || async {
+            match tries.fetch_add(1, Ordering::SeqCst) {
+                0 | 1 => Err(no_answer()),
+                _ => Ok("answered"),
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!((got, tries.load(Ordering::SeqCst)), ("answered", 3));
+    }
+
+    #[tokio::test]
+    async fn a_refusal_is_final_and_the_window_bounds_the_tries() {
+        let tries = AtomicU32::new(0);
+        let err = retrying("worker", Duration::from_secs(5), || async {
+            tries.fetch_add(1, Ordering::SeqCst);
+            Err::<(), _>(ControlError::Refused {
+                path: "worker:7070".into(),
+                message: "no service `decode-9`".into(),
+            })
+        })
+        .await
+        .unwrap_err();
+        assert_eq!(tries.load(Ordering::SeqCst), 1);
+        assert!(err.to_string().starts_with("node worker: "), "{err}");
+        let t = Instant::now();
+        let tries = AtomicU32::new(0);
+        let err = retrying("worker", Duration::from_millis(700), || async {
+            tries.fetch_add(1, Ordering::SeqCst);
+            Err::<(), _>(no_answer())
+        })
+        .await
+        .unwrap_err();
+        assert!(
+            t.elapsed() < Duration::from_millis(1500),
+            "{:?}",
+            t.elapsed()
+        );
+        // 200 ms, then 400 ms: a third wait would pass the window.
+        assert_eq!(tries.load(Ordering::SeqCst), 3);
+        assert!(err.to_string().contains("tried 3 times"), "{err}");
+    }
+}
