@@ -171,8 +171,20 @@ impl crate::supervisor::Operations for Engine {
         let journal = match Journal::read(&self.inner.state_dir) {
             Ok(j) => j,
             Err(e) => {
+                // Nothing can be taken up from it; `status` says so until it is moved.
                 tracing::error!("{e}");
-                None
+                *self.inner.current() = Some(OperationReport {
+                    what: "take up the change journal".into(),
+                    started_ms: now_ms(),
+                    step: "reading it".into(),
+                    outcome: Some(Outcome {
+                        code: 1,
+                        message: e.to_string(),
+                        ended_ms: now_ms(),
+                    }),
+                    interrupted: None,
+                });
+                return;
             }
         };
         if journal.is_none() && self.inner.nodes.others().next().is_none() {
