@@ -162,7 +162,10 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         }
         None => {
             // Programs it could not find are reported by pre-flight, with the others.
-            let loaded = crate::plan::resolve::resolve(&a.topology.request())?;
+            let loaded = as_it_ran(
+                crate::plan::resolve::resolve(&a.topology.request())?,
+                &a.topology,
+            )?;
             // A plan for an assumed vLLM can be read, not run: nothing starts.
             if let Some(v) = loaded.version_note {
                 return Err(anyhow::Error::new(v.refusal));
@@ -408,6 +411,43 @@ pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// After a supervisor that died without `pdctl down` (a crash, a reboot, `kill -9`):
+/// given the topology it was started from, `up` starts the cluster as it ran, with the
+/// instance counts `pdctl scale` set since (kept in topology.json), so the node comes back
+/// to what its peers run rather than shrinking the cluster. Otherwise `loaded` as it is.
+fn as_it_ran(
+    loaded: crate::plan::resolve::LoadedPlan,
+    topology: &super::common::TopologyArgs,
+) -> anyhow::Result<crate::plan::resolve::LoadedPlan> {
+    let Some(given) = &loaded.source else {
+        return Ok(loaded);
+    };
+    let state = StateDir::new(&loaded.plan.state_dir);
+    let died = matches!(supervisor::read_record(&state), Ok(Some(r)) if !r.supervisor_alive());
+    let kept = match crate::plan::source::ClusterSource::read(&state.dir) {
+        Ok(Some(k)) if died => k,
+        _ => return Ok(loaded),
+    };
+    let same = kept.text == given.text && kept.profile == given.profile && kept.gpus == given.gpus;
+    if !same || kept.scaled.is_empty() {
+        return Ok(loaded);
+    }
+    let root = super::common::state_root(topology.state_dir.as_deref());
+    let mut again = kept.plan(&loaded.node, &root)?;
+    again.source_note = format!(
+        "{}, with the counts `pdctl scale` set ({}) as it ran before its supervisor died",
+        loaded.source_note,
+        kept.scaled
+            .iter()
+            .map(|(r, n)| format!("{r}={n}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    again.node = loaded.node.clone();
+    again.source = Some(kept);
+    Ok(again)
 }
 
 /// The operations engine of the head node's supervisor (changes to the whole cluster are

@@ -7,6 +7,17 @@ pub use crate::plan::resolve::state_root;
 use clap::Args;
 use std::path::PathBuf;
 
+/// `--state-dir` / `PDCTL_STATE_DIR` made absolute where it is read: the supervisor,
+/// the plans it makes again (`scale`, `apply`) and the services it starts (each in its
+/// own working directory) all name files by it, so a relative one would mean something
+/// else to each.
+pub fn absolute_dir(given: &str) -> Result<PathBuf, String> {
+    if given.is_empty() {
+        return Err("an empty path is no state directory".into());
+    }
+    std::path::absolute(given).map_err(|e| format!("cannot make {given} an absolute path: {e}"))
+}
+
 /// Which cluster a command acts on.
 #[derive(Debug, Clone, Args)]
 pub struct ClusterArgs {
@@ -14,7 +25,7 @@ pub struct ClusterArgs {
     #[arg(long)]
     pub cluster: Option<String>,
     /// State root holding one directory per cluster.
-    #[arg(long, env = "PDCTL_STATE_DIR")]
+    #[arg(long, env = "PDCTL_STATE_DIR", value_parser = absolute_dir)]
     pub state_dir: Option<PathBuf>,
 }
 
@@ -98,7 +109,7 @@ pub struct TopologyArgs {
     pub gpus: Option<Vec<u32>>,
     /// State root holding one directory per running cluster
     /// (default: $XDG_STATE_HOME/pdctl, else ~/.local/state/pdctl).
-    #[arg(long, env = "PDCTL_STATE_DIR")]
+    #[arg(long, env = "PDCTL_STATE_DIR", value_parser = absolute_dir)]
     pub state_dir: Option<PathBuf>,
 }
 

@@ -20,6 +20,8 @@ pub fn run(a: &DownArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitCode
         for f in select::stale(&root, cluster) {
             // Holding the lock proves no supervisor is about to use the dir.
             if let Ok(_lock) = f.state.lock() {
+                // The cluster is down: a change its head left cut short is not taken up.
+                let _ = std::fs::remove_file(f.state.journal_path());
                 if let Some(c) = clean_if_stale(&f.state) {
                     let _ = writeln!(out, "pdctl: {}: {c}", f.label());
                     cleaned_any = true;

@@ -311,3 +311,43 @@ pub async fn change(
         }
     }
 }
+
+/// One connection to a supervisor kept open to ask for its status again and again: a
+/// wait that follows a service's state makes one connection (and one handshake), not one
+/// per look.
+pub struct StatusConn {
+    conn: Conn,
+    timeout: Duration,
+}
+
+impl StatusConn {
+    /// Connects to the supervisor at `to`; each answer is awaited up to `timeout`.
+    pub async fn open(to: &Endpoint, timeout: Duration) -> Result<StatusConn, ControlError> {
+        let conn = Conn::open_within(to, timeout.as_secs().max(1)).await?;
+        Ok(StatusConn { conn, timeout })
+    }
+
+    /// The supervisor's status report now.
+    pub async fn status(&mut self) -> Result<StatusReport, ControlError> {
+        let path = self.conn.path.clone();
+        let work = async {
+            self.conn.send(&Request::Status).await?;
+            self.conn.receive().await
+        };
+        let answer = tokio::time::timeout(self.timeout, work)
+            .await
+            .map_err(|_| ControlError::Timeout {
+                path: path.clone(),
+                secs: self.timeout.as_secs(),
+            })??;
+        match answer {
+            Response::Status(report) => Ok(report),
+            Response::Error { message } => Err(ControlError::Refused { path, message }),
+            other => Err(ControlError::Unexpected {
+                path,
+                asked: "its status",
+                what: format!("{other:?}"),
+            }),
+        }
+    }
+}

@@ -103,6 +103,46 @@ pub struct OperationReport {
     /// How it ended; None while it runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<Outcome>,
+    /// Set when this is the head's supervisor taking up, at its start, a change that was
+    /// cut short when it stopped (crash, reboot, `kill -9`): which, and what became of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interrupted: Option<Interrupted>,
+}
+
+/// A change cut short by the head's supervisor stopping, as its next start found it in
+/// the journal.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Interrupted {
+    /// The change, e.g. `scale decode=2`.
+    pub what: String,
+    /// The step it was on.
+    pub step: String,
+    /// What the start made of it; None while it is being done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovered: Option<Recovered>,
+}
+
+/// What the head's supervisor made of an interrupted change at its start (the rule is in
+/// docs/operations.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Recovered {
+    /// Carried on to the plan it was making.
+    Finished,
+    /// Taken back to the plan that ran before it.
+    Undone,
+    /// Neither: `up` was given a topology that is neither plan; the cluster runs that.
+    SetAside,
+}
+
+impl Recovered {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Recovered::Finished => "finished",
+            Recovered::Undone => "undone",
+            Recovered::SetAside => "set aside",
+        }
+    }
 }
 
 /// How a change ended.
@@ -131,16 +171,25 @@ impl OperationReport {
                 format!("{} min", s / 60)
             }
         };
+        let what = match &self.interrupted {
+            Some(i) => format!(
+                "{} (cut short at `{}` when the head's supervisor stopped; {} at its start)",
+                self.what,
+                i.step,
+                i.recovered.map_or("being taken up", Recovered::as_str)
+            ),
+            None => self.what.clone(),
+        };
         match &self.outcome {
             None => format!(
                 "change in progress: {} (for {}), at {}",
-                self.what,
+                what,
                 ago(self.started_ms),
                 self.step
             ),
             Some(o) => format!(
                 "last change: {} {} {} ago: {}",
-                self.what,
+                what,
                 if o.code == 0 { "done" } else { "FAILED" },
                 ago(o.ended_ms),
                 o.message
@@ -154,4 +203,45 @@ pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_says_what_became_of_an_interrupted_change() {
+        let mut r = OperationReport {
+            what: "scale decode=2".into(),
+            started_ms: 1_000,
+            step: "decode-1: waiting until healthy".into(),
+            outcome: None,
+            interrupted: Some(Interrupted {
+                what: "scale decode=2".into(),
+                step: "decode-1: wait until healthy".into(),
+                recovered: None,
+            }),
+        };
+        let line = r.line(3_000);
+        assert!(line.starts_with("change in progress: scale decode=2 (cut short at `decode-1: wait until healthy` when the head's supervisor stopped; being taken up at its start)"), "{line}");
+        r.interrupted.as_mut().unwrap().recovered = Some(Recovered::Finished);
+        r.outcome = Some(Outcome {
+            code: 0,
+            message: "`scale decode=2` finished".into(),
+            ended_ms: 4_000,
+        });
+        let line = r.line(5_000);
+        assert!(
+            line.contains("; finished at its start) done 1 s ago"),
+            "{line}"
+        );
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["interrupted"]["recovered"], "finished");
+        r.interrupted = None;
+        let json = serde_json::to_value(&r).unwrap();
+        assert!(
+            json.get("interrupted").is_none(),
+            "absent when nothing was cut short"
+        );
+    }
 }

@@ -5,7 +5,9 @@
 
 use super::drain::Drainer;
 use super::engine::{Inner, Progress};
+use super::journal::{Journal, JournalError, JournalKind};
 use crate::control::client::ChangeEnd;
+use crate::control::operation::now_ms;
 use crate::control::operation::{ChangeOptions, ChangeRequest};
 use crate::control::{Request, StatusReport};
 use crate::plan::Plan;
@@ -14,6 +16,7 @@ use crate::plan::resolve::LoadedPlan;
 use crate::plan::source::{ClusterSource, scalable_role};
 use crate::supervisor::StateDir;
 use crate::vocab::{Role, Service};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How a change ended.
@@ -42,9 +45,11 @@ pub async fn carry_out(
     progress: &Progress,
 ) -> anyhow::Result<End> {
     let running = read_plan(&inner.state_dir)?;
+    let what = change.describe();
     match change {
         ChangeRequest::Scale { counts, how } => {
-            let Some(mut source) = ClusterSource::read(&inner.state_dir)? else {
+            let from_source = ClusterSource::read(&inner.state_dir)?;
+            let Some(mut source) = from_source.clone() else {
                 return refused(format!(
                     "cluster {} was started from a plan file, not a topology: scale needs its topology (use `pdctl apply -f FILE`)",
                     running.cluster
@@ -69,12 +74,9 @@ pub async fn carry_out(
                     ));
                 }
             };
-            let change = Change::new(inner, running, wanted, &how, progress);
-            let end = change.run().await?;
-            if end.code == 0 && !how.dry_run {
-                source.write(&inner.state_dir)?;
-            }
-            Ok(end)
+            let sources = (from_source, Some(source));
+            let change = Change::new(inner, running, wanted, sources, &how, progress);
+            change.run(&what).await
         }
         ChangeRequest::Apply { source, how } => {
             let wanted = match source.plan(&inner.nodes.here, &how.state_root) {
@@ -84,24 +86,92 @@ pub async fn carry_out(
             if let Some(v) = &wanted.version_note {
                 return refused(v.refusal.to_string());
             }
-            let change = Change::new(inner, running, wanted, &how, progress);
-            let end = change.run().await?;
-            if end.code == 0 && !how.dry_run {
-                source.write(&inner.state_dir)?;
-            }
-            Ok(end)
+            let sources = (ClusterSource::read(&inner.state_dir)?, Some(*source));
+            let change = Change::new(inner, running, wanted, sources, &how, progress);
+            change.run(&what).await
         }
         ChangeRequest::Restart {
             targets,
             drained,
             rolling,
             how,
-        } => restart(inner, &running, &targets, drained, rolling, &how, progress).await,
+        } => {
+            let services = match restart_targets(&running, &targets, rolling) {
+                Ok(s) => s,
+                Err(e) => return refused(e),
+            };
+            journaled_restart(
+                inner,
+                &running,
+                what,
+                services,
+                drained || rolling,
+                &how,
+                progress,
+            )
+            .await
+        }
+    }
+}
+
+/// `pdctl restart` of `services`, journaled from its first step to its end.
+async fn journaled_restart(
+    inner: &Inner,
+    running: &Plan,
+    what: String,
+    services: Vec<String>,
+    drained: bool,
+    how: &ChangeOptions,
+    progress: &Progress,
+) -> anyhow::Result<End> {
+    let mut journal = Journal {
+        what,
+        started_ms: now_ms(),
+        kind: JournalKind::Restart {
+            services: services.clone(),
+            drained,
+        },
+        how: how.clone(),
+        step: "planned".into(),
+        told: Vec::new(),
+        done: Vec::new(),
+        undoing: false,
+    };
+    journal.write(&inner.state_dir)?;
+    let end = restart(
+        inner,
+        running,
+        &services,
+        drained,
+        how,
+        progress,
+        &mut journal,
+    )
+    .await;
+    Journal::clear(&inner.state_dir)?;
+    end
+}
+
+/// Writes the cluster's topology.json (synced), or removes it when the cluster has none
+/// (it was started from a plan file).
+pub fn write_source(dir: &std::path::Path, source: Option<&ClusterSource>) -> anyhow::Result<()> {
+    let path = dir.join(crate::plan::source::SOURCE_FILE);
+    match source {
+        Some(s) => {
+            let json = serde_json::to_vec_pretty(s).expect("sources serialize");
+            crate::supervisor::write_atomic(&path, &json)
+                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))
+        }
+        None => match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => anyhow::bail!("cannot remove {}: {e}", path.display()),
+        },
     }
 }
 
 /// The plan the supervisor runs now (it keeps plan.json in step with every change).
-fn read_plan(state_dir: &std::path::Path) -> anyhow::Result<Plan> {
+pub fn read_plan(state_dir: &std::path::Path) -> anyhow::Result<Plan> {
     let path = StateDir::new(state_dir).plan_path();
     let text = std::fs::read_to_string(&path)
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
@@ -136,17 +206,13 @@ fn expand(plan: &Plan, targets: &[String]) -> Result<Vec<String>, String> {
     Ok(names)
 }
 
-/// `pdctl restart`: each target restarted by the supervisor of its node; drained ones
-/// (`--drain`, `--rolling`) one at a time without failing a request.
-async fn restart(
-    inner: &Inner,
+/// The services `pdctl restart` names: each target a service or (every instance of) a
+/// role; `--rolling` takes roles only. Err: the refusal.
+fn restart_targets(
     running: &Plan,
     targets: &[String],
-    drained: bool,
     rolling: bool,
-    how: &ChangeOptions,
-    progress: &Progress,
-) -> anyhow::Result<End> {
+) -> Result<Vec<String>, String> {
     if rolling {
         let not_roles: Vec<&str> = targets
             .iter()
@@ -159,81 +225,141 @@ async fn restart(
             .map(String::as_str)
             .collect();
         if !not_roles.is_empty() {
-            return refused(format!(
+            return Err(format!(
                 "--rolling takes roles (prefill, decode), not {}",
                 not_roles.join(", ")
             ));
         }
     }
-    let services = match expand(running, targets) {
-        Ok(s) => s,
-        Err(e) => return refused(e),
-    };
-    let drainer = drainer(inner, running, how, progress);
+    expand(running, targets)
+}
+
+/// `pdctl restart`: each of `services` restarted by the supervisor of its node; drained
+/// ones (`--drain`, `--rolling`) one at a time without failing a request. Each step is
+/// journaled before it is taken; the ones in `journal.done` are skipped (a restart taken
+/// up again after the head's supervisor stopped).
+pub async fn restart(
+    inner: &Inner,
+    running: &Plan,
+    services: &[String],
+    drained: bool,
+    how: &ChangeOptions,
+    progress: &Progress,
+    journal: &mut Journal,
+) -> anyhow::Result<End> {
+    let dir = &inner.state_dir;
+    let drainer = drainer(inner, running, running, how, progress);
     let mut failed = Vec::new();
-    for name in &services {
+    let todo: Vec<&String> = services
+        .iter()
+        .filter(|n| !journal.done.contains(n))
+        .collect();
+    for name in todo {
         let owner = running
             .service(name)
             .map_or(inner.nodes.here.clone(), |s| s.node.clone());
         let t = Instant::now();
         progress.step(&format!("{name}: restarting"));
-        if drained || rolling {
-            drainer.restart_drained(name, &owner).await?;
+        journal.step(dir, &format!("{name}: restart on node {owner}"))?;
+        if drained {
+            if let Err(e) = drainer.restart_drained(name, &owner).await {
+                progress.warn(&format!("{name}: {e:#}"));
+                failed.push(name.clone());
+                break;
+            }
             progress.line(&format!(
                 "{name} restarted after draining and healthy again ({:.1} s)",
                 t.elapsed().as_secs_f64()
             ));
-            continue;
-        }
-        let req = Request::Restart {
-            service: name.clone(),
-        };
-        match drainer.ask(&owner, req).await {
-            Ok(message) => progress.line(&message),
-            Err(e) => {
-                progress.warn(&format!("{name}: {e:#}"));
-                failed.push(name.clone());
+        } else {
+            let req = Request::Restart {
+                service: name.clone(),
+            };
+            match drainer.ask(&owner, req).await {
+                Ok(message) => progress.line(&message),
+                Err(e) => {
+                    progress.warn(&format!("{name}: {e:#}"));
+                    failed.push(name.clone());
+                    continue;
+                }
             }
         }
+        journal.finished(dir, name)?;
     }
+    let left: Vec<&String> = services
+        .iter()
+        .filter(|n| !journal.done.contains(n) && !failed.contains(n))
+        .collect();
     Ok(if failed.is_empty() {
         done(format!("restarted {}", services.join(", ")))
     } else {
         ChangeEnd {
             code: 1,
-            message: format!("not restarted: {}", failed.join(", ")),
+            message: format!(
+                "not restarted: {}{}; every instance is in routing or on its way back",
+                failed.join(", "),
+                if left.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " (and, a drained restart stopping at the first failure, not tried: {})",
+                        left.iter()
+                            .map(|s| s.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                }
+            ),
             needs_recreate: false,
         }
     })
 }
 
-/// The drainer of `running`'s cluster: its proxy, and the node whose supervisor it follows.
+/// The drainer of a change from `running` to `wanted`: its proxy (as it runs), the node
+/// whose supervisor it follows, each service's start-up limit.
 fn drainer<'a>(
     inner: &'a Inner,
     running: &Plan,
+    wanted: &Plan,
     how: &ChangeOptions,
     progress: &'a Progress,
 ) -> Drainer<'a> {
     let proxy = running.services.iter().find(|s| s.role == Role::Proxy);
+    let startup = running
+        .services
+        .iter()
+        .chain(&wanted.services)
+        .map(|s| {
+            // Its supervisor fails it at its own limit; the stop before a restart comes on top.
+            let limit = Duration::from_secs(s.startup_timeout_s.saturating_add(60));
+            (s.name.clone(), limit)
+        })
+        .collect();
     Drainer {
         nodes: &inner.nodes,
         proxy_url: running.proxy_url.clone(),
         proxy_node: proxy.map_or(inner.nodes.here.clone(), |p| p.node.clone()),
         timeout: Duration::from_secs(how.drain_timeout_s),
+        startup,
         progress,
+        http: super::drain::metrics_client(),
     }
 }
 
 /// What turning the running cluster into the wanted plan takes.
-struct Change<'a> {
+pub struct Change<'a> {
     inner: &'a Inner,
     running: Plan,
     wanted: Plan,
+    /// topology.json before and after.
+    sources: (Option<ClusterSource>, Option<ClusterSource>),
     diff: PlanDiff,
     /// What pre-flight found wrong with the instances to add on this node.
     problems: Vec<String>,
     how: &'a ChangeOptions,
     progress: &'a Progress,
+    /// The journal, written before each step.
+    journal: Mutex<Option<Journal>>,
 }
 
 impl<'a> Change<'a> {
@@ -243,6 +369,7 @@ impl<'a> Change<'a> {
         inner: &'a Inner,
         running: Plan,
         wanted: LoadedPlan,
+        sources: (Option<ClusterSource>, Option<ClusterSource>),
         how: &'a ChangeOptions,
         progress: &'a Progress,
     ) -> Change<'a> {
@@ -258,15 +385,45 @@ impl<'a> Change<'a> {
         } else {
             Vec::new()
         };
+        let mut c = Change::between(inner, running, wanted.plan, sources, how, progress);
+        c.problems = problems;
+        c
+    }
+
+    /// The change from `running` to `wanted` as a journal names it: already checked when
+    /// it was first asked for (finishing or undoing it after the head's supervisor
+    /// stopped).
+    pub fn between(
+        inner: &'a Inner,
+        running: Plan,
+        wanted: Plan,
+        sources: (Option<ClusterSource>, Option<ClusterSource>),
+        how: &'a ChangeOptions,
+        progress: &'a Progress,
+    ) -> Change<'a> {
         Change {
             inner,
+            diff: diff(&running, &wanted),
             running,
-            wanted: wanted.plan,
-            diff,
-            problems,
+            wanted,
+            sources,
+            problems: Vec::new(),
             how,
             progress,
+            journal: Mutex::new(None),
         }
+    }
+
+    /// The same change the other way round: what undoing it takes.
+    fn reversed(&self) -> Change<'a> {
+        Change::between(
+            self.inner,
+            self.wanted.clone(),
+            self.running.clone(),
+            (self.sources.1.clone(), self.sources.0.clone()),
+            self.how,
+            self.progress,
+        )
     }
 
     fn service(&self, name: &str) -> &Service {
@@ -281,8 +438,8 @@ impl<'a> Change<'a> {
         self.wanted.settings_of(name).cloned().map(Box::new)
     }
 
-    /// Says the change, refuses it or carries it out.
-    async fn run(&self) -> anyhow::Result<End> {
+    /// Says the change, refuses it or carries it out (journaled; undone if a step fails).
+    async fn run(&self, what: &str) -> anyhow::Result<End> {
         let d = &self.diff;
         let cluster = &self.running.cluster;
         if d.is_empty() {
@@ -312,11 +469,97 @@ impl<'a> Change<'a> {
             ));
         }
         let started = Instant::now();
+        self.begin_journal(what)?;
+        match self.make().await {
+            Ok(()) => Ok(done(format!(
+                "cluster {cluster} changed in {:.1} s",
+                started.elapsed().as_secs_f64()
+            ))),
+            Err(e) => Ok(self.undo_after(e).await),
+        }
+    }
+
+    /// The journal of this change, on disk before its first step.
+    fn begin_journal(&self, what: &str) -> anyhow::Result<()> {
+        let journal = Journal {
+            what: what.to_string(),
+            started_ms: now_ms(),
+            kind: JournalKind::Plans {
+                from: Box::new(self.running.clone()),
+                wanted: Box::new(self.wanted.clone()),
+                from_source: self.sources.0.clone().map(Box::new),
+                wanted_source: self.sources.1.clone().map(Box::new),
+            },
+            how: self.how.clone(),
+            step: "planned".into(),
+            told: Vec::new(),
+            done: Vec::new(),
+            undoing: false,
+        };
+        journal.write(&self.inner.state_dir)?;
+        self.set_journal(journal);
+        Ok(())
+    }
+
+    /// Follows (and keeps writing) `journal` from now on.
+    pub fn set_journal(&self, journal: Journal) {
+        *self.journal.lock().unwrap_or_else(|e| e.into_inner()) = Some(journal);
+    }
+
+    /// Updates the journal and writes it (synced) before the step it now names.
+    fn journal(
+        &self,
+        f: impl FnOnce(&mut Journal, &std::path::Path) -> Result<(), JournalError>,
+    ) -> anyhow::Result<()> {
+        let mut j = self.journal.lock().unwrap_or_else(|e| e.into_inner());
+        match j.as_mut() {
+            Some(j) => Ok(f(j, &self.inner.state_dir)?),
+            None => Ok(()),
+        }
+    }
+
+    /// Carries the change out, then keeps its topology and forgets its journal.
+    pub async fn make(&self) -> anyhow::Result<()> {
         self.steps().await?;
-        Ok(done(format!(
-            "cluster {cluster} changed in {:.1} s",
-            started.elapsed().as_secs_f64()
-        )))
+        write_source(&self.inner.state_dir, self.sources.1.as_ref())?;
+        Journal::clear(&self.inner.state_dir)?;
+        Ok(())
+    }
+
+    /// A step failed with `e`: the change is undone (journaled as such) so the cluster
+    /// runs what it ran before; the end saying both.
+    pub async fn undo_after(&self, e: anyhow::Error) -> End {
+        self.progress.warn(&format!(
+            "the change stopped: {e:#}; undoing it (back to the plan that ran before)"
+        ));
+        let back = self.reversed();
+        let journal = self
+            .journal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some(mut j) = journal {
+            j.undoing = true;
+            back.set_journal(j);
+        }
+        let message = match back.make().await {
+            Ok(()) => format!(
+                "the change stopped: {e:#}\nit was undone: cluster {} runs what it ran before",
+                self.running.cluster
+            ),
+            Err(u) => {
+                // Nothing better is known than what runs: the next change starts from it.
+                let _ = Journal::clear(&self.inner.state_dir);
+                format!(
+                    "the change stopped: {e:#}\nundoing it failed too: {u:#}\n`pdctl status` shows what runs now"
+                )
+            }
+        };
+        ChangeEnd {
+            code: 1,
+            message,
+            needs_recreate: false,
+        }
     }
 
     /// Every node's supervisor, this one first.
@@ -326,7 +569,8 @@ impl<'a> Change<'a> {
             .collect()
     }
 
-    /// Sends `req` (made anew per node) to every node's supervisor, `first` first.
+    /// Sends `req` (made anew per node) to every node's supervisor, `first` first; each
+    /// node that answered is journaled.
     async fn everywhere(
         &self,
         drainer: &Drainer<'_>,
@@ -339,6 +583,7 @@ impl<'a> Change<'a> {
         let mut message = String::new();
         for (i, node) in nodes.iter().enumerate() {
             let m = drainer.ask(node, req()).await?;
+            self.journal(|j, dir| j.told(dir, node))?;
             if i == 0 {
                 message = m;
             }
@@ -346,29 +591,41 @@ impl<'a> Change<'a> {
         Ok(message)
     }
 
-    async fn steps(&self) -> anyhow::Result<()> {
-        let d = &self.diff;
+    /// The step `step` is next: `status` and the journal say so.
+    fn next(&self, step: &str, shown: &str) -> anyhow::Result<()> {
+        self.progress.step(shown);
+        self.journal(|j, dir| j.step(dir, step))
+    }
+
+    /// New capacity first: every node learns of it, its own node starts it; then each is
+    /// waited for until healthy and routed.
+    async fn add_steps(&self, drainer: &Drainer<'_>) -> anyhow::Result<()> {
         let p = self.progress;
-        let drainer = drainer(self.inner, &self.running, self.how, p);
-        let proxy_node = drainer.proxy_node.clone();
-        // New capacity first: every node learns of it, its own node starts it.
-        for name in &d.added {
+        for name in &self.diff.added {
             let svc = self.service(name);
-            p.step(&format!("{name}: starting on node {}", svc.node));
+            self.next(
+                &format!("{name}: add on node {}", svc.node),
+                &format!("{name}: starting on node {}", svc.node),
+            )?;
             let message = self
-                .everywhere(&drainer, &svc.node, || Request::Add {
+                .everywhere(drainer, &svc.node, || Request::Add {
                     service: Box::new(svc.clone()),
                     settings: self.settings(name),
                 })
                 .await?;
             p.line(&message);
         }
-        for name in &d.added {
+        for name in &self.diff.added {
             let svc = self.service(name);
             let t = Instant::now();
-            p.step(&format!("{name}: waiting until healthy"));
+            self.next(
+                &format!("{name}: wait until healthy"),
+                &format!("{name}: waiting until healthy"),
+            )?;
             drainer.wait_healthy(&svc.node, name, None).await?;
-            drainer.wait_healthy(&proxy_node, name, None).await?;
+            drainer
+                .wait_healthy(&drainer.proxy_node, name, None)
+                .await?;
             drainer.wait_routed(name, svc.url.as_deref(), true).await;
             p.line(&format!(
                 "{name}: healthy{} ({:.1} s)",
@@ -380,12 +637,23 @@ impl<'a> Change<'a> {
                 t.elapsed().as_secs_f64()
             ));
         }
+        Ok(())
+    }
+
+    async fn steps(&self) -> anyhow::Result<()> {
+        let d = &self.diff;
+        let p = self.progress;
+        let drainer = drainer(self.inner, &self.running, &self.wanted, self.how, p);
+        self.add_steps(&drainer).await?;
         // Changed instances one at a time: every node keeps the new spec, its own node
         // restarts it after the proxy drained it.
         for (name, _) in &d.rolled {
             let svc = self.service(name);
             let t = Instant::now();
-            p.step(&format!("{name}: restarting with its new settings"));
+            self.next(
+                &format!("{name}: new settings, restart on node {}", svc.node),
+                &format!("{name}: restarting with its new settings"),
+            )?;
             self.everywhere(&drainer, &svc.node, || Request::Replace {
                 service: Box::new(svc.clone()),
                 settings: self.settings(name),
@@ -401,7 +669,10 @@ impl<'a> Change<'a> {
             let t = Instant::now();
             let old = self.running.service(name);
             let owner = old.map_or(self.inner.nodes.here.clone(), |s| s.node.clone());
-            p.step(&format!("{name}: draining, then stopping on node {owner}"));
+            self.next(
+                &format!("{name}: drain, stop and remove on node {owner}"),
+                &format!("{name}: draining, then stopping on node {owner}"),
+            )?;
             drainer.remove_drained(name, &owner).await?;
             drainer
                 .wait_routed(name, old.and_then(|s| s.url.as_deref()), false)
@@ -432,7 +703,10 @@ impl<'a> Change<'a> {
         {
             return Ok(());
         }
-        p.step(&format!("{}: new settings", proxy.name));
+        self.next(
+            &format!("{}: new settings", proxy.name),
+            &format!("{}: new settings", proxy.name),
+        )?;
         self.everywhere(drainer, &proxy.node, || Request::Replace {
             service: Box::new(proxy.clone()),
             settings: self.settings(&proxy.name),
@@ -440,7 +714,11 @@ impl<'a> Change<'a> {
         .await?;
         if !d.proxy_live.is_empty() {
             let t = Instant::now();
-            let report: StatusReport = self.inner.nodes.status(&proxy.node).await?;
+            let report: StatusReport = self
+                .inner
+                .nodes
+                .status(&proxy.node, drainer.timeout)
+                .await?;
             let revision = report
                 .services
                 .iter()

@@ -4,11 +4,17 @@
 
 use super::engine::Progress;
 use super::nodes::Nodes;
-use crate::control::{Request, ServiceState, StatusReport};
+use crate::control::{Request, ServiceState};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-/// How long a started instance may take to become healthy (vLLM loading a large model).
-const STARTUP_LIMIT: Duration = Duration::from_secs(900);
+/// How long a started instance may take to become healthy when its spec is not at hand
+/// (its own `startup_timeout_s` is used where it is).
+const DEFAULT_STARTUP_LIMIT: Duration = Duration::from_secs(900);
+
+/// How often a wait looks again (on one connection: the supervisor's report is a copy of
+/// its table; the proxy's `/metrics` is one page).
+const LOOK_EVERY: Duration = Duration::from_millis(100);
 
 /// Drains, restarts and removes services of a running cluster.
 pub struct Drainer<'a> {
@@ -17,88 +23,165 @@ pub struct Drainer<'a> {
     pub proxy_url: Option<String>,
     /// The node whose supervisor the proxy follows (routing, drains).
     pub proxy_node: String,
-    /// How long a drained instance's requests in flight may take.
+    /// How long a drained instance's requests in flight may take; also how long a
+    /// transient error (a node that does not answer) is retried.
     pub timeout: Duration,
+    /// Each service's own start-up limit (`startup_timeout_s`), by name.
+    pub startup: BTreeMap<String, Duration>,
     pub progress: &'a Progress,
+    /// One client for the proxy's `/metrics` (its connection kept alive between looks).
+    pub http: reqwest::Client,
 }
 
 impl Drainer<'_> {
-    /// The wait for a request that answers once a service has stopped.
-    fn patience(&self) -> Duration {
-        self.timeout + Duration::from_secs(60)
+    /// How long the answer to `req` may take: a `Remove` answers once its service has
+    /// stopped; the rest at once.
+    fn patience(&self, req: &Request) -> Duration {
+        match req {
+            Request::Remove { .. } | Request::Down { .. } => self.timeout + Duration::from_secs(60),
+            _ => Duration::from_secs(10),
+        }
     }
 
-    /// Sends `req` to `node`'s supervisor; its `Done` message.
+    /// Sends `req` to `node`'s supervisor (again, with backoff, while it cannot be
+    /// reached, within the change's timeout); its `Done` message.
     pub async fn ask(&self, node: &str, req: Request) -> anyhow::Result<String> {
-        self.nodes.ask(node, req, self.patience()).await
+        let wait = self.patience(&req);
+        self.nodes
+            .ask_retrying(node, &req, wait, self.timeout)
+            .await
+    }
+
+    /// `service`'s start-up limit.
+    fn startup_limit(&self, service: &str) -> Duration {
+        self.startup
+            .get(service)
+            .copied()
+            .unwrap_or(DEFAULT_STARTUP_LIMIT)
     }
 
     /// Out of routing, requests in flight finish, restarted by `owner`'s supervisor,
-    /// healthy again there, back in routing.
+    /// healthy again there, back in routing. Whatever fails after the drain, the instance
+    /// is put back in routing (it rejoins once it answers) before the error is returned.
     pub async fn restart_drained(&self, service: &str, owner: &str) -> anyhow::Result<()> {
         let before = self.row(owner, service).await?.map_or(0, |s| s.restarts);
-        self.drain(service, owner).await?;
-        self.ask(
-            owner,
-            Request::Restart {
-                service: service.to_string(),
-            },
-        )
-        .await
-        .map_err(|e| anyhow::anyhow!("{service}: {e}"))?;
-        self.wait_healthy(owner, service, Some(before)).await?;
-        if owner != self.proxy_node {
-            // Drained in the proxy's supervisor, restarted by its own: back in routing.
+        // One the proxy does not route to (starting, failed) has nothing to drain.
+        let routed = self
+            .row(&self.proxy_node, service)
+            .await?
+            .is_some_and(|s| s.state == ServiceState::Healthy);
+        let restarted = async {
+            if routed {
+                self.drain(service, owner).await?;
+            }
             self.ask(
-                &self.proxy_node,
-                Request::Resume {
+                owner,
+                Request::Restart {
                     service: service.to_string(),
                 },
             )
-            .await?;
+            .await
+            .map_err(|e| anyhow::anyhow!("{service}: {e}"))?;
+            self.wait_healthy(owner, service, Some(before)).await
+        };
+        if let Err(e) = restarted.await {
+            return Err(self.resume_after(service, e).await);
+        }
+        if owner != self.proxy_node {
+            // Drained in the proxy's supervisor, restarted by its own: back in routing.
+            self.resume(service).await?;
             self.wait_healthy(&self.proxy_node, service, None).await?;
         }
         Ok(())
     }
 
+    /// Back in routing in the proxy's supervisor (once it answers its probe).
+    async fn resume(&self, service: &str) -> anyhow::Result<String> {
+        self.ask(
+            &self.proxy_node,
+            Request::Resume {
+                service: service.to_string(),
+            },
+        )
+        .await
+    }
+
+    /// After a step on drained `service` failed with `e`: put it back in routing, and
+    /// the error saying so (or that even that failed).
+    async fn resume_after(&self, service: &str, e: anyhow::Error) -> anyhow::Error {
+        match self.resume(service).await {
+            Ok(_) => {
+                self.progress.warn(&format!(
+                    "{service}: {e:#}; put back in routing (it rejoins once it answers)"
+                ));
+                e
+            }
+            Err(r) => anyhow::anyhow!(
+                "{e:#}; and it could not be put back in routing: {r:#} (`pdctl restart {service}` once its node answers)"
+            ),
+        }
+    }
+
     /// Out of routing, requests in flight finish, stopped by `owner`'s supervisor and
-    /// forgotten by every node's.
+    /// forgotten by every node's. A node that no longer knows it has nothing to do.
     pub async fn remove_drained(&self, service: &str, owner: &str) -> anyhow::Result<()> {
         let healthy = self
             .row(&self.proxy_node, service)
             .await?
             .is_some_and(|s| s.state == ServiceState::Healthy);
         if healthy {
-            self.drain(service, owner).await?;
+            if let Err(e) = self.drain(service, owner).await {
+                return Err(self.resume_after(service, e).await);
+            }
         }
-        let remove = || Request::Remove {
-            service: service.to_string(),
-            timeout_s: self.timeout.as_secs(),
-        };
-        self.ask(owner, remove())
-            .await
-            .map_err(|e| anyhow::anyhow!("{service}: {e}"))?;
-        let mut others: Vec<&String> = self.nodes.others().collect();
-        others.push(&self.nodes.here);
-        for node in others.into_iter().filter(|n| n.as_str() != owner) {
-            self.ask(node, remove())
-                .await
-                .map_err(|e| anyhow::anyhow!("{service}: {e}"))?;
+        let mut nodes: Vec<String> = vec![owner.to_string()];
+        nodes.extend(
+            std::iter::once(&self.nodes.here)
+                .chain(self.nodes.others())
+                .filter(|n| n.as_str() != owner)
+                .cloned(),
+        );
+        for node in &nodes {
+            self.forget(node, service).await?;
         }
         Ok(())
     }
 
+    /// `node`'s supervisor stops `service` (if it runs it) and forgets it; nothing to do
+    /// where it is not known.
+    pub async fn forget(&self, node: &str, service: &str) -> anyhow::Result<()> {
+        if self.row(node, service).await?.is_none() {
+            return Ok(());
+        }
+        let remove = Request::Remove {
+            service: service.to_string(),
+            timeout_s: self.timeout.as_secs(),
+        };
+        self.ask(node, remove)
+            .await
+            .map_err(|e| anyhow::anyhow!("{service}: {e}"))?;
+        Ok(())
+    }
+
     /// The row of `service` in `node`'s own report.
-    async fn row(
+    pub async fn row(
         &self,
         node: &str,
         service: &str,
     ) -> anyhow::Result<Option<crate::control::ServiceStatus>> {
-        let report = self.nodes.status(node).await?;
+        let report = self.nodes.status(node, self.timeout).await?;
         Ok(report.services.into_iter().find(|s| s.name == service))
     }
 
-    /// Takes `service` out of routing and waits until the proxy has no request on it.
+    /// The row of `service` in `node`'s report, asked once (for what is only said, never
+    /// decided on).
+    async fn row_once(&self, node: &str, service: &str) -> Option<crate::control::ServiceStatus> {
+        let report = self.nodes.status(node, Duration::ZERO).await.ok()?;
+        report.services.into_iter().find(|s| s.name == service)
+    }
+
+    /// Takes `service` out of routing and waits until the proxy has no request on it;
+    /// fails (and leaves the caller to put it back) when that cannot be known.
     async fn drain(&self, service: &str, owner: &str) -> anyhow::Result<()> {
         self.ask(
             &self.proxy_node,
@@ -113,39 +196,69 @@ impl Drainer<'_> {
             .await?
             .and_then(|s| s.url);
         if let (Some(proxy), Some(url)) = (&self.proxy_url, url) {
-            self.wait_idle(proxy, &url, service, owner).await;
+            self.wait_idle(proxy, &url, service, owner).await?;
         }
         Ok(())
     }
 
-    /// Waits until the proxy has no request in flight on `url` (or the timeout passes),
-    /// saying so when the service's run ended meanwhile (it died while draining).
-    async fn wait_idle(&self, proxy: &str, url: &str, service: &str, owner: &str) {
+    /// Waits until the proxy no longer routes to `url` (it follows its supervisor's
+    /// report), then until it has no request in flight there (or the timeout passes),
+    /// saying so when the service's run ended meanwhile (it died while draining). While
+    /// the proxy's count cannot be read it waits and says so; if it still cannot be read
+    /// at the timeout, the drain fails rather than cut requests it cannot see.
+    async fn wait_idle(
+        &self,
+        proxy: &str,
+        url: &str,
+        service: &str,
+        owner: &str,
+    ) -> anyhow::Result<()> {
         let end = Instant::now() + self.timeout;
         let run_of = |r: Option<crate::control::ServiceStatus>| {
             r.map(|s| (s.restarts, s.state, s.last_exit))
         };
-        let first = run_of(self.row(owner, service).await.ok().flatten());
-        // The proxy reads its supervisor's report twice a second: let it see the drain.
-        tokio::time::sleep(Duration::from_millis(600)).await;
+        let first = run_of(self.row_once(owner, service).await);
+        let mut unread: Option<String> = None;
         loop {
-            match in_flight_on(proxy, url).await {
-                Some(n) if n > 0.0 && Instant::now() < end => {}
-                Some(n) if n > 0.0 => {
-                    self.progress.warn(&format!(
-                        "{service} still has {n} request(s) in flight after {:?}; going on anyway",
-                        self.timeout
-                    ));
+            let look = match self.proxy_page(proxy).await {
+                Ok(page) => Ok(crate::proxy::instance_figures(&page, url)),
+                Err(e) => Err(e),
+            };
+            match look {
+                // Not listed: nothing routed there, nothing to wait for.
+                Ok(None) => break,
+                Ok(Some(f)) if !f.routed && f.in_flight <= 0.0 => break,
+                Ok(Some(f)) if Instant::now() >= end => {
+                    if f.in_flight > 0.0 {
+                        self.progress.warn(&format!(
+                            "{service} still has {} request(s) in flight after {:?}; going on anyway",
+                            f.in_flight, self.timeout
+                        ));
+                    }
                     break;
                 }
-                _ => break,
+                Ok(Some(_)) => {
+                    if unread.take().is_some() {
+                        self.progress
+                            .line(&format!("{service}: the proxy answers again"));
+                    }
+                }
+                Err(e) if Instant::now() >= end => anyhow::bail!(
+                    "{service}: the proxy's count of its requests in flight could not be read for {:?} ({e}); not going on, so as not to cut them",
+                    self.timeout
+                ),
+                Err(e) => {
+                    if unread.is_none() {
+                        self.progress.warn(&format!(
+                            "{service}: cannot read the proxy's count of its requests in flight ({e}); waiting"
+                        ));
+                    }
+                    unread = Some(e);
+                }
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(LOOK_EVERY).await;
         }
-        // Requests may have ended because the process did: its supervisor sees the exit
-        // within moments of the proxy seeing the streams break.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let now = run_of(self.row(owner, service).await.ok().flatten());
+        let now = run_of(self.row_once(owner, service).await);
         if let (Some((restarts, _, _)), Some((now_restarts, state, last_exit))) = (first, now)
             && (now_restarts != restarts
                 || !matches!(state, ServiceState::Draining | ServiceState::Healthy))
@@ -155,6 +268,7 @@ impl Drainer<'_> {
                 last_exit.as_deref().unwrap_or(state.as_str())
             ));
         }
+        Ok(())
     }
 
     /// Waits (a few seconds at most) until the proxy routes to the instance at `url`
@@ -165,7 +279,7 @@ impl Drainer<'_> {
         };
         let end = Instant::now() + Duration::from_secs(10);
         while Instant::now() < end {
-            let Some(page) = proxy_page(proxy).await else {
+            let Ok(page) = self.proxy_page(proxy).await else {
                 return;
             };
             let seen = crate::proxy::instance_figures(&page, url);
@@ -174,7 +288,7 @@ impl Drainer<'_> {
                 None if !routed => return,
                 _ => {}
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(LOOK_EVERY).await;
         }
         self.progress.warn(&format!(
             "{name}: the proxy has not {} it after 10 s",
@@ -190,28 +304,48 @@ impl Drainer<'_> {
         };
         let end = Instant::now() + Duration::from_secs(10);
         while Instant::now() < end {
-            let seen = proxy_page(proxy)
+            let seen = self
+                .proxy_page(proxy)
                 .await
+                .ok()
                 .and_then(|p| crate::proxy::settings_revision(&p));
             if seen.is_some_and(|r| r >= revision) {
                 return true;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(LOOK_EVERY).await;
         }
         false
     }
 
     /// Waits until `service` is healthy in `node`'s report (with `restarted_after`:
-    /// restarted since its count was that); fails when it fails.
+    /// restarted since its count was that), within the service's own start-up limit;
+    /// fails when it fails. Follows the report on one connection, made again only if it
+    /// breaks.
     pub async fn wait_healthy(
         &self,
         node: &str,
         service: &str,
         restarted_after: Option<u32>,
     ) -> anyhow::Result<()> {
-        let end = Instant::now() + STARTUP_LIMIT;
+        let limit = self.startup_limit(service);
+        let end = Instant::now() + limit;
+        let mut conn = None;
         loop {
-            let report: StatusReport = self.nodes.status(node).await?;
+            let report = match conn.as_mut() {
+                None => None,
+                Some(c) => crate::control::client::StatusConn::status(c).await.ok(),
+            };
+            let report = match report {
+                Some(r) => r,
+                None => {
+                    // (Re)connect, retrying a node that does not answer until the limit.
+                    let left = end.saturating_duration_since(Instant::now());
+                    let mut c = self.status_conn(node, left).await?;
+                    let r = c.status().await;
+                    conn = Some(c);
+                    r.map_err(|e| anyhow::anyhow!("node {node}: {e}"))?
+                }
+            };
             if let Some(s) = report.services.iter().find(|s| s.name == service) {
                 let restarted = restarted_after.is_none_or(|b| s.restarts > b);
                 if restarted && s.state == ServiceState::Healthy {
@@ -225,27 +359,56 @@ impl Drainer<'_> {
                 }
             }
             if Instant::now() >= end {
-                anyhow::bail!("{service} is not healthy {STARTUP_LIMIT:?} after it was started");
+                anyhow::bail!(
+                    "{service} is not healthy {limit:?} after it was started (its startup_timeout_s)"
+                );
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(LOOK_EVERY).await;
         }
+    }
+
+    /// A status connection to `node`, tried again with backoff for up to `within`.
+    async fn status_conn(
+        &self,
+        node: &str,
+        within: Duration,
+    ) -> anyhow::Result<crate::control::client::StatusConn> {
+        let end = Instant::now() + within;
+        let mut delay = Duration::from_millis(200);
+        loop {
+            match self.nodes.status_conn(node).await {
+                Ok(c) => return Ok(c),
+                Err(e) if Instant::now() + delay < end => {
+                    tracing::warn!("{e:#}; trying again in {delay:?}");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The proxy's `/metrics` page, or why it could not be read.
+    async fn proxy_page(&self, proxy: &str) -> Result<String, String> {
+        let url = format!("{}/metrics", proxy.trim_end_matches('/'));
+        let answer = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .map_err(|e| format!("{url}: {e}"))?;
+        if !answer.status().is_success() {
+            return Err(format!("{url}: {}", answer.status()));
+        }
+        answer.text().await.map_err(|e| format!("{url}: {e}"))
     }
 }
 
-/// The proxy's `/metrics` page; None when it does not answer.
-async fn proxy_page(proxy: &str) -> Option<String> {
-    let client = reqwest::Client::builder()
+/// The HTTP client a drainer reads the proxy's `/metrics` with.
+pub fn metrics_client() -> reqwest::Client {
+    reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_secs(2))
         .build()
-        .ok()?;
-    let url = format!("{}/metrics", proxy.trim_end_matches('/'));
-    client.get(&url).send().await.ok()?.text().await.ok()
-}
-
-/// The proxy's count of requests in flight on the instance at `url`; None when the proxy
-/// does not answer or does not list it (then there is nothing to wait for).
-async fn in_flight_on(proxy: &str, url: &str) -> Option<f64> {
-    let page = proxy_page(proxy).await?;
-    crate::proxy::instance_figures(&page, url).map(|f| f.in_flight)
+        .expect("a plain HTTP client builds")
 }

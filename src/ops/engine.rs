@@ -2,10 +2,14 @@
 //! its own (so the client may go), its progress relayed to whoever asked and kept for
 //! `status`.
 
+use super::journal::Journal;
 use super::nodes::Nodes;
 use crate::control::auth::Secret;
+use crate::control::client::ChangeEnd;
 use crate::control::client::Endpoint;
-use crate::control::operation::{ChangeRequest, OperationReport, Outcome, now_ms};
+use crate::control::operation::{
+    ChangeRequest, Interrupted, OperationReport, Outcome, Recovered, now_ms,
+};
 use crate::control::{Request, Response};
 use crate::plan::Plan;
 use std::collections::BTreeMap;
@@ -24,8 +28,10 @@ pub struct Engine {
 
 pub(super) struct Inner {
     pub nodes: Nodes,
-    /// The cluster's state dir on this node (plan.json, topology.json).
+    /// The cluster's state dir on this node (plan.json, topology.json, journal.json).
     pub state_dir: PathBuf,
+    /// The plan this supervisor was started with (what `up` planned).
+    pub started_with: Plan,
     current: Mutex<Option<OperationReport>>,
 }
 
@@ -56,6 +62,7 @@ impl Engine {
             inner: Arc::new(Inner {
                 nodes: Nodes::new(node.to_string(), Endpoint::Unix(socket), others),
                 state_dir,
+                started_with: plan.clone(),
                 current: Mutex::new(None),
             }),
         }
@@ -124,6 +131,7 @@ impl crate::supervisor::Operations for Engine {
                 started_ms: now_ms(),
                 step: "planning".into(),
                 outcome: None,
+                interrupted: None,
             });
         }
         let inner = self.inner.clone();
@@ -159,6 +167,73 @@ impl crate::supervisor::Operations for Engine {
         Ok(())
     }
 
+    fn recover(&self) {
+        let journal = match Journal::read(&self.inner.state_dir) {
+            Ok(j) => j,
+            Err(e) => {
+                // Nothing can be taken up from it; `status` says so until it is moved.
+                tracing::error!("{e}");
+                *self.inner.current() = Some(OperationReport {
+                    what: "take up the change journal".into(),
+                    started_ms: now_ms(),
+                    step: "reading it".into(),
+                    outcome: Some(Outcome {
+                        code: 1,
+                        message: e.to_string(),
+                        ended_ms: now_ms(),
+                    }),
+                    interrupted: None,
+                });
+                return;
+            }
+        };
+        if journal.is_none() && self.inner.nodes.others().next().is_none() {
+            return;
+        }
+        *self.inner.current() = Some(OperationReport {
+            what: journal.as_ref().map_or_else(
+                || "reconcile the other nodes with the plan".to_string(),
+                |j| j.what.clone(),
+            ),
+            started_ms: now_ms(),
+            step: "starting".into(),
+            outcome: None,
+            interrupted: journal.as_ref().map(|j| Interrupted {
+                what: j.what.clone(),
+                step: j.step.clone(),
+                recovered: None,
+            }),
+        });
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            // Nobody listens: the lines go to the supervisor's log and `status`.
+            let (out, _) = mpsc::unbounded_channel();
+            let progress = Progress {
+                out,
+                inner: inner.clone(),
+            };
+            let had_journal = journal.is_some();
+            let (end, recovered, lines) = recover_all(&inner, journal, &progress).await;
+            tracing::info!("start-up recovery ended ({}): {}", end.code, end.message);
+            let mut current = inner.current();
+            if !had_journal && lines == 0 && end.code == 0 {
+                // Nothing was cut short, nothing was out of line: no change to show.
+                *current = None;
+                return;
+            }
+            if let Some(r) = current.as_mut() {
+                if let (Some(i), Some(v)) = (r.interrupted.as_mut(), recovered) {
+                    i.recovered = Some(v);
+                }
+                r.outcome = Some(Outcome {
+                    code: end.code,
+                    message: end.message.lines().next().unwrap_or_default().to_string(),
+                    ended_ms: now_ms(),
+                });
+            }
+        });
+    }
+
     fn report(&self) -> Option<OperationReport> {
         self.inner.current().clone()
     }
@@ -182,4 +257,50 @@ impl crate::supervisor::Operations for Engine {
             lines
         })
     }
+}
+
+/// The start-up recovery: the journal's change taken up, then the other nodes
+/// reconciled; how it ended, what became of the change, how many things reconciling did.
+async fn recover_all(
+    inner: &Inner,
+    journal: Option<Journal>,
+    progress: &Progress,
+) -> (ChangeEnd, Option<Recovered>, usize) {
+    let failed = |e: anyhow::Error| ChangeEnd {
+        code: 1,
+        message: format!("{e:#}"),
+        needs_recreate: false,
+    };
+    let (mut end, recovered) = match journal {
+        None => (
+            ChangeEnd {
+                code: 0,
+                message: String::new(),
+                needs_recreate: false,
+            },
+            None,
+        ),
+        Some(j) => match super::recover::take_up(inner, j, progress).await {
+            Ok((end, verdict)) => (end, Some(verdict)),
+            Err(e) => (failed(e), None),
+        },
+    };
+    let lines = match super::recover::reconcile(inner, progress).await {
+        Ok(lines) => lines,
+        Err(e) => {
+            let e = failed(e);
+            end.code = end.code.max(1);
+            vec![format!("reconciling the other nodes failed: {}", e.message)]
+        }
+    };
+    if end.message.is_empty() {
+        end.message = if lines.is_empty() {
+            "every node runs what the plan lists".to_string()
+        } else {
+            lines.join("; ")
+        };
+    } else if !lines.is_empty() {
+        end.message = format!("{}; {}", end.message, lines.join("; "));
+    }
+    (end, recovered, lines.len())
 }

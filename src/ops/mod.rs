@@ -16,7 +16,9 @@
 mod change;
 mod drain;
 mod engine;
+mod journal;
 mod nodes;
+mod recover;
 
 pub use engine::Engine;
 

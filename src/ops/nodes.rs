@@ -2,10 +2,10 @@
 //! the TCP control channel (behind the cluster's secret). A step names the node whose
 //! supervisor must take it; the rest is the same request either way.
 
-use crate::control::client::{self, Endpoint};
+use crate::control::client::{self, ControlError, Endpoint};
 use crate::control::{Request, Response, StatusReport};
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Every node's supervisor, as seen from the head.
 #[derive(Debug, Clone)]
@@ -47,12 +47,23 @@ impl Nodes {
     }
 
     /// Sends `req` to `node`'s supervisor, waiting up to `wait`; its `Done` message, or
-    /// an error naming the node.
+    /// an error naming the node. One try.
     pub async fn ask(&self, node: &str, req: Request, wait: Duration) -> anyhow::Result<String> {
+        self.ask_retrying(node, &req, wait, Duration::ZERO).await
+    }
+
+    /// [`Nodes::ask`], tried again with backoff while the supervisor cannot be reached or
+    /// does not answer (a transient error), until `within` has passed; an answer, even
+    /// an error, ends it.
+    pub async fn ask_retrying(
+        &self,
+        node: &str,
+        req: &Request,
+        wait: Duration,
+        within: Duration,
+    ) -> anyhow::Result<String> {
         let to = self.endpoint(node)?;
-        let answer = client::send_to(to, &req, wait)
-            .await
-            .map_err(|e| anyhow::anyhow!("node {node}: {e}"))?;
+        let answer = retrying(node, within, || client::send_to(to, req, wait)).await?;
         match answer {
             Response::Done { message } => Ok(message),
             Response::Error { message } => anyhow::bail!("node {node}: {message}"),
@@ -60,11 +71,117 @@ impl Nodes {
         }
     }
 
-    /// `node`'s own status report (its services as it runs them).
-    pub async fn status(&self, node: &str) -> anyhow::Result<StatusReport> {
+    /// `node`'s own status report (its services as it runs them), asked again with
+    /// backoff for up to `within` while its supervisor does not answer.
+    pub async fn status(&self, node: &str, within: Duration) -> anyhow::Result<StatusReport> {
         let to = self.endpoint(node)?;
-        client::status_at(to, Duration::from_secs(10))
+        retrying(node, within, || {
+            client::status_at(to, Duration::from_secs(10))
+        })
+        .await
+    }
+
+    /// A connection to `node`'s supervisor kept open for repeated status requests (one
+    /// handshake, however often it is asked).
+    pub async fn status_conn(&self, node: &str) -> anyhow::Result<client::StatusConn> {
+        let to = self.endpoint(node)?;
+        client::StatusConn::open(to, Duration::from_secs(10))
             .await
             .map_err(|e| anyhow::anyhow!("node {node}: {e}"))
+    }
+}
+
+/// True for a failure that asking again may cure: nobody listening (yet), no answer in
+/// time, the connection cut. A refusal or an answer this pdctl cannot read is final.
+pub fn transient(e: &ControlError) -> bool {
+    matches!(
+        e,
+        ControlError::Connect { .. }
+            | ControlError::NoAnswer { .. }
+            | ControlError::Timeout { .. }
+            | ControlError::Io { .. }
+    )
+}
+
+/// `attempt` until it succeeds, fails for good, or `within` has passed (backoff from
+/// 200 ms doubling to 2 s between tries); the error names `node`.
+async fn retrying<T, F, Fut>(node: &str, within: Duration, mut attempt: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ControlError>>,
+{
+    let end = Instant::now() + within;
+    let mut delay = Duration::from_millis(200);
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        match attempt().await {
+            Ok(t) => return Ok(t),
+            Err(e) if transient(&e) && Instant::now() + delay < end => {
+                tracing::warn!("node {node}: {e}; asking again in {delay:?}");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            Err(e) if tries > 1 => anyhow::bail!("node {node}: {e} (tried {tries} times)"),
+            Err(e) => anyhow::bail!("node {node}: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    fn no_answer() -> ControlError {
+        ControlError::NoAnswer {
+            path: "worker:7070".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_transient_error_is_asked_again_until_it_answers() {
+        let tries = AtomicU32::new(0);
+        let got = retrying("worker", Duration::from_secs(5), || async {
+            match tries.fetch_add(1, Ordering::SeqCst) {
+                0 | 1 => Err(no_answer()),
+                _ => Ok("answered"),
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!((got, tries.load(Ordering::SeqCst)), ("answered", 3));
+    }
+
+    #[tokio::test]
+    async fn a_refusal_is_final_and_the_window_bounds_the_tries() {
+        let tries = AtomicU32::new(0);
+        let err = retrying("worker", Duration::from_secs(5), || async {
+            tries.fetch_add(1, Ordering::SeqCst);
+            Err::<(), _>(ControlError::Refused {
+                path: "worker:7070".into(),
+                message: "no service `decode-9`".into(),
+            })
+        })
+        .await
+        .unwrap_err();
+        assert_eq!(tries.load(Ordering::SeqCst), 1);
+        assert!(err.to_string().starts_with("node worker: "), "{err}");
+        let t = Instant::now();
+        let tries = AtomicU32::new(0);
+        let err = retrying("worker", Duration::from_millis(700), || async {
+            tries.fetch_add(1, Ordering::SeqCst);
+            Err::<(), _>(no_answer())
+        })
+        .await
+        .unwrap_err();
+        assert!(
+            t.elapsed() < Duration::from_millis(1500),
+            "{:?}",
+            t.elapsed()
+        );
+        // 200 ms, then 400 ms: a third wait would pass the window.
+        assert_eq!(tries.load(Ordering::SeqCst), 3);
+        assert!(err.to_string().contains("tried 3 times"), "{err}");
     }
 }

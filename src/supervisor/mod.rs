@@ -43,7 +43,7 @@ pub use state_dir::logfile::{
 pub use state_dir::select;
 pub use state_dir::stale::clean_if_stale;
 pub use state_dir::state::{
-    ClusterLock, RunRecord, SUPERVISOR_LOG_NAME, StateDir, read_record, write_atomic,
+    ClusterLock, RunRecord, SUPERVISOR_LOG_NAME, StateDir, read_record, sync_dir, write_atomic,
 };
 
 use std::path::{Path, PathBuf};

@@ -429,8 +429,13 @@ fn add(h: &Handlers, mut service: Service, settings: Option<Box<ChildSettings>>)
     let (tx, rx) = mpsc::unbounded_channel();
     // Checked and inserted under one lock, so two adds of one name cannot both win; the
     // log is opened only for the one that does.
+    let mut same = false;
     let idx = ctx.change_members(|m| {
-        if m.index_of(&name).is_some() {
+        if let Some(i) = m.index_of(&name) {
+            // Already running with this very spec (an interrupted change taken up again
+            // asks twice): nothing to do.
+            same =
+                m.plan.services[i] == service && m.plan.settings_of(&name) == settings.as_deref();
             return None;
         }
         let log = ServiceLog::open(
@@ -443,6 +448,11 @@ fn add(h: &Handlers, mut service: Service, settings: Option<Box<ChildSettings>>)
         Some(m.insert(service.clone(), Arc::new(log), tx))
     });
     let Some(idx) = idx else {
+        if same {
+            return Response::Done {
+                message: format!("{name} already runs with this spec"),
+            };
+        }
         return Response::Error {
             message: format!("{name} already runs"),
         };

@@ -20,6 +20,11 @@ pub trait Operations: Send + Sync {
         out: mpsc::UnboundedSender<Response>,
     ) -> Result<(), String>;
 
+    /// At the supervisor's start, before it serves requests: takes up the change its
+    /// last run left cut short (finished or undone) and reconciles the other nodes with
+    /// the plan, in a task of its own; changes are refused until that is done.
+    fn recover(&self);
+
     /// The change running now, or the last one.
     fn report(&self) -> Option<OperationReport>;
 

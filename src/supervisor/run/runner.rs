@@ -172,6 +172,12 @@ pub async fn run(
         operations: opts.operations.clone(),
         peers: channel.as_ref().map(|(_, peers)| peers.clone()),
     };
+    // A change cut short when this supervisor last stopped is taken up (and other
+    // nodes reconciled) before the socket takes any request: meanwhile a new change is
+    // refused and `status` shows the recovery.
+    if let Some(ops) = &opts.operations {
+        ops.recover();
+    }
     let server = tokio::spawn(control_server::serve(listener, handlers.clone()));
     let tcp_server = channel.map(|(listener, _)| {
         tokio::spawn(control_tcp::serve(
@@ -242,6 +248,8 @@ pub async fn run(
     }
     usage.abort();
     state.remove_runtime();
+    // Taken down on purpose: a change cut short by that has nothing left to finish.
+    let _ = std::fs::remove_file(state.journal_path());
     drop(watchdog);
     let local = ctx.members().live_plan().local_services(&node).count();
     let message = format!(

@@ -228,14 +228,17 @@ impl Table {
         ok
     }
 
-    /// Service `idx` of another node, drained here, was restarted there: no longer
-    /// draining, and `starting` until its probe answers again.
+    /// Service `idx`, drained here, back in routing: one of another node (restarted
+    /// there) is `starting` until its probe answers again; a local one (whose restart
+    /// did not happen) goes on as its own watching says.
     pub fn resume(&self, idx: usize) {
         {
             let mut rows = self.rows();
             if rows[idx].draining {
                 rows[idx].draining = false;
-                rows[idx].status.state = ServiceState::Starting;
+                if rows[idx].status.remote {
+                    rows[idx].status.state = ServiceState::Starting;
+                }
             }
         }
         self.version.send_modify(|v| *v += 1);

@@ -36,6 +36,11 @@ impl StateDir {
     pub fn plan_path(&self) -> PathBuf {
         self.dir.join("plan.json")
     }
+    /// The head's change journal: the change in progress and its step, written before
+    /// each step (`crate::ops` keeps it; a supervisor's clean stop removes it).
+    pub fn journal_path(&self) -> PathBuf {
+        self.dir.join("journal.json")
+    }
     pub fn socket_path(&self) -> PathBuf {
         self.dir.join(crate::vocab::SOCKET_NAME)
     }
@@ -203,11 +208,27 @@ pub fn read_record(state: &StateDir) -> Result<Option<RunRecord>, SupervisorErro
     }
 }
 
-/// Writes `contents` to `path` atomically (temp file + rename), so readers never see half.
+/// Writes `contents` to `path` atomically (temp file + rename), so readers never see half,
+/// and synced, so what it says survives a crash of this process or of the machine.
 pub fn write_atomic(path: &Path, contents: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, contents)?;
-    std::fs::rename(&tmp, path)
+    let mut file = std::fs::File::create(&tmp)?;
+    file.write_all(contents)?;
+    // On disk before the rename, and the rename on disk before this returns: a crash or
+    // a power cut leaves the old file or the new one, never an empty one.
+    file.sync_all()?;
+    drop(file);
+    std::fs::rename(&tmp, path)?;
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => sync_dir(dir),
+        _ => Ok(()),
+    }
+}
+
+/// Syncs directory `dir`'s entries (a file created, renamed or removed in it) to disk.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
 }
 
 /// The running supervisor's copy of its record, rewritten on every change.
