@@ -470,7 +470,6 @@ const KNOWN_TANGLES: &[(&str, &[&str])] = &[
             "proxy/upstream",
         ],
     ),
-    ("#40", &["ops/change", "ops/drain", "ops/engine"]),
     ("#40", &["cli/cluster", "cli/down", "cli/restart"]),
     ("#40", &["plan/resolve", "plan/source"]),
     ("#40", &["supervisor/run/members", "supervisor/run/service"]),

@@ -3,8 +3,8 @@
 //! (`plan::diff`), the checks, then the steps on each node — new capacity first, changed
 //! instances one at a time, removals last, the proxy's settings in place.
 
+use super::context::{Inner, Progress};
 use super::drain::Drainer;
-use super::engine::{Inner, Progress};
 use super::journal::{Journal, JournalError, JournalKind};
 use crate::control::client::ChangeEnd;
 use crate::control::operation::now_ms;

@@ -2,7 +2,7 @@
 //! routing, requests in flight finished (watched on the proxy's `/metrics`), then
 //! restarted (healthy again, back in routing) or stopped — on whichever node runs them.
 
-use super::engine::Progress;
+use super::context::Progress;
 use super::nodes::Nodes;
 use crate::control::{Request, ServiceState};
 use std::collections::BTreeMap;

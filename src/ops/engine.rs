@@ -2,6 +2,7 @@
 //! its own (so the client may go), its progress relayed to whoever asked and kept for
 //! `status`.
 
+use super::context::{Inner, Progress};
 use super::journal::Journal;
 use super::nodes::Nodes;
 use crate::control::auth::Secret;
@@ -24,15 +25,6 @@ use tokio::sync::mpsc;
 #[derive(Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
-}
-
-pub(super) struct Inner {
-    pub nodes: Nodes,
-    /// The cluster's state dir on this node (plan.json, topology.json, journal.json).
-    pub state_dir: PathBuf,
-    /// The plan this supervisor was started with (what `up` planned).
-    pub started_with: Plan,
-    current: Mutex<Option<OperationReport>>,
 }
 
 impl Engine {
@@ -65,46 +57,6 @@ impl Engine {
                 started_with: plan.clone(),
                 current: Mutex::new(None),
             }),
-        }
-    }
-}
-
-impl Inner {
-    fn current(&self) -> std::sync::MutexGuard<'_, Option<OperationReport>> {
-        self.current.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// Where a change says how it goes: the client (while it listens), the supervisor's log,
-/// and the step `status` shows.
-pub struct Progress {
-    out: mpsc::UnboundedSender<Response>,
-    inner: Arc<Inner>,
-}
-
-impl Progress {
-    /// A line the client prints on stdout.
-    pub fn line(&self, line: &str) {
-        tracing::info!("change: {line}");
-        let _ = self.out.send(Response::Progress {
-            line: line.to_string(),
-            error: false,
-        });
-    }
-
-    /// A line the client prints on stderr.
-    pub fn warn(&self, line: &str) {
-        tracing::warn!("change: {line}");
-        let _ = self.out.send(Response::Progress {
-            line: line.to_string(),
-            error: true,
-        });
-    }
-
-    /// The step the change is on now, for `status`.
-    pub fn step(&self, step: &str) {
-        if let Some(r) = self.inner.current().as_mut() {
-            r.step = step.to_string();
         }
     }
 }

@@ -14,6 +14,7 @@
 //! [`ChangeRequest`]: crate::control::operation::ChangeRequest
 
 mod change;
+mod context;
 mod drain;
 mod engine;
 mod journal;

@@ -10,7 +10,7 @@
 //! - `restart`: finished: the instances it had not restarted yet are restarted.
 
 use super::change::{Change, read_plan, restart};
-use super::engine::{Inner, Progress};
+use super::context::{Inner, Progress};
 use super::journal::{Journal, JournalKind};
 use crate::control::Request;
 use crate::control::client::ChangeEnd;
