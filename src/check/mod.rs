@@ -371,6 +371,19 @@ pub async fn probe(
     let v: Value = serde_json::from_str(&text).unwrap_or_default();
     r.prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
     r.expected_tokens = full_block_tokens(r.prompt_tokens, block_size);
+    measure(client, decode, before, block_size, &mut r).await;
+    r
+}
+
+/// How much of the probe's prompt reached the decode by handoff (its counter's growth
+/// since `before`), and the verdict.
+async fn measure(
+    client: &reqwest::Client,
+    decode: &Engine,
+    before: f64,
+    block_size: u32,
+    r: &mut PairResult,
+) {
     // vLLM updates its counters as the step's stats come in: give them a moment.
     let end = Instant::now() + Duration::from_secs(3);
     loop {
@@ -400,7 +413,6 @@ pub async fn probe(
             )
         });
     }
-    r
 }
 
 #[cfg(test)]

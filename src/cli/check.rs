@@ -73,30 +73,7 @@ async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
         "cluster {}: connector {}, proxy protocol {}",
         found.cluster, plan.connector, plan.protocol
     );
-    let rdma = transport::rdma_devices();
-    let mut transports: Vec<(String, transport::Transport)> = Vec::new();
-    for e in prefill.iter().chain(&decode) {
-        if let Some(svc) = plan.service(&e.planned.name) {
-            transports.push((
-                e.planned.name.clone(),
-                transport::of(&plan.connector, svc, plan.settings_of(&svc.name)),
-            ));
-        }
-    }
-    let first = &transports[0].1;
-    if transports.iter().all(|(_, t)| t == first) {
-        println!("KV transport: {}", first.text);
-    } else {
-        for (name, t) in &transports {
-            println!("KV transport of {name}: {}", t.text);
-        }
-    }
-    if transports.iter().any(|(_, t)| t.tcp) && !rdma.is_empty() {
-        println!(
-            "warning: the KV moves over TCP, but this machine has RDMA devices ({}): set the connector's transport to use them",
-            rdma.join(", ")
-        );
-    }
+    print_transports(&plan, prefill.iter().chain(&decode));
     let engine_key = crate::control::auth::kept_engine_key(&found.dir)?;
     let client_key = std::env::var(CLIENT_KEY_ENV).ok().filter(|k| !k.is_empty());
     let clients = Clients::new(
@@ -138,6 +115,42 @@ async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
         std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")?;
         eprintln!("results written to {}", path.display());
     }
+    Ok(summary(&results))
+}
+
+/// Prints the KV transport each engine is configured with (once when they agree), and a
+/// warning when the KV moves over TCP on a machine with RDMA devices.
+fn print_transports<'a>(plan: &crate::plan::Plan, engines: impl Iterator<Item = &'a Engine>) {
+    let rdma = transport::rdma_devices();
+    let mut transports: Vec<(String, transport::Transport)> = Vec::new();
+    for e in engines {
+        if let Some(svc) = plan.service(&e.planned.name) {
+            transports.push((
+                e.planned.name.clone(),
+                transport::of(&plan.connector, svc, plan.settings_of(&svc.name)),
+            ));
+        }
+    }
+    let Some((_, first)) = transports.first() else {
+        return;
+    };
+    if transports.iter().all(|(_, t)| t == first) {
+        println!("KV transport: {}", first.text);
+    } else {
+        for (name, t) in &transports {
+            println!("KV transport of {name}: {}", t.text);
+        }
+    }
+    if transports.iter().any(|(_, t)| t.tcp) && !rdma.is_empty() {
+        println!(
+            "warning: the KV moves over TCP, but this machine has RDMA devices ({}): set the connector's transport to use them",
+            rdma.join(", ")
+        );
+    }
+}
+
+/// The closing line, and the exit code: 0 when every pair passed, 1 when one did not.
+fn summary(results: &[PairResult]) -> ExitCode {
     let failed: Vec<String> = results
         .iter()
         .filter(|r| !passed(r))
@@ -149,7 +162,7 @@ async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
             results.len(),
             results.len()
         );
-        Ok(ExitCode::SUCCESS)
+        ExitCode::SUCCESS
     } else {
         let what = if results.iter().all(|r| r.model.is_some()) {
             "did NOT move their KV"
@@ -162,7 +175,7 @@ async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
             results.len(),
             failed.join(", ")
         );
-        Ok(ExitCode::from(1))
+        ExitCode::from(1)
     }
 }
 

@@ -227,16 +227,9 @@ async fn decode_attempt(
         ));
     }
     let mut rest = resp.body;
-    let first = match tokio::time::timeout_at(deadline, rest.next()).await {
-        Err(_) => return Err(LegFailure::Timeout { limit, raise }),
-        Ok(None) => {
-            return Err(LegFailure::Body(
-                "it ended the stream without sending anything".into(),
-            ));
-        }
-        Ok(Some(Err(e))) => return Err(LegFailure::Body(e.to_string())),
-        Ok(Some(Ok(first))) => first,
-    };
+    let first = tokio::time::timeout_at(deadline, first_chunk(&mut rest))
+        .await
+        .map_err(|_| LegFailure::Timeout { limit, raise })??;
     if load_may_fail && let Some(message) = error_event_message(&first) {
         return Err(kv_load_failed(proxy, &inst, &req.id, 500, message));
     }
@@ -256,6 +249,17 @@ async fn decode_attempt(
         },
         Some(took),
     ))
+}
+
+/// The first chunk of a decode stream.
+async fn first_chunk(rest: &mut h1::Body) -> Result<Bytes, LegFailure> {
+    match rest.next().await {
+        None => Err(LegFailure::Body(
+            "it ended the stream without sending anything".into(),
+        )),
+        Some(Err(e)) => Err(LegFailure::Body(e.to_string())),
+        Some(Ok(first)) => Ok(first),
+    }
 }
 
 /// Whether a decode error may be a KV load that failed: the decode runs with
