@@ -112,12 +112,16 @@ impl Relay {
         Poll::Ready(Some(Ok(self.last_event(err))))
     }
 
-    /// Records the stream as failed and gives its last event: the error.
+    /// Records the stream as failed and gives its last event: the error, after what the
+    /// usage strip still held.
     fn last_event(&mut self, err: ProxyError) -> Bytes {
         tracing::warn!(request_id = %self.rec.id, "stream to the client ends with an error: {err}");
         self.finished = true;
         self.rec.outcome = Outcome::Failed(err.to_string());
-        error_event(&err)
+        match self.strip.as_mut().map(UsageStrip::finish) {
+            Some(held) if !held.is_empty() => Bytes::from([&held[..], &error_event(&err)].concat()),
+            _ => error_event(&err),
+        }
     }
 
     fn decode_failed(

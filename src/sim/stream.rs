@@ -137,10 +137,10 @@ fn event(out: &mut Vec<u8>, value: &impl Serialize) {
 fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
     let mut out = Vec::with_capacity(256 * job.seqs.len());
     let endpoint = job.req.endpoint;
-    // As vLLM writes its chunks, with or without include_usage alike: a completions chunk
-    // has `"usage": null` (written with unset fields), a chat chunk no usage field. So a
-    // stream with the usage chunk differs from one without by that chunk only.
-    let usage_null = (endpoint == Endpoint::Completions).then_some(None);
+    // As vLLM (0.32) writes its chunks, with or without include_usage alike: no usage
+    // field (unset fields left out). A stream with the usage chunk differs from one
+    // without by that chunk only.
+    let no_usage = None;
     let hold = job.hold_back;
     let mut seqs = std::mem::take(&mut job.seqs);
     for s in seqs.iter_mut().filter(|s| !s.reported) {
@@ -159,7 +159,7 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
             };
             event(
                 &mut out,
-                &envelope(job, object(endpoint), vec![role], usage_null),
+                &envelope(job, object(endpoint), vec![role], no_usage),
             );
         }
         let range = s.take_delta(hold);
@@ -180,7 +180,7 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
                 };
                 event(
                     &mut out,
-                    &envelope(job, object(endpoint), vec![c], usage_null),
+                    &envelope(job, object(endpoint), vec![c], no_usage),
                 );
             }
             Endpoint::Chat => {
@@ -196,7 +196,7 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
                 };
                 event(
                     &mut out,
-                    &envelope(job, object(endpoint), vec![c], usage_null),
+                    &envelope(job, object(endpoint), vec![c], no_usage),
                 );
             }
         }
