@@ -1555,8 +1555,13 @@ fn vllm_cpu_misses_under_load_1p1d() {
     let shown = format!("{LOAD_MISSES} KV handoff misses");
     assert!(text(&status).contains(&shown), "{}", text(&status));
     let named = rt.block_on(misses_named(&guard, &lossy));
+    let same = rt.block_on(same_stream_as_decode(&engines, &clients, &urls));
+    println!(
+        "[{}] a proxied stream equals decode's own: {same}",
+        case.name
+    );
     let figures = json!({"case": case.name, "check": check, "healthy": healthy,
-        "lossy": lossy, "named_in_log": named});
+        "lossy": lossy, "named_in_log": named, "stream_as_decode_writes_it": same});
     println!("[{}] figures: {figures}", case.name);
     // Not e2e-vllm-cpu-*.json: the script prints those as latency figures.
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2e-misses-load.json");
@@ -1882,4 +1887,53 @@ async fn misses_named(guard: &Running, lossy: &Value) -> usize {
         );
     }
     made.len()
+}
+
+/// A stream through the proxy (which asked decode for the usage chunk) against the same
+/// request streamed by decode itself without usage: the same events, byte for byte but
+/// for the id and creation time of each answer (vLLM 0.32 stamps its system_fingerprint
+/// on the terminal chunk only without include_usage: the proxy must put it back). Returns
+/// the events compared.
+async fn same_stream_as_decode(
+    engines: &reqwest::Client,
+    clients: &reqwest::Client,
+    urls: &LoadUrls,
+) -> usize {
+    let (p, _) = load_prompt(engines, &urls.decode, "same-stream", 0)
+        .await
+        .expect("a prompt of three blocks");
+    let body = json!({"model": "tiny-llama", "prompt": p, "max_tokens": 12,
+        "temperature": 0, "stream": true});
+    let get = |c: &reqwest::Client, base: &str| {
+        let req = c.post(format!("{base}/v1/completions")).json(&body);
+        async move { req.send().await.unwrap().text().await.unwrap() }
+    };
+    let proxied = get(clients, &urls.proxy).await;
+    let direct = get(engines, &urls.decode).await;
+    let blank = |raw: &str| -> Vec<String> { raw.split("\n\n").map(blank_fields).collect() };
+    let (a, b) = (blank(&proxied), blank(&direct));
+    assert_eq!(
+        a, b,
+        "through the proxy:\n{proxied}\nstraight from decode:\n{direct}"
+    );
+    assert!(
+        direct.contains("finish_reason"),
+        "decode's own stream has no terminal chunk: {direct}"
+    );
+    a.len()
+}
+
+/// An event's text with the values of `"id"` and `"created"` blanked, the rest as sent.
+fn blank_fields(event: &str) -> String {
+    let mut out = event.to_string();
+    for key in ["\"id\":\"", "\"created\":"] {
+        if let Some(at) = out.find(key) {
+            let from = at + key.len();
+            let end = out[from..]
+                .find([',', '"', '}'])
+                .map_or(out.len(), |e| from + e);
+            out.replace_range(from..end, "-");
+        }
+    }
+    out
 }
