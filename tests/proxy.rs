@@ -209,14 +209,16 @@ fn vllm_prompt_sources(compute: u64, external: u64, prefills: u64) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_a_counted_miss() {
+async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_an_estimated_miss() {
     let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
     let set_page = |page: String| *d.state.metrics_text.lock().unwrap() = page;
     set_page(vllm_prompt_sources(0, 0, 0));
     // Without --scrape-metrics: decode counters are read anyway.
     let proxy =
         ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--health-interval-ms", "300"])).await;
-    let misses = "pdctl_proxy_kv_handoff_misses_total{reason=\"engine_reported\"}";
+    // Its answers show no cached tokens (and the proxy is not told decodes report them):
+    // the counters' window check finds the miss, as an estimate kept apart from counts.
+    let misses = "pdctl_proxy_kv_handoff_misses_estimated_total";
     let received = format!(
         "pdctl_proxy_decode_prompt_tokens_total{{instance=\"{}\",source=\"external_kv_transfer\"}}",
         d.url
@@ -245,10 +247,17 @@ async fn a_decode_whose_vllm_counters_show_the_prompt_computed_is_a_counted_miss
     proxy.wait_metric(misses, 1.0).await;
     assert_eq!(
         proxy
-            .metric("pdctl_proxy_kv_handoff_recomputed_tokens_total")
+            .metric("pdctl_proxy_kv_handoff_unexplained_tokens_total")
             .await,
         70.0 - 16.0,
         "beyond the one block a handoff leaves"
+    );
+    assert_eq!(
+        proxy
+            .metric("pdctl_proxy_kv_handoff_misses_total{reason=\"decode_cached_tokens_low\"}")
+            .await,
+        0.0,
+        "an estimate is not counted as a miss"
     );
     let log = proxy.log();
     assert!(

@@ -175,7 +175,8 @@ async fn streams_carry_the_same_text_with_sse_framing_and_usage() {
                 .iter()
                 .all(|c| c["choices"][0]["finish_reason"].is_null())
         );
-        // Without include_usage: no usage chunk and no usage field.
+        // Without include_usage: no usage chunk; the other chunks as with it (vLLM 0.32
+        // writes no usage field in either).
         let mut plain = body.clone();
         plain["stream"] = json!(true);
         let r = client()
@@ -185,10 +186,15 @@ async fn streams_carry_the_same_text_with_sse_framing_and_usage() {
             .await
             .unwrap();
         let events = sse_events(&r.text().await.unwrap());
+        assert_eq!(events.len(), chunks.len() + 1, "{events:?}");
         assert!(
             events[..events.len() - 1]
                 .iter()
                 .all(|e| e.get("usage").is_none() && !e["choices"].as_array().unwrap().is_empty())
+        );
+        assert!(
+            chunks.iter().all(|c| c.get("usage").is_none()),
+            "{chunks:?}"
         );
     }
 }

@@ -5,6 +5,10 @@
 //! counter `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` to having
 //! grown by the probe prompt's full blocks: a handoff that silently fell back to a
 //! recompute shows there and nowhere else.
+//!
+//! The engines answer only the cluster's engine key, the proxy only the client key
+//! (`PDCTL_API_KEY`) when one is set: [`Clients`] sends each its own. A pair whose models
+//! cannot be compared (an engine that does not say which it serves) fails, saying so.
 
 use crate::plan::pairs::{EngineFacts, Mismatch, compare};
 use serde::Serialize;
@@ -22,11 +26,44 @@ pub struct Engine {
     pub url: String,
 }
 
+/// The HTTP clients of a check: one for the engines (with the engine key), one for the
+/// proxy (with the client key, when the proxy asks for one).
+#[derive(Debug, Clone)]
+pub struct Clients {
+    pub engines: reqwest::Client,
+    pub proxy: reqwest::Client,
+}
+
+impl Clients {
+    /// Clients sending `engine_key` to the engines and `client_key` to the proxy.
+    pub fn new(engine_key: Option<&str>, client_key: Option<&str>) -> reqwest::Result<Clients> {
+        let build = |key: Option<&str>| {
+            let mut headers = reqwest::header::HeaderMap::new();
+            if let Some(k) = key
+                && let Ok(v) = format!("Bearer {k}").parse()
+            {
+                headers.insert(reqwest::header::AUTHORIZATION, v);
+            }
+            reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(5))
+                .default_headers(headers)
+                .build()
+        };
+        Ok(Clients {
+            engines: build(engine_key)?,
+            proxy: build(client_key)?,
+        })
+    }
+}
+
 /// What a running engine says of itself.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Answered {
     pub version: Option<String>,
+    /// The model it serves; `None` when it did not say (see `model_unknown`).
     pub model: Option<String>,
+    /// Why `model` is not known: what its `/v1/models` answered.
+    pub model_unknown: Option<String>,
     pub block_size: Option<u32>,
     /// Tokens its handoffs brought so far (the external_kv_transfer counter).
     pub external_tokens: Option<f64>,
@@ -44,6 +81,8 @@ pub struct PairResult {
     pub expected_tokens: u64,
     /// How much the decode's external_kv_transfer counter grew.
     pub external_tokens: f64,
+    /// The model both engines serve, when both said and they agree.
+    pub model: Option<String>,
     pub elapsed_ms: f64,
     /// Handed-off tokens per second of the probe, end to end.
     pub tokens_per_s: f64,
@@ -63,6 +102,7 @@ impl PairResult {
             prompt_tokens: 0,
             expected_tokens: 0,
             external_tokens: 0.0,
+            model: None,
             elapsed_ms: 0.0,
             tokens_per_s: 0.0,
             mismatches: Vec::new(),
@@ -83,22 +123,109 @@ pub async fn ask(client: &reqwest::Client, url: &str) -> Result<Answered, String
                 .send()
                 .await
                 .map_err(|e| format!("cannot reach {u}: {}", crate::error_text::chain(&e)))?;
-            r.text().await.map_err(|e| format!("{u}: {e}"))
+            let status = r.status();
+            let text = r.text().await.map_err(|e| format!("{u}: {e}"))?;
+            Ok::<_, String>((status, text, u))
         }
     };
-    let version: Value = serde_json::from_str(&get("/version").await?).unwrap_or_default();
-    let models: Value = serde_json::from_str(&get("/v1/models").await?).unwrap_or_default();
-    let metrics = get("/metrics").await?;
+    let (_, version, _) = get("/version").await?;
+    let version: Value = serde_json::from_str(&version).unwrap_or_default();
+    let (status, models, models_url) = get("/v1/models").await?;
+    let (_, metrics, _) = get("/metrics").await?;
     let block_size = crate::prometheus::samples(&metrics)
         .find(|s| s.name == "vllm:cache_config_info")
         .and_then(|s| crate::prometheus::label_value(s.labels, "block_size"))
         .and_then(|b| b.parse().ok());
+    let (model, model_unknown) = served_model(status, &models, &models_url);
     Ok(Answered {
         version: version["version"].as_str().map(str::to_string),
-        model: models["data"][0]["id"].as_str().map(str::to_string),
+        model,
+        model_unknown,
         block_size,
         external_tokens: external_tokens(&metrics),
     })
+}
+
+/// The model the proxy lists first (the one the probes ask for); Err says what went wrong,
+/// naming the client key when the proxy asks for one (`keyed`: one was sent).
+pub async fn proxy_model(
+    client: &reqwest::Client,
+    proxy: &str,
+    keyed: bool,
+) -> Result<String, String> {
+    let url = format!("{proxy}/v1/models");
+    let r = client
+        .get(&url)
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .map_err(|e| format!("cannot reach {url}: {}", crate::error_text::chain(&e)))?;
+    let status = r.status();
+    let body = r.text().await.unwrap_or_default();
+    if status == reqwest::StatusCode::UNAUTHORIZED {
+        return Err(if keyed {
+            format!(
+                "the proxy refused the client key in PDCTL_API_KEY ({url} answered {status}); set it to the key the cluster was started with"
+            )
+        } else {
+            format!(
+                "the proxy asks for a client key ({url} answered {status}); set PDCTL_API_KEY to the key the cluster was started with"
+            )
+        });
+    }
+    match served_model(status, &body, &url) {
+        (Some(m), _) => Ok(m),
+        (None, why) => Err(why.unwrap_or_default()),
+    }
+}
+
+/// The model a `/v1/models` answer names, or why it names none.
+fn served_model(
+    status: reqwest::StatusCode,
+    body: &str,
+    url: &str,
+) -> (Option<String>, Option<String>) {
+    let v: Value = serde_json::from_str(body).unwrap_or_default();
+    match v["data"][0]["id"].as_str() {
+        Some(m) if status.is_success() => (Some(m.to_string()), None),
+        _ if !status.is_success() => (
+            None,
+            Some(format!(
+                "GET {url} answered {status}: {}",
+                crate::error_text::answer_message(body.as_bytes())
+            )),
+        ),
+        _ => (None, Some(format!("GET {url} lists no model"))),
+    }
+}
+
+/// The model both engines of a pair serve; Err says why it cannot be compared (an engine
+/// that did not say), which fails the pair. Different models are a fatal mismatch
+/// ([`running_mismatches`]), not this.
+pub fn pair_model(
+    prefill: &Engine,
+    p: &Answered,
+    decode: &Engine,
+    d: &Answered,
+) -> Result<Option<String>, String> {
+    let unknown = |e: &Engine, a: &Answered| {
+        format!(
+            "{} did not say which model it serves ({})",
+            e.planned.name,
+            a.model_unknown.as_deref().unwrap_or("no answer")
+        )
+    };
+    match (&p.model, &d.model) {
+        (Some(pm), Some(dm)) => Ok((pm == dm).then(|| pm.clone())),
+        (None, _) => Err(format!(
+            "cannot compare the models of the pair: {}",
+            unknown(prefill, p)
+        )),
+        (_, None) => Err(format!(
+            "cannot compare the models of the pair: {}",
+            unknown(decode, d)
+        )),
+    }
 }
 
 /// The sum of the decode's external_kv_transfer prompt tokens over its engines.
@@ -129,7 +256,8 @@ pub fn running_mismatches(
         ..e.planned.clone()
     };
     let mut out = compare(&live(prefill, p), &live(decode, d), connector);
-    // The served name may differ from the planned path: compare what they serve.
+    // The served name may differ from the planned path: compare what they serve (an
+    // engine that does not say fails the pair by [`pair_model`]).
     out.retain(|m| m.what != "model" || p.model.is_some() && d.model.is_some());
     if let (Some(pv), Some(dv)) = (&p.version, &d.version)
         && pv != dv
@@ -171,7 +299,7 @@ pub fn probe_prompt(words: usize, nonce: u64) -> String {
 /// Sends the probe through the proxy, pinned to the pair with the `user` designation, and
 /// measures what reached the decode.
 pub async fn probe(
-    client: &reqwest::Client,
+    clients: &Clients,
     proxy: &str,
     model: &str,
     prefill: &Engine,
@@ -180,6 +308,7 @@ pub async fn probe(
     block_size: u32,
 ) -> PairResult {
     let mut r = PairResult::untried(prefill, decode);
+    let client = &clients.engines;
     let before = match ask(client, &decode.url).await {
         Ok(a) => a.external_tokens,
         Err(e) => {
@@ -212,7 +341,8 @@ pub async fn probe(
         "user": format!("prefill={};decode={}", host_port(&prefill.url), host_port(&decode.url)),
     });
     let t = Instant::now();
-    let answer = client
+    let answer = clients
+        .proxy
         .post(format!("{proxy}/v1/completions"))
         .json(&body)
         .timeout(Duration::from_secs(120))
@@ -241,6 +371,19 @@ pub async fn probe(
     let v: Value = serde_json::from_str(&text).unwrap_or_default();
     r.prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
     r.expected_tokens = full_block_tokens(r.prompt_tokens, block_size);
+    measure(client, decode, before, block_size, &mut r).await;
+    r
+}
+
+/// How much of the probe's prompt reached the decode by handoff (its counter's growth
+/// since `before`), and the verdict.
+async fn measure(
+    client: &reqwest::Client,
+    decode: &Engine,
+    before: f64,
+    block_size: u32,
+    r: &mut PairResult,
+) {
     // vLLM updates its counters as the step's stats come in: give them a moment.
     let end = Instant::now() + Duration::from_secs(3);
     loop {
@@ -270,7 +413,6 @@ pub async fn probe(
             )
         });
     }
-    r
 }
 
 #[cfg(test)]
@@ -292,6 +434,56 @@ mod tests {
                     vllm:prompt_tokens_by_source_total{engine=\"1\",source=\"external_kv_transfer\"} 32\n";
         assert_eq!(external_tokens(page), Some(96.0));
         assert_eq!(external_tokens("vllm:num_requests_running 0\n"), None);
+    }
+
+    fn engine(name: &str) -> Engine {
+        Engine {
+            planned: EngineFacts {
+                name: name.into(),
+                role: crate::vocab::Role::Decode,
+                model: Some("/models/m".into()),
+                tensor_parallel: 1,
+                block_size: 16,
+            },
+            url: "http://h:1".into(),
+        }
+    }
+
+    #[test]
+    fn an_engine_that_does_not_say_its_model_fails_the_pair_saying_why() {
+        let ok = reqwest::StatusCode::OK;
+        let models = r#"{"object":"list","data":[{"id":"m","object":"model"}]}"#;
+        assert_eq!(served_model(ok, models, "u"), (Some("m".into()), None));
+        let (m, why) = served_model(
+            reqwest::StatusCode::UNAUTHORIZED,
+            r#"{"error":"Unauthorized"}"#,
+            "http://h:1/v1/models",
+        );
+        assert_eq!(m, None);
+        assert!(
+            why.unwrap()
+                .starts_with("GET http://h:1/v1/models answered 401")
+        );
+        let (p, d) = (engine("prefill-0"), engine("decode-0"));
+        let said = |m: &str| Answered {
+            model: Some(m.into()),
+            ..Answered::default()
+        };
+        assert_eq!(
+            pair_model(&p, &said("m"), &d, &said("m")),
+            Ok(Some("m".into()))
+        );
+        // Different models: a mismatch (reported apart), not a comparison that failed.
+        assert_eq!(pair_model(&p, &said("m"), &d, &said("n")), Ok(None));
+        let silent = Answered {
+            model_unknown: Some("GET u answered 401".into()),
+            ..Answered::default()
+        };
+        let e = pair_model(&p, &said("m"), &d, &silent).unwrap_err();
+        assert_eq!(
+            e,
+            "cannot compare the models of the pair: decode-0 did not say which model it serves (GET u answered 401)"
+        );
     }
 
     #[test]

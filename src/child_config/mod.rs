@@ -381,6 +381,8 @@ mod tests {
             bootstrap_ports: vec![8998, 8999, 9000],
             protocol: ProxyProtocol::Mooncake,
             kv_load_failure_policy: crate::topology::KvLoadFailurePolicy::Fail,
+            handoff_leaves_tokens: 256,
+            decode_prompt_tokens_details: true,
             policy: PolicyName::LeastLoaded,
             prefill_policy: Some(PolicyName::PrefixAware),
             decode_policy: Some(PolicyName::Random),

@@ -66,6 +66,15 @@ pub struct ProxyArgs {
     #[arg(long, value_enum, default_value_t = ProxyArgs::default().kv_load_failure_policy)]
     #[serde(skip_serializing_if = "is_recompute")]
     pub kv_load_failure_policy: KvLoadFailurePolicy,
+    /// Prompt tokens a good KV handoff may leave decode to compute (what the connector
+    /// leaves: a KV block, an LMCache chunk); decode computing more of a prompt is a silent
+    /// recompute. 0: one KV block, as decode's /metrics states it (else 16).
+    #[arg(long, default_value_t = ProxyArgs::default().handoff_leaves_tokens)]
+    pub handoff_leaves_tokens: u32,
+    /// The decodes run with --enable-prompt-tokens-details: an answer whose usage has no
+    /// prompt_tokens_details cached nothing (vLLM leaves the field out at 0).
+    #[arg(long)]
+    pub decode_prompt_tokens_details: bool,
     /// Policy for both legs, unless --prefill-policy / --decode-policy say otherwise.
     #[arg(long, value_enum, default_value_t = ProxyArgs::default().policy)]
     pub policy: PolicyName,
@@ -153,6 +162,8 @@ impl Default for ProxyArgs {
             bootstrap_ports: Vec::new(),
             protocol: ProxyProtocol::TwoStep,
             kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
+            handoff_leaves_tokens: 0,
+            decode_prompt_tokens_details: false,
             policy: PolicyName::RoundRobin,
             prefill_policy: None,
             decode_policy: None,
@@ -266,6 +277,13 @@ impl ProxyArgs {
                 value_name(self.kv_load_failure_policy),
             ]);
         }
+        v.extend([
+            "--handoff-leaves-tokens".into(),
+            self.handoff_leaves_tokens.to_string(),
+        ]);
+        if self.decode_prompt_tokens_details {
+            v.push("--decode-prompt-tokens-details".into());
+        }
         v.extend(["--policy".into(), value_name(self.policy)]);
         if let Some(p) = self.prefill_policy {
             v.extend(["--prefill-policy".into(), value_name(p)]);
@@ -325,10 +343,12 @@ const LIVE: [&str; 9] = [
 
 /// Flags a running proxy takes only when it restarts. The instance lists are in neither
 /// list: the proxy follows the supervisor's services.
-const RESTART: [&str; 13] = [
+const RESTART: [&str; 15] = [
     "--host",
     "--port",
     "--protocol",
+    "--handoff-leaves-tokens",
+    "--decode-prompt-tokens-details",
     "--prefill-dns",
     "--decode-dns",
     "--connect-timeout-ms",

@@ -1,12 +1,15 @@
 //! `pdctl check`: the command-line half of `crate::check` — the running cluster's pairs,
 //! the transport each engine is configured with (and a warning for TCP on a machine with
 //! RDMA devices), one line per pair, exit 0 when every pair moved its KV and 1 when one
-//! did not.
+//! did not (or its models could not be compared). The engines get the cluster's engine
+//! key, the proxy the client key `PDCTL_API_KEY` when it is set.
 
 use super::ExitError;
 use super::common::ClusterArgs;
 use super::common::running;
-use crate::check::{Engine, PairResult, ask, probe, running_mismatches};
+use crate::check::{
+    Clients, Engine, PairResult, ask, pair_model, probe, proxy_model, running_mismatches,
+};
 use crate::connectors::transport;
 use crate::control::client;
 use crate::plan::pairs::engine_facts;
@@ -70,9 +73,57 @@ async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
         "cluster {}: connector {}, proxy protocol {}",
         found.cluster, plan.connector, plan.protocol
     );
+    print_transports(&plan, prefill.iter().chain(&decode));
+    let engine_key = crate::control::auth::kept_engine_key(&found.dir)?;
+    let client_key = std::env::var(CLIENT_KEY_ENV).ok().filter(|k| !k.is_empty());
+    let clients = Clients::new(
+        engine_key.as_ref().map(|k| k.reveal()),
+        client_key.as_deref(),
+    )?;
+    let model = proxy_model(&clients.proxy, &proxy, client_key.is_some())
+        .await
+        .map_err(|why| ExitError::usage(format!("pdctl check: {why}")))?;
+    println!("model (as the proxy lists it): {model}");
+    let mut results: Vec<PairResult> = Vec::new();
+    for p in &prefill {
+        let pa = ask(&clients.engines, &p.url).await;
+        for d in &decode {
+            let da = ask(&clients.engines, &d.url).await;
+            let (pa, da) = match (&pa, &da) {
+                (Ok(x), Ok(y)) => (x, y),
+                (Err(e), _) | (_, Err(e)) => {
+                    results.push(unreachable(p, d, e));
+                    continue;
+                }
+            };
+            results.push(
+                check_pair(
+                    &clients,
+                    &proxy,
+                    &model,
+                    (p, pa),
+                    (d, da),
+                    &plan.connector,
+                    a.prompt_tokens,
+                )
+                .await,
+            );
+        }
+    }
+    print!("{}", table(&results));
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")?;
+        eprintln!("results written to {}", path.display());
+    }
+    Ok(summary(&results))
+}
+
+/// Prints the KV transport each engine is configured with (once when they agree), and a
+/// warning when the KV moves over TCP on a machine with RDMA devices.
+fn print_transports<'a>(plan: &crate::plan::Plan, engines: impl Iterator<Item = &'a Engine>) {
     let rdma = transport::rdma_devices();
     let mut transports: Vec<(String, transport::Transport)> = Vec::new();
-    for e in prefill.iter().chain(&decode) {
+    for e in engines {
         if let Some(svc) = plan.service(&e.planned.name) {
             transports.push((
                 e.planned.name.clone(),
@@ -80,7 +131,9 @@ async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
             ));
         }
     }
-    let first = &transports[0].1;
+    let Some((_, first)) = transports.first() else {
+        return;
+    };
     if transports.iter().all(|(_, t)| t == first) {
         println!("KV transport: {}", first.text);
     } else {
@@ -94,37 +147,13 @@ async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
             rdma.join(", ")
         );
     }
-    let http = reqwest::Client::builder()
-        .connect_timeout(Duration::from_secs(5))
-        .build()?;
-    let model = crate::bench::first_model(&http, &proxy).await?;
-    let mut results: Vec<PairResult> = Vec::new();
-    for p in &prefill {
-        let pa = ask(&http, &p.url).await;
-        for d in &decode {
-            let da = ask(&http, &d.url).await;
-            let (pa, da) = match (&pa, &da) {
-                (Ok(x), Ok(y)) => (x, y),
-                (Err(e), _) | (_, Err(e)) => {
-                    results.push(unreachable(p, d, e));
-                    continue;
-                }
-            };
-            let mismatches = running_mismatches(p, pa, d, da, &plan.connector);
-            let block = da.block_size.unwrap_or(d.planned.block_size);
-            let mut r = probe(&http, &proxy, &model, p, d, a.prompt_tokens, block).await;
-            r.mismatches = mismatches.iter().map(ToString::to_string).collect();
-            results.push(r);
-        }
-    }
-    print!("{}", table(&results));
-    if let Some(path) = &a.json {
-        std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")?;
-        eprintln!("results written to {}", path.display());
-    }
+}
+
+/// The closing line, and the exit code: 0 when every pair passed, 1 when one did not.
+fn summary(results: &[PairResult]) -> ExitCode {
     let failed: Vec<String> = results
         .iter()
-        .filter(|r| !r.moved)
+        .filter(|r| !passed(r))
         .map(|r| format!("{} -> {}", r.prefill, r.decode))
         .collect();
     if failed.is_empty() {
@@ -133,16 +162,57 @@ async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
             results.len(),
             results.len()
         );
-        Ok(ExitCode::SUCCESS)
+        ExitCode::SUCCESS
     } else {
+        let what = if results.iter().all(|r| r.model.is_some()) {
+            "did NOT move their KV"
+        } else {
+            "did NOT pass (KV not moved, or models not compared)"
+        };
         println!(
-            "{} of {} pairs did NOT move their KV: {}",
+            "{} of {} pairs {what}: {}",
             failed.len(),
             results.len(),
             failed.join(", ")
         );
-        Ok(ExitCode::from(1))
+        ExitCode::from(1)
     }
+}
+
+/// The variable that gives `check` the key the proxy asks clients for (the proxy takes
+/// it from the same variable).
+const CLIENT_KEY_ENV: &str = "PDCTL_API_KEY";
+
+/// Whether a pair passed: its KV moved and its models were compared.
+fn passed(r: &PairResult) -> bool {
+    r.moved && r.model.is_some()
+}
+
+/// Checks one pair that answered: its mismatches, its models (a pair whose models cannot
+/// be compared fails, saying why), and its probe.
+async fn check_pair(
+    clients: &Clients,
+    proxy: &str,
+    model: &str,
+    (p, pa): (&Engine, &crate::check::Answered),
+    (d, da): (&Engine, &crate::check::Answered),
+    connector: &str,
+    prompt_tokens: usize,
+) -> PairResult {
+    let mismatches = running_mismatches(p, pa, d, da, connector);
+    let block = da.block_size.unwrap_or(d.planned.block_size);
+    let mut r = probe(clients, proxy, model, p, d, prompt_tokens, block).await;
+    r.mismatches = mismatches.iter().map(ToString::to_string).collect();
+    match pair_model(p, pa, d, da) {
+        Ok(m) => r.model = m,
+        Err(why) => {
+            r.problem = Some(match r.problem.take() {
+                Some(other) => format!("{why}; {other}"),
+                None => why,
+            });
+        }
+    }
+    r
 }
 
 fn unreachable(p: &Engine, d: &Engine, e: &str) -> PairResult {
@@ -158,18 +228,19 @@ fn table(results: &[PairResult]) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "{:<28} {:<6} {:>16} {:>10} {:>12}",
+        "{:<28} {:<6} {:>16} {:>10} {:>12}  MODEL",
         "PAIR", "KV", "HANDED OFF", "TIME", "TOKENS/S"
     );
     for r in results {
         let _ = writeln!(
             o,
-            "{:<28} {:<6} {:>16} {:>10} {:>12}",
+            "{:<28} {:<6} {:>16} {:>10} {:>12}  {}",
             format!("{} -> {}", r.prefill, r.decode),
             if r.moved { "moved" } else { "NOT" },
             format!("{}/{} tok", r.external_tokens, r.expected_tokens),
             format!("{:.1} ms", r.elapsed_ms),
             format!("{:.0}", r.tokens_per_s),
+            r.model.as_deref().unwrap_or("?"),
         );
         for m in &r.mismatches {
             let _ = writeln!(o, "    mismatch: {m}");

@@ -181,13 +181,21 @@ fn format_figures(proxy_url: &str, f: &crate::proxy::ProxyFigures) -> String {
     } else {
         String::new()
     };
+    let estimated = if f.kv_handoff_misses_estimated > 0.0 {
+        format!(
+            ", about {:.0} more estimated from decode counters",
+            f.kv_handoff_misses_estimated
+        )
+    } else {
+        String::new()
+    };
     let failures = if f.kv_handoff_failures > 0.0 {
         format!(", {:.0} KV handoff failures", f.kv_handoff_failures)
     } else {
         String::new()
     };
     format!(
-        "proxy {proxy_url}: {:.0} requests ({:.0} failed), {:.0} in flight, {:.0} retries, {:.0} KV handoff misses{recomputed}{failures}",
+        "proxy {proxy_url}: {:.0} requests ({:.0} failed), {:.0} in flight, {:.0} retries, {:.0} KV handoff misses{recomputed}{estimated}{failures}",
         f.requests, f.failed, f.in_flight, f.retries, f.kv_handoff_misses
     )
 }
@@ -208,6 +216,7 @@ mod tests {
             kv_handoff_misses: 0.0,
             kv_handoff_failures: 0.0,
             recomputed_tokens: 0.0,
+            kv_handoff_misses_estimated: 0.0,
         };
         assert_eq!(
             format_figures("http://p:8000", &f),
@@ -224,6 +233,10 @@ mod tests {
             format_figures("http://p:8000", &f)
                 .ends_with("(900 prompt tokens recomputed), 3 KV handoff failures")
         );
+        f.kv_handoff_misses_estimated = 4.0;
+        assert!(format_figures("http://p:8000", &f).ends_with(
+            "(900 prompt tokens recomputed), about 4 more estimated from decode counters, 3 KV handoff failures"
+        ));
     }
 
     #[test]

@@ -117,4 +117,26 @@ impl Connector for Lmcache {
         });
         Ok(launch)
     }
+    /// LMCache stores and finds KV in chunks of `chunk_size` tokens: a prompt's last
+    /// partial chunk is decode's to compute, up to a chunk less one token (and never less
+    /// than vLLM's own last block).
+    fn decode_leaves(&self, c: &ConnectorSection, block_size: u32) -> u32 {
+        c.lmcache_chunk_size.max(block_size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_may_compute_a_prompts_last_partial_chunk() {
+        let c = ConnectorSection {
+            lmcache_chunk_size: 256,
+            ..ConnectorSection::default()
+        };
+        assert_eq!(Lmcache.decode_leaves(&c, 16), 256);
+        assert_eq!(Lmcache.decode_leaves(&c, 512), 512);
+        assert_eq!(super::super::example::Example.decode_leaves(&c, 16), 16);
+    }
 }

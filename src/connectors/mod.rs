@@ -192,6 +192,14 @@ pub trait Connector: Sync {
     }
     /// The launch of one real vLLM instance.
     fn launch(&self, at: LaunchCtx) -> Result<Launch, Problem>;
+    /// Prompt tokens a good handoff may leave decode to compute, with KV blocks of
+    /// `block_size` tokens: the proxy counts a decode that computed more of a prompt as a
+    /// silent recompute. vLLM's connectors move whole blocks, so decode computes the last
+    /// partial block (a whole one when the prompt fills its blocks exactly) unless a
+    /// connector says otherwise.
+    fn decode_leaves(&self, _c: &ConnectorSection, block_size: u32) -> u32 {
+        block_size
+    }
 }
 
 /// The connector for a topology's `connector.kind`.

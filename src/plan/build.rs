@@ -156,12 +156,14 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         let proxy_node = t.proxy.node.as_deref().unwrap_or(input.head);
         let socket =
             state_dir_for(t, &input.state_root, proxy_node).join(crate::vocab::SOCKET_NAME);
+        let leaves = support::handoff_leaves_tokens(t, conn, &services, &settings);
         Some(support::plan_proxy(
             t,
             proxy_node,
             protocol,
             version.as_ref(),
             &services,
+            leaves,
             &socket,
             &mut ports,
         )?)

@@ -1,9 +1,11 @@
 //! The services around the engines: etcd, mooncake_master, the lmcache server, the proxy.
 
+use super::pairs::{VLLM_DEFAULT_BLOCK_SIZE, engine_facts};
 use super::ports::claim;
+use crate::child_config::ChildSettings;
 use crate::child_config::proxy::ProxyArgs;
-use crate::connectors::{Endpoint, Needs, PortBook};
-use crate::topology::{EngineKind, Problem, Topology};
+use crate::connectors::{Connector, Endpoint, Needs, PortBook};
+use crate::topology::{Device, EngineKind, Problem, Topology};
 use crate::vocab::{
     GeneratedFile, Probe, ProxyProtocol, RestartPolicy, Role, Service, Shutdown, Version,
 };
@@ -256,12 +258,14 @@ pub(super) fn plan_support(
 /// typed beside it: its settings in a generated config file (`files/proxy.toml` beside the control socket), its command
 /// `pdctl proxy --config FILE`. The API keys stay out of it: the proxy takes them from the
 /// environment the supervisor passes on.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn plan_proxy(
     t: &Topology,
     node: &str,
     protocol: ProxyProtocol,
     version: Option<&crate::vocab::Version>,
     services: &[Service],
+    handoff_leaves_tokens: u32,
     socket: &Path,
     ports: &mut PortBook,
 ) -> Result<(Service, ProxyArgs), Problem> {
@@ -292,6 +296,10 @@ pub(super) fn plan_proxy(
         },
         protocol,
         kv_load_failure_policy: crate::connectors::load_failure_policy(&t.connector, version),
+        handoff_leaves_tokens,
+        // vLLM decodes get --enable-prompt-tokens-details (engines.rs); the simulator
+        // always reports the details.
+        decode_prompt_tokens_details: true,
         policy: p.policy,
         prefill_policy: p.prefill_policy,
         decode_policy: p.decode_policy,
@@ -343,4 +351,38 @@ pub(super) fn plan_proxy(
         .collect();
     svc.startup_timeout_s = 30;
     Ok((svc, args))
+}
+
+/// vLLM's KV block size on CPUs when `--block-size` is not given (its CPU platform sets
+/// 128; GPUs default to [`VLLM_DEFAULT_BLOCK_SIZE`]).
+const VLLM_CPU_BLOCK_SIZE: u32 = 128;
+
+/// Prompt tokens a good KV handoff may leave a decode to compute, for the proxy's
+/// recompute check: what the connector leaves (`conn`, [`Connector::decode_leaves`]) at
+/// the largest KV block size among the planned engines (a pair whose sizes differ moves
+/// blocks of the larger). The simulator's handoffs move whole blocks of its own size.
+pub(super) fn handoff_leaves_tokens(
+    t: &Topology,
+    conn: &dyn Connector,
+    services: &[Service],
+    settings: &BTreeMap<String, ChildSettings>,
+) -> u32 {
+    let block = services
+        .iter()
+        .filter_map(|s| {
+            let facts = engine_facts(s, settings.get(&s.name))?;
+            let given = s.argv.iter().any(|a| a.starts_with("--block-size"));
+            let cpu = t.engine.kind == EngineKind::Vllm && t.engine.device == Device::Cpu;
+            Some(if cpu && !given {
+                VLLM_CPU_BLOCK_SIZE
+            } else {
+                facts.block_size
+            })
+        })
+        .max()
+        .unwrap_or(VLLM_DEFAULT_BLOCK_SIZE);
+    match t.engine.kind {
+        EngineKind::Sim => block,
+        EngineKind::Vllm => conn.decode_leaves(&t.connector, block),
+    }
 }

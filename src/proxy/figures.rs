@@ -18,6 +18,9 @@ pub struct ProxyFigures {
     pub kv_handoff_failures: f64,
     /// Prompt tokens decodes computed themselves in those misses (found ones only).
     pub recomputed_tokens: f64,
+    /// Requests estimated from decodes' counters to have recomputed (legs no answer
+    /// judged): an estimate, not in `kv_handoff_misses`.
+    pub kv_handoff_misses_estimated: f64,
 }
 
 /// Reads the proxy's counters from a Prometheus text page; `None` when it has none of
@@ -51,6 +54,9 @@ pub fn read(metrics_text: &str) -> Option<ProxyFigures> {
                 f.kv_handoff_failures = failures[0].max(failures[1]);
             }
             "pdctl_proxy_kv_handoff_recomputed_tokens_total" => f.recomputed_tokens += value,
+            "pdctl_proxy_kv_handoff_misses_estimated_total" => {
+                f.kv_handoff_misses_estimated += value
+            }
             _ => {}
         }
     }
@@ -115,7 +121,8 @@ mod tests {
                     pdctl_proxy_retries_total{leg=\"prefill\"} 1\n\
                     pdctl_proxy_retries_total{leg=\"decode\"} 2\n\
                     pdctl_proxy_kv_handoff_misses_total{reason=\"no_kv_transfer_params\"} 4\n\
-                    pdctl_proxy_kv_handoff_misses_total{reason=\"engine_reported\"} 2\n\
+                    pdctl_proxy_kv_handoff_misses_total{reason=\"decode_cached_tokens_low\"} 2\n\
+                    pdctl_proxy_kv_handoff_misses_estimated_total 5\n\
                     pdctl_proxy_kv_handoff_failures_total{reason=\"decode_failed_the_request\"} 1\n\
                     pdctl_proxy_kv_handoff_recomputed_tokens_total 900\n";
         let f = read(text).unwrap();
@@ -128,7 +135,8 @@ mod tests {
                 retries: 3.0,
                 kv_handoff_misses: 6.0,
                 kv_handoff_failures: 1.0,
-                recomputed_tokens: 900.0
+                recomputed_tokens: 900.0,
+                kv_handoff_misses_estimated: 5.0
             }
         );
         assert_eq!(read("vllm:num_requests_running 3\n"), None);

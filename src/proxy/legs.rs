@@ -10,6 +10,7 @@ use super::protocol::{Body, PrefillAnswer};
 use super::recompute::{self, Expect, Judgment};
 use super::request::ClientRequest;
 use super::upstream::MAX_ANSWER_BYTES;
+use super::usage_chunk;
 use axum::http::HeaderValue;
 use bytes::Bytes;
 use std::sync::Arc;
@@ -38,15 +39,34 @@ pub enum Answer {
 
 /// What a relayed stream keeps alive: decode's in-flight count, in a concurrent flow the
 /// prefill leg still running in the background (cancelled if the stream is dropped), the
-/// leg's account for recompute detection (judged by the usage chunk when the client asked
-/// for usage; the leg counts as ended when it is taken or dropped), and the signal that
-/// decode's instance was found unreachable (the stream then ends with an error event
-/// rather than waiting on a silent peer).
+/// leg's account for recompute detection (judged by the usage chunk, which every streamed
+/// leg with a handoff due asks for; the leg counts as ended when it is taken or dropped),
+/// whether the usage chunk is the proxy's to take out (the client did not ask for it),
+/// and the signal that decode's instance was found unreachable (the stream then ends with
+/// an error event rather than waiting on a silent peer).
 pub struct Keep {
     pub decode: InFlight,
     pub prefill: Option<AbortOnDrop>,
     pub judgment: Option<Judgment>,
+    pub strip_usage: bool,
     pub unreachable: Lost,
+}
+
+/// The bytes of a decode leg: `body` (`None`: the client's own), with the usage chunk
+/// asked for when the proxy needs it to judge the leg ([`usage_chunk::adds_usage`]). The
+/// client's bytes go as they are when nothing is added.
+pub fn decode_bytes(body: Option<Body>, req: &ClientRequest, expect: Expect) -> Bytes {
+    let adds = usage_chunk::adds_usage(req.stream, &req.body, expect);
+    match body {
+        None if !adds => req.raw.clone(),
+        body => {
+            let mut b = body.unwrap_or_else(|| req.body.clone());
+            if adds {
+                usage_chunk::ask_usage(&mut b);
+            }
+            Bytes::from(serde_json::to_vec(&b).expect("JSON values serialize"))
+        }
+    }
 }
 
 /// Resolves with the reason once an instance is found unreachable ([`super::reach`]).
@@ -147,8 +167,16 @@ async fn decode_attempt(
     body: Bytes,
     expect: Expect,
 ) -> Result<(Answer, Option<Duration>), LegFailure> {
-    let usage_expected = !req.stream || recompute::asks_usage(&req.body);
-    let judgment = recompute::leg_sent(&proxy.metrics, &inst, expect, usage_expected, &req.id);
+    let strip_usage = usage_chunk::adds_usage(req.stream, &req.body, expect);
+    let usage_expected = !req.stream || strip_usage || usage_chunk::asks_usage(&req.body);
+    let judgment = recompute::leg_sent(
+        &proxy.metrics,
+        &inst,
+        expect,
+        usage_expected,
+        proxy.handoff,
+        &req.id,
+    );
     let guard = inst.begin();
     let sent = Instant::now();
     let first_byte = sent + proxy.settings().first_byte_timeout;
@@ -199,16 +227,9 @@ async fn decode_attempt(
         ));
     }
     let mut rest = resp.body;
-    let first = match tokio::time::timeout_at(deadline, rest.next()).await {
-        Err(_) => return Err(LegFailure::Timeout { limit, raise }),
-        Ok(None) => {
-            return Err(LegFailure::Body(
-                "it ended the stream without sending anything".into(),
-            ));
-        }
-        Ok(Some(Err(e))) => return Err(LegFailure::Body(e.to_string())),
-        Ok(Some(Ok(first))) => first,
-    };
+    let first = tokio::time::timeout_at(deadline, first_chunk(&mut rest))
+        .await
+        .map_err(|_| LegFailure::Timeout { limit, raise })??;
     if load_may_fail && let Some(message) = error_event_message(&first) {
         return Err(kv_load_failed(proxy, &inst, &req.id, 500, message));
     }
@@ -223,10 +244,22 @@ async fn decode_attempt(
                 decode: guard,
                 prefill: None,
                 judgment: Some(judgment),
+                strip_usage,
             },
         },
         Some(took),
     ))
+}
+
+/// The first chunk of a decode stream.
+async fn first_chunk(rest: &mut h1::Body) -> Result<Bytes, LegFailure> {
+    match rest.next().await {
+        None => Err(LegFailure::Body(
+            "it ended the stream without sending anything".into(),
+        )),
+        Some(Err(e)) => Err(LegFailure::Body(e.to_string())),
+        Some(Ok(first)) => Ok(first),
+    }
 }
 
 /// Whether a decode error may be a KV load that failed: the decode runs with

@@ -58,6 +58,9 @@ pub struct Metrics {
     handoff_misses: Sparse<[(&'static str, &'static str); 1]>,
     handoff_failures: Sparse<[(&'static str, &'static str); 1]>,
     recomputed_tokens: Counter,
+    misses_estimated: Counter,
+    unexplained_tokens: Counter,
+    handoffs_unchecked: Sparse<[(&'static str, &'static str); 1]>,
     rate_limited: FixedFamily<Counter, 2>,
     queued: Counter,
     queue_depth: Gauge,
@@ -83,6 +86,9 @@ impl Default for Metrics {
             handoff_misses: Sparse::default(),
             handoff_failures: Sparse::default(),
             recomputed_tokens: Counter::default(),
+            misses_estimated: Counter::default(),
+            unexplained_tokens: Counter::default(),
+            handoffs_unchecked: Sparse::default(),
             rate_limited: FixedFamily::new("reason", ["rate", "concurrency"]),
             queued: Counter::default(),
             queue_depth: Gauge::default(),
@@ -173,8 +179,23 @@ impl Metrics {
         );
         r.register(
             "kv_handoff_misses",
-            "Requests whose decode had to recompute the prompt, by reason",
+            "Requests whose decode had to recompute the prompt, counted one by one, by reason",
             self.handoff_misses.clone(),
+        );
+        r.register(
+            "kv_handoff_misses_estimated",
+            "Requests estimated to have recomputed their prompt from decodes' counters (kv_handoff_unexplained_tokens over the mean prompt), for legs no answer judged; apart from the counted misses",
+            self.misses_estimated.clone(),
+        );
+        r.register(
+            "kv_handoff_unexplained_tokens",
+            "Prompt tokens decodes computed beyond what the handoffs left to their counters leave to compute, by their vllm:prompt_tokens_by_source_total",
+            self.unexplained_tokens.clone(),
+        );
+        r.register(
+            "kv_handoffs_unchecked",
+            "Handoffs no answer judged whose decode counters' window could not be attributed, by reason (other_traffic, prefills_unknown, known_recomputes, never_idle): misses among them go uncounted",
+            self.handoffs_unchecked.clone(),
         );
         r.register(
             "kv_handoff_failures",
@@ -183,7 +204,7 @@ impl Metrics {
         );
         r.register(
             "kv_handoff_recomputed_tokens",
-            "Prompt tokens decodes computed themselves in the misses found from their usage (all of them) or counters (those beyond one block per handoff)",
+            "Prompt tokens decodes computed themselves in the misses their answers' usage showed",
             self.recomputed_tokens.clone(),
         );
         r.register(
@@ -274,10 +295,28 @@ impl Metrics {
         self.handoff_failures.add([("reason", reason)], n);
     }
 
-    /// Counts prompt tokens a decode computed itself in KV handoff misses found from its
-    /// usage or counters (recompute.rs).
+    /// Counts prompt tokens a decode computed itself in KV handoff misses its answers'
+    /// usage showed (recompute/).
     pub fn recomputed_tokens(&self, n: u64) {
         self.recomputed_tokens.inc_by(n);
+    }
+
+    /// Adds `n` requests estimated, from a decode's counters, to have recomputed.
+    pub fn handoff_misses_estimated(&self, n: u64) {
+        self.misses_estimated.inc_by(n);
+    }
+
+    /// Counts prompt tokens a decode's counters show computed beyond what its handoffs
+    /// leave.
+    pub fn unexplained_tokens(&self, n: u64) {
+        self.unexplained_tokens.inc_by(n);
+    }
+
+    /// Counts `n` handoffs whose window the counters' check could not judge.
+    pub fn handoffs_unchecked(&self, reason: &'static str, n: u64) {
+        if n > 0 {
+            self.handoffs_unchecked.add([("reason", reason)], n);
+        }
     }
 
     /// Counts one 429.

@@ -8,7 +8,8 @@
 //! of one leg), using `protocol`
 //! (bodies per connector), `policy` (instance choice), `h1` (the legs' HTTP/1.1 client),
 //! `upstream` (the HTTP client of probes and scrapes) and
-//! `relay` (streams); `instances`, `discovery` (instances found by DNS name),
+//! `relay` (streams, `usage_chunk`: the usage chunk each streamed decode leg asks for and
+//! the client gets only if it asked); `instances`, `discovery` (instances found by DNS name),
 //! `health`, `scrape`, `recompute` (KV handoff misses decode hides), `limits`,
 //! `tuning` (settings taken while serving, from the supervisor's spec of the proxy),
 //! `metrics`, `errors`, `designate`, `record` (per-request log line), `models`,
@@ -45,6 +46,7 @@ mod server;
 mod transfer_failures;
 mod tuning;
 mod upstream;
+mod usage_chunk;
 
 use crate::child_config::proxy::ProxyArgs;
 use anyhow::Context;
@@ -81,6 +83,8 @@ pub struct Proxy {
     /// The decodes' kv_load_failure_policy: under "fail" a decode's generation error on a
     /// request with a KV handoff is a failed KV load (legs.rs).
     pub kv_load_failure_policy: crate::topology::KvLoadFailurePolicy,
+    /// What the plan says of the decodes' KV, for judging their answers (recompute/).
+    pub handoff: recompute::HandoffSettings,
     pub upstream: Upstream,
     pub limits: Limits,
     pub metrics: Arc<Metrics>,
@@ -105,6 +109,10 @@ impl Proxy {
             policies: ArcSwap::from_pointee(tuning::Policies::new(a, &metrics)),
             protocol: protocol::build(a.protocol, bootstrap_timeout),
             kv_load_failure_policy: a.kv_load_failure_policy,
+            handoff: recompute::HandoffSettings {
+                leaves_tokens: a.handoff_leaves_tokens,
+                details: a.decode_prompt_tokens_details,
+            },
             limits: Limits::new(
                 a.rate_limit,
                 a.max_concurrent,

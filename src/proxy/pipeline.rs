@@ -6,7 +6,7 @@
 use super::Proxy;
 use super::errors::{LegError, LegFailure, ProxyError};
 use super::instances::{FailureKind, Instance, Leg};
-use super::legs::{AbortOnDrop, Answer, decode_once, prefill_once};
+use super::legs::{AbortOnDrop, Answer, decode_bytes, decode_once, prefill_once};
 use super::protocol::{Body, Flow, Handshake, choices};
 use super::recompute::Expect;
 use super::record::RequestRecord;
@@ -97,7 +97,7 @@ async fn sequential_once(
     } else {
         Expect::handoff(&req.body, decode.body.as_ref())
     };
-    let body = encode(decode.body, req);
+    let body = decode_bytes(decode.body, req, expect);
     let (inst, attempt) = retry_leg(proxy, req, rec, Leg::Decode, |inst| {
         let body = body.clone();
         async move {
@@ -170,7 +170,7 @@ async fn both_legs(
         .protocol
         .decode_body(&req.body, &req.id, prefill, handshake, None);
     let expect = Expect::handoff(&req.body, dbody.body.as_ref());
-    let dbytes = encode(dbody.body, req);
+    let dbytes = decode_bytes(dbody.body, req, expect);
     let started = Instant::now();
     let mut background = AbortOnDrop(tokio::spawn(prefill_once(
         proxy.clone(),
@@ -256,7 +256,7 @@ async fn learn_then_decode(
         }
         None => Expect::handoff(&req.body, dbody.body.as_ref()),
     };
-    let dbytes = encode(dbody.body, req);
+    let dbytes = decode_bytes(dbody.body, req, expect);
     let (answer, first_byte) = decode_once(proxy, req, decode.clone(), dbytes, expect)
         .await
         .map_err(|f| (Leg::Decode, decode.clone(), f))?;
@@ -289,14 +289,6 @@ fn watch_background_prefill(
         }
         result
     }))
-}
-
-/// The bytes of a leg body (`None`: the client's own bytes).
-fn encode(body: Option<Body>, req: &ClientRequest) -> Bytes {
-    match body {
-        Some(b) => Bytes::from(serde_json::to_vec(&b).expect("JSON values serialize")),
-        None => req.raw.clone(),
-    }
 }
 
 /// A whole answer whose usage showed a recompute marks the request's log line.

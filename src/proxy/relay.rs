@@ -11,6 +11,7 @@ use super::legs::Keep;
 use super::limits::Admission;
 use super::recompute::{UsageSeen, usage_in};
 use super::record::{Outcome, RequestRecord};
+use super::usage_chunk::UsageStrip;
 use crate::sse::DoneTail;
 use axum::http::{HeaderValue, header};
 use axum::response::Response;
@@ -32,6 +33,8 @@ pub struct Relay {
     end: DoneTail,
     /// The last usage seen in the stream (looked for only when `keep.judgment` is set).
     usage: Option<UsageSeen>,
+    /// Takes out the usage chunk the proxy asked for and the client did not.
+    strip: Option<UsageStrip>,
     finished: bool,
     ties: Ties,
 }
@@ -61,6 +64,7 @@ pub fn stream_response(
 ) -> Response {
     rec.status = 200;
     let request_id = rec.id.clone();
+    let strip = keep.strip_usage.then(UsageStrip::default);
     let relay = Relay {
         first: Some(first),
         rest,
@@ -70,6 +74,7 @@ pub fn stream_response(
         total_limit,
         end: DoneTail::default(),
         usage: None,
+        strip,
         finished: false,
         ties,
     };
@@ -107,12 +112,16 @@ impl Relay {
         Poll::Ready(Some(Ok(self.last_event(err))))
     }
 
-    /// Records the stream as failed and gives its last event: the error.
+    /// Records the stream as failed and gives its last event: the error, after what the
+    /// usage strip still held.
     fn last_event(&mut self, err: ProxyError) -> Bytes {
         tracing::warn!(request_id = %self.rec.id, "stream to the client ends with an error: {err}");
         self.finished = true;
         self.rec.outcome = Outcome::Failed(err.to_string());
-        error_event(&err)
+        match self.strip.as_mut().map(UsageStrip::finish) {
+            Some(held) if !held.is_empty() => Bytes::from([&held[..], &error_event(&err)].concat()),
+            _ => error_event(&err),
+        }
     }
 
     fn decode_failed(
@@ -149,21 +158,39 @@ impl Relay {
         Poll::Ready(Some(Ok(with_done(&event))))
     }
 
+    /// What of decode's `chunk` goes to the client now (`None`: nothing yet), noted: the
+    /// usage chunk the client did not ask for is taken out, and the usage is kept for
+    /// judging the leg.
+    fn pass(&mut self, chunk: Bytes) -> Option<Bytes> {
+        let out = match &mut self.strip {
+            Some(strip) => strip.push(&chunk),
+            None => {
+                if self.keep.judgment.is_some()
+                    && let Some(u) = usage_in(&chunk)
+                {
+                    self.usage = Some(u);
+                }
+                chunk
+            }
+        };
+        if out.is_empty() {
+            return None;
+        }
+        self.push(&out);
+        Some(out)
+    }
+
     /// Notes a chunk handed to the client. Once the last event is `[DONE]` the client has
     /// the whole answer: a client that closes then (most do, at once) completed, it did not
     /// disconnect, even if decode has not closed its end yet.
     fn push(&mut self, chunk: &[u8]) {
-        if self.keep.judgment.is_some()
-            && let Some(u) = usage_in(chunk)
-        {
-            self.usage = Some(u);
-        }
         self.end.push(chunk);
         if self.end.is_done() {
             self.rec.outcome = Outcome::Complete;
             // The usage chunk comes right before [DONE]: judge decode's KV once.
+            let usage = self.usage.or(self.strip.as_ref().and_then(|s| s.usage));
             if let Some(j) = self.keep.judgment.take()
-                && let Some(reason) = j.judge(self.usage)
+                && let Some(reason) = j.judge(usage)
             {
                 self.rec.handoff_miss = Some(reason);
             }
@@ -179,43 +206,75 @@ impl Stream for Relay {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = &mut *self;
-        if this.finished {
-            return Poll::Ready(None);
+        loop {
+            if this.finished {
+                return Poll::Ready(None);
+            }
+            if let Some(first) = this.first.take() {
+                this.rec.first_byte_sent();
+                match this.pass(first) {
+                    Some(out) => return Poll::Ready(Some(Ok(out))),
+                    None => continue,
+                }
+            }
+            if let Some(end) = this.interrupted(cx) {
+                return end;
+            }
+            match this.rest.poll_data(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(chunk))) => {
+                    if let Some(out) = this.pass(chunk) {
+                        return Poll::Ready(Some(Ok(out)));
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    return this.decode_failed(LegFailure::Body(e.to_string()));
+                }
+                Poll::Ready(None) => return this.ended(),
+            }
         }
-        if let Some(first) = this.first.take() {
-            this.rec.first_byte_sent();
-            this.push(&first);
-            return Poll::Ready(Some(Ok(first)));
+    }
+}
+
+impl Relay {
+    /// Ends the stream early when its deadline passed, its decode was found unreachable,
+    /// or a shutdown's grace ran out; `None` while none of them happened.
+    fn interrupted(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Option<Poll<Option<Result<Bytes, std::convert::Infallible>>>> {
+        if self.deadline.as_mut().poll(cx).is_ready() {
+            let limit = self.total_limit;
+            return Some(self.fail(ProxyError::TotalTimeout(limit)));
         }
-        if this.deadline.as_mut().poll(cx).is_ready() {
-            let limit = this.total_limit;
-            return this.fail(ProxyError::TotalTimeout(limit));
+        if let Poll::Ready(why) = self.keep.unreachable.as_mut().poll(cx) {
+            return Some(self.cut_off(why));
         }
-        if let Poll::Ready(why) = this.keep.unreachable.as_mut().poll(cx) {
-            return this.cut_off(why);
-        }
-        if this.ties.cut.as_mut().poll(cx).is_ready() {
+        if self.ties.cut.as_mut().poll(cx).is_ready() {
             // Like vLLM's own error ends: the error event, then [DONE], so a client reading
             // to [DONE] stops there and knows why the answer is short.
-            let event = this.last_event(ProxyError::CutByShutdown);
-            return Poll::Ready(Some(Ok(with_done(&event))));
+            let event = self.last_event(ProxyError::CutByShutdown);
+            return Some(Poll::Ready(Some(Ok(with_done(&event)))));
         }
-        match this.rest.poll_data(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Some(Ok(chunk))) => {
-                this.push(&chunk);
-                Poll::Ready(Some(Ok(chunk)))
-            }
-            Poll::Ready(Some(Err(e))) => this.decode_failed(LegFailure::Body(e.to_string())),
-            Poll::Ready(None) if !this.end.is_done() => this.decode_failed(LegFailure::Body(
+        None
+    }
+
+    /// Decode closed its stream: what the strip still holds goes out first, then the
+    /// stream ends, complete if it ended with `[DONE]`.
+    fn ended(&mut self) -> Poll<Option<Result<Bytes, std::convert::Infallible>>> {
+        let held = self.strip.as_mut().map(UsageStrip::finish);
+        if let Some(tail) = held.filter(|t| !t.is_empty()) {
+            self.push(&tail);
+            return Poll::Ready(Some(Ok(tail)));
+        }
+        if !self.end.is_done() {
+            return self.decode_failed(LegFailure::Body(
                 "it closed the stream without the final `data: [DONE]`".into(),
-            )),
-            Poll::Ready(None) => {
-                this.finished = true;
-                this.rec.outcome = Outcome::Complete;
-                Poll::Ready(None)
-            }
+            ));
         }
+        self.finished = true;
+        self.rec.outcome = Outcome::Complete;
+        Poll::Ready(None)
     }
 }
 

@@ -15,8 +15,6 @@ use std::time::Duration;
 
 /// The gauges summed into an instance's engine load.
 const LOAD_GAUGES: [&str; 2] = ["vllm:num_requests_running", "vllm:num_requests_waiting"];
-/// Metrics reason for misses found in the decode engines' own counters.
-pub const MISS_ENGINE_REPORTED: &str = "engine_reported";
 
 /// Sums the load gauges over every label set in a Prometheus text exposition; None when
 /// neither gauge is present (not a vLLM-compatible engine).
@@ -111,11 +109,11 @@ fn watch_decode(
     if let Some(b) = recompute::block_size(text) {
         ledger.set_block_size(b);
     }
-    let bs = ledger.block_size();
+    let leaves = ledger.leaves(p.handoff.leaves_tokens);
     let step = watches
         .entry(inst.index)
         .or_default()
-        .step(now, snapshot, bs);
+        .step(now, snapshot, leaves);
     ledger.add_seen(step.tokens);
     if step.restarted {
         tracing::info!(
@@ -123,36 +121,47 @@ fn watch_decode(
             inst.url
         );
     }
-    match step.unjudged {
-        Some(Unjudged::OtherTraffic { prefilled, legs }) => tracing::debug!(
-            decode = %inst.url,
-            "KV handoff check skipped a window: decode prefilled {prefilled} prompts, {legs} of them from this proxy's legs; requests that reached it another way cannot be told from misses"
-        ),
-        Some(Unjudged::PrefillsUnknown) => tracing::debug!(
-            decode = %inst.url,
-            "KV handoff check skipped a window: decode's /metrics has no {} to rule out requests that reached it another way",
-            recompute::PREFILLS
-        ),
-        Some(Unjudged::NeverIdle) => tracing::debug!(
-            decode = %inst.url,
-            "KV handoff check dropped a window: legs were in flight for {} scrapes in a row",
-            recompute::MAX_MERGED
-        ),
-        None => {}
+    if let Some(why) = step.unjudged {
+        unjudged(p, inst, why, step.unchecked);
     }
     if let Some(f) = step.finding {
-        p.metrics.handoff_misses_n(MISS_ENGINE_REPORTED, f.misses);
-        p.metrics.recomputed_tokens(f.recomputed_tokens);
+        p.metrics.handoff_misses_estimated(f.estimated_misses);
+        p.metrics.unexplained_tokens(f.unexplained_tokens);
         tracing::warn!(
             decode = %inst.url,
-            recomputed_tokens = f.recomputed_tokens,
-            "KV handoff missed: decode {} computed {} prompt tokens itself beyond what the {} KV handoff(s) that ended on it leave to compute ({bs} tokens each), by its own vllm:prompt_tokens_by_source_total{{source=\"local_compute\"}}: about {} request(s) silently recomputed their prompt (right answers, TTFT not disaggregated); see its log",
+            unexplained_tokens = f.unexplained_tokens,
+            "KV handoff missed: decode {} computed {} prompt tokens itself beyond what the {} KV handoff(s) left to this check that ended on it leave to compute ({leaves} tokens each), by its own vllm:prompt_tokens_by_source_total{{source=\"local_compute\"}}: an estimated {} request(s) silently recomputed their prompt (right answers, TTFT not disaggregated; an estimate from the mean prompt, counted apart from the misses answers showed); see its log",
             inst.url,
-            f.recomputed_tokens,
+            f.unexplained_tokens,
             f.due,
-            f.misses
+            f.estimated_misses
         );
     }
+}
+
+/// Counts and logs a window the check could not judge, with the handoffs left to it.
+fn unjudged(p: &Proxy, inst: &Instance, why: Unjudged, unchecked: u64) {
+    p.metrics.handoffs_unchecked(why.reason(), unchecked);
+    let what = match why {
+        Unjudged::OtherTraffic { prefilled, legs } => format!(
+            "decode prefilled {prefilled} prompts, {legs} of them from this proxy's legs; requests that reached it another way cannot be told from misses"
+        ),
+        Unjudged::PrefillsUnknown => format!(
+            "decode's /metrics has no {} to rule out requests that reached it another way",
+            recompute::PREFILLS
+        ),
+        Unjudged::KnownRecomputes => {
+            "legs the proxy sent to recompute ended in it, and their prompts cannot be told from misses".to_string()
+        }
+        Unjudged::NeverIdle => format!(
+            "legs were in flight for {} scrapes in a row",
+            recompute::MAX_MERGED
+        ),
+    };
+    tracing::debug!(
+        decode = %inst.url,
+        "KV handoff check could not judge a window: {what}; its {unchecked} handoff(s) left to the check are counted as unchecked (pdctl_proxy_kv_handoffs_unchecked_total)"
+    );
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! Streaming answers: `text/event-stream` with one `data: {json}` event per choice and
 //! step, the finish_reason on a choice's last chunk, an optional usage chunk
-//! (`stream_options.include_usage`), then `data: [DONE]`. Headers go out at once; the
+//! (`stream_options.include_usage`, the only difference it makes, as in vLLM), then
+//! `data: [DONE]`. Headers go out at once; the
 //! prefill runs inside the stream, so a client that leaves early aborts it.
 
 use super::job::Job;
@@ -135,9 +136,12 @@ fn event(out: &mut Vec<u8>, value: &impl Serialize) {
 /// The events of one step: a chunk per choice that has new text or just finished.
 fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
     let mut out = Vec::with_capacity(256 * job.seqs.len());
-    let usage_null = job.req.include_usage.then_some(None);
-    let hold = job.hold_back;
     let endpoint = job.req.endpoint;
+    // As vLLM (0.32) writes its chunks, with or without include_usage alike: no usage
+    // field (unset fields left out). A stream with the usage chunk differs from one
+    // without by that chunk only.
+    let no_usage = None;
+    let hold = job.hold_back;
     let mut seqs = std::mem::take(&mut job.seqs);
     for s in seqs.iter_mut().filter(|s| !s.reported) {
         let index = s.index;
@@ -155,7 +159,7 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
             };
             event(
                 &mut out,
-                &envelope(job, object(endpoint), vec![role], usage_null),
+                &envelope(job, object(endpoint), vec![role], no_usage),
             );
         }
         let range = s.take_delta(hold);
@@ -176,7 +180,7 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
                 };
                 event(
                     &mut out,
-                    &envelope(job, object(endpoint), vec![c], usage_null),
+                    &envelope(job, object(endpoint), vec![c], no_usage),
                 );
             }
             Endpoint::Chat => {
@@ -192,7 +196,7 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
                 };
                 event(
                     &mut out,
-                    &envelope(job, object(endpoint), vec![c], usage_null),
+                    &envelope(job, object(endpoint), vec![c], no_usage),
                 );
             }
         }
