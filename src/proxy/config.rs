@@ -1,7 +1,6 @@
 //! Checks `pdctl proxy` arguments before anything starts, turning them into endpoint
 //! pools and durations; every mistake is reported with the flag to fix.
 
-use super::discovery::DnsSource;
 use super::instances::{EndpointError, Instance, Leg, Pools, parse_endpoint};
 use crate::child_config::proxy::ProxyArgs;
 use crate::vocab::{AdmissionError, ProxyProtocol, check_admission};
@@ -126,36 +125,6 @@ pub fn pools(args: &ProxyArgs) -> Result<Pools, ConfigError> {
     Ok(Pools { prefill, decode })
 }
 
-/// The DNS names to follow (`--prefill-dns`, `--decode-dns`), each checked.
-pub fn dns_sources(args: &ProxyArgs) -> Result<Vec<DnsSource>, ConfigError> {
-    let boot = (args.protocol == ProxyProtocol::Mooncake)
-        .then(|| args.bootstrap_ports.get(args.prefill.len()).copied())
-        .flatten();
-    let mut out = Vec::new();
-    for raw in &args.prefill_dns {
-        out.push(DnsSource::parse(Leg::Prefill, "prefill-dns", raw, boot)?);
-    }
-    for raw in &args.decode_dns {
-        out.push(DnsSource::parse(Leg::Decode, "decode-dns", raw, None)?);
-    }
-    for (i, s) in out.iter().enumerate() {
-        if out[..i]
-            .iter()
-            .any(|o| o.name.eq_ignore_ascii_case(&s.name) && o.port == s.port)
-        {
-            return Err(ConfigError::Duplicate {
-                flag: if s.leg == Leg::Prefill {
-                    "prefill-dns"
-                } else {
-                    "decode-dns"
-                },
-                url: s.spelled(),
-            });
-        }
-    }
-    Ok(out)
-}
-
 /// "--KEY must be at least 1", the key spelled as its flag.
 fn zero(key: &str) -> String {
     format!("{} must be at least 1", flag(key))
@@ -231,47 +200,6 @@ mod tests {
             "8998",
         ]);
         assert_eq!(pools(&a).unwrap().prefill[0].bootstrap_port, Some(8998));
-    }
-
-    #[test]
-    fn names_may_stand_for_the_instances_and_mooncake_needs_their_bootstrap_port() {
-        let a = args(&[
-            "--prefill-dns",
-            "pd-prefill:8100",
-            "--decode-dns",
-            "pd-decode:8200",
-        ]);
-        assert!(pools(&a).unwrap().prefill.is_empty());
-        let names: Vec<String> = dns_sources(&a)
-            .unwrap()
-            .iter()
-            .map(|s| s.spelled())
-            .collect();
-        assert_eq!(names, ["pd-prefill:8100", "pd-decode:8200"]);
-        let a = args(&[
-            "--prefill-dns",
-            "pd-prefill:8100",
-            "--decode",
-            "h:3",
-            "--protocol",
-            "mooncake",
-        ]);
-        let e = pools(&a).unwrap_err().to_string();
-        assert!(
-            e.contains("plus one for the instances --prefill-dns finds"),
-            "{e}"
-        );
-        let a = args(&[
-            "--prefill-dns",
-            "pd-prefill:8100",
-            "--decode",
-            "h:3",
-            "--protocol",
-            "mooncake",
-            "--bootstrap-port",
-            "8998",
-        ]);
-        assert_eq!(dns_sources(&a).unwrap()[0].bootstrap_port, Some(8998));
     }
 
     #[test]

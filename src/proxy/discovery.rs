@@ -15,6 +15,8 @@
 use super::Proxy;
 use super::config::ConfigError;
 use super::instances::{EndpointError, Instance, Leg, parse_endpoint};
+use crate::child_config::proxy::ProxyArgs;
+use crate::vocab::ProxyProtocol;
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -71,6 +73,36 @@ impl DnsSource {
     pub fn spelled(&self) -> String {
         format!("{}:{}", self.name, self.port)
     }
+}
+
+/// The DNS names to follow (`--prefill-dns`, `--decode-dns`), each checked.
+pub fn dns_sources(args: &ProxyArgs) -> Result<Vec<DnsSource>, ConfigError> {
+    let boot = (args.protocol == ProxyProtocol::Mooncake)
+        .then(|| args.bootstrap_ports.get(args.prefill.len()).copied())
+        .flatten();
+    let mut out = Vec::new();
+    for raw in &args.prefill_dns {
+        out.push(DnsSource::parse(Leg::Prefill, "prefill-dns", raw, boot)?);
+    }
+    for raw in &args.decode_dns {
+        out.push(DnsSource::parse(Leg::Decode, "decode-dns", raw, None)?);
+    }
+    for (i, s) in out.iter().enumerate() {
+        if out[..i]
+            .iter()
+            .any(|o| o.name.eq_ignore_ascii_case(&s.name) && o.port == s.port)
+        {
+            return Err(ConfigError::Duplicate {
+                flag: if s.leg == Leg::Prefill {
+                    "prefill-dns"
+                } else {
+                    "decode-dns"
+                },
+                url: s.spelled(),
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// The addresses `name` has in the file `PDCTL_PROXY_HOSTS_FILE` names, if it lists it.
@@ -235,6 +267,61 @@ pub fn start(p: Arc<Proxy>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::config::pools;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: crate::child_config::Configured<ProxyArgs>,
+    }
+
+    fn args(extra: &[&str]) -> ProxyArgs {
+        let mut v = vec!["proxy"];
+        v.extend_from_slice(extra);
+        Cli::try_parse_from(v).unwrap().args.flags
+    }
+
+    #[test]
+    fn names_may_stand_for_the_instances_and_mooncake_needs_their_bootstrap_port() {
+        let a = args(&[
+            "--prefill-dns",
+            "pd-prefill:8100",
+            "--decode-dns",
+            "pd-decode:8200",
+        ]);
+        assert!(pools(&a).unwrap().prefill.is_empty());
+        let names: Vec<String> = dns_sources(&a)
+            .unwrap()
+            .iter()
+            .map(|s| s.spelled())
+            .collect();
+        assert_eq!(names, ["pd-prefill:8100", "pd-decode:8200"]);
+        let a = args(&[
+            "--prefill-dns",
+            "pd-prefill:8100",
+            "--decode",
+            "h:3",
+            "--protocol",
+            "mooncake",
+        ]);
+        let e = pools(&a).unwrap_err().to_string();
+        assert!(
+            e.contains("plus one for the instances --prefill-dns finds"),
+            "{e}"
+        );
+        let a = args(&[
+            "--prefill-dns",
+            "pd-prefill:8100",
+            "--decode",
+            "h:3",
+            "--protocol",
+            "mooncake",
+            "--bootstrap-port",
+            "8998",
+        ]);
+        assert_eq!(dns_sources(&a).unwrap()[0].bootstrap_port, Some(8998));
+    }
 
     #[test]
     fn a_dns_source_is_a_name_and_a_port() {

@@ -97,7 +97,7 @@ impl Proxy {
     pub fn new(a: &ProxyArgs) -> anyhow::Result<Proxy> {
         let settings = config::settings(a)?;
         let pools = LivePools::new(config::pools(a)?);
-        let dns = config::dns_sources(a)?;
+        let dns = discovery::dns_sources(a)?;
         let metrics = Arc::new(Metrics::default());
         let upstream = Upstream::new(
             settings.connect_timeout,
