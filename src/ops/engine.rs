@@ -3,9 +3,9 @@
 //! `status`.
 
 use super::nodes::Nodes;
-use crate::control::auth::Secret;
 use crate::control::client::Endpoint;
 use crate::control::operation::{ChangeRequest, OperationReport, Outcome, now_ms};
+use crate::control::tls::PeerTls;
 use crate::control::{Request, Response};
 use crate::plan::Plan;
 use std::collections::BTreeMap;
@@ -31,25 +31,19 @@ pub(super) struct Inner {
 
 impl Engine {
     /// The engine of `plan`'s cluster on `node`, whose supervisor listens on `socket`;
-    /// other nodes are reached at their address and the plan's control port with `secret`.
+    /// other nodes are reached at their address and the plan's control port over `tls`.
     pub fn new(
         plan: &Plan,
         node: &str,
         socket: PathBuf,
         state_dir: PathBuf,
-        secret: Option<Secret>,
+        tls: Option<Arc<PeerTls>>,
     ) -> Engine {
         let mut others = BTreeMap::new();
-        if let (Some(port), Some(secret)) = (plan.control_port, secret) {
+        if let (Some(port), Some(tls)) = (plan.control_port, tls) {
             for (name, addr) in plan.nodes.iter().filter(|(n, _)| n.as_str() != node) {
-                others.insert(
-                    name.clone(),
-                    Endpoint::Tcp {
-                        addr: format!("{addr}:{port}"),
-                        cluster: plan.cluster.clone(),
-                        secret: secret.clone(),
-                    },
-                );
+                let endpoint = Endpoint::peer(format!("{addr}:{port}"), name, &tls);
+                others.insert(name.clone(), endpoint);
             }
         }
         Engine {
