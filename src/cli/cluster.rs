@@ -53,7 +53,7 @@ pub struct UpArgs {
 #[derive(Debug, Clone)]
 pub struct Handed {
     pub creds: crate::control::tls::NodeCreds,
-    pub engine_key: Option<crate::control::auth::EngineKey>,
+    pub engine_key: crate::control::auth::EngineKey,
 }
 
 /// Arguments of `pdctl down`.
@@ -259,14 +259,19 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         return Err(anyhow::Error::from(SupervisorError::Preflight(problems)));
     }
     let token = super::secret::token_for_up(a.join_token_file.as_deref())?;
-    let secret = super::secret::for_up(
-        &plan,
-        &node,
-        &state,
-        a.secret_file.as_deref(),
-        token.as_ref(),
-    )?;
-    let engine_key = match a.handed.as_ref().and_then(|h| h.engine_key.clone()) {
+    // A node the head started over SSH is handed its certificate and the engines' key,
+    // not the secret.
+    let secret = match &a.handed {
+        Some(_) => None,
+        None => super::secret::for_up(
+            &plan,
+            &node,
+            &state,
+            a.secret_file.as_deref(),
+            token.as_ref(),
+        )?,
+    };
+    let engine_key = match a.handed.as_ref().map(|h| h.engine_key.clone()) {
         Some(key) => {
             key.write(&state.dir.join(crate::control::auth::ENGINE_KEY_FILE))?;
             Some(key)
@@ -311,7 +316,6 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         &plan,
         &state,
         &ssh_of,
-        secret.as_ref(),
         engine_key.as_ref(),
         logs,
     )?);
@@ -357,12 +361,11 @@ fn start_ssh_nodes(
     plan: &Plan,
     state: &StateDir,
     ssh_of: &std::collections::BTreeMap<String, String>,
-    secret: Option<&crate::control::auth::Secret>,
     engine_key: Option<&crate::control::auth::EngineKey>,
     logs: LogSettings,
 ) -> anyhow::Result<super::remote_up::RemoteNodes> {
     use crate::control::tls::{ClusterCa, TLS_DIR};
-    let (Some(secret), false) = (secret, ssh_of.is_empty()) else {
+    let (Some(engine_key), false) = (engine_key, ssh_of.is_empty()) else {
         return Ok(Default::default());
     };
     let Some(ca) = ClusterCa::load(&state.dir.join(TLS_DIR), &plan.cluster)? else {
@@ -371,7 +374,6 @@ fn start_ssh_nodes(
     let handout = super::remote_up::Handout {
         plan,
         ca: &ca,
-        secret,
         engine_key,
         log_max_bytes: logs.max_bytes,
         log_keep: logs.keep,
@@ -380,10 +382,10 @@ fn start_ssh_nodes(
 }
 
 /// `pdctl node-up`: what `pdctl up` on the head runs on a node over SSH. Reads the plan,
-/// the node's certificate and key and the cluster's secret from stdin, keeps them in the
+/// the node's certificate and key and the engines' key from stdin, keeps them in the
 /// node's state dir (mode 0600), then does what `up -d --node NODE` does.
 pub fn node_up() -> anyhow::Result<ExitCode> {
-    use crate::control::auth::{EngineKey, SECRET_FILE, Secret};
+    use crate::control::auth::EngineKey;
     let b = super::remote_up::read_bundle(std::io::stdin().lock())?;
     let given = std::env::var_os("PDCTL_STATE_DIR")
         .filter(|v| !v.is_empty())
@@ -393,11 +395,8 @@ pub fn node_up() -> anyhow::Result<ExitCode> {
         crate::plan::build::state_dir_of(&b.plan.cluster, b.plan.nodes.len() > 1, &root, &b.node);
     let state = StateDir::new(&dir);
     state.create()?;
-    Secret::from_text(&b.secret, "the head")?.write(&state.dir.join(SECRET_FILE))?;
-    let engine_key = match &b.engine_key {
-        Some(k) => Some(EngineKey::from_text(k, "the head").map_err(|e| anyhow::anyhow!("{e}"))?),
-        None => None,
-    };
+    let engine_key =
+        EngineKey::from_text(&b.engine_key, "the head").map_err(|e| anyhow::anyhow!("{e}"))?;
     let plan_file = state.dir.join("plan.handed.json");
     let json = serde_json::to_vec_pretty(&b.plan).expect("plans serialize");
     supervisor::write_atomic(&plan_file, &json)

@@ -3,11 +3,12 @@
 //! ~/.ssh/config; `PDCTL_SSH_COMMAND` replaces program and options, as GIT_SSH_COMMAND
 //! does for git) checks the node has this very pdctl (by its SHA-256) and copies it there
 //! when not (same architecture only), then runs the hidden `pdctl node-up` there, which
-//! takes the plan, the node's certificate and key and the cluster's secret on its
-//! standard input (never an argument, an environment variable or a log line) and does
-//! what `pdctl up -d --node NODE` would.
+//! takes the plan, the node's certificate and key and the engines' key on its standard
+//! input (never an argument, an environment variable or a log line) and does what `pdctl
+//! up -d --node NODE` would. The cluster's secret stays on the head: a node started this
+//! way cannot join as another node.
 
-use crate::control::auth::{EngineKey, Secret};
+use crate::control::auth::EngineKey;
 use crate::control::tls::{ClusterCa, NodeCreds};
 use crate::plan::Plan;
 use serde::{Deserialize, Serialize};
@@ -27,14 +28,13 @@ const REMOTE_DIR: &str = "\"$HOME/.pdctl/bin\"";
 const REMOTE_BIN: &str = "\"$HOME/.pdctl/bin/pdctl\"";
 
 /// Everything a node started over SSH is handed on its standard input. No `Debug`: it
-/// holds the secret and the node's key.
+/// holds the node's key and the engines' key.
 #[derive(Serialize, Deserialize)]
 pub struct NodeBundle {
     pub node: String,
     pub plan: Plan,
-    pub secret: String,
-    #[serde(default)]
-    pub engine_key: Option<String>,
+    /// The key every engine of the cluster requires (the head's, derived or set).
+    pub engine_key: String,
     pub creds: NodeCreds,
     pub log_max_bytes: u64,
     pub log_keep: u32,
@@ -176,8 +176,7 @@ pub struct RemoteNodes {
 pub struct Handout<'a> {
     pub plan: &'a Plan,
     pub ca: &'a ClusterCa,
-    pub secret: &'a Secret,
-    pub engine_key: Option<&'a EngineKey>,
+    pub engine_key: &'a EngineKey,
     pub log_max_bytes: u64,
     pub log_keep: u32,
 }
@@ -281,8 +280,7 @@ fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Resu
     let bundle = NodeBundle {
         node: node.to_string(),
         plan: h.plan.clone(),
-        secret: h.secret.reveal().to_string(),
-        engine_key: h.engine_key.map(|k| k.reveal().to_string()),
+        engine_key: h.engine_key.reveal().to_string(),
         creds: h.ca.issue(node)?,
         log_max_bytes: h.log_max_bytes,
         log_keep: h.log_keep,
