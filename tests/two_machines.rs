@@ -126,51 +126,96 @@ fn complete(ns: &str, addr: &str, port: u16) -> String {
     })
 }
 
+/// Two namespaces with an sshd in the worker's, the two nodes' state roots, and a
+/// topology (prefill and proxy on the head, decode on the worker reached over ssh).
+struct Setup {
+    pair: NetnsPair,
+    dir: TempDir,
+    head: Cluster,
+    worker: Cluster,
+    _sshd: ChildGuard,
+    run: u16,
+    control: u16,
+    file: PathBuf,
+}
+
+impl Setup {
+    fn new(tag: &str) -> Setup {
+        let pair = NetnsPair::create(tag).unwrap_or_else(|why| {
+            panic!("this test needs two network namespaces (root and iproute2): {why}")
+        });
+        let dir = TempDir::new(&format!("{tag}-ssh"));
+        let (head, worker) = (
+            Cluster::new(&format!("{tag}head")),
+            Cluster::new(&format!("{tag}work")),
+        );
+        let home = dir.path().join("worker-home");
+        std::fs::create_dir_all(&home).unwrap();
+        let sshd = start_sshd(&pair.b, &pair.addr_b, dir.path(), worker.root(), &home);
+        assert!(
+            common::wait_until(Duration::from_secs(10), || connects(
+                &pair.a,
+                &pair.addr_b,
+                22
+            )),
+            "sshd did not listen: {}",
+            std::fs::read_to_string(dir.path().join("sshd.log")).unwrap_or_default()
+        );
+        let run = suph::free_port_run(12);
+        let control = run + 11;
+        let topology = format!(
+            "cluster = \"pd35\"\nhead = \"head\"\n\
+             [nodes]\nhead = \"{a}\"\nworker = {{ address = \"{b}\", ssh = \"root@{b}\" }}\n\
+             [model]\nname = \"sim-model\"\n[engine]\nkind = \"sim\"\n\
+             [connector]\nkind = \"nixl\"\n\
+             [prefill]\ninstances = 1\nnode = \"head\"\nbase_port = {}\n\
+             [decode]\ninstances = 1\nnodes = [\"worker\"]\nbase_port = {}\n\
+             [control]\nport = {control}\n\
+             [proxy]\nport = {run}\n",
+            run + 2,
+            run + 6,
+            a = pair.addr_a,
+            b = pair.addr_b,
+        );
+        let file = dir.path().join("topology.toml");
+        std::fs::write(&file, &topology).unwrap();
+        Setup {
+            pair,
+            dir,
+            head,
+            worker,
+            _sshd: sshd,
+            run,
+            control,
+            file,
+        }
+    }
+
+    /// A pdctl command of the head, in its namespace, with the test's ssh command.
+    fn on_head(&self, args: &[&str]) -> Command {
+        let mut c = NetnsPair::wrap(Some(&self.pair.a), self.head.command(args));
+        c.env("PDCTL_SSH_COMMAND", ssh_command(self.dir.path()));
+        c
+    }
+}
+
 #[test]
 fn one_up_on_the_head_starts_the_worker_over_ssh_behind_mutual_tls() {
-    let pair = NetnsPair::create("pd35").unwrap_or_else(|why| {
-        panic!("this test needs two network namespaces (root and iproute2): {why}")
-    });
     let tcpdump = need("tcpdump", "tcpdump");
-    let dir = TempDir::new("pd35-ssh");
-    let (head, worker) = (Cluster::new("pd35head"), Cluster::new("pd35work"));
-    let home = dir.path().join("worker-home");
-    std::fs::create_dir_all(&home).unwrap();
-    let _sshd = start_sshd(&pair.b, &pair.addr_b, dir.path(), worker.root(), &home);
-    assert!(
-        common::wait_until(Duration::from_secs(10), || connects(
-            &pair.a,
-            &pair.addr_b,
-            22
-        )),
-        "sshd did not listen: {}",
-        std::fs::read_to_string(dir.path().join("sshd.log")).unwrap_or_default()
-    );
-
-    let run = suph::free_port_run(12);
-    let control = run + 11;
-    let topology = format!(
-        "cluster = \"pd35\"\nhead = \"head\"\n\
-         [nodes]\nhead = \"{a}\"\nworker = {{ address = \"{b}\", ssh = \"root@{b}\" }}\n\
-         [model]\nname = \"sim-model\"\n[engine]\nkind = \"sim\"\n\
-         [connector]\nkind = \"nixl\"\n\
-         [prefill]\ninstances = 1\nnode = \"head\"\nbase_port = {}\n\
-         [decode]\ninstances = 1\nnodes = [\"worker\"]\nbase_port = {}\n\
-         [control]\nport = {control}\n\
-         [proxy]\nport = {run}\n",
-        run + 2,
-        run + 6,
-        a = pair.addr_a,
-        b = pair.addr_b,
-    );
-    let file = dir.path().join("topology.toml");
-    std::fs::write(&file, &topology).unwrap();
+    let setup = Setup::new("pd35");
+    let Setup {
+        pair,
+        dir,
+        head,
+        worker,
+        run,
+        control,
+        file,
+        ..
+    } = &setup;
+    let (run, control) = (*run, *control);
     let f = file.to_str().unwrap();
-    let on_head = |args: &[&str]| {
-        let mut c = NetnsPair::wrap(Some(&pair.a), head.command(args));
-        c.env("PDCTL_SSH_COMMAND", ssh_command(dir.path()));
-        c
-    };
+    let on_head = |args: &[&str]| setup.on_head(args);
 
     // One command, on the head.
     let t0 = Instant::now();
@@ -265,6 +310,7 @@ fn one_up_on_the_head_starts_the_worker_over_ssh_behind_mutual_tls() {
         "plain JSON got an answer: {heard_text:?}"
     );
 
+    a_worker_cannot_make_the_head_run_anything(&pair, &head, &worker, control);
     oversized_frame_is_refused(&pair, &head, &worker, control);
     silent_connections_leave_status_answering(&pair, &head, control);
 
@@ -286,6 +332,84 @@ fn worker_supervisor(worker: &Cluster) -> i32 {
         .flatten()
         .expect("the worker's run record")
         .supervisor_pid
+}
+
+/// One request over the channel as node `creds.node`, to `node` at `addr`: the answer line.
+fn ask_as(
+    ns: &str,
+    creds: pdctl::control::tls::NodeCreds,
+    addr: String,
+    node: &'static str,
+    line: &'static str,
+) -> String {
+    use pdctl::control::tls::PeerTls;
+    in_netns(Some(ns), move || {
+        let nodes = vec!["head".to_string(), "worker".to_string()];
+        let tls = PeerTls::new("pd35", "head", nodes, &creds, None).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut s = pdctl::control::client::open_peer(&addr, node, &tls)
+                .await
+                .expect("a node's certificate is accepted");
+            s.write_all(line.as_bytes()).await.unwrap();
+            s.write_all(b"\n").await.unwrap();
+            s.flush().await.unwrap();
+            let mut answer = vec![0u8; 4096];
+            let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut answer))
+                .await
+                .expect("an answer")
+                .unwrap();
+            String::from_utf8_lossy(&answer[..n]).into_owned()
+        })
+    })
+}
+
+/// The worker's own certificate may ask the head for its status, and for nothing that
+/// runs, stops or changes a service; a cluster-wide change is no peer request at all.
+fn a_worker_cannot_make_the_head_run_anything(
+    pair: &NetnsPair,
+    head: &Cluster,
+    worker: &Cluster,
+    control: u16,
+) {
+    use pdctl::control::tls::{NodeCreds, TLS_DIR};
+    let creds = NodeCreds::read(&worker.root().join("pd35-worker").join(TLS_DIR))
+        .unwrap()
+        .expect("the worker's certificate");
+    let to = format!("{}:{control}", pair.addr_a);
+    let status = ask_as(
+        &pair.b,
+        creds.clone(),
+        to.clone(),
+        "head",
+        r#"{"cmd":"status"}"#,
+    );
+    assert!(status.contains(r#""reply":"status""#), "{status}");
+    let restart = ask_as(
+        &pair.b,
+        creds.clone(),
+        to.clone(),
+        "head",
+        r#"{"cmd":"restart","service":"prefill-0"}"#,
+    );
+    assert!(
+        restart.contains("only the head") && restart.contains(r#""reply":"error""#),
+        "{restart}"
+    );
+    let change = ask_as(
+        &pair.b,
+        creds,
+        to,
+        "head",
+        r#"{"cmd":"change","change":{"scale":{"counts":{"decode":3}}}}"#,
+    );
+    assert!(change.contains(r#""reply":"error""#), "{change}");
+    let r = head.status(&[]).expect("the head's status");
+    assert_eq!(suph::svc(&r, "prefill-0").restarts, 0, "{r:?}");
 }
 
 /// The head's own certificate (an authenticated peer) sends the worker a 300 MiB frame:
@@ -396,4 +520,45 @@ fn silent_connections_leave_status_answering(pair: &NetnsPair, head: &Cluster, c
         .unwrap_or_else(|_| panic!("status under the flood: {}", text(&out)));
     assert!(suph::all_healthy(&report), "{report:?}");
     assert!(took < Duration::from_secs(2), "status took {took:?}");
+}
+
+/// `pdctl up` in the foreground on the head starts the worker over ssh too, and Ctrl-C on
+/// it takes the worker down with the head.
+#[test]
+fn a_foreground_up_starts_the_worker_and_takes_it_down_on_ctrl_c() {
+    let setup = Setup::new("pd35f");
+    let f = setup.file.to_str().unwrap();
+    let up = ChildGuard(
+        setup
+            .on_head(&["up", "-f", f])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("pdctl up"),
+    );
+    assert!(
+        common::wait_until(Duration::from_secs(60), || setup.head.status(&[]).is_some()),
+        "the head's `up` did not start its supervisor"
+    );
+    let r = setup.head.wait_status(Duration::from_secs(90), &[], |r| {
+        suph::all_healthy(r) && suph::svc(r, "decode-0").pid.is_some()
+    });
+    assert!(suph::all_healthy(&r), "{r:?}");
+    let worker_pid = worker_supervisor(&setup.worker);
+    assert!(rss(worker_pid) > 0, "the worker's supervisor runs");
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(up.pid() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    );
+    assert!(
+        common::wait_until(Duration::from_secs(30), || rss(worker_pid) == 0),
+        "the worker's supervisor (pid {worker_pid}) still runs after Ctrl-C on the head's `up`"
+    );
+    assert!(
+        common::wait_until(Duration::from_secs(30), || rss(up.pid() as i32) == 0
+            || std::fs::read_to_string(format!("/proc/{}/stat", up.pid()))
+                .is_ok_and(|s| s.contains(") Z "))),
+        "the head's `up` did not end after Ctrl-C"
+    );
 }
