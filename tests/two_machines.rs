@@ -310,12 +310,12 @@ fn one_up_on_the_head_starts_the_worker_over_ssh_behind_mutual_tls() {
         "plain JSON got an answer: {heard_text:?}"
     );
 
-    a_worker_cannot_make_the_head_run_anything(&pair, &head, &worker, control);
-    oversized_frame_is_refused(&pair, &head, &worker, control);
-    silent_connections_leave_status_answering(&pair, &head, control);
+    a_worker_cannot_make_the_head_run_anything(pair, head, worker, control);
+    oversized_frame_is_refused(pair, head, worker, control);
+    silent_connections_leave_status_answering(pair, head, control);
 
     // `down` on the head takes the worker down too.
-    let worker_pid = worker_supervisor(&worker);
+    let worker_pid = worker_supervisor(worker);
     let down = head.run(&["down"]);
     assert!(down.status.success(), "down: {}", text(&down));
     assert!(
