@@ -624,6 +624,12 @@ fn one_scale_on_the_head_changes_every_node() {
         decode0.remote && decode0.pid.is_some(),
         "the worker's pid: {r:?}"
     );
+    // The worker was started with its join token in the environment: no service has it.
+    let environ = std::fs::read(format!("/proc/{}/environ", decode0.pid.unwrap())).unwrap();
+    assert!(
+        !String::from_utf8_lossy(&environ).contains(pdctl::control::auth::JOIN_TOKEN_ENV),
+        "decode-0 inherited the join token"
+    );
 
     // A join with the head's CA pinned but a wrong secret is refused (and logged).
     let control = format!("{head_addr}:{}", run + 11);

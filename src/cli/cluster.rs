@@ -258,7 +258,11 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     if !problems.is_empty() {
         return Err(anyhow::Error::from(SupervisorError::Preflight(problems)));
     }
-    let token = super::secret::token_for_up(a.join_token_file.as_deref())?;
+    // The head makes what others join with; a token means something elsewhere only.
+    let token = match node == plan.head_node {
+        true => None,
+        false => super::secret::token_for_up(a.join_token_file.as_deref())?,
+    };
     // A node the head started over SSH is handed its certificate and the engines' key,
     // not the secret.
     let secret = match &a.handed {

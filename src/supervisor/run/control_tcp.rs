@@ -313,3 +313,36 @@ fn local_service(h: &Handlers, name: &str) -> Result<(), Response> {
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handshakes_are_capped_in_all_and_per_address_and_places_come_back() {
+        let gate = Arc::new(Mutex::new(Gate::default()));
+        let one: IpAddr = "10.0.0.1".parse().unwrap();
+        let mut held: Vec<Ticket> = (0..MAX_UNAUTHENTICATED_PER_ADDRESS)
+            .map(|_| admit(&gate, one).expect("a place"))
+            .collect();
+        assert!(admit(&gate, one).is_none(), "one address past its cap");
+        held.pop();
+        assert!(
+            admit(&gate, one).is_some(),
+            "a place given back is free again"
+        );
+        drop(held);
+        let mut all = Vec::new();
+        for i in 0..MAX_UNAUTHENTICATED {
+            let addr: IpAddr = format!("10.1.{}.{}", i / 200, i % 200 + 1).parse().unwrap();
+            all.push(admit(&gate, addr).expect("a place"));
+        }
+        assert!(
+            admit(&gate, "10.9.9.9".parse().unwrap()).is_none(),
+            "past the cap in all"
+        );
+        drop(all);
+        assert_eq!(gate.lock().unwrap().total, 0);
+        assert!(gate.lock().unwrap().per_address.is_empty());
+    }
+}
