@@ -562,3 +562,43 @@ fn a_foreground_up_starts_the_worker_and_takes_it_down_on_ctrl_c() {
         "the head's `up` did not end after Ctrl-C"
     );
 }
+
+/// A node the head cannot reach over ssh stops `up` before anything starts, naming the
+/// node and what ssh said (loopback addresses: no namespaces needed).
+#[test]
+fn an_unreachable_ssh_node_stops_up_before_anything_starts() {
+    let dir = TempDir::new("pd35u");
+    let head = Cluster::new("pd35uhead");
+    let run = suph::free_port_run(12);
+    let closed = common::free_port();
+    let topology = format!(
+        "cluster = \"pd35u\"\nhead = \"head\"\n\
+         [nodes]\nhead = \"127.0.0.1\"\nworker = {{ address = \"127.0.0.3\", ssh = \"root@127.0.0.3\" }}\n\
+         [model]\nname = \"sim-model\"\n[engine]\nkind = \"sim\"\n\
+         [connector]\nkind = \"nixl\"\n\
+         [prefill]\ninstances = 1\nnode = \"head\"\nbase_port = {}\n\
+         [decode]\ninstances = 1\nnodes = [\"worker\"]\nbase_port = {}\n\
+         [control]\nport = {}\n[proxy]\nport = {run}\n",
+        run + 2,
+        run + 6,
+        run + 11,
+    );
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, topology).unwrap();
+    let mut up = head.command(&["up", "-d", "-f", file.to_str().unwrap()]);
+    up.env(
+        "PDCTL_SSH_COMMAND",
+        format!("ssh -p {closed} -o BatchMode=yes -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o ConnectTimeout=5"),
+    );
+    let out = suph::run_bounded(up, Duration::from_secs(60));
+    assert!(!out.status.success(), "{}", text(&out));
+    let said = text(&out);
+    assert!(
+        said.contains("node worker (root@127.0.0.3)") && said.contains("ssh exited"),
+        "{said}"
+    );
+    assert!(
+        head.status(&[]).is_none(),
+        "something was left running: {said}"
+    );
+}

@@ -97,4 +97,24 @@ mod tests {
         let e = bad.err().unwrap().to_string();
         assert!(e.contains("adress"), "{e}");
     }
+
+    #[test]
+    fn ssh_on_the_head_or_an_empty_destination_is_located() {
+        let load = |nodes: &str| {
+            let text = format!("head = \"h\"\n[nodes]\n{nodes}\n[model]\nname = \"m\"\n");
+            crate::topology::load_str(
+                &text,
+                crate::topology::Source::Profile("t".into()),
+                "t.toml".into(),
+            )
+        };
+        let ok = load("h = \"10.0.0.1\"\nw = { address = \"10.0.0.2\", ssh = \"me@10.0.0.2\" }")
+            .unwrap();
+        assert_eq!(ok.spec.ssh["w"], "me@10.0.0.2");
+        assert_eq!(ok.spec.nodes["w"], "10.0.0.2");
+        let e = load("h = { address = \"10.0.0.1\", ssh = \"me@h\" }").unwrap_err();
+        assert_eq!(e.key, "nodes.h.ssh", "{e}");
+        let e = load("h = \"10.0.0.1\"\nw = { address = \"10.0.0.2\", ssh = \" \" }").unwrap_err();
+        assert!(e.message.contains("not an SSH destination"), "{e}");
+    }
 }
