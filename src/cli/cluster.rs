@@ -259,29 +259,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         return Err(anyhow::Error::from(SupervisorError::Preflight(problems)));
     }
     // The head makes what others join with; a token means something elsewhere only.
-    let token = match node == plan.head_node {
-        true => None,
-        false => super::secret::token_for_up(a.join_token_file.as_deref())?,
-    };
-    // A node the head started over SSH is handed its certificate and the engines' key,
-    // not the secret.
-    let secret = match &a.handed {
-        Some(_) => None,
-        None => super::secret::for_up(
-            &plan,
-            &node,
-            &state,
-            a.secret_file.as_deref(),
-            token.as_ref(),
-        )?,
-    };
-    let engine_key = match a.handed.as_ref().map(|h| h.engine_key.clone()) {
-        Some(key) => {
-            key.write(&state.dir.join(crate::control::auth::ENGINE_KEY_FILE))?;
-            Some(key)
-        }
-        None => super::secret::engine_key_for_up(&state, secret.as_ref())?,
-    };
+    let creds = credentials(&a, &plan, &node, &state)?;
     let ssh_of = match (&source, node == plan.head_node && a.handed.is_none()) {
         (Some(src), true) => src.topology()?.spec.ssh,
         _ => Default::default(),
@@ -310,19 +288,74 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         max_bytes: a.log_max_bytes,
         keep: a.log_keep,
     };
-    let join = match (a.handed.clone(), token) {
-        (Some(h), _) => super::secret::Join::Given(h.creds),
-        (None, Some(t)) => super::secret::Join::Token(t),
-        (None, None) => super::secret::Join::Kept,
-    };
-    let channel = super::secret::channel(&plan, &node, &state, secret.as_ref(), join)?;
     let remote = std::sync::Arc::new(start_ssh_nodes(
         &plan,
         &state,
         &ssh_of,
-        engine_key.as_ref(),
+        creds.engine_key.as_ref(),
         logs,
     )?);
+    launch(&a, plan, node, state, lock, logs, creds, remote)
+}
+
+/// What a node runs its cluster with (the secret stays in its state dir, where there is
+/// one: a node the head started over SSH has none, it is handed the engines' key).
+struct Credentials {
+    engine_key: Option<crate::control::auth::EngineKey>,
+    /// Its side of the channel between the supervisors (several nodes only).
+    channel: Option<std::sync::Arc<crate::control::tls::PeerTls>>,
+}
+
+/// The secret, engine key and channel credentials `up` runs with: made or kept on the
+/// head; handed over SSH, joined for with a token, or kept elsewhere.
+fn credentials(
+    a: &UpArgs,
+    plan: &Plan,
+    node: &str,
+    state: &StateDir,
+) -> anyhow::Result<Credentials> {
+    use super::secret::Join;
+    // The head makes what others join with; a token means something elsewhere only.
+    let token = match node == plan.head_node {
+        true => None,
+        false => super::secret::token_for_up(a.join_token_file.as_deref())?,
+    };
+    let secret = match &a.handed {
+        Some(_) => None,
+        None => super::secret::for_up(plan, node, state, a.secret_file.as_deref(), token.as_ref())?,
+    };
+    let engine_key = match a.handed.as_ref().map(|h| h.engine_key.clone()) {
+        Some(key) => {
+            key.write(&state.dir.join(crate::control::auth::ENGINE_KEY_FILE))?;
+            Some(key)
+        }
+        None => super::secret::engine_key_for_up(state, secret.as_ref())?,
+    };
+    let join = match (a.handed.clone(), token) {
+        (Some(h), _) => Join::Given(h.creds),
+        (None, Some(t)) => Join::Token(t),
+        (None, None) => Join::Kept,
+    };
+    let channel = super::secret::channel(plan, node, state, secret.as_ref(), join)?;
+    Ok(Credentials {
+        engine_key,
+        channel,
+    })
+}
+
+/// Runs the supervisor, detached (returning once the start is decided, here and on the
+/// nodes started over SSH) or in the foreground (taking those nodes down when it ends).
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    a: &UpArgs,
+    plan: Plan,
+    node: String,
+    state: StateDir,
+    lock: ClusterLock,
+    logs: LogSettings,
+    creds: Credentials,
+    remote: std::sync::Arc<super::remote_up::RemoteNodes>,
+) -> anyhow::Result<ExitCode> {
     if a.detach {
         let mut child = detach::spawn_supervisor(&state, &node, lock, logs)?;
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -338,7 +371,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         let watch = remote.clone();
         std::thread::spawn(move || watch.finish(Duration::from_secs(3600)));
     }
-    let ops = operations(&plan, &node, &state, channel.clone());
+    let ops = operations(&plan, &node, &state, creds.channel.clone());
     let opts = RunOptions {
         operations: ops.clone(),
         node,
@@ -346,8 +379,8 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         log_max_bytes: logs.max_bytes,
         log_keep: logs.keep,
         healthy_text: Some(view::healthy_text),
-        channel,
-        engine_key,
+        channel: creds.channel,
+        engine_key: creds.engine_key,
     };
     let rt = runtime()?;
     let code = rt.block_on(supervisor::run(plan, state, lock, opts))?;
