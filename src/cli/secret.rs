@@ -309,7 +309,7 @@ pub fn show(a: SecretArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         None => Err(ExitError::usage(format!(
-            "cluster {} has no secret in {}: it was started by a pdctl that made none; take it down and up again",
+            "cluster {} has no secret in {}: a node the head started over ssh holds none (ask the head), and a pdctl of old made none (take it down and up again)",
             found.cluster,
             found.dir.display()
         ))),
