@@ -550,12 +550,18 @@ pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
         )));
     };
     let mut names = logs_cmd::services_with_logs(&found.state.logs_dir());
-    // Services of other nodes: their logs are there, read through the channel.
+    // On the head, services of other nodes: their logs are there, read through the
+    // channel (only the head may ask a node for its logs).
     let socket = found.state.socket_path();
     let rt = runtime()?;
+    let head = read_plan(&found.state.plan_path())
+        .map(|p| p.head_node)
+        .ok();
     let remote: Vec<String> = match found.running {
         true => rt
             .block_on(client::status(&socket, Duration::from_secs(5)))
+            .ok()
+            .filter(|r| head.as_deref() == Some(r.node.as_str()))
             .map(|r| {
                 r.services
                     .into_iter()
