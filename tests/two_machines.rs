@@ -311,6 +311,7 @@ fn one_up_on_the_head_starts_the_worker_over_ssh_behind_mutual_tls() {
     );
 
     a_worker_cannot_make_the_head_run_anything(pair, head, worker, control);
+    a_join_trusts_only_the_pinned_ca(pair, head, control);
     oversized_frame_is_refused(pair, head, worker, control);
     silent_connections_leave_status_answering(pair, head, control);
 
@@ -410,6 +411,41 @@ fn a_worker_cannot_make_the_head_run_anything(
     assert!(change.contains(r#""reply":"error""#), "{change}");
     let r = head.status(&[]).expect("the head's status");
     assert_eq!(suph::svc(&r, "prefill-0").restarts, 0, "{r:?}");
+}
+
+/// A join token that pins another CA than the head's is refused by the joining side,
+/// secret or not; the head's own token joins.
+fn a_join_trusts_only_the_pinned_ca(pair: &NetnsPair, head: &Cluster, control: u16) {
+    use pdctl::control::tls::JoinToken;
+    let out = head.run(&["join-token"]);
+    assert!(out.status.success(), "join-token: {}", text(&out));
+    let token = JoinToken::parse(&String::from_utf8_lossy(&out.stdout)).unwrap();
+    let other = JoinToken {
+        ca_hash: "0".repeat(64),
+        secret: token.secret.clone(),
+    };
+    let to = format!("{}:{control}", pair.addr_a);
+    let (pinned_elsewhere, right) = in_netns(Some(&pair.b), move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let join = |t: &JoinToken| {
+            rt.block_on(pdctl::control::client::join(
+                &to,
+                "head",
+                "worker",
+                t,
+                Duration::from_secs(5),
+            ))
+        };
+        (join(&other).map(|c| c.node), join(&token).map(|c| c.node))
+    });
+    let err = pinned_elsewhere
+        .expect_err("an unpinned CA must not be trusted")
+        .to_string();
+    assert!(err.contains("pins"), "{err}");
+    assert_eq!(right.expect("the head's own token joins"), "worker");
 }
 
 /// The head's own certificate (an authenticated peer) sends the worker a 300 MiB frame:
