@@ -76,20 +76,26 @@ struct RefusalLog {
 
 impl RefusalLog {
     fn refused(&self, h: &Handlers, what: &str) {
+        if let Some(line) = self.line_at(Instant::now(), what) {
+            tracing::warn!("{line}");
+            h.ctx.console.event(&line);
+        }
+    }
+
+    /// The line to log for a refusal at `now`, or None while one was logged less than
+    /// [`LOG_EVERY`] ago (it is counted, and the next line says how many).
+    fn line_at(&self, now: Instant, what: &str) -> Option<String> {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if s.0.is_some_and(|t| t.elapsed() < LOG_EVERY) {
+        if s.0.is_some_and(|t| now.duration_since(t) < LOG_EVERY) {
             s.1 += 1;
-            return;
+            return None;
         }
         let more = std::mem::take(&mut s.1);
-        s.0 = Some(Instant::now());
-        drop(s);
-        let line = match more {
+        s.0 = Some(now);
+        Some(match more {
             0 => format!("control channel: refused {what}"),
             n => format!("control channel: refused {what} (and {n} more since the last line)"),
-        };
-        tracing::warn!("{line}");
-        h.ctx.console.event(&line);
+        })
     }
 }
 
@@ -344,5 +350,23 @@ mod tests {
         drop(all);
         assert_eq!(gate.lock().unwrap().total, 0);
         assert!(gate.lock().unwrap().per_address.is_empty());
+    }
+
+    #[test]
+    fn refusals_are_logged_once_per_period_with_a_count_of_the_rest() {
+        let log = RefusalLog::default();
+        let t0 = Instant::now();
+        assert_eq!(
+            log.line_at(t0, "a").as_deref(),
+            Some("control channel: refused a")
+        );
+        for i in 1..=1999 {
+            assert!(log.line_at(t0 + Duration::from_millis(i), "b").is_none());
+        }
+        let next = log.line_at(t0 + LOG_EVERY, "c").unwrap();
+        assert!(
+            next.ends_with("(and 1999 more since the last line)"),
+            "{next}"
+        );
     }
 }
