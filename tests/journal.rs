@@ -103,9 +103,9 @@ impl TwoNodes {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let secret = c.head.wait_secret(Duration::from_secs(30));
+        let token = c.head.wait_join_token(Duration::from_secs(30));
         let mut up_worker = c.on_worker(&["up", "-d", "-f", f, "--node", "worker"]);
-        up_worker.env(pdctl::control::auth::SECRET_ENV, &secret);
+        up_worker.env(pdctl::control::auth::JOIN_TOKEN_ENV, &token);
         let out = suph::run_bounded(up_worker, Duration::from_secs(60));
         assert!(out.status.success(), "worker: {}", text(&out));
         let up = up_head.wait_with_output().unwrap();

@@ -563,7 +563,7 @@ fn node_command(ns: Option<&str>, cluster: &Cluster, args: &[&str]) -> std::proc
 /// prefill and the proxy on `head`, decode instances spread over `head` and `worker`.
 /// Each `scale` runs once, on the head, and changes both nodes while load runs (0 failed
 /// requests); the head's status shows the worker's services with the pids its supervisor
-/// reports; a control request with a wrong secret is refused and logged; `down` on the
+/// reports; a join with a wrong secret is refused and logged; `down` on the
 /// head takes the worker down too.
 #[test]
 fn one_scale_on_the_head_changes_every_node() {
@@ -600,16 +600,16 @@ fn one_scale_on_the_head_changes_every_node() {
     std::fs::write(&file, &topology).unwrap();
     let f = file.to_str().unwrap();
     let (nh, nw) = (ns_head.as_deref(), ns_worker.as_deref());
-    // The head makes the cluster's secret at its first `up`; `pdctl secret` prints it
-    // for the worker. The head's proxy waits for decode-0 on the worker meanwhile.
+    // The head makes the cluster's secret and CA at its first `up`; `pdctl join-token`
+    // prints the worker's token. The head's proxy waits for decode-0 on the worker meanwhile.
     let up_head = node_command(nh, &head, &["up", "-d", "-f", f, "--node", "head"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let secret = head.wait_secret(Duration::from_secs(30));
+    let secret = head.wait_join_token(Duration::from_secs(30));
     let mut up_worker = node_command(nw, &worker, &["up", "-d", "-f", f, "--node", "worker"]);
-    up_worker.env(pdctl::control::auth::SECRET_ENV, &secret);
+    up_worker.env(pdctl::control::auth::JOIN_TOKEN_ENV, &secret);
     let out = suph::run_bounded(up_worker, Duration::from_secs(60));
     assert!(out.status.success(), "worker: {}", text(&out));
     let up = up_head.wait_with_output().unwrap();
@@ -624,35 +624,38 @@ fn one_scale_on_the_head_changes_every_node() {
         decode0.remote && decode0.pid.is_some(),
         "the worker's pid: {r:?}"
     );
+    // The worker was started with its join token in the environment: no service has it.
+    let environ = std::fs::read(format!("/proc/{}/environ", decode0.pid.unwrap())).unwrap();
+    assert!(
+        !String::from_utf8_lossy(&environ).contains(pdctl::control::auth::JOIN_TOKEN_ENV),
+        "decode-0 inherited the join token"
+    );
 
-    // A wrong secret is refused (and logged); the right one is answered.
+    // A join with the head's CA pinned but a wrong secret is refused (and logged).
     let control = format!("{head_addr}:{}", run + 11);
-    let (c1, c2) = (control.clone(), secret.clone());
-    let (wrong, right) = in_netns(nw, move || {
+    let token = pdctl::control::tls::JoinToken::parse(&secret).expect("a join token");
+    let wrong = pdctl::control::tls::JoinToken {
+        ca_hash: token.ca_hash.clone(),
+        secret: pdctl::control::auth::Secret::random(),
+    };
+    let refused = in_netns(nw, move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
-        let ask = |secret: pdctl::control::auth::Secret| {
-            let to = pdctl::control::client::Endpoint::Tcp {
-                addr: c1.clone(),
-                cluster: "o-2node".into(),
-                secret,
-            };
-            rt.block_on(pdctl::control::client::status_at(
-                &to,
-                Duration::from_secs(5),
-            ))
-        };
-        let wrong = ask(pdctl::control::auth::Secret::random());
-        let right = ask(pdctl::control::auth::Secret::from_text(&c2, "test").unwrap());
-        (wrong.map(|r| r.node), right.map(|r| r.node))
+        rt.block_on(pdctl::control::client::join(
+            &control,
+            "head",
+            "worker",
+            &wrong,
+            Duration::from_secs(5),
+        ))
+        .map(|_| ())
     });
-    let err = wrong
+    let err = refused
         .expect_err("a wrong secret must be refused")
         .to_string();
-    assert!(err.contains("does not know this cluster's secret"), "{err}");
-    assert_eq!(right.expect("the right secret is answered"), "head");
+    assert!(err.contains("wrong join token"), "{err}");
     let log =
         std::fs::read_to_string(head.root().join("o-2node-head/logs/supervisor.log")).unwrap();
     assert!(

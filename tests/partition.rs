@@ -127,12 +127,12 @@ fn cut_under_load(tag: &str, how: Cut) {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-    let secret = head.wait_secret(Duration::from_secs(60));
+    let secret = head.wait_join_token(Duration::from_secs(60));
     let mut up_worker = netns::NetnsPair::wrap(
         nw,
         worker.command(&["up", "-d", "-f", f, "--node", "worker"]),
     );
-    up_worker.env(pdctl::control::auth::SECRET_ENV, &secret);
+    up_worker.env(pdctl::control::auth::JOIN_TOKEN_ENV, &secret);
     let out = suph::run_bounded(up_worker, Duration::from_secs(90));
     assert!(out.status.success(), "worker: {}", text(&out));
     let up = up_head.wait_with_output().unwrap();

@@ -35,10 +35,25 @@ pub struct UpArgs {
     /// Rotated log files kept per service.
     #[arg(long, default_value_t = DEFAULT_KEEP)]
     pub log_keep: u32,
-    /// The cluster's secret, for a node other than the head (else `PDCTL_CLUSTER_SECRET`;
-    /// `pdctl secret` on the head prints it).
+    /// The cluster's secret (else `PDCTL_CLUSTER_SECRET`; the head makes one at its first
+    /// `up`, and `pdctl secret` on the head prints it).
     #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
+    /// On a node started by hand: the join token `pdctl join-token` on the head prints
+    /// (else `PDCTL_JOIN_TOKEN`). Nodes with `ssh` in [nodes] need none: `pdctl up` on the
+    /// head starts them.
+    #[arg(long, value_name = "FILE")]
+    pub join_token_file: Option<PathBuf>,
+    /// What the head handed this node over SSH (`pdctl node-up`); never a flag.
+    #[arg(skip)]
+    pub handed: Option<Handed>,
+}
+
+/// The credentials the head hands a node it starts over SSH.
+#[derive(Debug, Clone)]
+pub struct Handed {
+    pub creds: crate::control::tls::NodeCreds,
+    pub engine_key: crate::control::auth::EngineKey,
 }
 
 /// Arguments of `pdctl down`.
@@ -246,8 +261,12 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     if !problems.is_empty() {
         return Err(anyhow::Error::from(SupervisorError::Preflight(problems)));
     }
-    let secret = super::secret::for_up(&plan, &node, &state, a.secret_file.as_deref())?;
-    let engine_key = super::secret::engine_key_for_up(&state, secret.as_ref())?;
+    // The head makes what others join with; a token means something elsewhere only.
+    let creds = credentials(&a, &plan, &node, &state)?;
+    let ssh_of = match (&source, node == plan.head_node && a.handed.is_none()) {
+        (Some(src), true) => src.topology()?.spec.ssh,
+        _ => Default::default(),
+    };
     let local = plan.local_services(&node).count();
     let _ = writeln!(
         out,
@@ -272,26 +291,173 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         max_bytes: a.log_max_bytes,
         keep: a.log_keep,
     };
+    let remote = std::sync::Arc::new(start_ssh_nodes(
+        &plan,
+        &state,
+        &ssh_of,
+        creds.engine_key.as_ref(),
+        logs,
+    )?);
+    launch(&a, plan, node, state, lock, logs, creds, remote)
+}
+
+/// What a node runs its cluster with (the secret stays in its state dir, where there is
+/// one: a node the head started over SSH has none, it is handed the engines' key).
+struct Credentials {
+    engine_key: Option<crate::control::auth::EngineKey>,
+    /// Its side of the channel between the supervisors (several nodes only).
+    channel: Option<std::sync::Arc<crate::control::tls::PeerTls>>,
+}
+
+/// The secret, engine key and channel credentials `up` runs with: made or kept on the
+/// head; handed over SSH, joined for with a token, or kept elsewhere.
+fn credentials(
+    a: &UpArgs,
+    plan: &Plan,
+    node: &str,
+    state: &StateDir,
+) -> anyhow::Result<Credentials> {
+    use super::secret::Join;
+    // The head makes what others join with; a token means something elsewhere only.
+    let token = match node == plan.head_node {
+        true => None,
+        false => super::secret::token_for_up(a.join_token_file.as_deref())?,
+    };
+    let secret = match &a.handed {
+        Some(_) => None,
+        None => super::secret::for_up(plan, node, state, a.secret_file.as_deref(), token.as_ref())?,
+    };
+    let engine_key = match a.handed.as_ref().map(|h| h.engine_key.clone()) {
+        Some(key) => {
+            key.write(&state.dir.join(crate::control::auth::ENGINE_KEY_FILE))?;
+            Some(key)
+        }
+        None => super::secret::engine_key_for_up(state, secret.as_ref())?,
+    };
+    let join = match (a.handed.clone(), token) {
+        (Some(h), _) => Join::Given(h.creds),
+        (None, Some(t)) => Join::Token(t),
+        (None, None) => Join::Kept,
+    };
+    let channel = super::secret::channel(plan, node, state, secret.as_ref(), join)?;
+    Ok(Credentials {
+        engine_key,
+        channel,
+    })
+}
+
+/// Runs the supervisor, detached (returning once the start is decided, here and on the
+/// nodes started over SSH) or in the foreground (taking those nodes down when it ends).
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    a: &UpArgs,
+    plan: Plan,
+    node: String,
+    state: StateDir,
+    lock: ClusterLock,
+    logs: LogSettings,
+    creds: Credentials,
+    remote: std::sync::Arc<super::remote_up::RemoteNodes>,
+) -> anyhow::Result<ExitCode> {
     if a.detach {
         let mut child = detach::spawn_supervisor(&state, &node, lock, logs)?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let code = rt.block_on(detach::wait_for_start(&mut child, &state, &plan));
+        let failed = || remote.failure();
+        let code = rt.block_on(detach::wait_for_start(&mut child, &state, &plan, &failed));
+        let limit = if code == 0 { 60 } else { 2 };
+        remote.finish(Duration::from_secs(limit));
         return Ok(ExitCode::from(code));
     }
+    if !remote.is_empty() {
+        let watch = remote.clone();
+        std::thread::spawn(move || watch.finish(Duration::from_secs(3600)));
+    }
+    let ops = operations(&plan, &node, &state, creds.channel.clone());
     let opts = RunOptions {
-        operations: operations(&plan, &node, &state, secret.clone()),
+        operations: ops.clone(),
         node,
         foreground: true,
         log_max_bytes: logs.max_bytes,
         log_keep: logs.keep,
         healthy_text: Some(view::healthy_text),
-        secret,
-        engine_key,
+        channel: creds.channel,
+        engine_key: creds.engine_key,
     };
-    let code = runtime()?.block_on(supervisor::run(plan, state, lock, opts))?;
+    let rt = runtime()?;
+    let code = rt.block_on(supervisor::run(plan, state, lock, opts))?;
+    // The nodes this `up` started go down with it.
+    if let (false, Some(ops)) = (remote.is_empty(), ops) {
+        for line in rt.block_on(ops.down_others(30)) {
+            println!("pdctl: {line}");
+        }
+    }
     Ok(ExitCode::from(code))
+}
+
+/// On the head: starts the nodes `[nodes]` gives `ssh` (none elsewhere).
+fn start_ssh_nodes(
+    plan: &Plan,
+    state: &StateDir,
+    ssh_of: &std::collections::BTreeMap<String, String>,
+    engine_key: Option<&crate::control::auth::EngineKey>,
+    logs: LogSettings,
+) -> anyhow::Result<super::remote_up::RemoteNodes> {
+    use crate::control::tls::{ClusterCa, TLS_DIR};
+    let (Some(engine_key), false) = (engine_key, ssh_of.is_empty()) else {
+        return Ok(Default::default());
+    };
+    let Some(ca) = ClusterCa::load(&state.dir.join(TLS_DIR), &plan.cluster)? else {
+        return Ok(Default::default());
+    };
+    let handout = super::remote_up::Handout {
+        plan,
+        ca: &ca,
+        engine_key,
+        log_max_bytes: logs.max_bytes,
+        log_keep: logs.keep,
+    };
+    super::remote_up::RemoteNodes::start(ssh_of, &handout)
+}
+
+/// `pdctl node-up`: what `pdctl up` on the head runs on a node over SSH. Reads the plan,
+/// the node's certificate and key and the engines' key from stdin, keeps them in the
+/// node's state dir (mode 0600), then does what `up -d --node NODE` does.
+pub fn node_up() -> anyhow::Result<ExitCode> {
+    use crate::control::auth::EngineKey;
+    let b = super::remote_up::read_bundle(std::io::stdin().lock())?;
+    let given = std::env::var_os("PDCTL_STATE_DIR")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from);
+    let root = state_root(given.as_deref());
+    let dir =
+        crate::plan::build::state_dir_of(&b.plan.cluster, b.plan.nodes.len() > 1, &root, &b.node);
+    let state = StateDir::new(&dir);
+    state.create()?;
+    let engine_key =
+        EngineKey::from_text(&b.engine_key, "the head").map_err(|e| anyhow::anyhow!("{e}"))?;
+    let plan_file = state.dir.join("plan.handed.json");
+    let json = serde_json::to_vec_pretty(&b.plan).expect("plans serialize");
+    supervisor::write_atomic(&plan_file, &json)
+        .with_context(|| format!("writing {}", plan_file.display()))?;
+    up(UpArgs {
+        topology: super::common::TopologyArgs {
+            node: Some(b.node.clone()),
+            state_dir: Some(root),
+            ..Default::default()
+        },
+        detach: true,
+        plan: Some(plan_file),
+        log_max_bytes: b.log_max_bytes,
+        log_keep: b.log_keep,
+        secret_file: None,
+        join_token_file: None,
+        handed: Some(Handed {
+            creds: b.creds,
+            engine_key,
+        }),
+    })
 }
 
 /// `pdctl apply`: the change made live by the running supervisor; with `--recreate`, one
@@ -324,6 +490,8 @@ pub fn apply(a: super::live::ApplyArgs) -> anyhow::Result<ExitCode> {
         log_max_bytes: crate::supervisor::DEFAULT_MAX_BYTES,
         log_keep: crate::supervisor::DEFAULT_KEEP,
         secret_file: None,
+        join_token_file: None,
+        handed: None,
     })
 }
 
@@ -384,19 +552,50 @@ pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
             root.display()
         )));
     };
-    let names = logs_cmd::services_with_logs(&found.state.logs_dir());
+    let mut names = logs_cmd::services_with_logs(&found.state.logs_dir());
+    // On the head, services of other nodes: their logs are there, read through the
+    // channel (only the head may ask a node for its logs).
+    let socket = found.state.socket_path();
+    let rt = runtime()?;
+    let head = read_plan(&found.state.plan_path())
+        .map(|p| p.head_node)
+        .ok();
+    let remote: Vec<String> = match found.running {
+        true => rt
+            .block_on(client::status(&socket, Duration::from_secs(5)))
+            .ok()
+            .filter(|r| head.as_deref() == Some(r.node.as_str()))
+            .map(|r| {
+                r.services
+                    .into_iter()
+                    .filter(|s| s.remote)
+                    .map(|s| s.name)
+                    .collect()
+            })
+            .unwrap_or_default(),
+        false => Vec::new(),
+    };
+    names.extend(
+        remote
+            .iter()
+            .filter(|r| !names.contains(r))
+            .cloned()
+            .collect::<Vec<_>>(),
+    );
+    names.sort();
     let chosen = logs_cmd::resolve(&names, a.target.as_deref())
         .map_err(|e| ExitError::usage(format!("{e} (cluster {})", found.label())))?;
-    let targets: Vec<(String, PathBuf)> = chosen
-        .iter()
-        .map(|n| (n.clone(), found.state.log_path(n)))
-        .collect();
     let by_name = a
         .target
         .as_deref()
         .is_some_and(|t| names.iter().any(|n| n == t));
     let printer = logs_cmd::Printer::new(&chosen, by_name);
-    if a.follow && found.running {
+    let (far, near): (Vec<&String>, Vec<&String>) = chosen.iter().partition(|n| remote.contains(n));
+    if a.follow && found.running && far.is_empty() {
+        let targets: Vec<(String, PathBuf)> = near
+            .iter()
+            .map(|n| (n.to_string(), found.state.log_path(n)))
+            .collect();
         let record = found
             .record
             .clone()
@@ -404,9 +603,26 @@ pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
         logs_cmd::follow(&targets, a.lines, &printer, || record.supervisor_alive());
         return Ok(ExitCode::SUCCESS);
     }
+    if a.follow && !far.is_empty() {
+        eprintln!(
+            "pdctl: -f follows the logs of this node's services only; the lines of {} so far:",
+            far.iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     let mut stdout = std::io::stdout();
-    for (i, (name, path)) in targets.iter().enumerate() {
-        if !printer.print(&mut stdout, i, name, &logs_cmd::history(path, a.lines)) {
+    for (i, name) in chosen.iter().enumerate() {
+        let lines = if remote.contains(name) {
+            let n = a.lines.unwrap_or(REMOTE_LOG_LINES);
+            let to = client::Endpoint::Unix(socket.clone());
+            rt.block_on(client::logs_at(&to, name, n, Duration::from_secs(15)))
+                .unwrap_or_else(|e| vec![format!("[pdctl] {e}")])
+        } else {
+            logs_cmd::history(&found.state.log_path(name), a.lines)
+        };
+        if !printer.print(&mut stdout, i, name, &lines) {
             break;
         }
     }
@@ -450,17 +666,20 @@ fn as_it_ran(
     Ok(again)
 }
 
+/// Lines of a service on another node shown when `-n` is not given.
+const REMOTE_LOG_LINES: usize = 1000;
+
 /// The operations engine of the head node's supervisor (changes to the whole cluster are
 /// carried out there); None on the other nodes.
 fn operations(
     plan: &Plan,
     node: &str,
     state: &StateDir,
-    secret: Option<crate::control::auth::Secret>,
+    channel: Option<std::sync::Arc<crate::control::tls::PeerTls>>,
 ) -> Option<std::sync::Arc<dyn supervisor::Operations>> {
     (node == plan.head_node).then(|| {
         let engine =
-            crate::ops::Engine::new(plan, node, state.socket_path(), state.dir.clone(), secret);
+            crate::ops::Engine::new(plan, node, state.socket_path(), state.dir.clone(), channel);
         std::sync::Arc::new(engine) as std::sync::Arc<dyn supervisor::Operations>
     })
 }
@@ -481,14 +700,21 @@ pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
     let node = a.node.clone().unwrap_or_else(|| plan.head_node.clone());
     let secret = super::secret::kept(&state)?;
     let engine_key = super::secret::kept_engine_key(&state)?;
+    let channel = super::secret::channel(
+        &plan,
+        &node,
+        &state,
+        secret.as_ref(),
+        super::secret::Join::Kept,
+    )?;
     let opts = RunOptions {
-        operations: operations(&plan, &node, &state, secret.clone()),
+        operations: operations(&plan, &node, &state, channel.clone()),
         node,
         foreground: false,
         log_max_bytes: a.log_max_bytes,
         log_keep: a.log_keep,
         healthy_text: None,
-        secret,
+        channel,
         engine_key,
     };
     let code = runtime()?.block_on(supervisor::run(plan, state, lock, opts))?;

@@ -64,8 +64,14 @@ pub fn spawn_supervisor(
 }
 
 /// Polls the new supervisor until the start is decided; prints progress, then the
-/// status table or what failed. Returns the exit code.
-pub async fn wait_for_start(child: &mut Child, state: &StateDir, plan: &Plan) -> u8 {
+/// status table or what failed. `other_failed`: why a node started over SSH failed, if
+/// one did (the start is then decided too). Returns the exit code.
+pub async fn wait_for_start(
+    child: &mut Child,
+    state: &StateDir,
+    plan: &Plan,
+    other_failed: &dyn Fn() -> Option<String>,
+) -> u8 {
     use std::io::IsTerminal;
     let socket = state.socket_path();
     let mut renderer = Renderer::new(std::io::stdout().is_terminal());
@@ -77,6 +83,13 @@ pub async fn wait_for_start(child: &mut Child, state: &StateDir, plan: &Plan) ->
             eprintln!(
                 "error: the supervisor exited ({status}) before the cluster was up; its log ({}):\n    {tail}",
                 state.supervisor_log_path().display()
+            );
+            return 1;
+        }
+        if let Some(why) = other_failed() {
+            eprintln!(
+                "error: {why}\nthe supervisor here (pid {}) keeps running so you can look: `pdctl status`; `pdctl down` stops it",
+                child.id()
             );
             return 1;
         }

@@ -16,6 +16,7 @@ mod info;
 mod live;
 mod log_buffer;
 mod logs_cmd;
+mod remote_up;
 mod restart;
 mod secret;
 mod tune;
@@ -53,9 +54,11 @@ pub enum Command {
     /// Change the running cluster to what a topology says, while serving (`--dry-run` shows
     /// the change only).
     Apply(live::ApplyArgs),
-    /// Print the cluster's secret, which the other nodes of a cluster over several
-    /// machines need (`PDCTL_CLUSTER_SECRET` or `up --secret-file`).
+    /// Print the cluster's secret (or with --engine-key the key its engines require).
     Secret(secret::SecretArgs),
+    /// On the head: print the token a node started by hand joins with
+    /// (`PDCTL_JOIN_TOKEN=... pdctl up --node NODE`): it pins the cluster's CA.
+    JoinToken(secret::JoinTokenArgs),
     /// Find the prefill:decode split for a workload and its objectives by measuring each
     /// split on the running cluster (moved there live).
     Tune(tune::TuneCommand),
@@ -81,6 +84,10 @@ pub enum Command {
     /// Internal: the supervisor process that `up -d` leaves running.
     #[command(hide = true)]
     Supervise(cluster::SuperviseArgs),
+    /// Internal: what `pdctl up` on the head runs on a node over SSH (the plan and the
+    /// node's credentials come on stdin).
+    #[command(hide = true)]
+    NodeUp,
 }
 
 /// Parses the command line and runs it; never panics on user error.
@@ -164,6 +171,8 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Check(a) => check::check(a),
         Command::Supervise(a) => cluster::supervise(a),
         Command::Secret(a) => secret::show(a),
+        Command::JoinToken(a) => secret::join_token(a),
+        Command::NodeUp => cluster::node_up(),
         Command::Export(a) => export::export(a),
         Command::Proxy(a) => {
             let a = a.resolve(|p| std::fs::read_to_string(p))?;

@@ -1,17 +1,22 @@
-//! The cluster's secret on the command line: where `up` takes it from (or makes it, on
-//! the head), the engine key that follows from it (or that the user sets), and
-//! `pdctl secret`, which prints either for the other nodes and for a person.
+//! The cluster's secret and certificates on the command line: where `up` takes them from
+//! (or makes them, on the head: the secret, the cluster's CA, each node's certificate),
+//! the engine key that follows from the secret (or that the user sets), a join for a node
+//! started by hand, `pdctl secret` (the secret or the engine key, for a person) and
+//! `pdctl join-token` (what a node started by hand is given).
 
 use super::ExitError;
 use super::common::{ClusterArgs, running};
 use crate::control::auth::{
-    ENGINE_KEY_ENV, ENGINE_KEY_FILE, EngineKey, SECRET_ENV, SECRET_FILE, Secret,
+    ENGINE_KEY_ENV, ENGINE_KEY_FILE, EngineKey, JOIN_TOKEN_ENV, SECRET_ENV, SECRET_FILE, Secret,
 };
+use crate::control::tls::{ClusterCa, JoinToken, NodeCreds, PeerTls, TLS_DIR};
 use crate::plan::Plan;
 use crate::supervisor::StateDir;
 use clap::Args;
 use std::path::Path;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Arguments of `pdctl secret`.
 #[derive(Debug, Args)]
@@ -34,16 +39,18 @@ pub fn for_up(
     node: &str,
     state: &StateDir,
     file: Option<&Path>,
+    token: Option<&JoinToken>,
 ) -> anyhow::Result<Option<Secret>> {
     let needed = node == plan.head_node
         || plan.control_port.is_some()
         || plan.local_services(node).any(|s| !s.secret_env.is_empty());
     let kept = state.dir.join(SECRET_FILE);
-    let given = match file {
-        Some(f) => Some(Secret::read(f)?.ok_or_else(|| {
+    let given = match (token, file) {
+        (Some(t), _) => Some(t.secret.clone()),
+        (None, Some(f)) => Some(Secret::read(f)?.ok_or_else(|| {
             ExitError::usage(format!("--secret-file {}: no such file", f.display()))
         })?),
-        None => match std::env::var(SECRET_ENV) {
+        (None, None) => match std::env::var(SECRET_ENV) {
             Ok(text) => Some(Secret::from_text(&text, SECRET_ENV)?),
             Err(_) => None,
         },
@@ -56,7 +63,7 @@ pub fn for_up(
             None if !needed => return Ok(None),
             None => {
                 return Err(ExitError::usage(format!(
-                    "node `{node}` of cluster {} needs the cluster's secret to talk to the other nodes' supervisors: on the head ({}) run `pdctl secret --cluster {}` and give it here as {SECRET_ENV}=... or with --secret-file FILE",
+                    "node `{node}` of cluster {} needs to join it: give it `ssh` in [nodes] and run `pdctl up` on the head ({}), or on the head run `pdctl join-token --cluster {}` and give it here as {JOIN_TOKEN_ENV}=... or with --join-token-file FILE",
                     plan.cluster, plan.head_node, plan.cluster
                 )));
             }
@@ -102,6 +109,175 @@ pub fn engine_key_for_up(
     }
 }
 
+/// How a node other than the head comes by its certificate at `up`.
+#[derive(Debug, Clone, Default)]
+pub enum Join {
+    /// The one kept from an earlier join (a detached supervisor; a node started again).
+    #[default]
+    Kept,
+    /// Join the head with this token (unless the kept certificate is of the CA it pins).
+    Token(JoinToken),
+    /// Given by the head over SSH.
+    Given(NodeCreds),
+}
+
+/// The join token `up` was given on a node started by hand: `--join-token-file`, else
+/// `PDCTL_JOIN_TOKEN`; None when neither.
+pub fn token_for_up(file: Option<&Path>) -> anyhow::Result<Option<JoinToken>> {
+    let (text, origin) = match file {
+        Some(f) => (
+            std::fs::read_to_string(f)
+                .map_err(|e| ExitError::usage(format!("--join-token-file {}: {e}", f.display())))?,
+            format!("--join-token-file {}", f.display()),
+        ),
+        None => match std::env::var(JOIN_TOKEN_ENV) {
+            Ok(t) if !t.trim().is_empty() => (t, JOIN_TOKEN_ENV.to_string()),
+            _ => return Ok(None),
+        },
+    };
+    JoinToken::parse(&text)
+        .map(Some)
+        .map_err(|e| ExitError::usage(format!("{origin}: {e}")))
+}
+
+/// This node's side of the channel between the supervisors, None on a cluster of one
+/// node. The head keeps (or makes) the cluster's CA and issues itself a certificate; any
+/// other node uses the one it was given (`join`), kept, or joins the head for one.
+pub fn channel(
+    plan: &Plan,
+    node: &str,
+    state: &StateDir,
+    secret: Option<&Secret>,
+    join: Join,
+) -> anyhow::Result<Option<Arc<PeerTls>>> {
+    let Some(port) = plan.control_port else {
+        return Ok(None);
+    };
+    let dir = state.dir.join(TLS_DIR);
+    let nodes: Vec<String> = plan.nodes.keys().cloned().collect();
+    if node == plan.head_node {
+        let secret = secret.cloned().ok_or_else(|| {
+            anyhow::anyhow!("the head has no cluster secret in {}", state.dir.display())
+        })?;
+        let ca = ClusterCa::load_or_make(&dir, &plan.cluster)?;
+        let creds = match NodeCreds::read(&dir)? {
+            Some(c) if c.node == node && c.ca_hash() == ca.hash() => c,
+            _ => {
+                let c = ca.issue(node)?;
+                c.write(&dir)?;
+                c
+            }
+        };
+        let tls = PeerTls::new(
+            &plan.cluster,
+            &plan.head_node,
+            nodes,
+            &creds,
+            Some((ca, secret)),
+        )?;
+        return Ok(Some(Arc::new(tls)));
+    }
+    let kept = NodeCreds::read(&dir)?.filter(|c| c.node == node);
+    let creds = match join {
+        Join::Given(c) => {
+            c.write(&dir)?;
+            c
+        }
+        Join::Token(t) => match kept {
+            Some(c) if c.ca_hash() == t.ca_hash => c,
+            _ => {
+                let c = join_head(plan, node, port, &t)?;
+                c.write(&dir)?;
+                c
+            }
+        },
+        Join::Kept => kept.ok_or_else(|| {
+            anyhow::Error::from(crate::supervisor::SupervisorError::NoSecret {
+                node: node.to_string(),
+            })
+        })?,
+    };
+    let tls = PeerTls::new(&plan.cluster, &plan.head_node, nodes, &creds, None)?;
+    Ok(Some(Arc::new(tls)))
+}
+
+/// How long a node started by hand keeps trying to reach the head to join.
+const JOIN_WITHIN: Duration = Duration::from_secs(120);
+
+/// Joins the head for `node`'s certificate, trying again while the head's supervisor is
+/// not up yet (up to [`JOIN_WITHIN`]); a refusal ends it at once.
+fn join_head(plan: &Plan, node: &str, port: u16, token: &JoinToken) -> anyhow::Result<NodeCreds> {
+    use crate::control::client::{ControlError, join};
+    let head = &plan.head_node;
+    let addr = format!("{}:{port}", plan.nodes[head]);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let start = Instant::now();
+    let mut said = false;
+    loop {
+        match rt.block_on(join(&addr, head, node, token, Duration::from_secs(10))) {
+            Ok(c) => return Ok(c),
+            Err(e @ (ControlError::Refused { .. } | ControlError::Auth { .. })) => {
+                return Err(ExitError::usage(format!(
+                    "joining cluster {} as node {node}: {e}",
+                    plan.cluster
+                )));
+            }
+            Err(e) if start.elapsed() < JOIN_WITHIN => {
+                if !said {
+                    println!("pdctl: waiting for the head's supervisor at {addr} to join ({e})");
+                    said = true;
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            Err(e) => {
+                return Err(anyhow::anyhow!(
+                    "joining cluster {} as node {node}: the head did not answer within {} s: {e}",
+                    plan.cluster,
+                    JOIN_WITHIN.as_secs()
+                ));
+            }
+        }
+    }
+}
+
+/// Arguments of `pdctl join-token`.
+#[derive(Debug, Args)]
+pub struct JoinTokenArgs {
+    #[command(flatten)]
+    pub which: ClusterArgs,
+}
+
+/// `pdctl join-token`: on the head, what a node started by hand is given to join
+/// (`PDCTL_JOIN_TOKEN` or `up --join-token-file`): the CA's hash and the secret.
+pub fn join_token(a: JoinTokenArgs) -> anyhow::Result<ExitCode> {
+    let found = running(
+        &a.which.state_dir,
+        a.which.cluster.as_deref(),
+        "print a join token of",
+    )?;
+    let state = StateDir::new(&found.dir);
+    let dir = state.dir.join(TLS_DIR);
+    let secret = kept(&state)?;
+    let ca = ClusterCa::load(&dir, &found.cluster)?;
+    match (secret, ca) {
+        (Some(secret), Some(ca)) => {
+            let token = JoinToken {
+                ca_hash: ca.hash(),
+                secret,
+            };
+            println!("{}", token.reveal());
+            Ok(ExitCode::SUCCESS)
+        }
+        _ => Err(ExitError::usage(format!(
+            "cluster {} has no CA in {}: join tokens are printed on the head of a cluster over several nodes",
+            found.cluster,
+            dir.display()
+        ))),
+    }
+}
+
 /// The secret a detached supervisor reads from its state dir.
 pub fn kept(state: &StateDir) -> anyhow::Result<Option<Secret>> {
     Ok(Secret::read(&state.dir.join(SECRET_FILE))?)
@@ -133,7 +309,7 @@ pub fn show(a: SecretArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         None => Err(ExitError::usage(format!(
-            "cluster {} has no secret in {}: it was started by a pdctl that made none; take it down and up again",
+            "cluster {} has no secret in {}: a node the head started over ssh holds none (ask the head), and a pdctl of old made none (take it down and up again)",
             found.cluster,
             found.dir.display()
         ))),

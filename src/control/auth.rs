@@ -1,23 +1,22 @@
-//! The cluster secret and the handshake that proves it on the supervisors' TCP control
-//! channel, without the secret ever crossing the wire.
-//!
-//! Each side sends a fresh random nonce; each answers with HMAC-SHA256 over both nonces
-//! under the secret, with a label saying which side speaks, so neither proof can be
-//! replayed as the other nor on another connection. Proofs are compared in constant time
-//! (`Mac::verify_slice`). What follows the handshake travels in the clear (plans, status):
-//! the channel authenticates peers, it does not hide what they say — keep the nodes on a
-//! private network (docs/security.md).
+//! The cluster secret: what the engine key is derived from, and what a node started by
+//! hand proves (inside a TLS session whose server it has checked against the CA its join
+//! token pins, [`crate::control::tls`]) to be given its certificate. The proof is an
+//! HMAC-SHA256 bound to that session, compared in constant time (`Mac::verify_slice`):
+//! the secret never crosses the wire. Everything between the supervisors travels inside
+//! mutually authenticated TLS 1.3 (docs/security.md).
 
 use hmac::{KeyInit, Mac};
-use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
 /// The environment variable that gives a node the cluster's secret (the head writes it to
 /// its state dir at the first `up`; other nodes take it from here or `--secret-file`).
 pub const SECRET_ENV: &str = "PDCTL_CLUSTER_SECRET";
+
+/// The environment variable that gives a node started by hand its join token (`pdctl
+/// join-token` on the head prints it; `up --join-token-file FILE` is the other way).
+pub const JOIN_TOKEN_ENV: &str = "PDCTL_JOIN_TOKEN";
 
 /// Secret file name inside a cluster's state dir (mode 0600, kept across `down`/`up`).
 pub const SECRET_FILE: &str = "cluster.secret";
@@ -227,157 +226,21 @@ pub fn kept_engine_key(dir: &Path) -> Result<Option<EngineKey>, SecretError> {
     Ok(Secret::read(&dir.join(SECRET_FILE))?.map(|s| s.engine_key()))
 }
 
-const CLIENT_LABEL: &[u8] = b"pdctl-control-client-v1";
-const SERVER_LABEL: &[u8] = b"pdctl-control-server-v1";
+const JOIN_LABEL: &[u8] = b"pdctl-join-v1";
 
-/// The first line the server sends.
-#[derive(Debug, Serialize, Deserialize)]
-struct Challenge {
-    pdctl_control: u32,
-    cluster: String,
-    nonce: String,
-}
-
-/// The client's answer: its proof and its own nonce.
-#[derive(Debug, Serialize, Deserialize)]
-struct Answer {
-    proof: String,
-    nonce: String,
-}
-
-/// The server's last word: its own proof, or why it refused.
-#[derive(Debug, Serialize, Deserialize)]
-struct Verdict {
-    #[serde(default)]
-    proof: Option<String>,
-    #[serde(default)]
-    refused: Option<String>,
-}
-
-/// Why a handshake failed; the text says which side and what to do.
-#[derive(Debug, thiserror::Error)]
-pub enum AuthError {
-    #[error("the handshake broke off: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("the peer did not speak pdctl's control handshake ({0})")]
-    Protocol(String),
-    #[error(
-        "the peer serves cluster `{theirs}`, not `{ours}`: check the node addresses and control port"
-    )]
-    OtherCluster { ours: String, theirs: String },
-    #[error(
-        "refused: the peer does not know this cluster's secret (give every node the head's secret: {SECRET_ENV} or --secret-file)"
-    )]
-    WrongSecret,
-    #[error("the peer refused us: {0}")]
-    Refused(String),
-}
-
-async fn read_json<T: for<'de> Deserialize<'de>>(
-    r: &mut (impl AsyncBufRead + Unpin),
-) -> Result<T, AuthError> {
-    let mut line = String::new();
-    // A handshake line is short; a peer that sends megabytes is not pdctl.
-    let n = (&mut *r).take(4096).read_line(&mut line).await?;
-    if n == 0 {
-        return Err(AuthError::Protocol("connection closed".into()));
+impl Secret {
+    /// A node's proof that it holds the secret, for joining as `node` over the TLS
+    /// session whose exported keying material is `binding`: HMAC-SHA256 (hex) of both
+    /// under the secret, so it is worth nothing in another session or for another node,
+    /// and the secret itself never crosses the wire.
+    pub fn join_proof(&self, node: &str, binding: &[u8]) -> String {
+        self.proof(JOIN_LABEL, node.as_bytes(), binding)
     }
-    serde_json::from_str(&line).map_err(|e| AuthError::Protocol(e.to_string()))
-}
 
-async fn write_json(w: &mut (impl AsyncWrite + Unpin), v: &impl Serialize) -> std::io::Result<()> {
-    let mut line = serde_json::to_string(v).expect("handshake messages serialize");
-    line.push('\n');
-    w.write_all(line.as_bytes()).await?;
-    w.flush().await
-}
-
-/// The server's side: challenge, check the client's proof, prove itself. Err when the
-/// client failed (the caller logs it and closes the connection).
-pub async fn accept(
-    r: &mut (impl AsyncBufRead + Unpin),
-    w: &mut (impl AsyncWrite + Unpin),
-    secret: &Secret,
-    cluster: &str,
-) -> Result<(), AuthError> {
-    let nonce = rand::random::<[u8; RANDOM_BYTES]>();
-    write_json(
-        w,
-        &Challenge {
-            pdctl_control: 1,
-            cluster: cluster.to_string(),
-            nonce: hex(&nonce),
-        },
-    )
-    .await?;
-    let answer: Answer = read_json(r).await?;
-    let client_nonce =
-        unhex(&answer.nonce).ok_or_else(|| AuthError::Protocol("nonce is not hex".into()))?;
-    if client_nonce.len() != RANDOM_BYTES {
-        return Err(AuthError::Protocol("nonce of the wrong length".into()));
-    }
-    if !secret.verify(CLIENT_LABEL, &nonce, &client_nonce, &answer.proof) {
-        let _ = write_json(
-            w,
-            &Verdict {
-                proof: None,
-                refused: Some("wrong cluster secret".into()),
-            },
-        )
-        .await;
-        return Err(AuthError::WrongSecret);
-    }
-    let proof = secret.proof(SERVER_LABEL, &nonce, &client_nonce);
-    write_json(
-        w,
-        &Verdict {
-            proof: Some(proof),
-            refused: None,
-        },
-    )
-    .await?;
-    Ok(())
-}
-
-/// The client's side: answer the challenge, check the server's proof (so a node never
-/// takes orders from, nor reports to, a peer without the secret).
-pub async fn connect(
-    r: &mut (impl AsyncBufRead + Unpin),
-    w: &mut (impl AsyncWrite + Unpin),
-    secret: &Secret,
-    cluster: &str,
-) -> Result<(), AuthError> {
-    let challenge: Challenge = read_json(r).await?;
-    if challenge.cluster != cluster {
-        return Err(AuthError::OtherCluster {
-            ours: cluster.to_string(),
-            theirs: challenge.cluster,
-        });
-    }
-    let server_nonce = unhex(&challenge.nonce)
-        .filter(|n| n.len() == RANDOM_BYTES)
-        .ok_or_else(|| AuthError::Protocol("bad nonce".into()))?;
-    let nonce = rand::random::<[u8; RANDOM_BYTES]>();
-    let proof = secret.proof(CLIENT_LABEL, &server_nonce, &nonce);
-    write_json(
-        w,
-        &Answer {
-            proof,
-            nonce: hex(&nonce),
-        },
-    )
-    .await?;
-    let verdict: Verdict = read_json(r).await?;
-    if let Some(why) = verdict.refused {
-        return Err(if why.contains("secret") {
-            AuthError::WrongSecret
-        } else {
-            AuthError::Refused(why)
-        });
-    }
-    match verdict.proof {
-        Some(p) if secret.verify(SERVER_LABEL, &server_nonce, &nonce, &p) => Ok(()),
-        _ => Err(AuthError::WrongSecret),
+    /// Whether `proof` is [`Secret::join_proof`] for `node` and `binding`; compared in
+    /// constant time.
+    pub fn verify_join(&self, node: &str, binding: &[u8], proof: &str) -> bool {
+        self.verify(JOIN_LABEL, node.as_bytes(), binding, proof)
     }
 }
 
@@ -398,37 +261,16 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::BufReader;
 
-    async fn handshake(
-        server: &Secret,
-        client: &Secret,
-    ) -> (Result<(), AuthError>, Result<(), AuthError>) {
-        let (a, b) = tokio::io::duplex(4096);
-        let (ar, mut aw) = tokio::io::split(a);
-        let (br, mut bw) = tokio::io::split(b);
-        let (s, c) = (server.clone(), client.clone());
-        let srv = tokio::spawn(async move {
-            let mut r = BufReader::new(ar);
-            accept(&mut r, &mut aw, &s, "c1").await
-        });
-        let mut r = BufReader::new(br);
-        let cl = connect(&mut r, &mut bw, &c, "c1").await;
-        (srv.await.unwrap(), cl)
-    }
-
-    #[tokio::test]
-    async fn the_same_secret_passes_both_ways() {
+    #[test]
+    fn join_proofs_hold_for_one_node_and_one_session_only() {
         let s = Secret::random();
-        let (server, client) = handshake(&s, &s).await;
-        assert!(server.is_ok() && client.is_ok(), "{server:?} {client:?}");
-    }
-
-    #[tokio::test]
-    async fn a_wrong_secret_is_refused_on_both_sides() {
-        let (server, client) = handshake(&Secret::random(), &Secret::random()).await;
-        assert!(matches!(server, Err(AuthError::WrongSecret)), "{server:?}");
-        assert!(matches!(client, Err(AuthError::WrongSecret)), "{client:?}");
+        let p = s.join_proof("worker", b"session-1");
+        assert!(s.verify_join("worker", b"session-1", &p));
+        assert!(!s.verify_join("worker", b"session-2", &p));
+        assert!(!s.verify_join("head", b"session-1", &p));
+        assert!(!Secret::random().verify_join("worker", b"session-1", &p));
+        assert!(!p.contains(s.reveal()));
     }
 
     #[test]

@@ -1,12 +1,15 @@
-//! Client side of the control socket: one request, one response.
+//! Client side of the control socket, and of the other nodes' TLS channel: one request,
+//! one response.
 
-use super::auth::Secret;
+use super::frame::{LOCAL_FRAME_MAX, read_frame};
 use super::operation::ChangeRequest;
-use super::{Request, Response, StatusReport};
+use super::tls::{JoinToken, NodeCreds, PeerTls};
+use super::{JoinRequest, PeerRequest, Request, Response, StatusReport};
 use crate::child_config::ChildSettings;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
 /// Why a control request did not get an answer.
@@ -117,25 +120,48 @@ async fn ask<T>(
 }
 
 /// Where a supervisor listens: its Unix socket on this machine, or another node's TCP
-/// control channel (which wants the cluster's secret).
+/// control channel (mutually authenticated TLS: this node's certificate, theirs checked
+/// to name `node`).
 #[derive(Debug, Clone)]
 pub enum Endpoint {
     Unix(std::path::PathBuf),
     Tcp {
         /// `address:port` of the node's control channel.
         addr: String,
-        cluster: String,
-        secret: Secret,
+        /// The node that must answer there.
+        node: String,
+        tls: Arc<PeerTls>,
     },
 }
 
 impl Endpoint {
+    /// Node `node`'s control channel at `addr` (`address:port`), reached with `tls`.
+    pub fn peer(addr: String, node: &str, tls: &Arc<PeerTls>) -> Endpoint {
+        Endpoint::Tcp {
+            addr,
+            node: node.to_string(),
+            tls: tls.clone(),
+        }
+    }
+
     fn label(&self) -> String {
         match self {
             Endpoint::Unix(p) => p.display().to_string(),
-            Endpoint::Tcp { addr, .. } => addr.clone(),
+            Endpoint::Tcp { addr, node, .. } => format!("{addr} (node {node})"),
         }
     }
+}
+
+/// A byte stream both ways, whatever carries it.
+pub trait Duplex: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Duplex for T {}
+
+/// Connects to `addr` and completes the TLS handshake as node `tls.node`, checking the
+/// server is node `node`: the raw channel, for tests that send what pdctl never would.
+pub async fn open_peer(addr: &str, node: &str, tls: &PeerTls) -> std::io::Result<Box<dyn Duplex>> {
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    let _ = stream.set_nodelay(true);
+    Ok(Box::new(tls.connect(node, stream).await?))
 }
 
 /// A connection to a supervisor, past the handshake where there is one.
@@ -143,6 +169,8 @@ struct Conn {
     read: BufReader<Box<dyn tokio::io::AsyncRead + Send + Unpin>>,
     write: Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
     path: String,
+    /// Another node's supervisor: requests go as [`PeerRequest`].
+    peer: bool,
 }
 
 impl Conn {
@@ -170,60 +198,72 @@ impl Conn {
                     read: BufReader::new(Box::new(r)),
                     write: Box::new(w),
                     path,
+                    peer: false,
                 })
             }
-            Endpoint::Tcp {
-                addr,
-                cluster,
-                secret,
-            } => {
-                let stream = tokio::net::TcpStream::connect(addr.as_str())
-                    .await
-                    .map_err(connect)?;
-                let _ = stream.set_nodelay(true);
-                let (r, w) = stream.into_split();
-                let mut conn = Conn {
+            Endpoint::Tcp { addr, node, tls } => {
+                let stream = open_peer(addr, node, tls).await.map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::InvalidData {
+                        ControlError::Auth {
+                            path: path.clone(),
+                            reason: e.to_string(),
+                        }
+                    } else {
+                        connect(e)
+                    }
+                })?;
+                let (r, w) = tokio::io::split(stream);
+                Ok(Conn {
                     read: BufReader::new(Box::new(r)),
                     write: Box::new(w),
                     path,
-                };
-                super::auth::connect(&mut conn.read, &mut conn.write, secret, cluster)
-                    .await
-                    .map_err(|e| ControlError::Auth {
-                        path: conn.path.clone(),
-                        reason: e.to_string(),
-                    })?;
-                Ok(conn)
+                    peer: true,
+                })
             }
         }
     }
 
     async fn send(&mut self, req: &Request) -> Result<(), ControlError> {
-        let mut line = serde_json::to_string(req).expect("requests serialize");
+        let line = if self.peer {
+            let Some(peer) = PeerRequest::from_local(req) else {
+                return Err(ControlError::Refused {
+                    path: self.path.clone(),
+                    message: "this request is asked of the supervisor on its own machine, not over the channel between nodes".into(),
+                });
+            };
+            serde_json::to_string(&peer)
+        } else {
+            serde_json::to_string(req)
+        };
+        let mut line = line.expect("requests serialize");
         line.push('\n');
+        self.write_line(&line).await
+    }
+
+    async fn write_line(&mut self, line: &str) -> Result<(), ControlError> {
         let path = self.path.clone();
+        let io = |source| ControlError::Io { path, source };
         self.write
             .write_all(line.as_bytes())
             .await
-            .map_err(|source| ControlError::Io { path, source })
+            .map_err(io.clone())?;
+        self.write.flush().await.map_err(io)
     }
 
     async fn receive(&mut self) -> Result<Response, ControlError> {
-        let mut answer = String::new();
-        let n = self
-            .read
-            .read_line(&mut answer)
+        let mut frame = Vec::new();
+        let got = read_frame(&mut self.read, LOCAL_FRAME_MAX, &mut frame)
             .await
-            .map_err(|source| ControlError::Io {
+            .map_err(|e| ControlError::Io {
                 path: self.path.clone(),
-                source,
+                source: std::io::Error::other(e.to_string()),
             })?;
-        if n == 0 {
+        if !got {
             return Err(ControlError::NoAnswer {
                 path: self.path.clone(),
             });
         }
-        serde_json::from_str(&answer).map_err(|source| ControlError::Decode {
+        serde_json::from_slice(&frame).map_err(|source| ControlError::Decode {
             path: self.path.clone(),
             source,
         })
@@ -349,5 +389,99 @@ impl StatusConn {
                 what: format!("{other:?}"),
             }),
         }
+    }
+}
+
+/// The last `lines` lines of service `name`'s log, asked of the supervisor at `to` (which
+/// asks the service's own node where it runs elsewhere).
+pub async fn logs_at(
+    to: &Endpoint,
+    name: &str,
+    lines: usize,
+    timeout: Duration,
+) -> Result<Vec<String>, ControlError> {
+    let req = Request::Logs {
+        service: name.to_string(),
+        lines,
+    };
+    ask(to, &req, timeout, "log lines", |r| match r {
+        Response::Lines { lines, .. } => Ok(lines),
+        other => Err(other),
+    })
+    .await
+}
+
+/// Joins the cluster as `node`: connects to the head's channel at `addr` trusting only
+/// the CA `token` pins, proves the secret for this session and takes the credentials the
+/// head issues (their CA checked against the pin again).
+pub async fn join(
+    addr: &str,
+    head: &str,
+    node: &str,
+    token: &JoinToken,
+    timeout: Duration,
+) -> Result<NodeCreds, ControlError> {
+    let path = format!("{addr} (node {head})");
+    let work = async {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|source| ControlError::Connect {
+                path: path.clone(),
+                source,
+            })?;
+        let tls = token
+            .connect(head, stream)
+            .await
+            .map_err(|e| ControlError::Auth {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+        let mut binding = [0u8; 32];
+        tls.get_ref()
+            .1
+            .export_keying_material(&mut binding, super::tls::JOIN_EXPORTER_LABEL, None)
+            .map_err(|e| ControlError::Auth {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+        let (r, w) = tokio::io::split(tls);
+        let mut conn = Conn {
+            read: BufReader::new(Box::new(r)),
+            write: Box::new(w),
+            path: path.clone(),
+            peer: true,
+        };
+        let req = JoinRequest {
+            join: node.to_string(),
+            proof: token.secret.join_proof(node, &binding),
+        };
+        let mut line = serde_json::to_string(&req).expect("joins serialize");
+        line.push('\n');
+        conn.write_line(&line).await?;
+        conn.receive().await
+    };
+    let answer = match tokio::time::timeout(timeout, work).await {
+        Ok(a) => a?,
+        Err(_) => {
+            return Err(ControlError::Timeout {
+                path,
+                secs: timeout.as_secs(),
+            });
+        }
+    };
+    match answer {
+        Response::Joined { creds } if creds.ca_hash() == token.ca_hash && creds.node == node => {
+            Ok(*creds)
+        }
+        Response::Joined { .. } => Err(ControlError::Auth {
+            path,
+            reason: "the head sent credentials of another CA or node".into(),
+        }),
+        Response::Error { message } => Err(ControlError::Refused { path, message }),
+        other => Err(ControlError::Unexpected {
+            path,
+            asked: "a join",
+            what: format!("{other:?}"),
+        }),
     }
 }

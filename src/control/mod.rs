@@ -1,10 +1,14 @@
 //! The typed protocol between a running supervisor and its clients (`pdctl status`,
 //! `pdctl down`, the embedded proxy's health feed, `pdctl bench`), spoken as one JSON
-//! object per line over the Unix socket `<state_dir>/control.sock` (mode 0600).
+//! object per line over the Unix socket `<state_dir>/control.sock` (mode 0600); and
+//! between the nodes' supervisors ([`PeerRequest`]) inside mutually authenticated TLS
+//! ([`tls`]).
 
 pub mod auth;
 pub mod client;
+pub mod frame;
 pub mod operation;
+pub mod tls;
 
 use crate::child_config::ChildSettings;
 use crate::vocab::{Role, Service};
@@ -64,6 +68,103 @@ pub enum Request {
     /// the head's supervisor whatever becomes of the client: the answer is a stream of
     /// `Progress` lines ending with one `Finished`.
     Change { change: operation::ChangeRequest },
+    /// The last `lines` lines of a service's log, wherever it runs: a service of another
+    /// node is asked of that node's supervisor (`pdctl logs ROLE` on the head). Answered
+    /// with `Lines`.
+    Logs { service: String, lines: usize },
+}
+
+/// What another node's supervisor may ask of this one over the TCP channel: a type of
+/// its own, so a request the Unix socket takes (a cluster-wide `Change`, following
+/// settings) cannot be sent by a peer at all. Which peer may send which is decided by
+/// [`PeerRequest::head_only`]: every node may ask for status; only the head, carrying out
+/// a change, asks a node to run, stop or change services, or to go down.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum PeerRequest {
+    /// This node's own services (the head merges them into its status).
+    Status,
+    /// The last lines of one of this node's services' logs.
+    Logs {
+        service: String,
+        lines: usize,
+    },
+    Down {
+        timeout_s: u64,
+    },
+    Restart {
+        service: String,
+    },
+    Drain {
+        service: String,
+    },
+    Resume {
+        service: String,
+    },
+    Add {
+        service: Box<Service>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        settings: Option<Box<ChildSettings>>,
+    },
+    Remove {
+        service: String,
+        timeout_s: u64,
+    },
+    Replace {
+        service: Box<Service>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        settings: Option<Box<ChildSettings>>,
+    },
+}
+
+impl PeerRequest {
+    /// The peer form of a request the head's operations send a node; None for what no
+    /// peer may ask (`Change`, `WatchSettings`).
+    pub fn from_local(req: &Request) -> Option<PeerRequest> {
+        Some(match req.clone() {
+            Request::Status => PeerRequest::Status,
+            Request::Logs { service, lines } => PeerRequest::Logs { service, lines },
+            Request::Down { timeout_s } => PeerRequest::Down { timeout_s },
+            Request::Restart { service } => PeerRequest::Restart { service },
+            Request::Drain { service } => PeerRequest::Drain { service },
+            Request::Resume { service } => PeerRequest::Resume { service },
+            Request::Add { service, settings } => PeerRequest::Add { service, settings },
+            Request::Remove { service, timeout_s } => PeerRequest::Remove { service, timeout_s },
+            Request::Replace { service, settings } => PeerRequest::Replace { service, settings },
+            Request::WatchSettings { .. } | Request::Change { .. } => return None,
+        })
+    }
+
+    /// Whether only the head may ask it: everything but status (logs too: they may hold
+    /// what the services print of the requests they serve).
+    pub fn head_only(&self) -> bool {
+        !matches!(self, PeerRequest::Status)
+    }
+
+    /// Its name, for refusals and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            PeerRequest::Status => "status",
+            PeerRequest::Logs { .. } => "logs",
+            PeerRequest::Down { .. } => "down",
+            PeerRequest::Restart { .. } => "restart",
+            PeerRequest::Drain { .. } => "drain",
+            PeerRequest::Resume { .. } => "resume",
+            PeerRequest::Add { .. } => "add",
+            PeerRequest::Remove { .. } => "remove",
+            PeerRequest::Replace { .. } => "replace",
+        }
+    }
+}
+
+/// What a client without a certificate may send, on the head only: a node started by
+/// hand asking for its certificate, with its proof of the secret for this TLS session
+/// ([`auth::Secret::join_proof`]). Answered with `Joined` or `Error`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JoinRequest {
+    pub join: String,
+    pub proof: String,
 }
 
 /// What the supervisor answers.
@@ -91,6 +192,16 @@ pub enum Response {
         line: String,
         #[serde(default)]
         error: bool,
+    },
+    /// A service's last log lines (the answer to `Logs`), oldest first.
+    Lines {
+        service: String,
+        lines: Vec<String>,
+    },
+    /// The answer to a `JoinRequest`: the joining node's certificate and key, and the
+    /// cluster's CA certificate.
+    Joined {
+        creds: Box<tls::NodeCreds>,
     },
     /// The end of a change: the exit code the client exits with (0 done, 1 a step
     /// failed, 2 refused) and its last words.

@@ -5,12 +5,12 @@
 use super::context::{Inner, Progress};
 use super::journal::Journal;
 use super::nodes::Nodes;
-use crate::control::auth::Secret;
 use crate::control::client::ChangeEnd;
 use crate::control::client::Endpoint;
 use crate::control::operation::{
     ChangeRequest, Interrupted, OperationReport, Outcome, Recovered, now_ms,
 };
+use crate::control::tls::PeerTls;
 use crate::control::{Request, Response};
 use crate::plan::Plan;
 use std::collections::BTreeMap;
@@ -29,25 +29,19 @@ pub struct Engine {
 
 impl Engine {
     /// The engine of `plan`'s cluster on `node`, whose supervisor listens on `socket`;
-    /// other nodes are reached at their address and the plan's control port with `secret`.
+    /// other nodes are reached at their address and the plan's control port over `tls`.
     pub fn new(
         plan: &Plan,
         node: &str,
         socket: PathBuf,
         state_dir: PathBuf,
-        secret: Option<Secret>,
+        tls: Option<Arc<PeerTls>>,
     ) -> Engine {
         let mut others = BTreeMap::new();
-        if let (Some(port), Some(secret)) = (plan.control_port, secret) {
+        if let (Some(port), Some(tls)) = (plan.control_port, tls) {
             for (name, addr) in plan.nodes.iter().filter(|(n, _)| n.as_str() != node) {
-                others.insert(
-                    name.clone(),
-                    Endpoint::Tcp {
-                        addr: format!("{addr}:{port}"),
-                        cluster: plan.cluster.clone(),
-                        secret: secret.clone(),
-                    },
-                );
+                let endpoint = Endpoint::peer(format!("{addr}:{port}"), name, &tls);
+                others.insert(name.clone(), endpoint);
             }
         }
         Engine {

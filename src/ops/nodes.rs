@@ -1,5 +1,5 @@
 //! The supervisors a change talks to: this node's over its Unix socket, the others' over
-//! the TCP control channel (behind the cluster's secret). A step names the node whose
+//! the TCP control channel (mutually authenticated TLS, requests as `PeerRequest`). A step names the node whose
 //! supervisor must take it; the rest is the same request either way.
 
 use crate::control::client::{self, ControlError, Endpoint};

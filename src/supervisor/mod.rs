@@ -68,8 +68,8 @@ pub enum SupervisorError {
     #[error("pre-flight found {} problem(s), nothing was started:\n{}", .0.len(), preflight::bullet_list(.0))]
     Preflight(Vec<String>),
     #[error(
-        "node `{node}` is one of several: its supervisor needs the cluster's secret to talk to the others. On the head run `pdctl secret` and give it here as {} (or `--secret-file FILE`)",
-        crate::control::auth::SECRET_ENV
+        "node `{node}` is one of several: its supervisor needs the cluster's certificates to talk to the others. On the head `pdctl up` starts the nodes with `ssh` in [nodes]; for another, run `pdctl join-token` on the head and give it here as {} (or `--join-token-file FILE`)",
+        crate::control::auth::JOIN_TOKEN_ENV
     )]
     NoSecret { node: String },
     #[error("node `{node}` is not in the topology (nodes: {known}); pass --node with one of them")]

@@ -63,7 +63,8 @@ pub fn load_file(path: &Path) -> Result<Topology, TopologyError> {
 /// Parses and checks topology text; `file` is what errors call it.
 pub fn load_str(text: &str, source: Source, file: String) -> Result<Topology, TopologyError> {
     let locator = Locator::new(file, text);
-    let spec: super::Topology = toml::from_str(text).map_err(|e| serde_error(&locator, &e))?;
+    let mut spec: super::Topology = toml::from_str(text).map_err(|e| serde_error(&locator, &e))?;
+    spec.ssh = super::nodes::ssh_destinations(text);
     let order = locator.table_key_order("nodes");
     let head = spec
         .head

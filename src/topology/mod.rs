@@ -7,6 +7,7 @@
 mod load;
 pub(crate) use load::{backticked_after, expected_list};
 mod locate;
+mod nodes;
 mod validate;
 
 pub use load::{Source, Topology as LoadedTopology, load_file, load_str, recheck};
@@ -83,9 +84,15 @@ pub struct Topology {
     pub engine: EngineSection,
     #[serde(default)]
     pub connector: ConnectorSection,
-    /// Node name -> address. Default: one node `local` at 127.0.0.1.
-    #[serde(default = "default_nodes")]
+    /// Node name -> address. Default: one node `local` at 127.0.0.1. A node may also be
+    /// a table, `worker = { address = "10.0.0.2", ssh = "user@10.0.0.2" }`, saying how
+    /// the head reaches it over SSH to start its supervisor (kept in [`Topology::ssh`]).
+    #[serde(default = "default_nodes", deserialize_with = "nodes::addresses")]
     pub nodes: BTreeMap<String, String>,
+    /// Node name -> SSH destination (`user@host`, or a host of ~/.ssh/config), for the
+    /// nodes whose table says `ssh`: `pdctl up` on the head starts their supervisors.
+    #[serde(skip)]
+    pub ssh: BTreeMap<String, String>,
     /// The node running etcd, the master and the proxy unless their tables say otherwise.
     /// Default: the first node in the file.
     #[serde(default)]

@@ -61,6 +61,19 @@ fn check_names(t: &Topology, head: &str) -> Result<(), Problem> {
     if !t.nodes.contains_key(head) {
         return Err(unknown_node(t, "head", head));
     }
+    for (name, to) in &t.ssh {
+        let key = format!("nodes.{name}.ssh");
+        if to.trim().is_empty() || to.contains(char::is_whitespace) {
+            return Err(
+                Problem::new(key, format!("`{to}` is not an SSH destination"))
+                    .hint("write user@host, or a host your ~/.ssh/config names"),
+            );
+        }
+        if name == head {
+            return Err(Problem::new(key, "the head is the node `pdctl up` runs on")
+                .hint("remove `ssh` from the head: it is for the nodes the head starts"));
+        }
+    }
     Ok(())
 }
 

@@ -140,19 +140,20 @@ impl Cluster {
         self.run(&args)
     }
 
-    /// The cluster's secret as `pdctl secret` prints it, once the head's `up` (started
-    /// elsewhere) has made it; waits up to `limit`.
-    pub fn wait_secret(&self, limit: Duration) -> String {
+    /// The join token of a node started by hand as `pdctl join-token` prints it, once the
+    /// head's `up` (started elsewhere) has made the cluster's secret and CA; waits up to
+    /// `limit`.
+    pub fn wait_join_token(&self, limit: Duration) -> String {
         let mut secret = None;
         let made = crate::common::wait_until(limit, || {
-            let out = self.run(&["secret"]);
+            let out = self.run(&["join-token"]);
             secret = out
                 .status
                 .success()
                 .then(|| String::from_utf8(out.stdout).unwrap().trim().to_string());
             secret.is_some()
         });
-        assert!(made, "the head made no secret within {limit:?}");
+        assert!(made, "the head made no join token within {limit:?}");
         secret.unwrap()
     }
 

@@ -3,6 +3,7 @@
 //! `Status` only copies the shared table, so the proxy can poll it twice a second.
 
 use crate::child_config::ChildSettings;
+use crate::control::frame::{FrameError, LOCAL_FRAME_MAX, read_frame};
 use crate::control::{Request, Response};
 use crate::supervisor::run::members::Members;
 use crate::supervisor::run::ops_hook::Operations;
@@ -15,7 +16,7 @@ use crate::vocab::Service;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, oneshot};
 
@@ -78,7 +79,7 @@ pub async fn serve(listener: UnixListener, handlers: Handlers) {
 }
 
 /// Writes one answer line; false when the client has gone.
-async fn answer(write: &mut (impl AsyncWrite + Unpin), response: &Response) -> bool {
+pub(crate) async fn answer(write: &mut (impl AsyncWrite + Unpin), response: &Response) -> bool {
     let mut out = serde_json::to_string(response).expect("responses serialize");
     out.push('\n');
     let written = write.write_all(out.as_bytes()).await;
@@ -87,20 +88,29 @@ async fn answer(write: &mut (impl AsyncWrite + Unpin), response: &Response) -> b
 }
 
 /// Serves one client: a request per line, an answer per line (a change: its progress
-/// lines, then its end).
+/// lines, then its end). A request longer than [`LOCAL_FRAME_MAX`] ends the connection.
 pub async fn connection(
-    read: impl AsyncBufRead + Unpin,
+    mut read: impl AsyncBufRead + Unpin,
     mut write: impl AsyncWrite + Unpin,
     h: Handlers,
     origin: Origin,
 ) {
-    let mut lines = read.lines();
-    while let Ok(Some(line)) = lines.next_line().await {
-        if line.trim().is_empty() {
+    let mut frame = Vec::new();
+    loop {
+        match read_frame(&mut read, LOCAL_FRAME_MAX, &mut frame).await {
+            Ok(true) => {}
+            Ok(false) | Err(FrameError::Io(_)) => return,
+            Err(e @ FrameError::TooLong { .. }) => {
+                let message = format!("request refused: {e}");
+                answer(&mut write, &Response::Error { message }).await;
+                return;
+            }
+        }
+        if frame.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
         let mut ack = None;
-        let response = match serde_json::from_str::<Request>(&line) {
+        let response = match serde_json::from_slice::<Request>(&frame) {
             Ok(Request::Status) => Response::Status(status(&h, origin)),
             Ok(Request::Restart { service }) => restart(&h, &service),
             Ok(Request::Drain { service }) => drain(&h, &service),
@@ -108,36 +118,15 @@ pub async fn connection(
             Ok(Request::Add { service, settings }) => add(&h, *service, settings),
             Ok(Request::Remove { service, timeout_s }) => remove(&h, &service, timeout_s).await,
             Ok(Request::Replace { service, settings }) => replace(&h, *service, settings),
+            Ok(Request::Logs { service, lines }) => logs(&h, &service, lines).await,
             Ok(Request::WatchSettings { service }) => {
                 // Answered until the client leaves: this connection serves nothing else.
-                watch_settings(&h, &service, &mut lines, &mut write).await;
+                watch_settings(&h, &service, &mut read, &mut write).await;
                 return;
             }
             Ok(Request::Change { change }) => {
-                let Some(mut progress) = begin_change(&h, change, origin) else {
-                    continue;
-                };
-                // Relayed while the client listens; the change goes on when it leaves.
-                let mut last = None;
-                while let Some(r) = progress.recv().await {
-                    let end = matches!(r, Response::Finished { .. } | Response::Error { .. });
-                    if !answer(&mut write, &r).await {
-                        return;
-                    }
-                    if end {
-                        last = Some(r);
-                        break;
-                    }
-                }
-                if last.is_none() {
-                    let _ = answer(
-                        &mut write,
-                        &Response::Error {
-                            message: "the change ended without a word (see the supervisor log)"
-                                .into(),
-                        },
-                    )
-                    .await;
+                if !relay_change(&h, change, origin, &mut write).await {
+                    return;
                 }
                 continue;
             }
@@ -147,7 +136,7 @@ pub async fn connection(
                 resp
             }
             Err(e) => Response::Error {
-                message: format!("cannot read the request {line:?}: {e}"),
+                message: format!("cannot read the request ({} bytes): {e}", frame.len()),
             },
         };
         let written = answer(&mut write, &response).await;
@@ -160,9 +149,83 @@ pub async fn connection(
     }
 }
 
+/// Carries out a change and relays its progress while the client listens (the change
+/// goes on when it leaves); false when the client has gone.
+async fn relay_change(
+    h: &Handlers,
+    change: crate::control::operation::ChangeRequest,
+    origin: Origin,
+    write: &mut (impl AsyncWrite + Unpin),
+) -> bool {
+    let Some(mut progress) = begin_change(h, change, origin) else {
+        return true;
+    };
+    while let Some(r) = progress.recv().await {
+        let end = matches!(r, Response::Finished { .. } | Response::Error { .. });
+        if !answer(write, &r).await {
+            return false;
+        }
+        if end {
+            return true;
+        }
+    }
+    let message = "the change ended without a word (see the supervisor log)".to_string();
+    answer(write, &Response::Error { message }).await
+}
+
+/// The last `lines` lines of a service's log: read here for a service of this node,
+/// asked of its node's supervisor for one elsewhere.
+pub(crate) async fn logs(h: &Handlers, name: &str, lines: usize) -> Response {
+    let idx = match any_index(h, name) {
+        Ok(i) => i,
+        Err(e) => return e,
+    };
+    let node = h.ctx.members().plan.services[idx].node.clone();
+    if node == h.ctx.node {
+        let path = h.state.log_path(name);
+        return Response::Lines {
+            service: name.to_string(),
+            lines: tail(&path, lines.min(MAX_LOG_LINES)),
+        };
+    }
+    match &h.peers {
+        Some(peers) => peers.logs(&node, name, lines).await,
+        None => Response::Error {
+            message: format!("{name} runs on node {node}, which this supervisor cannot reach"),
+        },
+    }
+}
+
+/// The most log lines one answer carries, and the most bytes read for them.
+const MAX_LOG_LINES: usize = 10_000;
+const MAX_LOG_BYTES: u64 = 4 << 20;
+
+/// The last `n` lines of the log file at `path` (from its last 4 MiB).
+fn tail(path: &Path, n: usize) -> Vec<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return Vec::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let from = len.saturating_sub(MAX_LOG_BYTES);
+    let mut buf = Vec::new();
+    if f.seek(SeekFrom::Start(from)).is_err() || f.read_to_end(&mut buf).is_err() {
+        return Vec::new();
+    }
+    let text = String::from_utf8_lossy(&buf);
+    let mut all: Vec<&str> = text.lines().collect();
+    if from > 0 && !all.is_empty() {
+        all.remove(0); // cut in the middle
+    }
+    all[all.len().saturating_sub(n)..]
+        .iter()
+        .map(|l| l.to_string())
+        .collect()
+}
+
 /// The status report: this node's rows, the other nodes' services as their own
 /// supervisors report them, and the change running or last run.
-fn status(h: &Handlers, origin: Origin) -> crate::control::StatusReport {
+pub(crate) fn status(h: &Handlers, origin: Origin) -> crate::control::StatusReport {
     let mut report = h.ctx.table.report();
     // A peer asks for what this node knows first-hand; merging its own answer back
     // would only echo it.
@@ -233,7 +296,7 @@ fn any_index(h: &Handlers, name: &str) -> Result<usize, Response> {
     Ok(idx)
 }
 
-fn restart(h: &Handlers, name: &str) -> Response {
+pub(crate) fn restart(h: &Handlers, name: &str) -> Response {
     let idx = match local_index(h, name) {
         Ok(i) => i,
         Err(e) => return e,
@@ -257,7 +320,7 @@ fn restart(h: &Handlers, name: &str) -> Response {
 
 /// A service of another node, drained here and restarted by its own supervisor: back in
 /// routing once its probe answers again.
-fn resume(h: &Handlers, name: &str) -> Response {
+pub(crate) fn resume(h: &Handlers, name: &str) -> Response {
     let idx = match any_index(h, name) {
         Ok(i) => i,
         Err(e) => return e,
@@ -268,7 +331,7 @@ fn resume(h: &Handlers, name: &str) -> Response {
     }
 }
 
-fn drain(h: &Handlers, name: &str) -> Response {
+pub(crate) fn drain(h: &Handlers, name: &str) -> Response {
     let idx = match any_index(h, name) {
         Ok(i) => i,
         Err(e) => return e,
@@ -287,7 +350,7 @@ fn drain(h: &Handlers, name: &str) -> Response {
     }
 }
 
-async fn down(
+pub(crate) async fn down(
     h: &Handlers,
     timeout_s: u64,
     origin: Origin,
@@ -419,7 +482,11 @@ fn set_settings(m: &mut Members, name: &str, settings: Option<Box<ChildSettings>
     }
 }
 
-fn add(h: &Handlers, mut service: Service, settings: Option<Box<ChildSettings>>) -> Response {
+pub(crate) fn add(
+    h: &Handlers,
+    mut service: Service,
+    settings: Option<Box<ChildSettings>>,
+) -> Response {
     localize_program(h, &mut service);
     if let Err(e) = check_new(h, &service) {
         return e;
@@ -480,7 +547,7 @@ fn add(h: &Handlers, mut service: Service, settings: Option<Box<ChildSettings>>)
     }
 }
 
-async fn remove(h: &Handlers, name: &str, timeout_s: u64) -> Response {
+pub(crate) async fn remove(h: &Handlers, name: &str, timeout_s: u64) -> Response {
     let idx = match any_index(h, name) {
         Ok(i) => i,
         Err(e) => return e,
@@ -542,7 +609,7 @@ fn settings_now(h: &Handlers, idx: usize) -> (u64, Response) {
 async fn watch_settings(
     h: &Handlers,
     name: &str,
-    lines: &mut tokio::io::Lines<impl AsyncBufRead + Unpin>,
+    read: &mut (impl AsyncBufRead + Unpin),
     write: &mut (impl AsyncWrite + Unpin),
 ) {
     let idx = match any_index(h, name) {
@@ -554,6 +621,7 @@ async fn watch_settings(
     };
     let mut changed = h.ctx.table.subscribe();
     let mut sent = None;
+    let mut scratch = Vec::new();
     loop {
         let (revision, response) = settings_now(h, idx);
         if sent != Some(revision) {
@@ -565,12 +633,16 @@ async fn watch_settings(
         tokio::select! {
             r = changed.changed() => if r.is_err() { return },
             // The client says nothing more; end of input (or anything it sends) ends this.
-            _ = lines.next_line() => return,
+            _ = read_frame(read, LOCAL_FRAME_MAX, &mut scratch) => return,
         }
     }
 }
 
-fn replace(h: &Handlers, mut service: Service, settings: Option<Box<ChildSettings>>) -> Response {
+pub(crate) fn replace(
+    h: &Handlers,
+    mut service: Service,
+    settings: Option<Box<ChildSettings>>,
+) -> Response {
     localize_program(h, &mut service);
     let idx = match any_index(h, &service.name) {
         Ok(i) => i,

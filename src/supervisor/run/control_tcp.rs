@@ -1,45 +1,372 @@
-//! The supervisors' TCP control channel: the same requests as the Unix socket, served at
-//! the node's address to the other nodes' supervisors once they have proven the cluster's
-//! secret ([`crate::control::auth`]). A peer that fails the handshake is refused and logged.
+//! The supervisors' TCP control channel: mutually authenticated TLS 1.3
+//! ([`crate::control::tls`]), then [`PeerRequest`]s, one JSON line each. Which node sent
+//! a request is what its certificate names; only the head may ask for anything but
+//! status. Bounded everywhere: a cap on connections still in their handshake (in all and
+//! per address), a time limit on the handshake and on silence after it, a frame limit
+//! (a longer frame is refused without being echoed), and refusals logged at most once per
+//! [`LOG_EVERY`] with a count of the ones not logged.
 
-use crate::control::auth::{self, Secret};
-use crate::supervisor::run::control_server::{Handlers, Origin, connection};
-use std::time::Duration;
-use tokio::io::BufReader;
-use tokio::net::TcpListener;
+use crate::control::frame::{FrameError, PEER_FRAME_MAX, UNAUTHENTICATED_FRAME_MAX, read_frame};
+use crate::control::tls::PeerTls;
+use crate::control::{JoinRequest, PeerRequest, Response};
+use crate::supervisor::run::control_server::{self as cs, Handlers, Origin, answer};
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncBufRead, AsyncWrite, BufReader};
+use tokio::net::{TcpListener, TcpStream};
 
-/// How long a peer may take over the handshake.
+/// How long a peer may take over the TLS handshake (and a join over its one request).
 const HANDSHAKE_WITHIN: Duration = Duration::from_secs(5);
+/// How long an authenticated peer may stay silent between requests.
+const IDLE_WITHIN: Duration = Duration::from_secs(60);
+/// Connections still in their handshake, in all and from one address; more are closed
+/// at once.
+const MAX_UNAUTHENTICATED: usize = 64;
+const MAX_UNAUTHENTICATED_PER_ADDRESS: usize = 8;
+/// Refusals are logged at most this often.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Counts connections not yet authenticated, in all and per address.
+#[derive(Default)]
+struct Gate {
+    total: usize,
+    per_address: HashMap<IpAddr, usize>,
+}
+
+/// A place among the unauthenticated connections, given back when dropped.
+struct Ticket {
+    gate: Arc<Mutex<Gate>>,
+    from: IpAddr,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        g.total -= 1;
+        if let Some(n) = g.per_address.get_mut(&self.from) {
+            *n -= 1;
+            if *n == 0 {
+                g.per_address.remove(&self.from);
+            }
+        }
+    }
+}
+
+fn admit(gate: &Arc<Mutex<Gate>>, from: IpAddr) -> Option<Ticket> {
+    let mut g = gate.lock().unwrap_or_else(|e| e.into_inner());
+    let mine = g.per_address.get(&from).copied().unwrap_or(0);
+    if g.total >= MAX_UNAUTHENTICATED || mine >= MAX_UNAUTHENTICATED_PER_ADDRESS {
+        return None;
+    }
+    g.total += 1;
+    *g.per_address.entry(from).or_default() += 1;
+    Some(Ticket {
+        gate: gate.clone(),
+        from,
+    })
+}
+
+/// Logs refusals, at most one line per [`LOG_EVERY`], saying how many were not logged.
+#[derive(Default)]
+struct RefusalLog {
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl RefusalLog {
+    fn refused(&self, h: &Handlers, what: &str) {
+        if let Some(line) = self.line_at(Instant::now(), what) {
+            tracing::warn!("{line}");
+            h.ctx.console.event(&line);
+        }
+    }
+
+    /// The line to log for a refusal at `now`, or None while one was logged less than
+    /// [`LOG_EVERY`] ago (it is counted, and the next line says how many).
+    fn line_at(&self, now: Instant, what: &str) -> Option<String> {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.0.is_some_and(|t| now.duration_since(t) < LOG_EVERY) {
+            s.1 += 1;
+            return None;
+        }
+        let more = std::mem::take(&mut s.1);
+        s.0 = Some(now);
+        Some(match more {
+            0 => format!("control channel: refused {what}"),
+            n => format!("control channel: refused {what} (and {n} more since the last line)"),
+        })
+    }
+}
 
 /// Accepts peers until the listener fails; each connection gets its own task.
-pub async fn serve(listener: TcpListener, handlers: Handlers, secret: Secret, cluster: String) {
+pub async fn serve(listener: TcpListener, handlers: Handlers, tls: Arc<PeerTls>) {
+    let gate = Arc::new(Mutex::new(Gate::default()));
+    let log = Arc::new(RefusalLog::default());
     loop {
         let (stream, from) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!("control channel: {e}");
+                // Out of descriptors, most likely: wait rather than spin.
+                log.refused(&handlers, &format!("a connection: {e}"));
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
-        let _ = stream.set_nodelay(true);
-        let (h, secret, cluster) = (handlers.clone(), secret.clone(), cluster.clone());
-        tokio::spawn(async move {
-            let (read, mut write) = stream.into_split();
-            let mut read = BufReader::new(read);
-            let shake = auth::accept(&mut read, &mut write, &secret, &cluster);
-            match tokio::time::timeout(HANDSHAKE_WITHIN, shake).await {
-                Ok(Ok(())) => connection(read, write, h, Origin::Peer).await,
-                Ok(Err(e)) => {
-                    tracing::warn!("control channel: refused a connection from {from}: {e}");
-                    h.ctx.console.event(&format!(
-                        "control channel: refused a connection from {from}: {e}"
-                    ));
-                }
-                Err(_) => tracing::warn!(
-                    "control channel: {from} did not finish the handshake within {HANDSHAKE_WITHIN:?}"
+        let Some(ticket) = admit(&gate, from.ip()) else {
+            drop(stream);
+            log.refused(
+                &handlers,
+                &format!(
+                    "a connection from {from}: too many still in their handshake ({MAX_UNAUTHENTICATED} in all, {MAX_UNAUTHENTICATED_PER_ADDRESS} per address)"
                 ),
+            );
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let (h, tls, log) = (handlers.clone(), tls.clone(), log.clone());
+        tokio::spawn(async move {
+            if let Err(why) = serve_one(stream, from, ticket, &h, &tls).await {
+                log.refused(&h, &format!("a connection from {from}: {why}"));
             }
         });
+    }
+}
+
+/// One connection: the handshake (within its time, holding its ticket), then a node's
+/// requests or, from a client without a certificate, one join.
+async fn serve_one(
+    stream: TcpStream,
+    from: SocketAddr,
+    ticket: Ticket,
+    h: &Handlers,
+    tls: &PeerTls,
+) -> Result<(), String> {
+    let shake = tokio::time::timeout(HANDSHAKE_WITHIN, tls.acceptor().accept(stream));
+    let stream = match shake.await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return Err(format!("TLS handshake failed: {e}")),
+        Err(_) => return Err(format!("no TLS handshake within {HANDSHAKE_WITHIN:?}")),
+    };
+    let peer_cert = stream
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .cloned();
+    let Some(cert) = peer_cert else {
+        let mut binding = [0u8; 32];
+        let exported = stream.get_ref().1.export_keying_material(
+            &mut binding,
+            crate::control::tls::JOIN_EXPORTER_LABEL,
+            None,
+        );
+        exported.map_err(|e| e.to_string())?;
+        let (read, mut write) = tokio::io::split(stream);
+        let work = join(BufReader::new(read), &mut write, tls, &binding);
+        let outcome = tokio::time::timeout(HANDSHAKE_WITHIN, work)
+            .await
+            .unwrap_or_else(|_| Err(format!("no join request within {HANDSHAKE_WITHIN:?}")));
+        drop(ticket);
+        return outcome.map(|node| {
+            let line = format!("control channel: node {node} joined from {from}");
+            tracing::info!("{line}");
+            h.ctx.console.event(&line);
+        });
+    };
+    let Some(node) = tls.node_of(&cert) else {
+        return Err("its certificate names no node of this cluster".into());
+    };
+    drop(ticket);
+    let (read, write) = tokio::io::split(stream);
+    requests(BufReader::new(read), write, h, tls, &node).await;
+    Ok(())
+}
+
+/// A node started by hand asks for its credentials: one request, one answer. The node
+/// that joined, or why it was refused.
+async fn join(
+    mut read: impl AsyncBufRead + Unpin,
+    write: &mut (impl AsyncWrite + Unpin),
+    tls: &PeerTls,
+    binding: &[u8],
+) -> Result<String, String> {
+    let mut frame = Vec::new();
+    match read_frame(&mut read, UNAUTHENTICATED_FRAME_MAX, &mut frame).await {
+        Ok(true) => {}
+        Ok(false) => return Err("a client without a certificate said nothing".into()),
+        Err(e) => return Err(format!("a client without a certificate: {e}")),
+    }
+    let req: JoinRequest = serde_json::from_slice(&frame).map_err(|_| {
+        "a client without a certificate sent something other than a join".to_string()
+    })?;
+    match tls.answer_join(&req.join, &req.proof, binding) {
+        Ok(creds) => {
+            let reply = Response::Joined {
+                creds: Box::new(creds),
+            };
+            answer(write, &reply).await;
+            Ok(req.join)
+        }
+        Err(message) => {
+            let reply = Response::Error {
+                message: message.clone(),
+            };
+            answer(write, &reply).await;
+            Err(format!("a join as node {}: {message}", req.join))
+        }
+    }
+}
+
+/// Serves one authenticated node: a request per frame, until it leaves, stays silent
+/// past [`IDLE_WITHIN`], or sends a frame past [`PEER_FRAME_MAX`].
+async fn requests(
+    mut read: impl AsyncBufRead + Unpin,
+    mut write: impl AsyncWrite + Unpin,
+    h: &Handlers,
+    tls: &PeerTls,
+    node: &str,
+) {
+    let mut frame = Vec::new();
+    loop {
+        let next = tokio::time::timeout(
+            IDLE_WITHIN,
+            read_frame(&mut read, PEER_FRAME_MAX, &mut frame),
+        );
+        match next.await {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) | Ok(Err(FrameError::Io(_))) | Err(_) => return,
+            Ok(Err(e @ FrameError::TooLong { .. })) => {
+                let message = format!("request from node {node} refused: {e}");
+                tracing::warn!("control channel: {message}");
+                answer(&mut write, &Response::Error { message }).await;
+                return;
+            }
+        }
+        let mut ack = None;
+        let response = match serde_json::from_slice::<PeerRequest>(&frame) {
+            Ok(PeerRequest::Down { timeout_s }) if node == tls.head => {
+                let (resp, a) = cs::down(h, timeout_s, Origin::Peer).await;
+                ack = a;
+                resp
+            }
+            Ok(req) => match permitted(tls, node, &req) {
+                Ok(()) => carry_out(h, req).await,
+                Err(message) => {
+                    tracing::warn!("control channel: {message}");
+                    Response::Error { message }
+                }
+            },
+            // Never echoed: the frame is the peer's, and may be anything.
+            Err(e) => Response::Error {
+                message: format!(
+                    "node {node} sent a request this supervisor cannot read ({} bytes): {e}",
+                    frame.len()
+                ),
+            },
+        };
+        let written = answer(&mut write, &response).await;
+        // The supervisor exits once a `down` is answered (or a second later).
+        if let Some(a) = ack {
+            let _ = a.send(());
+        }
+        if !written {
+            return;
+        }
+    }
+}
+
+/// Whether `node` may ask `req` of this node: status of anyone; the rest of the head only.
+fn permitted(tls: &PeerTls, node: &str, req: &PeerRequest) -> Result<(), String> {
+    if req.head_only() && node != tls.head {
+        return Err(format!(
+            "node {node} asked node {} for `{}`: only the head ({}) asks another node to run, stop or change services",
+            tls.node,
+            req.name(),
+            tls.head
+        ));
+    }
+    Ok(())
+}
+
+async fn carry_out(h: &Handlers, req: PeerRequest) -> Response {
+    match req {
+        PeerRequest::Status => Response::Status(cs::status(h, Origin::Peer)),
+        PeerRequest::Logs { service, lines } => match local_service(h, &service) {
+            Ok(()) => cs::logs(h, &service, lines).await,
+            Err(e) => e,
+        },
+        // Taken by `requests` itself (it is answered before the supervisor exits).
+        PeerRequest::Down { .. } => Response::Error {
+            message: "down is asked of the head only".into(),
+        },
+        PeerRequest::Restart { service } => cs::restart(h, &service),
+        PeerRequest::Drain { service } => cs::drain(h, &service),
+        PeerRequest::Resume { service } => cs::resume(h, &service),
+        PeerRequest::Add { service, settings } => cs::add(h, *service, settings),
+        PeerRequest::Remove { service, timeout_s } => cs::remove(h, &service, timeout_s).await,
+        PeerRequest::Replace { service, settings } => cs::replace(h, *service, settings),
+    }
+}
+
+/// Ok when `name` is a service of this node (a peer asks each node for its own logs).
+fn local_service(h: &Handlers, name: &str) -> Result<(), Response> {
+    let members = h.ctx.members();
+    match members.index_of(name) {
+        Some(i) if members.plan.services[i].node == h.ctx.node => Ok(()),
+        _ => Err(Response::Error {
+            message: format!("{name} is not a service of node {}", h.ctx.node),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handshakes_are_capped_in_all_and_per_address_and_places_come_back() {
+        let gate = Arc::new(Mutex::new(Gate::default()));
+        let one: IpAddr = "10.0.0.1".parse().unwrap();
+        let mut held: Vec<Ticket> = (0..MAX_UNAUTHENTICATED_PER_ADDRESS)
+            .map(|_| admit(&gate, one).expect("a place"))
+            .collect();
+        assert!(admit(&gate, one).is_none(), "one address past its cap");
+        held.pop();
+        assert!(
+            admit(&gate, one).is_some(),
+            "a place given back is free again"
+        );
+        drop(held);
+        let mut all = Vec::new();
+        for i in 0..MAX_UNAUTHENTICATED {
+            let addr: IpAddr = format!("10.1.{}.{}", i / 200, i % 200 + 1).parse().unwrap();
+            all.push(admit(&gate, addr).expect("a place"));
+        }
+        assert!(
+            admit(&gate, "10.9.9.9".parse().unwrap()).is_none(),
+            "past the cap in all"
+        );
+        drop(all);
+        assert_eq!(gate.lock().unwrap().total, 0);
+        assert!(gate.lock().unwrap().per_address.is_empty());
+    }
+
+    #[test]
+    fn refusals_are_logged_once_per_period_with_a_count_of_the_rest() {
+        let log = RefusalLog::default();
+        let t0 = Instant::now();
+        assert_eq!(
+            log.line_at(t0, "a").as_deref(),
+            Some("control channel: refused a")
+        );
+        for i in 1..=1999 {
+            assert!(log.line_at(t0 + Duration::from_millis(i), "b").is_none());
+        }
+        let next = log.line_at(t0 + LOG_EVERY, "c").unwrap();
+        assert!(
+            next.ends_with("(and 1999 more since the last line)"),
+            "{next}"
+        );
     }
 }

@@ -1,10 +1,10 @@
 //! The other nodes' supervisors, asked for their status over the TCP control channel
-//! once a second, so `status` here shows their services as they report them (state, pid,
+//! (mutually authenticated TLS) once a second, so `status` here shows their services as they report them (state, pid,
 //! restarts, last error) and says `unreachable` (since when) while a node cannot be reached.
 
-use crate::control::client::{Endpoint, status_at};
+use crate::control::client::{Endpoint, logs_at, status_at};
 use crate::control::operation::now_ms;
-use crate::control::{ServiceState, StatusReport};
+use crate::control::{Response, ServiceState, StatusReport};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -63,6 +63,25 @@ impl Peers {
             tokio::spawn(poll(Arc::downgrade(p)));
         }
         Arc::new(Peers { peers })
+    }
+
+    /// The last `lines` lines of service `name`'s log, asked of node `node`'s supervisor:
+    /// a `Lines` answer, or an `Error` saying why not.
+    pub async fn logs(&self, node: &str, name: &str, lines: usize) -> Response {
+        let Some(peer) = self.peers.iter().find(|p| p.node == node) else {
+            return Response::Error {
+                message: format!("node {node} is not one this supervisor reaches"),
+            };
+        };
+        match logs_at(&peer.endpoint, name, lines, Duration::from_secs(10)).await {
+            Ok(lines) => Response::Lines {
+                service: name.to_string(),
+                lines,
+            },
+            Err(e) => Response::Error {
+                message: format!("the logs of {name} on node {node}: {e}"),
+            },
+        }
     }
 
     /// Fills the rows of other nodes' services in `report` with what their supervisors

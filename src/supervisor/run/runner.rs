@@ -3,8 +3,9 @@
 //! `pdctl down`, leaving no process behind.
 
 use crate::control::StatusReport;
-use crate::control::auth::{EngineKey, Secret};
+use crate::control::auth::EngineKey;
 use crate::control::client::Endpoint;
+use crate::control::tls::PeerTls;
 use crate::plan::Plan;
 use crate::supervisor::SupervisorError;
 use crate::supervisor::process::spawner::Spawner;
@@ -45,9 +46,10 @@ pub struct RunOptions {
     /// status table and whatever the caller adds to it (the CLI adds the proxy's figures).
     /// Given by the caller because the supervisor knows nothing of how it is shown.
     pub healthy_text: Option<HealthyText>,
-    /// The cluster's secret, which the TCP control channel between the nodes'
-    /// supervisors wants (clusters over several nodes).
-    pub secret: Option<Secret>,
+    /// This node's side of the TLS control channel between the nodes' supervisors
+    /// (clusters over several nodes): its certificate, the cluster's CA, and on the head
+    /// what it needs to let nodes join.
+    pub channel: Option<Arc<PeerTls>>,
     /// The key every engine requires and the proxy sends, given to the services whose
     /// plan names it (`Service::secret_env`).
     pub engine_key: Option<EngineKey>,
@@ -160,8 +162,9 @@ pub async fn run(
     });
     let usage = tokio::spawn(sample_usage(ctx.table.clone()));
     let (down_tx, mut downs) = mpsc::unbounded_channel();
-    let channel = match (plan.control_port, &opts.secret) {
-        (Some(port), Some(secret)) => Some(control_channel(&plan, &node, port, secret).await?),
+    raise_open_file_limit();
+    let channel = match (plan.control_port, &opts.channel) {
+        (Some(port), Some(tls)) => Some(control_channel(&plan, &node, port, tls).await?),
         (Some(_), None) => return Err(SupervisorError::NoSecret { node: node.clone() }),
         (None, _) => None,
     };
@@ -183,8 +186,7 @@ pub async fn run(
         tokio::spawn(control_tcp::serve(
             listener,
             handlers,
-            opts.secret.clone().expect("checked above"),
-            plan.cluster.clone(),
+            opts.channel.clone().expect("checked above"),
         ))
     });
     let mut signals =
@@ -278,7 +280,7 @@ async fn control_channel(
     plan: &Plan,
     node: &str,
     port: u16,
-    secret: &Secret,
+    tls: &Arc<PeerTls>,
 ) -> Result<(tokio::net::TcpListener, Arc<Peers>), SupervisorError> {
     let address = plan
         .nodes
@@ -298,15 +300,27 @@ async fn control_channel(
         .iter()
         .filter(|(n, _)| n.as_str() != node)
         .map(|(n, addr)| {
-            let endpoint = Endpoint::Tcp {
-                addr: format!("{addr}:{port}"),
-                cluster: plan.cluster.clone(),
-                secret: secret.clone(),
-            };
+            let endpoint = Endpoint::peer(format!("{addr}:{port}"), n, tls);
             (n.clone(), addr.clone(), endpoint)
         })
         .collect();
     Ok((listener, Peers::start(peers)))
+}
+
+/// Raises this process's open-file limit to its hard limit: every connection, log and
+/// child pipe takes a descriptor, and the default soft limit (1024) is what a burst of
+/// connections to the control channel would exhaust first.
+fn raise_open_file_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!("cannot raise the open-file limit from {soft} to {hard}: {e}");
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!("cannot read the open-file limit: {e}"),
+    }
 }
 
 /// Until every local service is healthy or one failed; draws progress in the foreground.

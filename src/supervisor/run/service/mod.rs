@@ -95,6 +95,7 @@ pub struct ServiceCtx {
 /// supervisor; a service gets the engine key only where its plan names the variable.
 const SECRET_VARS: &[&str] = &[
     crate::control::auth::SECRET_ENV,
+    crate::control::auth::JOIN_TOKEN_ENV,
     crate::vocab::PROXY_ENGINE_KEY_VAR,
     crate::vocab::ENGINE_API_KEY_VAR,
 ];

@@ -1,0 +1,353 @@
+//! `pdctl up` on the head starting the other nodes over SSH: for each node whose
+//! `[nodes]` table says `ssh`, the system's OpenSSH client (the user's keys, agent and
+//! ~/.ssh/config; `PDCTL_SSH_COMMAND` replaces program and options, as GIT_SSH_COMMAND
+//! does for git) checks the node has this very pdctl (by its SHA-256) and copies it there
+//! when not (same architecture only), then runs the hidden `pdctl node-up` there, which
+//! takes the plan, the node's certificate and key and the engines' key on its standard
+//! input (never an argument, an environment variable or a log line) and does what `pdctl
+//! up -d --node NODE` would. The cluster's secret stays on the head: a node started this
+//! way cannot join as another node.
+
+use crate::control::auth::EngineKey;
+use crate::control::tls::{ClusterCa, NodeCreds};
+use crate::plan::Plan;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::{BufRead, Read, Write};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The environment variable that replaces `ssh` and its options (run by `sh -c`, the
+/// destination and the remote command appended).
+pub const SSH_COMMAND_ENV: &str = "PDCTL_SSH_COMMAND";
+
+/// Where pdctl is put on a node (in the SSH user's home, as its shell expands it), with
+/// its SHA-256 beside it.
+const REMOTE_DIR: &str = "\"$HOME/.pdctl/bin\"";
+const REMOTE_BIN: &str = "\"$HOME/.pdctl/bin/pdctl\"";
+
+/// Everything a node started over SSH is handed on its standard input. No `Debug`: it
+/// holds the node's key and the engines' key.
+#[derive(Serialize, Deserialize)]
+pub struct NodeBundle {
+    pub node: String,
+    pub plan: Plan,
+    /// The key every engine of the cluster requires (the head's, derived or set).
+    pub engine_key: String,
+    pub creds: NodeCreds,
+    pub log_max_bytes: u64,
+    pub log_keep: u32,
+}
+
+/// The largest bundle `node-up` reads (a plan with its files is far smaller).
+pub const BUNDLE_MAX: u64 = 64 << 20;
+
+/// `ssh DEST REMOTE`, or the user's `PDCTL_SSH_COMMAND` in its place.
+fn ssh(dest: &str, remote: &str) -> Command {
+    match std::env::var(SSH_COMMAND_ENV) {
+        Ok(cmd) if !cmd.trim().is_empty() => {
+            let mut c = Command::new("sh");
+            c.arg("-c")
+                .arg(format!("{cmd} \"$@\""))
+                .arg("pdctl-ssh")
+                .args([dest, remote]);
+            c
+        }
+        _ => {
+            let mut c = Command::new("ssh");
+            c.args([
+                "-o",
+                "BatchMode=yes",
+                "-o",
+                "ConnectTimeout=10",
+                dest,
+                remote,
+            ]);
+            c
+        }
+    }
+}
+
+/// Runs `cmd` with `input` on its stdin; its stdout, or an error with its stderr.
+fn run(mut cmd: Command, input: Option<&mut dyn Read>, what: &str) -> anyhow::Result<String> {
+    cmd.stdin(if input.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = cmd.spawn().map_err(|e| {
+        anyhow::anyhow!(
+            "{what}: cannot run ssh: {e} (install the OpenSSH client, or set {SSH_COMMAND_ENV})"
+        )
+    })?;
+    if let Some(input) = input {
+        let mut stdin = child.stdin.take().expect("piped");
+        std::io::copy(input, &mut stdin).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+    }
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "{what}: ssh exited with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// SHA-256 of this pdctl binary (hex).
+fn own_hash() -> anyhow::Result<(std::path::PathBuf, String)> {
+    use sha2::Digest;
+    let exe = std::env::current_exe()?;
+    let mut f = std::fs::File::open(&exe)?;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    let hex = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    Ok((exe, hex))
+}
+
+/// Makes sure `dest` has this pdctl; the command that runs it there.
+fn ensure_pdctl(
+    node: &str,
+    dest: &str,
+    exe: &std::path::Path,
+    hash: &str,
+) -> anyhow::Result<(String, &'static str)> {
+    let probe = format!(
+        "uname -m; cat {REMOTE_DIR}/pdctl.sha256 2>/dev/null || echo none; pdctl --version 2>/dev/null || echo none"
+    );
+    let what = format!("node {node} ({dest})");
+    let out = run(ssh(dest, &probe), None, &what)?;
+    let mut lines = out.lines().map(str::trim);
+    let arch = lines.next().unwrap_or_default().to_string();
+    let stamp = lines.next().unwrap_or_default();
+    let on_path = lines.next().unwrap_or_default();
+    if stamp == hash {
+        return Ok((REMOTE_BIN.to_string(), "already there"));
+    }
+    let ours = std::env::consts::ARCH;
+    if arch != ours {
+        let version = concat!("pdctl ", env!("CARGO_PKG_VERSION"));
+        if on_path == version {
+            return Ok(("pdctl".to_string(), "on its PATH"));
+        }
+        anyhow::bail!(
+            "{what} is {arch} and this pdctl is built for {ours}: install {version} there (./install.sh on that machine) so `pdctl` is on its PATH, then `pdctl up` again"
+        );
+    }
+    let d = REMOTE_DIR;
+    let copy = format!(
+        "mkdir -p {d} && cat > {d}/pdctl.part && chmod 755 {d}/pdctl.part && mv -f {d}/pdctl.part {REMOTE_BIN} && echo {hash} > {d}/pdctl.sha256"
+    );
+    let mut file = std::fs::File::open(exe)?;
+    run(
+        ssh(dest, &copy),
+        Some(&mut file),
+        &format!("copying pdctl to {what}"),
+    )?;
+    Ok((REMOTE_BIN.to_string(), "copied"))
+}
+
+/// One node being started over SSH: its `node-up`'s output and, once it ended, how.
+struct Started {
+    node: String,
+    dest: String,
+    output: Arc<Mutex<Vec<String>>>,
+    exit: Arc<Mutex<Option<ExitStatus>>>,
+}
+
+/// The nodes the head started over SSH, their `node-up`s running in the background.
+#[derive(Default)]
+pub struct RemoteNodes {
+    started: Vec<Started>,
+}
+
+/// What each SSH node is given, made by the head.
+pub struct Handout<'a> {
+    pub plan: &'a Plan,
+    pub ca: &'a ClusterCa,
+    pub engine_key: &'a EngineKey,
+    pub log_max_bytes: u64,
+    pub log_keep: u32,
+}
+
+impl RemoteNodes {
+    /// For every node with `ssh` (but the head): pdctl put there, then its `node-up`
+    /// started. Fails, before anything runs anywhere, when a node cannot be reached or
+    /// given pdctl.
+    pub fn start(ssh_of: &BTreeMap<String, String>, h: &Handout) -> anyhow::Result<RemoteNodes> {
+        let targets: Vec<(&String, &String)> = ssh_of
+            .iter()
+            .filter(|(n, _)| **n != h.plan.head_node && h.plan.nodes.contains_key(*n))
+            .collect();
+        if targets.is_empty() {
+            return Ok(RemoteNodes::default());
+        }
+        let (exe, hash) = own_hash()?;
+        let ready: Vec<anyhow::Result<String>> = std::thread::scope(|s| {
+            let jobs: Vec<_> = targets
+                .iter()
+                .map(|(node, dest)| {
+                    let (exe, hash) = (&exe, &hash);
+                    s.spawn(move || {
+                        let t0 = Instant::now();
+                        let (program, how) = ensure_pdctl(node, dest, exe, hash)?;
+                        println!(
+                            "pdctl: node {node} ({dest}): pdctl {how} ({:.1} s)",
+                            t0.elapsed().as_secs_f64()
+                        );
+                        Ok(program)
+                    })
+                })
+                .collect();
+            jobs.into_iter()
+                .map(|j| {
+                    j.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("a thread panicked")))
+                })
+                .collect()
+        });
+        let mut nodes = RemoteNodes::default();
+        for ((node, dest), program) in targets.into_iter().zip(ready) {
+            let program = program?;
+            nodes.started.push(start_one(node, dest, &program, h)?);
+        }
+        Ok(nodes)
+    }
+
+    /// Whether the head started any node.
+    pub fn is_empty(&self) -> bool {
+        self.started.is_empty()
+    }
+
+    /// The first node whose `node-up` failed, with the end of what it said.
+    pub fn failure(&self) -> Option<String> {
+        self.started.iter().find_map(|s| {
+            let status = (*s.exit.lock().unwrap_or_else(|e| e.into_inner()))?;
+            if status.success() {
+                return None;
+            }
+            let out = s.output.lock().unwrap_or_else(|e| e.into_inner());
+            let tail = out[out.len().saturating_sub(20)..].join("\n    ");
+            Some(format!(
+                "node {} ({}): `pdctl up` there failed ({status}):\n    {tail}",
+                s.node, s.dest
+            ))
+        })
+    }
+
+    /// Waits (up to `limit`) for every `node-up` to end and says how each did.
+    pub fn finish(&self, limit: Duration) {
+        let end = Instant::now() + limit;
+        for s in &self.started {
+            while s.exit.lock().unwrap_or_else(|e| e.into_inner()).is_none() && Instant::now() < end
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let status = *s.exit.lock().unwrap_or_else(|e| e.into_inner());
+            let out = s.output.lock().unwrap_or_else(|e| e.into_inner());
+            match status {
+                Some(st) if st.success() => println!(
+                    "pdctl: node {} ({}): {}",
+                    s.node,
+                    s.dest,
+                    out.last().map(String::as_str).unwrap_or("up")
+                ),
+                Some(_) => eprintln!("error: {}", self.failure().unwrap_or_default()),
+                None => eprintln!(
+                    "pdctl: node {} ({}): `pdctl up` there has not finished; its last words: {}",
+                    s.node,
+                    s.dest,
+                    out.last().map(String::as_str).unwrap_or("none")
+                ),
+            }
+        }
+    }
+}
+
+/// Starts `node-up` on one node, its bundle written to its stdin, its output collected.
+fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Result<Started> {
+    let bundle = NodeBundle {
+        node: node.to_string(),
+        plan: h.plan.clone(),
+        engine_key: h.engine_key.reveal().to_string(),
+        creds: h.ca.issue(node)?,
+        log_max_bytes: h.log_max_bytes,
+        log_keep: h.log_keep,
+    };
+    let mut cmd = ssh(dest, &format!("{program} node-up"));
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("node {node} ({dest}): cannot run ssh: {e}"))?;
+    let mut stdin = child.stdin.take().expect("piped");
+    let json = serde_json::to_vec(&bundle).expect("bundles serialize");
+    stdin
+        .write_all(&json)
+        .map_err(|e| anyhow::anyhow!("node {node} ({dest}): handing it its credentials: {e}"))?;
+    drop(stdin);
+    let output = Arc::new(Mutex::new(Vec::new()));
+    let exit = Arc::new(Mutex::new(None));
+    let readers: Vec<_> = [
+        child
+            .stdout
+            .take()
+            .map(|o| Box::new(o) as Box<dyn Read + Send>),
+        child
+            .stderr
+            .take()
+            .map(|e| Box::new(e) as Box<dyn Read + Send>),
+    ]
+    .into_iter()
+    .flatten()
+    .map(|r| {
+        let output = output.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(r).lines().map_while(Result::ok) {
+                let line = crate::supervisor::strip_ansi(&line);
+                if !line.trim().is_empty() {
+                    output.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+                }
+            }
+        })
+    })
+    .collect();
+    let done = exit.clone();
+    std::thread::spawn(move || {
+        for r in readers {
+            let _ = r.join();
+        }
+        let status = child.wait().ok();
+        *done.lock().unwrap_or_else(|e| e.into_inner()) = status;
+    });
+    println!("pdctl: node {node} ({dest}): starting its supervisor over ssh");
+    Ok(Started {
+        node: node.to_string(),
+        dest: dest.to_string(),
+        output,
+        exit,
+    })
+}
+
+/// Reads the bundle `node-up` is handed on its stdin.
+pub fn read_bundle(input: impl Read) -> anyhow::Result<NodeBundle> {
+    let mut text = Vec::new();
+    input.take(BUNDLE_MAX).read_to_end(&mut text)?;
+    serde_json::from_slice(&text).map_err(|e| {
+        anyhow::anyhow!(
+            "node-up reads what `pdctl up` on the head hands it over ssh, not this ({e})"
+        )
+    })
+}

@@ -1,0 +1,642 @@
+//! The supervisors' channel between machines: TLS 1.3 (rustls, ring provider) with a
+//! certificate authority of the cluster's own, made by the head at its first `up` and kept
+//! in its state dir, and a certificate per node signed by it. Both sides of every
+//! connection show their certificate and check the other's against the cluster's CA, so
+//! nothing a node says to another can be read or changed on the way, and a node knows
+//! which node it talks to (the certificate names it): that is what decides what a peer
+//! may ask ([`crate::control::PeerRequest`]).
+//!
+//! A node the head starts over SSH gets its certificate and key through the SSH
+//! connection. A node started by hand joins: its join token ([`JoinToken`]) pins the CA
+//! (the SHA-256 of its certificate) and carries the cluster's secret; the node checks the
+//! head's certificate chains to exactly that CA before it proves the secret (an HMAC bound
+//! to this TLS session, [`crate::control::auth::Secret::join_proof`]) and takes the
+//! certificate the head issues it. Only the head holds the CA's key.
+
+use super::auth::Secret;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use sha2::Digest;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Folder of a cluster's state dir that holds its TLS files (mode 0700).
+pub const TLS_DIR: &str = "tls";
+const CA_CERT: &str = "ca.pem";
+const CA_KEY: &str = "ca.key";
+const NODE_CERT: &str = "node.pem";
+const NODE_KEY: &str = "node.key";
+const NODE_NAME: &str = "node.name";
+
+/// The label under which a join is exported from the TLS session (RFC 5705), so a proof
+/// of the secret made for one session is worth nothing in another.
+pub const JOIN_EXPORTER_LABEL: &[u8] = b"EXPORTER-pdctl-join-v1";
+
+/// What can go wrong with the channel's certificates and keys.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot {what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: {why}; remove the folder to make new credentials (on the head) or join again", path.display())]
+    Bad { path: PathBuf, why: String },
+    #[error("making the cluster's certificates: {0}")]
+    Make(String),
+    #[error("setting up TLS: {0}")]
+    Config(String),
+    #[error(
+        "the join token is not one `pdctl join-token` prints ({0}); on the head run `pdctl join-token` and give the whole line"
+    )]
+    Token(&'static str),
+}
+
+/// The TLS provider every side uses: ring, TLS 1.3 only.
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The DNS name a node's certificate is made for: its name in hex (node names are free
+/// text; hex is unambiguous and always a valid DNS label), split in labels of 60.
+pub fn node_dns(node: &str) -> String {
+    let hex: String = node.bytes().map(|b| format!("{b:02x}")).collect();
+    let hex = if hex.is_empty() {
+        "00".to_string()
+    } else {
+        hex
+    };
+    let labels: Vec<&str> = hex
+        .as_bytes()
+        .chunks(60)
+        .map(|c| std::str::from_utf8(c).expect("hex is ASCII"))
+        .collect();
+    format!("n{}.node.pdctl", labels.join(".n"))
+}
+
+fn server_name(node: &str) -> ServerName<'static> {
+    ServerName::try_from(node_dns(node)).expect("node_dns makes valid DNS names")
+}
+
+/// SHA-256 of a certificate, hex: what a join token pins.
+pub fn cert_hash(der: &[u8]) -> String {
+    hex(&sha2::Sha256::digest(der))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn ca_params(cluster: &str) -> rcgen::CertificateParams {
+    let mut p = rcgen::CertificateParams::default();
+    p.distinguished_name = rcgen::DistinguishedName::new();
+    p.distinguished_name.push(
+        rcgen::DnType::CommonName,
+        format!("pdctl cluster {cluster} CA"),
+    );
+    p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
+    p.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::CrlSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    p
+}
+
+fn read_text(path: &Path) -> Result<Option<String>, TlsError> {
+    match std::fs::read_to_string(path) {
+        Ok(t) => Ok(Some(t)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(TlsError::Io {
+            what: "read",
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// Writes `text` to `path` (atomically), readable by its owner only.
+fn write_private(path: &Path, text: &str) -> Result<(), TlsError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let io = |what, source| TlsError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    };
+    let tmp = path.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(|e| io("create", e))?;
+    f.write_all(text.as_bytes()).map_err(|e| io("write", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io("write", e))
+}
+
+fn make_dir(dir: &Path) -> Result<(), TlsError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|source| TlsError::Io {
+            what: "create",
+            path: dir.to_path_buf(),
+            source,
+        })
+}
+
+/// The cluster's certificate authority, which only the head holds.
+pub struct ClusterCa {
+    cluster: String,
+    key: rcgen::KeyPair,
+    cert_pem: String,
+}
+
+impl std::fmt::Debug for ClusterCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ClusterCa({}, {})", self.cluster, self.hash())
+    }
+}
+
+impl ClusterCa {
+    /// The CA kept in `dir` (a state dir's `tls/`), if the head made one there.
+    pub fn load(dir: &Path, cluster: &str) -> Result<Option<ClusterCa>, TlsError> {
+        let (cert_path, key_path) = (dir.join(CA_CERT), dir.join(CA_KEY));
+        let (Some(cert_pem), Some(key_pem)) = (read_text(&cert_path)?, read_text(&key_path)?)
+        else {
+            return Ok(None);
+        };
+        let key = rcgen::KeyPair::from_pem(&key_pem).map_err(|e| TlsError::Bad {
+            path: key_path.clone(),
+            why: e.to_string(),
+        })?;
+        CertificateDer::from_pem_slice(cert_pem.as_bytes()).map_err(|e| TlsError::Bad {
+            path: cert_path.clone(),
+            why: e.to_string(),
+        })?;
+        Ok(Some(ClusterCa {
+            cluster: cluster.to_string(),
+            key,
+            cert_pem,
+        }))
+    }
+
+    /// The CA kept in `dir` (a state dir's `tls/`), or a new one made and kept there.
+    pub fn load_or_make(dir: &Path, cluster: &str) -> Result<ClusterCa, TlsError> {
+        if let Some(ca) = ClusterCa::load(dir, cluster)? {
+            return Ok(ca);
+        }
+        let (cert_path, key_path) = (dir.join(CA_CERT), dir.join(CA_KEY));
+        make_dir(dir)?;
+        let key = rcgen::KeyPair::generate().map_err(|e| TlsError::Make(e.to_string()))?;
+        let cert = ca_params(cluster)
+            .self_signed(&key)
+            .map_err(|e| TlsError::Make(e.to_string()))?;
+        write_private(&key_path, &key.serialize_pem())?;
+        write_private(&cert_path, &cert.pem())?;
+        Ok(ClusterCa {
+            cluster: cluster.to_string(),
+            key,
+            cert_pem: cert.pem(),
+        })
+    }
+
+    /// SHA-256 of the CA's certificate (what join tokens pin).
+    pub fn hash(&self) -> String {
+        let der = CertificateDer::from_pem_slice(self.cert_pem.as_bytes())
+            .expect("the CA certificate was read or made as PEM");
+        cert_hash(&der)
+    }
+
+    /// A new certificate and key for `node`, signed by this CA; good as a server and as
+    /// a client, for that node's name only.
+    pub fn issue(&self, node: &str) -> Result<NodeCreds, TlsError> {
+        let make = |e: rcgen::Error| TlsError::Make(e.to_string());
+        let issuer = rcgen::Issuer::new(ca_params(&self.cluster), &self.key);
+        let key = rcgen::KeyPair::generate().map_err(make)?;
+        let mut p = rcgen::CertificateParams::new(vec![node_dns(node)]).map_err(make)?;
+        p.distinguished_name = rcgen::DistinguishedName::new();
+        p.distinguished_name.push(
+            rcgen::DnType::CommonName,
+            format!("pdctl node {node} of cluster {}", self.cluster),
+        );
+        p.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        p.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
+        let cert = p.signed_by(&key, &issuer).map_err(make)?;
+        Ok(NodeCreds {
+            node: node.to_string(),
+            ca_pem: self.cert_pem.clone(),
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+}
+
+/// A node's credentials on the channel: the cluster's CA certificate, and the node's own
+/// certificate and key. `Debug` never shows the key.
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NodeCreds {
+    pub node: String,
+    pub ca_pem: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl std::fmt::Debug for NodeCreds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NodeCreds({}, ca {})", self.node, self.ca_hash())
+    }
+}
+
+impl NodeCreds {
+    /// The credentials kept in `dir` (a state dir's `tls/`), if there are any.
+    pub fn read(dir: &Path) -> Result<Option<NodeCreds>, TlsError> {
+        let parts = (
+            read_text(&dir.join(NODE_NAME))?,
+            read_text(&dir.join(CA_CERT))?,
+            read_text(&dir.join(NODE_CERT))?,
+            read_text(&dir.join(NODE_KEY))?,
+        );
+        let (Some(node), Some(ca_pem), Some(cert_pem), Some(key_pem)) = parts else {
+            return Ok(None);
+        };
+        let creds = NodeCreds {
+            node: node.trim().to_string(),
+            ca_pem,
+            cert_pem,
+            key_pem,
+        };
+        creds.check().map_err(|why| TlsError::Bad {
+            path: dir.to_path_buf(),
+            why,
+        })?;
+        Ok(Some(creds))
+    }
+
+    /// Keeps the credentials in `dir`, every file readable by its owner only.
+    pub fn write(&self, dir: &Path) -> Result<(), TlsError> {
+        make_dir(dir)?;
+        write_private(&dir.join(CA_CERT), &self.ca_pem)?;
+        write_private(&dir.join(NODE_CERT), &self.cert_pem)?;
+        write_private(&dir.join(NODE_KEY), &self.key_pem)?;
+        write_private(&dir.join(NODE_NAME), &format!("{}\n", self.node))
+    }
+
+    /// SHA-256 of the CA certificate these credentials trust.
+    pub fn ca_hash(&self) -> String {
+        CertificateDer::from_pem_slice(self.ca_pem.as_bytes())
+            .map(|d| cert_hash(&d))
+            .unwrap_or_else(|_| "(unreadable)".into())
+    }
+
+    /// Whether every part parses.
+    fn check(&self) -> Result<(), String> {
+        self.parts().map(|_| ())
+    }
+
+    fn parts(
+        &self,
+    ) -> Result<
+        (
+            CertificateDer<'static>,
+            Vec<CertificateDer<'static>>,
+            PrivateKeyDer<'static>,
+        ),
+        String,
+    > {
+        let ca = CertificateDer::from_pem_slice(self.ca_pem.as_bytes())
+            .map_err(|e| format!("the CA certificate: {e}"))?;
+        let cert = CertificateDer::from_pem_slice(self.cert_pem.as_bytes())
+            .map_err(|e| format!("the node certificate: {e}"))?;
+        let key = PrivateKeyDer::from_pem_slice(self.key_pem.as_bytes())
+            .map_err(|e| format!("the node key: {e}"))?;
+        Ok((ca.clone(), vec![cert, ca], key))
+    }
+}
+
+/// A node's side of the channel, made once at start: how it connects to the other
+/// nodes (as a client showing its certificate) and how it accepts them (as a server
+/// asking for theirs), and, on the head, what it needs to let nodes join.
+pub struct PeerTls {
+    /// The cluster's name, for messages.
+    pub cluster: String,
+    /// This node.
+    pub node: String,
+    /// The head node: the only one that may ask another to run, stop or change services.
+    pub head: String,
+    /// Every node of the cluster, for telling which one a peer's certificate names.
+    nodes: Vec<String>,
+    client: Arc<ClientConfig>,
+    server: Arc<ServerConfig>,
+    /// On the head: the CA and the secret, to answer joins.
+    joins: Option<(ClusterCa, Secret)>,
+}
+
+impl std::fmt::Debug for PeerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PeerTls({} of {})", self.node, self.cluster)
+    }
+}
+
+impl PeerTls {
+    /// The channel of `creds.node`, in a cluster of `nodes` whose head is `head`. `joins`:
+    /// on the head, the CA and the secret with which it lets nodes started by hand join.
+    pub fn new(
+        cluster: &str,
+        head: &str,
+        nodes: Vec<String>,
+        creds: &NodeCreds,
+        joins: Option<(ClusterCa, Secret)>,
+    ) -> Result<PeerTls, TlsError> {
+        let (ca, chain, key) = creds.parts().map_err(TlsError::Config)?;
+        let config = |e: &dyn std::fmt::Display| TlsError::Config(e.to_string());
+        let mut roots = RootCertStore::empty();
+        roots.add(ca).map_err(|e| config(&e))?;
+        let roots = Arc::new(roots);
+        let client = ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| config(&e))?
+            .with_root_certificates(roots.clone())
+            .with_client_auth_cert(chain.clone(), key.clone_key())
+            .map_err(|e| config(&e))?;
+        // A client without a certificate gets through the handshake only to join (and
+        // only on the head, with the secret); everything else wants a node's certificate.
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(roots, provider())
+                .allow_unauthenticated()
+                .build()
+                .map_err(|e| config(&e))?;
+        let server = ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| config(&e))?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain, key)
+            .map_err(|e| config(&e))?;
+        Ok(PeerTls {
+            cluster: cluster.to_string(),
+            node: creds.node.clone(),
+            head: head.to_string(),
+            nodes,
+            client: Arc::new(client),
+            server: Arc::new(server),
+            joins,
+        })
+    }
+
+    /// Connects to `node`'s supervisor over `stream`, checking its certificate names it.
+    pub async fn connect(
+        &self,
+        node: &str,
+        stream: tokio::net::TcpStream,
+    ) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+        tokio_rustls::TlsConnector::from(self.client.clone())
+            .connect(server_name(node), stream)
+            .await
+    }
+
+    /// The acceptor for connections from other nodes.
+    pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.server.clone())
+    }
+
+    /// The node a verified client certificate names, if any of the cluster's.
+    pub fn node_of(&self, cert: &CertificateDer<'_>) -> Option<String> {
+        let parsed = rustls::server::ParsedCertificate::try_from(cert).ok()?;
+        self.nodes
+            .iter()
+            .find(|n| rustls::client::verify_server_name(&parsed, &server_name(n)).is_ok())
+            .cloned()
+    }
+
+    /// On the head: new credentials for `node` when `proof` shows the secret for this
+    /// session (`binding`, exported from it); why not, otherwise.
+    pub fn answer_join(
+        &self,
+        node: &str,
+        proof: &str,
+        binding: &[u8],
+    ) -> Result<NodeCreds, String> {
+        let Some((ca, secret)) = &self.joins else {
+            return Err(format!(
+                "node {} is not the head ({}): nodes join the head",
+                self.node, self.head
+            ));
+        };
+        if !secret.verify_join(node, binding, proof) {
+            return Err("wrong join token: the secret in it is not this cluster's".into());
+        }
+        if node == self.head || !self.nodes.iter().any(|n| n == node) {
+            return Err(format!(
+                "node `{node}` cannot join cluster {}: its nodes other than the head ({}) are {}",
+                self.cluster,
+                self.head,
+                self.nodes
+                    .iter()
+                    .filter(|n| **n != self.head)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+        ca.issue(node).map_err(|e| e.to_string())
+    }
+}
+
+/// What a node started by hand is given to join: the CA's hash (so it trusts no other
+/// server) and the cluster's secret (so the head lets it in), as
+/// `PD1<sha256 of the CA certificate>::<secret>` (as k3s's `K10<hash>::...` tokens).
+#[derive(Clone, PartialEq, Eq)]
+pub struct JoinToken {
+    pub ca_hash: String,
+    pub secret: Secret,
+}
+
+impl std::fmt::Debug for JoinToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "JoinToken(PD1{}::..)", self.ca_hash)
+    }
+}
+
+const TOKEN_PREFIX: &str = "PD1";
+
+impl JoinToken {
+    /// The token as `pdctl join-token` prints it.
+    pub fn reveal(&self) -> String {
+        format!("{TOKEN_PREFIX}{}::{}", self.ca_hash, self.secret.reveal())
+    }
+
+    /// Reads a token a person gave.
+    pub fn parse(text: &str) -> Result<JoinToken, TlsError> {
+        let t = text.trim();
+        let rest = t
+            .strip_prefix(TOKEN_PREFIX)
+            .ok_or(TlsError::Token("it does not start with PD1"))?;
+        let (hash, secret) = rest
+            .split_once("::")
+            .ok_or(TlsError::Token("no `::` after the CA's hash"))?;
+        if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(TlsError::Token("the CA's hash is not 64 hex digits"));
+        }
+        let secret = Secret::from_text(secret, "the join token")
+            .map_err(|_| TlsError::Token("the secret in it is too short"))?;
+        Ok(JoinToken {
+            ca_hash: hash.to_ascii_lowercase(),
+            secret,
+        })
+    }
+
+    /// A client config that trusts only a server whose chain holds the pinned CA (and is
+    /// signed by it), and shows no certificate of its own.
+    pub fn client_config(&self) -> Result<ClientConfig, TlsError> {
+        let verifier = PinnedCa {
+            hash: self.ca_hash.clone(),
+            provider: provider(),
+        };
+        Ok(ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| TlsError::Config(e.to_string()))?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(verifier))
+            .with_no_client_auth())
+    }
+
+    /// Connects to the head for a join.
+    pub async fn connect(
+        &self,
+        head: &str,
+        stream: tokio::net::TcpStream,
+    ) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+        let config = self.client_config().map_err(std::io::Error::other)?;
+        tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(server_name(head), stream)
+            .await
+    }
+}
+
+/// Trusts the CA whose certificate has the pinned hash, found in the chain the server
+/// sends, and checks the server's certificate against it as any CA would be.
+#[derive(Debug)]
+struct PinnedCa {
+    hash: String,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
+
+impl rustls::client::danger::ServerCertVerifier for PinnedCa {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let ca = intermediates
+            .iter()
+            .find(|c| cert_hash(c) == self.hash)
+            .ok_or_else(|| {
+                rustls::Error::General("the server's CA is not the one the join token pins".into())
+            })?;
+        let mut roots = RootCertStore::empty();
+        roots.add(ca.clone().into_owned())?;
+        let inner = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::new(roots),
+            self.provider.clone(),
+        )
+        .build()
+        .map_err(|e| rustls::Error::General(e.to_string()))?;
+        inner.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_names_become_dns_names_one_to_one() {
+        assert_eq!(node_dns("head"), "n68656164.node.pdctl");
+        assert_ne!(node_dns("Head"), node_dns("head"));
+        let long = "x".repeat(45);
+        assert!(ServerName::try_from(node_dns(&long)).is_ok());
+        assert!(ServerName::try_from(node_dns("a b_ü")).is_ok());
+    }
+
+    #[test]
+    fn tokens_round_trip_and_bad_ones_say_why() {
+        let t = JoinToken {
+            ca_hash: "ab".repeat(32),
+            secret: Secret::random(),
+        };
+        assert_eq!(JoinToken::parse(&t.reveal()).unwrap(), t);
+        assert!(!format!("{t:?}").contains(t.secret.reveal()));
+        for bad in ["", "K10abc::x", "PD1abc::0123456789abcdef0", "PD1"] {
+            assert!(JoinToken::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_ca_is_kept_and_its_certificates_name_their_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = ClusterCa::load_or_make(dir.path(), "c1").unwrap();
+        let again = ClusterCa::load_or_make(dir.path(), "c1").unwrap();
+        assert_eq!(ca.hash(), again.hash());
+        let creds = again.issue("worker").unwrap();
+        assert_eq!(creds.ca_hash(), ca.hash());
+        let nodes = vec!["head".to_string(), "worker".to_string()];
+        let tls = PeerTls::new("c1", "head", nodes, &creds, None).unwrap();
+        let cert = CertificateDer::from_pem_slice(creds.cert_pem.as_bytes()).unwrap();
+        assert_eq!(tls.node_of(&cert).as_deref(), Some("worker"));
+        let kept = dir.path().join("kept");
+        creds.write(&kept).unwrap();
+        assert_eq!(NodeCreds::read(&kept).unwrap(), Some(creds));
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(kept.join(NODE_KEY))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+}
