@@ -1,8 +1,9 @@
 //! The cluster secret: what the engine key is derived from, and what a node started by
 //! hand proves (inside a TLS session whose server it has checked against the CA its join
 //! token pins, [`crate::control::tls`]) to be given its certificate. The proof is an
-//! HMAC-SHA256 bound to that session, compared in constant time (`Mac::verify_slice`):
-//! the secret never crosses the wire. Everything between the supervisors travels inside
+//! HMAC-SHA256 bound to that session, compared in constant time by
+//! [`crate::constant_time::equal`] (the one comparison pdctl uses): the secret never
+//! crosses the wire. Everything between the supervisors travels inside
 //! mutually authenticated TLS 1.3 (docs/security.md).
 
 use hmac::{KeyInit, Mac};
@@ -148,7 +149,10 @@ impl Secret {
     /// Whether `proof` (hex) is the HMAC of the nonces; compared in constant time.
     fn verify(&self, label: &[u8], server: &[u8], client: &[u8], proof: &str) -> bool {
         match unhex(proof) {
-            Some(bytes) => self.mac(label, server, client).verify_slice(&bytes).is_ok(),
+            Some(bytes) => {
+                let want = self.mac(label, server, client).finalize().into_bytes();
+                crate::constant_time::equal(&bytes, &want)
+            }
             None => false,
         }
     }
