@@ -56,16 +56,6 @@ pub struct Handed {
     pub engine_key: crate::control::auth::EngineKey,
 }
 
-/// Arguments of `pdctl down`.
-#[derive(Debug, Args)]
-pub struct DownArgs {
-    /// Seconds each service gets to exit after its stop signal before SIGKILL.
-    #[arg(short = 't', long = "timeout", default_value_t = 30)]
-    pub timeout: u64,
-    #[command(flatten)]
-    pub which: ClusterArgs,
-}
-
 /// Arguments of `pdctl status`.
 #[derive(Debug, Args)]
 pub struct StatusArgs {
@@ -76,31 +66,8 @@ pub struct StatusArgs {
     pub which: ClusterArgs,
 }
 
-/// Arguments of `pdctl restart`.
-#[derive(Debug, Args)]
-pub struct RestartArgs {
-    /// Services (`decode-1`) or roles (`prefill`: every prefill instance) to restart; their
-    /// `restart_with` companions are restarted with them.
-    #[arg(required = true)]
-    pub targets: Vec<String>,
-    /// One at a time: take the service out of the proxy's routing, let its requests in
-    /// flight finish (up to --timeout), restart it, and wait until it is healthy again
-    /// before the next. New requests go to the other instances, or wait in the proxy
-    /// while the only one restarts.
-    #[arg(long)]
-    pub drain: bool,
-    /// `--drain` over every instance of one ROLE, one after another.
-    #[arg(long, conflicts_with = "drain")]
-    pub rolling: bool,
-    /// Seconds a draining service's requests in flight get before it is restarted anyway.
-    #[arg(long, default_value_t = 60)]
-    pub timeout: u64,
-    #[command(flatten)]
-    pub which: ClusterArgs,
-}
-
 /// Restarts services of the running cluster.
-pub fn restart(a: RestartArgs) -> anyhow::Result<ExitCode> {
+pub fn restart(a: super::restart::RestartArgs) -> anyhow::Result<ExitCode> {
     super::restart::run(&a, runtime()?)
 }
 
@@ -472,7 +439,7 @@ pub fn apply(a: super::live::ApplyArgs) -> anyhow::Result<ExitCode> {
         "pdctl: --recreate: taking cluster {} down and starting it again from the topology (requests in flight are cut)",
         found.cluster
     );
-    let down = DownArgs {
+    let down = super::down::DownArgs {
         timeout: 30,
         which: ClusterArgs {
             cluster: Some(found.cluster.clone()),
@@ -496,7 +463,7 @@ pub fn apply(a: super::live::ApplyArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// `pdctl down`: stop the running cluster, or clean up after a dead supervisor.
-pub fn down(a: DownArgs) -> anyhow::Result<ExitCode> {
+pub fn down(a: super::down::DownArgs) -> anyhow::Result<ExitCode> {
     super::down::run(&a, runtime()?)
 }
 

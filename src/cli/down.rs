@@ -2,13 +2,23 @@
 //! exited; a supervisor that does not answer is signalled, and a dead one's leftovers are
 //! cleaned up.
 
-use super::cluster::DownArgs;
-use super::common::state_root;
+use super::common::{ClusterArgs, state_root};
 use crate::control::{Request, Response, client};
 use crate::supervisor::{RunRecord, clean_if_stale, select};
+use clap::Args;
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
+
+/// Arguments of `pdctl down`.
+#[derive(Debug, Args)]
+pub struct DownArgs {
+    /// Seconds each service gets to exit after its stop signal before SIGKILL.
+    #[arg(short = 't', long = "timeout", default_value_t = 30)]
+    pub timeout: u64,
+    #[command(flatten)]
+    pub which: ClusterArgs,
+}
 
 /// `pdctl down`: stops the running cluster, or cleans up after a dead supervisor.
 pub fn run(a: &DownArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitCode> {

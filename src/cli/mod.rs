@@ -44,11 +44,11 @@ pub enum Command {
     /// Start the cluster and keep it up (foreground, or -d to detach).
     Up(cluster::UpArgs),
     /// Stop every service of the running cluster and remove its runtime state.
-    Down(cluster::DownArgs),
+    Down(down::DownArgs),
     /// Show the state of every service (table, or --json).
     Status(cluster::StatusArgs),
     /// Restart services (`decode-1`) or roles (`prefill`) of the running cluster.
-    Restart(cluster::RestartArgs),
+    Restart(restart::RestartArgs),
     /// Set how many instances a role has, while serving: `scale decode=2`.
     Scale(live::ScaleArgs),
     /// Change the running cluster to what a topology says, while serving (`--dry-run` shows

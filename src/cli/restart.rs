@@ -3,10 +3,33 @@
 //! `--rolling` one at a time without failing a request. The head's supervisor carries it
 //! out on whichever node runs each service (`crate::ops`).
 
-use super::cluster::RestartArgs;
-use super::common::{change, running, state_root};
+use super::common::{ClusterArgs, change, running, state_root};
 use crate::control::operation::{ChangeOptions, ChangeRequest};
+use clap::Args;
 use std::process::ExitCode;
+
+/// Arguments of `pdctl restart`.
+#[derive(Debug, Args)]
+pub struct RestartArgs {
+    /// Services (`decode-1`) or roles (`prefill`: every prefill instance) to restart; their
+    /// `restart_with` companions are restarted with them.
+    #[arg(required = true)]
+    pub targets: Vec<String>,
+    /// One at a time: take the service out of the proxy's routing, let its requests in
+    /// flight finish (up to --timeout), restart it, and wait until it is healthy again
+    /// before the next. New requests go to the other instances, or wait in the proxy
+    /// while the only one restarts.
+    #[arg(long)]
+    pub drain: bool,
+    /// `--drain` over every instance of one ROLE, one after another.
+    #[arg(long, conflicts_with = "drain")]
+    pub rolling: bool,
+    /// Seconds a draining service's requests in flight get before it is restarted anyway.
+    #[arg(long, default_value_t = 60)]
+    pub timeout: u64,
+    #[command(flatten)]
+    pub which: ClusterArgs,
+}
 
 /// Asks the running supervisor to restart each target; exit 1 when one was not, 2 when
 /// the request was refused.
