@@ -23,7 +23,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         &["error_text", "spelling", "prometheus", "sse", "allocator"],
     ),
     ("vocabulary several layers share", &["vocab"]),
-    ("what this machine has", &["tools", "vllm", "gpu"]),
+    (
+        "what this machine has",
+        &["tools", "vllm", "gpu", "model_files"],
+    ),
     ("the user's topology", &["topology"]),
     (
         "settings of pdctl's child processes, built-in topologies",

@@ -16,6 +16,7 @@ pub mod build;
 pub mod diff;
 mod engines;
 pub mod gpu_fit;
+mod kv_budget;
 pub mod listen;
 pub mod pairs;
 mod ports;
