@@ -1,6 +1,7 @@
 //! Resolve: what stands between a topology and a plan on this machine. It reads the topology
 //! a request points at (a file, a profile, or the default chosen by the GPUs found), asks
-//! NVML once and vLLM its version, builds the plan and finds its programs. `cli/` is a thin
+//! NVML once and vLLM its version, reads the model's size from its files (for engines that
+//! share a GPU), builds the plan and finds its programs. `cli/` is a thin
 //! shell over it: it parses arguments into a [`Request`], prints, and maps errors to exit
 //! codes; pre-flight reuses the [`Machine`] and missing programs found here instead of asking
 //! again.
