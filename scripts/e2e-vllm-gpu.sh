@@ -428,7 +428,7 @@ if [ "$CPU" = 1 ]; then
   # The CPU build: float32, eager, a small KV cache, threads not pinned to the same cores.
   DEVICE_LINES=$'device = "cpu"\nargs = ["--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8"]'
   ENV_LINES=$'VLLM_CPU_KVCACHE_SPACE = "1"\nVLLM_CPU_OMP_THREADS_BIND = "nobind"\nHF_HUB_OFFLINE = "1"\nVLLM_HOST_IP = "127.0.0.1"\n'
-  echo "pdctl $("$PDCTL" --version | awk '{print $2}'), vLLM $VLLM_VERSION via $PYTHON_PATH, model $MODEL, rehearsal on the CPU build; cases: ${CASES[*]}"
+  echo "pdctl $("$PDCTL" --version | awk '{print $2}'), vLLM $VLLM_VERSION via $PYTHON_PATH, model $MODEL, rehearsal on the CPU build; $([ "$MEASURE" = 1 ] && echo "--measure" || echo "cases: ${CASES[*]}")"
 else
   # bf16 whatever the model's files hold (the tiny test model is float32), as most served
   # models are: FlashAttention takes nothing else.
