@@ -1169,6 +1169,38 @@ fn one_gpu_engines_start_together_with_their_kv_bytes_where_vllm_has_the_flag() 
     );
 }
 
+/// The weights count in the dtype each role's engines load them in: `--dtype=float32` in
+/// prefill's args (the `=` form too) doubles its weights of a bf16 model, so its KV cache
+/// is that much smaller than decode's.
+#[test]
+fn each_role_is_sized_with_the_dtype_its_args_ask_for() {
+    let text =
+        one_gpu_topology("/models/qwen", "0.26.0") + "[prefill]\nargs = [\"--dtype=float32\"]\n";
+    let gpu = Gpu::from_declared(&"0:80GiB".parse().unwrap());
+    let plan = plan_one_gpu(&text, "0.26.0", gpu, Ok(half_b_model())).unwrap();
+    let kv = |name: &str| -> u64 {
+        flag_of(plan.service(name).unwrap(), "--kv-cache-memory-bytes")
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let step = 64u64 << 20;
+    let extra = 988_065_536u64;
+    assert!(
+        kv("decode-0") - kv("prefill-0") >= extra / step * step,
+        "prefill {} decode {}",
+        kv("prefill-0"),
+        kv("decode-0")
+    );
+    let note = plan
+        .service("prefill-0")
+        .unwrap()
+        .gpu_memory_note
+        .clone()
+        .unwrap();
+    assert!(note.contains("less the weights 1.84 GiB"), "{note}");
+}
+
 /// A share of the GPU that cannot hold the weights and a KV cache for one sequence is
 /// refused before anything starts, with the numbers.
 #[test]
