@@ -9,9 +9,11 @@
 #                nixl (NixlConnector, decode pulls over UCX),
 #                nixl-push (NixlPushConnector, prefill writes into decode's blocks),
 #                mooncake-store (MooncakeStoreConnector, etcd + mooncake_master),
-#                mooncake-store-http (the same, mooncake_master's HTTP metadata, no etcd) or
+#                mooncake-store-http (the same, mooncake_master's HTTP metadata, no etcd),
 #                misses-load (ExampleConnector behind a client key: pdctl check, and real
-#                misses made under steady streamed load, counted one for one)
+#                misses made under steady streamed load, counted one for one) or
+#                gpu-script (scripts/e2e-vllm-gpu.sh --cpu: the GPU script's own cases
+#                rehearsed on the CPU build, so its logic is run where there is no GPU)
 #   --model DIR  where the tiny model lives (default: ~/.local/share/pdctl/models/tiny-llama,
 #                where profiles/cpu-1p1d.toml looks)
 #   --venv DIR   pdctl's tools virtualenv (default: the one ./install.sh creates)
@@ -28,10 +30,10 @@ MODEL=""
 VENV=""
 while (($#)); do
   case "$1" in
-    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load}"; shift 2 ;;
+    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, gpu-script}"; shift 2 ;;
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
     --venv) VENV="${2:?--venv needs a directory}"; shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e-vllm-cpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -43,7 +45,8 @@ case "$ONLY" in
   mooncake-store) FILTER="vllm_cpu_mooncake_store_1p1d" ;;
   mooncake-store-http) FILTER="vllm_cpu_mooncake_store_http_metadata_1p1d" ;;
   misses-load) FILTER="vllm_cpu_misses_under_load_1p1d" ;;
-  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, nixl-push, mooncake-store, mooncake-store-http or misses-load, not '$ONLY'" >&2; exit 2 ;;
+  gpu-script) FILTER="" ;;
+  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load or gpu-script, not '$ONLY'" >&2; exit 2 ;;
 esac
 
 step() { printf '\n==> %s\n' "$*"; }
@@ -79,7 +82,17 @@ export PDCTL_TOOLS_PATH="$VENV/bin${PDCTL_TOOLS_PATH:+:$PDCTL_TOOLS_PATH}"
 FIGS="${CARGO_TARGET_DIR:-$REPO/target}/tmp"
 rm -f "$FIGS"/e2e-vllm-cpu-*.json
 status=0
-cargo test --test e2e_vllm_cpu -- --ignored --test-threads 1 --nocapture "$FILTER" || status=$?
+if [ -n "$FILTER" ]; then
+  cargo test --test e2e_vllm_cpu -- --ignored --test-threads 1 --nocapture "$FILTER" || status=$?
+fi
+
+gpu_status=0
+if [ -z "$ONLY" ] || [ "$ONLY" = gpu-script ]; then
+  step "The GPU script rehearsed on the CPU build (scripts/e2e-vllm-gpu.sh --cpu)"
+  cargo build || fail "cargo build failed"
+  "$HERE/e2e-vllm-gpu.sh" --cpu --model "$MODEL" --python "$VENV/bin/python" \
+    --pdctl "${CARGO_TARGET_DIR:-$REPO/target}/debug/pdctl" || gpu_status=$?
+fi
 
 step "Figures (also in $FIGS/e2e-vllm-cpu-*.json)"
 for f in "$FIGS"/e2e-vllm-cpu-*.json; do
@@ -95,4 +108,5 @@ print(f"{f['case']:>15}: vLLM {f['vllm_version']}, healthy after {f['startup_to_
 EOF
 done
 [ "$status" -eq 0 ] || fail "the end-to-end tests failed (exit $status): read the output above; each failure prints the services' last log lines"
+[ "$gpu_status" -eq 0 ] || fail "the GPU script's rehearsal on the CPU build failed (exit $gpu_status): its FAIL lines are above"
 step "Passed"

@@ -8,11 +8,18 @@
 # nothing behind, and that `down` does not either. Opt-in: not part of `cargo test` or CI.
 #
 #   scripts/e2e-vllm-gpu.sh --model DIR [--python PATH] [--only CASE] [--gpu N] [--pdctl PATH] [--keep]
+#   scripts/e2e-vllm-gpu.sh --measure --model DIR [--python PATH] [--eager] [--pdctl PATH]
 #
 #   --model DIR    a local model directory (or PDCTL_E2E_MODEL); nothing is fetched at run time
 #   --python PATH  the python that has vLLM and the connectors' packages (default: python3)
-#   --only CASE    example (ExampleConnector, shared directory), nixl (NixlConnector) or
-#                  mooncake (MooncakeConnector V1 over tcp); default: all three
+#   --only CASE    example (ExampleConnector, shared directory), nixl (NixlConnector, decode
+#                  pulls), nixl-push (NixlConnector in push mode, vLLM 0.24.0 on) or mooncake
+#                  (MooncakeConnector V1 over tcp), several comma-separated; default: every
+#                  one the vLLM version has (with --cpu every one but mooncake)
+#   --measure      instead of the cases: one engine's start alone (the prefill's own command
+#                  line and environment from `pdctl plan`, until /health answers), then
+#                  `pdctl up -d` of the NIXL 1P1D sharing the GPU; prints both times and their
+#                  ratio, PASS when `up` takes at most 1.2 times one engine's start
 #   --gpu N        the GPU to share (default 0)
 #   --pdctl PATH   the pdctl binary (default: pdctl on PATH, else this checkout's target/release
 #                  or target/debug build)
@@ -20,12 +27,17 @@
 #   --eager        start vLLM with --enforce-eager (no torch.compile, no CUDA graphs): each
 #                  start-up is shorter, for a machine lent by the minute
 #   --cpu          rehearse the script on vLLM's CPU build (engine.device = "cpu", no GPU
-#                  figures): checks the script itself on a machine without a GPU
+#                  figures): checks the script itself on a machine without a GPU;
+#                  scripts/e2e-vllm-cpu.sh runs it as its case `gpu-script`
 #
 # Needs: nvidia-smi, vLLM in --python (and nixl / mooncake for those cases), etcd is not
 # needed. Each case takes 2-4 minutes (two vLLM start-ups, one restart). Prints a PASS or FAIL
 # line per check and a summary table; exits 0 only when every check passed. Everything it
-# started is stopped on exit, also on failure or Ctrl-C.
+# started is stopped on exit, also on failure or Ctrl-C. Requests straight to an engine carry
+# the cluster's engine key (`pdctl secret --engine-key`); requests to the proxy carry
+# PDCTL_API_KEY when it is set (`pdctl up`, run with it, makes the proxy require it).
+# The GPU is declared to pdctl with the memory nvidia-smi says is free when the script starts
+# (`--gpus N:FREEMiB`), so every plan of a case (up, apply, up again) is the same plan.
 set -uo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -38,17 +50,19 @@ PDCTL=""
 KEEP=0
 CPU=0
 EAGER=0
+MEASURE=0
 while (($#)); do
   case "$1" in
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
     --python) PYTHON="${2:?--python needs a path}"; shift 2 ;;
-    --only) ONLY="${2:?--only needs a case: example, nixl or mooncake}"; shift 2 ;;
+    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push or mooncake}"; shift 2 ;;
     --gpu) GPU="${2:?--gpu needs an index}"; shift 2 ;;
     --pdctl) PDCTL="${2:?--pdctl needs a path}"; shift 2 ;;
     --keep) KEEP=1; shift ;;
     --cpu) CPU=1; shift ;;
     --eager) EAGER=1; shift ;;
-    -h|--help) sed -n '5,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --measure) MEASURE=1; shift ;;
+    -h|--help) sed -n '5,40p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e-vllm-gpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -68,16 +82,54 @@ if [ -z "$PDCTL" ]; then
   done
 fi
 [ -x "$PDCTL" ] || die "no pdctl binary: build it (cargo build --release) or pass --pdctl"
-case "$ONLY" in
-  "") CASES=(example nixl mooncake) ;;
-  example|nixl|mooncake) CASES=("$ONLY") ;;
-  *) die "--only takes example, nixl or mooncake, not '$ONLY'" ;;
-esac
+# vLLM's version as pdctl reads it: vllm/_version.py, without importing torch.
+VLLM_VERSION="$("$PYTHON_PATH" - <<'PY'
+import importlib.util, os
+spec = importlib.util.find_spec("vllm")
+for d in spec.submodule_search_locations or []:
+    f = os.path.join(d, "_version.py")
+    if os.path.isfile(f):
+        s = importlib.util.spec_from_file_location("_e2e_vllm_version", f)
+        m = importlib.util.module_from_spec(s)
+        s.loader.exec_module(m)
+        print(m.__version__)
+        break
+else:
+    import vllm
+    print(vllm.__version__)
+PY
+)" || die "$PYTHON_PATH could not say its vLLM version"
+# NixlConnector's push mode: vLLM 0.24.0 on (pdctl plans it from there).
+has_push() {
+  local major minor
+  IFS=. read -r major minor _ <<<"$VLLM_VERSION"
+  (( major > 0 || minor >= 24 ))
+}
+if [ -z "$ONLY" ]; then
+  CASES=(example nixl)
+  if has_push; then CASES+=(nixl-push); fi
+  # MooncakeConnector's transfer engine has no CPU build.
+  if [ "$CPU" = 0 ]; then CASES+=(mooncake); fi
+else
+  IFS=, read -r -a CASES <<<"$ONLY"
+  for c in "${CASES[@]}"; do
+    case "$c" in
+      example|nixl|mooncake) ;;
+      nixl-push) has_push || die "nixl-push needs vLLM 0.24.0 or later; $PYTHON_PATH has vLLM $VLLM_VERSION" ;;
+      *) die "--only takes example, nixl, nixl-push or mooncake (comma-separated), not '$c'" ;;
+    esac
+  done
+fi
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/pdctl-e2e-gpu.XXXXXX")"
+MDIR="$WORK/measure"
 CURRENT_STATE=""
 cleanup() {
   if [ -n "$CURRENT_STATE" ]; then "$PDCTL" down --state-dir "$CURRENT_STATE" -t 10 >/dev/null 2>&1 || true; fi
+  # An engine --measure starts by itself leads its own process group (its .pid file).
+  for f in "$MDIR"/*.log.pid; do
+    if [ -f "$f" ]; then kill -9 -- "-$(cat "$f")" 2>/dev/null || true; fi
+  done
   if [ "$KEEP" = 0 ] && [ "${FAILED_ANY:-0}" = 0 ]; then rm -rf "$WORK"; else echo "state and logs kept in $WORK"; fi
 }
 trap cleanup EXIT
@@ -91,9 +143,13 @@ fail() { echo "FAIL $*"; FAILED_ANY=1; CASE_FAILED=1; }
 if [ "$CPU" = 1 ]; then
   gpu_mem_mib() { echo 0; }
   gpu_pids() { true; }
+  GPUS_ARG="$GPU"
 else
   gpu_mem_mib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i "$GPU" | tr -d ' '; }
   gpu_pids() { nvidia-smi --query-compute-apps=pid --format=csv,noheader -i "$GPU" | tr -d ' ' | grep -v '^$' || true; }
+  # The GPU with its free memory: pdctl gives each engine sharing it its KV cache size from
+  # it (vLLM versions with --kv-cache-memory-bytes), and every plan of a run is the same.
+  GPUS_ARG="$GPU:$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i "$GPU" | tr -d ' ')MiB"
 fi
 status_json() { "$PDCTL" status --json --state-dir "$1" 2>/dev/null; }
 # `field SERVICE KEY` from a status --json document on stdin.
@@ -120,13 +176,19 @@ decode_healthy_after() { # decode-0 healthy with more than $2 restarts
   local js; js="$(status_json "$1")" || return 1
   [ "$(field decode-0 state <<<"$js")" = healthy ] && [ "$(field decode-0 restarts <<<"$js")" -gt "$2" ]
 }
+gpu_idle() { [ -z "$(gpu_pids)" ]; }
 
 topology() { # topology CASE PORT_BASE
-  local case="$1" b="$2" kind extra=""
+  local case="$1" b="$2" conn env="$ENV_LINES"
   case "$case" in
-    example) kind=example ;;
-    nixl) kind=nixl; extra=$'[engine.env]\nUCX_TLS = "all"\nUCX_NET_DEVICES = "all"\n' ;;
-    mooncake) kind=mooncake; extra=$'[connector]\nkind = "mooncake"\ntransport = "tcp"\nbootstrap_port = '"$((b + 98))"$'\n' ;;
+    example) conn='kind = "example"' ;;
+    nixl|nixl-push)
+      conn='kind = "nixl"'
+      if [ "$case" = nixl-push ]; then conn+=$'\nnixl_mode = "push"'; fi
+      # NIXL between two processes on one GPU: UCX picks the transport (cuda_ipc, shared
+      # memory) instead of a network device it may not have.
+      env+=$'UCX_TLS = "all"\nUCX_NET_DEVICES = "all"\n' ;;
+    mooncake) conn=$'kind = "mooncake"\ntransport = "tcp"\nbootstrap_port = '"$((b + 98))" ;;
   esac
   cat <<EOF
 cluster = "e2e-gpu-$case"
@@ -143,8 +205,10 @@ python = "$PYTHON_PATH"
 instances_per_gpu = 2
 startup_timeout_s = 900
 $DEVICE_LINES
-$( [ "$case" = mooncake ] || printf '\n[connector]\nkind = "%s"\n' "$kind" )
-$extra
+$(if [ -n "$env" ]; then printf '\n[engine.env]\n%s' "$env"; fi)
+[connector]
+$conn
+
 [prefill]
 instances = 1
 base_port = $((b + 100))
@@ -169,14 +233,19 @@ run_case() {
   local mem0 t0 up_s
   mem0="$(gpu_mem_mib)"
   t0=$SECONDS
-  if "$PDCTL" up -d -f "$dir/topology.toml" --gpus "$GPU" --state-dir "$state" > "$dir/up.log" 2>&1; then
+  if "$PDCTL" up -d -f "$dir/topology.toml" --gpus "$GPUS_ARG" --state-dir "$state" > "$dir/up.log" 2>&1; then
     up_s=$((SECONDS - t0)); pass "$case: pdctl up -d healthy in ${up_s} s"
   else
     fail "$case: pdctl up -d failed (last lines below; logs in $state/logs)"; tail -20 "$dir/up.log"
     SUMMARY[$case]="up failed"; return
   fi
-  local js proxy prefill decode
+  local js proxy prefill decode engine_key
   js="$(status_json "$state")"
+  # Engines require the cluster's engine key (vLLM's --api-key): the checks send it on
+  # every request straight to an engine, and see one without it refused.
+  engine_key="$("$PDCTL" secret --engine-key --state-dir "$state" 2>"$dir/secret.log")"
+  [ -n "$engine_key" ] && pass "$case: pdctl secret --engine-key gives the engines' key" \
+    || fail "$case: pdctl secret --engine-key gave no key: $(tail -2 "$dir/secret.log")"
   proxy="http://127.0.0.1:$base"
   prefill="$(field prefill-0 url <<<"$js")"; decode="$(field decode-0 url <<<"$js")"
   if [ "$CPU" = 0 ]; then
@@ -185,7 +254,8 @@ run_case() {
   fi
 
   local figures
-  "$PYTHON_PATH" "$HERE/e2e_gpu_checks.py" answers "$proxy" "$prefill" "$decode" e2e-model > "$dir/answers.log" 2>&1
+  PDCTL_E2E_ENGINE_KEY="$engine_key" \
+    "$PYTHON_PATH" "$HERE/e2e_gpu_checks.py" answers "$proxy" "$prefill" "$decode" e2e-model > "$dir/answers.log" 2>&1
   grep -E '^(PASS|FAIL)' "$dir/answers.log" | sed "s/^\(PASS\|FAIL\) /\1 $case: /"
   grep -q '^FAIL' "$dir/answers.log" && { FAILED_ANY=1; CASE_FAILED=1; }
   figures="$(sed -n 's/^FIGURES //p' "$dir/answers.log")"
@@ -214,7 +284,7 @@ run_case() {
   sleep 2
   proxy_pid="$(field proxy pid <<<"$(status_json "$state")")"
   printf 'max_concurrent = 6\nqueue_size = 64\nrestart_wait_s = 600\n' >> "$dir/topology.toml"
-  "$PDCTL" apply -f "$dir/topology.toml" --gpus "$GPU" --state-dir "$state" > "$dir/apply.log" 2>&1
+  "$PDCTL" apply -f "$dir/topology.toml" --gpus "$GPUS_ARG" --state-dir "$state" > "$dir/apply.log" 2>&1
   grep -q 'in effect, without a restart' "$dir/apply.log" \
     && [ "$(field proxy pid <<<"$(status_json "$state")")" = "$proxy_pid" ] \
     && pass "$case: apply changed the proxy's limits in place (same pid $proxy_pid)" \
@@ -270,7 +340,7 @@ run_case() {
   "$PDCTL" down --state-dir "$state" >/dev/null 2>&1 || true
 
   # Up again, then down: nothing left, GPU memory back to where it started.
-  if "$PDCTL" up -d -f "$dir/topology.toml" --gpus "$GPU" --state-dir "$state" > "$dir/up2.log" 2>&1; then
+  if "$PDCTL" up -d -f "$dir/topology.toml" --gpus "$GPUS_ARG" --state-dir "$state" > "$dir/up2.log" 2>&1; then
     sup="$(record "$state" supervisor_pid)"
     t0=$SECONDS
     "$PDCTL" down --state-dir "$state" > "$dir/down.log" 2>&1
@@ -288,23 +358,100 @@ run_case() {
   SUMMARY[$case]="up ${up_s}s | ${figures:-no figures} | bench $bench | live $live | restart ${restart_s}s, leak ${leak} MiB | $([ "$CASE_FAILED" = 0 ] && echo ok || echo FAILED)"
 }
 
+# One engine's start alone against `pdctl up -d` of the 1P1D sharing the GPU, on the same
+# machine one after the other: the prefill's own command line and environment from the
+# plan, timed until its /health answers, then stopped; then the whole cluster; then, when
+# MEASURE_BUDGET_S (default 290) leaves time, the engine alone once more, now as warm as
+# `up` found the machine: the baseline of the ratio (else the first start is).
+start_alone() { # start_alone NAME: seconds until healthy, or "none"
+  "$PYTHON_PATH" "$HERE/e2e_gpu_checks.py" start-alone "$MDIR/plan.json" prefill-0 "$ALONE_TIMEOUT_S" "$MDIR/$1.log"
+}
+measure() {
+  local base=18000 state="$MDIR/state"
+  mkdir -p "$MDIR"
+  CASE_FAILED=0
+  topology nixl "$base" > "$MDIR/topology.toml"
+  echo; echo "== measure: one engine's start alone, then pdctl up -d of the NIXL 1P1D sharing GPU $GPU"
+  if ! "$PDCTL" plan -f "$MDIR/topology.toml" --gpus "$GPUS_ARG" --state-dir "$state" > "$MDIR/plan.txt" 2>&1 \
+      || ! "$PDCTL" plan --json -f "$MDIR/topology.toml" --gpus "$GPUS_ARG" --state-dir "$state" > "$MDIR/plan.json" 2>"$MDIR/plan.err"; then
+    fail "measure: pdctl plan failed: $(tail -5 "$MDIR/plan.txt" "$MDIR/plan.err")"; return
+  fi
+  # How the plan sizes and starts the engines (the memory lines of `pdctl plan`).
+  grep -E '^[0-9]+\. (prefill|decode)-|^   memory ' "$MDIR/plan.txt" | sed 's/^/  /'
+  "$PYTHON_PATH" "$HERE/e2e_gpu_checks.py" plan-starts "$MDIR/plan.json" | sed 's/^/  /'
+
+  local alone
+  alone="$(start_alone alone)"
+  if [ -z "$alone" ] || [ "$alone" = none ]; then
+    fail "measure: the prefill engine alone did not become healthy (its log: $MDIR/alone.log)"; tail -20 "$MDIR/alone.log"; return
+  fi
+  pass "measure: one engine alone (prefill-0's command line): healthy in ${alone} s"
+  wait_for 60 gpu_idle || fail "measure: the engine started alone left a process on the GPU: $(gpu_pids | tr '\n' ' ')"
+
+  CURRENT_STATE="$state"
+  local t0 up
+  t0="$(date +%s.%N)"
+  if "$PDCTL" up -d -f "$MDIR/topology.toml" --gpus "$GPUS_ARG" --state-dir "$state" > "$MDIR/up.log" 2>&1; then
+    up="$("$PYTHON_PATH" -c 'import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 1))' "$t0" "$(date +%s.%N)")"
+    pass "measure: pdctl up -d of the 1P1D sharing GPU $GPU: healthy in ${up} s"
+  else
+    fail "measure: pdctl up -d failed (logs in $state)"; tail -20 "$MDIR/up.log"; return
+  fi
+  "$PDCTL" down --state-dir "$state" > "$MDIR/down.log" 2>&1
+  CURRENT_STATE=""
+  echo "MEASURE one engine alone ${alone} s | pdctl up -d 1P1D ${up} s"
+
+  local warm="" baseline="$alone"
+  if (( SECONDS + ${alone%.*} * 13 / 10 + 20 < ${MEASURE_BUDGET_S:-290} )) && wait_for 60 gpu_idle; then
+    warm="$(start_alone alone-warm)"
+    if [ -n "$warm" ] && [ "$warm" != none ]; then
+      pass "measure: one engine alone again, after up: healthy in ${warm} s"
+      baseline="$warm"
+    else
+      fail "measure: the second start alone did not become healthy ($MDIR/alone-warm.log)"
+    fi
+  else
+    echo "  (no time left within MEASURE_BUDGET_S=${MEASURE_BUDGET_S:-290} for a second start alone: the first is the baseline)"
+  fi
+  local ratio
+  ratio="$("$PYTHON_PATH" -c 'import sys; print(round(float(sys.argv[1]) / float(sys.argv[2]), 2))' "$up" "$baseline")"
+  echo "MEASURE one engine alone ${alone} s${warm:+, again ${warm} s} | pdctl up -d 1P1D ${up} s | ratio ${ratio} (target <= 1.2) | vLLM $VLLM_VERSION$([ "$EAGER" = 1 ] && echo ', --enforce-eager')"
+  "$PYTHON_PATH" -c 'import sys; sys.exit(0 if float(sys.argv[1]) <= 1.2 else 1)' "$ratio" \
+    && pass "measure: up within 1.2x of one engine's start (${ratio}x)" \
+    || fail "measure: up took ${ratio}x one engine's start (target 1.2x)"
+  SUMMARY[measure]="alone ${alone}s${warm:+/${warm}s} | up ${up}s | ratio ${ratio} | $([ "$CASE_FAILED" = 0 ] && echo ok || echo FAILED)"
+}
+
 DEVICE_LINES=""
+ENV_LINES=""
 if [ "$CPU" = 1 ]; then
   # The CPU build: float32, eager, a small KV cache, threads not pinned to the same cores.
-  DEVICE_LINES=$'device = "cpu"\nargs = ["--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8"]\nenv = { VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "nobind", HF_HUB_OFFLINE = "1", VLLM_HOST_IP = "127.0.0.1" }'
-  echo "pdctl $("$PDCTL" --version | awk '{print $2}'), vLLM via $PYTHON_PATH, model $MODEL, rehearsal on the CPU build"
+  DEVICE_LINES=$'device = "cpu"\nargs = ["--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8"]'
+  ENV_LINES=$'VLLM_CPU_KVCACHE_SPACE = "1"\nVLLM_CPU_OMP_THREADS_BIND = "nobind"\nHF_HUB_OFFLINE = "1"\nVLLM_HOST_IP = "127.0.0.1"\n'
+  echo "pdctl $("$PDCTL" --version | awk '{print $2}'), vLLM $VLLM_VERSION via $PYTHON_PATH, model $MODEL, rehearsal on the CPU build; $([ "$MEASURE" = 1 ] && echo "--measure" || echo "cases: ${CASES[*]}")"
 else
   # bf16 whatever the model's files hold (the tiny test model is float32), as most served
   # models are: FlashAttention takes nothing else.
   DEVICE_LINES='args = ["--dtype", "bfloat16"'"$([ "$EAGER" = 1 ] && echo ', "--enforce-eager"')"']'
-  echo "pdctl $("$PDCTL" --version | awk '{print $2}'), vLLM via $PYTHON_PATH, model $MODEL, GPU $GPU: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader -i "$GPU")"
+  echo "pdctl $("$PDCTL" --version | awk '{print $2}'), vLLM $VLLM_VERSION via $PYTHON_PATH, model $MODEL, GPU $GPU: $(nvidia-smi --query-gpu=name,memory.total,memory.free --format=csv,noheader -i "$GPU") (planned as --gpus $GPUS_ARG)"
 fi
-port=18000
-for c in "${CASES[@]}"; do
-  run_case "$c" "$port"
-  port=$((port + 1000))
-done
+if [ "$MEASURE" = 1 ]; then
+  # One engine on a GPU is healthy in 1-2 minutes; the measurement fits a 5-minute call.
+  ALONE_TIMEOUT_S=240
+  if [ "$CPU" = 1 ]; then
+    echo "(--cpu: the engines start on the CPU build; the ratio says nothing of a GPU)"
+    ALONE_TIMEOUT_S=900
+  fi
+  CASES=(measure)
+  measure
+else
+  port=18000
+  for c in "${CASES[@]}"; do
+    run_case "$c" "$port"
+    port=$((port + 1000))
+  done
+fi
 
 echo; echo "== summary"
-for c in "${CASES[@]}"; do printf '%-9s %s\n' "$c" "${SUMMARY[$c]}"; done
+for c in "${CASES[@]}"; do printf '%-9s %s\n' "$c" "${SUMMARY[$c]:-not run}"; done
 exit "$FAILED_ANY"

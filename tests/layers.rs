@@ -30,7 +30,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         ],
     ),
     ("vocabulary several layers share", &["vocab"]),
-    ("what this machine has", &["tools", "vllm", "gpu"]),
+    (
+        "what this machine has",
+        &["tools", "vllm", "gpu", "model_files"],
+    ),
     ("the user's topology", &["topology"]),
     (
         "settings of pdctl's child processes, built-in topologies",

@@ -111,6 +111,7 @@ fn pure_plan(profile: &str) -> Plan {
         head: &t.head,
         gpus: &gpus,
         gpu_note: None,
+        model: Err("not read in this test".into()),
         version: Some(version_for(profile, &t.spec).parse().unwrap()),
         version_source: pdctl::vocab::VersionSource::Pinned,
         state_root: "/state".into(),
@@ -197,6 +198,7 @@ fn try_plan_text(text: &str, version: &str, gpus: u32) -> Result<Plan, pdctl::to
         head: &t.head,
         gpus: &gpus,
         gpu_note: None,
+        model: Err("not read in this test".into()),
         version: Some(version.parse().unwrap()),
         version_source: pdctl::vocab::VersionSource::Pinned,
         state_root: "/state".into(),
@@ -1031,6 +1033,256 @@ fn packing_splits_the_memory_and_a_fixed_kv_cache_starts_together() {
     assert!(e.message.contains("more GPUs than it has"), "{}", e.message);
 }
 
+/// A one-GPU 1P1D (NIXL, two instances on GPU 0) of `model`, pinned to vLLM `version`.
+fn one_gpu_topology(model: &str, version: &str) -> String {
+    format!(
+        "[model]\nname = \"{model}\"\nmax_model_len = 4096\n[engine]\nvllm_version = \"{version}\"\ninstances_per_gpu = 2\nargs = [\"--dtype\", \"bfloat16\"]\n[connector]\nkind = \"nixl\"\n"
+    )
+}
+
+/// The plan of `text` on one GPU, given the GPU and the model's size as data.
+fn plan_one_gpu(
+    text: &str,
+    version: &str,
+    gpu: Gpu,
+    model: Result<pdctl::model_files::ModelSize, String>,
+) -> Result<Plan, pdctl::topology::Problem> {
+    let t = inline(text);
+    build_plan(&PlanInput {
+        topology: &t.spec,
+        head: &t.head,
+        gpus: &[gpu],
+        gpu_note: None,
+        model,
+        version: Some(version.parse().unwrap()),
+        version_source: pdctl::vocab::VersionSource::Pinned,
+        state_root: "/state".into(),
+        local_node: None,
+    })
+}
+
+/// Qwen2.5-0.5B's sizes: 494M parameters in bf16, 24 layers x 2 KV heads x 64.
+fn half_b_model() -> pdctl::model_files::ModelSize {
+    pdctl::model_files::ModelSize {
+        parameters: 494_032_768,
+        stored_bytes: 988_065_536,
+        source: "safetensors headers of 1 file".into(),
+        kv_elements_per_token: Some(2 * 24 * 2 * 64),
+        max_position_embeddings: Some(32768),
+    }
+}
+
+/// One GPU shared by prefill and decode: where vLLM takes --kv-cache-memory-bytes (0.10.2
+/// on), each engine gets its KV cache size from its share of the GPU's free memory less the
+/// weights and a reserve, and both start at once; on an older vLLM, or with the GPU's
+/// memory or the model's size unknown, decode still waits for prefill, and the plan says why.
+#[test]
+fn one_gpu_engines_start_together_with_their_kv_bytes_where_vllm_has_the_flag() {
+    let text = one_gpu_topology("/models/qwen", "0.26.0");
+    let gpu = |free_mib: u64| Gpu {
+        index: 0,
+        uuid: None,
+        name: Some("H100".into()),
+        memory_total_mib: Some(81559),
+        memory_used_mib: Some(81559 - free_mib),
+        processes: vec![],
+    };
+    let plan = plan_one_gpu(&text, "0.26.0", gpu(81000), Ok(half_b_model())).unwrap();
+    let budget = ((81000u64 << 20) as f64 * 0.45) as u64;
+    let gib = 1u64 << 30;
+    let want = (budget - 988_065_536 - 2 * gib) / (64 << 20) * (64 << 20);
+    for name in ["prefill-0", "decode-0"] {
+        let s = plan.service(name).unwrap();
+        assert_eq!(
+            flag_of(s, "--kv-cache-memory-bytes"),
+            Some(want.to_string()),
+            "{name}"
+        );
+        assert_eq!(
+            flag_of(s, "--gpu-memory-utilization").as_deref(),
+            Some("0.45")
+        );
+        assert!(
+            !s.depends_on
+                .iter()
+                .any(|d| d.starts_with("prefill") || d.starts_with("decode")),
+            "{name} waits for {:?}",
+            s.depends_on
+        );
+        let note = s.gpu_memory_note.as_deref().unwrap();
+        assert!(
+            note.starts_with(&format!(
+                "KV cache {:.2} GiB: 0.45 of GPU 0's 79.10 GiB free is",
+                want as f64 / gib as f64
+            )) && note.contains("less the weights 942 MiB (safetensors headers of 1 file)")
+                && note.contains("starts together with"),
+            "{note}"
+        );
+    }
+    let text_plan = pdctl::plan::render::render(&plan, "test", &[]);
+    assert!(
+        text_plan.contains("   memory   KV cache 32.62 GiB: 0.45 of GPU 0's 79.10 GiB free"),
+        "{text_plan}"
+    );
+
+    // vLLM 0.10.1 has no --kv-cache-memory-bytes: decode starts once prefill is healthy.
+    let old = one_gpu_topology("/models/qwen", "0.10.1");
+    let plan = plan_one_gpu(&old, "0.10.1", gpu(81000), Ok(half_b_model())).unwrap();
+    let decode = plan.service("decode-0").unwrap();
+    assert!(decode.depends_on.contains(&"prefill-0".to_string()));
+    assert_eq!(flag_of(decode, "--kv-cache-memory-bytes"), None);
+    let note = decode.gpu_memory_note.as_deref().unwrap();
+    assert!(
+        note.contains("starts after prefill-0: vLLM 0.10.1 has no --kv-cache-memory-bytes (0.10.2 and later have it)"),
+        "{note}"
+    );
+    // The same where the model's size or the GPU's memory is unknown.
+    let plan = plan_one_gpu(
+        &text,
+        "0.26.0",
+        gpu(81000),
+        Err("/models/qwen is not a directory".into()),
+    )
+    .unwrap();
+    let decode = plan.service("decode-0").unwrap();
+    assert!(decode.depends_on.contains(&"prefill-0".to_string()));
+    assert!(
+        decode
+            .gpu_memory_note
+            .as_deref()
+            .unwrap()
+            .contains("the model's size is unknown: /models/qwen is not a directory"),
+        "{:?}",
+        decode.gpu_memory_note
+    );
+    let plan = plan_one_gpu(&text, "0.26.0", Gpu::declared(0), Ok(half_b_model())).unwrap();
+    let decode = plan.service("decode-0").unwrap();
+    assert!(decode.depends_on.contains(&"prefill-0".to_string()));
+    assert!(
+        decode
+            .gpu_memory_note
+            .as_deref()
+            .unwrap()
+            .contains("--gpus 0:80GiB gives it"),
+        "{:?}",
+        decode.gpu_memory_note
+    );
+}
+
+/// The weights count in the dtype each role's engines load them in: `--dtype=float32` in
+/// prefill's args (the `=` form too) doubles its weights of a bf16 model, so its KV cache
+/// is that much smaller than decode's.
+#[test]
+fn each_role_is_sized_with_the_dtype_its_args_ask_for() {
+    let text =
+        one_gpu_topology("/models/qwen", "0.26.0") + "[prefill]\nargs = [\"--dtype=float32\"]\n";
+    let gpu = Gpu::from_declared(&"0:80GiB".parse().unwrap());
+    let plan = plan_one_gpu(&text, "0.26.0", gpu, Ok(half_b_model())).unwrap();
+    let kv = |name: &str| -> u64 {
+        flag_of(plan.service(name).unwrap(), "--kv-cache-memory-bytes")
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let step = 64u64 << 20;
+    let extra = 988_065_536u64;
+    assert!(
+        kv("decode-0") - kv("prefill-0") >= extra / step * step,
+        "prefill {} decode {}",
+        kv("prefill-0"),
+        kv("decode-0")
+    );
+    let note = plan
+        .service("prefill-0")
+        .unwrap()
+        .gpu_memory_note
+        .clone()
+        .unwrap();
+    assert!(note.contains("less the weights 1.84 GiB"), "{note}");
+}
+
+/// A share of the GPU that cannot hold the weights and a KV cache for one sequence is
+/// refused before anything starts, with the numbers.
+#[test]
+fn a_gpu_share_without_room_for_the_kv_cache_is_refused() {
+    let text = one_gpu_topology("/models/big", "0.26.0");
+    let big = pdctl::model_files::ModelSize {
+        parameters: 8_000_000_000,
+        stored_bytes: 16_000_000_000,
+        source: "safetensors headers of 4 files".into(),
+        kv_elements_per_token: Some(2 * 32 * 8 * 128),
+        max_position_embeddings: Some(131072),
+    };
+    let gpu = Gpu::from_declared(&"0:24GiB".parse().unwrap());
+    let e = plan_one_gpu(&text, "0.26.0", gpu, Ok(big)).unwrap_err();
+    assert_eq!(e.key, "engine.instances_per_gpu");
+    assert_eq!(
+        e.message,
+        "prefill-0 (shared with decode-0): 0.45 of GPU 0's 24.00 GiB free is 10.80 GiB, less the weights 14.90 GiB (safetensors headers of 4 files) and 2.00 GiB kept for activations and CUDA leaves 0 MiB for the KV cache, and one 4096-token sequence needs 512 MiB"
+    );
+}
+
+/// Through the command line: `--gpus 0:80GiB` gives GPU 0's memory, the model's weights are
+/// read from its safetensors header, and `pdctl plan` shows each engine's KV cache bytes.
+#[test]
+fn plan_reads_the_weights_and_takes_the_gpu_memory_from_gpus() {
+    let dir = TempDir::new("kv-bytes");
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(
+        model.join("config.json"),
+        r#"{"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512, "max_position_embeddings": 2048}"#,
+    )
+    .unwrap();
+    // One float32 tensor of 1M parameters (4 MB), the data zeros.
+    let header = br#"{"w":{"dtype":"F32","shape":[1024,1024],"data_offsets":[0,4194304]}}"#;
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(header);
+    file.resize(file.len() + 4_194_304, 0);
+    std::fs::write(model.join("model.safetensors"), file).unwrap();
+    let topo = dir.path().join("t.toml");
+    std::fs::write(&topo, one_gpu_topology(model.to_str().unwrap(), "0.26.0")).unwrap();
+    let plan = plan_json(&["plan", "-f", topo.to_str().unwrap(), "--gpus", "0:80GiB"]);
+    // 0.45 of 80 GiB, less 2 MB of bf16 weights and the 2 GiB reserve, in 64 MiB steps.
+    let want = ((80u64 << 30) as f64 * 0.45) as u64 - 2_097_152 - (2 << 30);
+    let want = want / (64 << 20) * (64 << 20);
+    for role in ["prefill", "decode"] {
+        let e = services(&plan, role)[0];
+        assert_eq!(
+            flag(&argv(e), "--kv-cache-memory-bytes"),
+            Some(want.to_string().as_str())
+        );
+        assert!(
+            e["gpu_memory_note"]
+                .as_str()
+                .unwrap()
+                .contains("(safetensors headers of 1 file)"),
+            "{}",
+            e["gpu_memory_note"]
+        );
+    }
+    assert!(
+        !services(&plan, "decode")[0]["depends_on"]
+            .as_array()
+            .unwrap()
+            .contains(&Value::from("prefill-0"))
+    );
+    // PDCTL_GPUS takes the same form; 3 GiB leaves no room and is refused, exit 2.
+    let out = pdctl(&["plan", "-f", topo.to_str().unwrap()])
+        .env("PDCTL_GPUS", "0:3GiB")
+        .env("PDCTL_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(
+            "prefill-0 (shared with decode-0): 0.45 of GPU 0's 3.00 GiB free is 1.35 GiB"
+        ),
+        "{stderr}"
+    );
+}
+
 /// With NVML's memory figures, engines that will not fit in a GPU's free memory are an
 /// error naming the GPU, what is free and who holds the rest.
 #[test]
@@ -1052,6 +1304,7 @@ fn engines_that_do_not_fit_the_free_memory_are_refused() {
             head: &t.head,
             gpus,
             gpu_note: None,
+            model: Err("not read in this test".into()),
             version: Some("0.26.0".parse().unwrap()),
             version_source: pdctl::vocab::VersionSource::Pinned,
             state_root: "/state".into(),
@@ -1346,6 +1599,7 @@ fn every_real_vllm_plan_for_0_33_uses_only_what_vllm_0_33_has() {
             head: &t.head,
             gpus: &gpus,
             gpu_note: None,
+            model: Err("not read in this test".into()),
             version: Some(v.clone()),
             version_source: pdctl::vocab::VersionSource::Pinned,
             state_root: "/state".into(),
@@ -1503,6 +1757,7 @@ node = "b"
         head: &t.head,
         gpus: &[],
         gpu_note: None,
+        model: Err("not read in this test".into()),
         version: None,
         version_source: pdctl::vocab::VersionSource::Pinned,
         state_root: "/state".into(),

@@ -466,6 +466,7 @@ async fn a_planned_sim_refuses_prompts_beyond_the_models_max_model_len() {
         head: &t.head,
         gpus: &[],
         gpu_note: None,
+        model: Err("not read in this test".into()),
         version: None,
         version_source: pdctl::vocab::VersionSource::Pinned,
         state_root: state.path().to_path_buf(),

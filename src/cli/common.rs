@@ -104,9 +104,10 @@ pub struct TopologyArgs {
     /// Only this node's services (for clusters spread over machines).
     #[arg(long)]
     pub node: Option<String>,
-    /// GPU indices to plan with, instead of asking NVML (e.g. 0,1,2,3).
+    /// GPUs to plan with, instead of asking NVML (e.g. 0,1,2,3); `0:80GiB` also gives the
+    /// memory to plan with (engines sharing that GPU get their KV cache size from it).
     #[arg(long, env = "PDCTL_GPUS", value_delimiter = ',')]
-    pub gpus: Option<Vec<u32>>,
+    pub gpus: Option<Vec<crate::gpu::Declared>>,
     /// State root holding one directory per running cluster
     /// (default: $XDG_STATE_HOME/pdctl, else ~/.local/state/pdctl).
     #[arg(long, env = "PDCTL_STATE_DIR", value_parser = absolute_dir)]

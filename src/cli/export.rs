@@ -103,7 +103,7 @@ fn k8s(a: K8sArgs) -> anyhow::Result<ExitCode> {
         .max()
         .unwrap_or(0);
     let args = TopologyArgs {
-        gpus: Some((0..needed.max(pinned).max(1)).collect()),
+        gpus: Some((0..needed.max(pinned).max(1)).map(Into::into).collect()),
         ..args
     };
     let shared_gpu_utilization = if t.engine.instances_per_gpu > 1 {
@@ -160,7 +160,7 @@ fn k8s(a: K8sArgs) -> anyhow::Result<ExitCode> {
 /// the instances: what `pdctl up` gives each instance that shares a GPU.
 fn shared_utilization(topology: &LoadedTopology, args: &TopologyArgs, gpus: u32) -> Option<f64> {
     let args = TopologyArgs {
-        gpus: Some((0..gpus.max(1)).collect()),
+        gpus: Some((0..gpus.max(1)).map(Into::into).collect()),
         ..args.clone()
     };
     let machine = Machine::new(args.gpus.clone());

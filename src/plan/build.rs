@@ -26,6 +26,9 @@ pub struct PlanInput<'a> {
     pub gpus: &'a [Gpu],
     /// Why `gpus` is empty when NVML could not be asked (said in GPU errors).
     pub gpu_note: Option<String>,
+    /// The model's size (weights, KV cache per token), read from its files at the edge,
+    /// or why it is unknown: engines sharing a GPU get their KV cache size from it.
+    pub model: Result<crate::model_files::ModelSize, String>,
     /// The vLLM version templates are chosen for (required for engine = "vllm").
     pub version: Option<Version>,
     /// Where `version` came from (said in the plan beside it).
@@ -142,7 +145,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         conn,
         protocol,
         &placements,
-        &engines::GpuPool::new(input.gpus, input.gpu_note.clone()),
+        &engines::GpuPool::new(input.gpus, input.gpu_note.clone(), input.model.clone()),
         local,
         &sup.names,
         &mut ports,
@@ -229,6 +232,7 @@ mod tests {
             head: &t.head,
             gpus: &inv,
             gpu_note: None,
+            model: Err("not read in this test".into()),
             version: Some("0.9.2".parse().unwrap()),
             version_source: VersionSource::Pinned,
             state_root: "/state".into(),

@@ -1,15 +1,17 @@
 //! Prefill and decode instances: where each runs, which GPUs and ports it gets, and its
 //! command line (real vLLM, or the simulator speaking the same protocol).
 
+use super::kv_budget;
 use super::ports::claim;
 use crate::child_config::sim::SimArgs;
 use crate::child_config::{ChildSettings, Configured};
 use crate::connectors::{ClusterCtx, Connector, InstanceCtx, LaunchCtx, PortBook};
 use crate::gpu::Gpu;
+use crate::model_files::ModelSize;
 use crate::topology::{Device, EngineKind, Problem, RoleSection, Topology};
 use crate::vocab::{
     Check, GeneratedFile, Probe, ProxyProtocol, RestartPolicy, Role, Service, Shutdown, SimHandoff,
-    SimRole, Version, VersionRange,
+    SimRole, Version,
 };
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -69,17 +71,19 @@ pub(super) fn bind(
 }
 
 /// The GPUs of one machine, handed out per node (every node is assumed to have this
-/// machine's inventory).
+/// machine's inventory), and the size of the model they will hold.
 pub(super) struct GpuPool {
     inventory: Vec<Gpu>,
     note: Option<String>,
+    model: Result<ModelSize, String>,
 }
 
 impl GpuPool {
-    pub fn new(gpus: &[Gpu], note: Option<String>) -> GpuPool {
+    pub fn new(gpus: &[Gpu], note: Option<String>, model: Result<ModelSize, String>) -> GpuPool {
         GpuPool {
             inventory: gpus.to_vec(),
             note,
+            model,
         }
     }
 }
@@ -146,25 +150,33 @@ impl GpuUse {
 /// vLLM's own `--gpu-memory-utilization` when none is given.
 const VLLM_DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
 
-/// vLLM that takes `--kv-cache-memory-bytes` (it came with the 0.11 series; 0.26 and 0.32
-/// were run with it).
-const KV_CACHE_MEMORY_BYTES: VersionRange = VersionRange::from((0, 11, 0));
-
-/// How one instance shares its GPUs: the fraction of each GPU's memory it may take, and
-/// the instance that must be healthy before it starts (vLLM's start-up memory profiling
-/// counts a neighbour's allocations as its own when both start at once).
+/// How one instance shares its GPUs: the fraction of each GPU's memory it may take, its
+/// KV cache size when pdctl fixes it, and the instance that must be healthy before it
+/// starts when it does not (vLLM's start-up memory profiling counts a neighbour's
+/// allocations as its own when both start at once).
 #[derive(Debug, Clone, Default, PartialEq)]
 struct Sharing {
     /// Set when the instance shares a GPU: its slice of `gpu_memory_utilization`.
     split_utilization: Option<f64>,
-    /// The fraction of each of its GPUs it will hold (None when the KV cache size is
-    /// fixed: then only vLLM knows).
+    /// The fraction of each of its GPUs it will hold (None when the topology fixes the KV
+    /// cache size: then only vLLM knows).
     memory_share: Option<f64>,
+    /// `--kv-cache-memory-bytes` sized by pdctl (see [`super::kv_budget`]).
+    kv_cache_bytes: Option<u64>,
     start_after: Option<String>,
+    /// How its memory is sized and when it starts, in words (`pdctl plan` shows it).
+    note: Option<String>,
 }
 
-/// The sharing of every placed instance, from the GPUs each was given.
-fn sharing(t: &Topology, placements: &[Placement], gpus: &[Vec<u32>]) -> Vec<Sharing> {
+/// The sharing of every placed instance, from the GPUs each was given; `Err` when a
+/// shared GPU leaves an instance no room for its KV cache.
+fn sharing(
+    t: &Topology,
+    version: Option<&Version>,
+    pool: &GpuPool,
+    placements: &[Placement],
+    gpus: &[Vec<u32>],
+) -> Result<Vec<Sharing>, Problem> {
     let mut holders: BTreeMap<(&str, u32), Vec<usize>> = BTreeMap::new();
     for (i, (p, gs)) in placements.iter().zip(gpus).enumerate() {
         for g in gs {
@@ -175,34 +187,139 @@ fn sharing(t: &Topology, placements: &[Placement], gpus: &[Vec<u32>]) -> Vec<Sha
         .engine
         .gpu_memory_utilization
         .unwrap_or(VLLM_DEFAULT_GPU_MEMORY_UTILIZATION);
-    let fixed_kv = t.engine.kv_cache_memory.is_some();
-    placements
-        .iter()
-        .zip(gpus)
-        .enumerate()
-        .map(|(i, (p, gs))| {
-            if gs.is_empty() {
-                return Sharing::default();
+    let mut out = Vec::new();
+    for (i, (p, gs)) in placements.iter().zip(gpus).enumerate() {
+        if gs.is_empty() {
+            out.push(Sharing::default());
+            continue;
+        }
+        let mut others: Vec<usize> = gs
+            .iter()
+            .flat_map(|g| holders[&(p.node.as_str(), *g)].iter().copied())
+            .filter(|j| *j != i)
+            .collect();
+        others.sort_unstable();
+        others.dedup();
+        let most = gs
+            .iter()
+            .map(|g| holders[&(p.node.as_str(), *g)].len())
+            .max()
+            .unwrap_or(1);
+        let Some(split) = (most > 1).then(|| round3(util / most as f64)) else {
+            out.push(Sharing {
+                memory_share: user_fixed_kv(t, p.role).is_none().then_some(util),
+                ..Sharing::default()
+            });
+            continue;
+        };
+        out.push(shared(t, version, pool, placements, i, gs, &others, split)?);
+    }
+    Ok(out)
+}
+
+/// The sharing of instance `i` of `placements`, on GPUs `gs` that it shares with `others`,
+/// taking `split` of each: its KV cache size when it can be fixed (then it starts together
+/// with the others), else the neighbour it starts after, and why.
+#[allow(clippy::too_many_arguments)]
+fn shared(
+    t: &Topology,
+    version: Option<&Version>,
+    pool: &GpuPool,
+    placements: &[Placement],
+    i: usize,
+    gs: &[u32],
+    others: &[usize],
+    split: f64,
+) -> Result<Sharing, Problem> {
+    let p = &placements[i];
+    let name_of = |j: usize| placements[j].role.instance_name(placements[j].index);
+    let neighbours: Vec<String> = others.iter().map(|j| name_of(*j)).collect();
+    let mut share = Sharing {
+        split_utilization: Some(split),
+        memory_share: Some(split),
+        ..Sharing::default()
+    };
+    let sized = match (user_fixed_kv(t, p.role), version) {
+        (Some(key), _) => {
+            share.memory_share = None;
+            kv_budget::Sized::Fixed {
+                bytes: 0,
+                why: format!("KV cache fixed by {key}"),
             }
-            let neighbours = |g: &u32| &holders[&(p.node.as_str(), *g)];
-            let most = gs.iter().map(|g| neighbours(g).len()).max().unwrap_or(1);
-            let split = (most > 1).then(|| round3(util / most as f64));
-            let start_after = if fixed_kv {
-                None
-            } else {
-                gs.iter()
-                    .flat_map(|g| neighbours(g).iter().copied())
-                    .filter(|j| *j < i)
-                    .max()
-                    .map(|j| placements[j].role.instance_name(placements[j].index))
+        }
+        (None, Some(v)) => {
+            let inventory: Vec<&Gpu> = gs
+                .iter()
+                .filter_map(|g| pool.inventory.iter().find(|x| x.index == *g))
+                .collect();
+            let flag = |f: &str| last_flag(t, p.role, f);
+            kv_budget::size(&kv_budget::Ask {
+                name: &name_of(i),
+                neighbours: &neighbours,
+                gpus: &inventory,
+                share: split,
+                version: v,
+                model: pool.model.as_ref().map_err(String::as_str),
+                dtype_bytes: flag("--dtype").and_then(|d| kv_budget::dtype_width(&d)),
+                kv_dtype_bytes: flag("--kv-cache-dtype").and_then(|d| kv_budget::dtype_width(&d)),
+                max_model_len: flag("--max-model-len")
+                    .and_then(|n| n.parse().ok())
+                    .or(t.model.max_model_len.map(u64::from)),
+            })?
+        }
+        (None, None) => kv_budget::Sized::Profiled {
+            why: "the vLLM version is unknown".into(),
+        },
+    };
+    match sized {
+        kv_budget::Sized::Fixed { bytes, why } => {
+            share.kv_cache_bytes = (bytes > 0).then_some(bytes);
+            share.note = Some(format!(
+                "{why}; starts together with {}",
+                neighbours.join(", ")
+            ));
+        }
+        kv_budget::Sized::Profiled { why } => {
+            share.start_after = others.iter().copied().filter(|j| *j < i).max().map(name_of);
+            let when = match &share.start_after {
+                Some(a) => format!("starts after {a}"),
+                None => "starts first".to_string(),
             };
-            Sharing {
-                split_utilization: split,
-                memory_share: (!fixed_kv).then_some(split.unwrap_or(util)),
-                start_after,
-            }
-        })
-        .collect()
+            share.note = Some(format!(
+                "{split} of the GPU, KV cache sized by vLLM's own profiling; {when}: {why}"
+            ));
+        }
+    }
+    Ok(share)
+}
+
+/// Where the topology itself fixes the KV cache size of `role`'s engines:
+/// `engine.kv_cache_memory`, or `--kv-cache-memory-bytes` in their args.
+fn user_fixed_kv(t: &Topology, role: Role) -> Option<&'static str> {
+    if t.engine.kv_cache_memory.is_some() {
+        return Some("engine.kv_cache_memory");
+    }
+    last_flag(t, role, "--kv-cache-memory-bytes").map(|_| "--kv-cache-memory-bytes in the args")
+}
+
+/// The value of `flag` as `role`'s engines get it: the last of `engine.args` then the
+/// role's args, written `--flag VALUE` or `--flag=VALUE`.
+fn last_flag(t: &Topology, role: Role, flag: &str) -> Option<String> {
+    let args: Vec<&String> = t
+        .engine
+        .args
+        .iter()
+        .chain(&role_section(t, role).args)
+        .collect();
+    let mut found = None;
+    for (i, a) in args.iter().enumerate() {
+        if *a == flag {
+            found = args.get(i + 1).map(|v| v.to_string());
+        } else if let Some(v) = a.strip_prefix(flag).and_then(|r| r.strip_prefix('=')) {
+            found = Some(v.to_string());
+        }
+    }
+    found
 }
 
 /// Rounded down to 3 decimals, so the shares of a GPU never add up to more than the whole.
@@ -253,8 +370,12 @@ pub(super) fn plan_engines(
             Vec::new()
         });
     }
-    let shares = sharing(t, placements, &gpus_of);
     let kv_cache_bytes = kv_cache_bytes(t, cx.version)?;
+    let shares = if needs_gpus {
+        sharing(t, cx.version, pool, placements, &gpus_of)?
+    } else {
+        vec![Sharing::default(); placements.len()]
+    };
     let mut warned_nodes = BTreeSet::new();
     let mut per_node: BTreeMap<&str, u32> = BTreeMap::new();
     for p in placements {
@@ -322,7 +443,8 @@ pub(super) fn plan_engines(
                 crate::connectors::apply_load_failure_policy(&t.connector, &mut launch);
                 let shares_node = per_node[p.node.as_str()] > 1;
                 let mut svc = vllm_service(t, p, &inst, &gpus, launch, shares_node);
-                memory_flags(&mut svc, &share, kv_cache_bytes);
+                memory_flags(&mut svc, &share, kv_cache_bytes.or(share.kv_cache_bytes));
+                svc.gpu_memory_note = share.note.clone();
                 svc.checks = engine_checks(t, conn);
                 svc
             }
@@ -375,11 +497,14 @@ fn kv_cache_bytes(t: &Topology, v: Option<&Version>) -> Result<Option<u64>, Prob
     };
     let bytes = crate::connectors::size_bytes("engine.kv_cache_memory", size)?;
     if let Some(v) = v
-        && !KV_CACHE_MEMORY_BYTES.contains(v)
+        && !kv_budget::KV_CACHE_MEMORY_BYTES.contains(v)
     {
         return Err(Problem::new(
             "engine.kv_cache_memory",
-            format!("vLLM {v} has no --kv-cache-memory-bytes (vLLM {KV_CACHE_MEMORY_BYTES} has)"),
+            format!(
+                "vLLM {v} has no --kv-cache-memory-bytes ({} have it)",
+                kv_budget::KV_CACHE_MEMORY_BYTES
+            ),
         )
         .hint(
             "remove engine.kv_cache_memory and size the cache with engine.gpu_memory_utilization",
@@ -523,6 +648,7 @@ fn base_service(p: &Placement, inst: &InstanceCtx, port: u16) -> Service {
         env: BTreeMap::new(),
         gpus: Vec::new(),
         gpu_memory_share: None,
+        gpu_memory_note: None,
         ports: BTreeMap::from([("http".to_string(), port)]),
         files: Vec::new(),
         depends_on: Vec::new(),

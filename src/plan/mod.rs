@@ -5,17 +5,18 @@
 //! supervisor executes a plan and knows nothing of vLLM beyond what is written here.
 //!
 //! [`resolve`] is the one part that looks at this machine: it picks the topology, asks NVML
-//! (once) and vLLM its version, calls [`build`] and finds the programs, so `cli/` only parses
-//! arguments, prints and maps errors to exit codes. `ports` holds the port claims every
-//! planning step shares, below `build`, `engines` and `support`. The processes pdctl runs
-//! as itself (`pdctl proxy`, `pdctl sim`) get their settings in a generated TOML file
-//! (`files/proxy.toml`, `files/<instance>.sim.toml`) and `--config FILE` on their command
-//! line (see [`crate::child_config`]).
+//! (once) and vLLM its version, reads the model's size, calls [`build`] and finds the
+//! programs, so `cli/` only parses arguments, prints and maps errors to exit codes. `ports`
+//! holds the port claims every planning step shares, below `build`, `engines` and
+//! `support`. The processes pdctl runs as itself (`pdctl proxy`, `pdctl sim`) get their
+//! settings in a generated TOML file (`files/proxy.toml`, `files/<instance>.sim.toml`) and
+//! `--config FILE` on their command line (see [`crate::child_config`]).
 
 pub mod build;
 pub mod diff;
 mod engines;
 pub mod gpu_fit;
+mod kv_budget;
 pub mod listen;
 pub mod pairs;
 mod ports;

@@ -131,6 +131,9 @@ pub fn render(plan: &Plan, source_note: &str, missing: &[String]) -> String {
         if !svc.depends_on.is_empty() {
             let _ = writeln!(o, "   after    {}", svc.depends_on.join(", "));
         }
+        if let Some(note) = &svc.gpu_memory_note {
+            let _ = writeln!(o, "   memory   {note}");
+        }
         if !svc.ports.is_empty() {
             let ports: Vec<String> = svc.ports.iter().map(|(k, v)| format!("{k} {v}")).collect();
             let _ = writeln!(o, "   ports    {}", ports.join(", "));

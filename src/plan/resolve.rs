@@ -1,6 +1,7 @@
 //! Resolve: what stands between a topology and a plan on this machine. It reads the topology
 //! a request points at (a file, a profile, or the default chosen by the GPUs found), asks
-//! NVML once and vLLM its version, builds the plan and finds its programs. `cli/` is a thin
+//! NVML once and vLLM its version, reads the model's size from its files (for engines that
+//! share a GPU), builds the plan and finds its programs. `cli/` is a thin
 //! shell over it: it parses arguments into a [`Request`], prints, and maps errors to exit
 //! codes; pre-flight reuses the [`Machine`] and missing programs found here instead of asking
 //! again.
@@ -24,8 +25,8 @@ pub struct Request {
     pub profile: Option<String>,
     /// Only this node's services.
     pub node: Option<String>,
-    /// GPU indices to plan with, instead of asking NVML.
-    pub gpus: Option<Vec<u32>>,
+    /// GPUs to plan with (indices, each with its memory when given), instead of asking NVML.
+    pub gpus: Option<Vec<gpu::Declared>>,
     /// State root holding one directory per running cluster.
     pub state_dir: Option<PathBuf>,
 }
@@ -51,13 +52,13 @@ impl From<TopologyError> for ResolveError {
 /// whoever needs them first: the default profile's choice, planning, pre-flight.
 #[derive(Debug, Default)]
 pub struct Machine {
-    declared: Option<Vec<u32>>,
+    declared: Option<Vec<gpu::Declared>>,
     gpus: OnceCell<Result<Vec<Gpu>, GpuError>>,
 }
 
 impl Machine {
     /// A machine whose GPUs are `declared` (`--gpus`), else NVML's answer when first asked.
-    pub fn new(declared: Option<Vec<u32>>) -> Machine {
+    pub fn new(declared: Option<Vec<gpu::Declared>>) -> Machine {
         Machine {
             declared,
             gpus: OnceCell::new(),
@@ -237,6 +238,13 @@ pub fn plan_programs_unresolved(
             (Some(resolved.version), resolved.source)
         }
     };
+    // Engines sharing a GPU get their KV cache size from the model's weights: read them
+    // here (headers only), not in the pure planner.
+    let model = if needs_gpus {
+        crate::model_files::read(&spec.model.name, &spec.engine.env)
+    } else {
+        Err("not needed: no engine runs on a GPU".to_string())
+    };
     let node = args.node.clone().unwrap_or_else(|| t.head.clone());
     let root = state_root(args.state_dir.as_deref());
     let mut plan = build_plan(&PlanInput {
@@ -244,6 +252,7 @@ pub fn plan_programs_unresolved(
         head: &t.head,
         gpus: &gpus,
         gpu_note,
+        model,
         version: version.clone(),
         version_source,
         state_root: root,

@@ -25,7 +25,7 @@ pub struct ClusterSource {
     pub text: String,
     /// `--gpus` when given (else NVML is asked again).
     #[serde(default)]
-    pub gpus: Option<Vec<u32>>,
+    pub gpus: Option<Vec<crate::gpu::Declared>>,
     /// Instances per role set by `pdctl scale` since (`prefill`, `decode`).
     #[serde(default)]
     pub scaled: BTreeMap<String, u32>,
@@ -53,7 +53,7 @@ pub enum SourceError {
 
 impl ClusterSource {
     /// The source of a loaded topology, as `up` keeps it: the text it was read from.
-    pub fn of(t: &LoadedTopology, gpus: Option<Vec<u32>>) -> ClusterSource {
+    pub fn of(t: &LoadedTopology, gpus: Option<Vec<crate::gpu::Declared>>) -> ClusterSource {
         ClusterSource {
             label: t.locator.file.clone(),
             profile: match &t.source {

@@ -30,6 +30,7 @@ fn support_service(
         env: BTreeMap::new(),
         gpus: Vec::new(),
         gpu_memory_share: None,
+        gpu_memory_note: None,
         ports: BTreeMap::new(),
         files: Vec::new(),
         depends_on: Vec::new(),

@@ -355,7 +355,7 @@ mod tests {
         let mut p = plan(vec![svc("d0", "no-such-program-pdctl", busy_port), bad_gpu]);
         let state = StateDir::new("/tmp/pdctl-preflight-unit");
         let missing = crate::plan::resolve::resolve_programs(&mut p);
-        let machine = Machine::new(Some(vec![0, 1]));
+        let machine = Machine::new(Some(vec![0.into(), 1.into()]));
         let problems = check(&p, "main", &missing, &machine, &state);
         let text = problems.join("\n");
         assert_eq!(problems.len(), 5, "{text}");

@@ -212,12 +212,14 @@ pub struct EngineSection {
     /// How many engine instances (of either role) one GPU may hold. 1 (the default) gives
     /// each instance GPUs of its own; 2 lets a one-GPU workstation run 1P1D. Instances
     /// sharing a GPU split `gpu_memory_utilization` (vLLM's 0.9 when unset) equally and
-    /// start one after another, unless `kv_cache_memory` fixes their KV cache size.
+    /// start together, each with the KV cache size the plan gives it from the GPU's free
+    /// memory and the model's weights (vLLM 0.10.2 on); where that size cannot be worked
+    /// out they start one after another, unless `kv_cache_memory` fixes it.
     #[serde(default = "EngineSection::default_instances_per_gpu")]
     pub instances_per_gpu: u32,
-    /// A fixed KV cache size per instance, e.g. "2GB" (vLLM's --kv-cache-memory-bytes):
-    /// vLLM then skips its start-up memory profiling, so instances sharing a GPU can start
-    /// together.
+    /// A fixed KV cache size per instance, e.g. "2GB" (vLLM's --kv-cache-memory-bytes),
+    /// instead of the one the plan works out for instances sharing a GPU: vLLM then skips
+    /// its start-up memory profiling, so they start together.
     #[serde(default)]
     pub kv_cache_memory: Option<String>,
     /// Extra arguments for every engine.

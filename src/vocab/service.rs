@@ -31,6 +31,11 @@ pub struct Service {
     /// the memory free on those GPUs before anything starts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_memory_share: Option<f64>,
+    /// For an engine sharing a GPU: how its memory is sized (the KV cache bytes pdctl gives
+    /// it and from what, or why vLLM sizes it) and whether it starts together with its
+    /// neighbours or after them, in words. `pdctl plan` prints it; nothing acts on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_note: Option<String>,
     /// Named ports this service listens on: `http`, `client`, `peer`, `rpc`, `metrics`,
     /// `bootstrap`, `side-channel`, `kv`, ... (all checked free before `up`).
     pub ports: BTreeMap<String, u16>,
@@ -91,6 +96,7 @@ impl Service {
             env: BTreeMap::new(),
             gpus: vec![],
             gpu_memory_share: None,
+            gpu_memory_note: None,
             ports: BTreeMap::new(),
             files: vec![],
             depends_on: vec![],
