@@ -101,24 +101,13 @@ impl Secret {
 
     /// Writes the secret to `file` with mode 0600 (created so, never readable by others).
     pub fn write(&self, file: &Path) -> Result<(), SecretError> {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        let io = |what, source| SecretError::Io {
-            what,
-            path: file.to_path_buf(),
-            source,
-        };
-        let tmp = file.with_extension("tmp");
-        let _ = std::fs::remove_file(&tmp);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(|e| io("create", e))?;
-        f.write_all(format!("{}\n", self.0).as_bytes())
-            .map_err(|e| io("write", e))?;
-        std::fs::rename(&tmp, file).map_err(|e| io("write", e))
+        write_private(file, format!("{}\n", self.0).as_bytes()).map_err(|(what, source)| {
+            SecretError::Io {
+                what,
+                path: file.to_path_buf(),
+                source,
+            }
+        })
     }
 
     /// The key every engine of the cluster requires (`VLLM_API_KEY`) and the proxy sends:
@@ -260,6 +249,27 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
         .step_by(2)
         .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
         .collect()
+}
+
+/// Writes `bytes` to `path` through a temporary file created with mode 0600 and renamed
+/// over it, so what holds a secret or a key is never readable by others, not even for a
+/// moment; the error says which step failed (`create` or `write`).
+pub(crate) fn write_private(
+    path: &Path,
+    bytes: &[u8],
+) -> Result<(), (&'static str, std::io::Error)> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(|e| ("create", e))?;
+    f.write_all(bytes).map_err(|e| ("write", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| ("write", e))
 }
 
 #[cfg(test)]

@@ -119,23 +119,11 @@ fn read_text(path: &Path) -> Result<Option<String>, TlsError> {
 
 /// Writes `text` to `path` (atomically), readable by its owner only.
 fn write_private(path: &Path, text: &str) -> Result<(), TlsError> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let io = |what, source| TlsError::Io {
+    super::auth::write_private(path, text.as_bytes()).map_err(|(what, source)| TlsError::Io {
         what,
         path: path.to_path_buf(),
         source,
-    };
-    let tmp = path.with_extension("tmp");
-    let _ = std::fs::remove_file(&tmp);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(|e| io("create", e))?;
-    f.write_all(text.as_bytes()).map_err(|e| io("write", e))?;
-    std::fs::rename(&tmp, path).map_err(|e| io("write", e))
+    })
 }
 
 fn make_dir(dir: &Path) -> Result<(), TlsError> {

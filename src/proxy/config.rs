@@ -157,7 +157,7 @@ pub fn settings(args: &ProxyArgs) -> Result<Settings, ConfigError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use clap::Parser;
 
@@ -167,7 +167,8 @@ mod tests {
         args: crate::child_config::Configured<ProxyArgs>,
     }
 
-    fn args(extra: &[&str]) -> ProxyArgs {
+    /// The proxy's flags as its command line parses `extra` (for the proxy's unit tests).
+    pub(crate) fn args(extra: &[&str]) -> ProxyArgs {
         let mut v = vec!["proxy"];
         v.extend_from_slice(extra);
         Cli::try_parse_from(v).unwrap().args.flags

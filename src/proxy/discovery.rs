@@ -268,19 +268,7 @@ pub fn start(p: Arc<Proxy>) {
 mod tests {
     use super::*;
     use crate::proxy::config::pools;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: crate::child_config::Configured<ProxyArgs>,
-    }
-
-    fn args(extra: &[&str]) -> ProxyArgs {
-        let mut v = vec!["proxy"];
-        v.extend_from_slice(extra);
-        Cli::try_parse_from(v).unwrap().args.flags
-    }
+    use crate::proxy::config::tests::args;
 
     #[test]
     fn names_may_stand_for_the_instances_and_mooncake_needs_their_bootstrap_port() {
