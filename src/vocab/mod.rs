@@ -7,6 +7,7 @@
 
 mod control_socket;
 mod proxy;
+mod rebalance;
 mod restart;
 mod role;
 mod service;
@@ -16,6 +17,7 @@ mod vllm_version;
 
 pub use control_socket::SOCKET_NAME;
 pub use proxy::{AdmissionError, PolicyName, ProxyProtocol, check_admission};
+pub use rebalance::{Rebalance, RebalanceMode, RebalancePlan};
 pub use restart::{RestartMode, RestartPolicy};
 pub use role::Role;
 pub use service::{
