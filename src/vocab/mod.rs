@@ -17,7 +17,10 @@ mod vllm_version;
 
 pub use control_socket::SOCKET_NAME;
 pub use proxy::{AdmissionError, PolicyName, ProxyProtocol, check_admission};
-pub use rebalance::{Rebalance, RebalanceMode, RebalancePlan};
+pub use rebalance::{
+    Figures, Move, MoveRecord, Rebalance, RebalanceMode, RebalancePlan, RebalanceReport, Split,
+    Toward,
+};
 pub use restart::{RestartMode, RestartPolicy};
 pub use role::Role;
 pub use service::{

@@ -6,7 +6,9 @@
 use serde::{Deserialize, Serialize};
 
 /// What the rebalancer does with a move it finds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum RebalanceMode {
     /// Judges nothing, says nothing (only `pdctl rebalance off` sets it).
@@ -84,4 +86,88 @@ pub struct RebalancePlan {
     pub prefill_gpus: u32,
     /// GPUs one decode instance takes.
     pub decode_gpus: u32,
+}
+
+/// What the proxy's figures said over one window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Figures {
+    /// Requests whose first token came back within the window.
+    pub requests: u64,
+    /// 90th percentile of time to first token, ms (None: no request in the window).
+    pub ttft_p90_ms: Option<f64>,
+    /// 90th percentile of the gap between output tokens, ms (None: not measured).
+    pub itl_p90_ms: Option<f64>,
+    /// Mean requests on the prefill instances (the queue in front of prefill).
+    pub prefill_queue: f64,
+    /// Mean requests on the decode instances.
+    pub decode_queue: f64,
+    /// Share of the window (0..1) the prefill instances had a request on them.
+    pub prefill_busy: f64,
+    /// Share of the window the decode instances had a request on them.
+    pub decode_busy: f64,
+}
+
+/// Instances per role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Split {
+    pub prefill: u32,
+    pub decode: u32,
+}
+
+impl std::fmt::Display for Split {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}P{}D", self.prefill, self.decode)
+    }
+}
+
+/// Which way a move goes: toward more prefill or toward more decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Toward {
+    Prefill,
+    Decode,
+}
+
+/// A move the rebalancer found.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Move {
+    pub from: Split,
+    pub to: Split,
+    pub toward: Toward,
+    /// Why, in words, with the figures.
+    pub reason: String,
+}
+
+/// One move as the state dir's `rebalance.jsonl` and `pdctl status --json` keep it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoveRecord {
+    /// When it was decided (Unix time, ms).
+    pub at_ms: u64,
+    pub from: Split,
+    pub to: Split,
+    pub reason: String,
+    /// The window's figures that triggered it.
+    pub figures: Figures,
+    /// How the change carrying it out ended (its first line), once it has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
+}
+
+/// The rebalancer as `pdctl status` shows it (`rebalance` in `--json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RebalanceReport {
+    pub mode: RebalanceMode,
+    /// The split that runs.
+    pub split: Split,
+    /// The window judged over, and the seconds of figures it holds so far.
+    pub window_s: u64,
+    pub measured_s: u64,
+    /// The last window's figures.
+    pub figures: Figures,
+    /// The last judgement in words: `would move 2P2D -> 3P1D: ...` (advise), `moving ...`
+    /// (act), `held: ...` (a rule held a wanted move back), or why nothing is judged.
+    pub verdict: String,
+    /// Moves carried out since the supervisor started, and the last few of them.
+    pub moves_total: u64,
+    pub moves: Vec<MoveRecord>,
 }

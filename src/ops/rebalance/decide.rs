@@ -4,57 +4,7 @@
 //! budget has room) with its reason out. No clock, no I/O: every rule has a unit test.
 
 use crate::vocab::RebalancePlan;
-use serde::{Deserialize, Serialize};
-
-/// What the proxy's figures said over one window.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-pub struct Figures {
-    /// Requests whose first token came back within the window.
-    pub requests: u64,
-    /// 90th percentile of time to first token, ms (None: no request in the window).
-    pub ttft_p90_ms: Option<f64>,
-    /// 90th percentile of the gap between output tokens, ms (None: not measured).
-    pub itl_p90_ms: Option<f64>,
-    /// Mean requests on the prefill instances (the queue in front of prefill).
-    pub prefill_queue: f64,
-    /// Mean requests on the decode instances.
-    pub decode_queue: f64,
-    /// Share of the window (0..1) the prefill instances had a request on them.
-    pub prefill_busy: f64,
-    /// Share of the window the decode instances had a request on them.
-    pub decode_busy: f64,
-}
-
-/// Instances per role.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Split {
-    pub prefill: u32,
-    pub decode: u32,
-}
-
-impl std::fmt::Display for Split {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}P{}D", self.prefill, self.decode)
-    }
-}
-
-/// Which way a move goes: toward more prefill or toward more decode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Toward {
-    Prefill,
-    Decode,
-}
-
-/// A move the rebalancer found.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Move {
-    pub from: Split,
-    pub to: Split,
-    pub toward: Toward,
-    /// Why, in words, with the figures.
-    pub reason: String,
-}
+pub use crate::vocab::{Figures, Move, Split, Toward};
 
 /// What the cluster is doing besides serving.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

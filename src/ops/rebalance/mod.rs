@@ -4,4 +4,7 @@
 //! every few seconds and, in `act` mode, carries a move out as a `scale` change.
 
 pub mod decide;
+mod run;
 pub mod window;
+
+pub use run::{Rebalancer, run};
