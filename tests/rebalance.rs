@@ -1,0 +1,173 @@
+//! The split follows the traffic (`[rebalance]`): on a 2P2D sim cluster under a
+//! long-prompt load whose TTFT misses its objective, `advise` says it would move a decode
+//! to prefill and changes nothing; switched to `act` with `pdctl rebalance act`, it moves
+//! one instance (2P2D -> 3P1D) through the same change `scale` makes, keeps the move's
+//! record in the state dir and `status --json`, and the load has 0 failed requests.
+
+mod common;
+#[path = "common/supervisor.rs"]
+mod suph;
+
+use common::TempDir;
+use pdctl::control::StatusReport;
+use pdctl::vocab::{RebalanceMode, Role};
+use serde_json::Value;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+use suph::{Cluster, sim_topology, text};
+
+/// Long prompts (1024 tokens at 0.5 ms each: about half a second of prefill apiece)
+/// against a TTFT objective of 200 ms; the inter-token objective is met (the sim's
+/// default 10 ms gaps).
+const REBALANCE: &str = "[engine.sim]\nprefill_ms_per_token = 0.5\n\
+    [rebalance]\nttft_p90_ms = 200\nitl_p90_ms = 1000\nwindow_s = 4\ncooldown_s = 60\nmode = \"advise\"\n";
+
+fn long_prompt_load(port: u16, prompts: usize, json: &std::path::Path) -> Child {
+    let url = format!("http://127.0.0.1:{port}");
+    let prompts = prompts.to_string();
+    common::pdctl(&[
+        "bench",
+        "--url",
+        &url,
+        "--num-prompts",
+        &prompts,
+        "--max-concurrency",
+        "8",
+        "--input-len",
+        "1024",
+        "--output-len",
+        "8",
+        "--json",
+        json.to_str().unwrap(),
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap()
+}
+
+fn count(r: &StatusReport, role: Role) -> usize {
+    r.services.iter().filter(|s| s.role == role).count()
+}
+
+/// Polls `status --json` until `check` holds on it (panics with the last one after
+/// `limit`).
+fn wait_for(
+    cluster: &Cluster,
+    limit: Duration,
+    check: impl Fn(&StatusReport) -> bool,
+) -> StatusReport {
+    let start = Instant::now();
+    loop {
+        let r = cluster.status(&[]).expect("the cluster runs");
+        if check(&r) {
+            return r;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "not within {limit:?}; the last status: {}",
+            serde_json::to_string_pretty(&r).unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+#[test]
+fn advise_says_what_it_would_move_and_act_moves_one_instance_with_nothing_failed() {
+    // Ports laid out for 4 prefill instances, 2 of them started: room to grow to 3.
+    let (topology, port) = sim_topology("rebal", "nixl", 4, 2, REBALANCE);
+    let topology = topology.replace("[prefill]\ninstances = 4\n", "[prefill]\ninstances = 2\n");
+    assert!(
+        topology.contains("[prefill]\ninstances = 2\n"),
+        "{topology}"
+    );
+    let cluster = Cluster::new("rebal");
+    let dir = TempDir::new("rebal-topo");
+    cluster.up_topology(dir.path(), &topology);
+
+    let r = cluster.status(&[]).unwrap();
+    let rb = r.rebalance.as_ref().expect("status --json has `rebalance`");
+    assert_eq!(rb.mode, RebalanceMode::Advise);
+
+    let json = dir.path().join("bench.json");
+    let load = long_prompt_load(port, 400, &json);
+    // Advise: within two windows (and the first looks) it says what it would do...
+    let r = wait_for(&cluster, Duration::from_secs(40), |r| {
+        r.rebalance
+            .as_ref()
+            .is_some_and(|b| b.verdict.starts_with("would move 2P2D -> 3P1D: TTFT p90"))
+    });
+    let rb = r.rebalance.as_ref().unwrap();
+    assert!(rb.figures.ttft_p90_ms.unwrap() > 200.0, "{rb:?}");
+    assert!(rb.figures.requests > 0, "{rb:?}");
+    // ...and changes nothing.
+    assert_eq!((count(&r, Role::Prefill), count(&r, Role::Decode)), (2, 2));
+    assert_eq!(rb.moves_total, 0);
+    let shown = text(&cluster.run(&["status"]));
+    assert!(
+        shown.contains("rebalance (advise, 2P2D over") && shown.contains("would move 2P2D -> 3P1D"),
+        "{shown}"
+    );
+    std::thread::sleep(Duration::from_secs(5));
+    let r = cluster.status(&[]).unwrap();
+    assert_eq!(
+        (count(&r, Role::Prefill), count(&r, Role::Decode)),
+        (2, 2),
+        "advise moved"
+    );
+
+    // Act, switched at run time: one decode becomes a prefill, through a scale change.
+    let out = cluster.run(&["rebalance", "act"]);
+    assert!(
+        out.status.success() && text(&out).contains("mode act (was advise)"),
+        "{}",
+        text(&out)
+    );
+    let r = wait_for(&cluster, Duration::from_secs(90), |r| {
+        r.rebalance.as_ref().is_some_and(|b| b.moves_total == 1)
+    });
+    let rb = r.rebalance.as_ref().unwrap();
+    let record = &rb.moves[rb.moves.len() - 1];
+    assert_eq!(
+        (record.from.to_string(), record.to.to_string()),
+        ("2P2D".into(), "3P1D".into())
+    );
+    assert!(
+        record
+            .outcome
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("done (0)"),
+        "{record:?}"
+    );
+    assert!(record.figures.ttft_p90_ms.unwrap() > 200.0, "{record:?}");
+    assert_eq!((count(&r, Role::Prefill), count(&r, Role::Decode)), (3, 1));
+    assert!(
+        r.operation
+            .as_ref()
+            .unwrap()
+            .what
+            .starts_with("scale prefill=3 decode=1"),
+        "{:?}",
+        r.operation
+    );
+    // The record stays in the state dir.
+    let kept =
+        std::fs::read_to_string(cluster.root().join("rebal").join("rebalance.jsonl")).unwrap();
+    assert_eq!(kept.lines().count(), 1, "{kept}");
+    // min_decode = 1 holds: no second move toward prefill.
+    let out = cluster.run(&["rebalance", "off"]);
+    assert!(out.status.success(), "{}", text(&out));
+
+    let out = load.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "bench: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["failed"].as_u64(), Some(0), "{v}");
+    assert!(v["completed"].as_u64().unwrap() > 0, "{v}");
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
