@@ -23,6 +23,10 @@ const REBALANCE: &str = "[engine.sim]\nprefill_ms_per_token = 0.5\n\
     [rebalance]\nttft_p90_ms = 200\nitl_p90_ms = 1000\nwindow_s = 4\ncooldown_s = 60\nmode = \"advise\"\n";
 
 fn long_prompt_load(port: u16, prompts: usize, json: &std::path::Path) -> Child {
+    load(port, prompts, "1024", "8", json)
+}
+
+fn load(port: u16, prompts: usize, input: &str, output: &str, json: &std::path::Path) -> Child {
     let url = format!("http://127.0.0.1:{port}");
     let prompts = prompts.to_string();
     common::pdctl(&[
@@ -34,9 +38,9 @@ fn long_prompt_load(port: u16, prompts: usize, json: &std::path::Path) -> Child 
         "--max-concurrency",
         "8",
         "--input-len",
-        "1024",
+        input,
         "--output-len",
-        "8",
+        output,
         "--json",
         json.to_str().unwrap(),
     ])
@@ -100,6 +104,8 @@ fn advise_says_what_it_would_move_and_act_moves_one_instance_with_nothing_failed
     let rb = r.rebalance.as_ref().unwrap();
     assert!(rb.figures.ttft_p90_ms.unwrap() > 200.0, "{rb:?}");
     assert!(rb.figures.requests > 0, "{rb:?}");
+    // The decode engines' inter-token histogram is read too (met here).
+    assert!(rb.figures.itl_p90_ms.is_some_and(|v| v < 1000.0), "{rb:?}");
     // ...and changes nothing.
     assert_eq!((count(&r, Role::Prefill), count(&r, Role::Decode)), (2, 2));
     assert_eq!(rb.moves_total, 0);
@@ -168,6 +174,37 @@ fn advise_says_what_it_would_move_and_act_moves_one_instance_with_nothing_failed
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(v["failed"].as_u64(), Some(0), "{v}");
     assert!(v["completed"].as_u64().unwrap() > 0, "{v}");
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// Long outputs against a tight inter-token objective (the sim's 10 ms gaps, slower in
+/// a batch, over 15 ms): advise would move a prefill to decode, and says so.
+#[test]
+fn advise_under_long_outputs_would_move_toward_decode() {
+    let extra =
+        "[rebalance]\nttft_p90_ms = 5000\nitl_p90_ms = 15\nwindow_s = 3\nmode = \"advise\"\n";
+    let (topology, port) = sim_topology("rebal-itl", "nixl", 2, 2, extra);
+    let cluster = Cluster::new("rebal-itl");
+    let dir = TempDir::new("rebal-itl-topo");
+    cluster.up_topology(dir.path(), &topology);
+    let json = dir.path().join("bench.json");
+    let load = load(port, 64, "32", "256", &json);
+    let r = wait_for(&cluster, Duration::from_secs(40), |r| {
+        r.rebalance
+            .as_ref()
+            .is_some_and(|b| b.verdict.starts_with("would move 2P2D -> 1P3D: ITL p90"))
+    });
+    let rb = r.rebalance.as_ref().unwrap();
+    assert!(rb.figures.itl_p90_ms.unwrap() > 15.0, "{rb:?}");
+    assert_eq!((count(&r, Role::Prefill), count(&r, Role::Decode)), (2, 2));
+    assert_eq!(rb.moves_total, 0);
+    let out = load.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "bench: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));
 }
