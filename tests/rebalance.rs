@@ -76,6 +76,16 @@ fn wait_for(
     }
 }
 
+/// The `rebalance` line of `pdctl status`, for the test's log.
+fn shown_line(cluster: &Cluster) -> String {
+    let shown = text(&cluster.run(&["status"]));
+    shown
+        .lines()
+        .find(|l| l.starts_with("rebalance"))
+        .unwrap_or_default()
+        .to_string()
+}
+
 #[test]
 fn advise_says_what_it_would_move_and_act_moves_one_instance_with_nothing_failed() {
     // Ports laid out for 4 prefill instances, 2 of them started: room to grow to 3.
@@ -102,6 +112,7 @@ fn advise_says_what_it_would_move_and_act_moves_one_instance_with_nothing_failed
             .is_some_and(|b| b.verdict.starts_with("would move 2P2D -> 3P1D: TTFT p90"))
     });
     let rb = r.rebalance.as_ref().unwrap();
+    eprintln!("advise: {}", shown_line(&cluster));
     assert!(rb.figures.ttft_p90_ms.unwrap() > 200.0, "{rb:?}");
     assert!(rb.figures.requests > 0, "{rb:?}");
     // The decode engines' inter-token histogram is read too (met here).
@@ -134,6 +145,7 @@ fn advise_says_what_it_would_move_and_act_moves_one_instance_with_nothing_failed
     });
     let rb = r.rebalance.as_ref().unwrap();
     let record = &rb.moves[rb.moves.len() - 1];
+    eprintln!("act: {}", serde_json::to_string(record).unwrap());
     assert_eq!(
         (record.from.to_string(), record.to.to_string()),
         ("2P2D".into(), "3P1D".into())
@@ -196,6 +208,7 @@ fn advise_under_long_outputs_would_move_toward_decode() {
             .is_some_and(|b| b.verdict.starts_with("would move 2P2D -> 1P3D: ITL p90"))
     });
     let rb = r.rebalance.as_ref().unwrap();
+    eprintln!("advise: {}", shown_line(&cluster));
     assert!(rb.figures.itl_p90_ms.unwrap() > 15.0, "{rb:?}");
     assert_eq!((count(&r, Role::Prefill), count(&r, Role::Decode)), (2, 2));
     assert_eq!(rb.moves_total, 0);
