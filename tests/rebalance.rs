@@ -221,3 +221,83 @@ fn advise_under_long_outputs_would_move_toward_decode() {
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));
 }
+
+/// Act, following a shift and back: long prompts move 2P2D toward prefill (3P1D); then
+/// long outputs, once the cool-down has passed, move it back toward decode; 0 failed
+/// requests in either load.
+#[test]
+fn act_follows_a_shift_to_long_prompts_and_back_with_nothing_failed() {
+    let extra = "[engine.sim]\nprefill_ms_per_token = 0.5\n\
+        [rebalance]\nttft_p90_ms = 200\nitl_p90_ms = 15\nwindow_s = 3\ncooldown_s = 8\nmode = \"act\"\n";
+    let (topology, port) = sim_topology("rebal-act", "nixl", 4, 4, extra);
+    let topology = topology
+        .replace("[prefill]\ninstances = 4\n", "[prefill]\ninstances = 2\n")
+        .replace("[decode]\ninstances = 4\n", "[decode]\ninstances = 2\n");
+    let cluster = Cluster::new("rebal-act");
+    let dir = TempDir::new("rebal-act-topo");
+    cluster.up_topology(dir.path(), &topology);
+
+    let prompts_json = dir.path().join("prompts.json");
+    let prompts = long_prompt_load(port, 200, &prompts_json);
+    let r = wait_for(&cluster, Duration::from_secs(60), |r| {
+        r.rebalance.as_ref().is_some_and(|b| b.moves_total >= 1)
+    });
+    let first = r.rebalance.as_ref().unwrap().moves[0].clone();
+    eprintln!("first: {}", serde_json::to_string(&first).unwrap());
+    assert_eq!(
+        (first.from.to_string(), first.to.to_string()),
+        ("2P2D".into(), "3P1D".into())
+    );
+    assert!(
+        first
+            .outcome
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("done (0)"),
+        "{first:?}"
+    );
+    assert!(first.reason.starts_with("TTFT p90"), "{first:?}");
+    let out = prompts.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "bench: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&prompts_json).unwrap()).unwrap();
+    assert_eq!(v["failed"].as_u64(), Some(0), "long prompts: {v}");
+
+    let outputs_json = dir.path().join("outputs.json");
+    let outputs = load(port, 96, "32", "256", &outputs_json);
+    let r = wait_for(&cluster, Duration::from_secs(60), |r| {
+        r.rebalance.as_ref().is_some_and(|b| b.moves_total >= 2)
+    });
+    let rb = r.rebalance.as_ref().unwrap();
+    let back = rb.moves[1].clone();
+    eprintln!("back: {}", serde_json::to_string(&back).unwrap());
+    assert_eq!(
+        (back.from.to_string(), back.to.to_string()),
+        ("3P1D".into(), "2P2D".into())
+    );
+    assert!(back.reason.starts_with("ITL p90"), "{back:?}");
+    assert!(
+        back.outcome
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("done (0)"),
+        "{back:?}"
+    );
+    // The move back waited out the cool-down after the first.
+    assert!(back.at_ms - first.at_ms >= 8_000, "{first:?} {back:?}");
+    let out = cluster.run(&["rebalance", "off"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = outputs.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "bench: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&outputs_json).unwrap()).unwrap();
+    assert_eq!(v["failed"].as_u64(), Some(0), "long outputs: {v}");
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
