@@ -191,7 +191,8 @@ fn advise_says_what_it_would_move_and_act_moves_one_instance_with_nothing_failed
 }
 
 /// Long outputs against a tight inter-token objective (the sim's 10 ms gaps, slower in
-/// a batch, over 15 ms): advise would move a prefill to decode, and says so.
+/// a batch, over 15 ms): advise would move a prefill to decode, and says so; `apply` of
+/// the topology with a looser objective is taken in place and the verdict follows.
 #[test]
 fn advise_under_long_outputs_would_move_toward_decode() {
     let extra =
@@ -201,7 +202,7 @@ fn advise_under_long_outputs_would_move_toward_decode() {
     let dir = TempDir::new("rebal-itl-topo");
     cluster.up_topology(dir.path(), &topology);
     let json = dir.path().join("bench.json");
-    let load = load(port, 64, "32", "256", &json);
+    let load = load(port, 80, "32", "256", &json);
     let r = wait_for(&cluster, Duration::from_secs(40), |r| {
         r.rebalance
             .as_ref()
@@ -212,6 +213,25 @@ fn advise_under_long_outputs_would_move_toward_decode() {
     assert!(rb.figures.itl_p90_ms.unwrap() > 15.0, "{rb:?}");
     assert_eq!((count(&r, Role::Prefill), count(&r, Role::Decode)), (2, 2));
     assert_eq!(rb.moves_total, 0);
+    // `apply` takes a changed table in place: a looser ITL objective is met.
+    let file = dir.path().join("looser.toml");
+    std::fs::write(
+        &file,
+        topology.replace("itl_p90_ms = 15", "itl_p90_ms = 1000"),
+    )
+    .unwrap();
+    let out = cluster.run(&["apply", "-f", file.to_str().unwrap()]);
+    assert!(
+        out.status.success() && text(&out).contains("the [rebalance] table is kept"),
+        "{}",
+        text(&out)
+    );
+    let r = wait_for(&cluster, Duration::from_secs(30), |r| {
+        r.rebalance
+            .as_ref()
+            .is_some_and(|b| b.verdict.starts_with("objectives met"))
+    });
+    eprintln!("after apply: {}", r.rebalance.as_ref().unwrap().verdict);
     let out = load.wait_with_output().unwrap();
     assert!(
         out.status.success(),

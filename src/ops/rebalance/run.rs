@@ -27,12 +27,13 @@ const SHOWN_MOVES: usize = 10;
 
 /// The rebalancer's state, shared by its loop, `status` and `pdctl rebalance`.
 pub struct Rebalancer {
-    plan: RebalancePlan,
     state_dir: PathBuf,
     shared: Mutex<Shared>,
 }
 
 struct Shared {
+    /// The table judged by: the plan's, then the kept topology's (`apply` changes it).
+    plan: RebalancePlan,
     report: RebalanceReport,
     last_move: Option<(Instant, Toward)>,
 }
@@ -55,9 +56,9 @@ impl Rebalancer {
             moves: moves[moves.len().saturating_sub(SHOWN_MOVES)..].to_vec(),
         };
         Rebalancer {
-            plan,
             state_dir,
             shared: Mutex::new(Shared {
+                plan,
                 report,
                 last_move: None,
             }),
@@ -82,6 +83,44 @@ impl Rebalancer {
         format!("rebalance: mode {} (was {})", mode.as_str(), was.as_str())
     }
 
+    /// The table as it stands.
+    fn table(&self) -> RebalancePlan {
+        self.shared().plan.clone()
+    }
+
+    /// Takes the `[rebalance]` table of the topology the cluster keeps (`apply` writes
+    /// it), when it differs: its mode too when the file's mode changed; none left there
+    /// turns the rebalancer off.
+    fn follow_kept_topology(&self) {
+        let Ok(Some(source)) = crate::plan::source::ClusterSource::read(&self.state_dir) else {
+            return;
+        };
+        let Ok(t) = source.topology() else {
+            return;
+        };
+        let kept = t.spec.rebalance.clone().map(|table| RebalancePlan {
+            table,
+            prefill_gpus: t.spec.prefill.gpus_per_instance,
+            decode_gpus: t.spec.decode.gpus_per_instance,
+        });
+        let mut s = self.shared();
+        match kept {
+            Some(p) if p != s.plan => {
+                tracing::info!("rebalance: the topology's [rebalance] table changed; taken");
+                if p.table.mode != s.plan.table.mode {
+                    s.report.mode = p.table.mode;
+                }
+                s.report.window_s = p.table.window_s;
+                s.plan = p;
+            }
+            None if s.report.mode != RebalanceMode::Off => {
+                tracing::info!("rebalance: the topology has no [rebalance] table now; off");
+                s.report.mode = RebalanceMode::Off;
+            }
+            _ => {}
+        }
+    }
+
     fn set_verdict(&self, verdict: String, figures: Option<Figures>, measured_s: u64) {
         let mut s = self.shared();
         if s.report.verdict != verdict {
@@ -103,12 +142,14 @@ fn tick(window_s: u64) -> Duration {
 /// The loop; runs as long as the supervisor does.
 pub async fn run(engine: Arc<dyn Operations>, r: Arc<Rebalancer>) {
     let http = crate::ops::drain::metrics_client();
-    let window_ms = r.plan.table.window_s * 1000;
     let started = Instant::now();
     let mut window = Window::default();
-    let mut budget = None;
+    let mut first_split = None;
     loop {
-        tokio::time::sleep(tick(r.plan.table.window_s)).await;
+        tokio::time::sleep(tick(r.table().table.window_s)).await;
+        r.follow_kept_topology();
+        let plan = r.table();
+        let window_ms = plan.table.window_s * 1000;
         if r.report().mode == RebalanceMode::Off {
             window.clear();
             r.set_verdict("off: nothing judged".into(), None, 0);
@@ -122,7 +163,7 @@ pub async fn run(engine: Arc<dyn Operations>, r: Arc<Rebalancer>) {
             }
         };
         r.shared().report.split = split;
-        let budget = *budget.get_or_insert_with(|| Budget::of(&r.plan, split));
+        let budget = Budget::of(&plan, *first_split.get_or_insert(split));
         let Some(proxy) = proxy else {
             r.set_verdict("the cluster has no proxy to measure".into(), None, 0);
             continue;
@@ -137,7 +178,7 @@ pub async fn run(engine: Arc<dyn Operations>, r: Arc<Rebalancer>) {
         }
         let measured_s = window.span_ms() / 1000;
         if window.span_ms() < window_ms {
-            let v = format!("measuring: {measured_s} of {} s", r.plan.table.window_s);
+            let v = format!("measuring: {measured_s} of {} s", plan.table.window_s);
             r.set_verdict(v, Some(window.figures()), measured_s);
             continue;
         }
@@ -150,7 +191,7 @@ pub async fn run(engine: Arc<dyn Operations>, r: Arc<Rebalancer>) {
                 .last_move
                 .map(|(at, way)| (at.elapsed().as_millis() as u64, way)),
         };
-        match decide(&r.plan, split, budget, &figures, state) {
+        match decide(&plan, split, budget, &figures, state) {
             Ok(None) => r.set_verdict(met(&figures), Some(figures), measured_s),
             Err(held) => r.set_verdict(format!("held: {held}"), Some(figures), measured_s),
             Ok(Some(m)) if r.report().mode == RebalanceMode::Advise => {
