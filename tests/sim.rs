@@ -551,6 +551,7 @@ async fn it_says_it_is_a_simulator_and_exposes_vllm_metric_names() {
         "vllm:time_to_first_token_seconds_bucket",
         "vllm:time_to_first_token_seconds_count",
         "vllm:e2e_request_latency_seconds_sum",
+        "vllm:inter_token_latency_seconds_bucket",
         "pdctl_sim_kv_handoffs_received_total",
         "pdctl_sim_kv_handoffs_missed_total",
         "pdctl_sim_kv_handoffs_sent_total",
@@ -578,6 +579,11 @@ async fn it_says_it_is_a_simulator_and_exposes_vllm_metric_names() {
     assert_eq!(
         simh::metric_in(&text, "vllm:time_to_first_token_seconds_count"),
         Some(1.0)
+    );
+    // Three tokens, two gaps between them.
+    assert_eq!(
+        simh::metric_in(&text, "vllm:inter_token_latency_seconds_count"),
+        Some(2.0)
     );
 }
 

@@ -16,6 +16,7 @@ mod info;
 mod live;
 mod log_buffer;
 mod logs_cmd;
+mod rebalance;
 mod remote_up;
 mod restart;
 mod secret;
@@ -51,6 +52,8 @@ pub enum Command {
     Restart(restart::RestartArgs),
     /// Set how many instances a role has, while serving: `scale decode=2`.
     Scale(live::ScaleArgs),
+    /// Switch the rebalancer (`[rebalance]`) while serving: `off`, `advise` or `act`.
+    Rebalance(rebalance::RebalanceArgs),
     /// Change the running cluster to what a topology says, while serving (`--dry-run` shows
     /// the change only).
     Apply(live::ApplyArgs),
@@ -166,6 +169,7 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Logs(a) => cluster::logs(a),
         Command::Restart(a) => cluster::restart(a),
         Command::Scale(a) => live::scale(&a, runtime()?),
+        Command::Rebalance(a) => rebalance::rebalance(&a, runtime()?),
         Command::Apply(a) => cluster::apply(a),
         Command::Tune(a) => tune::tune(a),
         Command::Check(a) => check::check(a),

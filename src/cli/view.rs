@@ -134,6 +134,18 @@ pub fn status_table(report: &StatusReport) -> String {
     if let Some(op) = &report.operation {
         let _ = writeln!(out, "{}", op.line(crate::control::operation::now_ms()));
     }
+    if let Some(r) = &report.rebalance {
+        let _ = writeln!(
+            out,
+            "rebalance ({}, {} over {}/{} s, {} moves): {}",
+            r.mode.as_str(),
+            r.split,
+            r.measured_s,
+            r.window_s,
+            r.moves_total,
+            r.verdict
+        );
+    }
     out
 }
 
@@ -275,6 +287,7 @@ mod tests {
                 gpu_memory_bytes: None,
             }],
             operation: None,
+            rebalance: None,
         };
         let t = status_table(&report);
         let lines: Vec<&str> = t.lines().collect();
@@ -361,6 +374,7 @@ mod tests {
             proxy_url: None,
             services: vec![s.clone()],
             operation: None,
+            rebalance: None,
         };
         let row = status_table(&report).lines().nth(2).unwrap().to_string();
         let cell = row.split("  ").last().unwrap().trim();

@@ -72,6 +72,9 @@ pub enum Request {
     /// node is asked of that node's supervisor (`pdctl logs ROLE` on the head). Answered
     /// with `Lines`.
     Logs { service: String, lines: usize },
+    /// `pdctl rebalance off|advise|act`: what the head's rebalancer does from now on
+    /// (until the supervisor restarts, which reads the topology's `mode` again).
+    Rebalance { mode: crate::vocab::RebalanceMode },
 }
 
 /// What another node's supervisor may ask of this one over the TCP channel: a type of
@@ -131,7 +134,9 @@ impl PeerRequest {
             Request::Add { service, settings } => PeerRequest::Add { service, settings },
             Request::Remove { service, timeout_s } => PeerRequest::Remove { service, timeout_s },
             Request::Replace { service, settings } => PeerRequest::Replace { service, settings },
-            Request::WatchSettings { .. } | Request::Change { .. } => return None,
+            Request::WatchSettings { .. } | Request::Change { .. } | Request::Rebalance { .. } => {
+                return None;
+            }
         })
     }
 
@@ -227,6 +232,9 @@ pub struct StatusReport {
     /// The change running now, or the last one, when the supervisor carried one out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub operation: Option<Box<operation::OperationReport>>,
+    /// The head's rebalancer (`[rebalance]`): its mode, figures, verdict and moves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebalance: Option<Box<crate::vocab::RebalanceReport>>,
 }
 
 impl StatusReport {

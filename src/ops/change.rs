@@ -443,9 +443,7 @@ impl<'a> Change<'a> {
         let d = &self.diff;
         let cluster = &self.running.cluster;
         if d.is_empty() {
-            return Ok(done(format!(
-                "cluster {cluster} already runs what the topology describes; nothing to change"
-            )));
+            return self.only_rebalance();
         }
         for line in d.lines() {
             self.progress.line(&format!("  {line}"));
@@ -477,6 +475,28 @@ impl<'a> Change<'a> {
             ))),
             Err(e) => Ok(self.undo_after(e).await),
         }
+    }
+
+    /// Nothing to change in what runs: a changed `[rebalance]` table is still kept (the
+    /// topology `scale` and the rebalancer read), which the rebalancer takes at its next
+    /// look.
+    fn only_rebalance(&self) -> anyhow::Result<End> {
+        let cluster = &self.running.cluster;
+        let table = |p: &Plan| p.rebalance.as_ref().map(|r| r.table.clone());
+        if table(&self.running) == table(&self.wanted) || self.sources.1.is_none() {
+            return Ok(done(format!(
+                "cluster {cluster} already runs what the topology describes; nothing to change"
+            )));
+        }
+        self.progress
+            .line("  ~ [rebalance]: the table changes (taken in place)");
+        if self.how.dry_run {
+            return Ok(done("dry run: nothing was changed"));
+        }
+        write_source(&self.inner.state_dir, self.sources.1.as_ref())?;
+        Ok(done(format!(
+            "cluster {cluster}: the [rebalance] table is kept; the rebalancer takes it at its next look"
+        )))
     }
 
     /// The journal of this change, on disk before its first step.

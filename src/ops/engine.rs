@@ -25,6 +25,10 @@ use tokio::sync::mpsc;
 #[derive(Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
+    /// The rebalancer, when the plan has `[rebalance]`; its loop starts with [`recover`].
+    ///
+    /// [`recover`]: crate::supervisor::Operations::recover
+    rebalancer: Option<Arc<super::rebalance::Rebalancer>>,
 }
 
 impl Engine {
@@ -44,7 +48,12 @@ impl Engine {
                 others.insert(name.clone(), endpoint);
             }
         }
+        let rebalancer = plan
+            .rebalance
+            .clone()
+            .map(|r| Arc::new(super::rebalance::Rebalancer::new(r, state_dir.clone())));
         Engine {
+            rebalancer,
             inner: Arc::new(Inner {
                 nodes: Nodes::new(node.to_string(), Endpoint::Unix(socket), others),
                 state_dir,
@@ -114,6 +123,10 @@ impl crate::supervisor::Operations for Engine {
     }
 
     fn recover(&self) {
+        if let Some(r) = &self.rebalancer {
+            let ops: Arc<dyn crate::supervisor::Operations> = Arc::new(self.clone());
+            tokio::spawn(super::rebalance::run(ops, r.clone()));
+        }
         let journal = match Journal::read(&self.inner.state_dir) {
             Ok(j) => j,
             Err(e) => {
@@ -182,6 +195,20 @@ impl crate::supervisor::Operations for Engine {
 
     fn report(&self) -> Option<OperationReport> {
         self.inner.current().clone()
+    }
+
+    fn rebalance(&self) -> Option<crate::vocab::RebalanceReport> {
+        self.rebalancer.as_ref().map(|r| r.report())
+    }
+
+    fn set_rebalance(&self, mode: crate::vocab::RebalanceMode) -> Result<String, String> {
+        match &self.rebalancer {
+            Some(r) => Ok(r.set_mode(mode)),
+            None => Err(format!(
+                "this cluster has no rebalancer: its topology has no [rebalance] table (add one and restart the cluster to use mode {})",
+                mode.as_str()
+            )),
+        }
     }
 
     fn down_others(

@@ -19,6 +19,7 @@ mod drain;
 mod engine;
 mod journal;
 mod nodes;
+mod rebalance;
 mod recover;
 
 pub use engine::Engine;

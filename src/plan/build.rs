@@ -212,6 +212,14 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         control_port: (t.nodes.len() > 1).then_some(t.control.port),
         tcp: t.network,
         settings,
+        rebalance: t
+            .rebalance
+            .clone()
+            .map(|table| crate::vocab::RebalancePlan {
+                table,
+                prefill_gpus: t.prefill.gpus_per_instance,
+                decode_gpus: t.decode.gpus_per_instance,
+            }),
     })
 }
 

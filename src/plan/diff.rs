@@ -453,6 +453,7 @@ mod tests {
             control_port: None,
             tcp: Default::default(),
             settings: BTreeMap::from([("proxy".into(), ChildSettings::Proxy(Box::new(proxy)))]),
+            rebalance: None,
         }
     }
 

@@ -76,6 +76,9 @@ pub struct Plan {
     /// so a change is compared and carried as one, never as text read back.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub settings: BTreeMap<String, ChildSettings>,
+    /// The topology's `[rebalance]`, for the head's operations layer to act on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebalance: Option<crate::vocab::RebalancePlan>,
 }
 
 impl Plan {

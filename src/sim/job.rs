@@ -109,6 +109,8 @@ pub struct Job {
     pub hold_back: usize,
     max_stop_len: usize,
     first_token: Option<Instant>,
+    /// When the last step produced its tokens (the inter-token histogram's last mark).
+    last_token: Option<Instant>,
     finished: bool,
     /// A KV handoff could not be loaded and the policy is "fail": the request ends with
     /// vLLM's generation error instead of being computed.
@@ -172,6 +174,7 @@ impl Job {
             producer: None,
             seqs,
             first_token: None,
+            last_token: None,
             finished: false,
             kv_load_failed: false,
         }
@@ -260,7 +263,11 @@ impl Job {
         if let Some(g) = &mut self.guard {
             g.add_blocks(new_blocks);
         }
-        self.first_token.get_or_insert_with(Instant::now);
+        let now = Instant::now();
+        self.first_token.get_or_insert(now);
+        if let Some(last) = self.last_token.replace(now) {
+            self.sim.metrics.itl.observe(now - last);
+        }
         true
     }
 

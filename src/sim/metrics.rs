@@ -22,6 +22,11 @@ const TTFT_BUCKETS: [f64; 22] = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
+/// vLLM's buckets for the gap between output tokens, in seconds.
+const ITL_BUCKETS: [f64; 19] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
 /// vLLM's buckets for whole-request latency, in seconds.
 const E2E_BUCKETS: [f64; 21] = [
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
@@ -144,6 +149,9 @@ pub struct Metrics {
     /// this far below the number of requests.
     pub connections_accepted: Count,
     pub ttft: Latency,
+    /// Gaps between one sequence's output tokens (vLLM's inter_token_latency_seconds):
+    /// what the head's rebalancer reads for `itl_p90_ms`.
+    pub itl: Latency,
     pub e2e: Latency,
 }
 
@@ -177,6 +185,7 @@ impl Metrics {
             faults_injected: Count::default(),
             connections_accepted: Count::default(),
             ttft: Latency::new(&TTFT_BUCKETS),
+            itl: Latency::new(&ITL_BUCKETS),
             e2e: Latency::new(&E2E_BUCKETS),
         };
         m.registered(model, block_size)
@@ -298,6 +307,11 @@ impl Metrics {
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds",
             self.ttft.0.clone(),
+        );
+        r.register(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds",
+            self.itl.0.clone(),
         );
         r.register(
             "vllm:e2e_request_latency_seconds",

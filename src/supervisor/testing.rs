@@ -45,5 +45,6 @@ pub(crate) fn plan(head: &str, services: Vec<Service>) -> Plan {
         control_port: None,
         tcp: Default::default(),
         settings: BTreeMap::new(),
+        rebalance: None,
     }
 }

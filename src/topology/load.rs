@@ -258,4 +258,40 @@ mod tests {
         assert_eq!(t.spec.prefill.instances, 1);
         assert_eq!(t.spec.proxy.port, 8000);
     }
+
+    #[test]
+    fn the_rebalance_table_is_read_with_its_defaults() {
+        let t = load_str(
+            "[model]\nname = \"m\"\n[rebalance]\nttft_p90_ms = 1500\nmode = \"act\"\n",
+            Source::Profile("t".into()),
+            "t".into(),
+        )
+        .unwrap();
+        let r = t.spec.rebalance.expect("[rebalance] is kept");
+        assert_eq!(r.ttft_p90_ms, Some(1500.0));
+        assert_eq!(r.mode, crate::vocab::RebalanceMode::Act);
+        assert_eq!((r.min_prefill, r.min_decode), (1, 1));
+        assert_eq!((r.window_s, r.cooldown_s, r.budget), (30, 120, None));
+    }
+
+    #[test]
+    fn rebalance_mistakes_are_located() {
+        let e = err("[model]\nname = \"m\"\n[rebalance]\nttft_p90ms = 1\n");
+        assert_eq!((e.key.as_str(), e.line), ("rebalance.ttft_p90ms", 4), "{e}");
+        assert_eq!(e.hint.as_deref(), Some("did you mean `ttft_p90_ms`?"));
+        let e = err("[model]\nname = \"m\"\n[rebalance]\nitl_p90_ms = 50\nmode = \"auto\"\n");
+        assert_eq!((e.key.as_str(), e.line), ("rebalance.mode", 5), "{e}");
+        let e = err("[model]\nname = \"m\"\n[rebalance]\nwindow_s = 10\n");
+        assert_eq!(e.key, "rebalance", "{e}");
+        assert!(e.message.contains("no objective"), "{e}");
+        let e = err("[model]\nname = \"m\"\n[rebalance]\nitl_p90_ms = 50\nbudget = 1\n");
+        assert_eq!((e.key.as_str(), e.line), ("rebalance.budget", 5), "{e}");
+        assert!(e.message.contains("less than the bounds need (2"), "{e}");
+        let e = err(
+            "[model]\nname = \"m\"\n[rebalance]\nitl_p90_ms = 50\nbudget = 4\ngpu_budget = 4\n",
+        );
+        assert_eq!((e.key.as_str(), e.line), ("rebalance.gpu_budget", 6), "{e}");
+        let e = err("[model]\nname = \"m\"\n[rebalance]\nitl_p90_ms = -3\n");
+        assert_eq!((e.key.as_str(), e.line), ("rebalance.itl_p90_ms", 4), "{e}");
+    }
 }

@@ -115,6 +115,10 @@ pub struct Topology {
     /// timeout): the proxy's legs and the supervisors' probes of other nodes.
     #[serde(default)]
     pub network: crate::vocab::TcpLiveness,
+    /// Moving instances between prefill and decode as the traffic asks (`[rebalance]`,
+    /// see docs/rebalance.md); absent: the split stays as written.
+    #[serde(default)]
+    pub rebalance: Option<crate::vocab::Rebalance>,
 }
 
 /// The supervisors' TCP control channel, over which the head's supervisor carries a

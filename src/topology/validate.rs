@@ -15,6 +15,7 @@ pub fn check(t: &Topology, head: &str) -> Result<(), Problem> {
     check_engine(t)?;
     check_connector(t, head)?;
     check_proxy(t)?;
+    check_rebalance(t)?;
     Ok(())
 }
 
@@ -334,4 +335,68 @@ fn check_proxy(t: &Topology) -> Result<(), Problem> {
             e.message(|key| format!("proxy.{key}")),
         )
     })
+}
+
+/// `[rebalance]`: objectives that can be judged, one budget, bounds the budget and the
+/// written split leave room for.
+fn check_rebalance(t: &Topology) -> Result<(), Problem> {
+    let Some(r) = &t.rebalance else {
+        return Ok(());
+    };
+    for (key, v) in [("ttft_p90_ms", r.ttft_p90_ms), ("itl_p90_ms", r.itl_p90_ms)] {
+        if let Some(v) = v
+            && !(v.is_finite() && v > 0.0)
+        {
+            return Err(Problem::new(
+                format!("rebalance.{key}"),
+                format!("{v} is not a time in milliseconds above 0"),
+            ));
+        }
+    }
+    if r.ttft_p90_ms.is_none() && r.itl_p90_ms.is_none() {
+        return Err(
+            Problem::new("rebalance", "no objective: nothing to judge a split by")
+                .hint("set `ttft_p90_ms`, `itl_p90_ms` or both, e.g. ttft_p90_ms = 2000"),
+        );
+    }
+    if r.budget.is_some() && r.gpu_budget.is_some() {
+        return Err(Problem::new(
+            "rebalance.gpu_budget",
+            "both `budget` and `gpu_budget` are set",
+        )
+        .also("rebalance.budget")
+        .hint("count instances (`budget`) or GPUs (`gpu_budget`), not both"));
+    }
+    for (key, v) in [("min_prefill", r.min_prefill), ("min_decode", r.min_decode)] {
+        if v == 0 {
+            return Err(Problem::new(
+                format!("rebalance.{key}"),
+                "must be at least 1: a PD cluster needs both roles",
+            ));
+        }
+    }
+    if r.window_s == 0 {
+        return Err(Problem::new(
+            "rebalance.window_s",
+            "must be at least 1 second",
+        ));
+    }
+    let (gp, gd) = (t.prefill.gpus_per_instance, t.decode.gpus_per_instance);
+    let least = (r.min_prefill, r.min_decode);
+    let (key, budget, need) = match (r.budget, r.gpu_budget) {
+        (Some(b), _) => ("budget", b, least.0 + least.1),
+        (_, Some(g)) => ("gpu_budget", g, least.0 * gp + least.1 * gd),
+        _ => return Ok(()),
+    };
+    if budget < need {
+        return Err(Problem::new(
+            format!("rebalance.{key}"),
+            format!(
+                "{budget} is less than the bounds need ({need}: min_prefill = {}, min_decode = {})",
+                least.0, least.1
+            ),
+        )
+        .also("rebalance.min_prefill"));
+    }
+    Ok(())
 }

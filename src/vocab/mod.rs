@@ -7,6 +7,7 @@
 
 mod control_socket;
 mod proxy;
+mod rebalance;
 mod restart;
 mod role;
 mod service;
@@ -16,6 +17,10 @@ mod vllm_version;
 
 pub use control_socket::SOCKET_NAME;
 pub use proxy::{AdmissionError, PolicyName, ProxyProtocol, check_admission};
+pub use rebalance::{
+    Figures, Move, MoveRecord, Rebalance, RebalanceMode, RebalancePlan, RebalanceReport, Split,
+    Toward,
+};
 pub use restart::{RestartMode, RestartPolicy};
 pub use role::Role;
 pub use service::{

@@ -275,6 +275,7 @@ pub fn plan(cluster: &str, nodes: &[(&str, &str)]) -> Plan {
         control_port: None,
         tcp: Default::default(),
         settings: Default::default(),
+        rebalance: None,
     }
 }
 

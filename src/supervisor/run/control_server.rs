@@ -119,6 +119,7 @@ pub async fn connection(
             Ok(Request::Remove { service, timeout_s }) => remove(&h, &service, timeout_s).await,
             Ok(Request::Replace { service, settings }) => replace(&h, *service, settings),
             Ok(Request::Logs { service, lines }) => logs(&h, &service, lines).await,
+            Ok(Request::Rebalance { mode }) => set_rebalance(&h, mode),
             Ok(Request::WatchSettings { service }) => {
                 // Answered until the client leaves: this connection serves nothing else.
                 watch_settings(&h, &service, &mut read, &mut write).await;
@@ -235,7 +236,28 @@ pub(crate) fn status(h: &Handlers, origin: Origin) -> crate::control::StatusRepo
         peers.merge_into(&mut report);
     }
     report.operation = h.operations.as_ref().and_then(|o| o.report()).map(Box::new);
+    report.rebalance = h
+        .operations
+        .as_ref()
+        .and_then(|o| o.rebalance())
+        .map(Box::new);
     report
+}
+
+/// `pdctl rebalance MODE`, answered by the head's operations layer.
+fn set_rebalance(h: &Handlers, mode: crate::vocab::RebalanceMode) -> Response {
+    let Some(ops) = &h.operations else {
+        return Response::Error {
+            message: format!(
+                "the supervisor of node {} does not rebalance the cluster: run the command on the head node",
+                h.ctx.node
+            ),
+        };
+    };
+    match ops.set_rebalance(mode) {
+        Ok(message) => Response::Done { message },
+        Err(message) => Response::Error { message },
+    }
 }
 
 /// Hands `change` to the operations layer; the channel its progress comes on, or None

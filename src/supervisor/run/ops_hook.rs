@@ -32,4 +32,18 @@ pub trait Operations: Send + Sync {
     /// node saying how that went.
     fn down_others(&self, timeout_s: u64)
     -> Pin<Box<dyn Future<Output = Vec<String>> + Send + '_>>;
+
+    /// The rebalancer's state (`[rebalance]`), when the cluster has one.
+    fn rebalance(&self) -> Option<crate::vocab::RebalanceReport> {
+        None
+    }
+
+    /// `pdctl rebalance MODE`: what the rebalancer does from now on; Ok says what
+    /// changed, Err why nothing did.
+    fn set_rebalance(&self, mode: crate::vocab::RebalanceMode) -> Result<String, String> {
+        Err(format!(
+            "this cluster has no rebalancer: add a [rebalance] table to its topology and `pdctl apply` it, or restart it, to use mode {}",
+            mode.as_str()
+        ))
+    }
 }

@@ -273,6 +273,7 @@ mod tests {
             proxy_url: None,
             services,
             operation: None,
+            rebalance: None,
         }
     }
 

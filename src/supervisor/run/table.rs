@@ -150,6 +150,7 @@ impl Table {
             proxy_url: self.proxy_url.clone(),
             services,
             operation: None,
+            rebalance: None,
         }
     }
 

@@ -1,0 +1,10 @@
+//! Rebalancing: the head's supervisor moves instances between prefill and decode as the
+//! traffic asks (`[rebalance]`, docs/rebalance.md). [`window`] turns `/metrics` pages into
+//! the figures of a window, [`decide`] judges them, [`run`] is the loop that does both
+//! every few seconds and, in `act` mode, carries a move out as a `scale` change.
+
+pub mod decide;
+mod run;
+pub mod window;
+
+pub use run::{Rebalancer, run};

@@ -1,0 +1,367 @@
+//! The rebalancer's loop in the head's supervisor: every few seconds a look at the
+//! proxy's `/metrics` (and the decode engines' for the inter-token histogram), once a
+//! whole window is measured a judgement ([`super::decide`]), and what the mode asks:
+//! `advise` says it (log and `status`), `act` hands a `scale` change to the operations
+//! engine — the path `pdctl scale` takes, journaled, draining what it stops — waits for
+//! its end and appends the move's record to `rebalance.jsonl` in the state dir.
+
+use super::decide::{Budget, State, decide};
+use super::window::{Window, add_itl, decode_urls, from_proxy};
+use crate::control::Response;
+use crate::control::operation::{ChangeOptions, ChangeRequest, now_ms};
+use crate::supervisor::Operations;
+use crate::vocab::{
+    Figures, Move, MoveRecord, RebalanceMode, RebalancePlan, RebalanceReport, Role, Split, Toward,
+};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// The file in the state dir each move's record is appended to, one JSON object a line.
+pub const MOVES_FILE: &str = "rebalance.jsonl";
+
+/// Moves `status` lists (the file keeps them all).
+const SHOWN_MOVES: usize = 10;
+
+/// The rebalancer's state, shared by its loop, `status` and `pdctl rebalance`.
+pub struct Rebalancer {
+    state_dir: PathBuf,
+    shared: Mutex<Shared>,
+}
+
+struct Shared {
+    /// The table judged by: the plan's, then the kept topology's (`apply` changes it).
+    plan: RebalancePlan,
+    report: RebalanceReport,
+    last_move: Option<(Instant, Toward)>,
+}
+
+impl Rebalancer {
+    /// The rebalancer of a cluster whose plan carries `plan`, its state in `state_dir`.
+    pub fn new(plan: RebalancePlan, state_dir: PathBuf) -> Rebalancer {
+        let moves = read_moves(&state_dir.join(MOVES_FILE));
+        let report = RebalanceReport {
+            mode: plan.table.mode,
+            split: Split {
+                prefill: 0,
+                decode: 0,
+            },
+            window_s: plan.table.window_s,
+            measured_s: 0,
+            figures: Figures::default(),
+            verdict: "starting".into(),
+            moves_total: 0,
+            moves: moves[moves.len().saturating_sub(SHOWN_MOVES)..].to_vec(),
+        };
+        Rebalancer {
+            state_dir,
+            shared: Mutex::new(Shared {
+                plan,
+                report,
+                last_move: None,
+            }),
+        }
+    }
+
+    fn shared(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What `status` shows.
+    pub fn report(&self) -> RebalanceReport {
+        self.shared().report.clone()
+    }
+
+    /// `pdctl rebalance MODE`.
+    pub fn set_mode(&self, mode: RebalanceMode) -> String {
+        let mut s = self.shared();
+        let was = s.report.mode;
+        s.report.mode = mode;
+        tracing::info!("rebalance: mode {} (was {})", mode.as_str(), was.as_str());
+        format!("rebalance: mode {} (was {})", mode.as_str(), was.as_str())
+    }
+
+    /// The table as it stands.
+    fn table(&self) -> RebalancePlan {
+        self.shared().plan.clone()
+    }
+
+    /// Takes the `[rebalance]` table of the topology the cluster keeps (`apply` writes
+    /// it), when it differs: its mode too when the file's mode changed; none left there
+    /// turns the rebalancer off.
+    fn follow_kept_topology(&self) {
+        let Ok(Some(source)) = crate::plan::source::ClusterSource::read(&self.state_dir) else {
+            return;
+        };
+        let Ok(t) = source.topology() else {
+            return;
+        };
+        let kept = t.spec.rebalance.clone().map(|table| RebalancePlan {
+            table,
+            prefill_gpus: t.spec.prefill.gpus_per_instance,
+            decode_gpus: t.spec.decode.gpus_per_instance,
+        });
+        let mut s = self.shared();
+        match kept {
+            Some(p) if p != s.plan => {
+                tracing::info!("rebalance: the topology's [rebalance] table changed; taken");
+                if p.table.mode != s.plan.table.mode {
+                    s.report.mode = p.table.mode;
+                }
+                s.report.window_s = p.table.window_s;
+                s.plan = p;
+            }
+            None if s.report.mode != RebalanceMode::Off => {
+                tracing::info!("rebalance: the topology has no [rebalance] table now; off");
+                s.report.mode = RebalanceMode::Off;
+            }
+            _ => {}
+        }
+    }
+
+    fn set_verdict(&self, verdict: String, figures: Option<Figures>, measured_s: u64) {
+        let mut s = self.shared();
+        if s.report.verdict != verdict {
+            tracing::info!("rebalance: {verdict}");
+        }
+        s.report.verdict = verdict;
+        s.report.measured_s = measured_s;
+        if let Some(f) = figures {
+            s.report.figures = f;
+        }
+    }
+}
+
+/// How often the pages are read: six looks a window, between 1 and 5 seconds apart.
+fn tick(window_s: u64) -> Duration {
+    Duration::from_millis((window_s * 1000 / 6).clamp(1000, 5000))
+}
+
+/// The loop; runs as long as the supervisor does.
+pub async fn run(engine: Arc<dyn Operations>, r: Arc<Rebalancer>) {
+    let http = crate::ops::drain::metrics_client();
+    let started = Instant::now();
+    let mut window = Window::default();
+    let mut first_split = None;
+    loop {
+        tokio::time::sleep(tick(r.table().table.window_s)).await;
+        r.follow_kept_topology();
+        let plan = r.table();
+        let window_ms = plan.table.window_s * 1000;
+        if r.report().mode == RebalanceMode::Off {
+            window.clear();
+            r.set_verdict("off: nothing judged".into(), None, 0);
+            continue;
+        }
+        let (split, proxy) = match running_split(&r.state_dir) {
+            Ok(x) => x,
+            Err(e) => {
+                r.set_verdict(format!("cannot read the running plan: {e:#}"), None, 0);
+                continue;
+            }
+        };
+        r.shared().report.split = split;
+        let budget = Budget::of(&plan, *first_split.get_or_insert(split));
+        let Some(proxy) = proxy else {
+            r.set_verdict("the cluster has no proxy to measure".into(), None, 0);
+            continue;
+        };
+        let at = started.elapsed().as_millis() as u64;
+        match look(&http, &proxy, at).await {
+            Ok(sample) => window.push(sample, window_ms),
+            Err(e) => {
+                r.set_verdict(format!("cannot read the figures: {e}"), None, 0);
+                continue;
+            }
+        }
+        let measured_s = window.span_ms() / 1000;
+        if window.span_ms() < window_ms {
+            let v = format!("measuring: {measured_s} of {} s", plan.table.window_s);
+            r.set_verdict(v, Some(window.figures()), measured_s);
+            continue;
+        }
+        let figures = window.figures();
+        let state = State {
+            change_running: engine.report().is_some_and(|o| o.running()),
+            unhealthy: window.unhealthy(),
+            last_move: r
+                .shared()
+                .last_move
+                .map(|(at, way)| (at.elapsed().as_millis() as u64, way)),
+        };
+        match decide(&plan, split, budget, &figures, state) {
+            Ok(None) => r.set_verdict(met(&figures), Some(figures), measured_s),
+            Err(held) => r.set_verdict(format!("held: {held}"), Some(figures), measured_s),
+            Ok(Some(m)) if r.report().mode == RebalanceMode::Advise => {
+                let v = format!("would move {} -> {}: {}", m.from, m.to, m.reason);
+                r.set_verdict(v, Some(figures), measured_s);
+            }
+            Ok(Some(m)) => {
+                let v = format!("moving {} -> {}: {}", m.from, m.to, m.reason);
+                r.set_verdict(v, Some(figures), measured_s);
+                act(engine.as_ref(), &r, m, figures).await;
+                window.clear();
+            }
+        }
+    }
+}
+
+fn met(f: &Figures) -> String {
+    let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0} ms"));
+    format!(
+        "objectives met: TTFT p90 {}, ITL p90 {} ({} requests)",
+        ms(f.ttft_p90_ms),
+        ms(f.itl_p90_ms),
+        f.requests
+    )
+}
+
+/// The split the running plan has, and its proxy's URL.
+fn running_split(state_dir: &Path) -> anyhow::Result<(Split, Option<String>)> {
+    let plan = crate::ops::change::read_plan(state_dir)?;
+    let split = Split {
+        prefill: plan.by_role(Role::Prefill).count() as u32,
+        decode: plan.by_role(Role::Decode).count() as u32,
+    };
+    Ok((split, plan.proxy_url))
+}
+
+/// One look: the proxy's page, and each decode engine's for its inter-token histogram
+/// (an engine that does not answer or export one adds nothing).
+async fn look(
+    http: &reqwest::Client,
+    proxy: &str,
+    at_ms: u64,
+) -> Result<super::window::Sample, String> {
+    let page = get(http, proxy).await?;
+    let mut sample = from_proxy(&page, at_ms);
+    for url in decode_urls(&page) {
+        let url = if url.contains("://") {
+            url
+        } else {
+            format!("http://{url}")
+        };
+        if let Ok(engine) = get(http, &url).await {
+            add_itl(&mut sample.itl, &engine);
+        }
+    }
+    Ok(sample)
+}
+
+async fn get(http: &reqwest::Client, base: &str) -> Result<String, String> {
+    let url = format!("{}/metrics", base.trim_end_matches('/'));
+    let answer = http
+        .get(&url)
+        .send()
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    if !answer.status().is_success() {
+        return Err(format!("{url}: {}", answer.status()));
+    }
+    answer.text().await.map_err(|e| format!("{url}: {e}"))
+}
+
+/// Carries `m` out as a `scale` change through the operations engine, waits for its end
+/// and keeps its record.
+async fn act(engine: &dyn Operations, r: &Rebalancer, m: Move, figures: Figures) {
+    let change = ChangeRequest::Scale {
+        counts: vec![
+            ("prefill".to_string(), m.to.prefill),
+            ("decode".to_string(), m.to.decode),
+        ],
+        how: ChangeOptions {
+            dry_run: false,
+            drain_timeout_s: crate::ops::DEFAULT_DRAIN_TIMEOUT_S,
+            state_root: r.state_dir.parent().unwrap_or(&r.state_dir).to_path_buf(),
+        },
+    };
+    let mut record = MoveRecord {
+        at_ms: now_ms(),
+        from: m.from,
+        to: m.to,
+        reason: m.reason.clone(),
+        figures,
+        outcome: None,
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let outcome = match engine.begin(change, tx) {
+        Err(refused) => format!("not started: {refused}"),
+        Ok(()) => loop {
+            match rx.recv().await {
+                Some(Response::Finished { code, message, .. }) => {
+                    let first = message.lines().next().unwrap_or_default();
+                    break format!(
+                        "{} ({code}): {first}",
+                        if code == 0 { "done" } else { "failed" }
+                    );
+                }
+                Some(_) => {}
+                None => break "the change ended without a word".to_string(),
+            }
+        },
+    };
+    tracing::info!("rebalance: move {} -> {} {outcome}", m.from, m.to);
+    record.outcome = Some(outcome);
+    if let Err(e) = append(&r.state_dir.join(MOVES_FILE), &record) {
+        tracing::warn!("rebalance: cannot keep the move's record: {e}");
+    }
+    let mut s = r.shared();
+    s.last_move = Some((Instant::now(), m.toward));
+    s.report.moves_total += 1;
+    s.report.moves.push(record);
+    let excess = s.report.moves.len().saturating_sub(SHOWN_MOVES);
+    s.report.moves.drain(..excess);
+}
+
+fn append(path: &Path, record: &MoveRecord) -> std::io::Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    let line = serde_json::to_string(record).map_err(std::io::Error::other)?;
+    writeln!(f, "{line}")
+}
+
+/// The records a previous run kept (lines that do not read are skipped).
+fn read_moves(path: &Path) -> Vec<MoveRecord> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_are_appended_and_read_back() {
+        let dir = std::env::temp_dir().join(format!("pdctl-rebalance-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(MOVES_FILE);
+        let _ = std::fs::remove_file(&path);
+        let s = |prefill, decode| Split { prefill, decode };
+        let rec = MoveRecord {
+            at_ms: 1,
+            from: s(2, 2),
+            to: s(3, 1),
+            reason: "TTFT".into(),
+            figures: Figures::default(),
+            outcome: Some("done (0)".into()),
+        };
+        append(&path, &rec).unwrap();
+        append(&path, &rec).unwrap();
+        assert_eq!(read_moves(&path), vec![rec.clone(), rec]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn looks_come_six_times_a_window_within_1_to_5_s() {
+        assert_eq!(tick(30), Duration::from_secs(5));
+        assert_eq!(tick(12), Duration::from_secs(2));
+        assert_eq!(tick(3), Duration::from_secs(1));
+    }
+}

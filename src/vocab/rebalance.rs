@@ -1,0 +1,173 @@
+//! The `[rebalance]` table: the objectives, budget, bounds and pace by which the head's
+//! supervisor moves instances between prefill and decode while the cluster serves. Here,
+//! below the topology, the plan and the operations layer, because all three carry it:
+//! the topology reads and checks it, the plan carries it as data, `crate::ops` acts on it.
+
+use serde::{Deserialize, Serialize};
+
+/// What the rebalancer does with a move it finds.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum RebalanceMode {
+    /// Judges nothing, says nothing (only `pdctl rebalance off` sets it).
+    Off,
+    /// Says what it would move and why (supervisor log, `pdctl status`), changes nothing.
+    #[default]
+    Advise,
+    /// Moves one instance from one role to the other, like `pdctl scale` would.
+    Act,
+}
+
+impl RebalanceMode {
+    /// Its name as the topology and `pdctl rebalance` write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RebalanceMode::Off => "off",
+            RebalanceMode::Advise => "advise",
+            RebalanceMode::Act => "act",
+        }
+    }
+}
+
+/// The `[rebalance]` table of a topology, carried unchanged into the plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rebalance {
+    /// Objective: the 90th percentile of time to first token over the window, ms.
+    #[serde(default)]
+    pub ttft_p90_ms: Option<f64>,
+    /// Objective: the 90th percentile of the gap between output tokens over the window, ms.
+    #[serde(default)]
+    pub itl_p90_ms: Option<f64>,
+    /// Instances the two roles share; default: as many as run when the supervisor starts.
+    #[serde(default)]
+    pub budget: Option<u32>,
+    /// GPUs the two roles share (each instance takes its role's `gpus_per_instance`);
+    /// instead of `budget`.
+    #[serde(default)]
+    pub gpu_budget: Option<u32>,
+    /// Prefill instances never fewer than this.
+    #[serde(default = "one")]
+    pub min_prefill: u32,
+    /// Decode instances never fewer than this.
+    #[serde(default = "one")]
+    pub min_decode: u32,
+    /// Seconds of figures each judgement looks at.
+    #[serde(default = "Rebalance::default_window")]
+    pub window_s: u64,
+    /// Seconds after a move before a move the other way.
+    #[serde(default = "Rebalance::default_cooldown")]
+    pub cooldown_s: u64,
+    #[serde(default)]
+    pub mode: RebalanceMode,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl Rebalance {
+    fn default_window() -> u64 {
+        30
+    }
+    fn default_cooldown() -> u64 {
+        120
+    }
+}
+
+/// `[rebalance]` as the plan carries it: the table, and what one instance of each role
+/// costs of a `gpu_budget` (its role's `gpus_per_instance`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RebalancePlan {
+    pub table: Rebalance,
+    /// GPUs one prefill instance takes.
+    pub prefill_gpus: u32,
+    /// GPUs one decode instance takes.
+    pub decode_gpus: u32,
+}
+
+/// What the proxy's figures said over one window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Figures {
+    /// Requests whose first token came back within the window.
+    pub requests: u64,
+    /// 90th percentile of time to first token, ms (None: no request in the window).
+    pub ttft_p90_ms: Option<f64>,
+    /// 90th percentile of the gap between output tokens, ms (None: not measured).
+    pub itl_p90_ms: Option<f64>,
+    /// Mean requests on the prefill instances (the queue in front of prefill).
+    pub prefill_queue: f64,
+    /// Mean requests on the decode instances.
+    pub decode_queue: f64,
+    /// Share of the window (0..1) the prefill instances had a request on them.
+    pub prefill_busy: f64,
+    /// Share of the window the decode instances had a request on them.
+    pub decode_busy: f64,
+}
+
+/// Instances per role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Split {
+    pub prefill: u32,
+    pub decode: u32,
+}
+
+impl std::fmt::Display for Split {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}P{}D", self.prefill, self.decode)
+    }
+}
+
+/// Which way a move goes: toward more prefill or toward more decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Toward {
+    Prefill,
+    Decode,
+}
+
+/// A move the rebalancer found.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Move {
+    pub from: Split,
+    pub to: Split,
+    pub toward: Toward,
+    /// Why, in words, with the figures.
+    pub reason: String,
+}
+
+/// One move as the state dir's `rebalance.jsonl` and `pdctl status --json` keep it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoveRecord {
+    /// When it was decided (Unix time, ms).
+    pub at_ms: u64,
+    pub from: Split,
+    pub to: Split,
+    pub reason: String,
+    /// The window's figures that triggered it.
+    pub figures: Figures,
+    /// How the change carrying it out ended (its first line), once it has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
+}
+
+/// The rebalancer as `pdctl status` shows it (`rebalance` in `--json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RebalanceReport {
+    pub mode: RebalanceMode,
+    /// The split that runs.
+    pub split: Split,
+    /// The window judged over, and the seconds of figures it holds so far.
+    pub window_s: u64,
+    pub measured_s: u64,
+    /// The last window's figures.
+    pub figures: Figures,
+    /// The last judgement in words: `would move 2P2D -> 3P1D: ...` (advise), `moving ...`
+    /// (act), `held: ...` (a rule held a wanted move back), or why nothing is judged.
+    pub verdict: String,
+    /// Moves carried out since the supervisor started, and the last few of them.
+    pub moves_total: u64,
+    pub moves: Vec<MoveRecord>,
+}
