@@ -179,17 +179,7 @@ async fn decode_attempt(
     );
     let guard = inst.begin();
     let sent = Instant::now();
-    let first_byte = sent + proxy.settings().first_byte_timeout;
-    // Whichever limit ends the wait first is the one to name.
-    let (limit, raise, deadline) = if req.stream && first_byte <= req.deadline {
-        (
-            proxy.settings().first_byte_timeout,
-            RAISE_FIRST_BYTE,
-            first_byte,
-        )
-    } else {
-        (proxy.settings().total_timeout, RAISE_TOTAL, req.deadline)
-    };
+    let (limit, raise, deadline) = decode_deadline(proxy, req, sent);
     let timed_out = |_| LegFailure::Timeout { limit, raise };
     let client = proxy.upstream.legs();
     let resp = tokio::time::timeout_at(
@@ -249,6 +239,26 @@ async fn decode_attempt(
         },
         Some(took),
     ))
+}
+
+/// How long a decode leg sent at `sent` may wait for its answer (a stream: its first
+/// byte), the setting that says so, and when the wait ends: whichever limit ends it first
+/// is the one an error names.
+fn decode_deadline(
+    proxy: &Proxy,
+    req: &ClientRequest,
+    sent: Instant,
+) -> (Duration, &'static str, Instant) {
+    let first_byte = sent + proxy.settings().first_byte_timeout;
+    if req.stream && first_byte <= req.deadline {
+        (
+            proxy.settings().first_byte_timeout,
+            RAISE_FIRST_BYTE,
+            first_byte,
+        )
+    } else {
+        (proxy.settings().total_timeout, RAISE_TOTAL, req.deadline)
+    }
 }
 
 /// The first chunk of a decode stream.

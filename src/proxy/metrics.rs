@@ -100,6 +100,9 @@ impl Default for Metrics {
 impl Metrics {
     /// Registers every family, in page order. Names lack `_total` and help texts their
     /// final full stop: the registry adds both.
+    ///
+    /// LONG: one call per family, nothing else; the list reads as the page does, and a
+    /// split would only cut the page in arbitrary places.
     fn register_all(&mut self) {
         let r = &mut self.registry;
         let s = &self.scraped;
