@@ -206,9 +206,9 @@ impl Metrics {
         );
         r.register(
             "decode_prompt_tokens",
-            "Prompt tokens of each decode by source, from its vllm:prompt_tokens_by_source_total, since this proxy started watching it",
+            "Prompt tokens of each decode by source, from its vllm:prompt_tokens_by_source_total, since this proxy started watching it (absent until a page with them is read)",
             at_scrape(s, MetricType::Counter, |p, e| {
-                for i in &p.decode {
+                for i in p.decode.iter().filter(|i| i.ledger.has_counters()) {
                     let seen = i.ledger.seen();
                     for (source, n) in super::recompute::SOURCES.iter().zip(seen) {
                         let labels = [("instance", i.url.as_str()), ("source", source)];
