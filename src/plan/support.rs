@@ -312,6 +312,62 @@ pub(super) fn plan_proxy(
     let host = t.nodes[node].clone();
     let p = &t.proxy;
     claim(ports, &host, p.port, "proxy", "http")?;
+    let args = proxy_args(
+        t,
+        &host,
+        protocol,
+        version,
+        services,
+        handoff_leaves_tokens,
+        socket,
+    )?;
+    let config = socket.with_file_name("files").join("proxy.toml");
+    let argv = vec![
+        crate::tools::SELF_PROGRAM.to_string(),
+        "proxy".to_string(),
+        "--config".to_string(),
+        config.display().to_string(),
+    ];
+    let url = format!("http://{host}:{}", p.port);
+    let probe = Probe::Http {
+        url: format!("{url}/health"),
+        status: 200,
+        body_contains: None,
+    };
+    let mut svc = support_service("proxy", Role::Proxy, node, &host, argv, probe);
+    svc.ports = BTreeMap::from([("http".into(), p.port)]);
+    svc.url = Some(url);
+    svc.files = vec![GeneratedFile {
+        path: config,
+        content: crate::child_config::to_file(&args),
+    }];
+    svc.secret_env = vec![crate::vocab::PROXY_ENGINE_KEY_VAR.to_string()];
+    svc.depends_on = services
+        .iter()
+        .filter(|s| s.role.is_engine())
+        .map(|s| s.name.clone())
+        .collect();
+    svc.startup_timeout_s = 30;
+    Ok((svc, args))
+}
+
+/// vLLM's KV block size on CPUs when `--block-size` is not given (its CPU platform sets
+/// 128; GPUs default to [`VLLM_DEFAULT_BLOCK_SIZE`]).
+const VLLM_CPU_BLOCK_SIZE: u32 = 128;
+
+/// The proxy's settings (its config file): the engines' URLs, the protocol, what judging
+/// decode's answers needs, and the `[proxy]` keys with their defaults; fails on a key set
+/// to 0 that must be at least 1.
+fn proxy_args(
+    t: &Topology,
+    host: &str,
+    protocol: ProxyProtocol,
+    version: Option<&crate::vocab::Version>,
+    services: &[Service],
+    handoff_leaves_tokens: u32,
+    socket: &Path,
+) -> Result<ProxyArgs, Problem> {
+    let p = &t.proxy;
     let urls = |role: Role| -> Vec<String> {
         services
             .iter()
@@ -321,7 +377,7 @@ pub(super) fn plan_proxy(
     };
     let d = ProxyArgs::default();
     let mut args = ProxyArgs {
-        host: host.clone(),
+        host: host.to_string(),
         port: p.port,
         prefill: urls(Role::Prefill),
         decode: urls(Role::Decode),
@@ -363,39 +419,8 @@ pub(super) fn plan_proxy(
         return Err(Problem::new(format!("proxy.{key}"), "must be at least 1")
             .hint("leave it out for the default"));
     }
-    let config = socket.with_file_name("files").join("proxy.toml");
-    let argv = vec![
-        crate::tools::SELF_PROGRAM.to_string(),
-        "proxy".to_string(),
-        "--config".to_string(),
-        config.display().to_string(),
-    ];
-    let url = format!("http://{host}:{}", p.port);
-    let probe = Probe::Http {
-        url: format!("{url}/health"),
-        status: 200,
-        body_contains: None,
-    };
-    let mut svc = support_service("proxy", Role::Proxy, node, &host, argv, probe);
-    svc.ports = BTreeMap::from([("http".into(), p.port)]);
-    svc.url = Some(url);
-    svc.files = vec![GeneratedFile {
-        path: config,
-        content: crate::child_config::to_file(&args),
-    }];
-    svc.secret_env = vec![crate::vocab::PROXY_ENGINE_KEY_VAR.to_string()];
-    svc.depends_on = services
-        .iter()
-        .filter(|s| s.role.is_engine())
-        .map(|s| s.name.clone())
-        .collect();
-    svc.startup_timeout_s = 30;
-    Ok((svc, args))
+    Ok(args)
 }
-
-/// vLLM's KV block size on CPUs when `--block-size` is not given (its CPU platform sets
-/// 128; GPUs default to [`VLLM_DEFAULT_BLOCK_SIZE`]).
-const VLLM_CPU_BLOCK_SIZE: u32 = 128;
 
 /// Prompt tokens a good KV handoff may leave a decode to compute, for the proxy's
 /// recompute check: what the connector leaves (`conn`, [`Connector::decode_leaves`]) at
