@@ -532,6 +532,31 @@ pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// The services of other nodes whose logs can be read here: on the head of a running
+/// cluster only (only the head may ask a node for its logs, through the channel).
+fn remote_services(found: &select::Found, rt: &tokio::runtime::Runtime) -> Vec<String> {
+    let head = read_plan(&found.state.plan_path())
+        .map(|p| p.head_node)
+        .ok();
+    if !found.running {
+        return Vec::new();
+    }
+    rt.block_on(client::status(
+        &found.state.socket_path(),
+        Duration::from_secs(5),
+    ))
+    .ok()
+    .filter(|r| head.as_deref() == Some(r.node.as_str()))
+    .map(|r| {
+        r.services
+            .into_iter()
+            .filter(|s| s.remote)
+            .map(|s| s.name)
+            .collect()
+    })
+    .unwrap_or_default()
+}
+
 /// `pdctl logs`: history of one service or a role's instances, optionally followed.
 pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
     let root = state_root(a.which.state_dir.as_deref());
@@ -546,24 +571,7 @@ pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
     // channel (only the head may ask a node for its logs).
     let socket = found.state.socket_path();
     let rt = runtime()?;
-    let head = read_plan(&found.state.plan_path())
-        .map(|p| p.head_node)
-        .ok();
-    let remote: Vec<String> = match found.running {
-        true => rt
-            .block_on(client::status(&socket, Duration::from_secs(5)))
-            .ok()
-            .filter(|r| head.as_deref() == Some(r.node.as_str()))
-            .map(|r| {
-                r.services
-                    .into_iter()
-                    .filter(|s| s.remote)
-                    .map(|s| s.name)
-                    .collect()
-            })
-            .unwrap_or_default(),
-        false => Vec::new(),
-    };
+    let remote = remote_services(&found, &rt);
     names.extend(
         remote
             .iter()
