@@ -244,7 +244,7 @@ async fn serve_until_down(
     tokio::select! {
         end = watch_startup(ctx, opts.foreground) => match end {
             StartupEnd::AllHealthy => {
-                announce_healthy(ctx, opts.foreground, opts.healthy_text.clone(), started).await;
+                announce_healthy(ctx, opts.foreground, opts.healthy_text, started).await;
                 wait_for_down(signals, downs).await
             }
             StartupEnd::Failed(failed) => {
