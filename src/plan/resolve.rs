@@ -163,7 +163,7 @@ pub fn load_topology(
         other => (
             "sim-1p1d",
             match other {
-                Err(e) if e.reason.contains("could not be loaded") => {
+                Err(e) if e.kind == gpu::GpuErrorKind::NoDriver => {
                     "no ./pdctl.toml and no GPU found (no NVIDIA driver)".to_string()
                 }
                 _ => "no ./pdctl.toml and no GPU found".to_string(),
