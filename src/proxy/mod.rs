@@ -105,7 +105,9 @@ pub struct Proxy {
     pub handoff: recompute::HandoffSettings,
     pub upstream: Upstream,
     pub limits: Limits,
-    /// The counters `/metrics` writes, and what renders them.
+    /// The counters `/metrics` writes, and what renders them: the figures' own (scrape,
+    /// transfer failures); the request path counts through `recorder` and serves the
+    /// page through [`Proxy::metrics_page`].
     pub metrics: Arc<Metrics>,
     /// The same counters as the request path, limits and policies see them: events to
     /// count, not how they are kept (recorder.rs).
@@ -150,6 +152,12 @@ impl Proxy {
             recorder,
             drain: drain::Drain::default(),
         })
+    }
+
+    /// The `/metrics` page now: the counters and the per-instance series of the instances
+    /// routing sees (the figures render it; the route only serves it).
+    pub fn metrics_page(&self) -> String {
+        self.metrics.render(&self.pools.snapshot())
     }
 
     /// The routing policy of a leg now.

@@ -296,7 +296,7 @@ async fn health(State(p): State<Arc<Proxy>>, uri: Uri) -> Response {
 }
 
 async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
-    let text = p.metrics.render(&p.pools.snapshot());
+    let text = p.metrics_page();
     (
         [(
             header::CONTENT_TYPE,
