@@ -8,11 +8,12 @@
 //!
 //! The files sit in four layers; each imports only from its own layer and those below
 //! (tests/layers.rs, `PROXY_LAYERS`, keeps it so, and finds no import cycle in the folder).
-//! This file is the root that wires them together ([`Proxy`]).
+//! This file is the root that wires them together ([`Proxy`]); a file's unit tests may use
+//! any layer (they check it together with what reads it).
 //!
 //! 1. Shared words: `leg` (prefill or decode, why a leg failed), `endpoint`, `errors`
-//!    (what a client or a leg is told), `recorder` (the events the lower layers count,
-//!    which the figures implement: nothing below the figures imports them).
+//!    (what a client or a leg is told), `recorder` (the events the lower layers count;
+//!    the figures implement it, so nothing below the figures imports them).
 //! 2. Membership and settings: `instances` (the engines and their live facts), `reach`,
 //!    `health` (probes, the supervisor's word), `discovery` (instances found by DNS
 //!    name); `config`, `tuning` (settings taken while serving, from the supervisor's spec
