@@ -180,7 +180,20 @@ fn mebibytes(text: &str) -> Option<u64> {
 #[derive(Debug, thiserror::Error)]
 #[error("no NVIDIA GPU inventory: {reason}")]
 pub struct GpuError {
+    /// Which way it failed, for callers that say it differently (no driver at all).
+    pub kind: GpuErrorKind,
     pub reason: String,
+}
+
+/// Which way asking NVML failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuErrorKind {
+    /// NVML could not be loaded: no NVIDIA driver here.
+    NoDriver,
+    /// NVML answered, with an error (counting or opening a device).
+    Nvml,
+    /// NVML was not asked (`PDCTL_IGNORE_INSTALLED` is set).
+    NotAsked,
 }
 
 /// Asks NVML for every GPU. Never panics: a machine without the driver gets an error
@@ -188,16 +201,19 @@ pub struct GpuError {
 pub fn detect() -> Result<Vec<Gpu>, GpuError> {
     use nvml_wrapper::Nvml;
     let nvml = Nvml::init().map_err(|e| GpuError {
+        kind: GpuErrorKind::NoDriver,
         reason: format!(
             "NVML could not be loaded ({e}); no NVIDIA driver here? Use --gpus 0,1,... or PDCTL_GPUS to plan anyway"
         ),
     })?;
     let count = nvml.device_count().map_err(|e| GpuError {
+        kind: GpuErrorKind::Nvml,
         reason: format!("NVML could not count devices: {e}"),
     })?;
     let mut gpus = Vec::with_capacity(count as usize);
     for i in 0..count {
         let dev = nvml.device_by_index(i).map_err(|e| GpuError {
+            kind: GpuErrorKind::Nvml,
             reason: format!("NVML could not open GPU {i}: {e}"),
         })?;
         let mem = dev.memory_info().ok();
@@ -266,6 +282,7 @@ pub fn inventory(declared: Option<&[Declared]>) -> Result<Vec<Gpu>, GpuError> {
     match declared {
         Some(list) => Ok(list.iter().map(Gpu::from_declared).collect()),
         None if crate::vllm::ignoring_installed() => Err(GpuError {
+            kind: GpuErrorKind::NotAsked,
             reason: format!(
                 "NVML is not asked because {} is set; use --gpus 0,1,... or PDCTL_GPUS to plan with GPUs",
                 crate::vllm::IGNORE_INSTALLED_ENV

@@ -666,3 +666,180 @@ mod tests {
         imports("cli", "plan") && imports("supervisor", "vocab") && imports("plan", "topology")
     );
 }
+
+/// The layers of `src/proxy/`, lowest first, each with the files (module paths under
+/// `proxy/`; a folder stands for all its files but those listed on their own) it holds.
+/// A file may import from its own layer and the layers below, never from one above, so a
+/// reader follows a request from `server.rs` to the engines without opening membership or
+/// metrics code, and the figures read from below. The proxy's `mod.rs` is its root: it
+/// wires the layers together and stands above them (like `lib.rs` above `LAYERS`). Test
+/// modules (`#[cfg(test)] mod tests`) may use any layer: they check a file together with
+/// what reads it.
+const PROXY_LAYERS: &[(&str, &[&str])] = &[
+    (
+        "shared words: legs, errors, endpoints, and the recorder the figures are told through",
+        &["leg", "endpoint", "errors", "recorder"],
+    ),
+    (
+        "membership and settings: the instances and what keeps them known, the routing settings",
+        &[
+            "instances",
+            "reach",
+            "health",
+            "discovery",
+            "config",
+            "tuning",
+            "policy",
+            "recompute/ledger",
+            "recompute/counters",
+        ],
+    ),
+    (
+        "the request path: from the route to the engines and back",
+        &[
+            "server",
+            "limits",
+            "request",
+            "designate",
+            "pipeline",
+            "legs",
+            "protocol",
+            "h1",
+            "upstream",
+            "usage_chunk",
+            "recompute/judgment",
+            "relay",
+            "record",
+            "drain",
+            "models",
+        ],
+    ),
+    (
+        "the figures: counters, scrapes of the engines, the page `/metrics` writes",
+        &[
+            "metrics",
+            "histogram",
+            "figures",
+            "recompute",
+            "scrape",
+            "transfer_failures",
+        ],
+    ),
+];
+
+/// The layer of a module under `proxy/` (`["recompute", "judgment"]`): that of the longest
+/// entry of [`PROXY_LAYERS`] it is or lies under.
+fn proxy_layer_of(module: &[String]) -> Option<usize> {
+    let mut best: Option<(usize, usize)> = None;
+    for (layer, (_, entries)) in PROXY_LAYERS.iter().enumerate() {
+        for entry in *entries {
+            let segs: Vec<&str> = entry.split('/').collect();
+            let fits = segs.len() <= module.len() && segs.iter().zip(module).all(|(a, b)| a == b);
+            if fits && best.is_none_or(|(n, _)| segs.len() > n) {
+                best = Some((segs.len(), layer));
+            }
+        }
+    }
+    best.map(|(_, layer)| layer)
+}
+
+/// A file's text up to its `#[cfg(test)] mod tests`.
+fn without_tests(text: &str) -> &str {
+    text.find("#[cfg(test)]\nmod tests")
+        .map_or(text, |at| &text[..at])
+}
+
+#[test]
+fn proxy_files_import_only_their_own_layer_or_below() {
+    let files = source_files();
+    let known: BTreeSet<Vec<String>> = files.iter().map(|(m, _, _)| m.clone()).collect();
+    let mut wrong = Vec::new();
+    let mut across = 0;
+    for (own, file, text) in files
+        .iter()
+        .filter(|(m, _, _)| m.len() > 1 && m[0] == "proxy")
+    {
+        let Some(mine) = proxy_layer_of(&own[1..]) else {
+            wrong.push(format!(
+                "{} is in no layer of proxy/: add it to PROXY_LAYERS in tests/layers.rs (and to proxy/mod.rs's `# Layout`)",
+                file.display()
+            ));
+            continue;
+        };
+        let checked = without_tests(text);
+        for (at, path) in paths(checked, own)
+            .into_iter()
+            .filter(|(_, p)| p[0] == "proxy")
+        {
+            let Some(target) = (1..=path.len())
+                .rev()
+                .map(|n| &path[..n])
+                .find(|p| known.contains(*p))
+            else {
+                continue;
+            };
+            if own.starts_with(target) {
+                continue; // itself, or the folder it is in
+            }
+            let Some(theirs) = proxy_layer_of(&target[1..]) else {
+                continue; // reported as a file of its own
+            };
+            if theirs != mine {
+                across += 1;
+            }
+            if theirs > mine {
+                wrong.push(format!(
+                    "{}:{}: `{}` ({}) imports `{}` ({}), a layer above it: move what both need down, or reach the figures through recorder.rs",
+                    file.display(),
+                    checked[..at].matches('\n').count() + 1,
+                    own[1..].join("/"),
+                    PROXY_LAYERS[mine].0,
+                    target[1..].join("/"),
+                    PROXY_LAYERS[theirs].0
+                ));
+            }
+        }
+    }
+    for entry in PROXY_LAYERS.iter().flat_map(|(_, es)| es.iter()) {
+        let mut module = vec!["proxy".to_string()];
+        module.extend(entry.split('/').map(String::from));
+        if !known.contains(&module) {
+            wrong.push(format!(
+                "PROXY_LAYERS names proxy/{entry}, which is no module: take it out"
+            ));
+        }
+    }
+    // The reader sees the imports between layers (legs -> errors, metrics -> instances, ...).
+    assert!(
+        across > 40,
+        "only {across} imports across proxy/'s layers found"
+    );
+    assert!(wrong.is_empty(), "\n{}\n", wrong.join("\n"));
+}
+
+#[test]
+fn no_import_cycle_inside_proxy() {
+    let graph = file_graph();
+    let inside: Vec<String> = cycles(&graph)
+        .into_iter()
+        .filter(|part| part.iter().any(|f| f.starts_with("proxy/")))
+        .map(|part| part.into_iter().collect::<Vec<_>>().join(", "))
+        .collect();
+    assert!(
+        inside.is_empty(),
+        "files of proxy/ importing one another round a loop:\n  {}",
+        inside.join("\n  ")
+    );
+}
+
+/// A file's layer is that of the longest entry it lies under, so a folder's files may sit
+/// in different layers.
+#[test]
+fn proxy_layers_place_a_file_by_its_longest_entry() {
+    let m = |s: &str| s.split('/').map(String::from).collect::<Vec<_>>();
+    assert_eq!(proxy_layer_of(&m("recompute/ledger")), Some(1));
+    assert_eq!(proxy_layer_of(&m("recompute/judgment")), Some(2));
+    assert_eq!(proxy_layer_of(&m("recompute/windows")), Some(3));
+    assert_eq!(proxy_layer_of(&m("protocol/nixl")), Some(2));
+    assert_eq!(proxy_layer_of(&m("nowhere")), None);
+}

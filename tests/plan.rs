@@ -889,20 +889,50 @@ fn profiles_lists_every_profile_with_a_line() {
     }
 }
 
+/// `pdctl gpus` on this machine: with an NVIDIA driver (`/dev/nvidiactl`), a table of its
+/// GPUs and the same GPUs in `--json`; without one, one line saying so and how to plan
+/// anyway (`--gpus`), and an empty list with the reason in `--json`. Either way the test
+/// checks what the machine it runs on shows.
 #[test]
-fn gpus_without_a_driver_says_so_in_one_line() {
+fn gpus_lists_them_with_a_driver_and_says_why_not_in_one_line_without() {
+    let out = pdctl(&["gpus", "--json"]).output().unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     if std::path::Path::new("/dev/nvidiactl").exists() {
-        return; // a machine with a driver lists its GPUs instead
+        assert_eq!(out.status.code(), Some(0), "{v}");
+        assert!(v.get("error").is_none(), "{v}");
+        let gpus = v["gpus"].as_array().expect("a list of GPUs");
+        assert!(
+            !gpus.is_empty(),
+            "a machine with a driver lists its GPUs: {v}"
+        );
+        for (i, g) in gpus.iter().enumerate() {
+            assert_eq!(g["index"], i, "{v}");
+            assert!(g["memory_total_mib"].as_u64().is_some_and(|m| m > 0), "{v}");
+        }
+        let out = pdctl(&["gpus"]).output().unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        let text = String::from_utf8_lossy(&out.stdout);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines.len(),
+            gpus.len() + 1,
+            "a header and one line per GPU:\n{text}"
+        );
+        assert!(lines[0].starts_with("GPU"), "{text}");
+        for (line, g) in lines[1..].iter().zip(gpus) {
+            let uuid = g["uuid"].as_str().unwrap_or("?");
+            assert!(line.contains(uuid), "{line} names {uuid}");
+        }
+        return;
     }
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(v["gpus"], Value::Array(vec![]));
+    assert!(v["error"].is_string());
     let out = pdctl(&["gpus"]).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("--gpus"), "{err}");
-    let out = pdctl(&["gpus", "--json"]).output().unwrap();
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["gpus"], Value::Array(vec![]));
-    assert!(v["error"].is_string());
 }
 
 /// The human plan shows the command a shell would run, quoted, with env in front.

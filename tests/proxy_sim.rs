@@ -137,6 +137,22 @@ async fn proxy_seen(proxy: &ProxyProcess, d: &SimProc, source: &str) -> f64 {
     proxy.metric(&series).await
 }
 
+/// Waits until the proxy has read `d`'s by-source counters (the baseline their growth is
+/// counted from): its series of them shows from that page on.
+async fn wait_watched(proxy: &ProxyProcess, d: &SimProc) {
+    let series = format!(
+        "pdctl_proxy_decode_prompt_tokens_total{{instance=\"{}\",source=\"local_compute\"}}",
+        d.base
+    );
+    assert!(
+        eventually(WAIT, || async { proxy.metrics().await.contains(&series) }).await,
+        "the proxy never read {}'s prompt token counters:\n{}\n{}",
+        d.base,
+        proxy.metrics().await,
+        proxy.log()
+    );
+}
+
 /// A nixl pair and a proxy that scrapes the decode every 100 ms, its baseline taken.
 async fn nixl_pair() -> (SimProc, SimProc, ProxyProcess) {
     let p = start_sim("prefill", "nixl", &[]).await;
@@ -147,7 +163,7 @@ async fn nixl_pair() -> (SimProc, SimProc, ProxyProcess) {
         &["--protocol", "nixl", "--health-interval-ms", "100"],
     ))
     .await;
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    wait_watched(&proxy, &d).await;
     (p, d, proxy)
 }
 
@@ -167,7 +183,7 @@ async fn a_recompute_only_the_decode_sim_knows_of_still_shows_in_the_proxy() {
         &["--scrape-metrics", "--health-interval-ms", "100"],
     ))
     .await;
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    wait_watched(&proxy, &d).await;
     let resp = complete(&proxy, &prompt_of(64, "lost"), false).await;
     assert_eq!(resp.status(), 200, "the answer is right, only slower");
     assert_eq!(d.prompt_tokens("local_compute").await, 64.0);
@@ -215,7 +231,8 @@ async fn working_handoffs_leave_misses_at_zero_and_the_prompt_arrives_by_kv_tran
         "{}",
         proxy.metrics().await
     );
-    // A few more intervals to settle: still no miss of any kind.
+    // A few more intervals to settle: still no miss of any kind. (A wait for nothing to
+    // happen: no condition ends it sooner.)
     tokio::time::sleep(Duration::from_millis(400)).await;
     let metrics = proxy.metrics().await;
     assert!(
@@ -319,6 +336,7 @@ async fn a_lost_handoff_shows_in_the_decode_answer_usage_once_and_names_the_requ
         })
         .await
     );
+    // A few more scrapes, to show none counts it again (a wait for nothing to happen).
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(proxy.metric(ESTIMATED).await, 0.0, "{}", proxy.log());
     assert_eq!(
@@ -513,7 +531,7 @@ async fn under_the_fail_policy_a_lost_handoff_reaches_the_client_as_a_kv_load_er
     let mut extra = vec!["--protocol", "nixl", "--health-interval-ms", "100"];
     extra.extend(fail);
     let proxy = ProxyProcess::start(&args(&[&p], &[&d], &extra)).await;
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    wait_watched(&proxy, &d).await;
     // A working handoff is untouched by the policy.
     let resp = complete(&proxy, &prompt_of(70, "fine"), false).await;
     assert_eq!(resp.status(), 200);

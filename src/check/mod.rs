@@ -15,6 +15,37 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
+/// Why `pdctl check` could not learn what it asks an engine or the proxy. The caller
+/// tells a client key problem (the user's to fix) from an engine that did not answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CheckError {
+    /// Nothing answered at `url` (refused, timed out, no route).
+    #[error("cannot reach {url}: {why}")]
+    Unreachable { url: String, why: String },
+    /// It answered, but the answer could not be read whole.
+    #[error("{url}: {why}")]
+    Unreadable { url: String, why: String },
+    /// The proxy refused the client key that was sent.
+    #[error(
+        "the proxy refused the client key in PDCTL_API_KEY ({url} answered {status}); set it to the key the cluster was started with"
+    )]
+    KeyRefused { url: String, status: String },
+    /// The proxy asks for a client key and none was sent.
+    #[error(
+        "the proxy asks for a client key ({url} answered {status}); set PDCTL_API_KEY to the key the cluster was started with"
+    )]
+    KeyNeeded { url: String, status: String },
+    /// The proxy's model list names no model (the reason says what it answered).
+    #[error("{0}")]
+    NoModel(String),
+    /// An engine of a pair did not say which model it serves, so the pair's models
+    /// cannot be compared.
+    #[error(
+        "cannot compare the models of the pair: {engine} did not say which model it serves ({why})"
+    )]
+    ModelUnknown { engine: String, why: String },
+}
+
 /// The decode counter a received handoff adds to.
 pub const EXTERNAL_KV_SERIES: &str = "vllm:prompt_tokens_by_source_total";
 
@@ -112,7 +143,7 @@ impl PairResult {
 }
 
 /// Asks an engine its version, model, block size and handoff counter.
-pub async fn ask(client: &reqwest::Client, url: &str) -> Result<Answered, String> {
+pub async fn ask(client: &reqwest::Client, url: &str) -> Result<Answered, CheckError> {
     let get = |path: &str| {
         let u = format!("{url}{path}");
         let c = client.clone();
@@ -122,10 +153,16 @@ pub async fn ask(client: &reqwest::Client, url: &str) -> Result<Answered, String
                 .timeout(Duration::from_secs(10))
                 .send()
                 .await
-                .map_err(|e| format!("cannot reach {u}: {}", crate::error_text::chain(&e)))?;
+                .map_err(|e| CheckError::Unreachable {
+                    url: u.clone(),
+                    why: crate::error_text::chain(&e),
+                })?;
             let status = r.status();
-            let text = r.text().await.map_err(|e| format!("{u}: {e}"))?;
-            Ok::<_, String>((status, text, u))
+            let text = r.text().await.map_err(|e| CheckError::Unreadable {
+                url: u.clone(),
+                why: e.to_string(),
+            })?;
+            Ok::<_, CheckError>((status, text, u))
         }
     };
     let (_, version, _) = get("/version").await?;
@@ -152,30 +189,30 @@ pub async fn proxy_model(
     client: &reqwest::Client,
     proxy: &str,
     keyed: bool,
-) -> Result<String, String> {
+) -> Result<String, CheckError> {
     let url = format!("{proxy}/v1/models");
     let r = client
         .get(&url)
         .timeout(Duration::from_secs(10))
         .send()
         .await
-        .map_err(|e| format!("cannot reach {url}: {}", crate::error_text::chain(&e)))?;
+        .map_err(|e| CheckError::Unreachable {
+            url: url.clone(),
+            why: crate::error_text::chain(&e),
+        })?;
     let status = r.status();
     let body = r.text().await.unwrap_or_default();
     if status == reqwest::StatusCode::UNAUTHORIZED {
+        let status = status.to_string();
         return Err(if keyed {
-            format!(
-                "the proxy refused the client key in PDCTL_API_KEY ({url} answered {status}); set it to the key the cluster was started with"
-            )
+            CheckError::KeyRefused { url, status }
         } else {
-            format!(
-                "the proxy asks for a client key ({url} answered {status}); set PDCTL_API_KEY to the key the cluster was started with"
-            )
+            CheckError::KeyNeeded { url, status }
         });
     }
     match served_model(status, &body, &url) {
         (Some(m), _) => Ok(m),
-        (None, why) => Err(why.unwrap_or_default()),
+        (None, why) => Err(CheckError::NoModel(why.unwrap_or_default())),
     }
 }
 
@@ -207,24 +244,19 @@ pub fn pair_model(
     p: &Answered,
     decode: &Engine,
     d: &Answered,
-) -> Result<Option<String>, String> {
-    let unknown = |e: &Engine, a: &Answered| {
-        format!(
-            "{} did not say which model it serves ({})",
-            e.planned.name,
-            a.model_unknown.as_deref().unwrap_or("no answer")
-        )
+) -> Result<Option<String>, CheckError> {
+    let unknown = |e: &Engine, a: &Answered| CheckError::ModelUnknown {
+        engine: e.planned.name.clone(),
+        why: a
+            .model_unknown
+            .as_deref()
+            .unwrap_or("no answer")
+            .to_string(),
     };
     match (&p.model, &d.model) {
         (Some(pm), Some(dm)) => Ok((pm == dm).then(|| pm.clone())),
-        (None, _) => Err(format!(
-            "cannot compare the models of the pair: {}",
-            unknown(prefill, p)
-        )),
-        (_, None) => Err(format!(
-            "cannot compare the models of the pair: {}",
-            unknown(decode, d)
-        )),
+        (None, _) => Err(unknown(prefill, p)),
+        (_, None) => Err(unknown(decode, d)),
     }
 }
 
@@ -312,7 +344,7 @@ pub async fn probe(
     let before = match ask(client, &decode.url).await {
         Ok(a) => a.external_tokens,
         Err(e) => {
-            r.problem = Some(e);
+            r.problem = Some(e.to_string());
             return r;
         }
     };
@@ -480,8 +512,9 @@ mod tests {
             ..Answered::default()
         };
         let e = pair_model(&p, &said("m"), &d, &silent).unwrap_err();
+        assert!(matches!(&e, CheckError::ModelUnknown { engine, .. } if engine == "decode-0"));
         assert_eq!(
-            e,
+            e.to_string(),
             "cannot compare the models of the pair: decode-0 did not say which model it serves (GET u answered 401)"
         );
     }

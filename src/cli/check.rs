@@ -208,14 +208,14 @@ async fn check_pair(
         Err(why) => {
             r.problem = Some(match r.problem.take() {
                 Some(other) => format!("{why}; {other}"),
-                None => why,
+                None => why.to_string(),
             });
         }
     }
     r
 }
 
-fn unreachable(p: &Engine, d: &Engine, e: &str) -> PairResult {
+fn unreachable(p: &Engine, d: &Engine, e: &crate::check::CheckError) -> PairResult {
     PairResult {
         problem: Some(e.to_string()),
         ..PairResult::untried(p, d)

@@ -7,7 +7,7 @@ use super::detach::{self, LogSettings};
 use super::{logs_cmd, view};
 use crate::control::client;
 use crate::plan::Plan;
-use crate::plan::resolve::Machine;
+use crate::plan::resolve::{LoadedPlan, Machine};
 use crate::supervisor::{self, ClusterLock, DEFAULT_KEEP, DEFAULT_MAX_BYTES, RunOptions, StateDir};
 use crate::supervisor::{SupervisorError, select};
 use crate::vocab::VersionSource;
@@ -121,9 +121,10 @@ pub(super) fn read_plan(path: &Path) -> anyhow::Result<Plan> {
         .map_err(|e| ExitError::usage(format!("plan {} is not a valid plan: {e}", path.display())))
 }
 
-/// `pdctl up`: plan, pre-flight, then supervise in the foreground or detached.
-pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
-    let (mut plan, note, node, missing, machine, source) = match &a.plan {
+/// The plan `up` runs: read from `--plan FILE` (its programs found here), or made from
+/// the topology; a plan for an assumed vLLM can be read, not run, so nothing starts.
+fn plan_to_run(a: &UpArgs) -> anyhow::Result<LoadedPlan> {
+    match &a.plan {
         Some(path) => {
             let mut plan = read_plan(path)?;
             let missing = crate::plan::resolve::resolve_programs(&mut plan);
@@ -132,15 +133,15 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
                 .node
                 .clone()
                 .unwrap_or_else(|| plan.head_node.clone());
-            let machine = Machine::new(a.topology.gpus.clone());
-            (
+            Ok(LoadedPlan {
                 plan,
-                format!("using plan file {}", path.display()),
-                node,
+                source_note: format!("using plan file {}", path.display()),
                 missing,
-                machine,
-                None,
-            )
+                node,
+                version_note: None,
+                machine: Machine::new(a.topology.gpus.clone()),
+                source: None,
+            })
         }
         None => {
             // Programs it could not find are reported by pre-flight, with the others.
@@ -148,40 +149,31 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
                 crate::plan::resolve::resolve(&a.topology.request())?,
                 &a.topology,
             )?;
-            // A plan for an assumed vLLM can be read, not run: nothing starts.
-            if let Some(v) = loaded.version_note {
-                return Err(anyhow::Error::new(v.refusal));
+            match loaded.version_note {
+                Some(v) => Err(anyhow::Error::new(v.refusal)),
+                None => Ok(loaded),
             }
-            (
-                loaded.plan,
-                loaded.source_note,
-                loaded.node,
-                loaded.missing,
-                loaded.machine,
-                loaded.source,
-            )
         }
-    };
-    if plan.vllm_version_source == Some(VersionSource::Assumed) {
-        return Err(ExitError::usage(format!(
-            "the plan assumes vLLM {} because none was found when it was made; make it again where vLLM is installed, or with engine.vllm_version pinned",
-            plan.vllm_version.as_deref().unwrap_or("?")
-        )));
     }
-    if !plan.nodes.contains_key(&node) && !plan.services.iter().any(|s| s.node == node) {
+}
+
+/// Fails unless `node` is a node of the plan that runs some of its services; a plan file
+/// run with `--state-dir` keeps its state under that root.
+fn runs_here(a: &UpArgs, plan: &mut Plan, node: &str) -> anyhow::Result<()> {
+    if !plan.nodes.contains_key(node) && !plan.services.iter().any(|s| s.node == node) {
         let known: Vec<&str> = plan.nodes.keys().map(String::as_str).collect();
         return Err(anyhow::Error::from(SupervisorError::UnknownNode {
-            node,
+            node: node.to_string(),
             known: known.join(", "),
         }));
     }
     if a.plan.is_some() {
         if let Some(root) = &a.topology.state_dir {
             plan.state_dir =
-                crate::plan::build::state_dir_of(&plan.cluster, plan.nodes.len() > 1, root, &node);
+                crate::plan::build::state_dir_of(&plan.cluster, plan.nodes.len() > 1, root, node);
         }
     }
-    if plan.local_services(&node).next().is_none() {
+    if plan.local_services(node).next().is_none() {
         return Err(ExitError::usage(format!(
             "node `{node}` runs no service of cluster {}; the services are on {}",
             plan.cluster,
@@ -194,7 +186,12 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
                 .join(", ")
         )));
     }
-    let state = StateDir::new(&plan.state_dir);
+    Ok(())
+}
+
+/// `up` of a topology whose cluster runs already (from the same state dir) applies the
+/// topology to it instead: the exit code of that, or None to start the cluster.
+fn apply_if_running(a: &UpArgs, plan: &Plan, state: &StateDir) -> anyhow::Result<Option<ExitCode>> {
     if a.plan.is_none()
         && select::running(
             state.dir.parent().unwrap_or(&state.dir),
@@ -213,10 +210,35 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
             timeout: super::live::DEFAULT_DRAIN_TIMEOUT_S,
             recreate: false,
         };
-        return match super::live::apply(&apply, &runtime()?)? {
-            super::live::Applied::Code(code) => Ok(code),
-            super::live::Applied::NeedsRecreate(_) => Ok(ExitCode::from(2)),
-        };
+        return Ok(Some(match super::live::apply(&apply, &runtime()?)? {
+            super::live::Applied::Code(code) => code,
+            super::live::Applied::NeedsRecreate(_) => ExitCode::from(2),
+        }));
+    }
+    Ok(None)
+}
+
+/// `pdctl up`: plan, pre-flight, then supervise in the foreground or detached.
+pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
+    let LoadedPlan {
+        mut plan,
+        source_note: note,
+        node,
+        missing,
+        machine,
+        source,
+        ..
+    } = plan_to_run(&a)?;
+    if plan.vllm_version_source == Some(VersionSource::Assumed) {
+        return Err(ExitError::usage(format!(
+            "the plan assumes vLLM {} because none was found when it was made; make it again where vLLM is installed, or with engine.vllm_version pinned",
+            plan.vllm_version.as_deref().unwrap_or("?")
+        )));
+    }
+    runs_here(&a, &mut plan, &node)?;
+    let state = StateDir::new(&plan.state_dir);
+    if let Some(code) = apply_if_running(&a, &plan, &state)? {
+        return Ok(code);
     }
     state.create()?;
     let lock = state.lock()?;
@@ -510,6 +532,31 @@ pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// The services of other nodes whose logs can be read here: on the head of a running
+/// cluster only (only the head may ask a node for its logs, through the channel).
+fn remote_services(found: &select::Found, rt: &tokio::runtime::Runtime) -> Vec<String> {
+    let head = read_plan(&found.state.plan_path())
+        .map(|p| p.head_node)
+        .ok();
+    if !found.running {
+        return Vec::new();
+    }
+    rt.block_on(client::status(
+        &found.state.socket_path(),
+        Duration::from_secs(5),
+    ))
+    .ok()
+    .filter(|r| head.as_deref() == Some(r.node.as_str()))
+    .map(|r| {
+        r.services
+            .into_iter()
+            .filter(|s| s.remote)
+            .map(|s| s.name)
+            .collect()
+    })
+    .unwrap_or_default()
+}
+
 /// `pdctl logs`: history of one service or a role's instances, optionally followed.
 pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
     let root = state_root(a.which.state_dir.as_deref());
@@ -524,24 +571,7 @@ pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
     // channel (only the head may ask a node for its logs).
     let socket = found.state.socket_path();
     let rt = runtime()?;
-    let head = read_plan(&found.state.plan_path())
-        .map(|p| p.head_node)
-        .ok();
-    let remote: Vec<String> = match found.running {
-        true => rt
-            .block_on(client::status(&socket, Duration::from_secs(5)))
-            .ok()
-            .filter(|r| head.as_deref() == Some(r.node.as_str()))
-            .map(|r| {
-                r.services
-                    .into_iter()
-                    .filter(|s| s.remote)
-                    .map(|s| s.name)
-                    .collect()
-            })
-            .unwrap_or_default(),
-        false => Vec::new(),
-    };
+    let remote = remote_services(&found, &rt);
     names.extend(
         remote
             .iter()

@@ -123,18 +123,7 @@ pub async fn wait_for_start(
                 }
                 Some(StartupEnd::Failed(failed)) => {
                     for f in failed {
-                        let lines = history(&state.log_path(&f.name), Some(40));
-                        let lines: Vec<String> = lines
-                            .iter()
-                            .filter(|l| !l.starts_with(NOTE_PREFIX))
-                            .map(|l| strip_ansi(l))
-                            .collect();
-                        let shown = &lines[lines.len().saturating_sub(FAILURE_LINES)..];
-                        let error = f.error.as_deref();
-                        eprintln!(
-                            "{}",
-                            supervisor::failure_text(&f.name, &f.why, error, shown)
-                        );
+                        eprintln!("{}", failure_of(state, &f.name, &f.why, f.error.as_deref()));
                     }
                     eprintln!(
                         "the supervisor (pid {}) keeps running so you can look: `pdctl status`, \
@@ -148,6 +137,18 @@ pub async fn wait_for_start(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// What a service that failed to start is shown with: why, its last error line, and the
+/// last lines of its log (the supervisor's own notes left out).
+fn failure_of(state: &StateDir, name: &str, why: &str, error: Option<&str>) -> String {
+    let lines: Vec<String> = history(&state.log_path(name), Some(40))
+        .iter()
+        .filter(|l| !l.starts_with(NOTE_PREFIX))
+        .map(|l| strip_ansi(l))
+        .collect();
+    let shown = &lines[lines.len().saturating_sub(FAILURE_LINES)..];
+    supervisor::failure_text(name, why, error, shown)
 }
 
 /// The last non-empty line of a log, reading only its final 4 KiB; lines the supervisor

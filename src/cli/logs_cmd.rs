@@ -36,10 +36,20 @@ fn natural_key(name: &str) -> (String, u64) {
     }
 }
 
+/// A `pdctl logs TARGET` that names nothing with logs here.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("no service or role `{target}` has logs here; services with logs: {}", if known.is_empty() { "none".to_string() } else { known.join(", ") })]
+pub struct NoSuchLogs {
+    /// What was asked for.
+    pub target: String,
+    /// The services that have logs, to choose from.
+    pub known: Vec<String>,
+}
+
 /// The services `target` names: one service (`prefill-2`, `etcd`), every instance of a
 /// role (`prefill` = `prefill-0`, `prefill-1`, ...), or all services when `None` (the
 /// supervisor's own log only when asked for by name).
-pub fn resolve(names: &[String], target: Option<&str>) -> Result<Vec<String>, String> {
+pub fn resolve(names: &[String], target: Option<&str>) -> Result<Vec<String>, NoSuchLogs> {
     let Some(t) = target else {
         return Ok(names
             .iter()
@@ -60,14 +70,10 @@ pub fn resolve(names: &[String], target: Option<&str>) -> Result<Vec<String>, St
         .cloned()
         .collect();
     if role.is_empty() {
-        Err(format!(
-            "no service or role `{t}` has logs here; services with logs: {}",
-            if names.is_empty() {
-                "none".to_string()
-            } else {
-                names.join(", ")
-            }
-        ))
+        Err(NoSuchLogs {
+            target: t.to_string(),
+            known: names.to_vec(),
+        })
     } else {
         Ok(role)
     }
@@ -305,6 +311,9 @@ mod tests {
         );
         assert_eq!(resolve(&all, None).unwrap().len(), 5);
         let err = resolve(&all, Some("pre")).unwrap_err();
+        assert_eq!(err.target, "pre");
+        assert_eq!(err.known, all);
+        let err = err.to_string();
         assert!(
             err.contains("`pre`") && err.contains("decode-0, etcd"),
             "{err}"

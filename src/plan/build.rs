@@ -55,6 +55,11 @@ pub fn state_dir_of(cluster: &str, several_nodes: bool, root: &Path, node: &str)
 }
 
 /// Builds the plan, or names the first key that makes it impossible.
+///
+/// LONG: the planning stages in their order (the version the connector accepts, where the
+/// engines go, the shared services, the engines, the proxy, the GPU fit, the warnings),
+/// each a function of its own; what is left is handing each stage what the earlier ones
+/// made, which a split would only move into structs of those values.
 pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let t = input.topology;
     let local = input.local_node.unwrap_or(input.head);
@@ -67,21 +72,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         .hint(format!("nodes are: {}", known.join(", "))));
     }
     let conn = connectors::for_kind(t.connector.kind);
-    let version = match t.engine.kind {
-        EngineKind::Sim => None,
-        EngineKind::Vllm => Some(input.version.clone().ok_or_else(|| {
-            Problem::new("engine.vllm_version", "the vLLM version is unknown")
-                .hint("pin engine.vllm_version, or install vLLM into engine.python")
-        })?),
-    };
-    // The connector's own refusals first: they say more than "no template for vLLM X".
-    connectors::check_nixl_mode(&t.connector)?;
-    conn.check(t, version.as_ref())?;
-    if let Some(v) = &version {
-        connectors::check_version(conn, v)?;
-        connectors::check_extra_config(&t.connector, v)?;
-        connectors::check_load_failure_policy(&t.connector, v)?;
-    }
+    let version = checked_version(input, conn)?;
     let needs = conn.needs(&t.connector, version.as_ref());
     let protocol = conn.protocol(&t.connector, version.as_ref());
     let state_dir = state_dir_for(t, &input.state_root, local);
@@ -89,19 +80,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let mut ports = PortBook::default();
     let mut warnings = Vec::new();
 
-    let mut placements = engines::place(t, input.head);
-    let reach = Reach::new(
-        t,
-        placements.iter().map(|p| (p.role, p.node.clone())),
-        input.head,
-    );
-    // Decode finds the prefill's KV at the prefill's HTTP address: the simulator pulls it
-    // from there (but through a shared directory), Mooncake's bootstrap host is taken
-    // from the prefill's URL.
-    let pull_via_http = protocol == crate::vocab::ProxyProtocol::Mooncake
-        || (t.engine.kind == EngineKind::Sim
-            && connectors::sim_handoff(protocol) != crate::vocab::SimHandoff::SharedDir);
-    engines::bind(&mut placements, &reach, pull_via_http);
+    let (placements, reach) = place_engines(t, input.head, protocol);
     let sup = support::plan_support(
         t,
         input.head,
@@ -119,6 +98,13 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         .shared_storage_path
         .clone()
         .unwrap_or_else(|| state_dir.join("kv"));
+    let kv_hosts = |role: Role| {
+        placements
+            .iter()
+            .filter(|p| p.role == role)
+            .map(|p| p.kv_listen.clone())
+            .collect()
+    };
     let cx = ClusterCtx {
         topology: t,
         version: version.as_ref(),
@@ -128,16 +114,8 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         lmcache: sup.lmcache.clone(),
         shared_dir,
         files_dir,
-        prefill_hosts: placements
-            .iter()
-            .filter(|p| p.role == Role::Prefill)
-            .map(|p| p.kv_listen.clone())
-            .collect(),
-        decode_hosts: placements
-            .iter()
-            .filter(|p| p.role == Role::Decode)
-            .map(|p| p.kv_listen.clone())
-            .collect(),
+        prefill_hosts: kv_hosts(Role::Prefill),
+        decode_hosts: kv_hosts(Role::Decode),
     };
     let mut settings = BTreeMap::new();
     let engine_services = engines::plan_engines(
@@ -156,33 +134,13 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let mut services: Vec<Service> = sup.services;
     services.extend(engine_services);
     let proxy = if t.proxy.enabled {
-        let proxy_node = t.proxy.node.as_deref().unwrap_or(input.head);
-        let socket =
-            state_dir_for(t, &input.state_root, proxy_node).join(crate::vocab::SOCKET_NAME);
         let leaves = support::handoff_leaves_tokens(t, conn, &services, &settings);
-        Some(support::plan_proxy(
-            t,
-            proxy_node,
-            protocol,
-            version.as_ref(),
-            &services,
-            leaves,
-            &socket,
-            &mut ports,
-        )?)
+        let for_proxy = (protocol, version.as_ref(), leaves);
+        Some(plan_the_proxy(input, for_proxy, &services, &mut ports)?)
     } else {
         None
     };
-    // Only this machine's GPUs are known; other nodes are checked when planned there.
-    let local_services = services.iter().filter(|s| s.node == local);
-    if let Some(short) = super::gpu_fit::check(local_services, input.gpus).first() {
-        return Err(Problem::new(
-            "engine.gpu_memory_utilization",
-            format!("the engines do not fit: {short}"),
-        )
-        .also("engine.instances_per_gpu")
-        .hint("free that GPU, lower engine.gpu_memory_utilization (shared GPUs split it), or set engine.kv_cache_memory"));
-    }
+    check_gpu_fit(&services, local, input.gpus)?;
     let proxy = proxy.map(|(svc, args)| {
         settings.insert(svc.name.clone(), ChildSettings::Proxy(Box::new(args)));
         svc
@@ -221,6 +179,78 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
                 decode_gpus: t.decode.gpus_per_instance,
             }),
     })
+}
+
+/// Where each engine runs, which node reaches which, and the address each engine's KV
+/// listener binds. Decode finds the prefill's KV at the prefill's HTTP address: the
+/// simulator pulls it from there (but through a shared directory), Mooncake's bootstrap
+/// host is taken from the prefill's URL.
+fn place_engines<'a>(
+    t: &'a Topology,
+    head: &'a str,
+    protocol: crate::vocab::ProxyProtocol,
+) -> (Vec<engines::Placement>, Reach<'a>) {
+    let mut placements = engines::place(t, head);
+    let reach = Reach::new(t, placements.iter().map(|p| (p.role, p.node.clone())), head);
+    let pull_via_http = protocol == crate::vocab::ProxyProtocol::Mooncake
+        || (t.engine.kind == EngineKind::Sim
+            && connectors::sim_handoff(protocol) != crate::vocab::SimHandoff::SharedDir);
+    engines::bind(&mut placements, &reach, pull_via_http);
+    (placements, reach)
+}
+
+/// The proxy on its node (the head unless `proxy.node` says), in front of `services`,
+/// for a protocol, a vLLM version and the prompt tokens a good handoff leaves decode.
+fn plan_the_proxy(
+    input: &PlanInput,
+    (protocol, version, leaves): (crate::vocab::ProxyProtocol, Option<&Version>, u32),
+    services: &[Service],
+    ports: &mut PortBook,
+) -> Result<(Service, crate::child_config::proxy::ProxyArgs), PlanError> {
+    let t = input.topology;
+    let node = t.proxy.node.as_deref().unwrap_or(input.head);
+    let socket = state_dir_for(t, &input.state_root, node).join(crate::vocab::SOCKET_NAME);
+    support::plan_proxy(t, node, protocol, version, services, leaves, &socket, ports)
+}
+
+/// The vLLM version the plan is for (none for the simulator), once the connector has said
+/// it can work with it and the topology's connector settings: the connector's own
+/// refusals come first, they say more than "no template for vLLM X".
+fn checked_version(
+    input: &PlanInput,
+    conn: &dyn connectors::Connector,
+) -> Result<Option<Version>, PlanError> {
+    let t = input.topology;
+    let version = match t.engine.kind {
+        EngineKind::Sim => None,
+        EngineKind::Vllm => Some(input.version.clone().ok_or_else(|| {
+            Problem::new("engine.vllm_version", "the vLLM version is unknown")
+                .hint("pin engine.vllm_version, or install vLLM into engine.python")
+        })?),
+    };
+    connectors::check_nixl_mode(&t.connector)?;
+    conn.check(t, version.as_ref())?;
+    if let Some(v) = &version {
+        connectors::check_version(conn, v)?;
+        connectors::check_extra_config(&t.connector, v)?;
+        connectors::check_load_failure_policy(&t.connector, v)?;
+    }
+    Ok(version)
+}
+
+/// Fails when this node's engines do not fit its GPUs. Only this machine's GPUs are
+/// known; other nodes are checked when planned there.
+fn check_gpu_fit(services: &[Service], local: &str, gpus: &[Gpu]) -> Result<(), PlanError> {
+    let local_services = services.iter().filter(|s| s.node == local);
+    match super::gpu_fit::check(local_services, gpus).first() {
+        Some(short) => Err(Problem::new(
+            "engine.gpu_memory_utilization",
+            format!("the engines do not fit: {short}"),
+        )
+        .also("engine.instances_per_gpu")
+        .hint("free that GPU, lower engine.gpu_memory_utilization (shared GPUs split it), or set engine.kv_cache_memory")),
+        None => Ok(()),
+    }
 }
 
 fn protocol_name(p: crate::vocab::ProxyProtocol) -> String {

@@ -352,24 +352,7 @@ pub(super) fn plan_engines(
         warnings.extend(conn.warnings(t, v));
     }
     let needs_gpus = t.engine.kind == EngineKind::Vllm && t.engine.device == Device::Cuda;
-    let mut gpu_use = GpuUse::default();
-    let mut gpus_of = Vec::new();
-    for p in placements {
-        let r = role_section(t, p.role);
-        gpus_of.push(if needs_gpus {
-            gpu_use
-                .take(
-                    pool,
-                    &p.node,
-                    r,
-                    r.gpus_per_instance,
-                    t.engine.instances_per_gpu,
-                )
-                .ok_or_else(|| gpu_shortage(t, placements, p.role, &p.node, pool))?
-        } else {
-            Vec::new()
-        });
-    }
+    let gpus_of = assign_gpus(t, placements, pool, needs_gpus)?;
     let kv_cache_bytes = kv_cache_bytes(t, cx.version)?;
     let shares = if needs_gpus {
         sharing(t, cx.version, pool, placements, &gpus_of)?
@@ -377,10 +360,7 @@ pub(super) fn plan_engines(
         vec![Sharing::default(); placements.len()]
     };
     let mut warned_nodes = BTreeSet::new();
-    let mut per_node: BTreeMap<&str, u32> = BTreeMap::new();
-    for p in placements {
-        *per_node.entry(&p.node).or_default() += 1;
-    }
+    let per_node = engines_per_node(placements);
     let mut out = Vec::new();
     for ((p, gpus), share) in placements.iter().zip(gpus_of).zip(shares) {
         let r = role_section(t, p.role);
@@ -391,47 +371,8 @@ pub(super) fn plan_engines(
                 p.node, p.node
             ));
         }
-        for g in &gpus {
-            if let Some(reason) = pool
-                .inventory
-                .iter()
-                .find(|x| x.index == *g)
-                .and_then(Gpu::busy_reason)
-            {
-                warnings.push(format!("{name}: {reason}"));
-            }
-        }
-        let bootstrap_port = if protocol == ProxyProtocol::Mooncake && p.role == Role::Prefill {
-            Some(
-                ports
-                    .take(
-                        &p.host,
-                        t.connector.bootstrap_port,
-                        1,
-                        &format!("{name} (bootstrap)"),
-                    )
-                    .ok_or_else(|| {
-                        Problem::new(
-                            "connector.bootstrap_port",
-                            format!(
-                                "no free bootstrap port for {name} on {} at or above {}",
-                                p.host, t.connector.bootstrap_port
-                            ),
-                        )
-                        .hint("set connector.bootstrap_port lower, below the ports in use")
-                    })?,
-            )
-        } else {
-            None
-        };
-        let inst = InstanceCtx {
-            role: p.role,
-            name: name.clone(),
-            host: p.host.clone(),
-            listen: p.kv_listen.clone(),
-            tp: r.gpus_per_instance,
-            bootstrap_port,
-        };
+        warnings.extend(busy_gpus(&name, &gpus, pool));
+        let inst = instance_ctx(t, p, protocol, ports)?;
         let mut svc = match (t.engine.kind, cx.version) {
             (EngineKind::Vllm, Some(v)) => {
                 let mut launch = conn.launch(LaunchCtx {
@@ -461,6 +402,101 @@ pub(super) fn plan_engines(
         out.push(svc);
     }
     Ok(out)
+}
+
+/// A warning for each of `name`'s GPUs that something else already uses.
+fn busy_gpus<'a>(
+    name: &'a str,
+    gpus: &'a [u32],
+    pool: &'a GpuPool,
+) -> impl Iterator<Item = String> + 'a {
+    gpus.iter().filter_map(move |g| {
+        let gpu = pool.inventory.iter().find(|x| x.index == *g)?;
+        Some(format!("{name}: {}", gpu.busy_reason()?))
+    })
+}
+
+/// How many engines each node runs (an engine is launched knowing whether it shares its
+/// node).
+fn engines_per_node(placements: &[Placement]) -> BTreeMap<&str, u32> {
+    let mut per_node: BTreeMap<&str, u32> = BTreeMap::new();
+    for p in placements {
+        *per_node.entry(&p.node).or_default() += 1;
+    }
+    per_node
+}
+
+/// The GPUs of each placed engine, in placement order (none where the engines need none:
+/// the simulator, vLLM on CPU); fails naming the role a node has too few GPUs for.
+fn assign_gpus(
+    t: &Topology,
+    placements: &[Placement],
+    pool: &GpuPool,
+    needs_gpus: bool,
+) -> Result<Vec<Vec<u32>>, Problem> {
+    let mut gpu_use = GpuUse::default();
+    let mut gpus_of = Vec::new();
+    for p in placements {
+        let r = role_section(t, p.role);
+        gpus_of.push(if needs_gpus {
+            gpu_use
+                .take(
+                    pool,
+                    &p.node,
+                    r,
+                    r.gpus_per_instance,
+                    t.engine.instances_per_gpu,
+                )
+                .ok_or_else(|| gpu_shortage(t, placements, p.role, &p.node, pool))?
+        } else {
+            Vec::new()
+        });
+    }
+    Ok(gpus_of)
+}
+
+/// What the connector is told of one engine instance: its name, where it listens, its
+/// tensor parallelism, and (a Mooncake prefill) its bootstrap port.
+fn instance_ctx(
+    t: &Topology,
+    p: &Placement,
+    protocol: ProxyProtocol,
+    ports: &mut PortBook,
+) -> Result<InstanceCtx, Problem> {
+    let name = p.role.instance_name(p.index);
+    let bootstrap_port = if protocol == ProxyProtocol::Mooncake && p.role == Role::Prefill {
+        Some(bootstrap_port(t, &p.host, &name, ports)?)
+    } else {
+        None
+    };
+    Ok(InstanceCtx {
+        role: p.role,
+        name,
+        host: p.host.clone(),
+        listen: p.kv_listen.clone(),
+        tp: role_section(t, p.role).gpus_per_instance,
+        bootstrap_port,
+    })
+}
+
+/// The Mooncake bootstrap port of prefill `name` on `host`: the first free one at or above
+/// `connector.bootstrap_port`.
+fn bootstrap_port(
+    t: &Topology,
+    host: &str,
+    name: &str,
+    ports: &mut PortBook,
+) -> Result<u16, Problem> {
+    let base = t.connector.bootstrap_port;
+    ports
+        .take(host, base, 1, &format!("{name} (bootstrap)"))
+        .ok_or_else(|| {
+            Problem::new(
+                "connector.bootstrap_port",
+                format!("no free bootstrap port for {name} on {host} at or above {base}"),
+            )
+            .hint("set connector.bootstrap_port lower, below the ports in use")
+        })
 }
 
 /// What a real vLLM engine needs on its machine to start at all: vLLM in `engine.python`,

@@ -121,32 +121,39 @@ pub(super) fn size(a: &Ask) -> Result<Sized, Problem> {
         gib(RESERVE_BYTES),
     );
     if left < needed {
-        let room = if needed > 1 {
-            format!(
-                "leaves {} for the KV cache, and one {}-token sequence needs {}",
-                gib(left),
-                context.unwrap_or_default(),
-                gib(needed)
-            )
-        } else {
-            "leaves no room for the KV cache".to_string()
-        };
-        let with = if a.neighbours.is_empty() {
-            String::new()
-        } else {
-            format!(" (shared with {})", a.neighbours.join(", "))
-        };
-        return Err(Problem::new(
-            "engine.instances_per_gpu",
-            format!("{}{with}: {sums} {room}", a.name),
-        )
-        .also("engine.gpu_memory_utilization")
-        .hint("give each engine a GPU of its own (lower engine.instances_per_gpu), raise engine.gpu_memory_utilization, free the GPU, or serve a smaller model or a shorter max_model_len"));
+        return Err(no_room(a, &sums, left, needed, context));
     }
     Ok(Sized::Fixed {
         bytes: left,
         why: format!("KV cache {}: {sums}", gib(left)),
     })
+}
+
+/// The refusal of an engine whose share of its GPU leaves `left` bytes for a KV cache
+/// that needs `needed` (one sequence of `context` tokens; 1: any room at all), with the
+/// sums that led there.
+fn no_room(a: &Ask, sums: &str, left: u64, needed: u64, context: Option<u64>) -> Problem {
+    let room = if needed > 1 {
+        format!(
+            "leaves {} for the KV cache, and one {}-token sequence needs {}",
+            gib(left),
+            context.unwrap_or_default(),
+            gib(needed)
+        )
+    } else {
+        "leaves no room for the KV cache".to_string()
+    };
+    let with = if a.neighbours.is_empty() {
+        String::new()
+    } else {
+        format!(" (shared with {})", a.neighbours.join(", "))
+    };
+    Problem::new(
+        "engine.instances_per_gpu",
+        format!("{}{with}: {sums} {room}", a.name),
+    )
+    .also("engine.gpu_memory_utilization")
+    .hint("give each engine a GPU of its own (lower engine.instances_per_gpu), raise engine.gpu_memory_utilization, free the GPU, or serve a smaller model or a shorter max_model_len")
 }
 
 /// Bytes of the weights as the engine loads them: in the dtype `--dtype` asks for, for a

@@ -88,6 +88,76 @@ pub fn describe_probe(p: &Probe) -> String {
     }
 }
 
+/// One service of the plan, numbered `n`: where it runs, what it waits for and needs, how
+/// its readiness is probed and it is restarted, its command and its files.
+fn render_service(o: &mut String, n: usize, svc: &crate::vocab::Service) {
+    let gpus = if svc.gpus.is_empty() {
+        String::new()
+    } else {
+        let list: Vec<String> = svc.gpus.iter().map(u32::to_string).collect();
+        match svc.gpu_memory_share {
+            Some(share) => format!("  GPU {} ({share} of its memory)", list.join(",")),
+            None => format!("  GPU {}", list.join(",")),
+        }
+    };
+    let _ = writeln!(
+        o,
+        "{}. {}  on {} ({}){gpus}",
+        n, svc.name, svc.node, svc.host
+    );
+    if !svc.depends_on.is_empty() {
+        let _ = writeln!(o, "   after    {}", svc.depends_on.join(", "));
+    }
+    if let Some(note) = &svc.gpu_memory_note {
+        let _ = writeln!(o, "   memory   {note}");
+    }
+    if !svc.ports.is_empty() {
+        let ports: Vec<String> = svc.ports.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        let _ = writeln!(o, "   ports    {}", ports.join(", "));
+    }
+    let _ = writeln!(
+        o,
+        "   ready    {} (within {} s)",
+        describe_probe(&svc.probe),
+        svc.startup_timeout_s
+    );
+    let mode = match svc.restart.mode {
+        RestartMode::OnFailure => "on-failure",
+        RestartMode::Always => "always",
+        RestartMode::Never => "never",
+    };
+    let with = if svc.restart_with.is_empty() {
+        String::new()
+    } else {
+        format!(", together with {}", svc.restart_with.join(", "))
+    };
+    let _ = writeln!(o, "   restart  {mode}{with}");
+    for c in &svc.checks {
+        let what = match c {
+            crate::vocab::Check::FileExists { path, .. } => {
+                format!("{} exists", path.display())
+            }
+            crate::vocab::Check::PythonModule { python, module, .. } => {
+                format!("{python} can import {module}")
+            }
+        };
+        let _ = writeln!(o, "   needs    {what}");
+    }
+    for d in &svc.dirs {
+        let _ = writeln!(o, "   dir      {} (must be writable)", d.display());
+    }
+    let _ = writeln!(o, "   command");
+    for line in shell_command(svc).lines() {
+        let _ = writeln!(o, "     {line}");
+    }
+    for f in &svc.files {
+        let _ = writeln!(o, "   file {}", f.path.display());
+        for line in f.content.lines() {
+            let _ = writeln!(o, "     {line}");
+        }
+    }
+}
+
 /// The whole plan as text.
 pub fn render(plan: &Plan, source_note: &str, missing: &[String]) -> String {
     let mut o = String::new();
@@ -111,74 +181,7 @@ pub fn render(plan: &Plan, source_note: &str, missing: &[String]) -> String {
     }
     for (i, svc) in plan.services.iter().enumerate() {
         let _ = writeln!(o);
-        let gpus = if svc.gpus.is_empty() {
-            String::new()
-        } else {
-            let list: Vec<String> = svc.gpus.iter().map(u32::to_string).collect();
-            match svc.gpu_memory_share {
-                Some(share) => format!("  GPU {} ({share} of its memory)", list.join(",")),
-                None => format!("  GPU {}", list.join(",")),
-            }
-        };
-        let _ = writeln!(
-            o,
-            "{}. {}  on {} ({}){gpus}",
-            i + 1,
-            svc.name,
-            svc.node,
-            svc.host
-        );
-        if !svc.depends_on.is_empty() {
-            let _ = writeln!(o, "   after    {}", svc.depends_on.join(", "));
-        }
-        if let Some(note) = &svc.gpu_memory_note {
-            let _ = writeln!(o, "   memory   {note}");
-        }
-        if !svc.ports.is_empty() {
-            let ports: Vec<String> = svc.ports.iter().map(|(k, v)| format!("{k} {v}")).collect();
-            let _ = writeln!(o, "   ports    {}", ports.join(", "));
-        }
-        let _ = writeln!(
-            o,
-            "   ready    {} (within {} s)",
-            describe_probe(&svc.probe),
-            svc.startup_timeout_s
-        );
-        let mode = match svc.restart.mode {
-            RestartMode::OnFailure => "on-failure",
-            RestartMode::Always => "always",
-            RestartMode::Never => "never",
-        };
-        let with = if svc.restart_with.is_empty() {
-            String::new()
-        } else {
-            format!(", together with {}", svc.restart_with.join(", "))
-        };
-        let _ = writeln!(o, "   restart  {mode}{with}");
-        for c in &svc.checks {
-            let what = match c {
-                crate::vocab::Check::FileExists { path, .. } => {
-                    format!("{} exists", path.display())
-                }
-                crate::vocab::Check::PythonModule { python, module, .. } => {
-                    format!("{python} can import {module}")
-                }
-            };
-            let _ = writeln!(o, "   needs    {what}");
-        }
-        for d in &svc.dirs {
-            let _ = writeln!(o, "   dir      {} (must be writable)", d.display());
-        }
-        let _ = writeln!(o, "   command");
-        for line in shell_command(svc).lines() {
-            let _ = writeln!(o, "     {line}");
-        }
-        for f in &svc.files {
-            let _ = writeln!(o, "   file {}", f.path.display());
-            for line in f.content.lines() {
-                let _ = writeln!(o, "     {line}");
-            }
-        }
+        render_service(&mut o, i + 1, svc);
     }
     if !plan.warnings.is_empty() || !missing.is_empty() {
         let _ = writeln!(o);

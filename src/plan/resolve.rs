@@ -163,7 +163,7 @@ pub fn load_topology(
         other => (
             "sim-1p1d",
             match other {
-                Err(e) if e.reason.contains("could not be loaded") => {
+                Err(e) if e.kind == gpu::GpuErrorKind::NoDriver => {
                     "no ./pdctl.toml and no GPU found (no NVIDIA driver)".to_string()
                 }
                 _ => "no ./pdctl.toml and no GPU found".to_string(),
@@ -205,39 +205,7 @@ pub fn plan_programs_unresolved(
         Err(e) if needs_gpus => (Vec::new(), Some(e.reason.clone())),
         _ => (Vec::new(), None),
     };
-    let mut version_note = None;
-    let (version, version_source) = match spec.engine.kind {
-        EngineKind::Sim => (None, VersionSource::Pinned),
-        EngineKind::Vllm => {
-            let resolved = crate::vllm::resolve(
-                &spec.engine.vllm_version,
-                &spec.engine.python,
-                &crate::connectors::NEWEST_TEMPLATED,
-            )
-            .expect("vllm_version is validated when loaded");
-            if let Some(note) = resolved.assumed_note() {
-                let why = resolved.not_found.as_ref().map(|e| e.reason());
-                version_note = Some(VersionNote {
-                    note,
-                    refusal: t.locate(
-                        topology::Problem::new(
-                            "engine.vllm_version",
-                            format!(
-                                "\"auto\" found no vLLM to run: {}; the plan assumed vLLM {}, the newest pdctl has templates for",
-                                why.unwrap_or_default(),
-                                resolved.version
-                            ),
-                        )
-                        .hint(
-                            "install vLLM (./install.sh --with-vllm), set engine.python to the python that has it, or pin engine.vllm_version (then `up` starts it as pinned)",
-                        ),
-                    ),
-                });
-            }
-            spec.engine.python = resolved.python;
-            (Some(resolved.version), resolved.source)
-        }
-    };
+    let (version, version_source, version_note) = resolve_version(t, &mut spec);
     // Engines sharing a GPU get their KV cache size from the model's weights: read them
     // here (headers only), not in the pure planner.
     let model = if needs_gpus {
@@ -278,6 +246,53 @@ pub fn plan_programs_unresolved(
         machine,
         source: None,
     })
+}
+
+/// The vLLM version `spec` is planned for and where it came from (none for the
+/// simulator), with the note and the refusal `up` gives when `auto` found no vLLM and the
+/// plan assumed the newest templated one; `engine.python` becomes the python found.
+fn resolve_version(
+    t: &LoadedTopology,
+    spec: &mut topology::Topology,
+) -> (
+    Option<crate::vocab::Version>,
+    VersionSource,
+    Option<VersionNote>,
+) {
+    let mut version_note = None;
+    let (version, version_source) = match spec.engine.kind {
+        EngineKind::Sim => (None, VersionSource::Pinned),
+        EngineKind::Vllm => {
+            let resolved = crate::vllm::resolve(
+                &spec.engine.vllm_version,
+                &spec.engine.python,
+                &crate::connectors::NEWEST_TEMPLATED,
+            )
+            .expect("vllm_version is validated when loaded");
+            if let Some(note) = resolved.assumed_note() {
+                let why = resolved.not_found.as_ref().map(|e| e.reason());
+                version_note = Some(VersionNote {
+                    note,
+                    refusal: t.locate(
+                        topology::Problem::new(
+                            "engine.vllm_version",
+                            format!(
+                                "\"auto\" found no vLLM to run: {}; the plan assumed vLLM {}, the newest pdctl has templates for",
+                                why.unwrap_or_default(),
+                                resolved.version
+                            ),
+                        )
+                        .hint(
+                            "install vLLM (./install.sh --with-vllm), set engine.python to the python that has it, or pin engine.vllm_version (then `up` starts it as pinned)",
+                        ),
+                    ),
+                });
+            }
+            spec.engine.python = resolved.python;
+            (Some(resolved.version), resolved.source)
+        }
+    };
+    (version, version_source, version_note)
 }
 
 /// Replaces each service's `argv[0]` with its full path; returns the programs not found

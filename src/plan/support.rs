@@ -90,169 +90,208 @@ pub(super) fn plan_support(
         master_http_metadata: None,
         lmcache: None,
     };
-    let host_of = |node: &str| t.nodes[node].clone();
-
     if t.etcd.enabled.unwrap_or(needs.etcd) {
-        let node = t.etcd.node.as_deref().unwrap_or(head);
-        let host = host_of(node);
-        let (client, peer) = (t.etcd.client_port, t.etcd.peer_port);
-        let member = format!("pdctl-{}", t.cluster);
-        // Engines on other nodes read the transfer metadata; the peer port serves a
-        // cluster of one member, which no other node joins.
-        let client_bind = reach.addr(node, reach.engines_elsewhere(node));
-        let client_url = format!("http://{client_bind}:{client}");
-        let peer_url = format!("http://{}:{peer}", reach.addr(node, false));
-        let argv = [
-            "etcd",
-            "--name",
-            &member,
-            "--data-dir",
-            &state_dir.join("etcd-data").display().to_string(),
-            "--listen-client-urls",
-            &client_url,
-            "--advertise-client-urls",
-            &client_url,
-            "--listen-peer-urls",
-            &peer_url,
-            "--initial-advertise-peer-urls",
-            &peer_url,
-            "--initial-cluster",
-            &format!("{member}={peer_url}"),
-            "--initial-cluster-state",
-            "new",
-            // One member: nothing to elect with, so do not wait out a 1-2 s election.
-            "--heartbeat-interval",
-            "10",
-            "--election-timeout",
-            "100",
-        ]
-        .map(String::from)
-        .to_vec();
-        let probe = Probe::Http {
-            url: format!("{client_url}/health"),
-            status: 200,
-            body_contains: Some("true".into()),
-        };
-        let mut svc = support_service("etcd", Role::Etcd, node, &host, argv, probe);
-        claim(ports, &host, client, "etcd", "client")?;
-        claim(ports, &host, peer, "etcd", "peer")?;
-        svc.ports = BTreeMap::from([("client".into(), client), ("peer".into(), peer)]);
-        svc.url = Some(client_url);
-        out.etcd = Some(Endpoint {
-            host: client_bind,
-            port: client,
-        });
-        out.names.push(svc.name.clone());
-        out.services.push(svc);
+        plan_etcd(t, head, state_dir, reach, ports, &mut out)?;
     }
-
     if t.mooncake_master.enabled.unwrap_or(needs.mooncake_master) {
-        let m = &t.mooncake_master;
-        let node = m.node.as_deref().unwrap_or(head);
-        let host = host_of(node);
-        // The RPC (and HTTP metadata) port serve the engines; the metrics port only this
-        // node's supervisor, which probes it.
-        let bind = reach.addr(node, reach.engines_elsewhere(node));
-        let metrics_bind = reach.addr(node, false);
-        let mut argv: Vec<String> = vec![
-            "mooncake_master".into(),
-            "--rpc_address".into(),
+        plan_mooncake_master(t, head, needs, reach, ports, &mut out)?;
+    }
+    if t.lmcache_server.enabled.unwrap_or(needs.lmcache_server) {
+        plan_lmcache_server(t, head, version, reach, ports, warnings, &mut out)?;
+    }
+    Ok(out)
+}
+
+/// etcd, one member on its node: the transfer metadata server of Mooncake's transfer
+/// engine, which engines on other nodes read.
+fn plan_etcd(
+    t: &Topology,
+    head: &str,
+    state_dir: &Path,
+    reach: &super::listen::Reach<'_>,
+    ports: &mut PortBook,
+    out: &mut SupportPlan,
+) -> Result<(), Problem> {
+    let node = t.etcd.node.as_deref().unwrap_or(head);
+    let host = t.nodes[node].clone();
+    let (client, peer) = (t.etcd.client_port, t.etcd.peer_port);
+    let member = format!("pdctl-{}", t.cluster);
+    // Engines on other nodes read the transfer metadata; the peer port serves a
+    // cluster of one member, which no other node joins.
+    let client_bind = reach.addr(node, reach.engines_elsewhere(node));
+    let client_url = format!("http://{client_bind}:{client}");
+    let peer_url = format!("http://{}:{peer}", reach.addr(node, false));
+    let argv = [
+        "etcd",
+        "--name",
+        &member,
+        "--data-dir",
+        &state_dir.join("etcd-data").display().to_string(),
+        "--listen-client-urls",
+        &client_url,
+        "--advertise-client-urls",
+        &client_url,
+        "--listen-peer-urls",
+        &peer_url,
+        "--initial-advertise-peer-urls",
+        &peer_url,
+        "--initial-cluster",
+        &format!("{member}={peer_url}"),
+        "--initial-cluster-state",
+        "new",
+        // One member: nothing to elect with, so do not wait out a 1-2 s election.
+        "--heartbeat-interval",
+        "10",
+        "--election-timeout",
+        "100",
+    ]
+    .map(String::from)
+    .to_vec();
+    let probe = Probe::Http {
+        url: format!("{client_url}/health"),
+        status: 200,
+        body_contains: Some("true".into()),
+    };
+    let mut svc = support_service("etcd", Role::Etcd, node, &host, argv, probe);
+    claim(ports, &host, client, "etcd", "client")?;
+    claim(ports, &host, peer, "etcd", "peer")?;
+    svc.ports = BTreeMap::from([("client".into(), client), ("peer".into(), peer)]);
+    svc.url = Some(client_url);
+    out.etcd = Some(Endpoint {
+        host: client_bind,
+        port: client,
+    });
+    out.names.push(svc.name.clone());
+    out.services.push(svc);
+    Ok(())
+}
+
+/// mooncake_master: the store's master (RPC, metrics, and its HTTP metadata server when
+/// the connector reads the metadata over HTTP).
+fn plan_mooncake_master(
+    t: &Topology,
+    head: &str,
+    needs: &Needs,
+    reach: &super::listen::Reach<'_>,
+    ports: &mut PortBook,
+    out: &mut SupportPlan,
+) -> Result<(), Problem> {
+    let m = &t.mooncake_master;
+    let node = m.node.as_deref().unwrap_or(head);
+    let host = t.nodes[node].clone();
+    // The RPC (and HTTP metadata) port serve the engines; the metrics port only this
+    // node's supervisor, which probes it.
+    let bind = reach.addr(node, reach.engines_elsewhere(node));
+    let metrics_bind = reach.addr(node, false);
+    let mut argv: Vec<String> = vec![
+        "mooncake_master".into(),
+        "--rpc_address".into(),
+        bind.clone(),
+        "--rpc_port".into(),
+        m.rpc_port.to_string(),
+        "--metrics_host".into(),
+        metrics_bind.clone(),
+        "--metrics_port".into(),
+        m.metrics_port.to_string(),
+    ];
+    claim(ports, &host, m.rpc_port, "mooncake-master", "rpc")?;
+    claim(ports, &host, m.metrics_port, "mooncake-master", "metrics")?;
+    let mut named = BTreeMap::from([
+        ("rpc".to_string(), m.rpc_port),
+        ("metrics".to_string(), m.metrics_port),
+    ]);
+    if needs.master_http_metadata {
+        argv.extend([
+            "--enable_http_metadata_server=true".into(),
+            "--http_metadata_server_host".into(),
             bind.clone(),
-            "--rpc_port".into(),
-            m.rpc_port.to_string(),
-            "--metrics_host".into(),
-            metrics_bind.clone(),
-            "--metrics_port".into(),
-            m.metrics_port.to_string(),
-        ];
-        claim(ports, &host, m.rpc_port, "mooncake-master", "rpc")?;
-        claim(ports, &host, m.metrics_port, "mooncake-master", "metrics")?;
-        let mut named = BTreeMap::from([
-            ("rpc".to_string(), m.rpc_port),
-            ("metrics".to_string(), m.metrics_port),
+            "--http_metadata_server_port".into(),
+            m.http_metadata_port.to_string(),
         ]);
-        if needs.master_http_metadata {
-            argv.extend([
-                "--enable_http_metadata_server=true".into(),
-                "--http_metadata_server_host".into(),
-                bind.clone(),
-                "--http_metadata_server_port".into(),
-                m.http_metadata_port.to_string(),
-            ]);
-            claim(
-                ports,
-                &host,
-                m.http_metadata_port,
-                "mooncake-master",
-                "http-metadata",
-            )?;
-            named.insert("http-metadata".into(), m.http_metadata_port);
-            out.master_http_metadata = Some(Endpoint {
-                host: bind.clone(),
-                port: m.http_metadata_port,
-            });
-        }
-        argv.extend(m.args.iter().cloned());
-        let probe = Probe::Http {
-            url: format!("http://{metrics_bind}:{}/health", m.metrics_port),
-            status: 200,
-            body_contains: None,
+        claim(
+            ports,
+            &host,
+            m.http_metadata_port,
+            "mooncake-master",
+            "http-metadata",
+        )?;
+        named.insert("http-metadata".into(), m.http_metadata_port);
+        out.master_http_metadata = Some(Endpoint {
+            host: bind.clone(),
+            port: m.http_metadata_port,
+        });
+    }
+    argv.extend(m.args.iter().cloned());
+    let probe = Probe::Http {
+        url: format!("http://{metrics_bind}:{}/health", m.metrics_port),
+        status: 200,
+        body_contains: None,
+    };
+    let mut svc = support_service(
+        "mooncake-master",
+        Role::MooncakeMaster,
+        node,
+        &host,
+        argv,
+        probe,
+    );
+    svc.ports = named;
+    // The master needs etcd only in HA mode, which pdctl does not plan: start both at once.
+    out.master = Some(Endpoint {
+        host: bind,
+        port: m.rpc_port,
+    });
+    out.names.push(svc.name.clone());
+    out.services.push(svc);
+    Ok(())
+}
+
+/// The lmcache server LMCache's remote backend talks to (not started under the
+/// simulator, which hands KV over through a shared directory: said as a warning).
+fn plan_lmcache_server(
+    t: &Topology,
+    head: &str,
+    version: Option<&Version>,
+    reach: &super::listen::Reach<'_>,
+    ports: &mut PortBook,
+    warnings: &mut Vec<String>,
+    out: &mut SupportPlan,
+) -> Result<(), Problem> {
+    let l = &t.lmcache_server;
+    let node = l.node.as_deref().unwrap_or(head);
+    let host = t.nodes[node].clone();
+    let bind = reach.addr(node, reach.engines_elsewhere(node));
+    claim(ports, &host, l.port, "lmcache-server", "server")?;
+    out.lmcache = Some(Endpoint {
+        host: bind.clone(),
+        port: l.port,
+    });
+    if t.engine.kind == EngineKind::Sim {
+        warnings.push(
+            "engine sim: the lmcache server is not started (the simulator hands KV over through a shared directory)"
+                .into(),
+        );
+    } else {
+        let (argv, env) =
+            crate::connectors::lmcache_server_command(&t.engine.python, version, &bind, l.port);
+        let probe = Probe::Tcp {
+            host: bind.clone(),
+            port: l.port,
         };
         let mut svc = support_service(
-            "mooncake-master",
-            Role::MooncakeMaster,
+            "lmcache-server",
+            Role::LmcacheServer,
             node,
             &host,
             argv,
             probe,
         );
-        svc.ports = named;
-        // The master needs etcd only in HA mode, which pdctl does not plan: start both at once.
-        out.master = Some(Endpoint {
-            host: bind,
-            port: m.rpc_port,
-        });
+        svc.ports = BTreeMap::from([("server".into(), l.port)]);
+        svc.env.extend(env);
         out.names.push(svc.name.clone());
         out.services.push(svc);
     }
-
-    if t.lmcache_server.enabled.unwrap_or(needs.lmcache_server) {
-        let l = &t.lmcache_server;
-        let node = l.node.as_deref().unwrap_or(head);
-        let host = host_of(node);
-        let bind = reach.addr(node, reach.engines_elsewhere(node));
-        claim(ports, &host, l.port, "lmcache-server", "server")?;
-        out.lmcache = Some(Endpoint {
-            host: bind.clone(),
-            port: l.port,
-        });
-        if t.engine.kind == EngineKind::Sim {
-            warnings.push(
-                "engine sim: the lmcache server is not started (the simulator hands KV over through a shared directory)"
-                    .into(),
-            );
-        } else {
-            let (argv, env) =
-                crate::connectors::lmcache_server_command(&t.engine.python, version, &bind, l.port);
-            let probe = Probe::Tcp {
-                host: bind.clone(),
-                port: l.port,
-            };
-            let mut svc = support_service(
-                "lmcache-server",
-                Role::LmcacheServer,
-                node,
-                &host,
-                argv,
-                probe,
-            );
-            svc.ports = BTreeMap::from([("server".into(), l.port)]);
-            svc.env.extend(env);
-            out.names.push(svc.name.clone());
-            out.services.push(svc);
-        }
-    }
-    Ok(out)
+    Ok(())
 }
 
 /// Plans the proxy in front of the engines planned so far, and returns its settings
@@ -273,6 +312,62 @@ pub(super) fn plan_proxy(
     let host = t.nodes[node].clone();
     let p = &t.proxy;
     claim(ports, &host, p.port, "proxy", "http")?;
+    let args = proxy_args(
+        t,
+        &host,
+        protocol,
+        version,
+        services,
+        handoff_leaves_tokens,
+        socket,
+    )?;
+    let config = socket.with_file_name("files").join("proxy.toml");
+    let argv = vec![
+        crate::tools::SELF_PROGRAM.to_string(),
+        "proxy".to_string(),
+        "--config".to_string(),
+        config.display().to_string(),
+    ];
+    let url = format!("http://{host}:{}", p.port);
+    let probe = Probe::Http {
+        url: format!("{url}/health"),
+        status: 200,
+        body_contains: None,
+    };
+    let mut svc = support_service("proxy", Role::Proxy, node, &host, argv, probe);
+    svc.ports = BTreeMap::from([("http".into(), p.port)]);
+    svc.url = Some(url);
+    svc.files = vec![GeneratedFile {
+        path: config,
+        content: crate::child_config::to_file(&args),
+    }];
+    svc.secret_env = vec![crate::vocab::PROXY_ENGINE_KEY_VAR.to_string()];
+    svc.depends_on = services
+        .iter()
+        .filter(|s| s.role.is_engine())
+        .map(|s| s.name.clone())
+        .collect();
+    svc.startup_timeout_s = 30;
+    Ok((svc, args))
+}
+
+/// vLLM's KV block size on CPUs when `--block-size` is not given (its CPU platform sets
+/// 128; GPUs default to [`VLLM_DEFAULT_BLOCK_SIZE`]).
+const VLLM_CPU_BLOCK_SIZE: u32 = 128;
+
+/// The proxy's settings (its config file): the engines' URLs, the protocol, what judging
+/// decode's answers needs, and the `[proxy]` keys with their defaults; fails on a key set
+/// to 0 that must be at least 1.
+fn proxy_args(
+    t: &Topology,
+    host: &str,
+    protocol: ProxyProtocol,
+    version: Option<&crate::vocab::Version>,
+    services: &[Service],
+    handoff_leaves_tokens: u32,
+    socket: &Path,
+) -> Result<ProxyArgs, Problem> {
+    let p = &t.proxy;
     let urls = |role: Role| -> Vec<String> {
         services
             .iter()
@@ -282,7 +377,7 @@ pub(super) fn plan_proxy(
     };
     let d = ProxyArgs::default();
     let mut args = ProxyArgs {
-        host: host.clone(),
+        host: host.to_string(),
         port: p.port,
         prefill: urls(Role::Prefill),
         decode: urls(Role::Decode),
@@ -324,39 +419,8 @@ pub(super) fn plan_proxy(
         return Err(Problem::new(format!("proxy.{key}"), "must be at least 1")
             .hint("leave it out for the default"));
     }
-    let config = socket.with_file_name("files").join("proxy.toml");
-    let argv = vec![
-        crate::tools::SELF_PROGRAM.to_string(),
-        "proxy".to_string(),
-        "--config".to_string(),
-        config.display().to_string(),
-    ];
-    let url = format!("http://{host}:{}", p.port);
-    let probe = Probe::Http {
-        url: format!("{url}/health"),
-        status: 200,
-        body_contains: None,
-    };
-    let mut svc = support_service("proxy", Role::Proxy, node, &host, argv, probe);
-    svc.ports = BTreeMap::from([("http".into(), p.port)]);
-    svc.url = Some(url);
-    svc.files = vec![GeneratedFile {
-        path: config,
-        content: crate::child_config::to_file(&args),
-    }];
-    svc.secret_env = vec![crate::vocab::PROXY_ENGINE_KEY_VAR.to_string()];
-    svc.depends_on = services
-        .iter()
-        .filter(|s| s.role.is_engine())
-        .map(|s| s.name.clone())
-        .collect();
-    svc.startup_timeout_s = 30;
-    Ok((svc, args))
+    Ok(args)
 }
-
-/// vLLM's KV block size on CPUs when `--block-size` is not given (its CPU platform sets
-/// 128; GPUs default to [`VLLM_DEFAULT_BLOCK_SIZE`]).
-const VLLM_CPU_BLOCK_SIZE: u32 = 128;
 
 /// Prompt tokens a good KV handoff may leave a decode to compute, for the proxy's
 /// recompute check: what the connector leaves (`conn`, [`Connector::decode_leaves`]) at

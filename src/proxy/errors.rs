@@ -1,7 +1,7 @@
 //! Every way a client request can fail, as OpenAI-style JSON errors that name the leg and
 //! the instance involved, so a failed prefill is never swallowed or turned into an empty 200.
 
-use super::instances::Leg;
+use super::leg::Leg;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;

@@ -398,48 +398,11 @@ async fn exchange(
             buf.advance(len);
             continue;
         }
-        let mut content_type = None;
-        let mut length = None;
-        let mut chunked = false;
-        let mut reusable = parsed.version == Some(1);
-        for h in parsed.headers.iter() {
-            let name = h.name;
-            if name.eq_ignore_ascii_case("content-type") {
-                content_type = HeaderValue::from_bytes(h.value).ok();
-            } else if name.eq_ignore_ascii_case("content-length") {
-                let n = std::str::from_utf8(h.value)
-                    .ok()
-                    .and_then(|v| v.trim().parse::<u64>().ok())
-                    .ok_or_else(|| bad("a content-length that is not a number".into()))?;
-                length = Some(n);
-            } else if name.eq_ignore_ascii_case("transfer-encoding") {
-                chunked = h
-                    .value
-                    .rsplit(|&b| b == b',')
-                    .next()
-                    .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-            } else if name.eq_ignore_ascii_case("connection") {
-                for token in h.value.split(|&b| b == b',') {
-                    let token = token.trim_ascii();
-                    if token.eq_ignore_ascii_case(b"close") {
-                        reusable = false;
-                    } else if token.eq_ignore_ascii_case(b"keep-alive") && parsed.version == Some(0)
-                    {
-                        reusable = true;
-                    }
-                }
-            }
-        }
-        let framing = if status == 204 || status == 304 {
-            Framing::Length(0)
-        } else if chunked {
-            Framing::Chunked(Chunk::Size)
-        } else if let Some(n) = length {
-            Framing::Length(n)
-        } else {
-            reusable = false;
-            Framing::Eof
-        };
+        let HeadFacts {
+            content_type,
+            framing,
+            reusable,
+        } = head_facts(status, &parsed)?;
         buf.advance(len);
         let body = Body {
             conn: Some(conn),
@@ -451,6 +414,65 @@ async fn exchange(
         };
         return Ok((status, content_type, body, reusable));
     }
+}
+
+/// What a final answer's head says of its body and its connection.
+struct HeadFacts {
+    content_type: Option<HeaderValue>,
+    framing: Framing,
+    /// The connection may carry another request once the body is read.
+    reusable: bool,
+}
+
+/// Reads the headers of a final answer's head: its content type, how its body is framed
+/// (length, chunks, or up to the connection's end) and whether the connection stays open.
+fn head_facts(status: u16, parsed: &httparse::Response) -> Result<HeadFacts, Fail> {
+    let mut content_type = None;
+    let mut length = None;
+    let mut chunked = false;
+    let mut reusable = parsed.version == Some(1);
+    for h in parsed.headers.iter() {
+        let name = h.name;
+        if name.eq_ignore_ascii_case("content-type") {
+            content_type = HeaderValue::from_bytes(h.value).ok();
+        } else if name.eq_ignore_ascii_case("content-length") {
+            let n = std::str::from_utf8(h.value)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .ok_or_else(|| bad("a content-length that is not a number".into()))?;
+            length = Some(n);
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            chunked = h
+                .value
+                .rsplit(|&b| b == b',')
+                .next()
+                .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        } else if name.eq_ignore_ascii_case("connection") {
+            for token in h.value.split(|&b| b == b',') {
+                let token = token.trim_ascii();
+                if token.eq_ignore_ascii_case(b"close") {
+                    reusable = false;
+                } else if token.eq_ignore_ascii_case(b"keep-alive") && parsed.version == Some(0) {
+                    reusable = true;
+                }
+            }
+        }
+    }
+    let framing = if status == 204 || status == 304 {
+        Framing::Length(0)
+    } else if chunked {
+        Framing::Chunked(Chunk::Size)
+    } else if let Some(n) = length {
+        Framing::Length(n)
+    } else {
+        reusable = false;
+        Framing::Eof
+    };
+    Ok(HeadFacts {
+        content_type,
+        framing,
+        reusable,
+    })
 }
 
 /// Why an answer's body broke off or cannot be read.

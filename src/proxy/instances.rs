@@ -2,64 +2,9 @@
 //! each: usable or not, requests in flight, engine-reported load, and error counts.
 
 pub use super::endpoint::{Endpoint, EndpointError, parse_endpoint};
+pub use super::leg::{FailureKind, Leg};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-
-/// Which half of a PD pair an instance (or a request leg) is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Leg {
-    Prefill,
-    Decode,
-}
-
-impl Leg {
-    /// The name used in metrics labels, logs and error bodies.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Leg::Prefill => "prefill",
-            Leg::Decode => "decode",
-        }
-    }
-}
-
-impl std::fmt::Display for Leg {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// Why a leg failed on an instance, as counted per instance in metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailureKind {
-    /// Could not connect (refused, unreachable, connect timeout).
-    Connect,
-    /// Connected, but no answer in time.
-    Timeout,
-    /// Answered with a 5xx status.
-    Status5xx,
-    /// The answer broke off or could not be read.
-    Body,
-}
-
-impl FailureKind {
-    /// Every kind, in the order metrics print them.
-    pub const ALL: [FailureKind; 4] = [
-        FailureKind::Connect,
-        FailureKind::Timeout,
-        FailureKind::Status5xx,
-        FailureKind::Body,
-    ];
-
-    /// The metrics label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FailureKind::Connect => "connect",
-            FailureKind::Timeout => "timeout",
-            FailureKind::Status5xx => "status_5xx",
-            FailureKind::Body => "body",
-        }
-    }
-}
 
 /// Marker for "the engine's load has not been scraped (yet)".
 const LOAD_UNKNOWN: u32 = u32::MAX;
@@ -94,7 +39,7 @@ pub struct Instance {
     /// Why it was last taken out of rotation, for the error when no instance is left.
     out_reason: std::sync::Mutex<String>,
     /// KV handoffs due to it as a decode, and what its counters showed (recompute.rs).
-    pub ledger: super::recompute::HandoffLedger,
+    pub ledger: super::recompute::ledger::HandoffLedger,
     /// Whether it can be reached at all: the legs on it end when it cannot (reach.rs).
     pub reach: super::reach::Reach,
 }

@@ -7,7 +7,7 @@ use super::errors::{LegFailure, RAISE_FIRST_BYTE, RAISE_PREFILL, RAISE_TOTAL};
 use super::h1;
 use super::instances::{InFlight, Instance};
 use super::protocol::{Body, PrefillAnswer};
-use super::recompute::{self, Expect, Judgment};
+use super::recompute::judgment::{Expect, Judgment, leg_sent, usage_in};
 use super::request::ClientRequest;
 use super::upstream::MAX_ANSWER_BYTES;
 use super::usage_chunk;
@@ -122,7 +122,7 @@ pub async fn prefill_once(
             limit,
             raise: RAISE_PREFILL,
         })??;
-    proxy.metrics.prefill_duration.observe(started.elapsed());
+    proxy.recorder.prefill_done(started.elapsed());
     serde_json::from_slice(&answer).map_err(|e| {
         LegFailure::BadAnswer(format!("a prefill answer that is not a JSON object ({e})"))
     })
@@ -169,8 +169,8 @@ async fn decode_attempt(
 ) -> Result<(Answer, Option<Duration>), LegFailure> {
     let strip_usage = usage_chunk::adds_usage(req.stream, &req.body, expect);
     let usage_expected = !req.stream || strip_usage || usage_chunk::asks_usage(&req.body);
-    let judgment = recompute::leg_sent(
-        &proxy.metrics,
+    let judgment = leg_sent(
+        &proxy.recorder,
         &inst,
         expect,
         usage_expected,
@@ -179,17 +179,7 @@ async fn decode_attempt(
     );
     let guard = inst.begin();
     let sent = Instant::now();
-    let first_byte = sent + proxy.settings().first_byte_timeout;
-    // Whichever limit ends the wait first is the one to name.
-    let (limit, raise, deadline) = if req.stream && first_byte <= req.deadline {
-        (
-            proxy.settings().first_byte_timeout,
-            RAISE_FIRST_BYTE,
-            first_byte,
-        )
-    } else {
-        (proxy.settings().total_timeout, RAISE_TOTAL, req.deadline)
-    };
+    let (limit, raise, deadline) = decode_deadline(proxy, req, sent);
     let timed_out = |_| LegFailure::Timeout { limit, raise };
     let client = proxy.upstream.legs();
     let resp = tokio::time::timeout_at(
@@ -215,7 +205,7 @@ async fn decode_attempt(
             .await
             .map_err(timed_out)??;
         let took = sent.elapsed();
-        let recompute = judgment.judge(recompute::usage_in(&body));
+        let recompute = judgment.judge(usage_in(&body));
         return Ok((
             Answer::Full {
                 status: resp.status,
@@ -234,7 +224,7 @@ async fn decode_attempt(
         return Err(kv_load_failed(proxy, &inst, &req.id, 500, message));
     }
     let took = sent.elapsed();
-    proxy.metrics.decode_ttft.observe(took);
+    proxy.recorder.decode_first_byte(took);
     Ok((
         Answer::Stream {
             first,
@@ -249,6 +239,26 @@ async fn decode_attempt(
         },
         Some(took),
     ))
+}
+
+/// How long a decode leg sent at `sent` may wait for its answer (a stream: its first
+/// byte), the setting that says so, and when the wait ends: whichever limit ends it first
+/// is the one an error names.
+fn decode_deadline(
+    proxy: &Proxy,
+    req: &ClientRequest,
+    sent: Instant,
+) -> (Duration, &'static str, Instant) {
+    let first_byte = sent + proxy.settings().first_byte_timeout;
+    if req.stream && first_byte <= req.deadline {
+        (
+            proxy.settings().first_byte_timeout,
+            RAISE_FIRST_BYTE,
+            first_byte,
+        )
+    } else {
+        (proxy.settings().total_timeout, RAISE_TOTAL, req.deadline)
+    }
 }
 
 /// The first chunk of a decode stream.
@@ -280,9 +290,7 @@ fn kv_load_failed(
     status: u16,
     message: String,
 ) -> LegFailure {
-    proxy
-        .metrics
-        .handoff_failures_n(super::metrics::KV_LOAD_FAILED, 1);
+    proxy.recorder.kv_load_failed();
     tracing::warn!(
         request_id = %request_id,
         "decode {} could not load the KV handed over and failed the request (kv_load_failure_policy fail; it said {status}: {message})",

@@ -3,7 +3,7 @@
 //! What does not fit gets a 429 with `retry-after` instead of piling up without bound.
 
 use super::errors::ProxyError;
-use super::metrics::{LimitReason, Metrics};
+use super::recorder::{LimitReason, Recorder};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -71,7 +71,7 @@ pub struct Limits {
     max_concurrent: AtomicUsize,
     queue_size: AtomicUsize,
     waiting: AtomicUsize,
-    metrics: Arc<Metrics>,
+    recorder: Arc<dyn Recorder>,
 }
 
 /// A request's right to run; holding it keeps its concurrency slot taken.
@@ -86,13 +86,18 @@ struct Waiting<'a>(&'a Limits);
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.0.waiting.fetch_sub(1, Ordering::Relaxed);
-        self.0.metrics.queue_depth(-1);
+        self.0.recorder.queue_depth(-1);
     }
 }
 
 impl Limits {
     /// Limits from the flags; 0 turns a limit off.
-    pub fn new(rate: f64, max_concurrent: usize, queue_size: usize, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        rate: f64,
+        max_concurrent: usize,
+        queue_size: usize,
+        recorder: Arc<dyn Recorder>,
+    ) -> Self {
         let l = Limits {
             rate_on: AtomicBool::new(false),
             bucket: Mutex::new(None),
@@ -100,7 +105,7 @@ impl Limits {
             max_concurrent: AtomicUsize::new(0),
             queue_size: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
-            metrics,
+            recorder,
         };
         l.set(rate, max_concurrent, queue_size);
         l
@@ -152,7 +157,7 @@ impl Limits {
                 None => Ok(()),
             };
             if let Err(wait_s) = taken {
-                self.metrics.rate_limited(LimitReason::Rate);
+                self.recorder.rate_limited(LimitReason::Rate);
                 return Err(ProxyError::RateLimited {
                     message: format!("rate limit reached (--rate-limit): retry in {wait_s:.2} s"),
                     retry_after_s: wait_s.ceil().max(1.0) as u64,
@@ -164,12 +169,12 @@ impl Limits {
         }
         // All slots taken: wait in the queue if it has room.
         let before = self.waiting.fetch_add(1, Ordering::Relaxed);
-        self.metrics.queue_depth(1);
+        self.recorder.queue_depth(1);
         let waiting = Waiting(self);
         let queue_size = self.queue_size.load(Ordering::Relaxed);
         if before >= queue_size {
             drop(waiting);
-            self.metrics.rate_limited(LimitReason::Concurrency);
+            self.recorder.rate_limited(LimitReason::Concurrency);
             return Err(ProxyError::RateLimited {
                 message: format!(
                     "too many requests: all {} slots (--max-concurrent) are busy and the wait queue of {queue_size} (--queue-size) is full",
@@ -178,7 +183,7 @@ impl Limits {
                 retry_after_s: 1,
             });
         }
-        self.metrics.queued();
+        self.recorder.queued();
         let permit = self
             .slots
             .clone()
@@ -193,6 +198,7 @@ impl Limits {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::metrics::Metrics;
     use std::time::Duration;
 
     #[test]

@@ -13,6 +13,8 @@ pub const KV_LOAD_FAILED: &str = "decode_failed_the_request";
 pub const ENGINE_FAILED_TRANSFERS: &str = "engine_reported_failed_transfers";
 
 use super::instances::{FailureKind, Instance, Leg, Pools};
+pub use super::recorder::LimitReason;
+use super::recorder::Recorder;
 use crate::prometheus::FixedFamily;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -22,15 +24,7 @@ use prometheus_client::registry::Registry;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
-
-/// Why the proxy refused a request with 429.
-#[derive(Debug, Clone, Copy)]
-pub enum LimitReason {
-    /// The token bucket (--rate-limit) was empty.
-    Rate,
-    /// Every slot (--max-concurrent) was taken and the wait queue (--queue-size) full.
-    Concurrency,
-}
+use std::time::Duration;
 
 /// The labels of a finished request: its route and HTTP status.
 type RequestLabels = ([(&'static str, &'static str); 1], [(&'static str, u16); 1]);
@@ -106,6 +100,9 @@ impl Default for Metrics {
 impl Metrics {
     /// Registers every family, in page order. Names lack `_total` and help texts their
     /// final full stop: the registry adds both.
+    ///
+    /// LONG: one call per family, nothing else; the list reads as the page does, and a
+    /// split would only cut the page in arbitrary places.
     fn register_all(&mut self) {
         let r = &mut self.registry;
         let s = &self.scraped;
@@ -209,9 +206,9 @@ impl Metrics {
         );
         r.register(
             "decode_prompt_tokens",
-            "Prompt tokens of each decode by source, from its vllm:prompt_tokens_by_source_total, since this proxy started watching it",
+            "Prompt tokens of each decode by source, from its vllm:prompt_tokens_by_source_total, since this proxy started watching it (absent until a page with them is read)",
             at_scrape(s, MetricType::Counter, |p, e| {
-                for i in &p.decode {
+                for i in p.decode.iter().filter(|i| i.ledger.has_counters()) {
                     let seen = i.ledger.seen();
                     for (source, n) in super::recompute::SOURCES.iter().zip(seen) {
                         let labels = [("instance", i.url.as_str()), ("source", source)];
@@ -486,6 +483,59 @@ impl<K: EncodeLabelSet> EncodeMetric for Sparse<K> {
 
     fn metric_type(&self) -> MetricType {
         <Counter as TypedMetric>::TYPE
+    }
+}
+
+/// The figures take what the lower layers count ([`Recorder`]) into the same counters
+/// `/metrics` writes.
+impl Recorder for Metrics {
+    fn add_in_flight(&self, delta: i64) {
+        Metrics::add_in_flight(self, delta);
+    }
+    fn request_done(&self, route: &'static str, status: u16) {
+        Metrics::request_done(self, route, status);
+    }
+    fn client_disconnect(&self) {
+        Metrics::client_disconnect(self);
+    }
+    fn first_byte(&self, ttft: Duration) {
+        self.ttft.observe(ttft);
+    }
+    fn prefill_done(&self, took: Duration) {
+        self.prefill_duration.observe(took);
+    }
+    fn decode_first_byte(&self, took: Duration) {
+        self.decode_ttft.observe(took);
+    }
+    fn handoff_miss(&self, reason: &'static str) {
+        Metrics::handoff_miss(self, reason);
+    }
+    fn recomputed_tokens(&self, tokens: u64) {
+        Metrics::recomputed_tokens(self, tokens);
+    }
+    fn kv_load_failed(&self) {
+        self.handoff_failures_n(KV_LOAD_FAILED, 1);
+    }
+    fn retry(&self, leg: Leg) {
+        Metrics::retry(self, leg);
+    }
+    fn restart_wait(&self, leg: Leg) {
+        Metrics::restart_wait(self, leg);
+    }
+    fn rate_limited(&self, reason: LimitReason) {
+        Metrics::rate_limited(self, reason);
+    }
+    fn queued(&self) {
+        Metrics::queued(self);
+    }
+    fn queue_depth(&self, delta: i64) {
+        Metrics::queue_depth(self, delta);
+    }
+    fn prefix_routing(&self, leg: Leg, outcome: &'static str) {
+        Metrics::prefix_routing(self, leg, outcome);
+    }
+    fn settings_applied(&self, revision: u64) {
+        Metrics::settings_applied(self, revision);
     }
 }
 

@@ -4,16 +4,32 @@
 //! endpoints and a protocol, nothing of processes: health comes from its own probes or from
 //! the supervisor's control socket.
 //!
-//! Layout: `server` (routes) -> `pipeline` (flows, retries) -> `legs` (one attempt
-//! of one leg), using `protocol`
-//! (bodies per connector), `policy` (instance choice), `h1` (the legs' HTTP/1.1 client),
-//! `upstream` (the HTTP client of probes and scrapes) and
-//! `relay` (streams, `usage_chunk`: the usage chunk each streamed decode leg asks for and
-//! the client gets only if it asked); `instances`, `discovery` (instances found by DNS name),
-//! `health`, `scrape`, `recompute` (KV handoff misses decode hides), `limits`,
-//! `tuning` (settings taken while serving, from the supervisor's spec of the proxy),
-//! `metrics`, `errors`, `designate`, `record` (per-request log line), `models`,
-//! `config`.
+//! # Layout
+//!
+//! The files sit in four layers; each imports only from its own layer and those below
+//! (tests/layers.rs, `PROXY_LAYERS`, keeps it so, and finds no import cycle in the folder).
+//! This file is the root that wires them together ([`Proxy`]); a file's unit tests may use
+//! any layer (they check it together with what reads it).
+//!
+//! 1. Shared words: `leg` (prefill or decode, why a leg failed), `endpoint`, `errors`
+//!    (what a client or a leg is told), `recorder` (the events the lower layers count;
+//!    the figures implement it, so nothing below the figures imports them).
+//! 2. Membership and settings: `instances` (the engines and their live facts), `reach`,
+//!    `health` (probes, the supervisor's word), `discovery` (instances found by DNS
+//!    name); `config`, `tuning` (settings taken while serving, from the supervisor's spec
+//!    of the proxy), `policy` (instance choice); `recompute/ledger` and
+//!    `recompute/counters` (the record of KV handoffs each decode instance carries).
+//! 3. The request path: `server` (routes) -> `limits` (admission) -> `designate`,
+//!    `request` -> `pipeline` (flows, retries) -> `legs` (one attempt of one leg), using
+//!    `protocol` (bodies per connector), `h1` (the legs' HTTP/1.1 client), `upstream`
+//!    (the HTTP client of probes and scrapes), `usage_chunk` (the usage chunk each
+//!    streamed decode leg asks for and the client gets only if it asked),
+//!    `recompute/judgment` (a decode leg judged by its own usage); `relay` (streams),
+//!    `record` (the request's log line), `drain` (shutdown), `models`.
+//! 4. The figures, reading from below: `metrics` (the counters and `/metrics`, a
+//!    [`recorder::Recorder`]), `histogram`, `figures` (what `pdctl status` reads back),
+//!    `recompute` (KV handoff misses decode hides: the window check on its counters),
+//!    `scrape` (engines' `/metrics`), `transfer_failures`.
 //!
 //! The modules are private; what the other stages use is re-exported here: the command's
 //! arguments, the endpoint parser, the figures `pdctl status` reads from `/metrics`.
@@ -29,6 +45,7 @@ mod h1;
 mod health;
 mod histogram;
 mod instances;
+mod leg;
 mod legs;
 mod limits;
 mod metrics;
@@ -39,6 +56,7 @@ mod protocol;
 mod reach;
 mod recompute;
 mod record;
+mod recorder;
 mod relay;
 mod request;
 mod scrape;
@@ -64,6 +82,7 @@ use limits::Limits;
 use metrics::Metrics;
 use policy::Policy;
 use protocol::Protocol;
+use recorder::Recorder;
 use std::sync::Arc;
 use std::time::Duration;
 use upstream::Upstream;
@@ -87,7 +106,13 @@ pub struct Proxy {
     pub handoff: recompute::HandoffSettings,
     pub upstream: Upstream,
     pub limits: Limits,
+    /// The counters `/metrics` writes, and what renders them: the figures' own (scrape,
+    /// transfer failures); the request path counts through `recorder` and serves the
+    /// page through [`Proxy::metrics_page`].
     pub metrics: Arc<Metrics>,
+    /// The same counters as the request path, limits and policies see them: events to
+    /// count, not how they are kept (recorder.rs).
+    pub recorder: Arc<dyn Recorder>,
     /// Shutdown: refusing new requests, cutting streams at the end of the grace.
     pub drain: drain::Drain,
 }
@@ -99,6 +124,7 @@ impl Proxy {
         let pools = LivePools::new(config::pools(a)?);
         let dns = discovery::dns_sources(a)?;
         let metrics = Arc::new(Metrics::default());
+        let recorder: Arc<dyn Recorder> = metrics.clone();
         let upstream = Upstream::new(
             settings.connect_timeout,
             a.tcp(),
@@ -106,7 +132,7 @@ impl Proxy {
         )?;
         let bootstrap_timeout = settings.connect_timeout + Duration::from_secs(2);
         Ok(Proxy {
-            policies: ArcSwap::from_pointee(tuning::Policies::new(a, &metrics)),
+            policies: ArcSwap::from_pointee(tuning::Policies::new(a, &recorder)),
             protocol: protocol::build(a.protocol, bootstrap_timeout),
             kv_load_failure_policy: a.kv_load_failure_policy,
             handoff: recompute::HandoffSettings {
@@ -117,15 +143,22 @@ impl Proxy {
                 a.rate_limit,
                 a.max_concurrent,
                 a.queue_size,
-                metrics.clone(),
+                recorder.clone(),
             ),
             upstream,
             pools,
             dns,
             settings: ArcSwap::from_pointee(settings),
             metrics,
+            recorder,
             drain: drain::Drain::default(),
         })
+    }
+
+    /// The `/metrics` page now: the counters and the per-instance series of the instances
+    /// routing sees (the figures render it; the route only serves it).
+    pub fn metrics_page(&self) -> String {
+        self.metrics.render(&self.pools.snapshot())
     }
 
     /// The routing policy of a leg now.

@@ -8,7 +8,7 @@ use super::errors::{LegError, LegFailure, ProxyError};
 use super::instances::{FailureKind, Instance, Leg};
 use super::legs::{AbortOnDrop, Answer, decode_bytes, decode_once, prefill_once};
 use super::protocol::{Body, Flow, Handshake, choices};
-use super::recompute::Expect;
+use super::recompute::judgment::Expect;
 use super::record::RequestRecord;
 pub use super::request::ClientRequest;
 use bytes::Bytes;
@@ -32,7 +32,7 @@ pub async fn run(
             "n > 1: {} hands the KV to one decode request only, so decode recomputes the prompt (no prefill leg)",
             proto.name()
         );
-        proxy.metrics.handoff_miss(MISS_MULTIPLE_CHOICES);
+        proxy.recorder.handoff_miss(MISS_MULTIPLE_CHOICES);
         rec.handoff_miss = Some(MISS_MULTIPLE_CHOICES);
         return decode_leg(proxy, req, rec, req.raw.clone(), Expect::Recompute).await;
     }
@@ -91,7 +91,7 @@ async fn sequential_once(
             prefill = %prefill.url,
             "KV handoff missed ({reason}): decode will recompute the prompt, so this request's TTFT is not disaggregated"
         );
-        proxy.metrics.handoff_miss(reason);
+        proxy.recorder.handoff_miss(reason);
         rec.handoff_miss = Some(reason);
         Expect::Recompute
     } else {
@@ -250,7 +250,7 @@ async fn learn_then_decode(
         .decode_body(&req.body, &req.id, prefill, handshake, Some(&answer));
     let expect = match dbody.handoff_miss {
         Some(reason) => {
-            proxy.metrics.handoff_miss(reason);
+            proxy.recorder.handoff_miss(reason);
             rec.handoff_miss = Some(reason);
             Expect::Recompute
         }
@@ -394,7 +394,7 @@ async fn retrying(
     f: &LegFailure,
     attempt: u32,
 ) {
-    proxy.metrics.retry(leg);
+    proxy.recorder.retry(leg);
     rec.retries += 1;
     let backoff = Duration::from_millis(25 << attempt.min(4));
     tracing::warn!(request_id = %req.id, "{leg} leg failed on {}: {f}; retrying in {backoff:?}", inst.url);
@@ -427,7 +427,7 @@ async fn choose(
         }
         if !said {
             said = true;
-            proxy.metrics.restart_wait(leg);
+            proxy.recorder.restart_wait(leg);
             tracing::info!(
                 request_id = %req.id,
                 "no healthy {leg} instance; waiting up to {:?} for {}, which is coming back",

@@ -3,8 +3,8 @@
 //! real outcome, including a client that went away, and writes the one log line and the
 //! request counters then.
 
-use super::instances::Leg;
-use super::metrics::Metrics;
+use super::leg::Leg;
+use super::recorder::Recorder;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -42,13 +42,13 @@ pub struct RequestRecord {
     /// decode's usage (`cached_tokens`) when its answer came (recompute.rs).
     pub handoff_miss: Option<&'static str>,
     pub outcome: Outcome,
-    metrics: Arc<Metrics>,
+    recorder: Arc<dyn Recorder>,
 }
 
 impl RequestRecord {
     /// Starts the account of a request just received (counted in flight from now).
-    pub fn new(route: &'static str, id: String, metrics: Arc<Metrics>) -> Self {
-        metrics.add_in_flight(1);
+    pub fn new(route: &'static str, id: String, recorder: Arc<dyn Recorder>) -> Self {
+        recorder.add_in_flight(1);
         RequestRecord {
             id,
             route,
@@ -63,7 +63,7 @@ impl RequestRecord {
             retries: 0,
             handoff_miss: None,
             outcome: Outcome::Pending,
-            metrics,
+            recorder,
         }
     }
 
@@ -81,7 +81,7 @@ impl RequestRecord {
         if self.ttft.is_none() {
             let t = self.received.elapsed();
             self.ttft = Some(t);
-            self.metrics.ttft.observe(t);
+            self.recorder.first_byte(t);
         }
     }
 
@@ -107,12 +107,12 @@ impl std::fmt::Display for Ms {
 
 impl Drop for RequestRecord {
     fn drop(&mut self) {
-        self.metrics.add_in_flight(-1);
+        self.recorder.add_in_flight(-1);
         if self.outcome == Outcome::Pending {
-            self.metrics.client_disconnect();
+            self.recorder.client_disconnect();
             self.status = CLIENT_CLOSED;
         }
-        self.metrics.request_done(self.route, self.status);
+        self.recorder.request_done(self.route, self.status);
         // "ok" only for a request that went through prefill and completed.
         let handoff_ok = if self.prefill.is_some() && self.outcome == Outcome::Complete {
             "ok"
@@ -145,6 +145,7 @@ impl Drop for RequestRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::metrics::Metrics;
 
     #[test]
     fn a_dropped_pending_request_counts_as_a_client_disconnect() {

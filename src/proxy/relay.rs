@@ -9,7 +9,7 @@ use super::h1;
 use super::instances::{FailureKind, Leg};
 use super::legs::Keep;
 use super::limits::Admission;
-use super::recompute::{UsageSeen, usage_in};
+use super::recompute::judgment::{UsageSeen, usage_in};
 use super::record::{Outcome, RequestRecord};
 use super::usage_chunk::UsageStrip;
 use crate::sse::DoneTail;

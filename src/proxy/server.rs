@@ -68,7 +68,7 @@ async fn require_key(
         "/v1/chat/completions" => "/v1/chat/completions",
         _ => return ProxyError::Unauthorized.into_response(),
     };
-    let mut rec = RequestRecord::new(route, new_request_id(), p.metrics.clone());
+    let mut rec = RequestRecord::new(route, new_request_id(), p.recorder.clone());
     error_response(ProxyError::Unauthorized, &mut rec)
 }
 
@@ -111,7 +111,7 @@ fn authorized(p: &Proxy, headers: &HeaderMap) -> bool {
 }
 
 async fn generate(p: Arc<Proxy>, route: &'static str, body: Body) -> Response {
-    let mut rec = RequestRecord::new(route, new_request_id(), p.metrics.clone());
+    let mut rec = RequestRecord::new(route, new_request_id(), p.recorder.clone());
     if p.drain.is_draining() {
         return error_response(ProxyError::ShuttingDown, &mut rec);
     }
@@ -296,7 +296,7 @@ async fn health(State(p): State<Arc<Proxy>>, uri: Uri) -> Response {
 }
 
 async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
-    let text = p.metrics.render(&p.pools.snapshot());
+    let text = p.metrics_page();
     (
         [(
             header::CONTENT_TYPE,

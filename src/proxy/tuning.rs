@@ -12,8 +12,8 @@
 use super::Proxy;
 use super::config::{self, ConfigError};
 use super::instances::Leg;
-use super::metrics::Metrics;
 use super::policy::{self, Policy};
+use super::recorder::Recorder;
 use crate::child_config::proxy::{ProxyArgs, live_changes, restart_only};
 use crate::child_config::{ChildConfig, ChildSettings};
 use crate::control;
@@ -31,11 +31,11 @@ pub struct Policies {
 
 impl Policies {
     /// The policies the arguments name.
-    pub fn new(a: &ProxyArgs, metrics: &Arc<Metrics>) -> Self {
+    pub fn new(a: &ProxyArgs, recorder: &Arc<dyn Recorder>) -> Self {
         let (p, d) = a.leg_policies();
         Policies {
-            prefill: (p, policy::build(p, Leg::Prefill, metrics.clone()).into()),
-            decode: (d, policy::build(d, Leg::Decode, metrics.clone()).into()),
+            prefill: (p, policy::build(p, Leg::Prefill, recorder.clone()).into()),
+            decode: (d, policy::build(d, Leg::Decode, recorder.clone()).into()),
         }
     }
 
@@ -73,7 +73,7 @@ pub fn apply(p: &Proxy, old: &ProxyArgs, new: &ProxyArgs) -> Result<Vec<String>,
             if *had == name {
                 policy.clone()
             } else {
-                policy::build(name, leg, p.metrics.clone()).into()
+                policy::build(name, leg, p.recorder.clone()).into()
             }
         };
         p.set_policies(Policies {
@@ -167,7 +167,7 @@ fn take(p: &Proxy, name: &str, revision: u64, settings: Option<ChildSettings>, o
                 );
             }
             own.args = new;
-            p.metrics.settings_applied(revision);
+            p.recorder.settings_applied(revision);
         }
         Err(e) => tracing::warn!("settings of revision {revision} left unapplied: {e}"),
     }

@@ -9,7 +9,7 @@
 //! drops the usage chunk: the client gets, byte for byte, the stream it asked for.
 
 use super::protocol::Body;
-use super::recompute::{Expect, UsageSeen, usage_in};
+use super::recompute::judgment::{Expect, UsageSeen, usage_in};
 use bytes::Bytes;
 use serde_json::{Value, json};
 

@@ -8,7 +8,7 @@ mod random;
 mod round_robin;
 
 use super::instances::{Instance, Leg};
-use super::metrics::Metrics;
+use super::recorder::Recorder;
 use crate::vocab::PolicyName;
 use std::sync::Arc;
 
@@ -40,12 +40,12 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
 }
 
 /// The policy object for `name` on `leg`.
-pub fn build(name: PolicyName, leg: Leg, metrics: Arc<Metrics>) -> Box<dyn Policy> {
+pub fn build(name: PolicyName, leg: Leg, recorder: Arc<dyn Recorder>) -> Box<dyn Policy> {
     match name {
         PolicyName::RoundRobin => Box::new(RoundRobin::default()),
         PolicyName::Random => Box::new(Random),
         PolicyName::LeastLoaded => Box::new(LeastLoaded::default()),
-        PolicyName::PrefixAware => Box::new(PrefixAware::new(leg, metrics)),
+        PolicyName::PrefixAware => Box::new(PrefixAware::new(leg, recorder)),
     }
 }
 

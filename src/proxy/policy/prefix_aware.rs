@@ -6,7 +6,7 @@
 use super::least_loaded::LeastLoaded;
 use super::{Policy, RouteFacts};
 use crate::proxy::instances::{Instance, Leg};
-use crate::proxy::metrics::Metrics;
+use crate::proxy::recorder::Recorder;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -64,21 +64,21 @@ pub struct PrefixAware {
     leg: Leg,
     table: Mutex<PrefixTable>,
     fallback: LeastLoaded,
-    metrics: Arc<Metrics>,
+    recorder: Arc<dyn Recorder>,
 }
 
 impl PrefixAware {
     /// A policy with an empty table.
-    pub fn new(leg: Leg, metrics: Arc<Metrics>) -> Self {
-        Self::with_generation(leg, metrics, TABLE_GENERATION)
+    pub fn new(leg: Leg, recorder: Arc<dyn Recorder>) -> Self {
+        Self::with_generation(leg, recorder, TABLE_GENERATION)
     }
 
-    fn with_generation(leg: Leg, metrics: Arc<Metrics>, generation: usize) -> Self {
+    fn with_generation(leg: Leg, recorder: Arc<dyn Recorder>, generation: usize) -> Self {
         PrefixAware {
             leg,
             table: Mutex::new(PrefixTable::new(generation)),
             fallback: LeastLoaded::default(),
-            metrics,
+            recorder,
         }
     }
 }
@@ -105,15 +105,15 @@ impl Policy for PrefixAware {
         let least = self.fallback.least(candidates);
         let chosen = match owner {
             Some(o) if o.load() <= least.load() + BALANCE_THRESHOLD => {
-                self.metrics.prefix_routing(self.leg, "matched");
+                self.recorder.prefix_routing(self.leg, "matched");
                 o.clone()
             }
             Some(_) => {
-                self.metrics.prefix_routing(self.leg, "rebalanced");
+                self.recorder.prefix_routing(self.leg, "rebalanced");
                 least
             }
             None => {
-                self.metrics.prefix_routing(self.leg, "cold");
+                self.recorder.prefix_routing(self.leg, "cold");
                 least
             }
         };
@@ -127,6 +127,7 @@ impl Policy for PrefixAware {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::metrics::Metrics;
     use crate::proxy::policy::prefix_hash::chunk_hashes;
     use crate::proxy::policy::test_instances;
 
@@ -139,7 +140,7 @@ mod tests {
     #[test]
     fn a_shared_prefix_returns_to_its_instance() {
         let c = test_instances(4);
-        let p = PrefixAware::new(Leg::Decode, Arc::default());
+        let p = PrefixAware::new(Leg::Decode, Arc::new(Metrics::default()));
         let ctx = "Shared context #0: This is long context. ".repeat(10);
         let first = p.pick(&c, &facts(&format!("{ctx}Question 0")));
         // Make the first instance a little busier than the rest: affinity still wins.
@@ -156,7 +157,7 @@ mod tests {
     #[test]
     fn an_overloaded_owner_loses_to_load_and_the_new_instance_learns() {
         let c = test_instances(2);
-        let p = PrefixAware::new(Leg::Prefill, Arc::default());
+        let p = PrefixAware::new(Leg::Prefill, Arc::new(Metrics::default()));
         let text = "Long shared system prompt. ".repeat(10);
         let owner = p.pick(&c, &facts(&text));
         owner.set_engine_load(Some(BALANCE_THRESHOLD as u32 + 1));
@@ -169,7 +170,7 @@ mod tests {
     #[test]
     fn an_unusable_owner_is_skipped() {
         let c = test_instances(2);
-        let p = PrefixAware::new(Leg::Decode, Arc::default());
+        let p = PrefixAware::new(Leg::Decode, Arc::new(Metrics::default()));
         let text = "Long shared system prompt. ".repeat(10);
         let owner = p.pick(&c, &facts(&text));
         let others: Vec<_> = c
@@ -189,7 +190,7 @@ mod tests {
         }
         assert_eq!(t.get(999), Some(1));
         assert_eq!(t.get(0), None);
-        let p = PrefixAware::with_generation(Leg::Decode, Arc::default(), 100);
+        let p = PrefixAware::with_generation(Leg::Decode, Arc::new(Metrics::default()), 100);
         assert_eq!(p.name(), "prefix-aware");
     }
 }

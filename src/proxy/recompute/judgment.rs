@@ -6,8 +6,8 @@
 
 use super::ledger::HandoffLedger;
 use crate::proxy::instances::Instance;
-use crate::proxy::metrics::Metrics;
 use crate::proxy::protocol::Body;
+use crate::proxy::recorder::Recorder;
 use serde::Deserialize;
 use serde_json::Value;
 use std::sync::Arc;
@@ -71,7 +71,7 @@ pub fn prompts(body: &Body) -> u64 {
 /// stream that carries the usage chunk), or drop it when the leg ends; either way the leg
 /// counts as ended once, for the window check.
 pub fn leg_sent(
-    metrics: &Arc<Metrics>,
+    recorder: &Arc<dyn Recorder>,
     inst: &Arc<Instance>,
     expect: Expect,
     usage_expected: bool,
@@ -101,7 +101,7 @@ pub fn leg_sent(
     });
     Judgment {
         inst: inst.clone(),
-        metrics: metrics.clone(),
+        recorder: recorder.clone(),
         request_id: request_id.to_string(),
         settings,
         role,
@@ -118,7 +118,7 @@ pub fn leg_sent(
 #[derive(Debug)]
 pub struct Judgment {
     inst: Arc<Instance>,
-    metrics: Arc<Metrics>,
+    recorder: Arc<dyn Recorder>,
     request_id: String,
     settings: HandoffSettings,
     role: Role,
@@ -211,8 +211,8 @@ impl Judgment {
         }
         let counted = owner || !ledger.has_counters.load(Relaxed);
         if counted {
-            self.metrics.handoff_miss(MISS_USAGE);
-            self.metrics.recomputed_tokens(computed);
+            self.recorder.handoff_miss(MISS_USAGE);
+            self.recorder.recomputed_tokens(computed);
         }
         tracing::warn!(
             request_id = %self.request_id,
@@ -269,8 +269,14 @@ impl Drop for Judgment {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::metrics::Metrics;
+
+    /// The recorder the legs would get: the same counters, seen as events.
+    fn rec(m: &Arc<Metrics>) -> Arc<dyn Recorder> {
+        m.clone()
+    }
     use crate::proxy::instances::{Leg, parse_endpoint};
-    use crate::proxy::recompute::LedgerSnapshot;
+    use crate::proxy::recompute::ledger::LedgerSnapshot;
     use serde_json::json;
 
     fn decode() -> Arc<Instance> {
@@ -339,7 +345,7 @@ mod tests {
         let inst = decode();
         inst.ledger.set_has_counters(true);
         // Not yet known to report cached_tokens: left to the counters, only logged.
-        let j = leg_sent(&m, &inst, ONE, true, UNPLANNED, "r1");
+        let j = leg_sent(&rec(&m), &inst, ONE, true, UNPLANNED, "r1");
         assert_eq!(inst.ledger.snapshot().in_flight(), 1);
         assert_eq!(inst.ledger.snapshot().left_in_flight(), 1);
         assert_eq!(j.judge(Some(UsageSeen::new(70, Some(6)))), Some(MISS_USAGE));
@@ -347,7 +353,7 @@ mod tests {
         assert_eq!((l.due, l.in_flight(), l.left_in_flight()), (1, 0, 0));
         assert!(!misses(&m).contains(MISS_USAGE));
         // Now known: judged and counted here, its tokens handed to the scraper.
-        let j = leg_sent(&m, &inst, ONE, true, UNPLANNED, "r2");
+        let j = leg_sent(&rec(&m), &inst, ONE, true, UNPLANNED, "r2");
         assert_eq!(inst.ledger.snapshot().left_in_flight(), 0);
         assert_eq!(j.judge(Some(UsageSeen::new(70, Some(0)))), Some(MISS_USAGE));
         let l = inst.ledger.snapshot();
@@ -361,11 +367,11 @@ mod tests {
         );
         assert!(text.contains("pdctl_proxy_kv_handoff_recomputed_tokens_total 70\n"));
         // A working handoff: 64 of 70 cached.
-        let j = leg_sent(&m, &inst, ONE, true, UNPLANNED, "r3");
+        let j = leg_sent(&rec(&m), &inst, ONE, true, UNPLANNED, "r3");
         assert_eq!(j.judge(Some(UsageSeen::new(70, Some(64)))), None);
         assert_eq!(inst.ledger.snapshot().explained_tokens, 76);
         // An answer without usage goes back to the counters.
-        drop(leg_sent(&m, &inst, ONE, true, UNPLANNED, "r4"));
+        drop(leg_sent(&rec(&m), &inst, ONE, true, UNPLANNED, "r4"));
         let l = inst.ledger.snapshot();
         assert_eq!((l.due, l.judged, l.sent, l.ended), (2, 2, 4, 4));
     }
@@ -376,14 +382,14 @@ mod tests {
         let inst = decode();
         inst.ledger.set_has_counters(true);
         // vLLM leaves prompt_tokens_details out when nothing was cached: a whole miss.
-        let j = leg_sent(&m, &inst, ONE, true, PLANNED, "r1");
+        let j = leg_sent(&rec(&m), &inst, ONE, true, PLANNED, "r1");
         assert_eq!(inst.ledger.snapshot().left_in_flight(), 0);
         assert_eq!(j.judge(Some(UsageSeen::new(495, None))), Some(MISS_USAGE));
         let l = inst.ledger.snapshot();
         assert_eq!((l.judged, l.explained_tokens, l.due), (1, 495, 0));
         assert!(misses(&m).contains("reason=\"decode_cached_tokens_low\"} 1\n"));
         // A handoff leaving the last partial block of 128 (the plan's allowance) is good.
-        let j = leg_sent(&m, &inst, ONE, true, PLANNED, "r2");
+        let j = leg_sent(&rec(&m), &inst, ONE, true, PLANNED, "r2");
         assert_eq!(j.judge(Some(UsageSeen::new(495, Some(384)))), None);
         assert!(misses(&m).contains("reason=\"decode_cached_tokens_low\"} 1\n"));
     }
@@ -399,15 +405,22 @@ mod tests {
             own_usage: false,
         };
         // The prefill's cache hits in cached_tokens say nothing of the handoff: not judged.
-        let j = leg_sent(&m, &inst, nixl, true, UNPLANNED, "n");
+        let j = leg_sent(&rec(&m), &inst, nixl, true, UNPLANNED, "n");
         assert_eq!(j.judge(Some(UsageSeen::new(900, Some(0)))), None);
         let three = Expect::Handoff {
             prompts: 3,
             own_usage: true,
         };
-        drop(leg_sent(&m, &inst, three, true, UNPLANNED, "p"));
-        drop(leg_sent(&m, &inst, ONE, false, UNPLANNED, "s"));
-        drop(leg_sent(&m, &inst, Expect::Recompute, true, UNPLANNED, "k"));
+        drop(leg_sent(&rec(&m), &inst, three, true, UNPLANNED, "p"));
+        drop(leg_sent(&rec(&m), &inst, ONE, false, UNPLANNED, "s"));
+        drop(leg_sent(
+            &rec(&m),
+            &inst,
+            Expect::Recompute,
+            true,
+            UNPLANNED,
+            "k",
+        ));
         let l = inst.ledger.snapshot();
         assert_eq!(
             l,
@@ -429,12 +442,12 @@ mod tests {
     fn a_decode_without_counters_has_its_usage_misses_counted() {
         let m = Arc::new(Metrics::default());
         let inst = decode();
-        let j = leg_sent(&m, &inst, ONE, true, UNPLANNED, "r");
+        let j = leg_sent(&rec(&m), &inst, ONE, true, UNPLANNED, "r");
         assert_eq!(j.judge(Some(UsageSeen::new(70, Some(0)))), Some(MISS_USAGE));
         assert!(misses(&m).contains("reason=\"decode_cached_tokens_low\"} 1\n"));
         // Usage without details from a decode never seen to report them says nothing.
         let j = decode();
-        let judgment = leg_sent(&m, &j, ONE, true, UNPLANNED, "r");
+        let judgment = leg_sent(&rec(&m), &j, ONE, true, UNPLANNED, "r");
         assert_eq!(judgment.judge(Some(UsageSeen::new(70, None))), None);
     }
 

@@ -123,6 +123,12 @@ impl HandoffLedger {
         self.has_counters.swap(has, Relaxed)
     }
 
+    /// Whether its last `/metrics` page had the by-source counters (so their growth is
+    /// watched from the first such page on).
+    pub fn has_counters(&self) -> bool {
+        self.has_counters.load(Relaxed)
+    }
+
     /// Adds the growth of its counters seen at one scrape.
     pub fn add_seen(&self, d: PromptSources) {
         for (a, n) in self.seen.iter().zip(d.as_array()) {

@@ -23,15 +23,18 @@
 //! out of the window's growth (its computed tokens explained) before the window is judged.
 //! The [`ledger`] on each decode instance is where the two meet.
 //!
-//! The folder sits above the instances, metrics and protocol words it uses; the request
-//! path uses it only through what is re-exported here.
+//! Its files sit in three of the proxy's layers (proxy/mod.rs, `# Layout`): [`ledger`] and
+//! [`counters`] with the instances that carry them, [`judgment`] on the request path (it
+//! counts through the recorder, not the metrics), [`windows`] and this file with the
+//! figures. The request path names `recompute::judgment::...`, never what is re-exported
+//! here.
 
-mod counters;
-mod judgment;
-mod ledger;
+pub mod counters;
+pub mod judgment;
+pub mod ledger;
 mod windows;
 
 pub use counters::{BY_SOURCE, DecodeCounters, PREFILLS, SOURCES, block_size};
-pub use judgment::{Expect, HandoffSettings, Judgment, UsageSeen, leg_sent, usage_in};
-pub use ledger::{HandoffLedger, LedgerSnapshot};
+pub use judgment::HandoffSettings;
+pub use ledger::LedgerSnapshot;
 pub use windows::{DecodeWatch, MAX_MERGED, Unjudged};

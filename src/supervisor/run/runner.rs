@@ -31,6 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
 
 /// How this supervisor runs.
 #[derive(Clone)]
@@ -93,6 +94,200 @@ impl Signals {
     }
 }
 
+/// The console a run writes to: progress, table and log stream in the foreground, event
+/// lines detached.
+fn start_console(plan: &Plan, foreground: bool) -> Console {
+    let names: Vec<String> = plan.services.iter().map(|s| s.name.clone()).collect();
+    let mode = if foreground {
+        ConsoleMode::Foreground {
+            colour: colour_wanted(),
+        }
+    } else {
+        ConsoleMode::Detached
+    };
+    Console::start(mode, names)
+}
+
+/// What every service task shares (the members, their logs, the table, the spawner...),
+/// and the command channel of each service, in plan order.
+fn service_ctx(
+    plan: &Plan,
+    state: &StateDir,
+    opts: &RunOptions,
+    spawner: Spawner,
+    record: Arc<RecordWriter>,
+    console: Console,
+) -> (Arc<ServiceCtx>, Vec<mpsc::UnboundedReceiver<Cmd>>) {
+    let logs = service_logs(plan, state, opts);
+    let (txs, rxs): (Vec<_>, Vec<_>) = plan
+        .services
+        .iter()
+        .map(|_| mpsc::unbounded_channel::<Cmd>())
+        .unzip();
+    let members = Members::new(plan.clone(), logs, txs);
+    let ctx = Arc::new(ServiceCtx {
+        members: std::sync::RwLock::new(Arc::new(members)),
+        node: opts.node.clone(),
+        table: Arc::new(Table::new(plan, &opts.node)),
+        spawner,
+        prober: Prober::new(plan.tcp),
+        record,
+        console,
+        cwd: state.dir.clone(),
+        log_max_bytes: opts.log_max_bytes,
+        log_keep: opts.log_keep,
+        engine_key: opts.engine_key.clone(),
+    });
+    (ctx, rxs)
+}
+
+/// Starts one task per service: a local one runs and watches its process, a remote one
+/// follows what its node's supervisor reports (until `remote_stopped`). Says so on the
+/// console, and returns the local tasks, which the stop waits for.
+fn start_services(
+    ctx: &Arc<ServiceCtx>,
+    plan: &Plan,
+    rxs: Vec<mpsc::UnboundedReceiver<Cmd>>,
+    remote_stopped: watch::Receiver<bool>,
+    console: &Console,
+) -> Vec<JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    for (i, rx) in rxs.into_iter().enumerate() {
+        if plan.services[i].node == ctx.node {
+            tasks.push(tokio::spawn(run_local(ctx.clone(), i, rx)));
+        } else {
+            tokio::spawn(run_remote(ctx.clone(), i, remote_stopped.clone()));
+        }
+    }
+    let local = plan.local_services(&ctx.node).count();
+    console.event(&format!(
+        "supervising cluster {} on node {}: {local} local and {} remote service(s), pid {}",
+        plan.cluster,
+        ctx.node,
+        plan.services.len() - local,
+        std::process::id()
+    ));
+    tasks
+}
+
+/// Serves the control socket and, on a cluster of several nodes, the TCP control channel
+/// (their tasks are returned, to end with the run). A change cut short when this
+/// supervisor last stopped is taken up (and other nodes reconciled) before the socket
+/// takes any request: meanwhile a new change is refused and `status` shows the recovery.
+async fn serve_control(
+    plan: &Plan,
+    opts: &RunOptions,
+    ctx: &Arc<ServiceCtx>,
+    state: &StateDir,
+    listener: tokio::net::UnixListener,
+    downs: mpsc::UnboundedSender<DownRequest>,
+) -> Result<(JoinHandle<()>, Option<JoinHandle<()>>), SupervisorError> {
+    let channel = match (plan.control_port, &opts.channel) {
+        (Some(port), Some(tls)) => Some(control_channel(plan, &opts.node, port, tls).await?),
+        (Some(_), None) => {
+            return Err(SupervisorError::NoSecret {
+                node: opts.node.clone(),
+            });
+        }
+        (None, _) => None,
+    };
+    let handlers = Handlers {
+        ctx: ctx.clone(),
+        state: StateDir::new(&state.dir),
+        downs,
+        operations: opts.operations.clone(),
+        peers: channel.as_ref().map(|(_, peers)| peers.clone()),
+    };
+    if let Some(ops) = &opts.operations {
+        ops.recover();
+    }
+    let server = tokio::spawn(control_server::serve(listener, handlers.clone()));
+    let tcp_server = channel.map(|(listener, _)| {
+        tokio::spawn(control_tcp::serve(
+            listener,
+            handlers,
+            opts.channel.clone().expect("checked above"),
+        ))
+    });
+    Ok((server, tcp_server))
+}
+
+/// Each service's log: a file for the services of this node, memory only for the others
+/// (their lines come from their own node's supervisor).
+fn service_logs(plan: &Plan, state: &StateDir, opts: &RunOptions) -> Vec<Arc<ServiceLog>> {
+    plan.services
+        .iter()
+        .map(|s| {
+            Arc::new(if s.node == opts.node {
+                ServiceLog::open(
+                    &s.name,
+                    &state.log_path(&s.name),
+                    opts.log_max_bytes,
+                    opts.log_keep,
+                )
+            } else {
+                ServiceLog::memory_only(&s.name)
+            })
+        })
+        .collect()
+}
+
+/// Watches the start, says how it went, then waits for what ends the run: a signal, a
+/// `down` request, or (in the foreground) a start that failed.
+async fn serve_until_down(
+    ctx: &ServiceCtx,
+    opts: &RunOptions,
+    signals: &mut Signals,
+    downs: &mut mpsc::UnboundedReceiver<DownRequest>,
+) -> Trigger {
+    let started = Instant::now();
+    tokio::select! {
+        end = watch_startup(ctx, opts.foreground) => match end {
+            StartupEnd::AllHealthy => {
+                announce_healthy(ctx, opts.foreground, opts.healthy_text, started).await;
+                wait_for_down(signals, downs).await
+            }
+            StartupEnd::Failed(failed) => {
+                report_start_failure(ctx, &failed, opts.foreground);
+                if opts.foreground {
+                    Trigger::StartFailed
+                } else {
+                    // Detached: stay up so `status` and `logs` can show what happened.
+                    wait_for_down(signals, downs).await
+                }
+            }
+        },
+        sig = signals.recv() => Trigger::Signal(sig),
+        req = downs.recv() => req.map(Trigger::Down).unwrap_or(Trigger::Signal("EOF")),
+    }
+}
+
+/// Says that the cluster's services here stopped (a block in the foreground, an event
+/// line detached), and returns the words, which each `down` request is answered with.
+fn say_stopped(
+    ctx: &ServiceCtx,
+    state: &StateDir,
+    console: &Console,
+    foreground: bool,
+    since: Instant,
+) -> String {
+    let plan = ctx.members().live_plan();
+    let local = plan.local_services(&ctx.node).count();
+    let message = format!(
+        "stopped {local} service(s) of cluster {} in {:.1} s; logs kept in {}",
+        plan.cluster,
+        since.elapsed().as_secs_f64(),
+        state.logs_dir().display()
+    );
+    if foreground {
+        console.block(&message);
+    } else {
+        console.event(&message);
+    }
+    console.flush();
+    message
+}
+
 /// Runs `plan`'s services for `opts.node` until the cluster is taken down; returns the
 /// process exit code (0 after a requested down, 1 when a foreground start failed).
 pub async fn run(
@@ -116,118 +311,25 @@ pub async fn run(
         .ok();
     let spawner = Spawner::start(tokio::runtime::Handle::current())
         .map_err(|e| SupervisorError::io("start the spawning thread", &state.dir, e))?;
-    let names: Vec<String> = plan.services.iter().map(|s| s.name.clone()).collect();
-    let mode = if opts.foreground {
-        ConsoleMode::Foreground {
-            colour: colour_wanted(),
-        }
-    } else {
-        ConsoleMode::Detached
-    };
-    let console = Console::start(mode, names);
-    let logs = plan
-        .services
-        .iter()
-        .map(|s| {
-            Arc::new(if s.node == node {
-                ServiceLog::open(
-                    &s.name,
-                    &state.log_path(&s.name),
-                    opts.log_max_bytes,
-                    opts.log_keep,
-                )
-            } else {
-                ServiceLog::memory_only(&s.name)
-            })
-        })
-        .collect();
-    let (txs, rxs): (Vec<_>, Vec<_>) = plan
-        .services
-        .iter()
-        .map(|_| mpsc::unbounded_channel::<Cmd>())
-        .unzip();
-    let members = Members::new(Plan::clone(&plan), logs, txs);
-    let ctx = Arc::new(ServiceCtx {
-        members: std::sync::RwLock::new(Arc::new(members)),
-        node: node.clone(),
-        table: Arc::new(Table::new(&plan, &node)),
+    let console = start_console(&plan, opts.foreground);
+    let (ctx, rxs) = service_ctx(
+        &plan,
+        &state,
+        &opts,
         spawner,
-        prober: Prober::new(plan.tcp),
-        record: record.clone(),
-        console: console.clone(),
-        cwd: state.dir.clone(),
-        log_max_bytes: opts.log_max_bytes,
-        log_keep: opts.log_keep,
-        engine_key: opts.engine_key.clone(),
-    });
+        record.clone(),
+        console.clone(),
+    );
     let usage = tokio::spawn(sample_usage(ctx.table.clone()));
     let (down_tx, mut downs) = mpsc::unbounded_channel();
     raise_open_file_limit();
-    let channel = match (plan.control_port, &opts.channel) {
-        (Some(port), Some(tls)) => Some(control_channel(&plan, &node, port, tls).await?),
-        (Some(_), None) => return Err(SupervisorError::NoSecret { node: node.clone() }),
-        (None, _) => None,
-    };
-    let handlers = Handlers {
-        ctx: ctx.clone(),
-        state: StateDir::new(&state.dir),
-        downs: down_tx,
-        operations: opts.operations.clone(),
-        peers: channel.as_ref().map(|(_, peers)| peers.clone()),
-    };
-    // A change cut short when this supervisor last stopped is taken up (and other
-    // nodes reconciled) before the socket takes any request: meanwhile a new change is
-    // refused and `status` shows the recovery.
-    if let Some(ops) = &opts.operations {
-        ops.recover();
-    }
-    let server = tokio::spawn(control_server::serve(listener, handlers.clone()));
-    let tcp_server = channel.map(|(listener, _)| {
-        tokio::spawn(control_tcp::serve(
-            listener,
-            handlers,
-            opts.channel.clone().expect("checked above"),
-        ))
-    });
+    let (server, tcp_server) = serve_control(&plan, &opts, &ctx, &state, listener, down_tx).await?;
     let mut signals =
         Signals::new().map_err(|e| SupervisorError::io("handle signals", &state.dir, e))?;
     let (stop_remote, remote_stopped) = watch::channel(false);
-    let mut tasks = Vec::new();
-    for (i, rx) in rxs.into_iter().enumerate() {
-        if plan.services[i].node == node {
-            tasks.push(tokio::spawn(run_local(ctx.clone(), i, rx)));
-        } else {
-            tokio::spawn(run_remote(ctx.clone(), i, remote_stopped.clone()));
-        }
-    }
-    let local = plan.local_services(&node).count();
-    console.event(&format!(
-        "supervising cluster {} on node {node}: {local} local and {} remote service(s), pid {}",
-        plan.cluster,
-        plan.services.len() - local,
-        std::process::id()
-    ));
+    let tasks = start_services(&ctx, &plan, rxs, remote_stopped, &console);
 
-    let started = Instant::now();
-    let trigger = tokio::select! {
-        end = watch_startup(&ctx, opts.foreground) => match end {
-            StartupEnd::AllHealthy => {
-                announce_healthy(&ctx, opts.foreground, opts.healthy_text, started).await;
-                wait_for_down(&mut signals, &mut downs).await
-            }
-            StartupEnd::Failed(failed) => {
-                report_start_failure(&ctx, &failed, opts.foreground);
-                if opts.foreground {
-                    Trigger::StartFailed
-                } else {
-                    // Detached: stay up so `status` and `logs` can show what happened.
-                    wait_for_down(&mut signals, &mut downs).await
-                }
-            }
-        },
-        sig = signals.recv() => Trigger::Signal(sig),
-        req = downs.recv() => req.map(Trigger::Down).unwrap_or(Trigger::Signal("EOF")),
-    };
+    let trigger = serve_until_down(&ctx, &opts, &mut signals, &mut downs).await;
 
     let start_failed = matches!(trigger, Trigger::StartFailed);
     let (timeout, mut requests) = match trigger {
@@ -253,19 +355,7 @@ pub async fn run(
     // Taken down on purpose: a change cut short by that has nothing left to finish.
     let _ = std::fs::remove_file(state.journal_path());
     drop(watchdog);
-    let local = ctx.members().live_plan().local_services(&node).count();
-    let message = format!(
-        "stopped {local} service(s) of cluster {} in {:.1} s; logs kept in {}",
-        plan.cluster,
-        t0.elapsed().as_secs_f64(),
-        state.logs_dir().display()
-    );
-    if opts.foreground {
-        console.block(&message);
-    } else {
-        console.event(&message);
-    }
-    console.flush();
+    let message = say_stopped(&ctx, &state, &console, opts.foreground, t0);
     while let Ok(req) = downs.try_recv() {
         requests.push(req);
     }

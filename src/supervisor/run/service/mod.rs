@@ -366,18 +366,18 @@ impl Task {
             .await
     }
 
-    async fn finish_run(
+    /// Whatever ended the run, leaves no process of it behind: a requested stop or a
+    /// restart stops the run (announced, within its grace), an exit clears what is left of
+    /// its group. Returns why the run ended, as its log says.
+    async fn end_processes(
         &mut self,
-        mut child: tokio::process::Child,
+        child: &mut tokio::process::Child,
         pgid: i32,
-        pump_task: tokio::task::JoinHandle<()>,
-        end: RunEnd,
-        healthy_for: Duration,
-    ) -> Next {
+        end: &RunEnd,
+    ) -> String {
         let signal = self.signal();
         let grace = self.shutdown_timeout();
-        // Whatever happened, no process of this run may be left behind.
-        let why = match &end {
+        match end {
             RunEnd::Exited(why) => {
                 clear_group(pgid, signal, grace).await;
                 why.clone()
@@ -386,16 +386,29 @@ impl Task {
                 let t = t.unwrap_or(grace);
                 self.announce_stop(t);
                 self.ctx.table.set_state(self.idx, ServiceState::Stopping);
-                let st = stop_run(&mut child, pgid, signal, t).await;
+                let st = stop_run(child, pgid, signal, t).await;
                 st.map(|s| format!("stopped: {}", describe_exit(&s)))
                     .unwrap_or_else(|| "stopped".into())
             }
             RunEnd::LivenessFailed(why) | RunEnd::StartTimeout(why) | RunEnd::Restart(why, _) => {
                 self.announce_stop(grace);
-                stop_run(&mut child, pgid, signal, grace).await;
+                stop_run(child, pgid, signal, grace).await;
                 why.clone()
             }
-        };
+        }
+    }
+
+    /// Ends a run: its processes gone, its log and record told, then what comes next by
+    /// how it ended (exit the task, start again, or the restart policy's verdict).
+    async fn finish_run(
+        &mut self,
+        mut child: tokio::process::Child,
+        pgid: i32,
+        pump_task: tokio::task::JoinHandle<()>,
+        end: RunEnd,
+        healthy_for: Duration,
+    ) -> Next {
+        let why = self.end_processes(&mut child, pgid, &end).await;
         let _ = tokio::time::timeout(Duration::from_secs(1), pump_task).await;
         // The last error line the service printed, when it ended on its own (after a
         // requested stop, shutdown chatter would be blamed for nothing).
