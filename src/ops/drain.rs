@@ -389,6 +389,7 @@ impl Drainer<'_> {
     }
 
     /// The proxy's `/metrics` page, or why it could not be read.
+    /// (Err stays text: the change's progress says it; every error is waited out alike.)
     async fn proxy_page(&self, proxy: &str) -> Result<String, String> {
         let url = format!("{}/metrics", proxy.trim_end_matches('/'));
         let answer = self

@@ -230,6 +230,8 @@ fn running_split(state_dir: &Path) -> anyhow::Result<(Split, Option<String>)> {
 
 /// One look: the proxy's page, and each decode engine's for its inter-token histogram
 /// (an engine that does not answer or export one adds nothing).
+/// (Err stays text: why the look failed, logged; the loop skips a failed look whatever
+/// the reason.)
 async fn look(
     http: &reqwest::Client,
     proxy: &str,
@@ -250,6 +252,7 @@ async fn look(
     Ok(sample)
 }
 
+/// The page at `base`/metrics, or why not (text: only logged or skipped).
 async fn get(http: &reqwest::Client, base: &str) -> Result<String, String> {
     let url = format!("{}/metrics", base.trim_end_matches('/'));
     let answer = http

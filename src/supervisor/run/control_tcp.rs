@@ -135,6 +135,8 @@ pub async fn serve(listener: TcpListener, handlers: Handlers, tls: Arc<PeerTls>)
 
 /// One connection: the handshake (within its time, holding its ticket), then a node's
 /// requests or, from a client without a certificate, one join.
+/// (Err stays text: why the connection ended, only logged, rate-limited; no caller
+/// decides by its kind.)
 async fn serve_one(
     stream: TcpStream,
     from: SocketAddr,
@@ -185,6 +187,7 @@ async fn serve_one(
 
 /// A node started by hand asks for its credentials: one request, one answer. The node
 /// that joined, or why it was refused.
+/// (Err stays text: the refusal the joining node is sent and the log says.)
 async fn join(
     mut read: impl AsyncBufRead + Unpin,
     write: &mut (impl AsyncWrite + Unpin),
@@ -277,6 +280,7 @@ async fn requests(
 }
 
 /// Whether `node` may ask `req` of this node: status of anyone; the rest of the head only.
+/// (Err stays text: the refusal the peer is sent; nothing decides by its kind.)
 fn permitted(tls: &PeerTls, node: &str, req: &PeerRequest) -> Result<(), String> {
     if req.head_only() && node != tls.head {
         return Err(format!(

@@ -14,6 +14,8 @@ pub trait Operations: Send + Sync {
     /// Starts `change` unless one runs already (then Err names it). Its progress goes to
     /// `out` as `Progress` lines, ending with one `Finished`; sending stops mattering once
     /// the client has gone.
+    /// (Err stays text: it is the refusal the client is sent as it is, `Response::Error`;
+    /// no caller decides anything by its kind.)
     fn begin(
         &self,
         change: ChangeRequest,
@@ -40,6 +42,7 @@ pub trait Operations: Send + Sync {
 
     /// `pdctl rebalance MODE`: what the rebalancer does from now on; Ok says what
     /// changed, Err why nothing did.
+    /// (Both stay text: each is the line the client prints; no caller looks inside.)
     fn set_rebalance(&self, mode: crate::vocab::RebalanceMode) -> Result<String, String> {
         Err(format!(
             "this cluster has no rebalancer: add a [rebalance] table to its topology and `pdctl apply` it, or restart it, to use mode {}",
