@@ -391,18 +391,24 @@ impl Drainer<'_> {
     /// The proxy's `/metrics` page, or why it could not be read.
     /// (Err stays text: the change's progress says it; every error is waited out alike.)
     async fn proxy_page(&self, proxy: &str) -> Result<String, String> {
-        let url = format!("{}/metrics", proxy.trim_end_matches('/'));
-        let answer = self
-            .http
-            .get(&url)
-            .send()
-            .await
-            .map_err(|e| format!("{url}: {e}"))?;
-        if !answer.status().is_success() {
-            return Err(format!("{url}: {}", answer.status()));
-        }
-        answer.text().await.map_err(|e| format!("{url}: {e}"))
+        metrics_page(&self.http, proxy).await
     }
+}
+
+/// The `/metrics` page of the HTTP service at `base` (the proxy, an engine), or why it
+/// could not be read, naming the URL. (Err stays text: said in a change's progress or
+/// logged; no caller decides by its kind.)
+pub(super) async fn metrics_page(http: &reqwest::Client, base: &str) -> Result<String, String> {
+    let url = format!("{}/metrics", base.trim_end_matches('/'));
+    let answer = http
+        .get(&url)
+        .send()
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    if !answer.status().is_success() {
+        return Err(format!("{url}: {}", answer.status()));
+    }
+    answer.text().await.map_err(|e| format!("{url}: {e}"))
 }
 
 /// The HTTP client a drainer reads the proxy's `/metrics` with.

@@ -5,6 +5,7 @@
 //! engine — the path `pdctl scale` takes, journaled, draining what it stops — waits for
 //! its end and appends the move's record to `rebalance.jsonl` in the state dir.
 
+use super::super::drain::metrics_page;
 use super::decide::{Budget, State, decide};
 use super::window::{Window, add_itl, decode_urls, from_proxy};
 use crate::control::Response;
@@ -237,7 +238,7 @@ async fn look(
     proxy: &str,
     at_ms: u64,
 ) -> Result<super::window::Sample, String> {
-    let page = get(http, proxy).await?;
+    let page = metrics_page(http, proxy).await?;
     let mut sample = from_proxy(&page, at_ms);
     for url in decode_urls(&page) {
         let url = if url.contains("://") {
@@ -245,25 +246,11 @@ async fn look(
         } else {
             format!("http://{url}")
         };
-        if let Ok(engine) = get(http, &url).await {
+        if let Ok(engine) = metrics_page(http, &url).await {
             add_itl(&mut sample.itl, &engine);
         }
     }
     Ok(sample)
-}
-
-/// The page at `base`/metrics, or why not (text: only logged or skipped).
-async fn get(http: &reqwest::Client, base: &str) -> Result<String, String> {
-    let url = format!("{}/metrics", base.trim_end_matches('/'));
-    let answer = http
-        .get(&url)
-        .send()
-        .await
-        .map_err(|e| format!("{url}: {e}"))?;
-    if !answer.status().is_success() {
-        return Err(format!("{url}: {}", answer.status()));
-    }
-    answer.text().await.map_err(|e| format!("{url}: {e}"))
 }
 
 /// Carries `m` out as a `scale` change through the operations engine, waits for its end
