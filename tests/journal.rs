@@ -47,19 +47,13 @@ impl TwoNodes {
     /// Starts it with `decode` instances; each engine takes `startup_ms` to be ready and
     /// `itl_ms` per token; `decode_extra` goes into `[decode]`.
     fn up(tag: &str, decode: u32, startup_ms: u32, itl_ms: f64, decode_extra: &str) -> TwoNodes {
-        let pair = netns::NetnsPair::create(tag)
-            .map_err(|why| {
-                eprintln!("network namespaces unavailable ({why}): using 127.0.0.2 and 127.0.0.3")
-            })
-            .ok();
-        let (nh, nw) = match &pair {
-            Some(p) => (Some(p.a.clone()), Some(p.b.clone())),
-            None => (None, None),
-        };
-        let (head_addr, worker_addr) = match &pair {
-            Some(p) => (p.addr_a.clone(), p.addr_b.clone()),
-            None => ("127.0.0.2".to_string(), "127.0.0.3".to_string()),
-        };
+        let netns::TwoHosts {
+            pair,
+            ns_a: nh,
+            ns_b: nw,
+            addr_a: head_addr,
+            addr_b: worker_addr,
+        } = netns::TwoHosts::make(tag);
         let run = suph::free_port_run(16);
         let template = format!(
             "cluster = \"j-2node\"\nhead = \"head\"\n\

@@ -567,19 +567,13 @@ fn node_command(ns: Option<&str>, cluster: &Cluster, args: &[&str]) -> std::proc
 /// head takes the worker down too.
 #[test]
 fn one_scale_on_the_head_changes_every_node() {
-    let pair = netns::NetnsPair::create("pdo")
-        .map_err(|why| {
-            eprintln!("network namespaces unavailable ({why}): using 127.0.0.2 and 127.0.0.3")
-        })
-        .ok();
-    let (ns_head, ns_worker) = match &pair {
-        Some(p) => (Some(p.a.clone()), Some(p.b.clone())),
-        None => (None, None),
-    };
-    let (head_addr, worker_addr) = match &pair {
-        Some(p) => (p.addr_a.clone(), p.addr_b.clone()),
-        None => ("127.0.0.2".to_string(), "127.0.0.3".to_string()),
-    };
+    let netns::TwoHosts {
+        pair: _pair,
+        ns_a: ns_head,
+        ns_b: ns_worker,
+        addr_a: head_addr,
+        addr_b: worker_addr,
+    } = netns::TwoHosts::make("pdo");
     let run = suph::free_port_run(12);
     let topology = format!(
         "cluster = \"o-2node\"\nhead = \"head\"\n\

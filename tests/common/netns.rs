@@ -154,3 +154,43 @@ pub fn enter(path: Option<&str>) {
         nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
     }
 }
+
+/// Two hosts for a two-node cluster: a namespace pair where one can be made, else two
+/// loopback addresses (127.0.0.2 and 127.0.0.3) on this machine's one stack, said on
+/// stderr. For tests whose claim holds on either (the cut tests need the pair and fail
+/// without it).
+pub struct TwoHosts {
+    /// Kept so the namespaces live as long as the hosts.
+    pub pair: Option<NetnsPair>,
+    /// The namespaces to run each host's commands in (None on loopback).
+    pub ns_a: Option<String>,
+    pub ns_b: Option<String>,
+    pub addr_a: String,
+    pub addr_b: String,
+}
+
+impl TwoHosts {
+    /// The pair `<tag>-a`/`<tag>-b`, or loopback addresses when it cannot be made.
+    pub fn make(tag: &str) -> TwoHosts {
+        let pair = NetnsPair::create(tag)
+            .map_err(|why| {
+                eprintln!("network namespaces unavailable ({why}): using 127.0.0.2 and 127.0.0.3")
+            })
+            .ok();
+        let (ns_a, ns_b) = match &pair {
+            Some(p) => (Some(p.a.clone()), Some(p.b.clone())),
+            None => (None, None),
+        };
+        let (addr_a, addr_b) = match &pair {
+            Some(p) => (p.addr_a.clone(), p.addr_b.clone()),
+            None => ("127.0.0.2".to_string(), "127.0.0.3".to_string()),
+        };
+        TwoHosts {
+            pair,
+            ns_a,
+            ns_b,
+            addr_a,
+            addr_b,
+        }
+    }
+}
