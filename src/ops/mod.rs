@@ -19,7 +19,7 @@ mod drain;
 mod engine;
 mod journal;
 mod nodes;
-mod rebalance;
+pub mod rebalance;
 mod recover;
 
 pub use engine::Engine;

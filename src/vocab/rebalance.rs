@@ -171,3 +171,25 @@ pub struct RebalanceReport {
     pub moves_total: u64,
     pub moves: Vec<MoveRecord>,
 }
+
+/// One look of the rebalancer as the state dir's `rebalance-history.jsonl` keeps it: the
+/// figures over time that `pdctl rebalance history` lists and plots.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HistoryPoint {
+    /// When (Unix time, ms).
+    pub at_ms: u64,
+    pub mode: RebalanceMode,
+    /// The split that ran.
+    pub split: Split,
+    /// Seconds of figures the window held (a judgement needs `window_s`).
+    pub measured_s: u64,
+    /// The window's figures at this look.
+    pub figures: Figures,
+    /// The objectives judged by at this look (the table may change while it runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_p90_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub itl_p90_ms: Option<f64>,
+    /// The verdict of this look, as `status` shows it.
+    pub verdict: String,
+}

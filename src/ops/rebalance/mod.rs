@@ -1,9 +1,11 @@
 //! Rebalancing: the head's supervisor moves instances between prefill and decode as the
 //! traffic asks (`[rebalance]`, docs/rebalance.md). [`window`] turns `/metrics` pages into
 //! the figures of a window, [`decide`] judges them, [`run`] is the loop that does both
-//! every few seconds and, in `act` mode, carries a move out as a `scale` change.
+//! every few seconds and, in `act` mode, carries a move out as a `scale` change;
+//! [`history`] keeps each look's figures for `pdctl rebalance history`.
 
 pub mod decide;
+pub mod history;
 mod run;
 pub mod window;
 

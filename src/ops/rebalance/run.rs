@@ -7,12 +7,13 @@
 
 use super::super::drain::metrics_page;
 use super::decide::{Budget, State, decide};
+use super::history;
 use super::window::{Window, add_itl, decode_urls, from_proxy};
 use crate::control::Response;
 use crate::control::operation::{ChangeOptions, ChangeRequest, now_ms};
 use crate::supervisor::Operations;
 use crate::vocab::{
-    Figures, Move, MoveRecord, RebalanceMode, RebalancePlan, RebalanceReport, Role, Split, Toward,
+    Figures, HistoryPoint, Move, MoveRecord, RebalanceMode, RebalancePlan, RebalanceReport, Role, Split, Toward,
 };
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -122,6 +123,7 @@ impl Rebalancer {
         }
     }
 
+    /// The verdict of a look; with figures, the look is kept in the history too.
     fn set_verdict(&self, verdict: String, figures: Option<Figures>, measured_s: u64) {
         let mut s = self.shared();
         if s.report.verdict != verdict {
@@ -129,8 +131,23 @@ impl Rebalancer {
         }
         s.report.verdict = verdict;
         s.report.measured_s = measured_s;
-        if let Some(f) = figures {
-            s.report.figures = f;
+        let Some(f) = figures else {
+            return;
+        };
+        s.report.figures = f;
+        let point = HistoryPoint {
+            at_ms: now_ms(),
+            mode: s.report.mode,
+            split: s.report.split,
+            measured_s,
+            figures: f,
+            ttft_p90_ms: s.plan.table.ttft_p90_ms,
+            itl_p90_ms: s.plan.table.itl_p90_ms,
+            verdict: s.report.verdict.clone(),
+        };
+        drop(s);
+        if let Err(e) = history::append(&self.state_dir, &point) {
+            tracing::debug!("rebalance: cannot keep the look in the history: {e}");
         }
     }
 }
