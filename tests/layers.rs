@@ -723,6 +723,7 @@ const PROXY_LAYERS: &[(&str, &[&str])] = &[
             "recompute",
             "scrape",
             "transfer_failures",
+            "rebalance_seen",
         ],
     ),
 ];

@@ -127,6 +127,7 @@ pub async fn first_look(p: &Arc<Proxy>, new: &[Arc<Instance>]) {
 /// whose service left leave it, matched instances follow their service's state, and the
 /// rest fall back to own probes.
 pub fn apply_report(p: &Proxy, report: &StatusReport) {
+    p.recorder.rebalance_seen(report.rebalance.as_deref());
     join_new(p, report);
     let mut left = Vec::new();
     for inst in p.pools.snapshot().all() {

@@ -14,7 +14,9 @@ pub const ENGINE_FAILED_TRANSFERS: &str = "engine_reported_failed_transfers";
 
 use super::instances::{FailureKind, Instance, Leg, Pools};
 pub use super::recorder::LimitReason;
+use super::rebalance_seen::RebalanceSeen;
 use super::recorder::Recorder;
+use crate::vocab::RebalanceReport;
 use crate::prometheus::FixedFamily;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -63,6 +65,7 @@ pub struct Metrics {
     prefix_routing: Sparse<[(&'static str, &'static str); 2]>,
     client_disconnects: Counter,
     settings_revision: Gauge,
+    rebalance: RebalanceSeen,
 }
 
 impl Default for Metrics {
@@ -91,6 +94,7 @@ impl Default for Metrics {
             prefix_routing: Sparse::default(),
             client_disconnects: Counter::default(),
             settings_revision: Gauge::default(),
+            rebalance: RebalanceSeen::default(),
         };
         m.register_all();
         m
@@ -258,6 +262,9 @@ impl Metrics {
             "Revision of this proxy's spec in the supervisor whose settings are in effect (0: as started; pdctl apply raises it)",
             self.settings_revision.clone(),
         );
+        for (name, help, family) in self.rebalance.families() {
+            r.register(name, help, family);
+        }
     }
 
     /// Counts one finished request by route and status.
@@ -536,6 +543,9 @@ impl Recorder for Metrics {
     }
     fn settings_applied(&self, revision: u64) {
         Metrics::settings_applied(self, revision);
+    }
+    fn rebalance_seen(&self, report: Option<&RebalanceReport>) {
+        self.rebalance.set(report);
     }
 }
 

@@ -29,7 +29,8 @@
 //! 4. The figures, reading from below: `metrics` (the counters and `/metrics`, a
 //!    [`recorder::Recorder`]), `histogram`, `figures` (what `pdctl status` reads back),
 //!    `recompute` (KV handoff misses decode hides: the window check on its counters),
-//!    `scrape` (engines' `/metrics`), `transfer_failures`.
+//!    `scrape` (engines' `/metrics`), `transfer_failures`, `rebalance_seen` (the head's
+//!    rebalancer as the supervisor's report shows it).
 //!
 //! The modules are private; what the other stages use is re-exported here: the command's
 //! arguments, the endpoint parser, the figures `pdctl status` reads from `/metrics`.
@@ -49,6 +50,7 @@ mod leg;
 mod legs;
 mod limits;
 mod metrics;
+mod rebalance_seen;
 mod models;
 mod pipeline;
 mod policy;

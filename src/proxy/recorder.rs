@@ -55,4 +55,6 @@ pub trait Recorder: Debug + Send + Sync {
     fn prefix_routing(&self, leg: Leg, outcome: &'static str);
     /// The supervisor's revision of this proxy's spec whose settings are now in effect.
     fn settings_applied(&self, revision: u64);
+    /// The head's rebalancer as the supervisor's last report showed it (None: it has none).
+    fn rebalance_seen(&self, report: Option<&crate::vocab::RebalanceReport>);
 }

@@ -18,7 +18,7 @@ mod vllm_version;
 pub use control_socket::SOCKET_NAME;
 pub use proxy::{AdmissionError, PolicyName, ProxyProtocol, check_admission};
 pub use rebalance::{
-    Figures, HistoryPoint, Move, MoveRecord, Rebalance, RebalanceMode, RebalancePlan,
+    Figures, HistoryPoint, Move, MoveCounts, MoveRecord, Rebalance, RebalanceMode, RebalancePlan,
     RebalanceReport, Split, Toward,
 };
 pub use restart::{RestartMode, RestartPolicy};

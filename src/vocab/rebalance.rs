@@ -170,6 +170,31 @@ pub struct RebalanceReport {
     /// Moves carried out since the supervisor started, and the last few of them.
     pub moves_total: u64,
     pub moves: Vec<MoveRecord>,
+    /// The moves since the supervisor started, by way and outcome (`/metrics` of the
+    /// proxy exports them).
+    #[serde(default)]
+    pub moves_counted: MoveCounts,
+}
+
+/// Moves counted since the supervisor started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MoveCounts {
+    /// Moves toward more prefill, and toward more decode (whatever their outcome).
+    pub toward_prefill: u64,
+    pub toward_decode: u64,
+    /// Of those, the moves whose change was refused or failed (nothing moved).
+    pub failed: u64,
+}
+
+impl MoveCounts {
+    /// Counts one move `toward`, failed or not.
+    pub fn count(&mut self, toward: Toward, failed: bool) {
+        match toward {
+            Toward::Prefill => self.toward_prefill += 1,
+            Toward::Decode => self.toward_decode += 1,
+        }
+        self.failed += u64::from(failed);
+    }
 }
 
 /// One look of the rebalancer as the state dir's `rebalance-history.jsonl` keeps it: the

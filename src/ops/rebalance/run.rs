@@ -13,7 +13,7 @@ use crate::control::Response;
 use crate::control::operation::{ChangeOptions, ChangeRequest, now_ms};
 use crate::supervisor::Operations;
 use crate::vocab::{
-    Figures, HistoryPoint, Move, MoveRecord, RebalanceMode, RebalancePlan, RebalanceReport, Role, Split, Toward,
+    Figures, HistoryPoint, Move, MoveCounts, MoveRecord, RebalanceMode, RebalancePlan, RebalanceReport, Role, Split, Toward,
 };
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -56,6 +56,7 @@ impl Rebalancer {
             verdict: "starting".into(),
             moves_total: 0,
             moves: moves[moves.len().saturating_sub(SHOWN_MOVES)..].to_vec(),
+            moves_counted: MoveCounts::default(),
         };
         Rebalancer {
             state_dir,
@@ -293,19 +294,22 @@ async fn act(engine: &dyn Operations, r: &Rebalancer, m: Move, figures: Figures)
         outcome: None,
     };
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let outcome = match engine.begin(change, tx) {
-        Err(refused) => format!("not started: {refused}"),
+    let (outcome, failed) = match engine.begin(change, tx) {
+        Err(refused) => (format!("not started: {refused}"), true),
         Ok(()) => loop {
             match rx.recv().await {
                 Some(Response::Finished { code, message, .. }) => {
                     let first = message.lines().next().unwrap_or_default();
-                    break format!(
-                        "{} ({code}): {first}",
-                        if code == 0 { "done" } else { "failed" }
+                    break (
+                        format!(
+                            "{} ({code}): {first}",
+                            if code == 0 { "done" } else { "failed" }
+                        ),
+                        code != 0,
                     );
                 }
                 Some(_) => {}
-                None => break "the change ended without a word".to_string(),
+                None => break ("the change ended without a word".to_string(), true),
             }
         },
     };
@@ -317,6 +321,7 @@ async fn act(engine: &dyn Operations, r: &Rebalancer, m: Move, figures: Figures)
     let mut s = r.shared();
     s.last_move = Some((Instant::now(), m.toward));
     s.report.moves_total += 1;
+    s.report.moves_counted.count(m.toward, failed);
     s.report.moves.push(record);
     let excess = s.report.moves.len().saturating_sub(SHOWN_MOVES);
     s.report.moves.drain(..excess);
