@@ -482,14 +482,14 @@ impl<'a> Change<'a> {
     /// look.
     fn only_rebalance(&self) -> anyhow::Result<End> {
         let cluster = &self.running.cluster;
-        let table = |p: &Plan| p.rebalance.as_ref().map(|r| r.table.clone());
-        if table(&self.running) == table(&self.wanted) || self.sources.1.is_none() {
+        if self.diff.rebalance.is_none() || self.sources.1.is_none() {
             return Ok(done(format!(
                 "cluster {cluster} already runs what the topology describes; nothing to change"
             )));
         }
-        self.progress
-            .line("  ~ [rebalance]: the table changes (taken in place)");
+        for line in self.diff.lines() {
+            self.progress.line(&format!("  {line}"));
+        }
         if self.how.dry_run {
             return Ok(done("dry run: nothing was changed"));
         }

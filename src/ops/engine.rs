@@ -25,10 +25,11 @@ use tokio::sync::mpsc;
 #[derive(Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
-    /// The rebalancer, when the plan has `[rebalance]`; its loop starts with [`recover`].
+    /// The rebalancer: it judges while the kept topology has a `[rebalance]` table (one
+    /// `apply` adds is taken in place); its loop starts with [`recover`].
     ///
     /// [`recover`]: crate::supervisor::Operations::recover
-    rebalancer: Option<Arc<super::rebalance::Rebalancer>>,
+    rebalancer: Arc<super::rebalance::Rebalancer>,
 }
 
 impl Engine {
@@ -48,10 +49,10 @@ impl Engine {
                 others.insert(name.clone(), endpoint);
             }
         }
-        let rebalancer = plan
-            .rebalance
-            .clone()
-            .map(|r| Arc::new(super::rebalance::Rebalancer::new(r, state_dir.clone())));
+        let rebalancer = Arc::new(super::rebalance::Rebalancer::new(
+            plan.rebalance.clone(),
+            state_dir.clone(),
+        ));
         Engine {
             rebalancer,
             inner: Arc::new(Inner {
@@ -123,10 +124,8 @@ impl crate::supervisor::Operations for Engine {
     }
 
     fn recover(&self) {
-        if let Some(r) = &self.rebalancer {
-            let ops: Arc<dyn crate::supervisor::Operations> = Arc::new(self.clone());
-            tokio::spawn(super::rebalance::run(ops, r.clone()));
-        }
+        let ops: Arc<dyn crate::supervisor::Operations> = Arc::new(self.clone());
+        tokio::spawn(super::rebalance::run(ops, self.rebalancer.clone()));
         let journal = match Journal::read(&self.inner.state_dir) {
             Ok(j) => j,
             Err(e) => {
@@ -198,17 +197,11 @@ impl crate::supervisor::Operations for Engine {
     }
 
     fn rebalance(&self) -> Option<crate::vocab::RebalanceReport> {
-        self.rebalancer.as_ref().map(|r| r.report())
+        self.rebalancer.report()
     }
 
     fn set_rebalance(&self, mode: crate::vocab::RebalanceMode) -> Result<String, String> {
-        match &self.rebalancer {
-            Some(r) => Ok(r.set_mode(mode)),
-            None => Err(format!(
-                "this cluster has no rebalancer: its topology has no [rebalance] table (add one and restart the cluster to use mode {})",
-                mode.as_str()
-            )),
-        }
+        self.rebalancer.set_mode(mode)
     }
 
     fn down_others(

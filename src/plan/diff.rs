@@ -35,6 +35,10 @@ pub struct PlanDiff {
     /// What changed that the proxy takes only when it restarts (its address, protocol,
     /// environment...), by flag or kind.
     pub proxy_restart: Vec<String>,
+    /// How the `[rebalance]` table changes (added, removed, the keys changed), when it
+    /// does. Not a change to what runs (so [`PlanDiff::is_empty`] leaves it out): the
+    /// head's rebalancer takes the kept table at its next look.
+    pub rebalance: Option<String>,
 }
 
 impl PlanDiff {
@@ -78,13 +82,57 @@ impl PlanDiff {
             };
             out.push(format!("~ proxy: {}{how}", self.proxy.join("; ")));
         }
+        if let Some(how) = &self.rebalance {
+            out.push(format!("~ [rebalance]: {how} (taken in place)"));
+        }
         out
+    }
+}
+
+/// How the `[rebalance]` table changes from `running` to `wanted`: `added`, `removed`,
+/// or its changed keys as `key old -> new`.
+fn rebalance_change(running: &Plan, wanted: &Plan) -> Option<String> {
+    let table = |p: &Plan| {
+        p.rebalance
+            .as_ref()
+            .map(|r| serde_json::to_value(&r.table).unwrap_or_default())
+    };
+    match (table(running), table(wanted)) {
+        (None, None) => None,
+        (None, Some(_)) => Some("added".into()),
+        (Some(_), None) => Some("removed".into()),
+        (Some(old), Some(new)) if old == new => None,
+        (Some(old), Some(new)) => {
+            let shown = |v: Option<&serde_json::Value>| match v {
+                None | Some(serde_json::Value::Null) => "-".to_string(),
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(v) => match v.as_f64() {
+                    Some(f) if f.fract() == 0.0 && f.abs() < 1e15 => format!("{}", f as i64),
+                    _ => v.to_string(),
+                },
+            };
+            let keys: BTreeSet<&String> = old
+                .as_object()
+                .into_iter()
+                .chain(new.as_object())
+                .flat_map(|o| o.keys())
+                .collect();
+            let changed: Vec<String> = keys
+                .into_iter()
+                .filter(|k| old.get(*k) != new.get(*k))
+                .map(|k| format!("{k} {} -> {}", shown(old.get(k)), shown(new.get(k))))
+                .collect();
+            Some(changed.join(", "))
+        }
     }
 }
 
 /// Compares the running plan with the wanted one.
 pub fn diff(running: &Plan, wanted: &Plan) -> PlanDiff {
-    let mut d = PlanDiff::default();
+    let mut d = PlanDiff {
+        rebalance: rebalance_change(running, wanted),
+        ..PlanDiff::default()
+    };
     refuse_shared(running, wanted, &mut d.refused);
     for s in &wanted.services {
         match running.service(&s.name) {
@@ -677,5 +725,28 @@ mod tests {
             "{:?}",
             d.lines()
         );
+    }
+
+    #[test]
+    fn a_changed_rebalance_table_is_listed_with_its_keys_and_changes_nothing_that_runs() {
+        let table = |text: &str| crate::vocab::RebalancePlan {
+            table: toml::from_str(text).unwrap(),
+            prefill_gpus: 1,
+            decode_gpus: 1,
+        };
+        let mut old = plan(1, &[]);
+        old.rebalance = Some(table("ttft_p90_ms = 200\nmode = \"advise\"\n"));
+        let mut new = plan(1, &[]);
+        new.rebalance = Some(table("ttft_p90_ms = 300\nmode = \"act\"\n"));
+        let d = diff(&old, &new);
+        assert!(d.is_empty(), "{d:?}");
+        assert_eq!(
+            d.lines(),
+            vec!["~ [rebalance]: mode advise -> act, ttft_p90_ms 200 -> 300 (taken in place)"]
+        );
+        assert_eq!(diff(&old, &old).rebalance, None);
+        new.rebalance = None;
+        assert_eq!(diff(&old, &new).rebalance.as_deref(), Some("removed"));
+        assert_eq!(diff(&new, &old).rebalance.as_deref(), Some("added"));
     }
 }

@@ -34,23 +34,25 @@ pub struct Rebalancer {
 }
 
 struct Shared {
-    /// The table judged by: the plan's, then the kept topology's (`apply` changes it).
-    plan: RebalancePlan,
+    /// The table judged by: the plan's, then the kept topology's (`apply` changes, adds
+    /// or removes it); None: the cluster has no `[rebalance]` table now.
+    plan: Option<RebalancePlan>,
     report: RebalanceReport,
     last_move: Option<(Instant, Toward)>,
 }
 
 impl Rebalancer {
-    /// The rebalancer of a cluster whose plan carries `plan`, its state in `state_dir`.
-    pub fn new(plan: RebalancePlan, state_dir: PathBuf) -> Rebalancer {
+    /// The rebalancer of a cluster whose plan carries `plan` (None: no table yet; one
+    /// `apply` adds is taken at the next look), its state in `state_dir`.
+    pub fn new(plan: Option<RebalancePlan>, state_dir: PathBuf) -> Rebalancer {
         let moves = read_moves(&state_dir.join(MOVES_FILE));
         let report = RebalanceReport {
-            mode: plan.table.mode,
+            mode: plan.as_ref().map_or(RebalanceMode::Off, |p| p.table.mode),
             split: Split {
                 prefill: 0,
                 decode: 0,
             },
-            window_s: plan.table.window_s,
+            window_s: plan.as_ref().map_or(0, |p| p.table.window_s),
             measured_s: 0,
             figures: Figures::default(),
             verdict: "starting".into(),
@@ -72,28 +74,39 @@ impl Rebalancer {
         self.shared.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// What `status` shows.
-    pub fn report(&self) -> RebalanceReport {
-        self.shared().report.clone()
+    /// What `status` shows; None while the cluster has no `[rebalance]` table.
+    pub fn report(&self) -> Option<RebalanceReport> {
+        let s = self.shared();
+        s.plan.as_ref().map(|_| s.report.clone())
     }
 
-    /// `pdctl rebalance MODE`.
-    pub fn set_mode(&self, mode: RebalanceMode) -> String {
+    /// `pdctl rebalance MODE`. (Err stays text: the refusal the client is sent as it is.)
+    pub fn set_mode(&self, mode: RebalanceMode) -> Result<String, String> {
         let mut s = self.shared();
+        if s.plan.is_none() {
+            return Err(format!(
+                "this cluster has no rebalancer: its topology has no [rebalance] table (add one and `pdctl apply -f FILE`, taken in place, to use mode {})",
+                mode.as_str()
+            ));
+        }
         let was = s.report.mode;
         s.report.mode = mode;
         tracing::info!("rebalance: mode {} (was {})", mode.as_str(), was.as_str());
-        format!("rebalance: mode {} (was {})", mode.as_str(), was.as_str())
+        Ok(format!(
+            "rebalance: mode {} (was {})",
+            mode.as_str(),
+            was.as_str()
+        ))
     }
 
     /// The table as it stands.
-    fn table(&self) -> RebalancePlan {
+    fn table(&self) -> Option<RebalancePlan> {
         self.shared().plan.clone()
     }
 
     /// Takes the `[rebalance]` table of the topology the cluster keeps (`apply` writes
-    /// it), when it differs: its mode too when the file's mode changed; none left there
-    /// turns the rebalancer off.
+    /// it), when it differs: its mode too when the file's mode changed (or the table is
+    /// new); none left there leaves the cluster without a rebalancer.
     fn follow_kept_topology(&self) {
         let Ok(Some(source)) = crate::plan::source::ClusterSource::read(&self.state_dir) else {
             return;
@@ -107,18 +120,26 @@ impl Rebalancer {
             decode_gpus: t.spec.decode.gpus_per_instance,
         });
         let mut s = self.shared();
-        match kept {
-            Some(p) if p != s.plan => {
+        match (kept, &s.plan) {
+            (Some(p), Some(old)) if p != *old => {
                 tracing::info!("rebalance: the topology's [rebalance] table changed; taken");
-                if p.table.mode != s.plan.table.mode {
+                if p.table.mode != old.table.mode {
                     s.report.mode = p.table.mode;
                 }
                 s.report.window_s = p.table.window_s;
-                s.plan = p;
+                s.plan = Some(p);
             }
-            None if s.report.mode != RebalanceMode::Off => {
+            (Some(p), None) => {
+                tracing::info!("rebalance: the topology has a [rebalance] table now; taken");
+                s.report.mode = p.table.mode;
+                s.report.window_s = p.table.window_s;
+                s.report.verdict = "starting".into();
+                s.plan = Some(p);
+            }
+            (None, Some(_)) => {
                 tracing::info!("rebalance: the topology has no [rebalance] table now; off");
                 s.report.mode = RebalanceMode::Off;
+                s.plan = None;
             }
             _ => {}
         }
@@ -142,8 +163,8 @@ impl Rebalancer {
             split: s.report.split,
             measured_s,
             figures: f,
-            ttft_p90_ms: s.plan.table.ttft_p90_ms,
-            itl_p90_ms: s.plan.table.itl_p90_ms,
+            ttft_p90_ms: s.plan.as_ref().and_then(|p| p.table.ttft_p90_ms),
+            itl_p90_ms: s.plan.as_ref().and_then(|p| p.table.itl_p90_ms),
             verdict: s.report.verdict.clone(),
         };
         drop(s);
@@ -152,6 +173,10 @@ impl Rebalancer {
         }
     }
 }
+
+/// The window whose pace the loop keeps while there is no table (a look at the kept
+/// topology every 5 s).
+const IDLE_WINDOW_S: u64 = 30;
 
 /// How often the pages are read: six looks a window, between 1 and 5 seconds apart.
 fn tick(window_s: u64) -> Duration {
@@ -165,11 +190,15 @@ pub async fn run(engine: Arc<dyn Operations>, r: Arc<Rebalancer>) {
     let mut window = Window::default();
     let mut first_split = None;
     loop {
-        tokio::time::sleep(tick(r.table().table.window_s)).await;
+        let window_s = r.table().map_or(IDLE_WINDOW_S, |p| p.table.window_s);
+        tokio::time::sleep(tick(window_s)).await;
         r.follow_kept_topology();
-        let plan = r.table();
+        let Some(plan) = r.table() else {
+            window.clear();
+            continue;
+        };
         let window_ms = plan.table.window_s * 1000;
-        if r.report().mode == RebalanceMode::Off {
+        if r.shared().report.mode == RebalanceMode::Off {
             window.clear();
             r.set_verdict("off: nothing judged".into(), None, 0);
             continue;
@@ -213,7 +242,7 @@ pub async fn run(engine: Arc<dyn Operations>, r: Arc<Rebalancer>) {
         match decide(&plan, split, budget, &figures, state) {
             Ok(None) => r.set_verdict(met(&figures), Some(figures), measured_s),
             Err(held) => r.set_verdict(format!("held: {held}"), Some(figures), measured_s),
-            Ok(Some(m)) if r.report().mode == RebalanceMode::Advise => {
+            Ok(Some(m)) if r.shared().report.mode == RebalanceMode::Advise => {
                 let v = format!("would move {} -> {}: {}", m.from, m.to, m.reason);
                 r.set_verdict(v, Some(figures), measured_s);
             }
