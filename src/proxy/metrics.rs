@@ -13,11 +13,11 @@ pub const KV_LOAD_FAILED: &str = "decode_failed_the_request";
 pub const ENGINE_FAILED_TRANSFERS: &str = "engine_reported_failed_transfers";
 
 use super::instances::{FailureKind, Instance, Leg, Pools};
-pub use super::recorder::LimitReason;
 use super::rebalance_seen::RebalanceSeen;
+pub use super::recorder::LimitReason;
 use super::recorder::Recorder;
-use crate::vocab::RebalanceReport;
 use crate::prometheus::FixedFamily;
+use crate::vocab::RebalanceReport;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};

@@ -103,7 +103,11 @@ fn instances(s: &Seen, mut e: MetricEncoder) -> fmt::Result {
 }
 
 fn mode(s: &Seen, mut e: MetricEncoder) -> fmt::Result {
-    for m in [RebalanceMode::Off, RebalanceMode::Advise, RebalanceMode::Act] {
+    for m in [
+        RebalanceMode::Off,
+        RebalanceMode::Advise,
+        RebalanceMode::Act,
+    ] {
         let on = i64::from(m == s.mode);
         ConstGauge::new(on).encode(e.encode_family(&[("mode", m.as_str())])?)?;
     }
@@ -173,7 +177,10 @@ mod tests {
             "pdctl_proxy_rebalance_moves_total{toward=\"decode\"} 1",
             "pdctl_proxy_rebalance_moves_failed_total 1",
         ] {
-            assert!(text.lines().any(|l| l == line), "{line} missing from:\n{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line} missing from:\n{text}"
+            );
         }
         seen.set(None);
         assert!(!page(&seen).lines().any(|l| !l.starts_with('#')));

@@ -151,6 +151,9 @@ pub struct MoveRecord {
     /// How the change carrying it out ended (its first line), once it has.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<String>,
+    /// When that change ended (Unix time, ms): the cool-down counts from here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_ms: Option<u64>,
 }
 
 /// The rebalancer as `pdctl status` shows it (`rebalance` in `--json`).

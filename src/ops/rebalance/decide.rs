@@ -27,7 +27,9 @@ pub fn decide(
     state: State,
 ) -> Result<Option<Move>, String> {
     let t = &plan.table;
-    if figures.requests == 0 {
+    // Long answers may put no first token in a window and still show its gaps: the
+    // inter-token figure is judged on its own.
+    if figures.requests == 0 && figures.itl_p90_ms.is_none() {
         return Ok(None);
     }
     let over = |v: Option<f64>, goal: Option<f64>| match (v, goal) {
@@ -150,6 +152,11 @@ fn no_room(toward: Toward, s: Split, plan: &RebalancePlan) -> String {
     format!("{role} has no instance to give ({n}, min_{role} = {min}) and the budget no room")
 }
 
+/// `1 request`, `16 requests`: first tokens in the window.
+pub fn requests(n: u64) -> String {
+    format!("{n} request{}", if n == 1 { "" } else { "s" })
+}
+
 fn reason(toward: Toward, f: &Figures, plan: &RebalancePlan) -> String {
     let t = &plan.table;
     let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
@@ -158,10 +165,10 @@ fn reason(toward: Toward, f: &Figures, plan: &RebalancePlan) -> String {
         Toward::Decode => ("ITL", f.itl_p90_ms, t.itl_p90_ms),
     };
     format!(
-        "{what} p90 {} ms over the {} ms objective ({} requests; queue P {:.1} D {:.1}; busy P {:.0}% D {:.0}%)",
+        "{what} p90 {} ms over the {} ms objective ({}; queue P {:.1} D {:.1}; busy P {:.0}% D {:.0}%)",
         ms(v),
         ms(goal),
-        f.requests,
+        requests(f.requests),
         f.prefill_queue,
         f.decode_queue,
         f.prefill_busy * 100.0,
@@ -243,6 +250,20 @@ mod tests {
         assert_eq!(run(&plan(P), s(2, 2), &f, State::default()), Ok(None));
         let idle = Figures::default();
         assert_eq!(run(&plan(P), s(2, 2), &idle, State::default()), Ok(None));
+    }
+
+    #[test]
+    fn gaps_are_judged_in_a_window_without_a_first_token() {
+        let long_answers = Figures {
+            requests: 0,
+            ttft_p90_ms: None,
+            itl_p90_ms: Some(72.0),
+            ..Figures::default()
+        };
+        let m = run(&plan(P), s(3, 1), &long_answers, State::default())
+            .unwrap()
+            .unwrap();
+        assert_eq!((m.to, m.toward), (s(2, 2), Toward::Decode));
     }
 
     #[test]

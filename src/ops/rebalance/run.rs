@@ -13,7 +13,8 @@ use crate::control::Response;
 use crate::control::operation::{ChangeOptions, ChangeRequest, now_ms};
 use crate::supervisor::Operations;
 use crate::vocab::{
-    Figures, HistoryPoint, Move, MoveCounts, MoveRecord, RebalanceMode, RebalancePlan, RebalanceReport, Role, Split, Toward,
+    Figures, HistoryPoint, Move, MoveCounts, MoveRecord, RebalanceMode, RebalancePlan,
+    RebalanceReport, Role, Split, Toward,
 };
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -258,11 +259,14 @@ pub async fn run(engine: Arc<dyn Operations>, r: Arc<Rebalancer>) {
 
 fn met(f: &Figures) -> String {
     let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0} ms"));
+    if f.requests == 0 && f.itl_p90_ms.is_none() {
+        return "nothing to judge: no first token and no token gap in the window".into();
+    }
     format!(
-        "objectives met: TTFT p90 {}, ITL p90 {} ({} requests)",
+        "objectives met: TTFT p90 {}, ITL p90 {} ({})",
         ms(f.ttft_p90_ms),
         ms(f.itl_p90_ms),
-        f.requests
+        super::decide::requests(f.requests)
     )
 }
 
@@ -321,6 +325,7 @@ async fn act(engine: &dyn Operations, r: &Rebalancer, m: Move, figures: Figures)
         reason: m.reason.clone(),
         figures,
         outcome: None,
+        ended_ms: None,
     };
     let (tx, mut rx) = mpsc::unbounded_channel();
     let (outcome, failed) = match engine.begin(change, tx) {
@@ -344,6 +349,7 @@ async fn act(engine: &dyn Operations, r: &Rebalancer, m: Move, figures: Figures)
     };
     tracing::info!("rebalance: move {} -> {} {outcome}", m.from, m.to);
     record.outcome = Some(outcome);
+    record.ended_ms = Some(now_ms());
     if let Err(e) = append(&r.state_dir.join(MOVES_FILE), &record) {
         tracing::warn!("rebalance: cannot keep the move's record: {e}");
     }
@@ -392,6 +398,7 @@ mod tests {
             reason: "TTFT".into(),
             figures: Figures::default(),
             outcome: Some("done (0)".into()),
+            ended_ms: Some(2),
         };
         append(&path, &rec).unwrap();
         append(&path, &rec).unwrap();
