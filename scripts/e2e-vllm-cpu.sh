@@ -11,7 +11,8 @@
 #                mooncake-store (MooncakeStoreConnector, etcd + mooncake_master),
 #                mooncake-store-http (the same, mooncake_master's HTTP metadata, no etcd),
 #                misses-load (ExampleConnector behind a client key: pdctl check, and real
-#                misses made under steady streamed load, counted one for one) or
+#                misses made under steady streamed load, counted one for one),
+#                rebalance (the [rebalance] advisor reading real vLLM's figures) or
 #                gpu-script (scripts/e2e-vllm-gpu.sh --cpu: the GPU script's own cases
 #                rehearsed on the CPU build, so its logic is run where there is no GPU)
 #   --model DIR  where the tiny model lives (default: ~/.local/share/pdctl/models/tiny-llama,
@@ -30,10 +31,10 @@ MODEL=""
 VENV=""
 while (($#)); do
   case "$1" in
-    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, gpu-script}"; shift 2 ;;
+    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance, gpu-script}"; shift 2 ;;
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
     --venv) VENV="${2:?--venv needs a directory}"; shift 2 ;;
-    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e-vllm-cpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -45,8 +46,9 @@ case "$ONLY" in
   mooncake-store) FILTER="vllm_cpu_mooncake_store_1p1d" ;;
   mooncake-store-http) FILTER="vllm_cpu_mooncake_store_http_metadata_1p1d" ;;
   misses-load) FILTER="vllm_cpu_misses_under_load_1p1d" ;;
+  rebalance) FILTER="vllm_cpu_rebalance_reads_real_figures_1p1d" ;;
   gpu-script) FILTER="" ;;
-  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load or gpu-script, not '$ONLY'" >&2; exit 2 ;;
+  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance or gpu-script, not '$ONLY'" >&2; exit 2 ;;
 esac
 
 step() { printf '\n==> %s\n' "$*"; }

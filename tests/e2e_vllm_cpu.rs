@@ -1937,3 +1937,120 @@ fn blank_fields(event: &str) -> String {
     }
     out
 }
+
+// --- rebalance ------------------------------------------------------------------------------
+
+/// The rebalancer on real vLLM (`[rebalance]`, mode advise): under streamed load it reads the
+/// proxy's TTFT and the decode engine's own inter-token histogram (vLLM's
+/// `vllm:inter_token_latency_seconds`, which the sim only imitates), says it would move
+/// 1P1D -> 1P2D for an inter-token objective no CPU engine meets (the budget of 3 has
+/// room), moves nothing, and the proxy's `/metrics` shows the split.
+#[test]
+#[ignore = "needs vLLM's CPU build and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
+fn vllm_cpu_rebalance_reads_real_figures_1p1d() {
+    let case = Case {
+        name: "rebalance",
+        real_misses: 0,
+        ..EXAMPLE
+    };
+    let model = prerequisites(&case);
+    let ports = free_ports(8);
+    let proxy_port = ports[2];
+    let root = TempDir::new("e2e-rebalance");
+    let topo = root.path().join("topology.toml");
+    let mut t: toml::Table =
+        toml::from_str(&topology(&case, "e2e-vllm-rebalance", &model, &ports)).unwrap();
+    let table: toml::Table = toml::from_str(
+        "ttft_p90_ms = 600000\nitl_p90_ms = 1\nbudget = 3\nwindow_s = 6\nmode = \"advise\"\n",
+    )
+    .unwrap();
+    t.insert("rebalance".into(), table.into());
+    std::fs::write(&topo, toml::to_string(&t).unwrap()).unwrap();
+    let tag = format!("{}-{}-{}", case.name, std::process::id(), ports[7]);
+    let mut guard = Running {
+        state: root.path().to_path_buf(),
+        tag,
+        up: false,
+    };
+    guard.up = true;
+    let up = run(pdctl_in(&guard, &["up", "-d", "-f", path(&topo)]), 900);
+    assert!(up.status.success(), "pdctl up -d failed:\n{}", text(&up));
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async move {
+                let http = reqwest::Client::new();
+                let url = format!("http://127.0.0.1:{proxy_port}/v1/completions");
+                let mut sent = 0usize;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    let batch: Vec<_> = (0..3)
+                        .map(|c| {
+                            let body = request_body(
+                                "/v1/completions",
+                                &prompt("rebalance", "load", sent + c),
+                                32,
+                                true,
+                            );
+                            let (http, url) = (http.clone(), url.clone());
+                            tokio::spawn(async move { send(&http, &url, &body).await.ms })
+                        })
+                        .collect();
+                    for b in batch {
+                        b.await.expect("a request of the load failed");
+                    }
+                    sent += 3;
+                }
+                sent
+            })
+        })
+    };
+    let started = Instant::now();
+    let report = loop {
+        let out = run(pdctl_in(&guard, &["status", "--json"]), 30);
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        let verdict = v["rebalance"]["verdict"].as_str().unwrap_or_default();
+        if verdict.starts_with("would move 1P1D -> 1P2D: ITL p90") {
+            break v["rebalance"].clone();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(300) && !load.is_finished(),
+            "no verdict within 300 s (or the load failed); the last: {}",
+            v["rebalance"]
+        );
+        std::thread::sleep(Duration::from_secs(2));
+    };
+    println!("[{}] status --json rebalance: {report}", case.name);
+    let f = &report["figures"];
+    assert!(
+        f["itl_p90_ms"].as_f64().is_some_and(|v| v > 1.0),
+        "{report}"
+    );
+    assert!(
+        f["ttft_p90_ms"].as_f64().is_some_and(|v| v > 0.0),
+        "{report}"
+    );
+    assert!(f["requests"].as_u64().is_some_and(|n| n > 0), "{report}");
+    assert_eq!(report["moves_total"], 0, "advise moved: {report}");
+    let shown = text(&run(pdctl_in(&guard, &["status"]), 30));
+    assert!(shown.contains("rebalance (advise, 1P1D"), "{shown}");
+    let page = Command::new("curl")
+        .args(["-s", &format!("http://127.0.0.1:{proxy_port}/metrics")])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    for line in [
+        "pdctl_proxy_rebalance_instances{role=\"decode\"} 1",
+        "pdctl_proxy_rebalance_mode{mode=\"advise\"} 1",
+    ] {
+        assert!(page.lines().any(|l| l == line), "{line} not on:\n{page}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let sent = load.join().expect("the load failed");
+    println!("[{}] {sent} streamed requests, none failed", case.name);
+    let down = run(pdctl_in(&guard, &["down"]), 120);
+    assert!(down.status.success(), "pdctl down failed:\n{}", text(&down));
+    guard.up = false;
+}
