@@ -236,6 +236,38 @@ fn advise_under_long_outputs_would_move_toward_decode() {
             .is_some_and(|b| b.verdict.starts_with("objectives met"))
     });
     eprintln!("after apply: {}", r.rebalance.as_ref().unwrap().verdict);
+    // A table removed by `apply` leaves the cluster without a rebalancer, in place...
+    let table_at = topology.find("[rebalance]").unwrap();
+    let end = table_at + topology[table_at..].find("mode = \"advise\"\n").unwrap() + 16;
+    let without = format!("{}{}", &topology[..table_at], &topology[end..]);
+    std::fs::write(&file, &without).unwrap();
+    let out = cluster.run(&["apply", "-f", file.to_str().unwrap()]);
+    assert!(
+        out.status.success() && text(&out).contains("~ [rebalance]: removed (taken in place)"),
+        "{}",
+        text(&out)
+    );
+    wait_for(&cluster, Duration::from_secs(15), |r| r.rebalance.is_none());
+    let out = cluster.run(&["rebalance", "act"]);
+    assert!(
+        !out.status.success() && text(&out).contains("has no [rebalance] table"),
+        "{}",
+        text(&out)
+    );
+    // ...and one added by `apply` is taken in place too, with its mode.
+    std::fs::write(&file, &topology).unwrap();
+    let out = cluster.run(&["apply", "-f", file.to_str().unwrap()]);
+    assert!(
+        out.status.success() && text(&out).contains("~ [rebalance]: added (taken in place)"),
+        "{}",
+        text(&out)
+    );
+    let r = wait_for(&cluster, Duration::from_secs(15), |r| {
+        r.rebalance
+            .as_ref()
+            .is_some_and(|b| b.mode == RebalanceMode::Advise)
+    });
+    eprintln!("added again: {}", r.rebalance.as_ref().unwrap().verdict);
     let out = load.wait_with_output().unwrap();
     assert!(
         out.status.success(),

@@ -401,6 +401,12 @@ impl<'a> Change<'a> {
         how: &'a ChangeOptions,
         progress: &'a Progress,
     ) -> Change<'a> {
+        let mut running = running;
+        // The table the rebalancer judges by is the kept topology's (an `apply` that only
+        // changes it leaves plan.json as it was).
+        if let Some(Ok(kept)) = sources.0.as_ref().map(|s| s.rebalance()) {
+            running.rebalance = kept;
+        }
         Change {
             inner,
             diff: diff(&running, &wanted),

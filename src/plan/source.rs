@@ -108,6 +108,20 @@ impl ClusterSource {
         Ok(t)
     }
 
+    /// The `[rebalance]` table as the plan carries it: what the head's rebalancer judges
+    /// by while this source is kept (None: it has none).
+    pub fn rebalance(&self) -> Result<Option<crate::vocab::RebalancePlan>, ResolveError> {
+        let t = self.topology()?;
+        Ok(t.spec
+            .rebalance
+            .clone()
+            .map(|table| crate::vocab::RebalancePlan {
+                table,
+                prefill_gpus: t.spec.prefill.gpus_per_instance,
+                decode_gpus: t.spec.decode.gpus_per_instance,
+            }))
+    }
+
     /// Plans the cluster again (programs resolved) for node `node` under `state_root`.
     pub fn plan(&self, node: &str, state_root: &Path) -> Result<LoadedPlan, ResolveError> {
         let t = self.topology()?;

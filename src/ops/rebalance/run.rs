@@ -112,14 +112,9 @@ impl Rebalancer {
         let Ok(Some(source)) = crate::plan::source::ClusterSource::read(&self.state_dir) else {
             return;
         };
-        let Ok(t) = source.topology() else {
+        let Ok(kept) = source.rebalance() else {
             return;
         };
-        let kept = t.spec.rebalance.clone().map(|table| RebalancePlan {
-            table,
-            prefill_gpus: t.spec.prefill.gpus_per_instance,
-            decode_gpus: t.spec.decode.gpus_per_instance,
-        });
         let mut s = self.shared();
         match (kept, &s.plan) {
             (Some(p), Some(old)) if p != *old => {
