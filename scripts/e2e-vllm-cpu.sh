@@ -13,8 +13,9 @@
 #                misses-load (ExampleConnector behind a client key: pdctl check, and real
 #                misses made under steady streamed load, counted one for one),
 #                rebalance (the [rebalance] advisor reading real vLLM's figures) or
-#                gpu-script (scripts/e2e-vllm-gpu.sh --cpu: the GPU script's own cases
-#                rehearsed on the CPU build, so its logic is run where there is no GPU)
+#                gpu-script (scripts/e2e-vllm-gpu.sh --cpu: the GPU script's own cases,
+#                its rebalance case too, rehearsed on the CPU build, so its logic is run
+#                where there is no GPU)
 #   --model DIR  where the tiny model lives (default: ~/.local/share/pdctl/models/tiny-llama,
 #                where profiles/cpu-1p1d.toml looks)
 #   --venv DIR   pdctl's tools virtualenv (default: the one ./install.sh creates)
@@ -34,7 +35,7 @@ while (($#)); do
     --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance, gpu-script}"; shift 2 ;;
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
     --venv) VENV="${2:?--venv needs a directory}"; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e-vllm-cpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -93,6 +94,9 @@ if [ -z "$ONLY" ] || [ "$ONLY" = gpu-script ]; then
   step "The GPU script rehearsed on the CPU build (scripts/e2e-vllm-gpu.sh --cpu)"
   cargo build || fail "cargo build failed"
   "$HERE/e2e-vllm-gpu.sh" --cpu --model "$MODEL" --python "$VENV/bin/python" \
+    --pdctl "${CARGO_TARGET_DIR:-$REPO/target}/debug/pdctl" || gpu_status=$?
+  # Its rebalance case (three engines, one moved to the other role) runs only when named.
+  "$HERE/e2e-vllm-gpu.sh" --cpu --only rebalance --model "$MODEL" --python "$VENV/bin/python" \
     --pdctl "${CARGO_TARGET_DIR:-$REPO/target}/debug/pdctl" || gpu_status=$?
 fi
 

@@ -15,7 +15,12 @@
 #   --only CASE    example (ExampleConnector, shared directory), nixl (NixlConnector, decode
 #                  pulls), nixl-push (NixlConnector in push mode, vLLM 0.24.0 on) or mooncake
 #                  (MooncakeConnector V1 over tcp), several comma-separated; default: every
-#                  one the vLLM version has (with --cpu every one but mooncake)
+#                  one the vLLM version has (with --cpu every one but mooncake). Only when
+#                  named: rebalance (1P2D of three engines sharing the GPU, `[rebalance]` in
+#                  act mode with a TTFT objective no engine meets: under load it moves one
+#                  decode to prefill, 1P2D -> 2P1D, the removed engine stopped before the new
+#                  one starts on its share; 0 failed requests, the move explained in status,
+#                  `pdctl check` passes on the new split, down leaves the GPU empty)
 #   --measure      instead of the cases: one engine's start alone (the prefill's own command
 #                  line and environment from `pdctl plan`, until /health answers), then
 #                  `pdctl up -d` of the NIXL 1P1D sharing the GPU; prints both times and their
@@ -55,14 +60,14 @@ while (($#)); do
   case "$1" in
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
     --python) PYTHON="${2:?--python needs a path}"; shift 2 ;;
-    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push or mooncake}"; shift 2 ;;
+    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake or rebalance}"; shift 2 ;;
     --gpu) GPU="${2:?--gpu needs an index}"; shift 2 ;;
     --pdctl) PDCTL="${2:?--pdctl needs a path}"; shift 2 ;;
     --keep) KEEP=1; shift ;;
     --cpu) CPU=1; shift ;;
     --eager) EAGER=1; shift ;;
     --measure) MEASURE=1; shift ;;
-    -h|--help) sed -n '5,40p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '5,45p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e-vllm-gpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -114,9 +119,9 @@ else
   IFS=, read -r -a CASES <<<"$ONLY"
   for c in "${CASES[@]}"; do
     case "$c" in
-      example|nixl|mooncake) ;;
+      example|nixl|mooncake|rebalance) ;;
       nixl-push) has_push || die "nixl-push needs vLLM 0.24.0 or later; $PYTHON_PATH has vLLM $VLLM_VERSION" ;;
-      *) die "--only takes example, nixl, nixl-push or mooncake (comma-separated), not '$c'" ;;
+      *) die "--only takes example, nixl, nixl-push, mooncake or rebalance (comma-separated), not '$c'" ;;
     esac
   done
 fi
@@ -178,8 +183,8 @@ decode_healthy_after() { # decode-0 healthy with more than $2 restarts
 }
 gpu_idle() { [ -z "$(gpu_pids)" ]; }
 
-topology() { # topology CASE PORT_BASE
-  local case="$1" b="$2" conn env="$ENV_LINES"
+topology() { # topology CASE PORT_BASE [PREFILL DECODE]: the engines share the GPU
+  local case="$1" b="$2" np="${3:-1}" nd="${4:-1}" conn env="$ENV_LINES"
   case "$case" in
     example) conn='kind = "example"' ;;
     nixl|nixl-push)
@@ -189,6 +194,9 @@ topology() { # topology CASE PORT_BASE
       # memory) instead of a network device it may not have.
       env+=$'UCX_TLS = "all"\nUCX_NET_DEVICES = "all"\n' ;;
     mooncake) conn=$'kind = "mooncake"\ntransport = "tcp"\nbootstrap_port = '"$((b + 98))" ;;
+    rebalance)
+      conn='kind = "nixl"'
+      env+=$'UCX_TLS = "all"\nUCX_NET_DEVICES = "all"\n' ;;
   esac
   cat <<EOF
 cluster = "e2e-gpu-$case"
@@ -202,7 +210,7 @@ max_model_len = 2048
 kind = "vllm"
 vllm_version = "auto"
 python = "$PYTHON_PATH"
-instances_per_gpu = 2
+instances_per_gpu = $((np + nd))
 startup_timeout_s = 900
 $DEVICE_LINES
 $(if [ -n "$env" ]; then printf '\n[engine.env]\n%s' "$env"; fi)
@@ -210,11 +218,11 @@ $(if [ -n "$env" ]; then printf '\n[engine.env]\n%s' "$env"; fi)
 $conn
 
 [prefill]
-instances = 1
+instances = $np
 base_port = $((b + 100))
 
 [decode]
-instances = 1
+instances = $nd
 base_port = $((b + 200))
 
 [proxy]
@@ -358,6 +366,97 @@ run_case() {
   SUMMARY[$case]="up ${up_s}s | ${figures:-no figures} | bench $bench | live $live | restart ${restart_s}s, leak ${leak} MiB | $([ "$CASE_FAILED" = 0 ] && echo ok || echo FAILED)"
 }
 
+# `rebalance_field STATE KEY`: the rebalancer's KEY in status --json (moves_total, verdict,
+# or last_move: the last move as "FROM TO OUTCOME").
+rebalance_field() {
+  status_json "$1" | "$PYTHON_PATH" -c '
+import json, sys
+r = (json.load(sys.stdin).get("rebalance") or {})
+k = sys.argv[1]
+if k == "last_move":
+    m = (r.get("moves") or [{}])[-1]
+    s = lambda x: "%dP%dD" % (x["prefill"], x["decode"]) if x else "-"
+    print(s(m.get("from")), s(m.get("to")), (m.get("outcome") or "-").split(":")[0])
+else:
+    print(r.get(k, ""))' "$2"
+}
+moved_once() { [ "$(rebalance_field "$1" moves_total)" -ge 1 ] 2>/dev/null; }
+
+# The rebalancer on real engines: a 1P2D of three engines sharing the GPU under steady
+# load; its TTFT objective (1 ms) is missed whatever runs and the budget is the three
+# instances, so it moves one decode to prefill (the highest-numbered decode drained and
+# stopped, then the new prefill started on its share of the GPU) and then holds at
+# min_decode = 1.
+run_rebalance() {
+  local base="$1" case=rebalance
+  local dir="$WORK/$case" state="$WORK/$case/state"
+  mkdir -p "$dir"
+  CASE_FAILED=0
+  CURRENT_STATE="$state"
+  { topology rebalance "$base" 1 2
+    printf '\n[rebalance]\nttft_p90_ms = 1\nitl_p90_ms = 600000\nbudget = 3\nwindow_s = 10\ncooldown_s = 600\nmode = "act"\n'
+  } > "$dir/topology.toml"
+  echo; echo "== $case: 1P2D sharing GPU $GPU, [rebalance] act ($dir/topology.toml)"
+  local t0 up_s move_s="-"
+  t0=$SECONDS
+  if "$PDCTL" up -d -f "$dir/topology.toml" --gpus "$GPUS_ARG" --state-dir "$state" > "$dir/up.log" 2>&1; then
+    up_s=$((SECONDS - t0)); pass "$case: pdctl up -d of 1P2D healthy in ${up_s} s"
+  else
+    fail "$case: pdctl up -d failed (last lines below; logs in $state/logs)"; tail -20 "$dir/up.log"
+    SUMMARY[$case]="up failed"; return
+  fi
+  # Steady load: runs of 16 requests back to back until the move is over (at most 15 min).
+  rm -f "$dir/load.stop"
+  ( i=0; while [ ! -e "$dir/load.stop" ] && ((i < 400)); do
+      "$PDCTL" bench --url "http://127.0.0.1:$base" --model e2e-model --num-prompts 16 --max-concurrency 4 \
+        --input-len 256 --output-len 32 --seed "$i" --json "$dir/load-$i.json" > "$dir/load-$i.log" 2>&1
+      i=$((i + 1)); done ) &
+  local load_pid=$!
+  t0=$SECONDS
+  if wait_for 900 moved_once "$state"; then
+    move_s=$((SECONDS - t0))
+    local from to outcome
+    read -r from to outcome < <(rebalance_field "$state" last_move)
+    [ "$from $to $outcome" = "1P2D 2P1D done (0)" ] \
+      && pass "$case: under load the rebalancer moved $from -> $to (${move_s} s after the load began)" \
+      || fail "$case: the move was $from -> $to, $outcome"
+  else
+    fail "$case: no move within 900 s; verdict: $(rebalance_field "$state" verdict)"
+  fi
+  # The move done, TTFT still missed: min_decode = 1 holds it (said in status).
+  wait_for 60 bash -c '"$0" status --json --state-dir "$1" | grep -q "decode has no instance to give"' "$PDCTL" "$state" \
+    && pass "$case: then held at min_decode = 1: $(rebalance_field "$state" verdict | cut -c1-100)..." \
+    || fail "$case: after the move: $(rebalance_field "$state" verdict)"
+  touch "$dir/load.stop"; wait "$load_pid"
+  local done_n=0 failed_n=0 c f
+  for j in "$dir"/load-*.json; do
+    [ -f "$j" ] || continue
+    read -r c f _ _ < <("$PYTHON_PATH" "$HERE/e2e_gpu_checks.py" bench-result "$j")
+    done_n=$((done_n + c)); failed_n=$((failed_n + f))
+  done
+  [ "$failed_n" = 0 ] && [ "$done_n" -gt 0 ] \
+    && pass "$case: the load through the move: $done_n requests, 0 failed" \
+    || fail "$case: the load through the move: $done_n completed, $failed_n failed"
+  local js; js="$(status_json "$state")"
+  local roles; roles="$("$PYTHON_PATH" -c 'import json,sys; r=json.load(sys.stdin); print(" ".join(sorted(s["name"]+":"+s["state"] for s in r["services"] if s["role"] in ("prefill","decode"))))' <<<"$js")"
+  [ "$roles" = "decode-0:healthy prefill-0:healthy prefill-1:healthy" ] \
+    && pass "$case: status: $roles" || fail "$case: status after the move: $roles"
+  "$PDCTL" check --state-dir "$state" > "$dir/check.log" 2>&1 \
+    && pass "$case: pdctl check on the new split: $(grep -c 'moved' "$dir/check.log") pair(s) hand KV over" \
+    || fail "$case: pdctl check after the move: $(tail -3 "$dir/check.log")"
+  curl -s "http://127.0.0.1:$base/metrics" | grep -q '^pdctl_proxy_rebalance_moves_total{toward="prefill"} 1$' \
+    && pass "$case: the proxy's /metrics counts the move" || fail "$case: the proxy's /metrics does not count the move"
+  local sup left gpu_left
+  sup="$(record "$state" supervisor_pid)"
+  "$PDCTL" down --state-dir "$state" > "$dir/down.log" 2>&1
+  sleep 3
+  left="$(cluster_pids "$sup" | wc -l)"; gpu_left="$(gpu_pids | wc -l)"
+  [ "$left" = 0 ] && [ "$gpu_left" = 0 ] && pass "$case: down: no process, nothing on the GPU" \
+    || fail "$case: after down: $left process(es), $gpu_left on the GPU"
+  CURRENT_STATE=""
+  SUMMARY[$case]="up ${up_s}s | moved 1P2D -> 2P1D ${move_s}s after the load began | load $done_n ok, $failed_n failed | $([ "$CASE_FAILED" = 0 ] && echo ok || echo FAILED)"
+}
+
 # One engine's start alone against `pdctl up -d` of the 1P1D sharing the GPU, on the same
 # machine one after the other: the prefill's own command line and environment from the
 # plan, timed until its /health answers, then stopped; then the whole cluster; then, when
@@ -447,7 +546,7 @@ if [ "$MEASURE" = 1 ]; then
 else
   port=18000
   for c in "${CASES[@]}"; do
-    run_case "$c" "$port"
+    if [ "$c" = rebalance ]; then run_rebalance "$port"; else run_case "$c" "$port"; fi
     port=$((port + 1000))
   done
 fi
