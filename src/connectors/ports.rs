@@ -6,11 +6,6 @@ use std::collections::BTreeMap;
 #[derive(Debug, Clone, Default)]
 pub struct PortBook {
     used: BTreeMap<String, BTreeMap<u16, String>>,
-    /// Ports the running cluster's listeners hold, by host and owner (`prefill-0
-    /// (side-channel)`), when a change plans it again: each owner gets its own back, and
-    /// nobody else is given one (a listener leaving the plan may still hold it while the
-    /// new ones start).
-    kept: BTreeMap<String, BTreeMap<u16, String>>,
 }
 
 /// A port asked for twice on one host.
@@ -35,42 +30,16 @@ impl PortBook {
         Ok(())
     }
 
-    /// Keeps `port` on `host` for `owner`, as the running cluster has it (see `kept`).
-    pub fn keep(&mut self, host: &str, port: u16, owner: &str) {
-        self.kept
-            .entry(host.to_string())
-            .or_default()
-            .insert(port, owner.to_string());
-    }
-
     /// Takes `width` consecutive free ports on `host`, the first at or above `base`, and
-    /// returns the first (per-node ranges such as side-channel or bootstrap ports): the
-    /// range `owner` kept, when it still fits; never a port kept for another owner.
+    /// returns the first (per-node ranges such as side-channel or bootstrap ports).
     /// `None` when the range would run past 65535.
     pub fn take(&mut self, host: &str, base: u16, width: u16, owner: &str) -> Option<u16> {
         let width = width.max(1);
-        let no_kept = BTreeMap::new();
-        let kept = self.kept.get(host).unwrap_or(&no_kept);
         let ports = self.used.entry(host.to_string()).or_default();
-        let blocked = |p: u32| {
-            let p = p as u16;
-            ports.contains_key(&p) || kept.get(&p).is_some_and(|o| o != owner)
-        };
-        let own = kept
-            .iter()
-            .filter(|(p, o)| *o == owner && **p >= base)
-            .map(|(p, _)| u32::from(*p))
-            .next();
-        let fits = |start: u32| {
-            start + u32::from(width) - 1 <= 65535
-                && !(start..start + u32::from(width)).any(&blocked)
-        };
-        let mut start = match own {
-            Some(p) if fits(p) => p,
-            _ => u32::from(base),
-        };
+        let mut start = u32::from(base);
         while start + u32::from(width) - 1 <= 65535 {
-            let clash = (start..start + u32::from(width)).find(|p| blocked(*p));
+            let clash =
+                (start..start + u32::from(width)).find(|p| ports.contains_key(&(*p as u16)));
             match clash {
                 None => {
                     for p in start..start + u32::from(width) {
@@ -107,29 +76,5 @@ mod tests {
         assert_eq!(b.take("h", 5600, 2, "b"), Some(5602));
         assert_eq!(b.take("h", 5600, 1, "c"), Some(5604));
         assert_eq!(b.take("h", 65535, 2, "d"), None);
-    }
-
-    #[test]
-    fn a_kept_port_goes_back_to_its_owner_and_to_nobody_else() {
-        // 1P2D ran: prefill-0 5600, decode-0 5601, decode-1 5602. Planned again as 2P1D
-        // (placement order: prefill-0, prefill-1, decode-0).
-        let mut b = PortBook::default();
-        for (port, owner) in [(5600, "prefill-0"), (5601, "decode-0"), (5602, "decode-1")] {
-            b.keep("h", port, &format!("{owner} (side-channel)"));
-        }
-        assert_eq!(b.take("h", 5600, 1, "prefill-0 (side-channel)"), Some(5600));
-        // Not decode-0's, nor decode-1's (it may run while prefill-1 starts).
-        assert_eq!(b.take("h", 5600, 1, "prefill-1 (side-channel)"), Some(5603));
-        assert_eq!(b.take("h", 5600, 1, "decode-0 (side-channel)"), Some(5601));
-        // Another host knows nothing of them.
-        assert_eq!(b.take("g", 5600, 1, "decode-0 (side-channel)"), Some(5600));
-        // A kept port below a new base is not kept; a kept range too narrow now moves.
-        let mut b = PortBook::default();
-        b.keep("h", 5557, "prefill-0 (side-channel)");
-        assert_eq!(b.take("h", 5600, 1, "prefill-0 (side-channel)"), Some(5600));
-        let mut b = PortBook::default();
-        b.keep("h", 5600, "prefill-0 (side-channel)");
-        b.keep("h", 5601, "decode-0 (side-channel)");
-        assert_eq!(b.take("h", 5600, 2, "prefill-0 (side-channel)"), Some(5602));
     }
 }
