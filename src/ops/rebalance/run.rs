@@ -13,7 +13,8 @@ use crate::control::Response;
 use crate::control::operation::{ChangeOptions, ChangeRequest, now_ms};
 use crate::supervisor::Operations;
 use crate::vocab::{
-    Figures, HistoryPoint, Move, MoveRecord, RebalanceMode, RebalancePlan, RebalanceReport, Role, Split, Toward,
+    Figures, HistoryPoint, Move, MoveRecord, RebalanceMode, RebalancePlan, RebalanceReport, Role,
+    Split, Toward,
 };
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -331,8 +332,9 @@ fn append(path: &Path, record: &MoveRecord) -> std::io::Result<()> {
     writeln!(f, "{line}")
 }
 
-/// The records a previous run kept (lines that do not read are skipped).
-fn read_moves(path: &Path) -> Vec<MoveRecord> {
+/// The records kept in `path` (lines that do not read are skipped): a previous run's, for
+/// `status`, and all of them for `pdctl rebalance history`.
+pub fn read_moves(path: &Path) -> Vec<MoveRecord> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
