@@ -43,7 +43,7 @@ impl HistoryArgs {
 }
 
 /// What to do about a missing history, said once for every way it can be missing.
-const WHAT_TO_DO: &str = "the rebalancer keeps one (a line each look, every 1-5 s) while the topology has a `[rebalance]` table and its mode is advise or act: add the table (docs/rebalance.md) and start the cluster with it, or name another cluster with --cluster or another state root with --state-dir / PDCTL_STATE_DIR";
+const WHAT_TO_DO: &str = "the rebalancer keeps one (a line each look, every 1-5 s), on the head node, while the topology has a `[rebalance]` table and its mode is advise or act: add the table (docs/rebalance.md) and start the cluster with it, or name another cluster with --cluster or another state root with --state-dir / PDCTL_STATE_DIR";
 
 /// Why there is no history to show.
 #[derive(Debug, thiserror::Error)]
