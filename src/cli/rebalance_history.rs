@@ -347,7 +347,7 @@ pub fn moves_table(moves: &[MoveRecord], first: Option<&HistoryPoint>, width: us
                 clock(m.at_ms)[11..19].to_string(),
                 since(t0, m.at_ms),
                 format!("{} -> {}", m.from, m.to),
-                cut(m.outcome.as_deref().unwrap_or("-"), 40),
+                cut(m.outcome.as_deref().unwrap_or("-"), 48),
                 m.reason.clone(),
             ]
         })
@@ -484,14 +484,16 @@ mod tests {
             },
             reason: "TTFT p90 2350 ms over the 200 ms objective".into(),
             figures: Figures::default(),
-            outcome: Some("done (0): scaled prefill to 3, decode to 1".into()),
+            outcome: Some(
+                "done (0): scaled prefill to 3, decode to 1 in 1.1 s after a drain".into(),
+            ),
         };
         let t = moves_table(&[m], Some(&point(0, "")), 160);
         assert!(t.contains("moves (1):"), "{t}");
         let row = t.lines().last().unwrap();
         assert!(
             row.starts_with(
-                "01:02:15  12  2P2D -> 3P1D  done (0): scaled prefill to 3, decode...  "
+                "01:02:15  12  2P2D -> 3P1D  done (0): scaled prefill to 3, decode to 1 in...  "
             ),
             "{row}"
         );
