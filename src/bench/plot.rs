@@ -14,8 +14,8 @@ const COLORS: [&str; 6] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
 ];
 
-/// A "nice" axis end and tick step covering `max`.
-fn axis(max: f64) -> (f64, f64) {
+/// A "nice" axis end and tick step covering `max` (also the rebalance history plot's).
+pub(crate) fn axis(max: f64) -> (f64, f64) {
     let max = if max > 0.0 { max } else { 1.0 };
     let raw = max / 5.0;
     let mag = 10f64.powf(raw.log10().floor());
@@ -151,12 +151,14 @@ fn cdf_line(o: &mut String, f: &Frame, values: &[f64], color: &str) {
     );
 }
 
-fn trim(v: f64) -> String {
+/// A tick label: at most two decimals, no trailing zeros.
+pub(crate) fn trim(v: f64) -> String {
     let s = format!("{v:.2}");
     s.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
-fn escape(s: &str) -> String {
+/// Text made safe inside an SVG element.
+pub(crate) fn escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")

@@ -17,6 +17,7 @@ mod live;
 mod log_buffer;
 mod logs_cmd;
 mod rebalance;
+mod rebalance_history;
 mod remote_up;
 mod restart;
 mod secret;
@@ -52,7 +53,8 @@ pub enum Command {
     Restart(restart::RestartArgs),
     /// Set how many instances a role has, while serving: `scale decode=2`.
     Scale(live::ScaleArgs),
-    /// Switch the rebalancer (`[rebalance]`) while serving: `off`, `advise` or `act`.
+    /// Switch the rebalancer (`[rebalance]`) while serving: `off`, `advise` or `act`; or
+    /// `history`: the figures of each look and the moves, as a table, JSON or a plot.
     Rebalance(rebalance::RebalanceArgs),
     /// Change the running cluster to what a topology says, while serving (`--dry-run` shows
     /// the change only).

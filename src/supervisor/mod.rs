@@ -38,7 +38,7 @@ pub use run::progress::{
 pub use run::runner::{RunOptions, run};
 pub use run::service::FAILURE_LINES;
 pub use state_dir::logfile::{
-    DEFAULT_KEEP, DEFAULT_MAX_BYTES, NOTE_PREFIX, log_message, rotated_path, strip_ansi,
+    DEFAULT_KEEP, DEFAULT_MAX_BYTES, NOTE_PREFIX, format_utc, log_message, rotated_path, strip_ansi,
 };
 pub use state_dir::select;
 pub use state_dir::stale::clean_if_stale;

@@ -366,8 +366,9 @@ fn append(path: &Path, record: &MoveRecord) -> std::io::Result<()> {
     writeln!(f, "{line}")
 }
 
-/// The records a previous run kept (lines that do not read are skipped).
-fn read_moves(path: &Path) -> Vec<MoveRecord> {
+/// The records kept in `path` (lines that do not read are skipped): a previous run's, for
+/// `status`, and all of them for `pdctl rebalance history`.
+pub fn read_moves(path: &Path) -> Vec<MoveRecord> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
