@@ -658,6 +658,48 @@ fn a_traffic_shift_under_steady_load_moves_the_split_within_two_windows_and_back
     assert_done(&third, "2P2D", "3P1D", "TTFT p90");
     let out = cluster.run(&["rebalance", "off"]);
     assert!(out.status.success(), "{}", text(&out));
+    // The history of the run: each look, and the three moves, listed and plotted.
+    let out = cluster.run(&["rebalance", "history", "--cluster", "rebal-act", "--json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let history: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let kept: Vec<(String, String)> = history["moves"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let s = |x: &Value| format!("{}P{}D", x["prefill"], x["decode"]);
+            (s(&m["from"]), s(&m["to"]))
+        })
+        .collect();
+    let pair = |a: &str, b: &str| (a.to_string(), b.to_string());
+    assert_eq!(
+        kept,
+        vec![
+            pair("2P2D", "3P1D"),
+            pair("3P1D", "2P2D"),
+            pair("2P2D", "3P1D")
+        ]
+    );
+    assert!(
+        history["points"].as_array().unwrap().len() > 20,
+        "{history}"
+    );
+    let plot = dir.path().join("rebalance.svg");
+    let out = cluster.run(&[
+        "rebalance",
+        "history",
+        "--cluster",
+        "rebal-act",
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(
+        svg.contains(">2P2D -&gt; 3P1D</text>") && svg.contains(">3P1D -&gt; 2P2D</text>"),
+        "{}",
+        &svg[..svg.len().min(2000)]
+    );
 
     let tally = load.finish();
     eprintln!("load: {tally:?}");

@@ -67,6 +67,7 @@ fn moves() -> Vec<MoveRecord> {
         reason: reason.into(),
         figures: Figures::default(),
         outcome: Some("done (0): the cluster runs 3 prefill, 1 decode".into()),
+        ended_ms: Some(T0 + s * 1000 + 1900),
     };
     vec![
         record(

@@ -487,6 +487,7 @@ mod tests {
             outcome: Some(
                 "done (0): scaled prefill to 3, decode to 1 in 1.1 s after a drain".into(),
             ),
+            ended_ms: Some(T0 + 13_100),
         };
         let t = moves_table(&[m], Some(&point(0, "")), 160);
         assert!(t.contains("moves (1):"), "{t}");

@@ -449,6 +449,7 @@ mod tests {
             reason: "TTFT p90 over".into(),
             figures: Figures::default(),
             outcome: Some(outcome.into()),
+            ended_ms: Some(1_700_000_000_000 + s * 1000 + 1500),
         }
     }
 
