@@ -10,10 +10,10 @@ use crate::control::client::ChangeEnd;
 use crate::control::operation::now_ms;
 use crate::control::operation::{ChangeOptions, ChangeRequest};
 use crate::control::{Request, StatusReport};
-use crate::plan::Plan;
 use crate::plan::diff::{PlanDiff, diff};
 use crate::plan::resolve::LoadedPlan;
 use crate::plan::source::{ClusterSource, scalable_role};
+use crate::plan::{Holdings, Plan};
 use crate::supervisor::StateDir;
 use crate::vocab::{Role, Service};
 use std::sync::Mutex;
@@ -45,6 +45,8 @@ pub async fn carry_out(
     progress: &Progress,
 ) -> anyhow::Result<End> {
     let running = read_plan(&inner.state_dir)?;
+    // The instances the change keeps stay on the GPUs and ports they run on (plan::held).
+    let held = Holdings::of(&running);
     let what = change.describe();
     match change {
         ChangeRequest::Scale { counts, how } => {
@@ -65,7 +67,7 @@ pub async fn carry_out(
                 source.scaled.insert(role.clone(), *n);
             }
             // A count the topology's rules refuse is the scale's fault, not the file's.
-            let wanted = match source.plan(&inner.nodes.here, &how.state_root) {
+            let wanted = match source.plan(&inner.nodes.here, &how.state_root, &held) {
                 Ok(w) => w,
                 Err(e) => {
                     return refused(format!(
@@ -79,7 +81,7 @@ pub async fn carry_out(
             change.run(&what).await
         }
         ChangeRequest::Apply { source, how } => {
-            let wanted = match source.plan(&inner.nodes.here, &how.state_root) {
+            let wanted = match source.plan(&inner.nodes.here, &how.state_root, &held) {
                 Ok(w) => w,
                 Err(e) => return refused(format!("{e}")),
             };

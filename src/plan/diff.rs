@@ -553,6 +553,7 @@ mod tests {
             version_source: crate::vocab::VersionSource::Pinned,
             state_root: "/state".into(),
             local_node: None,
+            held: Default::default(),
         })
         .unwrap()
     }
@@ -644,6 +645,7 @@ mod tests {
                 version_source: crate::vocab::VersionSource::Pinned,
                 state_root: "/state".into(),
                 local_node: None,
+                held: Default::default(),
             })
             .unwrap()
         };
