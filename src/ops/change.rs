@@ -1,7 +1,9 @@
 //! One change, planned and carried out: the wanted plan (from the topology the cluster
 //! keeps, or the one the client sent), what differs from the plan that runs
-//! (`plan::diff`), the checks, then the steps on each node — new capacity first, changed
-//! instances one at a time, removals last, the proxy's settings in place.
+//! (`plan::diff`), the checks, then the steps on each node — the leaving instances whose
+//! GPUs new ones take first (`plan::order`), new capacity next, changed instances one at a
+//! time, the other removals last, the proxy's settings in place. The wanted plan keeps each
+//! instance that stays on the GPUs and ports it runs on (`plan::held`).
 
 use super::context::{Inner, Progress};
 use super::drain::Drainer;
@@ -11,6 +13,7 @@ use crate::control::operation::now_ms;
 use crate::control::operation::{ChangeOptions, ChangeRequest};
 use crate::control::{Request, StatusReport};
 use crate::plan::diff::{PlanDiff, diff};
+use crate::plan::order::{FreeFirst, free_first};
 use crate::plan::resolve::LoadedPlan;
 use crate::plan::source::{ClusterSource, scalable_role};
 use crate::plan::{Holdings, Plan};
@@ -356,6 +359,8 @@ pub struct Change<'a> {
     /// topology.json before and after.
     sources: (Option<ClusterSource>, Option<ClusterSource>),
     diff: PlanDiff,
+    /// The removals that go before the new capacity: their GPUs are what it starts on.
+    free_first: Vec<FreeFirst>,
     /// What pre-flight found wrong with the instances to add on this node.
     problems: Vec<String>,
     how: &'a ChangeOptions,
@@ -403,9 +408,11 @@ impl<'a> Change<'a> {
         how: &'a ChangeOptions,
         progress: &'a Progress,
     ) -> Change<'a> {
+        let diff = diff(&running, &wanted);
         Change {
             inner,
-            diff: diff(&running, &wanted),
+            free_first: free_first(&running, &wanted, &diff),
+            diff,
             running,
             wanted,
             sources,
@@ -449,6 +456,17 @@ impl<'a> Change<'a> {
         }
         for line in d.lines() {
             self.progress.line(&format!("  {line}"));
+        }
+        for first in &self.free_first {
+            self.progress.line(&format!("  first: {}", first.line()));
+        }
+        let new_warnings = self
+            .wanted
+            .warnings
+            .iter()
+            .filter(|w| !self.running.warnings.contains(w));
+        for w in new_warnings {
+            self.progress.warn(w);
         }
         if !d.refused.is_empty() {
             return Ok(ChangeEnd {
@@ -662,10 +680,17 @@ impl<'a> Change<'a> {
         Ok(())
     }
 
+    /// The change's steps: the leaving instances whose GPUs new ones take first, then new
+    /// capacity, changed instances one at a time, the other removals last, the proxy's
+    /// settings in place (plan::order says why that order).
     async fn steps(&self) -> anyhow::Result<()> {
         let d = &self.diff;
         let p = self.progress;
         let drainer = drainer(self.inner, &self.running, &self.wanted, self.how, p);
+        for first in &self.free_first {
+            self.remove_step(&drainer, &first.removed, Some(first))
+                .await?;
+        }
         self.add_steps(&drainer).await?;
         // Changed instances one at a time: every node keeps the new spec, its own node
         // restarts it after the proxy drained it.
@@ -687,29 +712,88 @@ impl<'a> Change<'a> {
                 t.elapsed().as_secs_f64()
             ));
         }
-        for name in &d.removed {
-            let t = Instant::now();
-            let old = self.running.service(name);
-            let owner = old.map_or(self.inner.nodes.here.clone(), |s| s.node.clone());
-            self.next(
-                &format!("{name}: drain, stop and remove on node {owner}"),
-                &format!("{name}: draining, then stopping on node {owner}"),
-            )?;
-            drainer.remove_drained(name, &owner).await?;
-            drainer
-                .wait_routed(name, old.and_then(|s| s.url.as_deref()), false)
-                .await;
-            p.line(&format!(
-                "{name}: drained, stopped and removed{} ({:.1} s)",
-                if owner == self.inner.nodes.here {
-                    String::new()
-                } else {
-                    format!(" on node {owner}")
-                },
-                t.elapsed().as_secs_f64()
-            ));
+        let gone_first = |name: &String| self.free_first.iter().any(|f| &f.removed == name);
+        for name in d.removed.iter().filter(|n| !gone_first(n)) {
+            self.remove_step(&drainer, name, None).await?;
         }
         self.proxy_settings(&drainer).await
+    }
+
+    /// Drains, stops and removes the leaving instance `name` on its node; `first` when it
+    /// goes before the new capacity that takes its GPUs.
+    async fn remove_step(
+        &self,
+        drainer: &Drainer<'_>,
+        name: &str,
+        first: Option<&FreeFirst>,
+    ) -> anyhow::Result<()> {
+        let p = self.progress;
+        let t = Instant::now();
+        let old = self.running.service(name);
+        let owner = old.map_or(self.inner.nodes.here.clone(), |s| s.node.clone());
+        let starters = first.map(|f| {
+            let names: Vec<&str> = f.taken_by.iter().map(|(s, _)| s.as_str()).collect();
+            names.join(", ")
+        });
+        let before = starters.as_ref().map_or(String::new(), |s| {
+            format!(", before {s} starts on its GPUs")
+        });
+        self.next(
+            &format!("{name}: drain, stop and remove on node {owner}{before}"),
+            &format!("{name}: draining, then stopping on node {owner}{before}"),
+        )?;
+        self.wait_dependants_started(drainer, name).await;
+        drainer.remove_drained(name, &owner).await?;
+        drainer
+            .wait_routed(name, old.and_then(|s| s.url.as_deref()), false)
+            .await;
+        p.line(&format!(
+            "{name}: drained, stopped and removed{} ({:.1} s){}",
+            if owner == self.inner.nodes.here {
+                String::new()
+            } else {
+                format!(" on node {owner}")
+            },
+            t.elapsed().as_secs_f64(),
+            starters.map_or(String::new(), |s| format!(
+                "; its GPUs are free for {s}, one instance fewer serves until it is healthy"
+            ))
+        ));
+        Ok(())
+    }
+
+    /// Waits, each within its start-up limit, until no service that depends on `name`
+    /// still waits for its dependencies to start: removing `name` under it would fail it.
+    /// That happens when the head's supervisor takes a change up at its start, while the
+    /// cluster it started is still coming up (the proxy waits for every engine), and the
+    /// change's first step is a removal (one that frees a GPU, plan::order).
+    async fn wait_dependants_started(&self, drainer: &Drainer<'_>, name: &str) {
+        let dependants = self
+            .running
+            .services
+            .iter()
+            .filter(|s| s.depends_on.iter().any(|d| d == name));
+        for dependant in dependants {
+            let end = Instant::now() + Duration::from_secs(dependant.startup_timeout_s + 60);
+            loop {
+                // A node that does not answer is the removal's own error to report.
+                let Ok(report) = self
+                    .inner
+                    .nodes
+                    .status(&dependant.node, drainer.timeout)
+                    .await
+                else {
+                    break;
+                };
+                let pending = report.services.iter().any(|s| {
+                    s.name == dependant.name && s.state == crate::control::ServiceState::Pending
+                });
+                if !pending || Instant::now() >= end {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
     }
 
     /// The proxy's new spec: its membership follows the supervisor already; its live
