@@ -894,6 +894,29 @@ fn a_scale_on_gpus_frees_the_leaving_instances_gpu_before_the_new_one_starts() {
         "{}",
         text(&out)
     );
+    // `apply --dry-run` of the same split written in a file says the same.
+    let other = dir.path().join("3p1d.toml");
+    let text_3p1d = std::fs::read_to_string(&file)
+        .unwrap()
+        .replace("[prefill]\ninstances = 2", "[prefill]\ninstances = 3")
+        .replace("[decode]\ninstances = 2", "[decode]\ninstances = 1");
+    std::fs::write(&other, text_3p1d).unwrap();
+    let out = cluster.run(&[
+        "apply",
+        "-f",
+        other.to_str().unwrap(),
+        "--gpus",
+        "0,1,2,3",
+        "--dry-run",
+    ]);
+    assert!(
+        out.status.success()
+            && text(&out).contains(
+                "first: decode-1 is drained, stopped and removed before prefill-2 starts"
+            ),
+        "{}",
+        text(&out)
+    );
     assert_eq!(engine_gpus(&cluster), before, "a dry run changes nothing");
 
     let out = cluster.run(&["scale", "prefill=3", "decode=1"]);

@@ -2062,6 +2062,27 @@ fn shared_gpus_keep_their_holders_and_their_shares() {
 }
 
 #[test]
+fn an_instance_whose_shared_gpu_is_left_to_it_is_restarted_after_the_other_leaves() {
+    let two = "instances_per_gpu = 2\n";
+    let running = plan_keeping(&sticky_topology(1, 2, two), 2, None);
+    assert_eq!(
+        visible(&running),
+        ["prefill-0=0", "decode-0=1", "decode-1=0"]
+    );
+    // 1P1D: prefill-0 has GPU 0 to itself again (vLLM's 0.9, not half of it), so it is
+    // restarted, and decode-1 must have left GPU 0 first.
+    let wanted = plan_keeping(&sticky_topology(1, 1, two), 2, Some(&running));
+    assert_eq!(visible(&wanted), ["prefill-0=0", "decode-0=1"]);
+    assert_eq!(rolled(&running, &wanted), ["prefill-0"]);
+    assert_eq!(
+        first_lines(&running, &wanted),
+        [
+            "decode-1 is drained, stopped and removed before prefill-0 starts: prefill-0 takes its GPU 0 (one instance fewer serves meanwhile)"
+        ]
+    );
+}
+
+#[test]
 fn a_kept_instance_whose_gpu_is_no_longer_allowed_gets_a_free_one() {
     let running = plan_keeping(&sticky_topology(1, 1, ""), 4, None);
     assert_eq!(visible(&running), ["prefill-0=0", "decode-0=1"]);

@@ -19,7 +19,7 @@ pub struct FreeFirst {
     pub removed: String,
     /// The node it runs on.
     pub node: String,
-    /// Each instance that starts on its GPUs (added, or restarted onto other GPUs), with
+    /// Each instance that starts on its GPUs (added, or restarted onto them), with
     /// the GPUs of it that one takes.
     pub taken_by: Vec<(String, Vec<u32>)>,
 }
@@ -60,13 +60,20 @@ fn gpu_words(gpus: &[u32]) -> String {
 /// The removals of `diff` (from `running` to `wanted`) that must go before the new
 /// capacity starts, in the diff's removal order: each leaving instance that holds, in
 /// `running`, a GPU of its node that a starting instance is given in `wanted`. Starting
-/// instances are the added ones and the changed ones whose GPUs change (restarted onto
-/// them). Empty when nothing starts on a GPU a leaving instance holds (the simulator,
+/// instances are the added ones and the changed ones restarted onto other GPUs or onto a
+/// larger share of theirs (a GPU shared by fewer instances once the change is made).
+/// Empty when nothing starts on a GPU a leaving instance holds (the simulator,
 /// vLLM on CPU, GPUs that were free).
 pub fn free_first(running: &Plan, wanted: &Plan, diff: &PlanDiff) -> Vec<FreeFirst> {
     let moved = diff.rolled.iter().map(|(name, _)| name).filter(|name| {
-        let gpus = |p: &Plan| p.service(name).map(|s| s.gpus.clone());
-        gpus(running) != gpus(wanted)
+        let (Some(old), Some(new)) = (running.service(name), wanted.service(name)) else {
+            return false;
+        };
+        let grows = matches!(
+            (old.gpu_memory_share, new.gpu_memory_share),
+            (Some(was), Some(will)) if will > was
+        );
+        old.gpus != new.gpus || grows
     });
     let starters: Vec<&crate::vocab::Service> = diff
         .added
@@ -241,6 +248,20 @@ mod tests {
         // A changed instance that keeps its GPUs takes nothing from anyone.
         let wanted = plan(&[("prefill-0", &[0]), ("decode-0", &[2])]);
         assert_eq!(free_first(&running, &wanted, &d), []);
+    }
+
+    #[test]
+    fn an_instance_restarted_with_a_larger_share_of_a_leaving_ones_gpu_frees_it_first() {
+        // prefill-2 leaves GPU 0, which it shared with prefill-0: prefill-0 is restarted
+        // with all of vLLM's 0.9 instead of half of it, which it can take once prefill-2
+        // has stopped.
+        let mut running = plan(&[("prefill-0", &[0]), ("prefill-2", &[0]), ("decode-0", &[1])]);
+        let mut wanted = plan(&[("prefill-0", &[0]), ("decode-0", &[1])]);
+        running.services[0].gpu_memory_share = Some(0.45);
+        wanted.services[0].gpu_memory_share = Some(0.9);
+        let d = diff_of(&[], &["prefill-2"], &["prefill-0"]);
+        let first = free_first(&running, &wanted, &d);
+        assert_eq!(first[0].taken_by, [("prefill-0".to_string(), vec![0])]);
     }
 
     #[test]
