@@ -2062,6 +2062,36 @@ fn shared_gpus_keep_their_holders_and_their_shares() {
 }
 
 #[test]
+fn an_instance_that_comes_to_share_its_gpu_is_restarted_with_its_half_first() {
+    let two = "instances_per_gpu = 2\n";
+    let running = plan_keeping(&sticky_topology(2, 2, two), 4, None);
+    assert_eq!(
+        visible(&running),
+        ["prefill-0=0", "prefill-1=1", "decode-0=2", "decode-1=3"]
+    );
+    // 3P2D on 4 GPUs: prefill-2 shares GPU 0 with prefill-0, which holds 0.9 of it until
+    // it is restarted with 0.45; prefill-2 starts after that.
+    let wanted = plan_keeping(&sticky_topology(3, 2, two), 4, Some(&running));
+    assert_eq!(
+        visible(&wanted),
+        [
+            "prefill-0=0",
+            "prefill-1=1",
+            "prefill-2=0",
+            "decode-0=2",
+            "decode-1=3"
+        ]
+    );
+    assert_eq!(rolled(&running, &wanted), ["prefill-0"]);
+    assert_eq!(
+        first_lines(&running, &wanted),
+        [
+            "prefill-0 is drained and restarted with 0.45 of its GPUs before prefill-2 starts: prefill-2 shares its GPU 0 (one instance fewer serves meanwhile)"
+        ]
+    );
+}
+
+#[test]
 fn an_instance_whose_shared_gpu_is_left_to_it_is_restarted_after_the_other_leaves() {
     let two = "instances_per_gpu = 2\n";
     let running = plan_keeping(&sticky_topology(1, 2, two), 2, None);

@@ -13,7 +13,7 @@ use crate::control::operation::now_ms;
 use crate::control::operation::{ChangeOptions, ChangeRequest};
 use crate::control::{Request, StatusReport};
 use crate::plan::diff::{PlanDiff, diff};
-use crate::plan::order::{FreeFirst, free_first};
+use crate::plan::order::{FreeFirst, Frees, free_first};
 use crate::plan::resolve::LoadedPlan;
 use crate::plan::source::{ClusterSource, scalable_role};
 use crate::plan::{Holdings, Plan};
@@ -688,35 +688,56 @@ impl<'a> Change<'a> {
         let p = self.progress;
         let drainer = drainer(self.inner, &self.running, &self.wanted, self.how, p);
         for first in &self.free_first {
-            self.remove_step(&drainer, &first.removed, Some(first))
-                .await?;
+            let name = &first.instance;
+            match first.frees {
+                Frees::Leaves => self.remove_step(&drainer, name, Some(first)).await?,
+                Frees::Shrinks { .. } => self.roll_step(&drainer, name, Some(first)).await?,
+            }
         }
         self.add_steps(&drainer).await?;
-        // Changed instances one at a time: every node keeps the new spec, its own node
-        // restarts it after the proxy drained it.
-        for (name, _) in &d.rolled {
-            let svc = self.service(name);
-            let t = Instant::now();
-            self.next(
-                &format!("{name}: new settings, restart on node {}", svc.node),
-                &format!("{name}: restarting with its new settings"),
-            )?;
-            self.everywhere(&drainer, &svc.node, || Request::Replace {
-                service: Box::new(svc.clone()),
-                settings: self.settings(name),
-            })
-            .await?;
-            drainer.restart_drained(name, &svc.node).await?;
-            p.line(&format!(
-                "{name}: restarted with its new settings after draining ({:.1} s)",
-                t.elapsed().as_secs_f64()
-            ));
+        let went_first = |name: &String| self.free_first.iter().any(|f| &f.instance == name);
+        for (name, _) in d.rolled.iter().filter(|(n, _)| !went_first(n)) {
+            self.roll_step(&drainer, name, None).await?;
         }
-        let gone_first = |name: &String| self.free_first.iter().any(|f| &f.removed == name);
-        for name in d.removed.iter().filter(|n| !gone_first(n)) {
+        for name in d.removed.iter().filter(|n| !went_first(n)) {
             self.remove_step(&drainer, name, None).await?;
         }
         self.proxy_settings(&drainer).await
+    }
+
+    /// Restarts the changed instance `name` with its new settings, after the proxy drained
+    /// it: every node keeps the new spec, its own node restarts it. `first` when it goes
+    /// before the new capacity that shares its GPUs.
+    async fn roll_step(
+        &self,
+        drainer: &Drainer<'_>,
+        name: &str,
+        first: Option<&FreeFirst>,
+    ) -> anyhow::Result<()> {
+        let svc = self.service(name);
+        let t = Instant::now();
+        let before = first.map_or(String::new(), |f| {
+            format!(", before {} starts", starters(f))
+        });
+        self.next(
+            &format!("{name}: new settings, restart on node {}{before}", svc.node),
+            &format!("{name}: restarting with its new settings{before}"),
+        )?;
+        self.everywhere(drainer, &svc.node, || Request::Replace {
+            service: Box::new(svc.clone()),
+            settings: self.settings(name),
+        })
+        .await?;
+        drainer.restart_drained(name, &svc.node).await?;
+        self.progress.line(&format!(
+            "{name}: restarted with its new settings after draining ({:.1} s){}",
+            t.elapsed().as_secs_f64(),
+            first.map_or(String::new(), |f| format!(
+                "; its GPUs have room for {} now",
+                starters(f)
+            ))
+        ));
+        Ok(())
     }
 
     /// Drains, stops and removes the leaving instance `name` on its node; `first` when it
@@ -731,10 +752,7 @@ impl<'a> Change<'a> {
         let t = Instant::now();
         let old = self.running.service(name);
         let owner = old.map_or(self.inner.nodes.here.clone(), |s| s.node.clone());
-        let starters = first.map(|f| {
-            let names: Vec<&str> = f.taken_by.iter().map(|(s, _)| s.as_str()).collect();
-            names.join(", ")
-        });
+        let starters = first.map(starters);
         let before = starters.as_ref().map_or(String::new(), |s| {
             format!(", before {s} starts on its GPUs")
         });
@@ -854,4 +872,10 @@ impl<'a> Change<'a> {
         }
         Ok(())
     }
+}
+
+/// The instances that start on the GPUs `f` frees, for progress lines.
+fn starters(f: &FreeFirst) -> String {
+    let names: Vec<&str> = f.taken_by.iter().map(|(s, _)| s.as_str()).collect();
+    names.join(", ")
 }
