@@ -755,3 +755,298 @@ fn one_scale_on_the_head_changes_every_node() {
         "down on the head took the worker down"
     );
 }
+
+/// A stand-in for vLLM on a GPU, for the tests of a change's order on GPUs: started as
+/// `python -m vllm.entrypoints.openai.api_server ... --host H --port P ...`, it holds each
+/// GPU of its CUDA_VISIBLE_DEVICES (an exclusive lock on `$FAKE_GPU_DIR/gpuN`, released
+/// when it exits, however it exits) and fails as vLLM does on a GPU whose memory is taken
+/// when another instance holds one; then serves /health until stopped. Each start and
+/// refusal is appended to `$FAKE_GPU_DIR/log`; it answers `$FAKE_START_S` after it holds
+/// its GPUs (vLLM loading its weights).
+const FAKE_GPU_ENGINE: &str = r#"
+import fcntl, http.server, os, sys, time
+args = sys.argv[1:]
+flag = lambda name: args[args.index(name) + 1]
+host, port = flag("--host"), int(flag("--port"))
+gpu_dir = os.environ["FAKE_GPU_DIR"]
+def log(line):
+    with open(os.path.join(gpu_dir, "log"), "a") as f:
+        f.write(line + "\n")
+held = []
+for g in os.environ["CUDA_VISIBLE_DEVICES"].split(","):
+    f = open(os.path.join(gpu_dir, f"gpu{g}"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        log(f"refused port {port} gpu {g} held by {f.read()}")
+        print(f"torch.OutOfMemoryError: CUDA out of memory on GPU {g}: held by {f.read()}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    f.seek(0)
+    f.truncate()
+    f.write(f"port {port}")
+    f.flush()
+    held.append(f)
+log(f"started port {port} gpus {os.environ['CUDA_VISIBLE_DEVICES']}")
+time.sleep(float(os.environ.get("FAKE_START_S", "0")))
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer((host, port), H).serve_forever()
+"#;
+
+/// A NIXL vLLM topology of cluster `name` with `p` prefill and `d` decode instances, one
+/// GPU each, whose `engine.python` runs [`FAKE_GPU_ENGINE`] (made in `dir`, answering
+/// `start_s` after it starts), on free ports.
+fn fake_gpu_topology(
+    dir: &std::path::Path,
+    name: &str,
+    (p, d): (u32, u32),
+    start_s: f64,
+) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let engine = dir.join("fake_vllm.py");
+    std::fs::write(&engine, FAKE_GPU_ENGINE).unwrap();
+    // `python -c ...` (the version pdctl reads, the modules pre-flight looks for) answers
+    // vLLM 0.26.0 and "found"; `python -m vllm...` runs the stand-in.
+    let python = dir.join("python3");
+    std::fs::write(
+        &python,
+        format!(
+            "#!/bin/sh\nif [ \"$1\" = -m ]; then shift 2; exec python3 {} \"$@\"; fi\nprintf 0.26.0\n",
+            engine.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(model.join("config.json"), "{}").unwrap();
+    let gpus = dir.join("gpus");
+    std::fs::create_dir_all(&gpus).unwrap();
+    let run = suph::free_port_run(14);
+    format!(
+        "cluster = \"{name}\"\n\
+         [model]\nname = \"{}\"\n\
+         [engine]\nvllm_version = \"0.26.0\"\npython = \"{}\"\nenv = {{ FAKE_GPU_DIR = \"{}\", FAKE_START_S = \"{start_s}\" }}\n\
+         [connector]\nkind = \"nixl\"\nside_channel_port = {}\n\
+         [prefill]\ninstances = {p}\nbase_port = {}\n\
+         [decode]\ninstances = {d}\nbase_port = {}\n\
+         [proxy]\nport = {run}\n",
+        model.display(),
+        python.display(),
+        gpus.display(),
+        run + 9,
+        run + 1,
+        run + 5,
+    )
+}
+
+/// Each engine's GPUs as `status` shows them, `name=list`, by name.
+fn engine_gpus(cluster: &Cluster) -> Vec<String> {
+    let mut out: Vec<String> = cluster
+        .status(&[])
+        .unwrap()
+        .services
+        .iter()
+        .filter(|s| s.role.is_engine())
+        .map(|s| {
+            let gpus: Vec<String> = s.gpus.iter().map(u32::to_string).collect();
+            format!("{}={}", s.name, gpus.join(","))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// On a 4-GPU machine (declared; engines that hold their GPUs as vLLM does), moving an
+/// instance from decode to prefill and back: the instances kept stay on their GPUs, the
+/// leaving instance is drained and stopped before the new one starts on its GPU, and no
+/// engine ever finds its GPU taken. Planned afresh (before the change kept GPUs),
+/// prefill-2 was started on GPU 2 while decode-0 ran there, and failed.
+#[test]
+fn a_scale_on_gpus_frees_the_leaving_instances_gpu_before_the_new_one_starts() {
+    let cluster = Cluster::new("ogpus");
+    let dir = TempDir::new("ogpus-topo");
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, fake_gpu_topology(dir.path(), "o-gpus", (2, 2), 0.0)).unwrap();
+    let out = cluster.run(&[
+        "up",
+        "-d",
+        "-f",
+        file.to_str().unwrap(),
+        "--gpus",
+        "0,1,2,3",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let before = ["decode-0=2", "decode-1=3", "prefill-0=0", "prefill-1=1"];
+    assert_eq!(engine_gpus(&cluster), before);
+
+    let out = cluster.run(&["scale", "prefill=3", "decode=1", "--dry-run"]);
+    assert!(
+        out.status.success()
+            && text(&out).contains("first: decode-1 is drained, stopped and removed before prefill-2 starts: prefill-2 takes its GPU 3"),
+        "{}",
+        text(&out)
+    );
+    // `apply --dry-run` of the same split written in a file says the same.
+    let other = dir.path().join("3p1d.toml");
+    let text_3p1d = std::fs::read_to_string(&file)
+        .unwrap()
+        .replace("[prefill]\ninstances = 2", "[prefill]\ninstances = 3")
+        .replace("[decode]\ninstances = 2", "[decode]\ninstances = 1");
+    std::fs::write(&other, text_3p1d).unwrap();
+    let out = cluster.run(&[
+        "apply",
+        "-f",
+        other.to_str().unwrap(),
+        "--gpus",
+        "0,1,2,3",
+        "--dry-run",
+    ]);
+    assert!(
+        out.status.success()
+            && text(&out).contains(
+                "first: decode-1 is drained, stopped and removed before prefill-2 starts"
+            ),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(engine_gpus(&cluster), before, "a dry run changes nothing");
+
+    let out = cluster.run(&["scale", "prefill=3", "decode=1"]);
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    let gone = said
+        .find("decode-1: drained, stopped and removed")
+        .expect(&said);
+    let healthy = said.find("prefill-2: healthy").expect(&said);
+    assert!(
+        gone < healthy,
+        "decode-1 goes before prefill-2 starts:\n{said}"
+    );
+    assert!(
+        !said.contains("decode-0: restarted"),
+        "decode-0 stays as it is:\n{said}"
+    );
+    assert_eq!(
+        engine_gpus(&cluster),
+        ["decode-0=2", "prefill-0=0", "prefill-1=1", "prefill-2=3"]
+    );
+
+    // And back: prefill-2 leaves GPU 3 to decode-1.
+    let out = cluster.run(&["scale", "prefill=2", "decode=2"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out)
+            .contains("first: prefill-2 is drained, stopped and removed before decode-1 starts"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(engine_gpus(&cluster), before);
+    let log = std::fs::read_to_string(dir.path().join("gpus/log")).unwrap();
+    assert!(
+        !log.contains("refused"),
+        "an engine found its GPU taken:\n{log}"
+    );
+    assert_eq!(
+        log.lines().filter(|l| l.starts_with("started")).count(),
+        6,
+        "{log}"
+    );
+    down(&cluster);
+}
+
+/// The head's supervisor SIGKILLed in the middle of a change on GPUs, its second (so the
+/// plan it started from has GPUs a fresh plan would not give): `up` again starts each
+/// instance on the GPUs it ran on, finishes the change in the same order (the leaving
+/// instance first), and no engine ever finds its GPU taken.
+#[test]
+fn a_change_on_gpus_cut_short_is_finished_on_the_gpus_it_planned() {
+    let cluster = Cluster::new("ogpuj");
+    let dir = TempDir::new("ogpuj-topo");
+    let file = dir.path().join("topology.toml");
+    let topology = fake_gpu_topology(dir.path(), "o-gpuj", (2, 2), 1.5);
+    std::fs::write(&file, topology).unwrap();
+    let up = || {
+        cluster.run(&[
+            "up",
+            "-d",
+            "-f",
+            file.to_str().unwrap(),
+            "--gpus",
+            "0,1,2,3",
+        ])
+    };
+    let out = up();
+    assert!(out.status.success(), "{}", text(&out));
+    let before = engine_gpus(&cluster);
+    let out = cluster.run(&["scale", "prefill=3", "decode=1"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        engine_gpus(&cluster),
+        ["decode-0=2", "prefill-0=0", "prefill-1=1", "prefill-2=3"]
+    );
+
+    // Back to 2P2D: prefill-2 is removed first, then decode-1 starts on its GPU 3; the
+    // supervisor dies while decode-1 starts.
+    let mut back = cluster.command(&["scale", "prefill=2", "decode=2"]);
+    let mut back = back
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let seen = cluster.wait_status(Duration::from_secs(30), &[], |r| {
+        r.operation
+            .as_ref()
+            .is_some_and(|o| o.outcome.is_none() && o.step.contains("decode-1: waiting"))
+    });
+    assert!(
+        seen.operation
+            .as_ref()
+            .is_some_and(|o| o.step.contains("decode-1")),
+        "{seen:?}"
+    );
+    let state = pdctl::supervisor::StateDir::new(cluster.root().join("o-gpuj"));
+    let record = pdctl::supervisor::read_record(&state)
+        .unwrap()
+        .expect("it runs");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(record.supervisor_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let gone = common::wait_until(Duration::from_secs(10), || {
+        suph::marked(&record.run_id).is_empty()
+    });
+    assert!(gone, "the services outlived their supervisor");
+    // Its client has nothing more to say: the change is taken up by the next supervisor.
+    let _ = back.kill();
+    let _ = back.wait();
+
+    let out = up();
+    assert!(out.status.success(), "up again: {}", text(&out));
+    let r = cluster.wait_status(Duration::from_secs(60), &[], |r| {
+        r.operation.as_ref().is_some_and(|o| o.outcome.is_some()) && suph::all_healthy(r)
+    });
+    let op = r.operation.as_ref().expect("status shows the recovery");
+    let interrupted = op.interrupted.as_ref().expect("status names the change");
+    assert_eq!(
+        interrupted.recovered,
+        Some(pdctl::control::operation::Recovered::Finished),
+        "{op:?}"
+    );
+    assert!(suph::all_healthy(&r), "{r:?}");
+    assert_eq!(engine_gpus(&cluster), before);
+    let log = std::fs::read_to_string(dir.path().join("gpus/log")).unwrap();
+    assert!(
+        !log.contains("refused"),
+        "an engine found its GPU taken:\n{log}"
+    );
+    down(&cluster);
+}

@@ -116,6 +116,7 @@ fn pure_plan(profile: &str) -> Plan {
         version_source: pdctl::vocab::VersionSource::Pinned,
         state_root: "/state".into(),
         local_node: None,
+        held: Default::default(),
     })
     .unwrap_or_else(|e| panic!("profile {profile} does not plan: {e}"))
 }
@@ -203,6 +204,7 @@ fn try_plan_text(text: &str, version: &str, gpus: u32) -> Result<Plan, pdctl::to
         version_source: pdctl::vocab::VersionSource::Pinned,
         state_root: "/state".into(),
         local_node: None,
+        held: Default::default(),
     })
 }
 
@@ -1088,6 +1090,7 @@ fn plan_one_gpu(
         version_source: pdctl::vocab::VersionSource::Pinned,
         state_root: "/state".into(),
         local_node: None,
+        held: Default::default(),
     })
 }
 
@@ -1339,6 +1342,7 @@ fn engines_that_do_not_fit_the_free_memory_are_refused() {
             version_source: pdctl::vocab::VersionSource::Pinned,
             state_root: "/state".into(),
             local_node: None,
+            held: Default::default(),
         })
     };
     let e = input(std::slice::from_ref(&busy)).unwrap_err();
@@ -1634,6 +1638,7 @@ fn every_real_vllm_plan_for_0_33_uses_only_what_vllm_0_33_has() {
             version_source: pdctl::vocab::VersionSource::Pinned,
             state_root: "/state".into(),
             local_node: None,
+            held: Default::default(),
         });
         let plan = match plan {
             Ok(plan) => plan,
@@ -1792,6 +1797,7 @@ node = "b"
         version_source: pdctl::vocab::VersionSource::Pinned,
         state_root: "/state".into(),
         local_node: None,
+        held: Default::default(),
     })
     .unwrap();
     // (plan, node address -> the binds expected on it; everything else on loopback)
@@ -1878,5 +1884,274 @@ node = "b"
             .iter()
             .all(|w| !w.contains("no authentication")),
         "one node: nothing is open to other machines"
+    );
+}
+
+// ---- A change keeps each instance that stays on the GPUs it runs on (plan::held) ----
+
+/// A NIXL vLLM topology of `p` prefill and `d` decode instances, one GPU each, with
+/// `engine` lines added to `[engine]`.
+fn sticky_topology(p: u32, d: u32, engine: &str) -> String {
+    format!(
+        "[model]\nname = \"m\"\n[engine]\nvllm_version = \"0.26.0\"\n{engine}[connector]\nkind = \"nixl\"\n[prefill]\ninstances = {p}\n[decode]\ninstances = {d}\n"
+    )
+}
+
+/// The plan of `text` on `gpus` GPUs, the instances of `running` keeping their GPUs
+/// (None: planned afresh, as `pdctl up` plans).
+fn plan_keeping(text: &str, gpus: u32, running: Option<&Plan>) -> Plan {
+    let t = inline(text);
+    let inventory: Vec<Gpu> = (0..gpus).map(Gpu::declared).collect();
+    build_plan(&PlanInput {
+        topology: &t.spec,
+        head: &t.head,
+        gpus: &inventory,
+        gpu_note: None,
+        model: Err("not read in this test".into()),
+        version: Some("0.26.0".parse().unwrap()),
+        version_source: pdctl::vocab::VersionSource::Pinned,
+        state_root: "/state".into(),
+        local_node: None,
+        held: running.map(pdctl::plan::Holdings::of).unwrap_or_default(),
+    })
+    .unwrap_or_else(|e| panic!("does not plan: {e}"))
+}
+
+/// Each engine's CUDA_VISIBLE_DEVICES, `name=list`, in plan order.
+fn visible(p: &Plan) -> Vec<String> {
+    p.services
+        .iter()
+        .filter(|s| s.role.is_engine())
+        .map(|s| format!("{}={}", s.name, s.env["CUDA_VISIBLE_DEVICES"]))
+        .collect()
+}
+
+/// The names the diff restarts with new settings.
+fn rolled(running: &Plan, wanted: &Plan) -> Vec<String> {
+    let d = pdctl::plan::diff::diff(running, wanted);
+    d.rolled.into_iter().map(|(name, _)| name).collect()
+}
+
+/// The removals that go before the new capacity, each as its sentence.
+fn first_lines(running: &Plan, wanted: &Plan) -> Vec<String> {
+    let d = pdctl::plan::diff::diff(running, wanted);
+    pdctl::plan::order::free_first(running, wanted, &d)
+        .iter()
+        .map(|f| f.line())
+        .collect()
+}
+
+#[test]
+fn scaling_up_keeps_every_running_instance_on_its_gpus() {
+    let running = plan_keeping(&sticky_topology(1, 2, ""), 4, None);
+    assert_eq!(
+        visible(&running),
+        ["prefill-0=0", "decode-0=1", "decode-1=2"]
+    );
+    // Planned afresh, prefill-1 would take GPU 1 and push both decodes along (restarted
+    // onto GPUs another instance still runs on).
+    let fresh = plan_keeping(&sticky_topology(2, 2, ""), 4, None);
+    assert_eq!(rolled(&running, &fresh), ["decode-0", "decode-1"]);
+    let wanted = plan_keeping(&sticky_topology(2, 2, ""), 4, Some(&running));
+    assert_eq!(
+        visible(&wanted),
+        ["prefill-0=0", "prefill-1=3", "decode-0=1", "decode-1=2"]
+    );
+    assert_eq!(rolled(&running, &wanted), Vec::<String>::new());
+    assert_eq!(first_lines(&running, &wanted), Vec::<String>::new());
+    // Its NIXL side-channel port is none a running instance listens on (planned afresh it
+    // took decode-0's, which moved on to decode-1's).
+    let side = |p: &Plan, name: &str| p.service(name).unwrap().ports["side-channel"];
+    let running_ports: Vec<u16> = ["prefill-0", "decode-0", "decode-1"]
+        .iter()
+        .map(|n| side(&running, n))
+        .collect();
+    assert!(
+        !running_ports.contains(&side(&wanted, "prefill-1")),
+        "{running_ports:?}"
+    );
+    assert!(running_ports.contains(&side(&fresh, "prefill-1")));
+}
+
+#[test]
+fn scaling_down_leaves_the_others_where_they_run() {
+    let running = plan_keeping(&sticky_topology(2, 2, ""), 4, None);
+    let wanted = plan_keeping(&sticky_topology(1, 2, ""), 4, Some(&running));
+    assert_eq!(
+        visible(&wanted),
+        ["prefill-0=0", "decode-0=2", "decode-1=3"]
+    );
+    let d = pdctl::plan::diff::diff(&running, &wanted);
+    assert_eq!(
+        (d.added.len(), d.removed, d.rolled.len()),
+        (0, vec!["prefill-1".to_string()], 0)
+    );
+}
+
+#[test]
+fn moving_an_instance_between_roles_frees_the_leaving_ones_gpu_first() {
+    let running = plan_keeping(&sticky_topology(2, 2, ""), 4, None);
+    // 2P2D -> 3P1D: prefill-2 gets what decode-1 leaves, decode-0 stays on GPU 2 (planned
+    // afresh it moved to GPU 3 while decode-1 still ran there, and prefill-2 took GPU 2
+    // while decode-0 still ran there).
+    let fresh = plan_keeping(&sticky_topology(3, 1, ""), 4, None);
+    assert_eq!(
+        visible(&fresh),
+        ["prefill-0=0", "prefill-1=1", "prefill-2=2", "decode-0=3"]
+    );
+    let wanted = plan_keeping(&sticky_topology(3, 1, ""), 4, Some(&running));
+    assert_eq!(
+        visible(&wanted),
+        ["prefill-0=0", "prefill-1=1", "prefill-2=3", "decode-0=2"]
+    );
+    assert_eq!(rolled(&running, &wanted), Vec::<String>::new());
+    assert_eq!(
+        first_lines(&running, &wanted),
+        [
+            "decode-1 is drained, stopped and removed before prefill-2 starts: prefill-2 takes its GPU 3 (one instance fewer serves meanwhile)"
+        ]
+    );
+    // And the other way, 2P2D -> 1P3D: decode-2 gets prefill-1's GPU 1.
+    let wanted = plan_keeping(&sticky_topology(1, 3, ""), 4, Some(&running));
+    assert_eq!(
+        visible(&wanted),
+        ["prefill-0=0", "decode-0=2", "decode-1=3", "decode-2=1"]
+    );
+    assert_eq!(
+        first_lines(&running, &wanted),
+        [
+            "prefill-1 is drained, stopped and removed before decode-2 starts: decode-2 takes its GPU 1 (one instance fewer serves meanwhile)"
+        ]
+    );
+}
+
+#[test]
+fn shared_gpus_keep_their_holders_and_their_shares() {
+    let two = "instances_per_gpu = 2\n";
+    let running = plan_keeping(&sticky_topology(2, 2, two), 2, None);
+    assert_eq!(
+        visible(&running),
+        ["prefill-0=0", "prefill-1=1", "decode-0=0", "decode-1=1"]
+    );
+    // Afresh, 3P1D puts prefill-2 beside prefill-0 and moves decode-0 to GPU 1, where
+    // two instances still run.
+    let fresh = plan_keeping(&sticky_topology(3, 1, two), 2, None);
+    assert_eq!(
+        visible(&fresh),
+        ["prefill-0=0", "prefill-1=1", "prefill-2=0", "decode-0=1"]
+    );
+    let wanted = plan_keeping(&sticky_topology(3, 1, two), 2, Some(&running));
+    assert_eq!(
+        visible(&wanted),
+        ["prefill-0=0", "prefill-1=1", "prefill-2=1", "decode-0=0"]
+    );
+    // Each still holds half of vLLM's 0.9 of its GPU: nothing kept is restarted.
+    let share = |p: &Plan, name: &str| {
+        flag(&p.service(name).unwrap().argv, "--gpu-memory-utilization").map(str::to_string)
+    };
+    assert_eq!(share(&wanted, "prefill-2").as_deref(), Some("0.45"));
+    assert_eq!(share(&wanted, "decode-0"), share(&running, "decode-0"));
+    assert_eq!(rolled(&running, &wanted), Vec::<String>::new());
+    // GPU 1 holds two already (prefill-1 and decode-1): decode-1 goes first.
+    assert_eq!(
+        first_lines(&running, &wanted),
+        [
+            "decode-1 is drained, stopped and removed before prefill-2 starts: prefill-2 takes its GPU 1 (one instance fewer serves meanwhile)"
+        ]
+    );
+}
+
+#[test]
+fn an_instance_that_comes_to_share_its_gpu_is_restarted_with_its_half_first() {
+    let two = "instances_per_gpu = 2\n";
+    let running = plan_keeping(&sticky_topology(2, 2, two), 4, None);
+    assert_eq!(
+        visible(&running),
+        ["prefill-0=0", "prefill-1=1", "decode-0=2", "decode-1=3"]
+    );
+    // 3P2D on 4 GPUs: prefill-2 shares GPU 0 with prefill-0, which holds 0.9 of it until
+    // it is restarted with 0.45; prefill-2 starts after that.
+    let wanted = plan_keeping(&sticky_topology(3, 2, two), 4, Some(&running));
+    assert_eq!(
+        visible(&wanted),
+        [
+            "prefill-0=0",
+            "prefill-1=1",
+            "prefill-2=0",
+            "decode-0=2",
+            "decode-1=3"
+        ]
+    );
+    assert_eq!(rolled(&running, &wanted), ["prefill-0"]);
+    assert_eq!(
+        first_lines(&running, &wanted),
+        [
+            "prefill-0 is drained and restarted with 0.45 of its GPUs before prefill-2 starts: prefill-2 shares its GPU 0 (one instance fewer serves meanwhile)"
+        ]
+    );
+}
+
+#[test]
+fn an_instance_whose_shared_gpu_is_left_to_it_is_restarted_after_the_other_leaves() {
+    let two = "instances_per_gpu = 2\n";
+    let running = plan_keeping(&sticky_topology(1, 2, two), 2, None);
+    assert_eq!(
+        visible(&running),
+        ["prefill-0=0", "decode-0=1", "decode-1=0"]
+    );
+    // 1P1D: prefill-0 has GPU 0 to itself again (vLLM's 0.9, not half of it), so it is
+    // restarted, and decode-1 must have left GPU 0 first.
+    let wanted = plan_keeping(&sticky_topology(1, 1, two), 2, Some(&running));
+    assert_eq!(visible(&wanted), ["prefill-0=0", "decode-0=1"]);
+    assert_eq!(rolled(&running, &wanted), ["prefill-0"]);
+    assert_eq!(
+        first_lines(&running, &wanted),
+        [
+            "decode-1 is drained, stopped and removed before prefill-0 starts: prefill-0 takes its GPU 0 (one instance fewer serves meanwhile)"
+        ]
+    );
+}
+
+#[test]
+fn a_kept_instance_whose_gpu_is_no_longer_allowed_gets_a_free_one() {
+    let running = plan_keeping(&sticky_topology(1, 1, ""), 4, None);
+    assert_eq!(visible(&running), ["prefill-0=0", "decode-0=1"]);
+    let text = sticky_topology(1, 1, "").replace(
+        "[decode]\ninstances = 1\n",
+        "[decode]\ninstances = 1\ngpus = [2, 3]\n",
+    );
+    let wanted = plan_keeping(&text, 4, Some(&running));
+    assert_eq!(visible(&wanted), ["prefill-0=0", "decode-0=2"]);
+    assert_eq!(rolled(&running, &wanted), ["decode-0"]);
+    assert!(
+        wanted
+            .warnings
+            .iter()
+            .all(|w| !w.contains("handed out anew"))
+    );
+}
+
+#[test]
+fn when_what_is_left_cannot_hold_them_gpus_are_handed_out_anew_with_a_warning() {
+    let running = plan_keeping(&sticky_topology(2, 2, ""), 4, None);
+    // The prefills are given the decodes' GPUs: nothing is left for them beside the kept
+    // decodes, so the plan is the fresh one, and says so.
+    let text = sticky_topology(2, 2, "").replace(
+        "[prefill]\ninstances = 2\n",
+        "[prefill]\ninstances = 2\ngpus = [2, 3]\n",
+    );
+    let wanted = plan_keeping(&text, 4, Some(&running));
+    assert_eq!(visible(&wanted), visible(&plan_keeping(&text, 4, None)));
+    assert_eq!(
+        visible(&wanted),
+        ["prefill-0=2", "prefill-1=3", "decode-0=0", "decode-1=1"]
+    );
+    assert!(
+        wanted
+            .warnings
+            .iter()
+            .any(|w| w.contains("handed out anew")),
+        "{:?}",
+        wanted.warnings
     );
 }

@@ -471,6 +471,7 @@ async fn a_planned_sim_refuses_prompts_beyond_the_models_max_model_len() {
         version_source: pdctl::vocab::VersionSource::Pinned,
         state_root: state.path().to_path_buf(),
         local_node: None,
+        held: Default::default(),
     })
     .unwrap();
     let svc = plan.service("decode-0").unwrap();

@@ -629,7 +629,10 @@ pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
 /// After a supervisor that died without `pdctl down` (a crash, a reboot, `kill -9`):
 /// given the topology it was started from, `up` starts the cluster as it ran, with the
 /// instance counts `pdctl scale` set since (kept in topology.json), so the node comes back
-/// to what its peers run rather than shrinking the cluster. Otherwise `loaded` as it is.
+/// to what its peers run rather than shrinking the cluster; and each instance on the GPUs
+/// it ran on (plan.json), as a change planned it, so the plan matches the one a journaled
+/// change started from or was making (GPUs planned afresh would differ after a change, and
+/// the change would be set aside). Otherwise `loaded` as it is.
 fn as_it_ran(
     loaded: crate::plan::resolve::LoadedPlan,
     topology: &super::common::TopologyArgs,
@@ -639,27 +642,40 @@ fn as_it_ran(
     };
     let state = StateDir::new(&loaded.plan.state_dir);
     let died = matches!(supervisor::read_record(&state), Ok(Some(r)) if !r.supervisor_alive());
-    let kept = match crate::plan::source::ClusterSource::read(&state.dir) {
-        Ok(Some(k)) if died => k,
-        _ => return Ok(loaded),
-    };
-    let same = kept.text == given.text && kept.profile == given.profile && kept.gpus == given.gpus;
-    if !same || kept.scaled.is_empty() {
+    if !died {
         return Ok(loaded);
     }
+    let held = std::fs::read_to_string(state.plan_path())
+        .ok()
+        .and_then(|text| serde_json::from_str::<Plan>(&text).ok())
+        .map(|ran| crate::plan::Holdings::of(&ran))
+        .unwrap_or_default();
+    let kept = match crate::plan::source::ClusterSource::read(&state.dir) {
+        Ok(Some(k)) => Some(k),
+        _ => None,
+    };
+    let same = kept.as_ref().is_some_and(|k| {
+        k.text == given.text && k.profile == given.profile && k.gpus == given.gpus
+    });
     let root = super::common::state_root(topology.state_dir.as_deref());
-    let mut again = kept.plan(&loaded.node, &root)?;
-    again.source_note = format!(
-        "{}, with the counts `pdctl scale` set ({}) as it ran before its supervisor died",
-        loaded.source_note,
-        kept.scaled
-            .iter()
-            .map(|(r, n)| format!("{r}={n}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    let (source, scaled) = match kept {
+        Some(k) if same && !k.scaled.is_empty() => {
+            let counts: Vec<String> = k.scaled.iter().map(|(r, n)| format!("{r}={n}")).collect();
+            (k, Some(counts.join(" ")))
+        }
+        _ if held.is_empty() => return Ok(loaded),
+        _ => (given.clone(), None),
+    };
+    let mut again = source.plan(&loaded.node, &root, &held)?;
+    again.source_note = match scaled {
+        Some(counts) => format!(
+            "{}, with the counts `pdctl scale` set ({counts}) as it ran before its supervisor died",
+            loaded.source_note
+        ),
+        None => loaded.source_note.clone(),
+    };
     again.node = loaded.node.clone();
-    again.source = Some(kept);
+    again.source = Some(source);
     Ok(again)
 }
 

@@ -123,6 +123,7 @@ impl TopologyArgs {
             node: self.node.clone(),
             gpus: self.gpus.clone(),
             state_dir: self.state_dir.clone(),
+            held: Default::default(),
         }
     }
 }

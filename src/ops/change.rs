@@ -1,7 +1,9 @@
 //! One change, planned and carried out: the wanted plan (from the topology the cluster
 //! keeps, or the one the client sent), what differs from the plan that runs
-//! (`plan::diff`), the checks, then the steps on each node — new capacity first, changed
-//! instances one at a time, removals last, the proxy's settings in place.
+//! (`plan::diff`), the checks, then the steps on each node — the leaving instances whose
+//! GPUs new ones take first (`plan::order`), new capacity next, changed instances one at a
+//! time, the other removals last, the proxy's settings in place. The wanted plan keeps each
+//! instance that stays on the GPUs and ports it runs on (`plan::held`).
 
 use super::context::{Inner, Progress};
 use super::drain::Drainer;
@@ -10,10 +12,11 @@ use crate::control::client::ChangeEnd;
 use crate::control::operation::now_ms;
 use crate::control::operation::{ChangeOptions, ChangeRequest};
 use crate::control::{Request, StatusReport};
-use crate::plan::Plan;
 use crate::plan::diff::{PlanDiff, diff};
+use crate::plan::order::{FreeFirst, Frees, free_first};
 use crate::plan::resolve::LoadedPlan;
 use crate::plan::source::{ClusterSource, scalable_role};
+use crate::plan::{Holdings, Plan};
 use crate::supervisor::StateDir;
 use crate::vocab::{Role, Service};
 use std::sync::Mutex;
@@ -45,6 +48,8 @@ pub async fn carry_out(
     progress: &Progress,
 ) -> anyhow::Result<End> {
     let running = read_plan(&inner.state_dir)?;
+    // The instances the change keeps stay on the GPUs and ports they run on (plan::held).
+    let held = Holdings::of(&running);
     let what = change.describe();
     match change {
         ChangeRequest::Scale { counts, how } => {
@@ -65,7 +70,7 @@ pub async fn carry_out(
                 source.scaled.insert(role.clone(), *n);
             }
             // A count the topology's rules refuse is the scale's fault, not the file's.
-            let wanted = match source.plan(&inner.nodes.here, &how.state_root) {
+            let wanted = match source.plan(&inner.nodes.here, &how.state_root, &held) {
                 Ok(w) => w,
                 Err(e) => {
                     return refused(format!(
@@ -79,7 +84,7 @@ pub async fn carry_out(
             change.run(&what).await
         }
         ChangeRequest::Apply { source, how } => {
-            let wanted = match source.plan(&inner.nodes.here, &how.state_root) {
+            let wanted = match source.plan(&inner.nodes.here, &how.state_root, &held) {
                 Ok(w) => w,
                 Err(e) => return refused(format!("{e}")),
             };
@@ -354,6 +359,8 @@ pub struct Change<'a> {
     /// topology.json before and after.
     sources: (Option<ClusterSource>, Option<ClusterSource>),
     diff: PlanDiff,
+    /// The removals that go before the new capacity: their GPUs are what it starts on.
+    free_first: Vec<FreeFirst>,
     /// What pre-flight found wrong with the instances to add on this node.
     problems: Vec<String>,
     how: &'a ChangeOptions,
@@ -407,9 +414,11 @@ impl<'a> Change<'a> {
         if let Some(Ok(kept)) = sources.0.as_ref().map(|s| s.rebalance()) {
             running.rebalance = kept;
         }
+        let diff = diff(&running, &wanted);
         Change {
             inner,
-            diff: diff(&running, &wanted),
+            free_first: free_first(&running, &wanted, &diff),
+            diff,
             running,
             wanted,
             sources,
@@ -453,6 +462,17 @@ impl<'a> Change<'a> {
         }
         for line in d.lines() {
             self.progress.line(&format!("  {line}"));
+        }
+        for first in &self.free_first {
+            self.progress.line(&format!("  first: {}", first.line()));
+        }
+        let new_warnings = self
+            .wanted
+            .warnings
+            .iter()
+            .filter(|w| !self.running.warnings.contains(w));
+        for w in new_warnings {
+            self.progress.warn(w);
         }
         if !d.refused.is_empty() {
             return Ok(ChangeEnd {
@@ -666,54 +686,138 @@ impl<'a> Change<'a> {
         Ok(())
     }
 
+    /// The change's steps: the leaving instances whose GPUs new ones take first, then new
+    /// capacity, changed instances one at a time, the other removals last, the proxy's
+    /// settings in place (plan::order says why that order).
     async fn steps(&self) -> anyhow::Result<()> {
         let d = &self.diff;
         let p = self.progress;
         let drainer = drainer(self.inner, &self.running, &self.wanted, self.how, p);
-        self.add_steps(&drainer).await?;
-        // Changed instances one at a time: every node keeps the new spec, its own node
-        // restarts it after the proxy drained it.
-        for (name, _) in &d.rolled {
-            let svc = self.service(name);
-            let t = Instant::now();
-            self.next(
-                &format!("{name}: new settings, restart on node {}", svc.node),
-                &format!("{name}: restarting with its new settings"),
-            )?;
-            self.everywhere(&drainer, &svc.node, || Request::Replace {
-                service: Box::new(svc.clone()),
-                settings: self.settings(name),
-            })
-            .await?;
-            drainer.restart_drained(name, &svc.node).await?;
-            p.line(&format!(
-                "{name}: restarted with its new settings after draining ({:.1} s)",
-                t.elapsed().as_secs_f64()
-            ));
+        for first in &self.free_first {
+            let name = &first.instance;
+            match first.frees {
+                Frees::Leaves => self.remove_step(&drainer, name, Some(first)).await?,
+                Frees::Shrinks { .. } => self.roll_step(&drainer, name, Some(first)).await?,
+            }
         }
-        for name in &d.removed {
-            let t = Instant::now();
-            let old = self.running.service(name);
-            let owner = old.map_or(self.inner.nodes.here.clone(), |s| s.node.clone());
-            self.next(
-                &format!("{name}: drain, stop and remove on node {owner}"),
-                &format!("{name}: draining, then stopping on node {owner}"),
-            )?;
-            drainer.remove_drained(name, &owner).await?;
-            drainer
-                .wait_routed(name, old.and_then(|s| s.url.as_deref()), false)
-                .await;
-            p.line(&format!(
-                "{name}: drained, stopped and removed{} ({:.1} s)",
-                if owner == self.inner.nodes.here {
-                    String::new()
-                } else {
-                    format!(" on node {owner}")
-                },
-                t.elapsed().as_secs_f64()
-            ));
+        self.add_steps(&drainer).await?;
+        let went_first = |name: &String| self.free_first.iter().any(|f| &f.instance == name);
+        for (name, _) in d.rolled.iter().filter(|(n, _)| !went_first(n)) {
+            self.roll_step(&drainer, name, None).await?;
+        }
+        for name in d.removed.iter().filter(|n| !went_first(n)) {
+            self.remove_step(&drainer, name, None).await?;
         }
         self.proxy_settings(&drainer).await
+    }
+
+    /// Restarts the changed instance `name` with its new settings, after the proxy drained
+    /// it: every node keeps the new spec, its own node restarts it. `first` when it goes
+    /// before the new capacity that shares its GPUs.
+    async fn roll_step(
+        &self,
+        drainer: &Drainer<'_>,
+        name: &str,
+        first: Option<&FreeFirst>,
+    ) -> anyhow::Result<()> {
+        let svc = self.service(name);
+        let t = Instant::now();
+        let before = first.map_or(String::new(), |f| {
+            format!(", before {} starts", starters(f))
+        });
+        self.next(
+            &format!("{name}: new settings, restart on node {}{before}", svc.node),
+            &format!("{name}: restarting with its new settings{before}"),
+        )?;
+        self.everywhere(drainer, &svc.node, || Request::Replace {
+            service: Box::new(svc.clone()),
+            settings: self.settings(name),
+        })
+        .await?;
+        drainer.restart_drained(name, &svc.node).await?;
+        self.progress.line(&format!(
+            "{name}: restarted with its new settings after draining ({:.1} s){}",
+            t.elapsed().as_secs_f64(),
+            first.map_or(String::new(), |f| format!(
+                "; its GPUs have room for {} now",
+                starters(f)
+            ))
+        ));
+        Ok(())
+    }
+
+    /// Drains, stops and removes the leaving instance `name` on its node; `first` when it
+    /// goes before the new capacity that takes its GPUs.
+    async fn remove_step(
+        &self,
+        drainer: &Drainer<'_>,
+        name: &str,
+        first: Option<&FreeFirst>,
+    ) -> anyhow::Result<()> {
+        let p = self.progress;
+        let t = Instant::now();
+        let old = self.running.service(name);
+        let owner = old.map_or(self.inner.nodes.here.clone(), |s| s.node.clone());
+        let starters = first.map(starters);
+        let before = starters.as_ref().map_or(String::new(), |s| {
+            format!(", before {s} starts on its GPUs")
+        });
+        self.next(
+            &format!("{name}: drain, stop and remove on node {owner}{before}"),
+            &format!("{name}: draining, then stopping on node {owner}{before}"),
+        )?;
+        self.wait_dependants_started(drainer, name).await;
+        drainer.remove_drained(name, &owner).await?;
+        drainer
+            .wait_routed(name, old.and_then(|s| s.url.as_deref()), false)
+            .await;
+        p.line(&format!(
+            "{name}: drained, stopped and removed{} ({:.1} s){}",
+            if owner == self.inner.nodes.here {
+                String::new()
+            } else {
+                format!(" on node {owner}")
+            },
+            t.elapsed().as_secs_f64(),
+            starters.map_or(String::new(), |s| format!(
+                "; its GPUs are free for {s}, one instance fewer serves until it is healthy"
+            ))
+        ));
+        Ok(())
+    }
+
+    /// Waits, each within its start-up limit, until no service that depends on `name`
+    /// still waits for its dependencies to start: removing `name` under it would fail it.
+    /// That happens when the head's supervisor takes a change up at its start, while the
+    /// cluster it started is still coming up (the proxy waits for every engine), and the
+    /// change's first step is a removal (one that frees a GPU, plan::order).
+    async fn wait_dependants_started(&self, drainer: &Drainer<'_>, name: &str) {
+        let dependants = self
+            .running
+            .services
+            .iter()
+            .filter(|s| s.depends_on.iter().any(|d| d == name));
+        for dependant in dependants {
+            let end = Instant::now() + Duration::from_secs(dependant.startup_timeout_s + 60);
+            loop {
+                // A node that does not answer is the removal's own error to report.
+                let Ok(report) = self
+                    .inner
+                    .nodes
+                    .status(&dependant.node, drainer.timeout)
+                    .await
+                else {
+                    break;
+                };
+                let pending = report.services.iter().any(|s| {
+                    s.name == dependant.name && s.state == crate::control::ServiceState::Pending
+                });
+                if !pending || Instant::now() >= end {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
     }
 
     /// The proxy's new spec: its membership follows the supervisor already; its live
@@ -774,4 +878,10 @@ impl<'a> Change<'a> {
         }
         Ok(())
     }
+}
+
+/// The instances that start on the GPUs `f` frees, for progress lines.
+fn starters(f: &FreeFirst) -> String {
+    let names: Vec<&str> = f.taken_by.iter().map(|(s, _)| s.as_str()).collect();
+    names.join(", ")
 }

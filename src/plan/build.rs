@@ -3,6 +3,7 @@
 
 use super::Plan;
 use super::engines;
+use super::held::Holdings;
 use super::listen::Reach;
 use super::support;
 use crate::child_config::ChildSettings;
@@ -37,6 +38,9 @@ pub struct PlanInput<'a> {
     pub state_root: PathBuf,
     /// The node this machine is (`up --node`); default the head.
     pub local_node: Option<&'a str>,
+    /// The GPUs and ports a running cluster's instances hold, when a change plans it again: the
+    /// instances the plan keeps keep them (see [`super::held`]); empty for a fresh one.
+    pub held: Holdings,
 }
 
 /// The state dir of `node`'s supervisor: `<root>/<cluster>`, or `<root>/<cluster>-<node>`
@@ -123,7 +127,8 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         conn,
         protocol,
         &placements,
-        &engines::GpuPool::new(input.gpus, input.gpu_note.clone(), input.model.clone()),
+        &engines::GpuPool::new(input.gpus, input.gpu_note.clone(), input.model.clone())
+            .holding(input.held.clone()),
         local,
         &sup.names,
         &mut ports,
@@ -275,6 +280,7 @@ mod tests {
             version_source: VersionSource::Pinned,
             state_root: "/state".into(),
             local_node: None,
+            held: Holdings::default(),
         })
     }
 

@@ -601,6 +601,7 @@ mod tests {
             version_source: crate::vocab::VersionSource::Pinned,
             state_root: "/state".into(),
             local_node: None,
+            held: Default::default(),
         })
         .unwrap()
     }
@@ -692,6 +693,7 @@ mod tests {
                 version_source: crate::vocab::VersionSource::Pinned,
                 state_root: "/state".into(),
                 local_node: None,
+                held: Default::default(),
             })
             .unwrap()
         };

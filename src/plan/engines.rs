@@ -1,6 +1,7 @@
 //! Prefill and decode instances: where each runs, which GPUs and ports it gets, and its
 //! command line (real vLLM, or the simulator speaking the same protocol).
 
+use super::held::Holdings;
 use super::kv_budget;
 use super::ports::claim;
 use crate::child_config::sim::SimArgs;
@@ -76,6 +77,9 @@ pub(super) struct GpuPool {
     inventory: Vec<Gpu>,
     note: Option<String>,
     model: Result<ModelSize, String>,
+    /// What the running cluster's instances hold, GPUs and ports (empty for a fresh
+    /// cluster).
+    held: Holdings,
 }
 
 impl GpuPool {
@@ -84,7 +88,14 @@ impl GpuPool {
             inventory: gpus.to_vec(),
             note,
             model,
+            held: Holdings::default(),
         }
+    }
+
+    /// The same pool, with what a running cluster's instances hold kept for them.
+    pub fn holding(mut self, held: Holdings) -> GpuPool {
+        self.held = held;
+        self
     }
 }
 
@@ -95,6 +106,30 @@ struct GpuUse {
 }
 
 impl GpuUse {
+    /// The GPUs instance `p` holds in the running cluster, booked for it again when it
+    /// stays what it was (same node, role and GPU count) and they are still allowed: in
+    /// the inventory, in the role's `gpus`, under `instances_per_gpu`.
+    fn keep(&mut self, pool: &GpuPool, t: &Topology, p: &Placement) -> Option<Vec<u32>> {
+        let held = pool.held.get(&p.role.instance_name(p.index))?;
+        let r = role_section(t, p.role);
+        let load = self.load.entry(p.node.clone()).or_default();
+        let allowed = |g: &u32| {
+            pool.inventory.iter().any(|x| x.index == *g)
+                && r.gpus.as_ref().is_none_or(|list| list.contains(g))
+                && load.get(g).copied().unwrap_or(0) < t.engine.instances_per_gpu
+        };
+        let same = held.node == p.node
+            && held.role == p.role
+            && held.gpus.len() == r.gpus_per_instance as usize;
+        if !same || !held.gpus.iter().all(allowed) {
+            return None;
+        }
+        for g in &held.gpus {
+            *load.entry(*g).or_default() += 1;
+        }
+        Some(held.gpus.clone())
+    }
+
     /// `tp` GPUs for one instance, each holding fewer than `per_gpu` instances so far: the
     /// least-loaded ones (so sharing starts only once every allowed GPU holds one),
     /// adjacent indices when possible.
@@ -347,12 +382,19 @@ pub(super) fn plan_engines(
         let svc = p.role.instance_name(p.index);
         claim(ports, &p.host, http_port(t, p), &svc, "http")?;
     }
+    // The ports running instances hold stay theirs: a kept one is given its own back,
+    // a new one none of them (a change plans with them: plan::held).
+    for (name, held) in pool.held.iter() {
+        for port in &held.ports {
+            ports.hold(&held.host, *port, name);
+        }
+    }
     check_gpu_counts(t, placements, pool)?;
     if let (EngineKind::Vllm, Some(v)) = (t.engine.kind, cx.version) {
         warnings.extend(conn.warnings(t, v));
     }
     let needs_gpus = t.engine.kind == EngineKind::Vllm && t.engine.device == Device::Cuda;
-    let gpus_of = assign_gpus(t, placements, pool, needs_gpus)?;
+    let gpus_of = assign_gpus(t, placements, pool, needs_gpus, warnings)?;
     let kv_cache_bytes = kv_cache_bytes(t, cx.version)?;
     let shares = if needs_gpus {
         sharing(t, cx.version, pool, placements, &gpus_of)?
@@ -428,18 +470,51 @@ fn engines_per_node(placements: &[Placement]) -> BTreeMap<&str, u32> {
 
 /// The GPUs of each placed engine, in placement order (none where the engines need none:
 /// the simulator, vLLM on CPU); fails naming the role a node has too few GPUs for.
+///
+/// A change to a running cluster gives the pool what its instances hold: the ones it
+/// keeps stay on their GPUs, the others get theirs from what is left, in placement order.
+/// When what is left cannot hold them (a fragmented inventory), the GPUs are handed out
+/// as for a fresh cluster, with a warning: the kept instances that move are restarted.
 fn assign_gpus(
     t: &Topology,
     placements: &[Placement],
     pool: &GpuPool,
     needs_gpus: bool,
+    warnings: &mut Vec<String>,
+) -> Result<Vec<Vec<u32>>, Problem> {
+    if !needs_gpus {
+        return Ok(vec![Vec::new(); placements.len()]);
+    }
+    let sticky = hand_out(t, placements, pool, true);
+    if sticky.is_ok() || pool.held.is_empty() {
+        return sticky;
+    }
+    let fresh = hand_out(t, placements, pool, false)?;
+    warnings.push(
+        "the GPUs left once the kept instances keep theirs cannot hold the new ones: GPUs are handed out anew, and kept instances that move are restarted".into(),
+    );
+    Ok(fresh)
+}
+
+/// [`assign_gpus`]'s hand-out: with `keep`, the GPUs held by the instances that stay
+/// first, then the rest in placement order.
+fn hand_out(
+    t: &Topology,
+    placements: &[Placement],
+    pool: &GpuPool,
+    keep: bool,
 ) -> Result<Vec<Vec<u32>>, Problem> {
     let mut gpu_use = GpuUse::default();
+    let kept: Vec<Option<Vec<u32>>> = placements
+        .iter()
+        .map(|p| keep.then(|| gpu_use.keep(pool, t, p)).flatten())
+        .collect();
     let mut gpus_of = Vec::new();
-    for p in placements {
+    for (p, kept) in placements.iter().zip(kept) {
         let r = role_section(t, p.role);
-        gpus_of.push(if needs_gpus {
-            gpu_use
+        gpus_of.push(match kept {
+            Some(gpus) => gpus,
+            None => gpu_use
                 .take(
                     pool,
                     &p.node,
@@ -447,9 +522,7 @@ fn assign_gpus(
                     r.gpus_per_instance,
                     t.engine.instances_per_gpu,
                 )
-                .ok_or_else(|| gpu_shortage(t, placements, p.role, &p.node, pool))?
-        } else {
-            Vec::new()
+                .ok_or_else(|| gpu_shortage(t, placements, p.role, &p.node, pool))?,
         });
     }
     Ok(gpus_of)

@@ -16,8 +16,10 @@ pub mod build;
 pub mod diff;
 mod engines;
 pub mod gpu_fit;
+pub mod held;
 mod kv_budget;
 pub mod listen;
+pub mod order;
 pub mod pairs;
 mod ports;
 pub mod render;
@@ -32,6 +34,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 pub use build::{PlanError, PlanInput, build_plan, state_dir_for};
+pub use held::Holdings;
 
 /// Every process of one cluster, in dependency order, plus what a reviewer should know.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -29,6 +29,9 @@ pub struct Request {
     pub gpus: Option<Vec<gpu::Declared>>,
     /// State root holding one directory per running cluster.
     pub state_dir: Option<PathBuf>,
+    /// The GPUs and ports the instances of the running cluster hold, when a change plans it again
+    /// (kept by the instances it keeps); empty when planning a cluster afresh.
+    pub held: crate::plan::Holdings,
 }
 
 /// Why a request could not be resolved into a plan; all of it is bad input (exit code 2).
@@ -225,6 +228,7 @@ pub fn plan_programs_unresolved(
         version_source,
         state_root: root,
         local_node: Some(&node),
+        held: args.held.clone(),
     })
     .map_err(|p| ResolveError::Topology(Box::new(t.locate(p))))?;
     if version_source == VersionSource::Pinned

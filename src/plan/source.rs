@@ -3,6 +3,7 @@
 //! can say what it changes: the topology's text, what it is called, the GPUs declared with
 //! `--gpus`, and the counts `scale` set since.
 
+use super::Holdings;
 use super::resolve::{LoadedPlan, Machine, Request, ResolveError, plan_programs_unresolved};
 use crate::topology::{self, LoadedTopology, Source};
 use crate::vocab::Role;
@@ -122,13 +123,20 @@ impl ClusterSource {
             }))
     }
 
-    /// Plans the cluster again (programs resolved) for node `node` under `state_root`.
-    pub fn plan(&self, node: &str, state_root: &Path) -> Result<LoadedPlan, ResolveError> {
+    /// Plans the cluster again (programs resolved) for node `node` under `state_root`; the
+    /// instances it keeps of a running cluster keep the GPUs and ports `held` says they hold.
+    pub fn plan(
+        &self,
+        node: &str,
+        state_root: &Path,
+        held: &Holdings,
+    ) -> Result<LoadedPlan, ResolveError> {
         let t = self.topology()?;
         let req = Request {
             node: Some(node.to_string()),
             gpus: self.gpus.clone(),
             state_dir: Some(state_root.to_path_buf()),
+            held: held.clone(),
             ..Request::default()
         };
         let mut loaded = plan_programs_unresolved(&t, &req, Machine::new(self.gpus.clone()))?;
