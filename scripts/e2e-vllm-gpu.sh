@@ -376,7 +376,8 @@ k = sys.argv[1]
 if k == "last_move":
     m = (r.get("moves") or [{}])[-1]
     s = lambda x: "%dP%dD" % (x["prefill"], x["decode"]) if x else "-"
-    print(s(m.get("from")), s(m.get("to")), (m.get("outcome") or "-").split(":")[0])
+    took = (m.get("ended_ms") or 0) - (m.get("at_ms") or 0)
+    print(round(took / 1000, 1), s(m.get("from")), s(m.get("to")), (m.get("outcome") or "-").split(":")[0])
 else:
     print(r.get(k, ""))' "$2"
 }
@@ -415,10 +416,10 @@ run_rebalance() {
   t0=$SECONDS
   if wait_for 900 moved_once "$state"; then
     move_s=$((SECONDS - t0))
-    local from to outcome
-    read -r from to outcome < <(rebalance_field "$state" last_move)
+    local took from to outcome
+    read -r took from to outcome < <(rebalance_field "$state" last_move)
     [ "$from $to $outcome" = "1P2D 2P1D done (0)" ] \
-      && pass "$case: under load the rebalancer moved $from -> $to (${move_s} s after the load began)" \
+      && pass "$case: under load the rebalancer moved $from -> $to (done ${move_s} s after the load began; the change took ${took} s)" \
       || fail "$case: the move was $from -> $to, $outcome"
   else
     fail "$case: no move within 900 s; verdict: $(rebalance_field "$state" verdict)"
@@ -442,7 +443,7 @@ run_rebalance() {
   [ "$roles" = "decode-0:healthy prefill-0:healthy prefill-1:healthy" ] \
     && pass "$case: status: $roles" || fail "$case: status after the move: $roles"
   "$PDCTL" check --state-dir "$state" > "$dir/check.log" 2>&1 \
-    && pass "$case: pdctl check on the new split: $(grep -c 'moved' "$dir/check.log") pair(s) hand KV over" \
+    && pass "$case: pdctl check on the new split: $(grep -c ' -> decode-[0-9].*moved' "$dir/check.log") pair(s) hand KV over" \
     || fail "$case: pdctl check after the move: $(tail -3 "$dir/check.log")"
   curl -s "http://127.0.0.1:$base/metrics" | grep -q '^pdctl_proxy_rebalance_moves_total{toward="prefill"} 1$' \
     && pass "$case: the proxy's /metrics counts the move" || fail "$case: the proxy's /metrics does not count the move"
@@ -454,7 +455,7 @@ run_rebalance() {
   [ "$left" = 0 ] && [ "$gpu_left" = 0 ] && pass "$case: down: no process, nothing on the GPU" \
     || fail "$case: after down: $left process(es), $gpu_left on the GPU"
   CURRENT_STATE=""
-  SUMMARY[$case]="up ${up_s}s | moved 1P2D -> 2P1D ${move_s}s after the load began | load $done_n ok, $failed_n failed | $([ "$CASE_FAILED" = 0 ] && echo ok || echo FAILED)"
+  SUMMARY[$case]="up ${up_s}s | moved 1P2D -> 2P1D ${move_s}s after the load began (change ${took:-?}s) | load $done_n ok, $failed_n failed | $([ "$CASE_FAILED" = 0 ] && echo ok || echo FAILED)"
 }
 
 # One engine's start alone against `pdctl up -d` of the 1P1D sharing the GPU, on the same

@@ -6,6 +6,9 @@
 use crate::vocab::RebalancePlan;
 pub use crate::vocab::{Figures, Move, Split, Toward};
 
+/// First tokens a window needs before its TTFT p90 is judged.
+pub const MIN_FIRST_TOKENS: u64 = 5;
+
 /// What the cluster is doing besides serving.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct State {
@@ -36,7 +39,10 @@ pub fn decide(
         (Some(v), Some(g)) if v > g => Some(v / g),
         _ => None,
     };
-    let ttft_miss = over(figures.ttft_p90_ms, t.ttft_p90_ms);
+    // A p90 of a handful of first tokens is one request's luck, not the traffic's.
+    let ttft_miss = (figures.requests >= MIN_FIRST_TOKENS)
+        .then(|| over(figures.ttft_p90_ms, t.ttft_p90_ms))
+        .flatten();
     let itl_miss = over(figures.itl_p90_ms, t.itl_p90_ms);
     let toward = match (ttft_miss, itl_miss) {
         (None, None) => return Ok(None),
@@ -250,6 +256,19 @@ mod tests {
         assert_eq!(run(&plan(P), s(2, 2), &f, State::default()), Ok(None));
         let idle = Figures::default();
         assert_eq!(run(&plan(P), s(2, 2), &idle, State::default()), Ok(None));
+    }
+
+    #[test]
+    fn a_ttft_of_too_few_first_tokens_is_not_judged() {
+        let mut f = slow_first_token();
+        f.requests = MIN_FIRST_TOKENS - 1;
+        assert_eq!(run(&plan(P), s(2, 2), &f, State::default()), Ok(None));
+        f.requests = MIN_FIRST_TOKENS;
+        assert!(
+            run(&plan(P), s(2, 2), &f, State::default())
+                .unwrap()
+                .is_some()
+        );
     }
 
     #[test]

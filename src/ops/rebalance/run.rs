@@ -257,6 +257,15 @@ fn met(f: &Figures) -> String {
     if f.requests == 0 && f.itl_p90_ms.is_none() {
         return "nothing to judge: no first token and no token gap in the window".into();
     }
+    let need = super::decide::MIN_FIRST_TOKENS;
+    if f.requests > 0 && f.requests < need {
+        return format!(
+            "TTFT p90 {} not judged ({} in the window, {need} needed), ITL p90 {} met",
+            ms(f.ttft_p90_ms),
+            super::decide::requests(f.requests),
+            ms(f.itl_p90_ms)
+        );
+    }
     format!(
         "objectives met: TTFT p90 {}, ITL p90 {} ({})",
         ms(f.ttft_p90_ms),
