@@ -49,8 +49,13 @@ impl Engine {
                 others.insert(name.clone(), endpoint);
             }
         }
+        let split = crate::vocab::Split {
+            prefill: plan.by_role(crate::vocab::Role::Prefill).count() as u32,
+            decode: plan.by_role(crate::vocab::Role::Decode).count() as u32,
+        };
         let rebalancer = Arc::new(super::rebalance::Rebalancer::new(
             plan.rebalance.clone(),
+            split,
             state_dir.clone(),
         ));
         Engine {

@@ -44,15 +44,12 @@ struct Shared {
 
 impl Rebalancer {
     /// The rebalancer of a cluster whose plan carries `plan` (None: no table yet; one
-    /// `apply` adds is taken at the next look), its state in `state_dir`.
-    pub fn new(plan: Option<RebalancePlan>, state_dir: PathBuf) -> Rebalancer {
+    /// `apply` adds is taken at the next look) and runs `split`, its state in `state_dir`.
+    pub fn new(plan: Option<RebalancePlan>, split: Split, state_dir: PathBuf) -> Rebalancer {
         let moves = read_moves(&state_dir.join(MOVES_FILE));
         let report = RebalanceReport {
             mode: plan.as_ref().map_or(RebalanceMode::Off, |p| p.table.mode),
-            split: Split {
-                prefill: 0,
-                decode: 0,
-            },
+            split,
             window_s: plan.as_ref().map_or(0, |p| p.table.window_s),
             measured_s: 0,
             figures: Figures::default(),
