@@ -33,26 +33,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-read -r etcd_client etcd_peer rpc metrics proxy bootstrap pbase dbase < <(python3 - <<'PY'
-import socket
-def free(n=1):
-    while True:
-        s = socket.socket(); s.bind(("127.0.0.1", 0)); base = s.getsockname()[1]; s.close()
-        if base + n > 65000:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            t = socket.socket()
-            try:
-                t.bind(("127.0.0.1", p))
-            except OSError:
-                ok = False
-            t.close()
-        if ok:
-            return base
-print(free(), free(), free(), free(), free(), free(4), free(4), free(4))
-PY
-)
+read -r etcd_client etcd_peer rpc metrics proxy bootstrap pbase dbase < <(python3 bench/free_ports.py 1 1 1 1 1 4 4 4)
 
 cat >"$work/rebalance.toml" <<TOML
 cluster = "rebalance-run"

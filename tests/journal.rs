@@ -194,19 +194,8 @@ impl TwoNodes {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        let record = read_record(&self.head_state())
-            .unwrap()
-            .expect("the head runs");
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(record.supervisor_pid),
-            nix::sys::signal::Signal::SIGKILL,
-        )
-        .unwrap();
         // Its watchdog stops the head's services.
-        let gone = common::wait_until(Duration::from_secs(10), || {
-            suph::marked(&record.run_id).is_empty()
-        });
-        assert!(gone, "the head's services outlived its supervisor");
+        suph::kill_supervisor_and_wait(&self.head_state());
     }
 
     /// `pdctl up` on the head again, from `file`; then waits (60 s at most) until the

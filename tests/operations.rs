@@ -1013,18 +1013,7 @@ fn a_change_on_gpus_cut_short_is_finished_on_the_gpus_it_planned() {
         "{seen:?}"
     );
     let state = pdctl::supervisor::StateDir::new(cluster.root().join("o-gpuj"));
-    let record = pdctl::supervisor::read_record(&state)
-        .unwrap()
-        .expect("it runs");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(record.supervisor_pid),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    let gone = common::wait_until(Duration::from_secs(10), || {
-        suph::marked(&record.run_id).is_empty()
-    });
-    assert!(gone, "the services outlived their supervisor");
+    suph::kill_supervisor_and_wait(&state);
     // Its client has nothing more to say: the change is taken up by the next supervisor.
     let _ = back.kill();
     let _ = back.wait();

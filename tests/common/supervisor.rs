@@ -398,6 +398,27 @@ pub fn marked(run_id: &str) -> Vec<i32> {
     marked_processes(run_id)
 }
 
+/// SIGKILLs the supervisor of the cluster in `state` and waits (10 s at most) until its
+/// watchdog has stopped every process it started; panics when some outlive it.
+pub fn kill_supervisor_and_wait(state: &StateDir) {
+    let record = read_record(state)
+        .unwrap()
+        .expect("the cluster runs: it has a run record");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(record.supervisor_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let gone = crate::common::wait_until(Duration::from_secs(10), || {
+        marked(&record.run_id).is_empty()
+    });
+    assert!(
+        gone,
+        "processes outlived their supervisor: {:?}",
+        marked(&record.run_id)
+    );
+}
+
 /// The run id of the cluster in `state`, while it has a record.
 pub fn run_id(state: &StateDir) -> String {
     read_record(state)

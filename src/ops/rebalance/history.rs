@@ -29,11 +29,16 @@ fn append_bounded(path: &Path, point: &HistoryPoint, limit: u64) -> std::io::Res
     if std::fs::metadata(path).is_ok_and(|m| m.len() >= limit) {
         std::fs::rename(path, older(path))?;
     }
+    append_line(path, point)
+}
+
+/// Appends `value` to `path` as one line of JSON (the history's and the moves' files).
+pub fn append_line(path: &Path, value: &impl serde::Serialize) -> std::io::Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)?;
-    let line = serde_json::to_string(point).map_err(std::io::Error::other)?;
+    let line = serde_json::to_string(value).map_err(std::io::Error::other)?;
     writeln!(f, "{line}")
 }
 

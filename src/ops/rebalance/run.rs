@@ -16,7 +16,6 @@ use crate::vocab::{
     Figures, HistoryPoint, Move, MoveCounts, MoveRecord, RebalanceMode, RebalancePlan,
     RebalanceReport, Role, Split, Toward,
 };
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -351,7 +350,7 @@ async fn act(engine: &dyn Operations, r: &Rebalancer, m: Move, figures: Figures)
     tracing::info!("rebalance: move {} -> {} {outcome}", m.from, m.to);
     record.outcome = Some(outcome);
     record.ended_ms = Some(now_ms());
-    if let Err(e) = append(&r.state_dir.join(MOVES_FILE), &record) {
+    if let Err(e) = history::append_line(&r.state_dir.join(MOVES_FILE), &record) {
         tracing::warn!("rebalance: cannot keep the move's record: {e}");
     }
     let mut s = r.shared();
@@ -361,15 +360,6 @@ async fn act(engine: &dyn Operations, r: &Rebalancer, m: Move, figures: Figures)
     s.report.moves.push(record);
     let excess = s.report.moves.len().saturating_sub(SHOWN_MOVES);
     s.report.moves.drain(..excess);
-}
-
-fn append(path: &Path, record: &MoveRecord) -> std::io::Result<()> {
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)?;
-    let line = serde_json::to_string(record).map_err(std::io::Error::other)?;
-    writeln!(f, "{line}")
 }
 
 /// The records kept in `path` (lines that do not read are skipped): a previous run's, for
@@ -402,8 +392,8 @@ mod tests {
             outcome: Some("done (0)".into()),
             ended_ms: Some(2),
         };
-        append(&path, &rec).unwrap();
-        append(&path, &rec).unwrap();
+        history::append_line(&path, &rec).unwrap();
+        history::append_line(&path, &rec).unwrap();
         assert_eq!(read_moves(&path), vec![rec.clone(), rec]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
