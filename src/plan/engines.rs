@@ -362,6 +362,27 @@ fn round3(x: f64) -> f64 {
     (x * 1000.0).floor() / 1000.0
 }
 
+/// The engines' fixed HTTP ports first, so clashes name the keys the user wrote; then the
+/// ports running instances hold, which stay theirs: a kept one is given its own back, a new
+/// one none of them (a change plans with them: plan::held).
+fn book_ports(
+    t: &Topology,
+    placements: &[Placement],
+    pool: &GpuPool,
+    ports: &mut PortBook,
+) -> Result<(), Problem> {
+    for p in placements {
+        let svc = p.role.instance_name(p.index);
+        claim(ports, &p.host, http_port(t, p), &svc, "http")?;
+    }
+    for (name, held) in pool.held.iter() {
+        for port in &held.ports {
+            ports.hold(&held.host, *port, name);
+        }
+    }
+    Ok(())
+}
+
 /// Plans every engine instance.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn plan_engines(
@@ -377,18 +398,7 @@ pub(super) fn plan_engines(
     settings: &mut BTreeMap<String, ChildSettings>,
 ) -> Result<Vec<Service>, Problem> {
     let t = cx.topology;
-    // Fixed HTTP ports first, so clashes name the keys the user wrote.
-    for p in placements {
-        let svc = p.role.instance_name(p.index);
-        claim(ports, &p.host, http_port(t, p), &svc, "http")?;
-    }
-    // The ports running instances hold stay theirs: a kept one is given its own back,
-    // a new one none of them (a change plans with them: plan::held).
-    for (name, held) in pool.held.iter() {
-        for port in &held.ports {
-            ports.hold(&held.host, *port, name);
-        }
-    }
+    book_ports(t, placements, pool, ports)?;
     check_gpu_counts(t, placements, pool)?;
     if let (EngineKind::Vllm, Some(v)) = (t.engine.kind, cx.version) {
         warnings.extend(conn.warnings(t, v));

@@ -101,6 +101,25 @@ pub fn svg(
     let breaks = breaks(&ts);
     let height = panel_top(3) - GAP + BOTTOM;
     let mut o = String::new();
+    header(&mut o, cluster, height, points.len(), moves.len());
+    let panels = panels(points);
+    for (k, (title, series)) in panels.iter().enumerate() {
+        let f = panel(&mut o, k, title, series, (xmax, xstep), k == 2);
+        for s in series {
+            for run in runs(&ts, &s.values, &breaks) {
+                line(&mut o, &f, &run, s);
+            }
+        }
+    }
+    for (t, m) in &moves {
+        move_marker(&mut o, *t, xmax, m);
+    }
+    o.push_str("</svg>\n");
+    Ok(o)
+}
+
+/// The SVG's opening: its size, a white ground and the title.
+fn header(o: &mut String, cluster: &str, height: f64, looks: usize, moves: usize) {
     let _ = writeln!(
         o,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" font-family="sans-serif">"#
@@ -111,9 +130,13 @@ pub fn svg(
         r#"<text x="{}" y="22" font-size="15" text-anchor="middle" font-weight="bold">Rebalancing of cluster {}: {} looks, {} moves</text>"#,
         W / 2.0,
         escape(cluster),
-        points.len(),
-        moves.len()
+        looks,
+        moves
     );
+}
+
+/// The three panels: each one's title and lines, at each look.
+fn panels(points: &[HistoryPoint]) -> [(&'static str, Vec<Series<'static>>); 3] {
     let figure = |class, name, values| Series {
         class,
         name,
@@ -132,7 +155,7 @@ pub fn svg(
         dashed: true,
         width: 1.5,
     };
-    let panels = [
+    [
         (
             "TTFT p90 (ms)",
             vec![
@@ -170,20 +193,7 @@ pub fn svg(
                 },
             ],
         ),
-    ];
-    for (k, (title, series)) in panels.iter().enumerate() {
-        let f = panel(&mut o, k, title, series, (xmax, xstep), k == 2);
-        for s in series {
-            for run in runs(&ts, &s.values, &breaks) {
-                line(&mut o, &f, &run, s);
-            }
-        }
-    }
-    for (t, m) in &moves {
-        move_marker(&mut o, *t, xmax, m);
-    }
-    o.push_str("</svg>\n");
-    Ok(o)
+    ]
 }
 
 fn col(points: &[HistoryPoint], f: impl Fn(&HistoryPoint) -> Option<f64>) -> Vec<Option<f64>> {
@@ -232,19 +242,7 @@ fn panel(
     (xmax, xstep): (f64, f64),
     x_labels: bool,
 ) -> Frame {
-    let max = series
-        .iter()
-        .flat_map(|s| s.values.iter().flatten().copied())
-        .fold(0.0, f64::max);
-    let counts = series.iter().all(|s| s.step && !s.dashed);
-    let (ymax, ystep) = if counts {
-        // Whole instances, with a step of room above the largest count.
-        let (m, s) = axis(max + 1.0);
-        let s = s.max(1.0);
-        ((m / s).ceil() * s, s)
-    } else {
-        axis(max * 1.1)
-    };
+    let (ymax, ystep) = y_axis(series);
     let f = Frame {
         top: panel_top(k),
         xmax,
@@ -261,6 +259,50 @@ fn panel(
         r##"<rect x="{PAD_L}" y="{:.1}" width="{pw}" height="{PH}" fill="none" stroke="#888"/>"##,
         f.top
     );
+    grid(o, &f, xstep, ystep, x_labels);
+    if x_labels {
+        let _ = writeln!(
+            o,
+            r#"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle">seconds since the first look</text>"#,
+            PAD_L + pw / 2.0,
+            f.top + PH + 34.0
+        );
+    }
+    if let Some(s) = series
+        .first()
+        .filter(|s| s.values.iter().all(Option::is_none))
+    {
+        let _ = writeln!(
+            o,
+            r##"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle" fill="#888">no {} figure in this history</text>"##,
+            PAD_L + pw / 2.0,
+            f.top + PH / 2.0,
+            s.name
+        );
+    }
+    legend(o, &f, series);
+    f
+}
+
+/// A panel's y axis end and step: whole instances with a step of room above the largest
+/// count for the split, a tenth of room above the largest figure for the others.
+fn y_axis(series: &[Series]) -> (f64, f64) {
+    let max = series
+        .iter()
+        .flat_map(|s| s.values.iter().flatten().copied())
+        .fold(0.0, f64::max);
+    if series.iter().all(|s| s.step && !s.dashed) {
+        let (m, s) = axis(max + 1.0);
+        let s = s.max(1.0);
+        ((m / s).ceil() * s, s)
+    } else {
+        axis(max * 1.1)
+    }
+}
+
+/// A panel's grid lines and tick labels (the time labels only under the bottom panel).
+fn grid(o: &mut String, f: &Frame, xstep: f64, ystep: f64, x_labels: bool) {
+    let (xmax, ymax, pw) = (f.xmax, f.ymax, Frame::pw());
     let mut t = 0.0;
     while t <= xmax + xstep / 2.0 {
         let x = f.px(t);
@@ -297,28 +339,6 @@ fn panel(
         );
         v += ystep;
     }
-    if x_labels {
-        let _ = writeln!(
-            o,
-            r#"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle">seconds since the first look</text>"#,
-            PAD_L + pw / 2.0,
-            f.top + PH + 34.0
-        );
-    }
-    if let Some(s) = series
-        .first()
-        .filter(|s| s.values.iter().all(Option::is_none))
-    {
-        let _ = writeln!(
-            o,
-            r##"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle" fill="#888">no {} figure in this history</text>"##,
-            PAD_L + pw / 2.0,
-            f.top + PH / 2.0,
-            s.name
-        );
-    }
-    legend(o, &f, series);
-    f
 }
 
 /// The names of a panel's lines, right of it.
