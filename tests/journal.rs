@@ -146,26 +146,11 @@ impl TwoNodes {
     /// `output_len` tokens, 8 at a time, its JSON in `json`.
     fn bench(&self, prompts: usize, output_len: usize, json: &Path) -> Child {
         let url = format!("http://{}:{}", self.head_addr, self.proxy_port);
-        let (prompts, output_len) = (prompts.to_string(), output_len.to_string());
         let mut bench = match self.nh.as_deref() {
             Some(ns) => netns::NetnsPair::exec(ns, &common::pdctl_bin()),
             None => common::pdctl(&[]),
         };
-        bench.args([
-            "bench",
-            "--url",
-            &url,
-            "--num-prompts",
-            &prompts,
-            "--max-concurrency",
-            "8",
-            "--input-len",
-            "32",
-            "--output-len",
-            &output_len,
-            "--json",
-            json.to_str().unwrap(),
-        ]);
+        bench.args(common::bench_args(&url, prompts, 8, (32, output_len), json));
         bench
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

@@ -55,29 +55,16 @@ fn bench_with(
     json: &std::path::Path,
     extra: &[&str],
 ) -> Child {
-    let (url, prompts, concurrent, output_len) = (
-        format!("http://127.0.0.1:{port}"),
-        prompts.to_string(),
-        concurrent.to_string(),
-        output_len.to_string(),
-    );
-    let mut args = vec![
-        "bench",
-        "--url",
-        &url,
-        "--num-prompts",
-        &prompts,
-        "--max-concurrency",
-        &concurrent,
-        "--input-len",
-        "32",
-        "--output-len",
-        &output_len,
-        "--json",
-        json.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    common::pdctl(&args)
+    let url = format!("http://127.0.0.1:{port}");
+    common::pdctl(&[])
+        .args(common::bench_args(
+            &url,
+            prompts,
+            concurrent,
+            (32, output_len),
+            json,
+        ))
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

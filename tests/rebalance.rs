@@ -27,31 +27,18 @@ const REBALANCE: &str = "[engine.sim]\nprefill_ms_per_token = 0.5\n\
     [rebalance]\nttft_p90_ms = 200\nitl_p90_ms = 1000\nwindow_s = 4\ncooldown_s = 60\nmode = \"advise\"\n";
 
 fn long_prompt_load(port: u16, prompts: usize, json: &std::path::Path) -> Child {
-    load(port, prompts, "1024", "8", json)
+    load(port, prompts, (1024, 8), json)
 }
 
-fn load(port: u16, prompts: usize, input: &str, output: &str, json: &std::path::Path) -> Child {
+/// `pdctl bench` of `prompts` requests of (tokens in, tokens out), 8 at a time.
+fn load(port: u16, prompts: usize, shape: (usize, usize), json: &std::path::Path) -> Child {
     let url = format!("http://127.0.0.1:{port}");
-    let prompts = prompts.to_string();
-    common::pdctl(&[
-        "bench",
-        "--url",
-        &url,
-        "--num-prompts",
-        &prompts,
-        "--max-concurrency",
-        "8",
-        "--input-len",
-        input,
-        "--output-len",
-        output,
-        "--json",
-        json.to_str().unwrap(),
-    ])
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap()
+    common::pdctl(&[])
+        .args(common::bench_args(&url, prompts, 8, shape, json))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
 }
 
 fn count(r: &StatusReport, role: Role) -> usize {
@@ -206,7 +193,7 @@ fn advise_under_long_outputs_would_move_toward_decode() {
     let dir = TempDir::new("rebal-itl-topo");
     cluster.up_topology(dir.path(), &topology);
     let json = dir.path().join("bench.json");
-    let load = load(port, 80, "32", "256", &json);
+    let load = load(port, 80, (32, 256), &json);
     let r = wait_for(&cluster, Duration::from_secs(40), |r| {
         r.rebalance
             .as_ref()

@@ -25,6 +25,28 @@ pub fn pdctl(args: &[&str]) -> Command {
     c
 }
 
+/// The arguments of `pdctl bench` against `url`: `prompts` requests of `input_len`
+/// tokens in and `output_len` out, `concurrency` at a time, its JSON report in `json`.
+pub fn bench_args(
+    url: &str,
+    prompts: usize,
+    concurrency: usize,
+    (input_len, output_len): (usize, usize),
+    json: &std::path::Path,
+) -> Vec<String> {
+    let mut args: Vec<String> = ["bench", "--url", url].map(String::from).to_vec();
+    for (flag, n) in [
+        ("--num-prompts", prompts),
+        ("--max-concurrency", concurrency),
+        ("--input-len", input_len),
+        ("--output-len", output_len),
+    ] {
+        args.extend([flag.to_string(), n.to_string()]);
+    }
+    args.extend(["--json".to_string(), json.display().to_string()]);
+    args
+}
+
 /// The state root pdctl falls back to in tests (one per test binary run).
 pub fn test_state_home() -> PathBuf {
     std::env::temp_dir().join(format!("pdctl-test-xdg-{}", std::process::id()))
