@@ -486,22 +486,10 @@ mod tests {
             ..ProxyArgs::default()
         };
         Plan {
-            cluster: "c".into(),
-            state_dir: "/state/c".into(),
-            head_node: "local".into(),
             nodes: BTreeMap::from([("local".into(), "127.0.0.1".into())]),
-            proxy_url: None,
-            engine: "vllm".into(),
             vllm_version: Some("0.11.0".into()),
-            vllm_version_source: None,
-            connector: "nixl".into(),
-            protocol: "nixl".into(),
-            services,
-            warnings: vec![],
-            control_port: None,
-            tcp: Default::default(),
             settings: BTreeMap::from([("proxy".into(), ChildSettings::Proxy(Box::new(proxy)))]),
-            rebalance: None,
+            ..Plan::for_tests("local", services)
         }
     }
 

@@ -111,3 +111,29 @@ impl Plan {
         self.services.iter().filter(move |s| s.node == node)
     }
 }
+
+#[cfg(test)]
+impl Plan {
+    /// A plan of `services` for unit tests: cluster `c` under /state/c headed by `head`,
+    /// vLLM 0.26.0 with NIXL, nothing else; a test sets the fields it is about with `..`.
+    pub(crate) fn for_tests(head: &str, services: Vec<Service>) -> Plan {
+        Plan {
+            cluster: "c".into(),
+            state_dir: "/state/c".into(),
+            head_node: head.into(),
+            nodes: BTreeMap::new(),
+            proxy_url: None,
+            engine: "vllm".into(),
+            vllm_version: Some("0.26.0".into()),
+            vllm_version_source: None,
+            connector: "nixl".into(),
+            protocol: "nixl".into(),
+            services,
+            warnings: vec![],
+            control_port: None,
+            tcp: Default::default(),
+            settings: BTreeMap::new(),
+            rebalance: None,
+        }
+    }
+}

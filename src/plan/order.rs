@@ -155,7 +155,6 @@ fn first(old: &Service, frees: Frees, starters: &[&Service]) -> Option<FreeFirst
 mod tests {
     use super::*;
     use crate::vocab::{Role, Service};
-    use std::collections::BTreeMap;
 
     /// A plan of engines on node `local` unless named `node/name`, each with its GPUs.
     fn plan(engines: &[(&str, &[u32])]) -> Plan {
@@ -166,24 +165,7 @@ mod tests {
                 engine(node, name, gpus)
             })
             .collect();
-        Plan {
-            cluster: "c".into(),
-            state_dir: "/state/c".into(),
-            head_node: "local".into(),
-            nodes: BTreeMap::new(),
-            proxy_url: None,
-            engine: "vllm".into(),
-            vllm_version: Some("0.26.0".into()),
-            vllm_version_source: None,
-            connector: "nixl".into(),
-            protocol: "nixl".into(),
-            services,
-            warnings: vec![],
-            control_port: None,
-            tcp: Default::default(),
-            settings: BTreeMap::new(),
-            rebalance: None,
-        }
+        Plan::for_tests("local", services)
     }
 
     fn engine(node: &str, name: &str, gpus: &[u32]) -> Service {

@@ -30,21 +30,11 @@ pub(crate) fn tcp_service(name: &str, node: &str, port: u16) -> Service {
 /// by node `head`.
 pub(crate) fn plan(head: &str, services: Vec<Service>) -> Plan {
     Plan {
-        cluster: "c".into(),
         state_dir: "/tmp/c".into(),
-        head_node: head.into(),
-        nodes: BTreeMap::new(),
-        proxy_url: None,
         engine: "sim".into(),
         vllm_version: None,
-        vllm_version_source: None,
         connector: "example".into(),
         protocol: "two-step".into(),
-        services,
-        warnings: vec![],
-        control_port: None,
-        tcp: Default::default(),
-        settings: BTreeMap::new(),
-        rebalance: None,
+        ..Plan::for_tests(head, services)
     }
 }
