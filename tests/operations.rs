@@ -617,6 +617,7 @@ fn one_scale_on_the_head_changes_every_node() {
     let token = pdctl::control::tls::JoinToken::parse(&secret).expect("a join token");
     let wrong = pdctl::control::tls::JoinToken {
         ca_hash: token.ca_hash.clone(),
+        id: token.id.clone(),
         secret: pdctl::control::auth::Secret::random(),
     };
     let refused = in_netns(nw, move || {

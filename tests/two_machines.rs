@@ -110,13 +110,21 @@ fn rss(pid: i32) -> u64 {
 /// A completion through the proxy at `addr:port` from namespace `ns`: its HTTP status
 /// line and body.
 fn complete(ns: &str, addr: &str, port: u16) -> String {
+    complete_with_key(ns, addr, port, None)
+}
+
+/// [`complete`] sending `Authorization: Bearer KEY` when a key is given.
+fn complete_with_key(ns: &str, addr: &str, port: u16, key: Option<&str>) -> String {
     let to = format!("{addr}:{port}");
+    let auth = key
+        .map(|k| format!("authorization: Bearer {k}\r\n"))
+        .unwrap_or_default();
     in_netns(Some(ns), move || {
         let body = r#"{"model":"sim-model","prompt":"San Francisco is a","max_tokens":8}"#;
         let mut s = std::net::TcpStream::connect(&to).expect("the proxy");
         write!(
             s,
-            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
             body.len()
         )
         .unwrap();
@@ -314,6 +322,7 @@ fn one_up_on_the_head_starts_the_worker_over_ssh_behind_mutual_tls() {
     a_join_trusts_only_the_pinned_ca(pair, head, control);
     oversized_frame_is_refused(pair, head, worker, control);
     silent_connections_leave_status_answering(pair, head, control);
+    strangers_leave_the_worker_reachable(pair, head, control);
 
     // `down` on the head takes the worker down too.
     let worker_pid = worker_supervisor(worker);
@@ -414,15 +423,22 @@ fn a_worker_cannot_make_the_head_run_anything(
 }
 
 /// A join token that pins another CA than the head's is refused by the joining side,
-/// secret or not; the head's own token joins.
+/// secret or not; with the head's CA pinned the join reaches the head, which answers
+/// (here: refuses a wrong secret; a token that joins would revoke the worker's
+/// certificate, which tests/security.rs shows).
 fn a_join_trusts_only_the_pinned_ca(pair: &NetnsPair, head: &Cluster, control: u16) {
     use pdctl::control::tls::JoinToken;
-    let out = head.run(&["join-token"]);
+    let out = head.run(&["join-token", "--node", "worker"]);
     assert!(out.status.success(), "join-token: {}", text(&out));
     let token = JoinToken::parse(&String::from_utf8_lossy(&out.stdout)).unwrap();
     let other = JoinToken {
         ca_hash: "0".repeat(64),
+        id: token.id.clone(),
         secret: token.secret.clone(),
+    };
+    let pinned_right = JoinToken {
+        secret: pdctl::control::auth::Secret::random(),
+        ..token.clone()
     };
     let to = format!("{}:{control}", pair.addr_a);
     let (pinned_elsewhere, right) = in_netns(Some(&pair.b), move || {
@@ -439,13 +455,17 @@ fn a_join_trusts_only_the_pinned_ca(pair: &NetnsPair, head: &Cluster, control: u
                 Duration::from_secs(5),
             ))
         };
-        (join(&other).map(|c| c.node), join(&token).map(|c| c.node))
+        (
+            join(&other).map(|j| j.creds.node),
+            join(&pinned_right).map(|j| j.creds.node),
+        )
     });
     let err = pinned_elsewhere
         .expect_err("an unpinned CA must not be trusted")
         .to_string();
     assert!(err.contains("pins"), "{err}");
-    assert_eq!(right.expect("the head's own token joins"), "worker");
+    let err = right.expect_err("a wrong secret").to_string();
+    assert!(err.contains("wrong join token"), "the head answered: {err}");
 }
 
 /// The head's own certificate (an authenticated peer) sends the worker a 300 MiB frame:
@@ -636,5 +656,201 @@ fn an_unreachable_ssh_node_stops_up_before_anything_starts() {
     assert!(
         head.status(&[]).is_none(),
         "something was left running: {said}"
+    );
+}
+
+/// A proxy on the worker, with `PDCTL_API_KEY` set for the head's `up`: the head hands the
+/// key over ssh in the worker's bundle, and the worker's proxy answers 401 without it and
+/// 200 with it; the key is in no process's argv, in no log, and kept 0600 on the worker.
+#[test]
+fn a_workers_proxy_requires_the_client_key_the_head_was_given() {
+    let setup = Setup::new("pd45k");
+    let topology = std::fs::read_to_string(&setup.file).unwrap();
+    let moved = topology.replace("[proxy]\n", "[proxy]\nnode = \"worker\"\n");
+    assert_ne!(moved, topology);
+    std::fs::write(&setup.file, moved).unwrap();
+    let key = format!("client-key-{:016x}", rand::random::<u64>());
+    let f = setup.file.to_str().unwrap();
+    let mut up = setup.on_head(&["up", "-d", "-f", f]);
+    up.env("PDCTL_API_KEY", &key);
+    let up = suph::run_bounded(up, Duration::from_secs(180));
+    assert!(up.status.success(), "up -d: {}", text(&up));
+    let r = setup
+        .head
+        .wait_status(Duration::from_secs(60), &[], suph::all_healthy);
+    assert!(suph::all_healthy(&r), "{r:?}");
+    assert!(suph::svc(&r, "proxy").remote, "{r:?}");
+    let (pair, run) = (&setup.pair, setup.run);
+    let without = complete_with_key(&pair.a, &pair.addr_b, run, None);
+    assert!(without.starts_with("HTTP/1.1 401"), "{without}");
+    let wrong = complete_with_key(&pair.a, &pair.addr_b, run, Some("not-the-key"));
+    assert!(wrong.starts_with("HTTP/1.1 401"), "{wrong}");
+    let with = complete_with_key(&pair.a, &pair.addr_b, run, Some(&key));
+    assert!(with.starts_with("HTTP/1.1 200"), "{with}");
+
+    let state = setup.worker.root().join("pd35-worker");
+    let kept = state.join(pdctl::control::auth::CLIENT_KEY_FILE);
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&kept).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(std::fs::read_to_string(&kept).unwrap().trim(), key);
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        assert!(
+            !cmdline.windows(key.len()).any(|w| w == key.as_bytes()),
+            "the client key is in the argv of {}",
+            e.path().display()
+        );
+    }
+    let worker_pid = worker_supervisor(&setup.worker);
+    let environ = std::fs::read(format!("/proc/{worker_pid}/environ")).unwrap_or_default();
+    assert!(
+        !environ.windows(key.len()).any(|w| w == key.as_bytes()),
+        "the worker's supervisor has the client key in its environment"
+    );
+    let mut logs = Vec::new();
+    for root in [setup.worker.root(), setup.head.root()] {
+        for e in walk(root) {
+            if e.to_string_lossy().contains("/logs/") {
+                logs.push(e);
+            }
+        }
+    }
+    assert!(!logs.is_empty());
+    for log in logs {
+        let t = std::fs::read(&log).unwrap_or_default();
+        assert!(
+            !t.windows(key.len()).any(|w| w == key.as_bytes()),
+            "the client key is in {}",
+            log.display()
+        );
+    }
+    let down = setup.head.run(&["down"]);
+    assert!(down.status.success(), "down: {}", text(&down));
+}
+
+/// Every file under `dir`, depth first.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// 64 silent connections from 8 addresses that are no node's (8 each, opened again as
+/// soon as the worker closes one) held on the worker's control port for 30 s: the head's
+/// status shows the worker reachable and its services healthy throughout (the nodes have
+/// handshake places of their own, and the head polls over one kept connection).
+fn strangers_leave_the_worker_reachable(pair: &NetnsPair, head: &Cluster, control: u16) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let sources: Vec<String> = (0..8)
+        .map(|i| {
+            pair.add_address_a(100 + i)
+                .expect("an extra address on the head's side")
+        })
+        .collect();
+    let to: std::net::SocketAddr = format!("{}:{control}", pair.addr_b).parse().unwrap();
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let opened = std::sync::Arc::new(AtomicUsize::new(0));
+    let ns = pair.a.clone();
+    let flood = {
+        let (stop, opened) = (stop.clone(), opened.clone());
+        std::thread::spawn(move || {
+            in_netns(Some(&ns), move || {
+                let connect = |from: &str| {
+                    let s =
+                        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+                            .ok()?;
+                    let bind: std::net::SocketAddr = format!("{from}:0").parse().unwrap();
+                    s.bind(&bind.into()).ok()?;
+                    s.connect_timeout(&to.into(), Duration::from_secs(1)).ok()?;
+                    s.set_nonblocking(true).ok()?;
+                    opened.fetch_add(1, Ordering::Relaxed);
+                    Some(std::net::TcpStream::from(s))
+                };
+                let mut held: Vec<(usize, Option<std::net::TcpStream>)> =
+                    (0..64).map(|i| (i / 8, None)).collect();
+                while !stop.load(Ordering::Relaxed) {
+                    for (src, conn) in held.iter_mut() {
+                        let closed = conn.as_ref().is_none_or(|c| {
+                            let mut b = [0u8; 1];
+                            !matches!(c.peek(&mut b), Err(ref e) if e.kind() == std::io::ErrorKind::WouldBlock)
+                        });
+                        if closed {
+                            *conn = connect(&sources[*src]);
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            })
+        })
+    };
+    let t0 = Instant::now();
+    let mut looks = 0;
+    while t0.elapsed() < Duration::from_secs(30) {
+        let r = head.status(&[]).expect("the head's status");
+        let decode = suph::svc(&r, "decode-0");
+        assert!(
+            suph::all_healthy(&r) && decode.remote && decode.pid.is_some(),
+            "after {:.1} s of strangers ({} connections opened): {r:?}",
+            t0.elapsed().as_secs_f64(),
+            opened.load(Ordering::Relaxed)
+        );
+        looks += 1;
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    stop.store(true, Ordering::Relaxed);
+    flood.join().unwrap();
+    let opened = opened.load(Ordering::Relaxed);
+    eprintln!(
+        "strangers: {opened} connections from 8 addresses in 30 s; the worker healthy in all {looks} looks at the head's status"
+    );
+    assert!(opened >= 64, "the strangers got only {opened} connections");
+}
+
+/// The head's `up` fails after it started the worker over ssh (its own prefill cannot
+/// start): the worker it started is taken down again, nothing is left running there.
+#[test]
+fn a_failed_up_takes_down_the_nodes_it_started() {
+    let setup = Setup::new("pd45d");
+    let topology = std::fs::read_to_string(&setup.file).unwrap();
+    let broken = topology.replace(
+        "[prefill]\ninstances = 1\n",
+        "[prefill]\ninstances = 1\nargs = [\"--no-such-flag\"]\nrestart = \"never\"\n",
+    );
+    assert_ne!(broken, topology);
+    std::fs::write(&setup.file, broken).unwrap();
+    let f = setup.file.to_str().unwrap();
+    let up = suph::run_bounded(
+        setup.on_head(&["up", "-d", "-f", f]),
+        Duration::from_secs(240),
+    );
+    let said = text(&up);
+    assert!(!up.status.success(), "{said}");
+    assert!(said.contains("starting its supervisor over ssh"), "{said}");
+    assert!(
+        said.contains("node worker (root@") && said.contains("taken down"),
+        "{said}"
+    );
+    let state = pdctl::supervisor::StateDir::new(setup.worker.root().join("pd35-worker"));
+    let left = pdctl::supervisor::read_record(&state)
+        .ok()
+        .flatten()
+        .filter(|r| r.supervisor_alive());
+    assert!(
+        left.is_none(),
+        "the worker's supervisor still runs: {left:?}\n{said}"
+    );
+    assert!(
+        setup.head.status(&[]).is_none(),
+        "the head still runs: {said}"
     );
 }

@@ -204,7 +204,7 @@ fn engine_urls(flag: &str, given: &[String]) -> anyhow::Result<Vec<String>> {
 
 /// The URL and engines: as given, else from the running cluster.
 async fn target(a: &BenchArgs) -> anyhow::Result<Target> {
-    let root = crate::plan::resolve::state_root(a.state_dir.as_deref());
+    let root = crate::plan::resolve::state_root(a.state_dir.as_deref())?;
     if let Some(url) = &a.url {
         let key = match engine_key_for(&root, url)? {
             Some(k) => Some(k),

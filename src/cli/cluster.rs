@@ -54,6 +54,8 @@ pub struct UpArgs {
 pub struct Handed {
     pub creds: crate::control::tls::NodeCreds,
     pub engine_key: crate::control::auth::EngineKey,
+    /// The proxy's client key, when the head's `up` has one.
+    pub client_key: Option<crate::control::auth::ClientKey>,
 }
 
 /// Arguments of `pdctl status`.
@@ -64,6 +66,34 @@ pub struct StatusArgs {
     pub json: bool,
     #[command(flatten)]
     pub which: ClusterArgs,
+}
+
+/// Arguments of `pdctl ack-journal`.
+#[derive(Debug, Args)]
+pub struct AckJournalArgs {
+    #[command(flatten)]
+    pub which: ClusterArgs,
+}
+
+/// `pdctl ack-journal`: the user has seen that the head's change journal could not be read
+/// (it was moved aside, the nodes reconciled with the plan): changes run again.
+pub fn ack_journal(a: AckJournalArgs) -> anyhow::Result<ExitCode> {
+    let found = super::common::running(
+        &a.which.state_dir,
+        a.which.cluster.as_deref(),
+        "acknowledge a journal of",
+    )?;
+    match crate::ops::acknowledge_journal(&found.dir)? {
+        Some(notice) => {
+            println!("pdctl: acknowledged: {notice}");
+            println!("pdctl: changes to cluster {} run again", found.cluster);
+        }
+        None => println!(
+            "pdctl: cluster {} has no change journal set aside: nothing to acknowledge",
+            found.cluster
+        ),
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Restarts services of the running cluster.
@@ -160,6 +190,16 @@ fn plan_to_run(a: &UpArgs) -> anyhow::Result<LoadedPlan> {
 /// Fails unless `node` is a node of the plan that runs some of its services; a plan file
 /// run with `--state-dir` keeps its state under that root.
 fn runs_here(a: &UpArgs, plan: &mut Plan, node: &str) -> anyhow::Result<()> {
+    // A plan file (or one handed over ssh) skipped the topology's checks: its node names
+    // become directory and certificate names, so they are checked again.
+    for name in plan.nodes.keys() {
+        if let Some(why) = crate::topology::node_name_problem(name) {
+            return Err(ExitError::usage(format!(
+                "the plan's node `{name}` cannot name a node: {why}; {}",
+                crate::topology::NODE_NAME_RULE
+            )));
+        }
+    }
     if !plan.nodes.contains_key(node) && !plan.services.iter().any(|s| s.node == node) {
         let known: Vec<&str> = plan.nodes.keys().map(String::as_str).collect();
         return Err(anyhow::Error::from(SupervisorError::UnknownNode {
@@ -220,6 +260,7 @@ fn apply_if_running(a: &UpArgs, plan: &Plan, state: &StateDir) -> anyhow::Result
 
 /// `pdctl up`: plan, pre-flight, then supervise in the foreground or detached.
 pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
+    supervisor::private_umask();
     let LoadedPlan {
         mut plan,
         source_note: note,
@@ -284,16 +325,27 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         &plan,
         &state,
         &ssh_of,
-        creds.engine_key.as_ref(),
+        (creds.engine_key.as_ref(), creds.client_key.as_ref()),
         logs,
     )?);
-    launch(&a, plan, node, state, lock, logs, creds, remote)
+    let kept = (!remote.is_empty()).then(|| plan.clone());
+    let code = launch(&a, plan, node, state, lock, logs, creds, remote.clone());
+    // A failed `up` leaves nothing running: the nodes it started over ssh go down too.
+    if let Some(plan) = kept
+        && !matches!(code, Ok(0))
+    {
+        for line in remote.take_down(&plan, Duration::from_secs(60)) {
+            eprintln!("pdctl: {line}");
+        }
+    }
+    code.map(ExitCode::from)
 }
 
 /// What a node runs its cluster with (the secret stays in its state dir, where there is
 /// one: a node the head started over SSH has none, it is handed the engines' key).
 struct Credentials {
     engine_key: Option<crate::control::auth::EngineKey>,
+    client_key: Option<crate::control::auth::ClientKey>,
     /// Its side of the channel between the supervisors (several nodes only).
     channel: Option<std::sync::Arc<crate::control::tls::PeerTls>>,
 }
@@ -312,25 +364,29 @@ fn credentials(
         true => None,
         false => super::secret::token_for_up(a.join_token_file.as_deref())?,
     };
-    let secret = match &a.handed {
-        Some(_) => None,
-        None => super::secret::for_up(plan, node, state, a.secret_file.as_deref(), token.as_ref())?,
-    };
-    let engine_key = match a.handed.as_ref().map(|h| h.engine_key.clone()) {
-        Some(key) => {
-            key.write(&state.dir.join(crate::control::auth::ENGINE_KEY_FILE))?;
-            Some(key)
-        }
-        None => super::secret::engine_key_for_up(state, secret.as_ref())?,
-    };
+    // The secret stays on the head; a node elsewhere joins (or is handed what it needs)
+    // before it has the engines' key.
+    let secret = super::secret::for_up(plan, node, state, a.secret_file.as_deref())?;
     let join = match (a.handed.clone(), token) {
         (Some(h), _) => Join::Given(h.creds),
         (None, Some(t)) => Join::Token(t),
         (None, None) => Join::Kept,
     };
     let channel = super::secret::channel(plan, node, state, secret.as_ref(), join)?;
+    let engine_key = match a.handed.as_ref().map(|h| h.engine_key.clone()) {
+        Some(key) => {
+            key.write(&state.dir.join(crate::control::auth::ENGINE_KEY_FILE))?;
+            Some(key)
+        }
+        None => super::secret::engine_key_for_up(state, secret.as_ref(), node == plan.head_node)?,
+    };
+    let client_key = match &a.handed {
+        Some(h) => super::secret::keep_client_key(state, h.client_key.clone())?,
+        None => super::secret::client_key_for_up(state)?,
+    };
     Ok(Credentials {
         engine_key,
+        client_key,
         channel,
     })
 }
@@ -347,7 +403,7 @@ fn launch(
     logs: LogSettings,
     creds: Credentials,
     remote: std::sync::Arc<super::remote_up::RemoteNodes>,
-) -> anyhow::Result<ExitCode> {
+) -> anyhow::Result<u8> {
     if a.detach {
         let mut child = detach::spawn_supervisor(&state, &node, lock, logs)?;
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -357,7 +413,7 @@ fn launch(
         let code = rt.block_on(detach::wait_for_start(&mut child, &state, &plan, &failed));
         let limit = if code == 0 { 60 } else { 2 };
         remote.finish(Duration::from_secs(limit));
-        return Ok(ExitCode::from(code));
+        return Ok(code);
     }
     if !remote.is_empty() {
         let watch = remote.clone();
@@ -373,6 +429,7 @@ fn launch(
         healthy_text: Some(view::healthy_text),
         channel: creds.channel,
         engine_key: creds.engine_key,
+        client_key: creds.client_key,
     };
     let rt = runtime()?;
     let code = rt.block_on(supervisor::run(plan, state, lock, opts))?;
@@ -382,7 +439,7 @@ fn launch(
             println!("pdctl: {line}");
         }
     }
-    Ok(ExitCode::from(code))
+    Ok(code)
 }
 
 /// On the head: starts the nodes `[nodes]` gives `ssh` (none elsewhere).
@@ -390,7 +447,10 @@ fn start_ssh_nodes(
     plan: &Plan,
     state: &StateDir,
     ssh_of: &std::collections::BTreeMap<String, String>,
-    engine_key: Option<&crate::control::auth::EngineKey>,
+    (engine_key, client_key): (
+        Option<&crate::control::auth::EngineKey>,
+        Option<&crate::control::auth::ClientKey>,
+    ),
     logs: LogSettings,
 ) -> anyhow::Result<super::remote_up::RemoteNodes> {
     use crate::control::tls::{ClusterCa, TLS_DIR};
@@ -404,6 +464,7 @@ fn start_ssh_nodes(
         plan,
         ca: &ca,
         engine_key,
+        client_key,
         log_max_bytes: logs.max_bytes,
         log_keep: logs.keep,
     };
@@ -415,17 +476,31 @@ fn start_ssh_nodes(
 /// node's state dir (mode 0600), then does what `up -d --node NODE` does.
 pub fn node_up() -> anyhow::Result<ExitCode> {
     use crate::control::auth::EngineKey;
+    supervisor::private_umask();
     let b = super::remote_up::read_bundle(std::io::stdin().lock())?;
+    if let Some(why) = crate::topology::node_name_problem(&b.node) {
+        return Err(ExitError::usage(format!(
+            "node-up: `{}` cannot name a node: {why}",
+            b.node
+        )));
+    }
     let given = std::env::var_os("PDCTL_STATE_DIR")
         .filter(|v| !v.is_empty())
         .map(PathBuf::from);
-    let root = state_root(given.as_deref());
+    let root = state_root(given.as_deref())?;
     let dir =
         crate::plan::build::state_dir_of(&b.plan.cluster, b.plan.nodes.len() > 1, &root, &b.node);
     let state = StateDir::new(&dir);
     state.create()?;
     let engine_key =
         EngineKey::from_text(&b.engine_key, "the head").map_err(|e| anyhow::anyhow!("{e}"))?;
+    let client_key = match &b.client_key {
+        Some(k) => Some(
+            crate::control::auth::ClientKey::from_text(k, "the head")
+                .map_err(|e| anyhow::anyhow!("{e}"))?,
+        ),
+        None => None,
+    };
     let plan_file = state.dir.join("plan.handed.json");
     let json = serde_json::to_vec_pretty(&b.plan).expect("plans serialize");
     supervisor::write_atomic(&plan_file, &json)
@@ -445,6 +520,7 @@ pub fn node_up() -> anyhow::Result<ExitCode> {
         handed: Some(Handed {
             creds: b.creds,
             engine_key,
+            client_key,
         }),
     })
 }
@@ -491,7 +567,7 @@ pub fn down(a: super::down::DownArgs) -> anyhow::Result<ExitCode> {
 
 /// `pdctl status`: the table or JSON; exit 0 all healthy, 1 otherwise, 3 nothing runs.
 pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
-    let root = state_root(a.which.state_dir.as_deref());
+    let root = state_root(a.which.state_dir.as_deref())?;
     let Some(found) = select::running(&root, a.which.cluster.as_deref())? else {
         let mut msg = match a.which.cluster.as_deref() {
             Some(c) => format!("cluster {c} is not running under {}", root.display()),
@@ -559,7 +635,7 @@ fn remote_services(found: &select::Found, rt: &tokio::runtime::Runtime) -> Vec<S
 
 /// `pdctl logs`: history of one service or a role's instances, optionally followed.
 pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
-    let root = state_root(a.which.state_dir.as_deref());
+    let root = state_root(a.which.state_dir.as_deref())?;
     let Some(found) = select::with_logs(&root, a.which.cluster.as_deref())? else {
         return Err(ExitError::nothing_running(format!(
             "no cluster has logs under {}",
@@ -657,7 +733,7 @@ fn as_it_ran(
     let same = kept.as_ref().is_some_and(|k| {
         k.text == given.text && k.profile == given.profile && k.gpus == given.gpus
     });
-    let root = super::common::state_root(topology.state_dir.as_deref());
+    let root = super::common::state_root(topology.state_dir.as_deref())?;
     let (source, scaled) = match kept {
         Some(k) if same && !k.scaled.is_empty() => {
             let counts: Vec<String> = k.scaled.iter().map(|(r, n)| format!("{r}={n}")).collect();
@@ -702,6 +778,7 @@ pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
     if let Some(run_id) = &a.watchdog {
         return Ok(supervisor::run_watchdog(run_id));
     }
+    supervisor::private_umask();
     let dir = a.cluster_dir.clone().context("--cluster-dir is required")?;
     let state = StateDir::new(dir);
     let plan = read_plan(&state.plan_path())?;
@@ -713,6 +790,7 @@ pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
     let node = a.node.clone().unwrap_or_else(|| plan.head_node.clone());
     let secret = super::secret::kept(&state)?;
     let engine_key = super::secret::kept_engine_key(&state)?;
+    let client_key = super::secret::kept_client_key(&state)?;
     let channel = super::secret::channel(
         &plan,
         &node,
@@ -729,6 +807,7 @@ pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
         healthy_text: None,
         channel,
         engine_key,
+        client_key,
     };
     let code = runtime()?.block_on(supervisor::run(plan, state, lock, opts))?;
     Ok(ExitCode::from(code))

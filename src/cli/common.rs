@@ -44,7 +44,7 @@ pub fn running(
     cluster: Option<&str>,
     verb: &str,
 ) -> anyhow::Result<Found> {
-    let root = state_root(state_dir.as_deref());
+    let root = state_root(state_dir.as_deref())?;
     let Some(found) = crate::supervisor::select::running(&root, cluster)? else {
         return Err(super::ExitError::nothing_running(format!(
             "no cluster{} is running under {}; nothing to {verb} (`pdctl up` starts one)",

@@ -22,7 +22,7 @@ pub struct DownArgs {
 
 /// `pdctl down`: stops the running cluster, or cleans up after a dead supervisor.
 pub fn run(a: &DownArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitCode> {
-    let root = state_root(a.which.state_dir.as_deref());
+    let root = state_root(a.which.state_dir.as_deref())?;
     let cluster = a.which.cluster.as_deref();
     let mut out = std::io::stdout();
     let Some(found) = select::running(&root, cluster)? else {

@@ -41,6 +41,7 @@ pub fn code_of(err: &anyhow::Error) -> u8 {
                 Some(x.code)
             } else if e.is::<crate::topology::TopologyError>()
                 || e.is::<crate::plan::resolve::ResolveError>()
+                || e.is::<crate::plan::resolve::NoStateRoot>()
                 || e.is::<crate::proxy::ConfigError>()
                 || e.is::<crate::sim::SimConfigError>()
                 || e.is::<crate::bench::UsageError>()

@@ -72,7 +72,7 @@ pub fn scale(a: &ScaleArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitC
     let how = ChangeOptions {
         dry_run: a.dry_run,
         drain_timeout_s: a.timeout,
-        state_root: state_root(a.which.state_dir.as_deref()),
+        state_root: state_root(a.which.state_dir.as_deref())?,
     };
     let end = change(&found, ChangeRequest::Scale { counts, how }, &rt)?;
     Ok(ExitCode::from(end.code))
@@ -102,7 +102,7 @@ pub fn apply(a: &ApplyArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<Appl
     let how = ChangeOptions {
         dry_run: a.dry_run,
         drain_timeout_s: a.timeout,
-        state_root: state_root(a.topology.state_dir.as_deref()),
+        state_root: state_root(a.topology.state_dir.as_deref())?,
     };
     let request = ChangeRequest::Apply {
         source: Box::new(source),

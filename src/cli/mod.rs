@@ -59,6 +59,10 @@ pub enum Command {
     /// Change the running cluster to what a topology says, while serving (`--dry-run` shows
     /// the change only).
     Apply(live::ApplyArgs),
+    /// After the head found its change journal unreadable (moved aside to
+    /// `journal.json.bad-<time>`, `status` says so): say you have seen it, so changes run
+    /// again.
+    AckJournal(cluster::AckJournalArgs),
     /// Print the cluster's secret (or with --engine-key the key its engines require).
     Secret(secret::SecretArgs),
     /// On the head: print the token a node started by hand joins with
@@ -178,6 +182,7 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Supervise(a) => cluster::supervise(a),
         Command::Secret(a) => secret::show(a),
         Command::JoinToken(a) => secret::join_token(a),
+        Command::AckJournal(a) => cluster::ack_journal(a),
         Command::NodeUp => cluster::node_up(),
         Command::Export(a) => export::export(a),
         Command::Proxy(a) => {

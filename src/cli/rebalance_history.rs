@@ -182,7 +182,7 @@ fn only_running(root: &Path, with: &[Located]) -> Option<Located> {
 
 /// `pdctl rebalance history`: the table (or JSON) on stdout, the plot into its file.
 pub fn history(which: &ClusterArgs, a: &HistoryArgs) -> anyhow::Result<ExitCode> {
-    let root = state_root(which.state_dir.as_deref());
+    let root = state_root(which.state_dir.as_deref())?;
     let found = locate(&root, which.cluster.as_deref())
         .map_err(|e| ExitError::nothing_running(e.to_string()))?;
     let mut points = history::read(&found.dir);

@@ -22,10 +22,20 @@ use std::time::{Duration, Instant};
 /// destination and the remote command appended).
 pub const SSH_COMMAND_ENV: &str = "PDCTL_SSH_COMMAND";
 
-/// Where pdctl is put on a node (in the SSH user's home, as its shell expands it), with
-/// its SHA-256 beside it.
-const REMOTE_DIR: &str = "\"$HOME/.pdctl/bin\"";
-const REMOTE_BIN: &str = "\"$HOME/.pdctl/bin/pdctl\"";
+/// Where pdctl is put on a node (in the SSH user's home, as its shell expands it): one
+/// folder per SHA-256, `~/.pdctl/bin/<sha256>/pdctl`, so a binary is only ever found
+/// under the hash it was checked to have.
+const REMOTE_ROOT: &str = "$HOME/.pdctl/bin";
+
+/// The folder of the binary whose SHA-256 is `hash` (hex, so safe in a shell word).
+fn remote_dir(hash: &str) -> String {
+    format!("\"{REMOTE_ROOT}/{hash}\"")
+}
+
+/// The binary whose SHA-256 is `hash`, as the node's shell reads it.
+fn remote_bin(hash: &str) -> String {
+    format!("\"{REMOTE_ROOT}/{hash}/pdctl\"")
+}
 
 /// Everything a node started over SSH is handed on its standard input. No `Debug`: it
 /// holds the node's key and the engines' key.
@@ -35,6 +45,10 @@ pub struct NodeBundle {
     pub plan: Plan,
     /// The key every engine of the cluster requires (the head's, derived or set).
     pub engine_key: String,
+    /// The proxy's client key (`PDCTL_API_KEY` of the head's `up`), when set: a proxy on
+    /// this node requires it as the head's would.
+    #[serde(default)]
+    pub client_key: Option<String>,
     pub creds: NodeCreds,
     pub log_max_bytes: u64,
     pub log_keep: u32,
@@ -43,13 +57,15 @@ pub struct NodeBundle {
 /// The largest bundle `node-up` reads (a plan with its files is far smaller).
 pub const BUNDLE_MAX: u64 = 64 << 20;
 
-/// `ssh DEST REMOTE`, or the user's `PDCTL_SSH_COMMAND` in its place.
+/// `ssh -- DEST REMOTE`, or the user's `PDCTL_SSH_COMMAND` in its place (`--` and the
+/// destination appended to it): `--` ends ssh's options, so no destination is read as one
+/// (`plan` refuses a destination beginning with `-` besides).
 fn ssh(dest: &str, remote: &str) -> Command {
     match std::env::var(SSH_COMMAND_ENV) {
         Ok(cmd) if !cmd.trim().is_empty() => {
             let mut c = Command::new("sh");
             c.arg("-c")
-                .arg(format!("{cmd} \"$@\""))
+                .arg(format!("{cmd} -- \"$@\""))
                 .arg("pdctl-ssh")
                 .args([dest, remote]);
             c
@@ -61,6 +77,7 @@ fn ssh(dest: &str, remote: &str) -> Command {
                 "BatchMode=yes",
                 "-o",
                 "ConnectTimeout=10",
+                "--",
                 dest,
                 remote,
             ]);
@@ -116,24 +133,28 @@ fn own_hash() -> anyhow::Result<(std::path::PathBuf, String)> {
     Ok((exe, hex))
 }
 
-/// Makes sure `dest` has this pdctl; the command that runs it there.
+/// Makes sure `dest` has this pdctl; the command that runs it there. The node hashes
+/// the binary it has under this hash's folder (a stamp file could lie); a copy goes to a
+/// temporary name of its own (`mktemp`), is hashed there on the node and only then
+/// moved into `~/.pdctl/bin/<sha256>/pdctl`.
 fn ensure_pdctl(
     node: &str,
     dest: &str,
     exe: &std::path::Path,
     hash: &str,
 ) -> anyhow::Result<(String, &'static str)> {
+    let (dir, bin) = (remote_dir(hash), remote_bin(hash));
     let probe = format!(
-        "uname -m; cat {REMOTE_DIR}/pdctl.sha256 2>/dev/null || echo none; pdctl --version 2>/dev/null || echo none"
+        "uname -m; sha256sum {bin} 2>/dev/null | cut -c1-64 | grep . || echo none; pdctl --version 2>/dev/null || echo none"
     );
     let what = format!("node {node} ({dest})");
     let out = run(ssh(dest, &probe), None, &what)?;
     let mut lines = out.lines().map(str::trim);
     let arch = lines.next().unwrap_or_default().to_string();
-    let stamp = lines.next().unwrap_or_default();
+    let there = lines.next().unwrap_or_default();
     let on_path = lines.next().unwrap_or_default();
-    if stamp == hash {
-        return Ok((REMOTE_BIN.to_string(), "already there"));
+    if there == hash {
+        return Ok((bin, "already there"));
     }
     let ours = std::env::consts::ARCH;
     if arch != ours {
@@ -145,9 +166,11 @@ fn ensure_pdctl(
             "{what} is {arch} and this pdctl is built for {ours}: install {version} there (./install.sh on that machine) so `pdctl` is on its PATH, then `pdctl up` again"
         );
     }
-    let d = REMOTE_DIR;
     let copy = format!(
-        "mkdir -p {d} && cat > {d}/pdctl.part && chmod 755 {d}/pdctl.part && mv -f {d}/pdctl.part {REMOTE_BIN} && echo {hash} > {d}/pdctl.sha256"
+        "umask 077 && mkdir -p {dir} && t=$(mktemp {dir}/.pdctl.XXXXXXXX) && \
+         {{ cat > \"$t\" && chmod 700 \"$t\" && h=$(sha256sum \"$t\" | cut -c1-64) && \
+         if [ \"$h\" = {hash} ]; then mv -f \"$t\" {bin}; else echo \"the copy has SHA-256 $h, not {hash}\" >&2; false; fi; }} \
+         || {{ rm -f \"$t\"; exit 1; }}"
     );
     let mut file = std::fs::File::open(exe)?;
     run(
@@ -155,13 +178,15 @@ fn ensure_pdctl(
         Some(&mut file),
         &format!("copying pdctl to {what}"),
     )?;
-    Ok((REMOTE_BIN.to_string(), "copied"))
+    Ok((bin, "copied"))
 }
 
 /// One node being started over SSH: its `node-up`'s output and, once it ended, how.
 struct Started {
     node: String,
     dest: String,
+    /// The pdctl that runs there (for `pdctl down` there when `up` fails).
+    program: String,
     output: Arc<Mutex<Vec<String>>>,
     exit: Arc<Mutex<Option<ExitStatus>>>,
 }
@@ -177,6 +202,7 @@ pub struct Handout<'a> {
     pub plan: &'a Plan,
     pub ca: &'a ClusterCa,
     pub engine_key: &'a EngineKey,
+    pub client_key: Option<&'a crate::control::auth::ClientKey>,
     pub log_max_bytes: u64,
     pub log_keep: u32,
 }
@@ -246,6 +272,45 @@ impl RemoteNodes {
         })
     }
 
+    /// A failed `up` takes down what it started: waits (up to `limit`) for each node's
+    /// `node-up` to end, then runs `pdctl down` there over ssh (the node's cluster dir
+    /// named, so nothing else there is touched). One line per node, saying how it went.
+    pub fn take_down(&self, plan: &Plan, limit: Duration) -> Vec<String> {
+        let end = Instant::now() + limit;
+        let mut lines = Vec::new();
+        for s in &self.started {
+            while s.exit.lock().unwrap_or_else(|e| e.into_inner()).is_none() && Instant::now() < end
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let dir = crate::plan::build::state_dir_of(
+                &plan.cluster,
+                true,
+                std::path::Path::new("/"),
+                &s.node,
+            );
+            let name = dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            // Node and cluster names are checked at `plan` (a DNS label; letters, digits,
+            // `-`, `_`, `.`): nothing in them a shell would read.
+            let remote = format!("{} down --cluster {name}", s.program);
+            let what = format!("node {} ({})", s.node, s.dest);
+            lines.push(match run(ssh(&s.dest, &remote), None, &what) {
+                Ok(out) => format!(
+                    "{what}: taken down ({})",
+                    out.lines().last().unwrap_or("done").trim()
+                ),
+                Err(e) if e.to_string().contains("exit status: 3") => {
+                    format!("{what}: nothing of cluster {} runs there", plan.cluster)
+                }
+                Err(e) => format!("{what}: could not take it down: {e:#}"),
+            });
+        }
+        lines
+    }
+
     /// Waits (up to `limit`) for every `node-up` to end and says how each did.
     pub fn finish(&self, limit: Duration) {
         let end = Instant::now() + limit;
@@ -281,7 +346,8 @@ fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Resu
         node: node.to_string(),
         plan: h.plan.clone(),
         engine_key: h.engine_key.reveal().to_string(),
-        creds: h.ca.issue(node)?,
+        client_key: h.client_key.map(|k| k.reveal().to_string()),
+        creds: h.ca.issue(node, "ssh")?,
         log_max_bytes: h.log_max_bytes,
         log_keep: h.log_keep,
     };
@@ -336,6 +402,7 @@ fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Resu
     Ok(Started {
         node: node.to_string(),
         dest: dest.to_string(),
+        program: program.to_string(),
         output,
         exit,
     })

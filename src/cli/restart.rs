@@ -42,7 +42,7 @@ pub fn run(a: &RestartArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitC
         how: ChangeOptions {
             dry_run: false,
             drain_timeout_s: a.timeout,
-            state_root: state_root(a.which.state_dir.as_deref()),
+            state_root: state_root(a.which.state_dir.as_deref())?,
         },
     };
     let end = change(&found, request, &rt)?;

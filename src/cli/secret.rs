@@ -7,12 +7,17 @@
 use super::ExitError;
 use super::common::{ClusterArgs, running};
 use crate::control::auth::{
-    ENGINE_KEY_ENV, ENGINE_KEY_FILE, EngineKey, JOIN_TOKEN_ENV, SECRET_ENV, SECRET_FILE, Secret,
+    CLIENT_KEY_ENV, CLIENT_KEY_FILE, ClientKey, ENGINE_KEY_ENV, ENGINE_KEY_FILE, EngineKey,
+    JOIN_TOKEN_ENV, SECRET_ENV, SECRET_FILE, Secret,
 };
-use crate::control::tls::{ClusterCa, JoinToken, NodeCreds, PeerTls, TLS_DIR};
+use crate::control::tls::{
+    Book, ClusterCa, DEFAULT_TOKEN_TTL_S, JoinToken, NodeCreds, PeerTls, RENEW_WITHIN_S, TLS_DIR,
+    TokenRecord, now_s,
+};
 use crate::plan::Plan;
 use crate::supervisor::StateDir;
 use clap::Args;
+use rustls::pki_types::pem::PemObject;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -29,44 +34,56 @@ pub struct SecretArgs {
     pub engine_key: bool,
 }
 
-/// The secret a node of `plan` runs with, kept in its state dir (mode 0600) for its
-/// supervisor: the one given (`--secret-file`, else `PDCTL_CLUSTER_SECRET`), else the one
-/// kept from an earlier `up`, else — on the head only — a new random one. Every cluster
-/// has one, also on one node: its engine key follows from it. None only on another node
-/// that needs none (no control channel, no service there takes the engine key).
+/// The secret the head of `plan` runs with, kept in its state dir (mode 0600): the one
+/// given (`--secret-file`, else `PDCTL_CLUSTER_SECRET`; at least 128 bits of randomness),
+/// else the one kept from an earlier `up`, else a new random one. Every cluster has one,
+/// also on one node: its engine key follows from it. The secret never leaves the head:
+/// on another node None, a secret given there is refused, and one an older pdctl kept
+/// there is removed.
 pub fn for_up(
     plan: &Plan,
     node: &str,
     state: &StateDir,
     file: Option<&Path>,
-    token: Option<&JoinToken>,
 ) -> anyhow::Result<Option<Secret>> {
-    let needed = node == plan.head_node
-        || plan.control_port.is_some()
-        || plan.local_services(node).any(|s| !s.secret_env.is_empty());
     let kept = state.dir.join(SECRET_FILE);
-    let given = match (token, file) {
-        (Some(t), _) => Some(t.secret.clone()),
-        (None, Some(f)) => Some(Secret::read(f)?.ok_or_else(|| {
-            ExitError::usage(format!("--secret-file {}: no such file", f.display()))
-        })?),
-        (None, None) => match std::env::var(SECRET_ENV) {
-            Ok(text) => Some(Secret::from_text(&text, SECRET_ENV)?),
-            Err(_) => None,
-        },
+    let given_env = std::env::var(SECRET_ENV)
+        .ok()
+        .filter(|t| !t.trim().is_empty());
+    if node != plan.head_node {
+        if file.is_some() || given_env.is_some() {
+            return Err(ExitError::usage(format!(
+                "node `{node}` is not the head of cluster {}: the cluster's secret stays on the head ({}); leave out --secret-file and {SECRET_ENV} here, and join with a token (`pdctl join-token --node {node}` on the head, given here as {JOIN_TOKEN_ENV}=... or --join-token-file FILE)",
+                plan.cluster, plan.head_node
+            )));
+        }
+        match std::fs::remove_file(&kept) {
+            Ok(()) => println!(
+                "pdctl: removed {}: the cluster's secret stays on the head now",
+                kept.display()
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => anyhow::bail!("cannot remove {}: {e}", kept.display()),
+        }
+        return Ok(None);
+    }
+    let weak = |e: crate::control::auth::SecretError| ExitError::usage(e.to_string());
+    let given = match (file, given_env) {
+        (Some(f), _) => {
+            let text = std::fs::read_to_string(f)
+                .map_err(|e| ExitError::usage(format!("--secret-file {}: {e}", f.display())))?;
+            Some(Secret::chosen(&text, &format!("in {}", f.display())).map_err(weak)?)
+        }
+        (None, Some(text)) => {
+            Some(Secret::chosen(&text, &format!("in {SECRET_ENV}")).map_err(weak)?)
+        }
+        (None, None) => None,
     };
     let secret = match given {
         Some(s) => s,
         None => match Secret::read(&kept)? {
             Some(s) => s,
-            None if node == plan.head_node => Secret::random(),
-            None if !needed => return Ok(None),
-            None => {
-                return Err(ExitError::usage(format!(
-                    "node `{node}` of cluster {} needs to join it: give it `ssh` in [nodes] and run `pdctl up` on the head ({}), or on the head run `pdctl join-token --cluster {}` and give it here as {JOIN_TOKEN_ENV}=... or with --join-token-file FILE",
-                    plan.cluster, plan.head_node, plan.cluster
-                )));
-            }
+            None => Secret::random(),
         },
     };
     if Secret::read(&kept)?.as_ref() != Some(&secret) {
@@ -77,11 +94,13 @@ pub fn for_up(
 
 /// The engine key a node runs its cluster with: `PDCTL_ENGINE_API_KEY` when the user sets
 /// one (kept in the state dir, mode 0600, for the detached supervisor and `pdctl secret
-/// --engine-key`; every node must be given the same), else the one derived from the
-/// cluster's secret (so every node that has the secret has the key).
+/// --engine-key`; every node must be given the same), else on the head the one derived
+/// from the cluster's secret, on another node the one the head handed it when it joined
+/// (kept in the state dir; None before it joined).
 pub fn engine_key_for_up(
     state: &StateDir,
     secret: Option<&Secret>,
+    head: bool,
 ) -> anyhow::Result<Option<EngineKey>> {
     let file = state.dir.join(ENGINE_KEY_FILE);
     match std::env::var(ENGINE_KEY_ENV) {
@@ -93,6 +112,7 @@ pub fn engine_key_for_up(
             }
             Ok(Some(key))
         }
+        _ if !head => Ok(EngineKey::read(&file)?),
         _ => {
             match std::fs::remove_file(&file) {
                 Ok(()) => {}
@@ -107,6 +127,51 @@ pub fn engine_key_for_up(
             Ok(secret.map(Secret::engine_key))
         }
     }
+}
+
+/// The proxy's client key `up` runs with: `PDCTL_API_KEY` of its environment, kept in the
+/// state dir (mode 0600) for the detached supervisor and for the nodes the head hands it
+/// to; none (and the kept one removed) when it is unset.
+pub fn client_key_for_up(state: &StateDir) -> anyhow::Result<Option<ClientKey>> {
+    let key = match std::env::var(CLIENT_KEY_ENV) {
+        Ok(text) if !text.trim().is_empty() => Some(
+            ClientKey::from_text(&text, CLIENT_KEY_ENV)
+                .map_err(|e| ExitError::usage(e.to_string()))?,
+        ),
+        _ => None,
+    };
+    keep_client_key(state, key)
+}
+
+/// Keeps `key` as the node's client key (mode 0600), or removes the kept one when None.
+pub fn keep_client_key(
+    state: &StateDir,
+    key: Option<ClientKey>,
+) -> anyhow::Result<Option<ClientKey>> {
+    let file = state.dir.join(CLIENT_KEY_FILE);
+    match &key {
+        Some(k) => {
+            if ClientKey::read(&file)?.as_ref() != Some(k) {
+                k.write(&file)?;
+            }
+        }
+        None => match std::fs::remove_file(&file) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(anyhow::anyhow!(
+                    "cannot remove the client key {} kept from an earlier `up`: {e}",
+                    file.display()
+                ));
+            }
+        },
+    }
+    Ok(key)
+}
+
+/// The client key kept in a node's state dir, for its detached supervisor.
+pub fn kept_client_key(state: &StateDir) -> anyhow::Result<Option<ClientKey>> {
+    Ok(ClientKey::read(&state.dir.join(CLIENT_KEY_FILE))?)
 }
 
 /// How a node other than the head comes by its certificate at `up`.
@@ -156,25 +221,21 @@ pub fn channel(
     let dir = state.dir.join(TLS_DIR);
     let nodes: Vec<String> = plan.nodes.keys().cloned().collect();
     if node == plan.head_node {
-        let secret = secret.cloned().ok_or_else(|| {
-            anyhow::anyhow!("the head has no cluster secret in {}", state.dir.display())
-        })?;
+        if secret.is_none() {
+            anyhow::bail!("the head has no cluster secret in {}", state.dir.display());
+        }
         let ca = ClusterCa::load_or_make(&dir, &plan.cluster)?;
+        let book = Book::read(&dir)?;
         let creds = match NodeCreds::read(&dir)? {
-            Some(c) if c.node == node && c.ca_hash() == ca.hash() => c,
+            Some(c) if c.node == node && c.ca_hash() == ca.hash() && fresh(&book, &c) => c,
+            // None yet, of another CA, not in the book, or near its end: a new one.
             _ => {
-                let c = ca.issue(node)?;
+                let c = ca.issue(node, "head")?;
                 c.write(&dir)?;
                 c
             }
         };
-        let tls = PeerTls::new(
-            &plan.cluster,
-            &plan.head_node,
-            nodes,
-            &creds,
-            Some((ca, secret)),
-        )?;
+        let tls = PeerTls::new(&plan.cluster, &plan.head_node, nodes, &creds, Some(ca))?;
         return Ok(Some(Arc::new(tls)));
     }
     let kept = NodeCreds::read(&dir)?.filter(|c| c.node == node);
@@ -186,9 +247,12 @@ pub fn channel(
         Join::Token(t) => match kept {
             Some(c) if c.ca_hash() == t.ca_hash => c,
             _ => {
-                let c = join_head(plan, node, port, &t)?;
-                c.write(&dir)?;
-                c
+                let joined = join_head(plan, node, port, &t)?;
+                joined.creds.write(&dir)?;
+                if let Some(k) = &joined.engine_key {
+                    k.write(&state.dir.join(ENGINE_KEY_FILE))?;
+                }
+                joined.creds
             }
         },
         Join::Kept => kept.ok_or_else(|| {
@@ -201,12 +265,30 @@ pub fn channel(
     Ok(Some(Arc::new(tls)))
 }
 
+/// Whether the head's own certificate `c` is the latest in its book with more than
+/// [`RENEW_WITHIN_S`] left.
+fn fresh(book: &Book, c: &NodeCreds) -> bool {
+    let Ok(der) = rustls::pki_types::CertificateDer::from_pem_slice(c.cert_pem.as_bytes()) else {
+        return false;
+    };
+    book.is_latest(&c.node, &der)
+        && book
+            .issued
+            .get(&c.node)
+            .is_some_and(|i| i.not_after_s > now_s() + RENEW_WITHIN_S)
+}
+
 /// How long a node started by hand keeps trying to reach the head to join.
 const JOIN_WITHIN: Duration = Duration::from_secs(120);
 
 /// Joins the head for `node`'s certificate, trying again while the head's supervisor is
 /// not up yet (up to [`JOIN_WITHIN`]); a refusal ends it at once.
-fn join_head(plan: &Plan, node: &str, port: u16, token: &JoinToken) -> anyhow::Result<NodeCreds> {
+fn join_head(
+    plan: &Plan,
+    node: &str,
+    port: u16,
+    token: &JoinToken,
+) -> anyhow::Result<crate::control::client::Joined> {
     use crate::control::client::{ControlError, join};
     let head = &plan.head_node;
     let addr = format!("{}:{port}", plan.nodes[head]);
@@ -247,34 +329,168 @@ fn join_head(plan: &Plan, node: &str, port: u16, token: &JoinToken) -> anyhow::R
 pub struct JoinTokenArgs {
     #[command(flatten)]
     pub which: ClusterArgs,
+    /// The node the token lets join (once); may be left out when the cluster has one node
+    /// besides the head.
+    #[arg(long, value_name = "NODE", conflicts_with_all = ["list", "revoke"])]
+    pub node: Option<String>,
+    /// How long the token is good for: `90s`, `30m`, `1h`, `2d` (default 1h).
+    #[arg(long, value_name = "DURATION", value_parser = parse_ttl, conflicts_with_all = ["list", "revoke"])]
+    pub ttl: Option<u64>,
+    /// List the join tokens (id, node, state, expiry; never their secret) and each node's
+    /// certificate (serial, how it came by it, expiry).
+    #[arg(long)]
+    pub list: bool,
+    /// Revoke a join token (its id, as `--list` shows it), or a node's certificate (the
+    /// node's name: the head refuses it from then on; the node joins again with a new
+    /// token, or the head's `up` starts it again over ssh).
+    #[arg(long, value_name = "ID|NODE", conflicts_with = "list")]
+    pub revoke: Option<String>,
 }
 
-/// `pdctl join-token`: on the head, what a node started by hand is given to join
-/// (`PDCTL_JOIN_TOKEN` or `up --join-token-file`): the CA's hash and the secret.
+/// A token's lifetime in seconds from `90s`, `30m`, `1h`, `2d` or a bare number of seconds.
+fn parse_ttl(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let (digits, unit) = match t.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => t.split_at(i),
+        None => (t, "s"),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("`{text}` is no duration: write 90s, 30m, 1h or 2d"))?;
+    let scale = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("`{text}`: the unit is s, m, h or d")),
+    };
+    match n.checked_mul(scale) {
+        Some(0) => Err("a token good for 0 s joins nothing".into()),
+        Some(s) => Ok(s),
+        None => Err(format!("`{text}` is too long")),
+    }
+}
+
+/// `pdctl join-token`: on the head, a token that lets one node started by hand join
+/// once, within its time (`PDCTL_JOIN_TOKEN` or `up --join-token-file` there); with
+/// `--list` the tokens and certificates, with `--revoke` one of them withdrawn.
 pub fn join_token(a: JoinTokenArgs) -> anyhow::Result<ExitCode> {
+    crate::supervisor::private_umask();
     let found = running(
         &a.which.state_dir,
         a.which.cluster.as_deref(),
-        "print a join token of",
+        "make a join token of",
     )?;
     let state = StateDir::new(&found.dir);
     let dir = state.dir.join(TLS_DIR);
-    let secret = kept(&state)?;
-    let ca = ClusterCa::load(&dir, &found.cluster)?;
-    match (secret, ca) {
-        (Some(secret), Some(ca)) => {
-            let token = JoinToken {
-                ca_hash: ca.hash(),
-                secret,
-            };
-            println!("{}", token.reveal());
-            Ok(ExitCode::SUCCESS)
-        }
-        _ => Err(ExitError::usage(format!(
-            "cluster {} has no CA in {}: join tokens are printed on the head of a cluster over several nodes",
+    let plan = super::cluster::read_plan(&state.plan_path())?;
+    let Some(ca) = ClusterCa::load(&dir, &found.cluster)?.filter(|_| found.node == plan.head_node)
+    else {
+        return Err(ExitError::usage(format!(
+            "cluster {} has no CA in {}: join tokens are made on the head ({}) of a cluster over several nodes",
             found.cluster,
-            dir.display()
-        ))),
+            dir.display(),
+            plan.head_node
+        )));
+    };
+    if a.list {
+        print_book(&Book::read(&dir)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(what) = &a.revoke {
+        let what = what.clone();
+        let said = Book::update(&dir, move |b| {
+            if let Some(t) = b.tokens.iter_mut().find(|t| t.id == what) {
+                t.revoked = true;
+                return Ok(format!("join token {what} (node {}) revoked", t.node));
+            }
+            match b.issued.remove(&what) {
+                Some(i) => Ok(format!(
+                    "the certificate of node {what} (serial {}) revoked: the head refuses it from now on",
+                    i.serial
+                )),
+                None => Err(format!(
+                    "no join token and no node certificate is named `{what}` (`pdctl join-token --list` shows them)"
+                )),
+            }
+        })?
+        .map_err(ExitError::usage)?;
+        println!("pdctl: {said}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let others: Vec<&String> = plan
+        .nodes
+        .keys()
+        .filter(|n| **n != plan.head_node)
+        .collect();
+    let node = match (&a.node, others.as_slice()) {
+        (Some(n), _) if others.contains(&n) => n.clone(),
+        (None, [only]) => (*only).clone(),
+        (given, _) => {
+            let names: Vec<&str> = others.iter().map(|n| n.as_str()).collect();
+            return Err(ExitError::usage(format!(
+                "{}; name the node the token is for with --node ({})",
+                match given {
+                    Some(n) => format!("`{n}` is no node of cluster {} but the head", plan.cluster),
+                    None => format!(
+                        "cluster {} has several nodes besides the head",
+                        plan.cluster
+                    ),
+                },
+                names.join(", ")
+            )));
+        }
+    };
+    let token = JoinToken::new(&ca.hash());
+    let now = now_s();
+    let record = TokenRecord {
+        id: token.id.clone(),
+        node: node.clone(),
+        hash: token.secret_hash(),
+        created_s: now,
+        expires_s: now + a.ttl.unwrap_or(DEFAULT_TOKEN_TTL_S),
+        used_s: None,
+        revoked: false,
+    };
+    Book::update(&dir, |b| {
+        // Tokens past their time are forgotten a day after.
+        b.tokens.retain(|t| t.expires_s + 86_400 > now);
+        b.tokens.push(record);
+        Ok(())
+    })?
+    .map_err(ExitError::usage)?;
+    println!("{}", token.reveal());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `pdctl join-token --list`.
+fn print_book(book: &Book) {
+    let now = now_s();
+    let date = |s: u64| {
+        let (y, m, d) = crate::control::tls::ymd(s);
+        format!("{y:04}-{m:02}-{d:02}")
+    };
+    println!("join tokens:");
+    if book.tokens.is_empty() {
+        println!("  none");
+    }
+    for t in &book.tokens {
+        println!(
+            "  {}  node {}  {}  expires {} (UTC)",
+            t.id,
+            t.node,
+            t.state(now),
+            date(t.expires_s)
+        );
+    }
+    println!("node certificates (the head accepts only these):");
+    for (node, i) in &book.issued {
+        println!(
+            "  {node}  serial {}  from {}  expires {} (UTC)",
+            i.serial,
+            i.how,
+            date(i.not_after_s)
+        );
     }
 }
 
@@ -298,6 +514,15 @@ pub fn show(a: SecretArgs) -> anyhow::Result<ExitCode> {
         "show the secret of",
     )?;
     let state = StateDir::new(&found.dir);
+    let head = super::cluster::read_plan(&state.plan_path())
+        .map(|p| p.head_node)
+        .unwrap_or_default();
+    if !a.engine_key && found.node != head && !head.is_empty() {
+        return Err(ExitError::usage(format!(
+            "node {} of cluster {} holds no cluster secret: it lives on the head ({head}); run `pdctl secret` there (`pdctl secret --engine-key` here prints the engines' key)",
+            found.node, found.cluster
+        )));
+    }
     let text = if a.engine_key {
         kept_engine_key(&state)?.map(|k| k.reveal().to_string())
     } else {

@@ -57,7 +57,7 @@ pub async fn set_split(cluster: &ClusterArgs, to: Split, drain_timeout: u64) -> 
         how: ChangeOptions {
             dry_run: false,
             drain_timeout_s: drain_timeout,
-            state_root: super::common::state_root(cluster.state_dir.as_deref()),
+            state_root: super::common::state_root(cluster.state_dir.as_deref())?,
         },
     };
     let done = crate::ops::request(&found.socket, change, |line, error| {

@@ -61,10 +61,38 @@ pub enum SecretError {
         origin
     )]
     TooShort { origin: String, hint: &'static str },
+    #[error(
+        "the cluster secret {origin} holds about {bits} bits of randomness, fewer than {MIN_SECRET_BITS}: leave it out (the head makes a random one) or use one such as `openssl rand -hex 32` prints"
+    )]
+    Weak { origin: String, bits: u32 },
+}
+
+/// The randomness a cluster secret the user chooses must hold at least (estimated by
+/// [`estimated_bits`]).
+pub const MIN_SECRET_BITS: u32 = 128;
+
+/// The randomness `text` holds at most, estimated as its length times the entropy of its
+/// characters' frequencies (so repeats and a small alphabet count for little): 64 random
+/// hex digits give about 250 bits, `password1234password1234` about 90.
+pub fn estimated_bits(text: &str) -> u32 {
+    let mut counts = std::collections::HashMap::new();
+    let mut n = 0f64;
+    for c in text.chars() {
+        *counts.entry(c).or_insert(0u32) += 1;
+        n += 1.0;
+    }
+    let per_char: f64 = counts
+        .values()
+        .map(|&k| {
+            let p = f64::from(k) / n;
+            -p * p.log2()
+        })
+        .sum();
+    (per_char * n) as u32
 }
 
 impl Secret {
-    /// A secret from text the user gave (environment or file): at least 16 characters.
+    /// A secret from text (a file pdctl keeps, a key it derives): at least 16 characters.
     pub fn from_text(text: &str, origin: &str) -> Result<Secret, SecretError> {
         let t = text.trim();
         if t.len() < 16 {
@@ -74,6 +102,20 @@ impl Secret {
             });
         }
         Ok(Secret(t.to_string()))
+    }
+
+    /// A cluster secret the user chose (`PDCTL_CLUSTER_SECRET`, `--secret-file`): refused
+    /// below [`MIN_SECRET_BITS`] of estimated randomness.
+    pub fn chosen(text: &str, origin: &str) -> Result<Secret, SecretError> {
+        let secret = Secret::from_text(text, origin)?;
+        let bits = estimated_bits(&secret.0);
+        if bits < MIN_SECRET_BITS {
+            return Err(SecretError::Weak {
+                origin: origin.to_string(),
+                bits,
+            });
+        }
+        Ok(secret)
     }
 
     /// A new random secret (64 hex digits).
@@ -147,9 +189,73 @@ impl Secret {
     }
 }
 
+/// The environment variable of `up` that sets the proxy's client key (its `/v1/*` routes
+/// answer 401 without it); what clients send.
+pub const CLIENT_KEY_ENV: &str = crate::vocab::PROXY_CLIENT_KEY_VAR;
+
+/// File in a node's state dir holding the client key its proxy requires (mode 0600): kept
+/// by the head's `up` from [`CLIENT_KEY_ENV`], handed to a node started over SSH in its
+/// bundle or to a node that joins in the answer to its join; absent when no key is set.
+pub const CLIENT_KEY_FILE: &str = "client.key";
+
+/// The client key the proxy requires. Its `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClientKey(String);
+
+impl std::fmt::Debug for ClientKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClientKey(..)")
+    }
+}
+
+impl ClientKey {
+    /// A key from text the user gave: not empty, all visible ASCII (it travels in an
+    /// `Authorization` header).
+    pub fn from_text(text: &str, origin: &str) -> Result<ClientKey, EngineKeyError> {
+        let t = text.trim();
+        if t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(EngineKeyError {
+                origin: origin.to_string(),
+                why: "is empty or has characters an HTTP header cannot carry",
+            });
+        }
+        Ok(ClientKey(t.to_string()))
+    }
+
+    /// The key itself, for the proxy's environment and the bundle a node is handed.
+    pub fn reveal(&self) -> &str {
+        &self.0
+    }
+
+    /// The key kept in `file`, if there is one.
+    pub fn read(file: &Path) -> Result<Option<ClientKey>, SecretError> {
+        match std::fs::read_to_string(file) {
+            Ok(text) => Ok(ClientKey::from_text(&text, "").ok()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(SecretError::Io {
+                what: "read",
+                path: file.to_path_buf(),
+                source,
+            }),
+        }
+    }
+
+    /// Keeps the key in `file` (mode 0600, synced).
+    pub fn write(&self, file: &Path) -> Result<(), SecretError> {
+        write_private(file, format!("{}\n", self.0).as_bytes()).map_err(|(what, source)| {
+            SecretError::Io {
+                what,
+                path: file.to_path_buf(),
+                source,
+            }
+        })
+    }
+}
+
 /// The key the engines of a cluster require: derived from its secret, or set by the user
 /// (`PDCTL_ENGINE_API_KEY`). Its `Debug` never shows it.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
 pub struct EngineKey(String);
 
 impl std::fmt::Debug for EngineKey {
@@ -253,7 +359,9 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
 
 /// Writes `bytes` to `path` through a temporary file created with mode 0600 and renamed
 /// over it, so what holds a secret or a key is never readable by others, not even for a
-/// moment; the error says which step failed (`create` or `write`).
+/// moment; the file, then its directory, synced, so a crash or a power cut leaves the old
+/// key or the new one, never an empty file. The error says which step failed (`create`,
+/// `write` or `sync`).
 pub(crate) fn write_private(
     path: &Path,
     bytes: &[u8],
@@ -269,7 +377,15 @@ pub(crate) fn write_private(
         .open(&tmp)
         .map_err(|e| ("create", e))?;
     f.write_all(bytes).map_err(|e| ("write", e))?;
-    std::fs::rename(&tmp, path).map_err(|e| ("write", e))
+    f.sync_all().map_err(|e| ("sync", e))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(|e| ("write", e))?;
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| ("sync", e)),
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -285,6 +401,22 @@ mod tests {
         assert!(!s.verify_join("head", b"session-1", &p));
         assert!(!Secret::random().verify_join("worker", b"session-1", &p));
         assert!(!p.contains(s.reveal()));
+    }
+
+    #[test]
+    fn chosen_secrets_below_128_bits_of_randomness_are_refused() {
+        let random = Secret::random();
+        assert!(estimated_bits(random.reveal()) > 200);
+        assert!(Secret::chosen(random.reveal(), "env").is_ok());
+        for weak in [
+            "0123456789abcdef0123",
+            "password1234password1234password1234",
+            &"a".repeat(200),
+            "correct-horse-battery",
+        ] {
+            let e = Secret::chosen(weak, "PDCTL_CLUSTER_SECRET").unwrap_err();
+            assert!(e.to_string().contains("fewer than 128"), "{weak}: {e}");
+        }
     }
 
     #[test]

@@ -411,6 +411,13 @@ pub async fn logs_at(
     .await
 }
 
+/// What a node that joined is given: its certificate and key, and the engines' key.
+#[derive(Debug, Clone)]
+pub struct Joined {
+    pub creds: NodeCreds,
+    pub engine_key: Option<super::auth::EngineKey>,
+}
+
 /// Joins the cluster as `node`: connects to the head's channel at `addr` trusting only
 /// the CA `token` pins, proves the secret for this session and takes the credentials the
 /// head issues (their CA checked against the pin again).
@@ -420,7 +427,7 @@ pub async fn join(
     node: &str,
     token: &JoinToken,
     timeout: Duration,
-) -> Result<NodeCreds, ControlError> {
+) -> Result<Joined, ControlError> {
     let path = format!("{addr} (node {head})");
     let work = async {
         let stream = tokio::net::TcpStream::connect(addr)
@@ -453,7 +460,8 @@ pub async fn join(
         };
         let req = JoinRequest {
             join: node.to_string(),
-            proof: token.secret.join_proof(node, &binding),
+            token: token.id.clone(),
+            proof: token.proof(node, &binding),
         };
         let mut line = serde_json::to_string(&req).expect("joins serialize");
         line.push('\n');
@@ -470,8 +478,13 @@ pub async fn join(
         }
     };
     match answer {
-        Response::Joined { creds } if creds.ca_hash() == token.ca_hash && creds.node == node => {
-            Ok(*creds)
+        Response::Joined { creds, engine_key }
+            if creds.ca_hash() == token.ca_hash && creds.node == node =>
+        {
+            Ok(Joined {
+                creds: *creds,
+                engine_key,
+            })
         }
         Response::Joined { .. } => Err(ControlError::Auth {
             path,

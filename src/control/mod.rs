@@ -163,12 +163,14 @@ impl PeerRequest {
 }
 
 /// What a client without a certificate may send, on the head only: a node started by
-/// hand asking for its certificate, with its proof of the secret for this TLS session
-/// ([`auth::Secret::join_proof`]). Answered with `Joined` or `Error`.
+/// hand asking for its certificate, naming its join token (`token`: the id) and proving
+/// its secret for this TLS session ([`tls::JoinToken::proof`]). Answered with `Joined`
+/// or `Error`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JoinRequest {
     pub join: String,
+    pub token: String,
     pub proof: String,
 }
 
@@ -207,6 +209,9 @@ pub enum Response {
     /// cluster's CA certificate.
     Joined {
         creds: Box<tls::NodeCreds>,
+        /// The key the cluster's engines require (the cluster's secret stays on the head).
+        #[serde(default)]
+        engine_key: Option<auth::EngineKey>,
     },
     /// The end of a change: the exit code the client exits with (0 done, 1 a step
     /// failed, 2 refused) and its last words.

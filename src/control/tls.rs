@@ -7,17 +7,26 @@
 //! may ask ([`crate::control::PeerRequest`]).
 //!
 //! A node the head starts over SSH gets its certificate and key through the SSH
-//! connection. A node started by hand joins: its join token ([`JoinToken`]) pins the CA
-//! (the SHA-256 of its certificate) and carries the cluster's secret; the node checks the
-//! head's certificate chains to exactly that CA before it proves the secret (an HMAC bound
-//! to this TLS session, [`crate::control::auth::Secret::join_proof`]) and takes the
-//! certificate the head issues it. Only the head holds the CA's key.
+//! connection. A node started by hand joins: its join token ([`JoinToken`], made by
+//! `pdctl join-token` on the head for one node, good once, expiring) pins the CA (the
+//! SHA-256 of its certificate) and carries a random secret of its own; the node checks
+//! the head's certificate chains to exactly that CA before it proves the token (an HMAC
+//! bound to this TLS session, [`crate::control::auth::Secret::join_proof`], keyed by the
+//! token secret's SHA-256, which is all the head keeps of it) and takes the certificate
+//! the head issues it. Only the head holds the CA's key and the cluster's secret.
+//!
+//! The head keeps a book of what it issued ([`Book`], `tls/book.json`): each node's
+//! latest certificate (serial, SHA-256, expiry) and each join token (its hash, node,
+//! expiry, use). It accepts from a node only the latest certificate it issued it, so a
+//! node joining again, or started again over SSH, revokes the one before.
 
 use super::auth::Secret;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use serde::{Deserialize, Serialize};
 use sha2::Digest;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -28,6 +37,20 @@ const CA_KEY: &str = "ca.key";
 const NODE_CERT: &str = "node.pem";
 const NODE_KEY: &str = "node.key";
 const NODE_NAME: &str = "node.name";
+/// The head's book of certificates issued and join tokens made (mode 0600).
+const BOOK: &str = "book.json";
+/// Held (flock) while the book is read and written again: `pdctl join-token` and the
+/// head's supervisor both change it.
+const BOOK_LOCK: &str = "book.lock";
+
+/// How long a node certificate is good for. The head's own is made again at its `up`
+/// when less than [`RENEW_WITHIN_S`] is left, a node's started over SSH at every `up` of
+/// the head; a node that joined joins again with a new token before it runs out.
+pub const CERT_LIFETIME_S: u64 = 365 * 86_400;
+/// A certificate with less than this left is made again where pdctl can (the head's own).
+pub const RENEW_WITHIN_S: u64 = 30 * 86_400;
+/// How long a join token is good for unless `--ttl` says otherwise.
+pub const DEFAULT_TOKEN_TTL_S: u64 = 3600;
 
 /// The label under which a join is exported from the TLS session (RFC 5705), so a proof
 /// of the secret made for one session is worth nothing in another.
@@ -49,9 +72,127 @@ pub enum TlsError {
     #[error("setting up TLS: {0}")]
     Config(String),
     #[error(
-        "the join token is not one `pdctl join-token` prints ({0}); on the head run `pdctl join-token` and give the whole line"
+        "the join token is not one `pdctl join-token` prints ({0}); on the head run `pdctl join-token --node NODE` and give the whole line"
     )]
     Token(&'static str),
+    #[error("the head's book of certificates and join tokens {}: {why}", path.display())]
+    Book { path: PathBuf, why: String },
+}
+
+/// Seconds since the Unix epoch now.
+pub fn now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// One certificate the head issued a node: the only one it accepts from that node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Issued {
+    /// The certificate's serial number (hex), as `openssl x509 -serial` shows it.
+    pub serial: String,
+    /// SHA-256 of the certificate (hex): what a connection's certificate is matched by.
+    pub sha256: String,
+    /// When it was issued and when it expires (Unix seconds).
+    pub issued_s: u64,
+    pub not_after_s: u64,
+    /// How the node came by it: `head`, `ssh` or `join`.
+    pub how: String,
+}
+
+/// A join token as the head keeps it: never the token's secret, only its SHA-256.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenRecord {
+    /// What names the token (`--revoke ID`); printed in the token, not secret.
+    pub id: String,
+    /// The one node it lets join.
+    pub node: String,
+    /// SHA-256 (hex) of the token's secret.
+    pub hash: String,
+    pub created_s: u64,
+    pub expires_s: u64,
+    /// When it was used (a token joins once).
+    #[serde(default)]
+    pub used_s: Option<u64>,
+    #[serde(default)]
+    pub revoked: bool,
+}
+
+impl TokenRecord {
+    /// `unused`, `used`, `revoked` or `expired`, at `now`.
+    pub fn state(&self, now: u64) -> &'static str {
+        if self.revoked {
+            "revoked"
+        } else if self.used_s.is_some() {
+            "used"
+        } else if now >= self.expires_s {
+            "expired"
+        } else {
+            "unused"
+        }
+    }
+}
+
+/// The head's book (`tls/book.json`): each node's latest certificate and the join tokens.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Book {
+    #[serde(default)]
+    pub issued: BTreeMap<String, Issued>,
+    #[serde(default)]
+    pub tokens: Vec<TokenRecord>,
+}
+
+impl Book {
+    /// The book kept in `dir` (empty when there is none).
+    pub fn read(dir: &Path) -> Result<Book, TlsError> {
+        let path = dir.join(BOOK);
+        match read_text(&path)? {
+            None => Ok(Book::default()),
+            Some(text) => serde_json::from_str(&text).map_err(|e| TlsError::Book {
+                path,
+                why: format!("not one pdctl wrote ({e})"),
+            }),
+        }
+    }
+
+    /// Reads the book of `dir`, lets `f` change it and keeps it again (0600, synced),
+    /// holding the book's lock throughout; `f`'s answer, or its refusal (kept unchanged).
+    pub fn update<T>(
+        dir: &Path,
+        f: impl FnOnce(&mut Book) -> Result<T, String>,
+    ) -> Result<Result<T, String>, TlsError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        make_dir(dir)?;
+        let lock_path = dir.join(BOOK_LOCK);
+        let io = |what, source| TlsError::Io {
+            what,
+            path: lock_path.clone(),
+            source,
+        };
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(&lock_path)
+            .map_err(|e| io("open", e))?;
+        let _held = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| io("lock", e.into()))?;
+        let mut book = Book::read(dir)?;
+        let answer = f(&mut book);
+        if answer.is_ok() {
+            let json = serde_json::to_string_pretty(&book).expect("books serialize");
+            write_private(&dir.join(BOOK), &json)?;
+        }
+        Ok(answer)
+    }
+
+    /// Whether `cert` is the latest certificate issued to `node`.
+    pub fn is_latest(&self, node: &str, cert: &[u8]) -> bool {
+        self.issued
+            .get(node)
+            .is_some_and(|i| i.sha256 == cert_hash(cert))
+    }
 }
 
 /// The TLS provider every side uses: ring, TLS 1.3 only.
@@ -139,8 +280,10 @@ fn make_dir(dir: &Path) -> Result<(), TlsError> {
         })
 }
 
-/// The cluster's certificate authority, which only the head holds.
+/// The cluster's certificate authority, which only the head holds, with the folder of
+/// its book.
 pub struct ClusterCa {
+    dir: PathBuf,
     cluster: String,
     key: rcgen::KeyPair,
     cert_pem: String,
@@ -169,6 +312,7 @@ impl ClusterCa {
             why: e.to_string(),
         })?;
         Ok(Some(ClusterCa {
+            dir: dir.to_path_buf(),
             cluster: cluster.to_string(),
             key,
             cert_pem,
@@ -189,6 +333,7 @@ impl ClusterCa {
         write_private(&key_path, &key.serialize_pem())?;
         write_private(&cert_path, &cert.pem())?;
         Ok(ClusterCa {
+            dir: dir.to_path_buf(),
             cluster: cluster.to_string(),
             key,
             cert_pem: cert.pem(),
@@ -202,10 +347,22 @@ impl ClusterCa {
         cert_hash(&der)
     }
 
+    /// The folder of the CA and its book (a state dir's `tls/`).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// A new certificate and key for `node`, signed by this CA; good as a server and as
-    /// a client, for that node's name only.
-    pub fn issue(&self, node: &str) -> Result<NodeCreds, TlsError> {
+    /// a client, for that node's name only, for [`CERT_LIFETIME_S`]. Recorded in the book
+    /// as the node's latest (`how`: `head`, `ssh`, `join`): the one before is refused from
+    /// now on.
+    pub fn issue(&self, node: &str, how: &str) -> Result<NodeCreds, TlsError> {
         let make = |e: rcgen::Error| TlsError::Make(e.to_string());
+        let now = now_s();
+        let not_after_s = now + CERT_LIFETIME_S;
+        let mut serial: [u8; 16] = rand::random();
+        serial[0] &= 0x7f;
+        serial[0] |= 0x01;
         let issuer = rcgen::Issuer::new(ca_params(&self.cluster), &self.key);
         let key = rcgen::KeyPair::generate().map_err(make)?;
         let mut p = rcgen::CertificateParams::new(vec![node_dns(node)]).map_err(make)?;
@@ -219,7 +376,24 @@ impl ClusterCa {
             rcgen::ExtendedKeyUsagePurpose::ClientAuth,
         ];
         p.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature];
+        p.serial_number = Some(rcgen::SerialNumber::from_slice(&serial));
+        let (y, m, d) = ymd(now.saturating_sub(86_400));
+        p.not_before = rcgen::date_time_ymd(y, m, d);
+        let (y, m, d) = ymd(not_after_s);
+        p.not_after = rcgen::date_time_ymd(y, m, d);
         let cert = p.signed_by(&key, &issuer).map_err(make)?;
+        let issued = Issued {
+            serial: hex(&serial),
+            sha256: cert_hash(cert.der()),
+            issued_s: now,
+            not_after_s,
+            how: how.to_string(),
+        };
+        Book::update(&self.dir, |b| {
+            b.issued.insert(node.to_string(), issued);
+            Ok(())
+        })?
+        .map_err(TlsError::Make)?;
         Ok(NodeCreds {
             node: node.to_string(),
             ca_pem: self.cert_pem.clone(),
@@ -227,6 +401,21 @@ impl ClusterCa {
             key_pem: key.serialize_pem(),
         })
     }
+}
+
+/// Year, month and day (UTC) of Unix time `s`, for a certificate's dates.
+pub fn ymd(s: u64) -> (i32, u8, u8) {
+    // Civil-from-days (proleptic Gregorian), after Howard Hinnant's derivation.
+    let z = (s / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year as i32, month as u8, day as u8)
 }
 
 /// A node's credentials on the channel: the cluster's CA certificate, and the node's own
@@ -325,8 +514,9 @@ pub struct PeerTls {
     nodes: Vec<String>,
     client: Arc<ClientConfig>,
     server: Arc<ServerConfig>,
-    /// On the head: the CA and the secret, to answer joins.
-    joins: Option<(ClusterCa, Secret)>,
+    /// On the head: the CA, to answer joins and to accept from each node only the latest
+    /// certificate its book records.
+    authority: Option<ClusterCa>,
 }
 
 impl std::fmt::Debug for PeerTls {
@@ -336,14 +526,15 @@ impl std::fmt::Debug for PeerTls {
 }
 
 impl PeerTls {
-    /// The channel of `creds.node`, in a cluster of `nodes` whose head is `head`. `joins`:
-    /// on the head, the CA and the secret with which it lets nodes started by hand join.
+    /// The channel of `creds.node`, in a cluster of `nodes` whose head is `head`.
+    /// `authority`: on the head, the CA with which it lets nodes started by hand join and
+    /// whose book says which certificate of each node is the latest.
     pub fn new(
         cluster: &str,
         head: &str,
         nodes: Vec<String>,
         creds: &NodeCreds,
-        joins: Option<(ClusterCa, Secret)>,
+        authority: Option<ClusterCa>,
     ) -> Result<PeerTls, TlsError> {
         let (ca, chain, key) = creds.parts().map_err(TlsError::Config)?;
         let config = |e: &dyn std::fmt::Display| TlsError::Config(e.to_string());
@@ -376,8 +567,18 @@ impl PeerTls {
             nodes,
             client: Arc::new(client),
             server: Arc::new(server),
-            joins,
+            authority,
         })
+    }
+
+    /// On the head: whether `cert` is the latest certificate issued to `node` (a node
+    /// that joined again, or was started again over SSH, has a new one; the old is
+    /// refused). Elsewhere nodes keep no book: true.
+    pub fn is_latest(&self, node: &str, cert: &CertificateDer<'_>) -> bool {
+        match &self.authority {
+            None => true,
+            Some(ca) => Book::read(ca.dir()).is_ok_and(|b| b.is_latest(node, cert)),
+        }
     }
 
     /// Connects to `node`'s supervisor over `stream`, checking its certificate names it.
@@ -386,9 +587,16 @@ impl PeerTls {
         node: &str,
         stream: tokio::net::TcpStream,
     ) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
-        tokio_rustls::TlsConnector::from(self.client.clone())
+        let tls = tokio_rustls::TlsConnector::from(self.client.clone())
             .connect(server_name(node), stream)
-            .await
+            .await?;
+        let cert = tls.get_ref().1.peer_certificates().and_then(|c| c.first());
+        if !cert.is_some_and(|c| self.is_latest(node, c)) {
+            return Err(std::io::Error::other(format!(
+                "node {node} showed a certificate that is not the latest the head issued it (revoked: it joined again, or was started again)"
+            )));
+        }
+        Ok(tls)
     }
 
     /// The acceptor for connections from other nodes.
@@ -396,32 +604,34 @@ impl PeerTls {
         tokio_rustls::TlsAcceptor::from(self.server.clone())
     }
 
-    /// The node a verified client certificate names, if any of the cluster's.
+    /// The node a verified client certificate names, if any of the cluster's (on the
+    /// head: only when it is the latest the head issued that node).
     pub fn node_of(&self, cert: &CertificateDer<'_>) -> Option<String> {
         let parsed = rustls::server::ParsedCertificate::try_from(cert).ok()?;
         self.nodes
             .iter()
             .find(|n| rustls::client::verify_server_name(&parsed, &server_name(n)).is_ok())
+            .filter(|n| self.is_latest(n, cert))
             .cloned()
     }
 
-    /// On the head: new credentials for `node` when `proof` shows the secret for this
-    /// session (`binding`, exported from it); why not, otherwise.
+    /// On the head: new credentials for `node` when `proof` shows, for this session
+    /// (`binding`, exported from it), the secret of join token `token` — one made for
+    /// that node, not used, revoked nor expired (it is used up by this join); why not,
+    /// otherwise.
     pub fn answer_join(
         &self,
         node: &str,
+        token: &str,
         proof: &str,
         binding: &[u8],
     ) -> Result<NodeCreds, String> {
-        let Some((ca, secret)) = &self.joins else {
+        let Some(ca) = &self.authority else {
             return Err(format!(
                 "node {} is not the head ({}): nodes join the head",
                 self.node, self.head
             ));
         };
-        if !secret.verify_join(node, binding, proof) {
-            return Err("wrong join token: the secret in it is not this cluster's".into());
-        }
         if node == self.head || !self.nodes.iter().any(|n| n == node) {
             return Err(format!(
                 "node `{node}` cannot join cluster {}: its nodes other than the head ({}) are {}",
@@ -435,49 +645,136 @@ impl PeerTls {
                     .join(", ")
             ));
         }
-        ca.issue(node).map_err(|e| e.to_string())
+        let redeemed = Book::update(ca.dir(), |book| {
+            let now = now_s();
+            let Some(t) = book.tokens.iter_mut().find(|t| t.id == token) else {
+                return Err("wrong join token: this head made none with its id".to_string());
+            };
+            let key = Secret::from_text(&t.hash, "the book").map_err(|e| e.to_string())?;
+            if !key.verify_join(node, binding, proof) {
+                return Err(
+                    "wrong join token: the secret in it is not the one this head made".into(),
+                );
+            }
+            let again = format!("on the head, `pdctl join-token --node {node}` makes a new one");
+            match t.state(now) {
+                "revoked" => return Err(format!("the join token {} was revoked; {again}", t.id)),
+                "used" => {
+                    return Err(format!(
+                        "the join token {} was used already (a token joins once); {again}",
+                        t.id
+                    ));
+                }
+                "expired" => {
+                    return Err(format!(
+                        "the join token {} expired {} s ago; {again}",
+                        t.id,
+                        now - t.expires_s
+                    ));
+                }
+                _ => {}
+            }
+            if t.node != node {
+                return Err(format!(
+                    "the join token {} was made for node {}, not {node}; {again}",
+                    t.id, t.node
+                ));
+            }
+            t.used_s = Some(now);
+            Ok(())
+        })
+        .map_err(|e| e.to_string())?;
+        redeemed?;
+        ca.issue(node, "join").map_err(|e| e.to_string())
     }
 }
 
 /// What a node started by hand is given to join: the CA's hash (so it trusts no other
-/// server) and the cluster's secret (so the head lets it in), as
-/// `PD1<sha256 of the CA certificate>::<secret>` (as k3s's `K10<hash>::...` tokens).
+/// server), the token's id and its random secret (so the head lets that one node in,
+/// once), as `PD2<sha256 of the CA certificate>::<id>.<secret>` (as k3s's
+/// `K10<hash>::...` and kubeadm's `<id>.<secret>` tokens). The head keeps only the
+/// secret's SHA-256.
 #[derive(Clone, PartialEq, Eq)]
 pub struct JoinToken {
     pub ca_hash: String,
+    pub id: String,
     pub secret: Secret,
 }
 
 impl std::fmt::Debug for JoinToken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "JoinToken(PD1{}::..)", self.ca_hash)
+        write!(f, "JoinToken(PD2{}::{}..)", self.ca_hash, self.id)
     }
 }
 
-const TOKEN_PREFIX: &str = "PD1";
+const TOKEN_PREFIX: &str = "PD2";
 
 impl JoinToken {
+    /// A new token for the CA whose hash is `ca_hash`: a random id (64 bits) and secret
+    /// (256 bits).
+    pub fn new(ca_hash: &str) -> JoinToken {
+        JoinToken {
+            ca_hash: ca_hash.to_string(),
+            id: hex(&rand::random::<[u8; 8]>()),
+            secret: Secret::random(),
+        }
+    }
+
     /// The token as `pdctl join-token` prints it.
     pub fn reveal(&self) -> String {
-        format!("{TOKEN_PREFIX}{}::{}", self.ca_hash, self.secret.reveal())
+        format!(
+            "{TOKEN_PREFIX}{}::{}.{}",
+            self.ca_hash,
+            self.id,
+            self.secret.reveal()
+        )
+    }
+
+    /// SHA-256 (hex) of the token's secret: what the head keeps, and the key of the
+    /// join's proof.
+    pub fn secret_hash(&self) -> String {
+        hex(&sha2::Sha256::digest(self.secret.reveal().as_bytes()))
+    }
+
+    /// The proof of this token a node joining as `node` sends over the session whose
+    /// exported keying material is `binding`.
+    pub fn proof(&self, node: &str, binding: &[u8]) -> String {
+        Secret::from_text(&self.secret_hash(), "a token")
+            .expect("a SHA-256 in hex is long enough")
+            .join_proof(node, binding)
     }
 
     /// Reads a token a person gave.
     pub fn parse(text: &str) -> Result<JoinToken, TlsError> {
         let t = text.trim();
+        if t.starts_with("PD1") {
+            return Err(TlsError::Token(
+                "it is an old kind that carried the cluster's secret, no longer taken",
+            ));
+        }
         let rest = t
             .strip_prefix(TOKEN_PREFIX)
-            .ok_or(TlsError::Token("it does not start with PD1"))?;
-        let (hash, secret) = rest
+            .ok_or(TlsError::Token("it does not start with PD2"))?;
+        let (hash, tail) = rest
             .split_once("::")
             .ok_or(TlsError::Token("no `::` after the CA's hash"))?;
         if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(TlsError::Token("the CA's hash is not 64 hex digits"));
         }
+        let (id, secret) = tail
+            .split_once('.')
+            .ok_or(TlsError::Token("no `.` between the token's id and secret"))?;
+        if id.len() != 16 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(TlsError::Token("the token's id is not 16 hex digits"));
+        }
+        if secret.len() != 64 || !secret.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(TlsError::Token("the token's secret is not 64 hex digits"));
+        }
         let secret = Secret::from_text(secret, "the join token")
             .map_err(|_| TlsError::Token("the secret in it is too short"))?;
         Ok(JoinToken {
             ca_hash: hash.to_ascii_lowercase(),
+            id: id.to_ascii_lowercase(),
             secret,
         })
     }
@@ -594,15 +891,83 @@ mod tests {
 
     #[test]
     fn tokens_round_trip_and_bad_ones_say_why() {
-        let t = JoinToken {
-            ca_hash: "ab".repeat(32),
-            secret: Secret::random(),
-        };
+        let t = JoinToken::new(&"ab".repeat(32));
         assert_eq!(JoinToken::parse(&t.reveal()).unwrap(), t);
         assert!(!format!("{t:?}").contains(t.secret.reveal()));
-        for bad in ["", "K10abc::x", "PD1abc::0123456789abcdef0", "PD1"] {
+        assert_eq!(t.secret.reveal().len(), 64, "256 bits");
+        assert_ne!(JoinToken::new(&t.ca_hash).secret, t.secret);
+        let old = format!("PD1{}::{}", t.ca_hash, t.secret.reveal());
+        for bad in ["", "K10abc::x", "PD2abc::0123456789abcdef0", "PD2", &old] {
             assert!(JoinToken::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    /// A token for `node` good for `ttl_s`, recorded in the book of `ca`.
+    fn token_for(ca: &ClusterCa, node: &str, ttl_s: i64) -> JoinToken {
+        let t = JoinToken::new(&ca.hash());
+        let now = now_s();
+        let record = TokenRecord {
+            id: t.id.clone(),
+            node: node.to_string(),
+            hash: t.secret_hash(),
+            created_s: now,
+            expires_s: now.saturating_add_signed(ttl_s),
+            used_s: None,
+            revoked: false,
+        };
+        Book::update(ca.dir(), |b| {
+            b.tokens.push(record);
+            Ok(())
+        })
+        .unwrap()
+        .unwrap();
+        t
+    }
+
+    #[test]
+    fn a_join_token_lets_one_node_join_once_in_its_time_and_the_old_certificate_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = ClusterCa::load_or_make(dir.path(), "c1").unwrap();
+        let head = ca.issue("head", "head").unwrap();
+        let nodes: Vec<String> = ["head", "a", "b"].map(String::from).to_vec();
+        let ca2 = ClusterCa::load(dir.path(), "c1").unwrap().unwrap();
+        let tls = PeerTls::new("c1", "head", nodes, &head, Some(ca2)).unwrap();
+        let join =
+            |t: &JoinToken, node: &str| tls.answer_join(node, &t.id, &t.proof(node, b"s1"), b"s1");
+
+        let t = token_for(&ca, "a", 3600);
+        let e = join(&t, "b").unwrap_err();
+        assert!(e.contains("made for node a, not b"), "{e}");
+        // A proof for another session, or with another secret, proves nothing.
+        let e = tls
+            .answer_join("a", &t.id, &t.proof("a", b"s2"), b"s1")
+            .unwrap_err();
+        assert!(e.contains("wrong join token"), "{e}");
+        let first = join(&t, "a").expect("the token joins once");
+        let e = join(&t, "a").unwrap_err();
+        assert!(e.contains("used already"), "{e}");
+
+        let expired = token_for(&ca, "a", -1);
+        let e = join(&expired, "a").unwrap_err();
+        assert!(e.contains("expired"), "{e}");
+
+        let der = |c: &NodeCreds| CertificateDer::from_pem_slice(c.cert_pem.as_bytes()).unwrap();
+        assert_eq!(tls.node_of(&der(&first)).as_deref(), Some("a"));
+        let again = join(&token_for(&ca, "a", 3600), "a").unwrap();
+        assert_eq!(tls.node_of(&der(&again)).as_deref(), Some("a"));
+        assert_eq!(
+            tls.node_of(&der(&first)),
+            None,
+            "the certificate before is revoked"
+        );
+        let book = Book::read(dir.path()).unwrap();
+        assert!(
+            !std::fs::read_to_string(dir.path().join(BOOK))
+                .unwrap()
+                .contains(t.secret.reveal())
+        );
+        assert_eq!(book.issued["a"].how, "join");
+        assert!(book.issued["a"].not_after_s > now_s() + CERT_LIFETIME_S - 10);
     }
 
     #[test]
@@ -611,7 +976,7 @@ mod tests {
         let ca = ClusterCa::load_or_make(dir.path(), "c1").unwrap();
         let again = ClusterCa::load_or_make(dir.path(), "c1").unwrap();
         assert_eq!(ca.hash(), again.hash());
-        let creds = again.issue("worker").unwrap();
+        let creds = again.issue("worker", "ssh").unwrap();
         assert_eq!(creds.ca_hash(), ca.hash());
         let nodes = vec!["head".to_string(), "worker".to_string()];
         let tls = PeerTls::new("c1", "head", nodes, &creds, None).unwrap();

@@ -77,6 +77,11 @@ impl crate::supervisor::Operations for Engine {
         out: mpsc::UnboundedSender<Response>,
     ) -> Result<(), String> {
         let what = change.describe();
+        // A journal that could not be read was set aside: nothing is changed (nothing
+        // overwrites what may be left half done) until the user says they saw it.
+        if let Some(notice) = super::journal::unacknowledged(&self.inner.state_dir) {
+            return Err(format!("`{what}` refused: {notice}"));
+        }
         {
             let mut current = self.inner.current();
             if let Some(running) = current.as_ref().filter(|r| r.running()) {
@@ -131,7 +136,17 @@ impl crate::supervisor::Operations for Engine {
     fn recover(&self) {
         let ops: Arc<dyn crate::supervisor::Operations> = Arc::new(self.clone());
         tokio::spawn(super::rebalance::run(ops, self.rebalancer.clone()));
-        let journal = match Journal::read(&self.inner.state_dir) {
+        let dir = &self.inner.state_dir;
+        let read: Result<Option<Journal>, super::journal::JournalError> = Journal::read(dir)
+            .or_else(|e| {
+                // Moved aside, not skipped: the nodes are still reconciled with the plan,
+                // `status` says so, and changes wait for `pdctl ack-journal`.
+                let aside = super::journal::set_aside(dir, &e)?;
+                tracing::error!("{}", aside.notice);
+                Ok(None)
+            });
+        let aside = super::journal::unacknowledged(dir);
+        let journal = match read {
             Ok(j) => j,
             Err(e) => {
                 // Nothing can be taken up from it; `status` says so until it is moved.
@@ -150,14 +165,15 @@ impl crate::supervisor::Operations for Engine {
                 return;
             }
         };
-        if journal.is_none() && self.inner.nodes.others().next().is_none() {
+        if journal.is_none() && aside.is_none() && self.inner.nodes.others().next().is_none() {
             return;
         }
         *self.inner.current() = Some(OperationReport {
-            what: journal.as_ref().map_or_else(
-                || "reconcile the other nodes with the plan".to_string(),
-                |j| j.what.clone(),
-            ),
+            what: match (&journal, &aside) {
+                (Some(j), _) => j.what.clone(),
+                (None, Some(_)) => JOURNAL_SET_ASIDE.to_string(),
+                (None, None) => "reconcile the other nodes with the plan".to_string(),
+            },
             started_ms: now_ms(),
             step: "starting".into(),
             outcome: None,
@@ -176,8 +192,12 @@ impl crate::supervisor::Operations for Engine {
                 inner: inner.clone(),
             };
             let had_journal = journal.is_some();
-            let (end, recovered, lines) = recover_all(&inner, journal, &progress).await;
+            let (mut end, recovered, lines) = recover_all(&inner, journal, &progress).await;
             tracing::info!("start-up recovery ended ({}): {}", end.code, end.message);
+            if let Some(notice) = aside {
+                end.code = end.code.max(1);
+                end.message = format!("{notice} ({})", end.message);
+            }
             let mut current = inner.current();
             if !had_journal && lines == 0 && end.code == 0 {
                 // Nothing was cut short, nothing was out of line: no change to show.
@@ -198,7 +218,14 @@ impl crate::supervisor::Operations for Engine {
     }
 
     fn report(&self) -> Option<OperationReport> {
-        self.inner.current().clone()
+        let mut report = self.inner.current().clone();
+        if let Some(r) = report.as_mut().filter(|r| r.what == JOURNAL_SET_ASIDE)
+            && let Some(o) = r.outcome.as_mut()
+            && super::journal::unacknowledged(&self.inner.state_dir).is_none()
+        {
+            o.message = format!("acknowledged, changes run again: {}", o.message);
+        }
+        report
     }
 
     fn rebalance(&self) -> Option<crate::vocab::RebalanceReport> {
@@ -229,6 +256,9 @@ impl crate::supervisor::Operations for Engine {
         })
     }
 }
+
+/// What `status` names the start-up recovery after a journal that could not be read.
+const JOURNAL_SET_ASIDE: &str = "take up the change journal";
 
 /// The start-up recovery: the journal's change taken up, then the other nodes
 /// reconciled; how it ended, what became of the change, how many things reconciling did.

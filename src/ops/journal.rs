@@ -137,6 +137,85 @@ impl Journal {
     }
 }
 
+/// The file that says a journal could not be read and was set aside: while it exists
+/// the head takes no change (`begin` refuses, the rebalancer too) until the user says
+/// they have seen it with `pdctl ack-journal` ([`acknowledge`]). It holds the line
+/// `status` shows.
+pub const SET_ASIDE_MARK: &str = "journal.unacknowledged";
+
+/// The command that acknowledges a journal set aside (docs/operations.md).
+pub const ACK_COMMAND: &str = "pdctl ack-journal";
+
+/// A journal that could not be read, moved aside to `moved_to`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SetAside {
+    /// The line `status` shows and `begin` refuses with.
+    pub notice: String,
+}
+
+/// Moves the journal of `dir` that could not be read (`why`) aside to
+/// `journal.json.bad-<time>` (kept for the user to read; never overwritten: a second one
+/// gets its own time) and leaves [`SET_ASIDE_MARK`] saying so, both synced.
+pub fn set_aside(dir: &Path, why: &JournalError) -> Result<SetAside, JournalError> {
+    let from = path(dir);
+    let time = crate::supervisor::format_utc(crate::control::operation::now_ms() as i64 / 1000)
+        .replace(':', "-");
+    let mut to = dir.join(format!("journal.json.bad-{time}"));
+    let mut n = 1;
+    while to.exists() {
+        to = dir.join(format!("journal.json.bad-{time}.{n}"));
+        n += 1;
+    }
+    let io = |path: &Path, source| JournalError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    std::fs::rename(&from, &to).map_err(|e| io(&from, e))?;
+    let notice = format!(
+        "the change journal could not be read ({}) and was moved aside to {}: a change cut short may be left half done; the nodes were reconciled with the plan; read it, then `{ACK_COMMAND}` lets changes run again",
+        why.short(),
+        to.display()
+    );
+    let mark = dir.join(SET_ASIDE_MARK);
+    crate::supervisor::write_atomic(&mark, format!("{notice}\n").as_bytes())
+        .map_err(|e| io(&mark, e))?;
+    Ok(SetAside { notice })
+}
+
+/// The notice of a journal set aside and not yet acknowledged in `dir`, if any.
+pub fn unacknowledged(dir: &Path) -> Option<String> {
+    std::fs::read_to_string(dir.join(SET_ASIDE_MARK))
+        .ok()
+        .map(|t| t.trim().to_string())
+}
+
+/// The user has seen the journal set aside: changes run again. The notice acknowledged,
+/// None when there was none.
+pub fn acknowledge(dir: &Path) -> Result<Option<String>, JournalError> {
+    let notice = unacknowledged(dir);
+    let mark = dir.join(SET_ASIDE_MARK);
+    match std::fs::remove_file(&mark) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(JournalError::Write { path: mark, source }),
+    }
+    crate::supervisor::sync_dir(dir)
+        .map_err(|source| JournalError::Write { path: mark, source })?;
+    Ok(notice)
+}
+
+impl JournalError {
+    /// What went wrong, without the path (the notice names the new one).
+    fn short(&self) -> String {
+        match self {
+            JournalError::Write { source, .. } | JournalError::Read { source, .. } => {
+                source.to_string()
+            }
+            JournalError::Parse { source, .. } => format!("not JSON pdctl wrote: {source}"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,5 +265,31 @@ mod tests {
         let err = Journal::read(&dir).unwrap_err().to_string();
         assert!(err.contains("not one pdctl wrote"), "{err}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_journal_set_aside_is_kept_and_waits_for_acknowledgement() {
+        let dir = tempfile::tempdir().unwrap();
+        let dir = dir.path();
+        std::fs::write(path(dir), "{\"what\": \"scale deco").unwrap();
+        let err = Journal::read(dir).unwrap_err();
+        let aside = set_aside(dir, &err).unwrap();
+        assert!(!path(dir).exists());
+        let kept: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("journal.json.bad-"))
+            .collect();
+        assert_eq!(kept.len(), 1, "{kept:?}");
+        assert_eq!(
+            std::fs::read_to_string(dir.join(&kept[0])).unwrap(),
+            "{\"what\": \"scale deco"
+        );
+        assert!(aside.notice.contains(&kept[0]) && aside.notice.contains(ACK_COMMAND));
+        assert_eq!(unacknowledged(dir), Some(aside.notice.clone()));
+        assert_eq!(acknowledge(dir).unwrap(), Some(aside.notice));
+        assert_eq!(unacknowledged(dir), None);
+        assert_eq!(acknowledge(dir).unwrap(), None);
     }
 }

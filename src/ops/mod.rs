@@ -23,6 +23,7 @@ pub mod rebalance;
 mod recover;
 
 pub use engine::Engine;
+pub use journal::{ACK_COMMAND, acknowledge as acknowledge_journal};
 
 use crate::control::client::{self, ChangeEnd, ControlError};
 use crate::control::operation::ChangeRequest;

@@ -43,6 +43,9 @@ pub enum ResolveError {
     /// The topology cannot be read or planned, located in its file.
     #[error(transparent)]
     Topology(Box<TopologyError>),
+    /// No state root: HOME unset and none given.
+    #[error(transparent)]
+    NoStateRoot(#[from] NoStateRoot),
 }
 
 impl From<TopologyError> for ResolveError {
@@ -78,16 +81,63 @@ impl Machine {
 
 /// The state root: the given one, else `$XDG_STATE_HOME/pdctl`, else `~/.local/state/pdctl`.
 /// A cluster's own state dir is `<root>/<cluster>` (`<root>/<cluster>-<node>` when the
-/// topology spans several nodes, so two nodes on one host never share a lock).
-pub fn state_root(given: Option<&Path>) -> PathBuf {
+/// topology spans several nodes, so two nodes on one host never share a lock). Never a
+/// shared temporary folder: with none of these, [`NoStateRoot`].
+pub fn state_root(given: Option<&Path>) -> Result<PathBuf, NoStateRoot> {
     if let Some(p) = given {
-        return p.to_path_buf();
+        return Ok(p.to_path_buf());
     }
     if let Some(x) = std::env::var_os("XDG_STATE_HOME").filter(|x| !x.is_empty()) {
-        return PathBuf::from(x).join("pdctl");
+        return Ok(PathBuf::from(x).join("pdctl"));
     }
-    let home = std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into());
-    PathBuf::from(home).join(".local/state/pdctl")
+    match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+        Some(home) => Ok(PathBuf::from(home).join(".local/state/pdctl")),
+        None => Err(NoStateRoot),
+    }
+}
+
+/// No state root can be had: HOME is unset and none was given (a shared temporary folder
+/// would let other local users at the cluster's files).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "no state directory: HOME is not set, and neither --state-dir, PDCTL_STATE_DIR nor XDG_STATE_HOME gives one; give a directory of your own (--state-dir DIR)"
+)]
+pub struct NoStateRoot;
+
+/// With a client key set (`PDCTL_API_KEY` in the environment of `plan` / `up`), a proxy
+/// on a node other than the head must be on one the head starts over SSH: that is how it
+/// hands the node the key (in the node's bundle). Anywhere else the proxy would serve
+/// `/v1/*` without the key, so the topology is refused, located at `proxy.node`.
+fn check_client_key_reach(
+    t: &LoadedTopology,
+    plan: &crate::plan::Plan,
+) -> Result<(), ResolveError> {
+    let key_set =
+        std::env::var(crate::vocab::PROXY_CLIENT_KEY_VAR).is_ok_and(|k| !k.trim().is_empty());
+    let Some(proxy) = plan
+        .services
+        .iter()
+        .find(|s| s.role == crate::vocab::Role::Proxy)
+    else {
+        return Ok(());
+    };
+    if !key_set || proxy.node == plan.head_node || t.spec.ssh.contains_key(&proxy.node) {
+        return Ok(());
+    }
+    let node = &proxy.node;
+    Err(ResolveError::Topology(Box::new(t.locate(
+        topology::Problem::new(
+            "proxy.node",
+            format!(
+                "the proxy runs on node `{node}`, which the head does not start over ssh: the head cannot hand it the client key ({})",
+                crate::vocab::PROXY_CLIENT_KEY_VAR
+            ),
+        )
+        .hint(format!(
+            "give `{node}` an `ssh` destination in [nodes] (`{node} = {{ address = \"...\", ssh = \"user@host\" }}`) so the head starts it and hands it the key, or run the proxy on the head (`[proxy] node = \"{}\"`)",
+            plan.head_node
+        )),
+    ))))
 }
 
 /// A plan ready to run, with a sentence saying where its topology came from.
@@ -125,6 +175,7 @@ pub fn resolve(req: &Request) -> Result<LoadedPlan, ResolveError> {
     let machine = Machine::new(req.gpus.clone());
     let (topology, source_note) = load_topology(req, &machine)?;
     let mut loaded = plan_programs_unresolved(&topology, req, machine)?;
+    check_client_key_reach(&topology, &loaded.plan)?;
     loaded.missing = resolve_programs(&mut loaded.plan);
     loaded.source_note = source_note;
     loaded.source = Some(super::source::ClusterSource::of(
@@ -217,7 +268,7 @@ pub fn plan_programs_unresolved(
         Err("not needed: no engine runs on a GPU".to_string())
     };
     let node = args.node.clone().unwrap_or_else(|| t.head.clone());
-    let root = state_root(args.state_dir.as_deref());
+    let root = state_root(args.state_dir.as_deref())?;
     let mut plan = build_plan(&PlanInput {
         topology: &spec,
         head: &t.head,

@@ -43,7 +43,8 @@ pub use state_dir::logfile::{
 pub use state_dir::select;
 pub use state_dir::stale::clean_if_stale;
 pub use state_dir::state::{
-    ClusterLock, RunRecord, SUPERVISOR_LOG_NAME, StateDir, read_record, sync_dir, write_atomic,
+    ClusterLock, RunRecord, SUPERVISOR_LOG_NAME, StateDir, make_private, private_umask,
+    read_record, sync_dir, write_atomic,
 };
 
 use std::path::{Path, PathBuf};
@@ -72,6 +73,8 @@ pub enum SupervisorError {
         crate::control::auth::JOIN_TOKEN_ENV
     )]
     NoSecret { node: String },
+    #[error("the state directory {} is not safe to use: {why}; give pdctl a directory of your own (--state-dir DIR, or fix its owner and mode: chmod 700)", path.display())]
+    UnsafeStateDir { path: PathBuf, why: String },
     #[error("node `{node}` is not in the topology (nodes: {known}); pass --node with one of them")]
     UnknownNode { node: String, known: String },
     #[error("{count} clusters {what} under {}: {names}; name one with --cluster NAME", root.display())]
@@ -100,6 +103,7 @@ impl SupervisorError {
             SupervisorError::AlreadyRunning { .. }
                 | SupervisorError::Preflight(_)
                 | SupervisorError::UnknownNode { .. }
+                | SupervisorError::UnsafeStateDir { .. }
                 | SupervisorError::WhichCluster { .. }
         )
     }

@@ -9,6 +9,7 @@ pub(crate) use load::{backticked_after, expected_list};
 mod locate;
 mod nodes;
 mod validate;
+pub use validate::{NODE_NAME_RULE, node_name_problem};
 
 pub use load::{Source, Topology as LoadedTopology, load_file, load_str, recheck};
 pub use locate::Locator;

@@ -116,5 +116,38 @@ mod tests {
         assert_eq!(e.key, "nodes.h.ssh", "{e}");
         let e = load("h = \"10.0.0.1\"\nw = { address = \"10.0.0.2\", ssh = \" \" }").unwrap_err();
         assert!(e.message.contains("not an SSH destination"), "{e}");
+        let e = load("h = \"10.0.0.1\"\nw = { address = \"10.0.0.2\", ssh = \"-oProxyCommand=touch /tmp/x\" }")
+            .unwrap_err();
+        assert_eq!(e.key, "nodes.w.ssh", "{e}");
+        assert!(e.message.contains("begins with `-`"), "{e}");
+    }
+
+    #[test]
+    fn node_names_are_dns_labels() {
+        let load = |name: &str| {
+            let text = format!(
+                "head = \"h\"\n[nodes]\nh = \"10.0.0.1\"\n\"{name}\" = \"10.0.0.2\"\n[model]\nname = \"m\"\n"
+            );
+            crate::topology::load_str(
+                &text,
+                crate::topology::Source::Profile("t".into()),
+                "t.toml".into(),
+            )
+        };
+        assert!(load("worker-2").is_ok());
+        for bad in [
+            "a/b",
+            "..",
+            "Worker",
+            "w_1",
+            "-w",
+            &"x".repeat(64),
+            &"x".repeat(200),
+        ] {
+            let e = load(bad).unwrap_err();
+            assert_eq!(e.key, format!("nodes.{bad}"), "{e}");
+            assert!(e.to_string().contains("DNS label"), "{e}");
+        }
+        assert!(load(&"x".repeat(63)).is_ok());
     }
 }

@@ -51,6 +51,13 @@ fn check_names(t: &Topology, head: &str) -> Result<(), Problem> {
             .hint("add at least one: [nodes] main = \"127.0.0.1\""));
     }
     for (name, addr) in &t.nodes {
+        if let Some(why) = node_name_problem(name) {
+            return Err(Problem::new(
+                format!("nodes.{name}"),
+                format!("`{name}` cannot name a node: {why}"),
+            )
+            .hint(NODE_NAME_RULE));
+        }
         if addr.trim().is_empty() || addr.contains(char::is_whitespace) || addr.contains('/') {
             return Err(Problem::new(
                 format!("nodes.{name}"),
@@ -70,12 +77,41 @@ fn check_names(t: &Topology, head: &str) -> Result<(), Problem> {
                     .hint("write user@host, or a host your ~/.ssh/config names"),
             );
         }
+        if to.starts_with('-') {
+            return Err(Problem::new(
+                key,
+                format!("`{to}` begins with `-`: ssh would read it as an option, not a destination"),
+            )
+            .hint("write user@host, or a host your ~/.ssh/config names; put ssh options in ~/.ssh/config or PDCTL_SSH_COMMAND"));
+        }
         if name == head {
             return Err(Problem::new(key, "the head is the node `pdctl up` runs on")
                 .hint("remove `ssh` from the head: it is for the nodes the head starts"));
         }
     }
     Ok(())
+}
+
+/// The rule a node name follows, as `plan` says it when one does not.
+pub const NODE_NAME_RULE: &str = "a node name is a DNS label: 1 to 63 characters, lowercase letters, digits and `-`, not beginning or ending with `-` (it names the node's state directory and its certificate)";
+
+/// Why `name` cannot name a node (it is not a DNS label), or None when it can. Node names
+/// become state directory names and certificate names, so nothing else gets through.
+pub fn node_name_problem(name: &str) -> Option<&'static str> {
+    if name.is_empty() {
+        Some("it is empty")
+    } else if name.len() > 63 {
+        Some("it is longer than 63 characters")
+    } else if !name
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    {
+        Some("it has a character other than a lowercase letter, a digit or `-`")
+    } else if name.starts_with('-') || name.ends_with('-') {
+        Some("it begins or ends with `-`")
+    } else {
+        None
+    }
 }
 
 fn unknown_node(t: &Topology, key: &str, node: &str) -> Problem {

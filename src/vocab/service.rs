@@ -76,6 +76,10 @@ pub const ENGINE_API_KEY_VAR: &str = "VLLM_API_KEY";
 /// --engine-api-key`); the same name sets the cluster's engine key for `pdctl up`.
 pub const PROXY_ENGINE_KEY_VAR: &str = "PDCTL_ENGINE_API_KEY";
 
+/// The variable that gives the proxy its client key (clients send it; `/v1/*` answers 401
+/// without it), in the environment of `up` and of the proxy the supervisor starts.
+pub const PROXY_CLIENT_KEY_VAR: &str = "PDCTL_API_KEY";
+
 impl Service {
     /// A service of `role` on `node` (at 127.0.0.1) running `argv`, with nothing else:
     /// no ports, GPUs, files or dependencies, ready at its first log line, the default

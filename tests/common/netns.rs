@@ -115,6 +115,23 @@ impl NetnsPair {
         Ok(())
     }
 
+    /// One more address on `a`'s end of the pair (`10.231.<id>.<last>`, same /24), for a
+    /// test that needs connections from several addresses; it returns the address.
+    pub fn add_address_a(&self, last: u8) -> Result<String, String> {
+        let base = self.addr_a.rsplit_once('.').map_or("", |(b, _)| b);
+        let addr = format!("{base}.{last}");
+        ip(&[
+            "-n",
+            &self.a,
+            "addr",
+            "add",
+            &format!("{addr}/24"),
+            "dev",
+            &format!("{}a", self.veth),
+        ])?;
+        Ok(addr)
+    }
+
     /// Takes the link between the two down (`up = false`) or up again.
     pub fn set_link(&self, up: bool) -> Result<(), String> {
         let state = if up { "up" } else { "down" };

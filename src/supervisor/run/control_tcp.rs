@@ -4,13 +4,15 @@
 //! status. Bounded everywhere: a cap on connections still in their handshake (in all and
 //! per address), a time limit on the handshake and on silence after it, a frame limit
 //! (a longer frame is refused without being echoed), and refusals logged at most once per
-//! [`LOG_EVERY`] with a count of the ones not logged.
+//! [`LOG_EVERY`] with a count of the ones not logged. The topology's node addresses have
+//! handshake places of their own: strangers (any other address, counted per address and
+//! per /64 for IPv6, with a shorter time to finish) can fill theirs, never the nodes'.
 
 use crate::control::frame::{FrameError, PEER_FRAME_MAX, UNAUTHENTICATED_FRAME_MAX, read_frame};
 use crate::control::tls::PeerTls;
 use crate::control::{JoinRequest, PeerRequest, Response};
 use crate::supervisor::run::control_server::{self as cs, Handlers, Origin, answer};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,36 +21,91 @@ use tokio::net::{TcpListener, TcpStream};
 
 /// How long a peer may take over the TLS handshake (and a join over its one request).
 const HANDSHAKE_WITHIN: Duration = Duration::from_secs(5);
+/// How long a connection from an address that is no node's may take over its handshake.
+const STRANGER_HANDSHAKE_WITHIN: Duration = Duration::from_secs(2);
 /// How long an authenticated peer may stay silent between requests.
 const IDLE_WITHIN: Duration = Duration::from_secs(60);
-/// Connections still in their handshake, in all and from one address; more are closed
-/// at once.
+/// Connections from strangers still in their handshake, in all and from one address (an
+/// IPv6 /64 counting as one); more are closed at once.
 const MAX_UNAUTHENTICATED: usize = 64;
 const MAX_UNAUTHENTICATED_PER_ADDRESS: usize = 8;
+/// Connections from one of the topology's node addresses still in their handshake: places
+/// of their own, which strangers never take.
+const MAX_PEER_HANDSHAKES_PER_ADDRESS: usize = 16;
 /// Refusals are logged at most this often.
 const LOG_EVERY: Duration = Duration::from_secs(10);
 
-/// Counts connections not yet authenticated, in all and per address.
+/// Counts connections not yet authenticated: strangers in all and per source, and the
+/// nodes' own per address.
 #[derive(Default)]
 struct Gate {
+    /// The topology's node addresses (as resolved at start).
+    nodes: HashSet<IpAddr>,
+    /// Strangers in their handshake, in all.
     total: usize,
+    /// In their handshake per source: a node's address, or a stranger's (its /64 for IPv6).
     per_address: HashMap<IpAddr, usize>,
+}
+
+/// Where a connection comes from, as the gate counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// One of the topology's node addresses.
+    Node(IpAddr),
+    /// Any other: its address, or for IPv6 its /64 (one host holds a whole /64).
+    Stranger(IpAddr),
+}
+
+impl Source {
+    fn of(from: IpAddr, nodes: &HashSet<IpAddr>) -> Source {
+        let from = match from {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(from, IpAddr::V4),
+            v4 => v4,
+        };
+        if nodes.contains(&from) {
+            return Source::Node(from);
+        }
+        Source::Stranger(match from {
+            IpAddr::V6(v6) => {
+                let bits = u128::from(v6) & !((1u128 << 64) - 1);
+                IpAddr::V6(bits.into())
+            }
+            v4 => v4,
+        })
+    }
+
+    fn key(self) -> IpAddr {
+        match self {
+            Source::Node(a) | Source::Stranger(a) => a,
+        }
+    }
+
+    /// How long this source's connection may take over its handshake.
+    fn handshake_within(self) -> Duration {
+        match self {
+            Source::Node(_) => HANDSHAKE_WITHIN,
+            Source::Stranger(_) => STRANGER_HANDSHAKE_WITHIN,
+        }
+    }
 }
 
 /// A place among the unauthenticated connections, given back when dropped.
 struct Ticket {
     gate: Arc<Mutex<Gate>>,
-    from: IpAddr,
+    from: Source,
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
         let mut g = self.gate.lock().unwrap_or_else(|e| e.into_inner());
-        g.total -= 1;
-        if let Some(n) = g.per_address.get_mut(&self.from) {
+        if let Source::Stranger(_) = self.from {
+            g.total -= 1;
+        }
+        let key = self.from.key();
+        if let Some(n) = g.per_address.get_mut(&key) {
             *n -= 1;
             if *n == 0 {
-                g.per_address.remove(&self.from);
+                g.per_address.remove(&key);
             }
         }
     }
@@ -56,16 +113,43 @@ impl Drop for Ticket {
 
 fn admit(gate: &Arc<Mutex<Gate>>, from: IpAddr) -> Option<Ticket> {
     let mut g = gate.lock().unwrap_or_else(|e| e.into_inner());
-    let mine = g.per_address.get(&from).copied().unwrap_or(0);
-    if g.total >= MAX_UNAUTHENTICATED || mine >= MAX_UNAUTHENTICATED_PER_ADDRESS {
+    let source = Source::of(from, &g.nodes);
+    let mine = g.per_address.get(&source.key()).copied().unwrap_or(0);
+    let full = match source {
+        Source::Node(_) => mine >= MAX_PEER_HANDSHAKES_PER_ADDRESS,
+        Source::Stranger(_) => {
+            g.total >= MAX_UNAUTHENTICATED || mine >= MAX_UNAUTHENTICATED_PER_ADDRESS
+        }
+    };
+    if full {
         return None;
     }
-    g.total += 1;
-    *g.per_address.entry(from).or_default() += 1;
+    if let Source::Stranger(_) = source {
+        g.total += 1;
+    }
+    *g.per_address.entry(source.key()).or_default() += 1;
     Some(Ticket {
         gate: gate.clone(),
-        from,
+        from: source,
     })
+}
+
+/// The addresses of the topology's nodes, resolved (a node written as a host name
+/// counts with every address it has now).
+fn node_addresses(h: &Handlers) -> HashSet<IpAddr> {
+    use std::net::ToSocketAddrs;
+    let members = h.ctx.members();
+    members
+        .plan
+        .nodes
+        .values()
+        .flat_map(|addr| {
+            (addr.as_str(), 0)
+                .to_socket_addrs()
+                .map(|it| it.map(|a| a.ip()).collect::<Vec<_>>())
+                .unwrap_or_default()
+        })
+        .collect()
 }
 
 /// Logs refusals, at most one line per [`LOG_EVERY`], saying how many were not logged.
@@ -101,7 +185,10 @@ impl RefusalLog {
 
 /// Accepts peers until the listener fails; each connection gets its own task.
 pub async fn serve(listener: TcpListener, handlers: Handlers, tls: Arc<PeerTls>) {
-    let gate = Arc::new(Mutex::new(Gate::default()));
+    let gate = Arc::new(Mutex::new(Gate {
+        nodes: node_addresses(&handlers),
+        ..Gate::default()
+    }));
     let log = Arc::new(RefusalLog::default());
     loop {
         let (stream, from) = match listener.accept().await {
@@ -118,7 +205,7 @@ pub async fn serve(listener: TcpListener, handlers: Handlers, tls: Arc<PeerTls>)
             log.refused(
                 &handlers,
                 &format!(
-                    "a connection from {from}: too many still in their handshake ({MAX_UNAUTHENTICATED} in all, {MAX_UNAUTHENTICATED_PER_ADDRESS} per address)"
+                    "a connection from {from}: too many still in their handshake ({MAX_UNAUTHENTICATED} from strangers in all, {MAX_UNAUTHENTICATED_PER_ADDRESS} per stranger address or /64, {MAX_PEER_HANDSHAKES_PER_ADDRESS} per node address)"
                 ),
             );
             continue;
@@ -144,11 +231,12 @@ async fn serve_one(
     h: &Handlers,
     tls: &PeerTls,
 ) -> Result<(), String> {
-    let shake = tokio::time::timeout(HANDSHAKE_WITHIN, tls.acceptor().accept(stream));
+    let within = ticket.from.handshake_within();
+    let shake = tokio::time::timeout(within, tls.acceptor().accept(stream));
     let stream = match shake.await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => return Err(format!("TLS handshake failed: {e}")),
-        Err(_) => return Err(format!("no TLS handshake within {HANDSHAKE_WITHIN:?}")),
+        Err(_) => return Err(format!("no TLS handshake within {within:?}")),
     };
     let peer_cert = stream
         .get_ref()
@@ -165,10 +253,10 @@ async fn serve_one(
         );
         exported.map_err(|e| e.to_string())?;
         let (read, mut write) = tokio::io::split(stream);
-        let work = join(BufReader::new(read), &mut write, tls, &binding);
-        let outcome = tokio::time::timeout(HANDSHAKE_WITHIN, work)
+        let work = join(BufReader::new(read), &mut write, h, tls, &binding);
+        let outcome = tokio::time::timeout(within, work)
             .await
-            .unwrap_or_else(|_| Err(format!("no join request within {HANDSHAKE_WITHIN:?}")));
+            .unwrap_or_else(|_| Err(format!("no join request within {within:?}")));
         drop(ticket);
         return outcome.map(|node| {
             let line = format!("control channel: node {node} joined from {from}");
@@ -191,6 +279,7 @@ async fn serve_one(
 async fn join(
     mut read: impl AsyncBufRead + Unpin,
     write: &mut (impl AsyncWrite + Unpin),
+    h: &Handlers,
     tls: &PeerTls,
     binding: &[u8],
 ) -> Result<String, String> {
@@ -203,10 +292,11 @@ async fn join(
     let req: JoinRequest = serde_json::from_slice(&frame).map_err(|_| {
         "a client without a certificate sent something other than a join".to_string()
     })?;
-    match tls.answer_join(&req.join, &req.proof, binding) {
+    match tls.answer_join(&req.join, &req.token, &req.proof, binding) {
         Ok(creds) => {
             let reply = Response::Joined {
                 creds: Box::new(creds),
+                engine_key: h.ctx.engine_key.clone(),
             };
             answer(write, &reply).await;
             Ok(req.join)
@@ -354,6 +444,52 @@ mod tests {
         drop(all);
         assert_eq!(gate.lock().unwrap().total, 0);
         assert!(gate.lock().unwrap().per_address.is_empty());
+    }
+
+    #[test]
+    fn strangers_never_take_the_nodes_places_and_an_ipv6_64_counts_once() {
+        let node: IpAddr = "10.0.0.2".parse().unwrap();
+        let gate = Arc::new(Mutex::new(Gate {
+            nodes: HashSet::from([node]),
+            ..Gate::default()
+        }));
+        let strangers: Vec<Ticket> = (0..MAX_UNAUTHENTICATED)
+            .filter_map(|i| {
+                admit(
+                    &gate,
+                    format!("10.9.{}.{}", i / 8, i % 8 + 1).parse().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(strangers.len(), MAX_UNAUTHENTICATED);
+        assert!(admit(&gate, "10.9.200.1".parse().unwrap()).is_none());
+        let held: Vec<Ticket> = (0..MAX_PEER_HANDSHAKES_PER_ADDRESS)
+            .map(|_| admit(&gate, node).expect("a node's own place"))
+            .collect();
+        assert_eq!(held[0].from.handshake_within(), HANDSHAKE_WITHIN);
+        assert_eq!(
+            strangers[0].from.handshake_within(),
+            STRANGER_HANDSHAKE_WITHIN
+        );
+        let mapped: IpAddr = "::ffff:10.0.0.2".parse().unwrap();
+        assert_eq!(
+            Source::of(mapped, &HashSet::from([node])),
+            Source::Node(node)
+        );
+        drop((strangers, held));
+        let v6: Vec<Option<Ticket>> = (0..=MAX_UNAUTHENTICATED_PER_ADDRESS)
+            .map(|i| admit(&gate, format!("2001:db8:1:2::{:x}", i + 1).parse().unwrap()))
+            .collect();
+        assert!(
+            v6[..MAX_UNAUTHENTICATED_PER_ADDRESS]
+                .iter()
+                .all(Option::is_some)
+        );
+        assert!(
+            v6[MAX_UNAUTHENTICATED_PER_ADDRESS].is_none(),
+            "one /64, one count"
+        );
+        assert!(admit(&gate, "2001:db8:1:3::1".parse().unwrap()).is_some());
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! (mutually authenticated TLS) once a second, so `status` here shows their services as they report them (state, pid,
 //! restarts, last error) and says `unreachable` (since when) while a node cannot be reached.
 
-use crate::control::client::{Endpoint, logs_at, status_at};
+use crate::control::client::{Endpoint, StatusConn, logs_at};
 use crate::control::operation::now_ms;
 use crate::control::{Response, ServiceState, StatusReport};
 use std::sync::{Arc, Mutex};
@@ -144,14 +144,43 @@ fn url_host(url: &str) -> Option<&str> {
     Some(authority.rsplit_once(':').map_or(authority, |(h, _)| h))
 }
 
+/// The peer's status over the kept connection (opened when there is none); a kept one
+/// that fails at once (the peer closed it: it restarted) is opened again for one more try.
+async fn ask_kept(
+    kept: &mut Option<StatusConn>,
+    to: &Endpoint,
+) -> Result<StatusReport, crate::control::client::ControlError> {
+    let started = Instant::now();
+    if let Some(conn) = kept.as_mut() {
+        match conn.status().await {
+            Ok(r) => return Ok(r),
+            Err(e) if started.elapsed() >= ANSWER_WITHIN / 2 => {
+                *kept = None;
+                return Err(e);
+            }
+            Err(_) => *kept = None,
+        }
+    }
+    let left = ANSWER_WITHIN.saturating_sub(started.elapsed());
+    let mut conn = StatusConn::open(to, left.max(Duration::from_secs(1))).await?;
+    let answer = conn.status().await;
+    if answer.is_ok() {
+        *kept = Some(conn);
+    }
+    answer
+}
+
 /// Asks one peer for its status once a second while anyone holds it.
 async fn poll(peer: std::sync::Weak<Peer>) {
+    // One connection (one TLS handshake) kept for every poll, opened again only after
+    // it failed: a peer's polls never queue behind strangers' handshakes.
+    let mut kept: Option<StatusConn> = None;
     loop {
         let Some(p) = peer.upgrade() else { return };
         // A peer that does not answer has not answered since it was asked: a silent one
         // takes ANSWER_WITHIN to fail, which is not added to the time it takes to be cut off.
         let asked = (Instant::now(), now_ms());
-        let answer = status_at(&p.endpoint, ANSWER_WITHIN).await;
+        let answer = ask_kept(&mut kept, &p.endpoint).await;
         {
             let mut seen = p.seen.lock().unwrap_or_else(|e| e.into_inner());
             match answer {

@@ -54,6 +54,8 @@ pub struct RunOptions {
     /// The key every engine requires and the proxy sends, given to the services whose
     /// plan names it (`Service::secret_env`).
     pub engine_key: Option<EngineKey>,
+    /// The proxy's client key, when the cluster has one (kept in the state dir).
+    pub client_key: Option<crate::control::auth::ClientKey>,
     /// Changes to the whole cluster (`scale`, `apply`, drained restarts, a cluster-wide
     /// `down`), carried out in this process when this supervisor is the head's.
     pub operations: Option<Arc<dyn Operations>>,
@@ -137,6 +139,7 @@ fn service_ctx(
         log_max_bytes: opts.log_max_bytes,
         log_keep: opts.log_keep,
         engine_key: opts.engine_key.clone(),
+        client_key: opts.client_key.clone(),
     });
     (ctx, rxs)
 }

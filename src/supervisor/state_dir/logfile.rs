@@ -66,7 +66,8 @@ impl RotatingFile {
 
     fn rotate(&mut self) -> std::io::Result<()> {
         if self.keep == 0 {
-            self.file = File::create(&self.path)?;
+            let _ = std::fs::remove_file(&self.path);
+            self.file = open_append(&self.path)?;
         } else {
             for i in (1..self.keep).rev() {
                 let from = rotated_path(&self.path, i);
@@ -83,9 +84,12 @@ impl RotatingFile {
 }
 
 fn open_append(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    // A service's output is this user's only (docs/security.md).
     std::fs::OpenOptions::new()
         .create(true)
         .append(true)
+        .mode(0o600)
         .open(path)
 }
 

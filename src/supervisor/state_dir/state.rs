@@ -56,7 +56,10 @@ impl StateDir {
         self.log_path(SUPERVISOR_LOG_NAME)
     }
 
-    /// Creates the dir (mode 0700: it holds the control socket) and its `logs/`.
+    /// Creates the dir and its `logs/` (mode 0700: they hold the control socket, the plan
+    /// with its `[engine.env]` values, the keys). One that exists already must be this
+    /// user's and writable by nobody else (else `UnsafeStateDir`, exit 2); it is made 0700,
+    /// and files of an older pdctl in it (`tls/` too) lose every bit for others.
     pub fn create(&self) -> Result<(), SupervisorError> {
         use std::os::unix::fs::DirBuilderExt;
         let mk = |p: &Path| {
@@ -64,19 +67,26 @@ impl StateDir {
                 .recursive(true)
                 .mode(0o700)
                 .create(p)
-                .map_err(|e| SupervisorError::io("create the state directory", p, e))
+                .map_err(|e| SupervisorError::io("create the state directory", p, e))?;
+            make_private(p)
         };
         mk(&self.dir)?;
-        mk(&self.logs_dir())
+        mk(&self.logs_dir())?;
+        for dir in [self.dir.clone(), self.logs_dir(), self.dir.join("tls")] {
+            tighten_files(&dir);
+        }
+        Ok(())
     }
 
     /// Takes the cluster lock without waiting. `Busy` names the supervisor holding it.
     pub fn lock(&self) -> Result<ClusterLock, SupervisorError> {
         let path = self.lock_path();
+        use std::os::unix::fs::OpenOptionsExt;
         let file = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(0o600)
             .open(&path)
             .map_err(|e| SupervisorError::io("open the cluster lock", &path, e))?;
         match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
@@ -99,6 +109,68 @@ impl StateDir {
             let _ = std::fs::remove_file(p);
         }
     }
+}
+
+/// Refuses directory `dir` when another user owns it or group or others may write it
+/// (whoever can write it can swap the files pdctl reads: the plan, the keys); else makes
+/// it 0700.
+pub fn make_private(dir: &Path) -> Result<(), SupervisorError> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::symlink_metadata(dir)
+        .map_err(|e| SupervisorError::io("read the state directory", dir, e))?;
+    let me = nix::unistd::geteuid().as_raw();
+    let why = if !meta.is_dir() {
+        Some("it is not a directory (a link or a file)".to_string())
+    } else if meta.uid() != me {
+        Some(format!(
+            "it is owned by user {} and pdctl runs as user {me}",
+            meta.uid()
+        ))
+    } else if meta.mode() & 0o022 != 0 {
+        Some(format!(
+            "group or others may write it (mode {:o})",
+            meta.mode() & 0o777
+        ))
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        return Err(SupervisorError::UnsafeStateDir {
+            path: dir.to_path_buf(),
+            why,
+        });
+    }
+    if meta.mode() & 0o777 != 0o700 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| SupervisorError::io("make private (0700)", dir, e))?;
+    }
+    Ok(())
+}
+
+/// Takes every permission for group and others off the regular files right in `dir`
+/// (what an older pdctl wrote 0644); best effort.
+fn tighten_files(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let Ok(meta) = std::fs::symlink_metadata(e.path()) else {
+            continue;
+        };
+        let mode = meta.permissions().mode();
+        if meta.is_file() && mode & 0o077 != 0 {
+            let _ =
+                std::fs::set_permissions(e.path(), std::fs::Permissions::from_mode(mode & 0o700));
+        }
+    }
+}
+
+/// Makes every file and folder this process (and the services it starts) creates readable
+/// by this user only (umask 077): the state dir's files hold the plan with `[engine.env]`
+/// values, the logs, the journal. Called by the commands that write a state dir.
+pub fn private_umask() {
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
 }
 
 /// Name of the detached supervisor's own log in `logs/`.
@@ -212,8 +284,14 @@ pub fn read_record(state: &StateDir) -> Result<Option<RunRecord>, SupervisorErro
 /// and synced, so what it says survives a crash of this process or of the machine.
 pub fn write_atomic(path: &Path, contents: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let mut file = std::fs::File::create(&tmp)?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
     file.write_all(contents)?;
     // On disk before the rename, and the rename on disk before this returns: a crash or
     // a power cut leaves the old file or the new one, never an empty one.

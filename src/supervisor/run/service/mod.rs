@@ -89,6 +89,9 @@ pub struct ServiceCtx {
     /// The cluster's engine key, set in each service's `secret_env` at spawn (and only
     /// there: it is never planned, logged nor reported).
     pub engine_key: Option<EngineKey>,
+    /// The proxy's client key, when the cluster has one: set (as `PDCTL_API_KEY`) for the
+    /// service that takes the proxy's engine key, and never inherited by any other.
+    pub client_key: Option<crate::control::auth::ClientKey>,
 }
 
 /// Variables that carry the cluster's secrets: no service inherits them from the
@@ -98,6 +101,7 @@ const SECRET_VARS: &[&str] = &[
     crate::control::auth::JOIN_TOKEN_ENV,
     crate::vocab::PROXY_ENGINE_KEY_VAR,
     crate::vocab::ENGINE_API_KEY_VAR,
+    crate::control::auth::CLIENT_KEY_ENV,
 ];
 
 impl ServiceCtx {
@@ -291,6 +295,17 @@ impl Task {
             for var in &self.svc().secret_env {
                 env.insert(var.clone(), key.reveal().to_string());
             }
+        }
+        let proxy = self
+            .svc()
+            .secret_env
+            .iter()
+            .any(|v| v == crate::vocab::PROXY_ENGINE_KEY_VAR);
+        if let (true, Some(key)) = (proxy, &self.ctx.client_key) {
+            env.insert(
+                crate::control::auth::CLIENT_KEY_ENV.to_string(),
+                key.reveal().to_string(),
+            );
         }
         let spec = SpawnSpec {
             argv: self.svc().argv.clone(),
