@@ -71,18 +71,18 @@ fn check_names(t: &Topology, head: &str) -> Result<(), Problem> {
     }
     for (name, to) in &t.ssh {
         let key = format!("nodes.{name}.ssh");
-        if to.trim().is_empty() || to.contains(char::is_whitespace) {
-            return Err(
-                Problem::new(key, format!("`{to}` is not an SSH destination"))
-                    .hint("write user@host, or a host your ~/.ssh/config names"),
-            );
-        }
         if to.starts_with('-') {
             return Err(Problem::new(
                 key,
                 format!("`{to}` begins with `-`: ssh would read it as an option, not a destination"),
             )
             .hint("write user@host, or a host your ~/.ssh/config names; put ssh options in ~/.ssh/config or PDCTL_SSH_COMMAND"));
+        }
+        if to.trim().is_empty() || to.contains(char::is_whitespace) {
+            return Err(
+                Problem::new(key, format!("`{to}` is not an SSH destination"))
+                    .hint("write user@host, or a host your ~/.ssh/config names"),
+            );
         }
         if name == head {
             return Err(Problem::new(key, "the head is the node `pdctl up` runs on")
