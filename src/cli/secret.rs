@@ -11,8 +11,8 @@ use crate::control::auth::{
     JOIN_TOKEN_ENV, SECRET_ENV, SECRET_FILE, Secret,
 };
 use crate::control::tls::{
-    Book, ClusterCa, DEFAULT_TOKEN_TTL_S, JoinToken, NodeCreds, PeerTls, RENEW_WITHIN_S, TLS_DIR,
-    TokenRecord, now_s,
+    Book, CERT_LIFETIME_S, ClusterCa, DEFAULT_TOKEN_TTL_S, JoinToken, NodeCreds, PeerTls,
+    RENEW_WITHIN_S, TLS_DIR, TokenRecord, now_s,
 };
 use crate::plan::Plan;
 use crate::supervisor::StateDir;
@@ -249,6 +249,11 @@ pub fn channel(
             _ => {
                 let joined = join_head(plan, node, port, &t)?;
                 joined.creds.write(&dir)?;
+                let (y, m, d) = crate::control::tls::ymd(now_s() + CERT_LIFETIME_S);
+                println!(
+                    "pdctl: joined cluster {} as node {node}; its certificate expires on {y:04}-{m:02}-{d:02} (UTC): join again with a new token before",
+                    plan.cluster
+                );
                 if let Some(k) = &joined.engine_key {
                     k.write(&state.dir.join(ENGINE_KEY_FILE))?;
                 }
