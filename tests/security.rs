@@ -440,8 +440,19 @@ fn a_join_token_joins_one_node_once_in_its_time_and_the_secret_stays_on_the_head
         !refused.contains(r#""reply":"status""#),
         "the old certificate was taken: {refused}"
     );
-    let taken = ask_head_as(nw, again, control.clone());
+    let taken = ask_head_as(nw, again.clone(), control.clone());
     assert!(taken.contains(r#""reply":"status""#), "{taken}");
+    // `--revoke NODE` shuts that node's certificate out.
+    let revoke = suph::run_bounded(
+        on(nh, &head, &["join-token", "--revoke", "worker"]),
+        Duration::from_secs(30),
+    );
+    assert!(revoke.status.success(), "{}", text(&revoke));
+    let shut = ask_head_as(nw, again, control.clone());
+    assert!(
+        !shut.contains(r#""reply":"status""#),
+        "a revoked certificate was taken: {shut}"
+    );
 
     let list = suph::run_bounded(
         on(nh, &head, &["join-token", "--list"]),
