@@ -84,6 +84,18 @@ impl Peers {
         }
     }
 
+    /// The head's rebalancer as its supervisor last reported it, while it answers: a
+    /// node other than the head runs none, and its proxy exports the head's series.
+    pub fn rebalance(&self) -> Option<crate::vocab::RebalanceReport> {
+        self.peers.iter().find_map(|p| {
+            let seen = p.seen.lock().unwrap_or_else(|e| e.into_inner());
+            if seen.failing_since.is_some() {
+                return None;
+            }
+            seen.report.as_ref()?.rebalance.as_deref().cloned()
+        })
+    }
+
     /// Fills the rows of other nodes' services in `report` with what their supervisors
     /// say, or marks them unreachable.
     pub fn merge_into(&self, report: &mut StatusReport) {
