@@ -188,3 +188,53 @@ async fn poll(peer: std::sync::Weak<Peer>) {
         tokio::time::sleep(POLL).await;
     }
 }
+
+#[cfg(test)]
+mod rebalance_tests {
+    use super::*;
+    use crate::vocab::{Figures, MoveCounts, RebalanceMode, RebalanceReport, Split};
+
+    #[test]
+    fn a_node_off_the_head_passes_on_the_heads_rebalancer_while_it_answers() {
+        let head = RebalanceReport {
+            mode: RebalanceMode::Act,
+            split: Split {
+                prefill: 3,
+                decode: 1,
+            },
+            window_s: 30,
+            measured_s: 30,
+            figures: Figures::default(),
+            verdict: "objectives met".into(),
+            moves_total: 1,
+            moves: vec![],
+            moves_counted: MoveCounts::default(),
+        };
+        let seen = |failing: bool| Seen {
+            report: Some(StatusReport {
+                cluster: "c".into(),
+                node: "head".into(),
+                proxy_url: None,
+                services: vec![],
+                operation: None,
+                rebalance: Some(Box::new(head.clone())),
+            }),
+            failing_since: failing.then(|| (Instant::now(), 0)),
+            error: None,
+        };
+        let peers = |failing: bool| Peers {
+            peers: vec![Arc::new(Peer {
+                node: "head".into(),
+                address: "127.0.0.1".into(),
+                endpoint: Endpoint::Unix("/nonexistent".into()),
+                seen: Mutex::new(seen(failing)),
+            })],
+        };
+        assert_eq!(peers(false).rebalance().map(|r| r.split), Some(head.split));
+        assert_eq!(
+            peers(true).rebalance(),
+            None,
+            "not while the head does not answer"
+        );
+    }
+}
