@@ -1944,7 +1944,10 @@ fn blank_fields(event: &str) -> String {
 /// proxy's TTFT and the decode engine's own inter-token histogram (vLLM's
 /// `vllm:inter_token_latency_seconds`, which the sim only imitates), says it would move
 /// 1P1D -> 1P2D for an inter-token objective no CPU engine meets (the budget of 3 has
-/// room), moves nothing, and the proxy's `/metrics` shows the split.
+/// room), moves nothing, and the proxy's `/metrics` shows the split. Switched to act
+/// (`pdctl rebalance act`), it carries the move out once on real vLLM — a second decode
+/// engine started under the load — the move done, no request failed, and the proxy's
+/// `/metrics` counts it.
 #[test]
 #[ignore = "needs vLLM's CPU build and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
 fn vllm_cpu_rebalance_reads_real_figures_1p1d() {
@@ -1960,8 +1963,18 @@ fn vllm_cpu_rebalance_reads_real_figures_1p1d() {
     let topo = root.path().join("topology.toml");
     let mut t: toml::Table =
         toml::from_str(&topology(&case, "e2e-vllm-rebalance", &model, &ports)).unwrap();
+    // The move starts decode-1 on the port after decode-0's: one free with it.
+    let decode_base = (0..200)
+        .map(|_| free_ports(1)[0])
+        .find(|p| {
+            !ports.contains(p)
+                && !ports.contains(&(p + 1))
+                && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok()
+        })
+        .expect("two free ports in a row");
+    t["decode"]["base_port"] = i64::from(decode_base).into();
     let table: toml::Table = toml::from_str(
-        "ttft_p90_ms = 600000\nitl_p90_ms = 1\nbudget = 3\nwindow_s = 6\nmode = \"advise\"\n",
+        "ttft_p90_ms = 600000\nitl_p90_ms = 1\nbudget = 3\nwindow_s = 6\ncooldown_s = 600\nmode = \"advise\"\n",
     )
     .unwrap();
     t.insert("rebalance".into(), table.into());
@@ -2045,6 +2058,67 @@ fn vllm_cpu_rebalance_reads_real_figures_1p1d() {
         "pdctl_proxy_rebalance_instances{role=\"decode\"} 1",
         "pdctl_proxy_rebalance_mode{mode=\"advise\"} 1",
     ] {
+        assert!(page.lines().any(|l| l == line), "{line} not on:\n{page}");
+    }
+
+    // Act: the move is carried out once, on real vLLM, under the load.
+    let act = run(pdctl_in(&guard, &["rebalance", "act"]), 30);
+    assert!(act.status.success(), "{}", text(&act));
+    let acted = Instant::now();
+    let report = loop {
+        let out = run(pdctl_in(&guard, &["status", "--json"]), 30);
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        if v["rebalance"]["moves_total"].as_u64().unwrap_or(0) >= 1 {
+            break v["rebalance"].clone();
+        }
+        assert!(
+            acted.elapsed() < Duration::from_secs(600) && !load.is_finished(),
+            "no move within 600 s of act (or the load failed); the last: {}",
+            v["rebalance"]
+        );
+        std::thread::sleep(Duration::from_secs(2));
+    };
+    let moved = &report["moves"][report["moves"].as_array().unwrap().len() - 1];
+    println!(
+        "[{}] act: moved in {:.0} s: {moved}",
+        case.name,
+        acted.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        (
+            moved["from"]["decode"].as_u64(),
+            moved["to"]["decode"].as_u64()
+        ),
+        (Some(1), Some(2)),
+        "{moved}"
+    );
+    assert!(
+        moved["outcome"]
+            .as_str()
+            .is_some_and(|o| o.starts_with("done (0)")),
+        "{moved}"
+    );
+    assert_eq!(report["moves_total"], 1, "{report}");
+    let metrics = || {
+        Command::new("curl")
+            .args(["-s", &format!("http://127.0.0.1:{proxy_port}/metrics")])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    };
+    // The proxy follows the supervisor's report twice a second.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let counted = [
+        "pdctl_proxy_rebalance_instances{role=\"decode\"} 2",
+        "pdctl_proxy_rebalance_moves_by_outcome_total{outcome=\"done\"} 1",
+        "pdctl_proxy_rebalance_moves_failed_total 0",
+    ];
+    let mut page = metrics();
+    while !counted.iter().all(|c| page.lines().any(|l| l == *c)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+        page = metrics();
+    }
+    for line in counted {
         assert!(page.lines().any(|l| l == line), "{line} not on:\n{page}");
     }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);

@@ -293,6 +293,11 @@ struct SteadyLoad {
 
 impl SteadyLoad {
     fn start(port: u16, streams: usize, shape: Shape) -> SteadyLoad {
+        SteadyLoad::start_with(port, streams, shape, 8)
+    }
+
+    /// [`SteadyLoad::start`] whose long prompts ask for `prompt_answer` tokens each.
+    fn start_with(port: u16, streams: usize, shape: Shape, prompt_answer: usize) -> SteadyLoad {
         let load = SteadyLoad {
             shape: Arc::new(AtomicU8::new(shape as u8)),
             stop: Arc::new(AtomicBool::new(false)),
@@ -320,8 +325,9 @@ impl SteadyLoad {
                                     } else {
                                         Shape::LongOutputs
                                     };
+                                let tag = format!("s{n}r{i}");
                                 let result =
-                                    one_request(&client, port, now, &format!("s{n}r{i}")).await;
+                                    one_request(&client, port, now, prompt_answer, &tag).await;
                                 let mut t = tally.lock().unwrap();
                                 match result {
                                     Ok(()) => t.completed[now as usize] += 1,
@@ -362,17 +368,18 @@ impl SteadyLoad {
     }
 }
 
-/// One streamed completion of `shape`; Err says what went wrong (a status other than
+/// One streamed completion of `shape` (a long prompt asks for `prompt_answer` tokens); Err says what went wrong (a status other than
 /// 200, an error event, or a stream that did not end with `[DONE]`).
 async fn one_request(
     client: &reqwest::Client,
     port: u16,
     shape: Shape,
+    prompt_answer: usize,
     tag: &str,
 ) -> Result<(), String> {
     let (words, max_tokens) = match shape {
         Shape::LongOutputs => (32, 64),
-        Shape::LongPrompts => (1024, 8),
+        Shape::LongPrompts => (1024, prompt_answer),
     };
     // Distinct words per request: nothing is found in the prefix cache.
     let prompt: Vec<String> = (0..words).map(|w| format!("{tag}w{w}")).collect();
@@ -692,6 +699,427 @@ fn a_traffic_shift_under_steady_load_moves_the_split_within_two_windows_and_back
     eprintln!("load: {tally:?}");
     assert_eq!(tally.failed, [0, 0], "{:?}", tally.failures);
     assert!(tally.completed.iter().all(|n| *n > 0), "{tally:?}");
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// A 2P2D sim topology of cluster `name` (ports laid out for 4 of each role, so a move or
+/// a scale has room) with `extra` tables, and its proxy port.
+fn two_by_two(name: &str, extra: &str) -> (String, u16) {
+    let (topology, port) = sim_topology(name, "nixl", 4, 4, extra);
+    let topology = topology
+        .replace("[prefill]\ninstances = 4\n", "[prefill]\ninstances = 2\n")
+        .replace("[decode]\ninstances = 4\n", "[decode]\ninstances = 2\n");
+    assert!(topology.contains("[decode]\ninstances = 2\n"), "{topology}");
+    (topology, port)
+}
+
+fn split_of(r: &StatusReport) -> (usize, usize) {
+    (count(r, Role::Prefill), count(r, Role::Decode))
+}
+
+/// Long prompts against a 200 ms TTFT objective (the inter-token one met), in act mode.
+fn act_on_long_prompts(window_s: u64, cooldown_s: u64) -> String {
+    format!(
+        "[engine.sim]\nprefill_ms_per_token = 0.5\n\
+         [rebalance]\nttft_p90_ms = 200\nitl_p90_ms = 1000\nwindow_s = {window_s}\ncooldown_s = {cooldown_s}\nmode = \"act\"\n"
+    )
+}
+
+/// Issue 46: `pdctl scale decode=3` during act mode is the user's: the window starts
+/// again, the budget is re-read from the split the user set (no `budget` key: 5 now),
+/// and the split is left alone for the cool-down — not reverted within the next two
+/// windows though TTFT misses; a move judged on the split before the scale is refused by
+/// the head as stale. After the cool-down the rebalancer judges the user's split, within
+/// the budget it made (2P3D -> 3P2D; with the budget of the first look, 4, it would have
+/// said "no room").
+#[test]
+fn a_users_scale_during_act_is_not_reverted_and_a_move_judged_before_it_is_refused_as_stale() {
+    const WINDOW_S: u64 = 4;
+    const COOLDOWN_S: u64 = 16;
+    let (topology, port) = two_by_two("rebal-user", &act_on_long_prompts(WINDOW_S, COOLDOWN_S));
+    let cluster = Cluster::new("rebal-user");
+    let dir = TempDir::new("rebal-user-topo");
+    cluster.up_topology(dir.path(), &topology);
+    wait_for(&cluster, Duration::from_secs(30), |r| {
+        r.rebalance
+            .as_ref()
+            .is_some_and(|b| b.verdict.starts_with("nothing to judge"))
+    });
+
+    let out = cluster.run(&["scale", "decode=3"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let scaled = unix_ms();
+    // A move judged on 2P2D, arriving after the scale ended: the head refuses it.
+    let socket = pdctl::supervisor::StateDir::new(cluster.root().join("rebal-user")).socket_path();
+    let stale = pdctl::control::operation::ChangeRequest::Scale {
+        counts: vec![("prefill".into(), 3), ("decode".into(), 1)],
+        expect: Some(pdctl::vocab::Split {
+            prefill: 2,
+            decode: 2,
+        }),
+        how: pdctl::control::operation::ChangeOptions {
+            dry_run: false,
+            drain_timeout_s: 10,
+            state_root: cluster.root().to_path_buf(),
+        },
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let end = rt
+        .block_on(pdctl::ops::request(&socket, stale, |_, _| {}))
+        .unwrap();
+    assert_eq!(end.code, 2, "{}", end.message);
+    assert!(
+        end.message
+            .starts_with("refused as stale: the move was judged on 2P2D, but 2P3D runs now"),
+        "{}",
+        end.message
+    );
+
+    // Long prompts: TTFT misses on 2P3D, but the user's split is left alone.
+    let load = SteadyLoad::start(port, 8, Shape::LongPrompts);
+    let (r, seen) = verdicts_until(&cluster, Duration::from_secs(40), |r| {
+        r.rebalance.as_ref().is_some_and(|b| {
+            b.verdict
+                .contains("but the split was changed to 2P3D by another change")
+        })
+    });
+    eprintln!("after the scale: {seen:#?}");
+    let held = r.rebalance.as_ref().unwrap().verdict.clone();
+    assert!(held.starts_with("held: TTFT p90"), "{held}");
+    // Not reverted within the next two windows (watched until the cool-down nears).
+    let two_windows = 2 * WINDOW_S * 1000;
+    let until = (scaled + COOLDOWN_S * 1000 - 1000).max(unix_ms() + two_windows);
+    while unix_ms() < until {
+        let r = cluster.status(&[]).unwrap();
+        assert_eq!(split_of(&r), (2, 3), "the user's split was changed back");
+        assert_eq!(moves(&r), 0, "{:?}", r.rebalance);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // Once the cool-down is over, the user's split is judged within its own budget.
+    let (r, seen) = verdicts_until(&cluster, Duration::from_secs(40), |r| moves(r) >= 1);
+    let m = last_move(&r);
+    eprintln!("then: {}\n{seen:#?}", serde_json::to_string(&m).unwrap());
+    assert_done(&m, "2P3D", "3P2D", "TTFT p90");
+    assert!(m.at_ms >= scaled + COOLDOWN_S * 1000, "{m:?}");
+    let tally = load.finish();
+    assert_eq!(tally.failed, [0, 0], "{:?}", tally.failures);
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// Issue 46: a decode engine whose `/metrics` answers later than the rebalancer waits
+/// (sim fault `slow_metrics_ms`) leaves the window not judged — said in the verdict,
+/// naming it — and nothing moves though TTFT misses; once it answers again, the window
+/// fills with figures read from every engine and the move comes.
+#[test]
+fn a_decode_whose_metrics_answer_late_leaves_the_window_not_judged_and_nothing_moves() {
+    const WINDOW_S: u64 = 4;
+    let (topology, port) = two_by_two("rebal-slow", &act_on_long_prompts(WINDOW_S, 60));
+    let cluster = Cluster::new("rebal-slow");
+    let dir = TempDir::new("rebal-slow-topo");
+    cluster.up_topology(dir.path(), &topology);
+    let r = cluster.status(&[]).unwrap();
+    let decode0 = suph::svc(&r, "decode-0").port.expect("decode-0 has a port");
+    let key = cluster.engine_key();
+    let fault = |ms: u64| {
+        let body = format!("{{\"slow_metrics_ms\": {ms}}}");
+        let status = suph::post_json_with_key(decode0, "/sim/fault", &body, Some(&key));
+        assert_eq!(status, 200);
+    };
+    fault(3000);
+    let load = SteadyLoad::start(port, 8, Shape::LongPrompts);
+    let (_, seen) = verdicts_until(&cluster, Duration::from_secs(40), |r| {
+        r.rebalance.as_ref().is_some_and(|b| {
+            b.verdict.starts_with("not judged: the /metrics of ")
+                && b.verdict.contains(&format!(":{decode0} at "))
+        })
+    });
+    eprintln!("slow decode-0: {seen:#?}");
+    // Two windows more: still not judged, nothing moved.
+    let until = Instant::now() + Duration::from_secs(2 * WINDOW_S);
+    while Instant::now() < until {
+        let r = cluster.status(&[]).unwrap();
+        let v = &r.rebalance.as_ref().unwrap().verdict;
+        assert!(v.starts_with("not judged: "), "{v}");
+        assert_eq!((split_of(&r), moves(&r)), ((2, 2), 0), "{v}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // It answers in time again: the move the figures ask for comes.
+    fault(0);
+    let (r, seen) = verdicts_until(&cluster, Duration::from_secs(40), |r| moves(r) >= 1);
+    eprintln!("decode-0 answers again: {seen:#?}");
+    assert_done(&last_move(&r), "2P2D", "3P1D", "TTFT p90");
+    let tally = load.finish();
+    assert_eq!(tally.failed, [0, 0], "{:?}", tally.failures);
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// Issue 46: the head restarted 5 s after a move (its supervisor SIGKILLed, `up` again
+/// on the split the move left) still holds a move back for the cool-down counted from
+/// the move's end: the moves' records are read back at start.
+#[test]
+fn a_head_restart_after_a_move_honours_the_cooldown() {
+    const COOLDOWN_S: u64 = 40;
+    let extra = format!(
+        "[engine.sim]\nprefill_ms_per_token = 0.5\nitl_ms = 20\nbatch_slowdown = 0.25\n\
+         [rebalance]\nttft_p90_ms = 200\nitl_p90_ms = 50\nwindow_s = 4\ncooldown_s = {COOLDOWN_S}\nmode = \"act\"\n"
+    );
+    let (topology, port) = two_by_two("rebal-restart", &extra);
+    let cluster = Cluster::new("rebal-restart");
+    let dir = TempDir::new("rebal-restart-topo");
+    cluster.up_topology(dir.path(), &topology);
+    let load = SteadyLoad::start(port, 8, Shape::LongPrompts);
+    let (r, _) = verdicts_until(&cluster, Duration::from_secs(60), |r| moves(r) >= 1);
+    let first = last_move(&r);
+    assert_done(&first, "2P2D", "3P1D", "TTFT p90");
+    let tally = load.finish();
+    assert_eq!(tally.failed, [0, 0], "{:?}", tally.failures);
+    let ended = first.ended_ms.unwrap();
+    std::thread::sleep(Duration::from_millis(
+        (ended + 5000).saturating_sub(unix_ms()),
+    ));
+
+    let state = pdctl::supervisor::StateDir::new(cluster.root().join("rebal-restart"));
+    suph::kill_supervisor_and_wait(&state);
+    let moved = topology
+        .replace("[prefill]\ninstances = 2\n", "[prefill]\ninstances = 3\n")
+        .replace("[decode]\ninstances = 2\n", "[decode]\ninstances = 1\n");
+    cluster.up_topology(dir.path(), &moved);
+    // Long answers on one decode: ITL misses, the figures ask for the move back.
+    let load = SteadyLoad::start(port, 8, Shape::LongOutputs);
+    let (r, seen) = verdicts_until(&cluster, Duration::from_secs(60), |r| {
+        r.rebalance.as_ref().is_some_and(|b| {
+            b.verdict.starts_with("held: ITL p90")
+                && b.verdict.contains("but the last move went the other way")
+                && b.verdict.contains(&format!("(cooldown_s = {COOLDOWN_S}"))
+        })
+    });
+    eprintln!("after the restart: {seen:#?}");
+    assert!(
+        unix_ms() < ended + COOLDOWN_S * 1000,
+        "the hold came after the cool-down anyway"
+    );
+    assert_eq!((split_of(&r), moves(&r)), ((3, 1), 0));
+    // The previous run's move is listed.
+    let rb = r.rebalance.as_ref().unwrap();
+    assert_eq!(rb.moves.last(), Some(&first));
+    let tally = load.finish();
+    assert_eq!(tally.failed, [0, 0], "{:?}", tally.failures);
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// Issue 46: 32 clients sending long prompts with long answers to a 2P2D whose
+/// objectives no split of 4 meets under that load (`ttft_p90_ms = 300`, `itl_p90_ms =
+/// 30`) for 120 s, with `cooldown_s = 10`: at most one move back, and the verdict says
+/// the cluster is overloaded (more instances needed, naming the budget that would help)
+/// rather than swinging the split; 0 failed requests.
+///
+/// The sim: a 1024-token prompt computes 256 ms (alone, TTFT met), queued behind others
+/// it waits; a decode step is 20 ms × (1 + 0.25 per other sequence) (alone, ITL met), so
+/// 8 or more answers on a decode give gaps of 55 ms or more.
+#[test]
+fn both_objectives_missed_for_120_s_is_overloaded_not_a_swing() {
+    let extra = "[engine.sim]\nprefill_ms_per_token = 0.25\nitl_ms = 20\nbatch_slowdown = 0.25\n\
+         [rebalance]\nttft_p90_ms = 300\nitl_p90_ms = 30\nbudget = 4\nwindow_s = 10\ncooldown_s = 10\nmode = \"act\"\n";
+    let (topology, port) = two_by_two("rebal-over", extra);
+    let cluster = Cluster::new("rebal-over");
+    let dir = TempDir::new("rebal-over-topo");
+    cluster.up_topology(dir.path(), &topology);
+    let load = SteadyLoad::start_with(port, 32, Shape::LongPrompts, 64);
+    let start = Instant::now();
+    let mut seen: Vec<String> = Vec::new();
+    while start.elapsed() < Duration::from_secs(120) {
+        let r = cluster.status(&[]).unwrap();
+        let v = r.rebalance.as_ref().unwrap().verdict.clone();
+        if seen.last() != Some(&v) {
+            seen.push(v);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let tally = load.finish();
+    let r = cluster.status(&[]).unwrap();
+    let rb = r.rebalance.as_ref().unwrap();
+    let ways: Vec<String> = rb
+        .moves
+        .iter()
+        .map(|m| {
+            let how = m.outcome.as_deref().unwrap_or_default();
+            format!("{} -> {} {how}", m.from, m.to)
+        })
+        .collect();
+    eprintln!("verdicts: {seen:#?}\nmoves: {ways:#?}\nload: {tally:?}");
+    let reversals = rb
+        .moves
+        .windows(2)
+        .filter(|w| w[0].toward() != w[1].toward())
+        .count();
+    assert!(reversals <= 1, "{ways:#?}");
+    assert!(rb.moves_total <= 2, "{ways:#?}");
+    let overloaded = seen
+        .iter()
+        .find(|v| {
+            v.starts_with("overloaded: both objectives missed; more instances needed, not a move")
+        })
+        .unwrap_or_else(|| panic!("never said overloaded: {seen:#?}"));
+    assert!(
+        overloaded.ends_with("would help") && overloaded.contains("budget = 5 (one more "),
+        "{overloaded}"
+    );
+    assert_eq!(tally.failed, [0, 0], "{:?}", tally.failures);
+    assert!(
+        tally.completed[Shape::LongPrompts as usize] > 0,
+        "{tally:?}"
+    );
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// A stand-in for vLLM on a GPU that serves like the simulator: started as `python -m
+/// vllm.entrypoints.openai.api_server ... --host H --port P ... --fake-role ROLE ...`, it
+/// holds each GPU of its CUDA_VISIBLE_DEVICES (an exclusive lock on `$FAKE_GPU_DIR/gpuN`)
+/// and fails as vLLM does on a GPU whose memory is taken when another instance holds
+/// one; then it becomes `pdctl sim` (NIXL-style handoff) on that port, the locks kept
+/// until it exits. Each start and refusal is appended to `$FAKE_GPU_DIR/log`.
+const FAKE_GPU_SIM: &str = r#"
+import fcntl, os, sys
+args = sys.argv[1:]
+flag = lambda name, default=None: args[args.index(name) + 1] if name in args else default
+host, port = flag("--host"), flag("--port")
+model = flag("--served-model-name", flag("--model"))
+gpu_dir = os.environ["FAKE_GPU_DIR"]
+def log(line):
+    with open(os.path.join(gpu_dir, "log"), "a") as f:
+        f.write(line + "\n")
+for g in os.environ["CUDA_VISIBLE_DEVICES"].split(","):
+    fd = os.open(os.path.join(gpu_dir, f"gpu{g}"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held_by = os.read(fd, 100).decode()
+        log(f"refused port {port} gpu {g} held by {held_by}")
+        print(f"torch.OutOfMemoryError: CUDA out of memory on GPU {g}: held by {held_by}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"port {port}".encode())
+    os.set_inheritable(fd, True)
+log(f"started port {port} gpus {os.environ['CUDA_VISIBLE_DEVICES']}")
+sim = os.environ["FAKE_PDCTL"]
+os.execv(sim, [sim, "sim", "--host", host, "--port", port, "--role", flag("--fake-role"),
+               "--model", model, "--handoff", "nixl", "--prefill-ms-per-token", "0.5"])
+"#;
+
+/// Issue 46: a full GPU budget (`gpu_budget = 4`, four declared GPUs, one per
+/// instance): under long prompts the rebalancer moves 2P2D -> 3P1D, the leaving decode
+/// drained and stopped before the new prefill starts on the GPU it freed (no engine
+/// finds its GPU taken), `status` shows the GPU moving, and 0 requests fail.
+#[test]
+fn a_move_on_a_full_gpu_budget_frees_the_donors_gpu_first_with_nothing_failed() {
+    use std::os::unix::fs::PermissionsExt;
+    let cluster = Cluster::new("rebal-gpus");
+    let dir = TempDir::new("rebal-gpus-topo");
+    let engine = dir.path().join("fake_vllm.py");
+    std::fs::write(&engine, FAKE_GPU_SIM).unwrap();
+    let python = dir.path().join("python3");
+    std::fs::write(
+        &python,
+        format!(
+            "#!/bin/sh\nif [ \"$1\" = -m ]; then shift 2; exec python3 {} \"$@\"; fi\nprintf 0.26.0\n",
+            engine.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(model.join("config.json"), "{}").unwrap();
+    let gpus = dir.path().join("gpus");
+    std::fs::create_dir_all(&gpus).unwrap();
+    let run = suph::free_port_run(14);
+    let topology = format!(
+        "cluster = \"rebal-gpus\"\n\
+         [model]\nname = \"{}\"\nserved_name = \"sim-model\"\n\
+         [engine]\nvllm_version = \"0.26.0\"\npython = \"{}\"\nenv = {{ FAKE_GPU_DIR = \"{}\", FAKE_PDCTL = \"{}\" }}\n\
+         [connector]\nkind = \"nixl\"\nside_channel_port = {}\n\
+         [prefill]\ninstances = 2\nbase_port = {}\nargs = [\"--fake-role\", \"prefill\"]\n\
+         [decode]\ninstances = 2\nbase_port = {}\nargs = [\"--fake-role\", \"decode\"]\n\
+         [rebalance]\nttft_p90_ms = 200\nitl_p90_ms = 1000\ngpu_budget = 4\nwindow_s = 4\ncooldown_s = 60\nmode = \"act\"\n\
+         [proxy]\nport = {run}\n",
+        model.display(),
+        python.display(),
+        gpus.display(),
+        common::pdctl_bin().display(),
+        run + 9,
+        run + 1,
+        run + 5,
+    );
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, &topology).unwrap();
+    let out = cluster.run(&[
+        "up",
+        "-d",
+        "-f",
+        file.to_str().unwrap(),
+        "--gpus",
+        "0,1,2,3",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let gpus_of = |r: &StatusReport| {
+        let mut v: Vec<String> = r
+            .services
+            .iter()
+            .filter(|s| s.role.is_engine())
+            .map(|s| {
+                let g: Vec<String> = s.gpus.iter().map(u32::to_string).collect();
+                format!("{}={}", s.name, g.join(","))
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let r = cluster.status(&[]).unwrap();
+    assert_eq!(
+        gpus_of(&r),
+        ["decode-0=2", "decode-1=3", "prefill-0=0", "prefill-1=1"]
+    );
+
+    let load = SteadyLoad::start(run, 8, Shape::LongPrompts);
+    let (r, seen) = verdicts_until(&cluster, Duration::from_secs(90), |r| moves(r) >= 1);
+    let m = last_move(&r);
+    eprintln!("{seen:#?}\n{}", serde_json::to_string(&m).unwrap());
+    assert_done(&m, "2P2D", "3P1D", "TTFT p90");
+    assert_eq!(
+        gpus_of(&r),
+        ["decode-0=2", "prefill-0=0", "prefill-1=1", "prefill-2=3"],
+        "prefill-2 runs on the GPU decode-1 freed"
+    );
+    // The move's record says the GPU moving, as `scale --dry-run` would.
+    let how = m.outcome.as_deref().unwrap_or_default();
+    assert!(
+        how.contains(
+            "first: decode-1 is drained, stopped and removed before prefill-2 starts: prefill-2 takes its GPU 3"
+        ),
+        "{how}"
+    );
+    let tally = load.finish();
+    eprintln!("load: {tally:?}");
+    assert_eq!(tally.failed, [0, 0], "{:?}", tally.failures);
+    assert!(
+        tally.completed[Shape::LongPrompts as usize] > 0,
+        "{tally:?}"
+    );
+    let log = std::fs::read_to_string(gpus.join("log")).unwrap();
+    assert!(
+        !log.contains("refused"),
+        "an engine found its GPU taken:\n{log}"
+    );
+    assert_eq!(
+        log.lines().filter(|l| l.starts_with("started")).count(),
+        5,
+        "{log}"
+    );
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));
 }

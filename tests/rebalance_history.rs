@@ -46,6 +46,7 @@ fn looks() -> Vec<HistoryPoint> {
                     requests: if ttft.is_some() { 16 } else { 0 },
                     ttft_p90_ms: ttft,
                     itl_p90_ms: itl,
+                    itl_requests: if itl.is_some() { 16 } else { 0 },
                     prefill_queue: 8.0,
                     decode_queue: 0.0,
                     prefill_busy: 1.0,

@@ -74,7 +74,15 @@ pub fn scale(a: &ScaleArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<ExitC
         drain_timeout_s: a.timeout,
         state_root: state_root(a.which.state_dir.as_deref())?,
     };
-    let end = change(&found, ChangeRequest::Scale { counts, how }, &rt)?;
+    let end = change(
+        &found,
+        ChangeRequest::Scale {
+            counts,
+            expect: None,
+            how,
+        },
+        &rt,
+    )?;
     Ok(ExitCode::from(end.code))
 }
 

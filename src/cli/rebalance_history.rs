@@ -424,6 +424,7 @@ mod tests {
                 requests: 16,
                 ttft_p90_ms: Some(2350.0),
                 itl_p90_ms: Some(23.5),
+                itl_requests: 16,
                 prefill_queue: 7.2,
                 decode_queue: 0.8,
                 prefill_busy: 1.0,

@@ -54,6 +54,7 @@ pub async fn set_split(cluster: &ClusterArgs, to: Split, drain_timeout: u64) -> 
             ("prefill".to_string(), to.prefill),
             ("decode".to_string(), to.decode),
         ],
+        expect: None,
         how: ChangeOptions {
             dry_run: false,
             drain_timeout_s: drain_timeout,

@@ -12,6 +12,12 @@ pub enum ChangeRequest {
     /// `pdctl scale ROLE=N...`: instances per role (`prefill`, `decode`).
     Scale {
         counts: Vec<(String, u32)>,
+        /// The split the change was decided on (the rebalancer's moves): the head refuses
+        /// the change, "refused as stale", when the running split is another one by then,
+        /// so that a move judged on old figures never undoes someone else's change. None
+        /// (`pdctl scale`): whatever runs.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        expect: Option<crate::vocab::Split>,
         #[serde(flatten)]
         how: ChangeOptions,
     },
@@ -53,13 +59,14 @@ impl ChangeRequest {
     /// One line naming the change, as `status` and a refused second change show it.
     pub fn describe(&self) -> String {
         match self {
-            ChangeRequest::Scale { counts, .. } => format!(
-                "scale {}",
+            ChangeRequest::Scale { counts, expect, .. } => format!(
+                "scale {}{}",
                 counts
                     .iter()
                     .map(|(r, n)| format!("{r}={n}"))
                     .collect::<Vec<_>>()
-                    .join(" ")
+                    .join(" "),
+                expect.map_or(String::new(), |e| format!(" (from {e})"))
             ),
             ChangeRequest::Apply { source, .. } => format!("apply {}", source.label),
             ChangeRequest::Restart {

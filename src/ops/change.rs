@@ -52,7 +52,14 @@ pub async fn carry_out(
     let held = Holdings::of(&running);
     let what = change.describe();
     match change {
-        ChangeRequest::Scale { counts, how } => {
+        ChangeRequest::Scale {
+            counts,
+            expect,
+            how,
+        } => {
+            if let Some(refusal) = stale(&running, expect) {
+                return refused(refusal);
+            }
             let from_source = ClusterSource::read(&inner.state_dir)?;
             let Some(mut source) = from_source.clone() else {
                 return refused(format!(
@@ -117,6 +124,30 @@ pub async fn carry_out(
             .await
         }
     }
+}
+
+/// The prefill and decode instances `plan` runs.
+pub fn split_of(plan: &Plan) -> crate::vocab::Split {
+    crate::vocab::Split {
+        prefill: plan.by_role(Role::Prefill).count() as u32,
+        decode: plan.by_role(Role::Decode).count() as u32,
+    }
+}
+
+/// The first words of the refusal of a change decided on a split that no longer runs.
+pub const REFUSED_AS_STALE: &str = "refused as stale";
+
+/// Why a scale decided on the split `expect` must not run on `running` (None: it may).
+/// A rebalancer's move is judged on figures read over seconds; a `pdctl scale` that
+/// ended meanwhile must not be undone by counts judged on the split before it.
+fn stale(running: &Plan, expect: Option<crate::vocab::Split>) -> Option<String> {
+    let expect = expect?;
+    let now = split_of(running);
+    (now != expect).then(|| {
+        format!(
+            "{REFUSED_AS_STALE}: the move was judged on {expect}, but {now} runs now (changed meanwhile); nothing was changed"
+        )
+    })
 }
 
 /// `pdctl restart` of `services`, journaled from its first step to its end.
@@ -884,4 +915,33 @@ impl<'a> Change<'a> {
 fn starters(f: &FreeFirst) -> String {
     let names: Vec<&str> = f.taken_by.iter().map(|(s, _)| s.as_str()).collect();
     names.join(", ")
+}
+
+#[cfg(test)]
+mod stale_tests {
+    use super::*;
+    use crate::vocab::{Service, Split};
+
+    #[test]
+    fn a_scale_judged_on_another_split_is_refused_as_stale() {
+        let svc = |name: &str, role| Service::new(name, role, "n", ["true"]);
+        let running = Plan::for_tests(
+            "n",
+            vec![
+                svc("prefill-0", Role::Prefill),
+                svc("prefill-1", Role::Prefill),
+                svc("decode-0", Role::Decode),
+                svc("decode-1", Role::Decode),
+                svc("decode-2", Role::Decode),
+            ],
+        );
+        let s = |prefill, decode| Some(Split { prefill, decode });
+        assert_eq!(stale(&running, None), None, "pdctl scale: whatever runs");
+        assert_eq!(stale(&running, s(2, 3)), None);
+        let e = stale(&running, s(2, 2)).unwrap();
+        assert!(
+            e.starts_with("refused as stale: the move was judged on 2P2D, but 2P3D runs now"),
+            "{e}"
+        );
+    }
 }

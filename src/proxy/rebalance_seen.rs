@@ -4,7 +4,7 @@
 //! the split and its moves beside the latencies that caused them. No supervisor, or no
 //! `[rebalance]` table: the families are there, without series.
 
-use crate::vocab::{MoveCounts, RebalanceMode, RebalanceReport, Split};
+use crate::vocab::{MoveCounts, MoveOutcome, RebalanceMode, RebalanceReport, Split};
 use prometheus_client::encoding::{EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
@@ -40,7 +40,7 @@ impl RebalanceSeen {
     }
 
     /// The families, as (name, help, family) for the registry.
-    pub fn families(&self) -> [(&'static str, &'static str, Family); 4] {
+    pub fn families(&self) -> [(&'static str, &'static str, Family); 5] {
         let f = |kind, write| Family {
             seen: self.clone(),
             kind,
@@ -59,13 +59,18 @@ impl RebalanceSeen {
             ),
             (
                 "rebalance_moves",
-                "Moves the head's rebalancer carried out since its supervisor started, by the role that gained",
+                "Moves the head's rebalancer set out to make since its supervisor started, by the role each was to gain, whatever its outcome (pdctl_proxy_rebalance_moves_by_outcome_total says how they ended)",
                 f(MetricType::Counter, moves),
             ),
             (
                 "rebalance_moves_failed",
-                "Of those moves, the ones whose change was refused or failed (nothing moved)",
+                "Of those moves, the ones that moved nothing: their change was refused (as stale too) or failed",
                 f(MetricType::Counter, failed),
+            ),
+            (
+                "rebalance_moves_by_outcome",
+                "Moves of the head's rebalancer since its supervisor started, by how their change ended: done (the split moved), failed (refused or failed), refused_as_stale (another change had moved the split since the figures were judged)",
+                f(MetricType::Counter, by_outcome),
             ),
         ]
     }
@@ -126,6 +131,18 @@ fn failed(s: &Seen, e: MetricEncoder) -> fmt::Result {
     ConstCounter::new(s.counted.failed).encode(e)
 }
 
+fn by_outcome(s: &Seen, mut e: MetricEncoder) -> fmt::Result {
+    for (label, outcome) in [
+        ("done", MoveOutcome::Done),
+        ("failed", MoveOutcome::Failed),
+        ("refused_as_stale", MoveOutcome::Stale),
+    ] {
+        let n = s.counted.ended(outcome);
+        ConstCounter::new(n).encode(e.encode_family(&[("outcome", label)])?)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,9 +167,10 @@ mod tests {
             "no rebalancer, no series"
         );
         let mut counted = MoveCounts::default();
-        counted.count(Toward::Prefill, false);
-        counted.count(Toward::Prefill, true);
-        counted.count(Toward::Decode, false);
+        counted.count(Toward::Prefill, MoveOutcome::Done);
+        counted.count(Toward::Prefill, MoveOutcome::Failed);
+        counted.count(Toward::Decode, MoveOutcome::Done);
+        counted.count(Toward::Decode, MoveOutcome::Stale);
         seen.set(Some(&RebalanceReport {
             mode: RebalanceMode::Act,
             split: Split {
@@ -163,7 +181,7 @@ mod tests {
             measured_s: 30,
             figures: Figures::default(),
             verdict: String::new(),
-            moves_total: 3,
+            moves_total: 4,
             moves: vec![],
             moves_counted: counted,
         }));
@@ -174,8 +192,11 @@ mod tests {
             "pdctl_proxy_rebalance_mode{mode=\"act\"} 1",
             "pdctl_proxy_rebalance_mode{mode=\"advise\"} 0",
             "pdctl_proxy_rebalance_moves_total{toward=\"prefill\"} 2",
-            "pdctl_proxy_rebalance_moves_total{toward=\"decode\"} 1",
-            "pdctl_proxy_rebalance_moves_failed_total 1",
+            "pdctl_proxy_rebalance_moves_total{toward=\"decode\"} 2",
+            "pdctl_proxy_rebalance_moves_failed_total 2",
+            "pdctl_proxy_rebalance_moves_by_outcome_total{outcome=\"done\"} 2",
+            "pdctl_proxy_rebalance_moves_by_outcome_total{outcome=\"failed\"} 1",
+            "pdctl_proxy_rebalance_moves_by_outcome_total{outcome=\"refused_as_stale\"} 1",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

@@ -31,6 +31,9 @@ pub struct FaultRequest {
     /// real hardware: the decode answers normally but recomputes the prompt, which only its
     /// counters and usage show (what silent-recompute detection must catch).
     pub fail_handoff_next: Option<u64>,
+    /// `/metrics` answers this many milliseconds late, every time, until set to 0 or
+    /// cleared (a scrape that times out, as an engine under a stall does).
+    pub slow_metrics_ms: Option<u64>,
     /// Forget every pending fault first.
     #[serde(default)]
     pub clear: bool,
@@ -51,6 +54,7 @@ pub struct Faults {
     unhealthy_until_ms: AtomicU64,
     stall_stream_after: AtomicU64,
     fail_handoff_next: AtomicU64,
+    slow_metrics_ms: AtomicU64,
     exit_after: Option<u64>,
     served: AtomicU64,
 }
@@ -71,6 +75,7 @@ impl Faults {
             unhealthy_until_ms: AtomicU64::new(0),
             stall_stream_after: AtomicU64::new(NONE),
             fail_handoff_next: AtomicU64::new(0),
+            slow_metrics_ms: AtomicU64::new(0),
             exit_after,
             served: AtomicU64::new(0),
         }
@@ -85,6 +90,10 @@ impl Faults {
             self.unhealthy_until_ms.store(0, Relaxed);
             self.stall_stream_after.store(NONE, Relaxed);
             self.fail_handoff_next.store(0, Relaxed);
+            self.slow_metrics_ms.store(0, Relaxed);
+        }
+        if let Some(ms) = req.slow_metrics_ms {
+            self.slow_metrics_ms.store(ms, Relaxed);
         }
         if let Some(n) = req.fail_next {
             self.fail_next.store(n, Relaxed);
@@ -132,6 +141,11 @@ impl Faults {
         take_one(&self.fail_handoff_next)
     }
 
+    /// How long `/metrics` waits before answering (`slow_metrics_ms`).
+    pub fn metrics_delay(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.slow_metrics_ms.load(Relaxed))
+    }
+
     /// False while an `unhealthy_ms` fault lasts.
     pub fn healthy(&self, now_ms: u64) -> bool {
         now_ms >= self.unhealthy_until_ms.load(Relaxed)
@@ -154,6 +168,7 @@ impl Faults {
             "unhealthy_ms": self.unhealthy_until_ms.load(Relaxed).saturating_sub(now_ms),
             "stall_stream_after": (stall != NONE).then_some(stall),
             "fail_handoff_next": self.fail_handoff_next.load(Relaxed),
+            "slow_metrics_ms": self.slow_metrics_ms.load(Relaxed),
             "exit_after": self.exit_after,
             "served": self.served.load(Relaxed),
         })
@@ -267,5 +282,19 @@ mod tests {
         assert!(f.count_served());
         assert!(!f.count_served());
         assert!(!Faults::new(None).count_served());
+    }
+
+    #[test]
+    fn slow_metrics_lasts_until_set_to_0() {
+        let f = Faults::new(None);
+        let slow = |ms| FaultRequest {
+            slow_metrics_ms: Some(ms),
+            ..Default::default()
+        };
+        f.apply(&slow(3000), 0);
+        assert_eq!(f.metrics_delay(), std::time::Duration::from_secs(3));
+        assert_eq!(f.metrics_delay(), std::time::Duration::from_secs(3));
+        f.apply(&slow(0), 0);
+        assert_eq!(f.metrics_delay(), std::time::Duration::ZERO);
     }
 }

@@ -168,6 +168,10 @@ async fn version(State(sim): State<Arc<Sim>>) -> Response {
 }
 
 async fn metrics(State(sim): State<Arc<Sim>>) -> Response {
+    let delay = sim.faults.metrics_delay();
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
     (
         [(
             header::CONTENT_TYPE,

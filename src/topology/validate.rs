@@ -417,6 +417,18 @@ fn check_rebalance(t: &Topology) -> Result<(), Problem> {
             "must be at least 1 second",
         ));
     }
+    if !(r.hysteresis_pct.is_finite() && (0.0..100.0).contains(&r.hysteresis_pct)) {
+        return Err(Problem::new(
+            "rebalance.hysteresis_pct",
+            format!(
+                "{} is not a percentage from 0 to below 100",
+                r.hysteresis_pct
+            ),
+        )
+        .hint(
+            "the margin past an objective before it counts as missed, e.g. hysteresis_pct = 10",
+        ));
+    }
     let (gp, gd) = (t.prefill.gpus_per_instance, t.decode.gpus_per_instance);
     let least = (r.min_prefill, r.min_decode);
     let (key, budget, need) = match (r.budget, r.gpu_budget) {

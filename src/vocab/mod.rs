@@ -18,8 +18,8 @@ mod vllm_version;
 pub use control_socket::SOCKET_NAME;
 pub use proxy::{AdmissionError, PolicyName, ProxyProtocol, check_admission};
 pub use rebalance::{
-    Figures, HistoryPoint, Move, MoveCounts, MoveRecord, Rebalance, RebalanceMode, RebalancePlan,
-    RebalanceReport, Split, Toward,
+    Figures, HistoryPoint, Move, MoveCounts, MoveOutcome, MoveRecord, Rebalance, RebalanceMode,
+    RebalancePlan, RebalanceReport, Split, Toward,
 };
 pub use restart::{RestartMode, RestartPolicy};
 pub use role::Role;

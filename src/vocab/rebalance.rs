@@ -60,6 +60,15 @@ pub struct Rebalance {
     /// Seconds after a move before a move the other way.
     #[serde(default = "Rebalance::default_cooldown")]
     pub cooldown_s: u64,
+    /// Hysteresis, percent: an objective counts as missed only when its p90 is over it
+    /// by more than this (a p90 just over its objective is noise, not a reason to move).
+    #[serde(default = "Rebalance::default_hysteresis")]
+    pub hysteresis_pct: f64,
+    /// Seconds without a move after which the hold before a move back is `cooldown_s`
+    /// again: each move back within this of the move before it doubles that hold.
+    /// Default: 4 × `cooldown_s`.
+    #[serde(default)]
+    pub backoff_reset_s: Option<u64>,
     #[serde(default)]
     pub mode: RebalanceMode,
 }
@@ -74,6 +83,13 @@ impl Rebalance {
     }
     fn default_cooldown() -> u64 {
         120
+    }
+    fn default_hysteresis() -> f64 {
+        10.0
+    }
+    /// Seconds without a move that bring the hold before a move back to `cooldown_s`.
+    pub fn backoff_reset_s(&self) -> u64 {
+        self.backoff_reset_s.unwrap_or(4 * self.cooldown_s)
     }
 }
 
@@ -97,6 +113,10 @@ pub struct Figures {
     pub ttft_p90_ms: Option<f64>,
     /// 90th percentile of the gap between output tokens, ms (None: not measured).
     pub itl_p90_ms: Option<f64>,
+    /// Requests with a gap between tokens in the window: finished on a decode engine in
+    /// it, or running there at its end.
+    #[serde(default)]
+    pub itl_requests: u64,
     /// Mean requests on the prefill instances (the queue in front of prefill).
     pub prefill_queue: f64,
     /// Mean requests on the decode instances.
@@ -185,18 +205,78 @@ pub struct MoveCounts {
     /// Moves toward more prefill, and toward more decode (whatever their outcome).
     pub toward_prefill: u64,
     pub toward_decode: u64,
-    /// Of those, the moves whose change was refused or failed (nothing moved).
+    /// Of those, the moves whose change was refused or failed (nothing moved), stale
+    /// refusals included.
     pub failed: u64,
+    /// Of those, the moves the head refused as stale: the split had changed since the
+    /// figures were judged (nothing moved).
+    #[serde(default)]
+    pub stale: u64,
+}
+
+/// How the change carrying a move out ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoveOutcome {
+    /// The split moved.
+    Done,
+    /// Refused or failed: nothing moved.
+    Failed,
+    /// Refused because the split had changed since the figures were judged.
+    Stale,
+}
+
+impl MoveOutcome {
+    /// Its name as the proxy's `outcome` label writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MoveOutcome::Done => "done",
+            MoveOutcome::Failed => "failed",
+            MoveOutcome::Stale => "refused as stale",
+        }
+    }
+
+    /// How a record's `outcome` text ended (None: no end recorded yet).
+    pub fn of(outcome: &str) -> MoveOutcome {
+        if outcome.starts_with("done") {
+            MoveOutcome::Done
+        } else if outcome.contains("refused as stale") {
+            MoveOutcome::Stale
+        } else {
+            MoveOutcome::Failed
+        }
+    }
 }
 
 impl MoveCounts {
-    /// Counts one move `toward`, failed or not.
-    pub fn count(&mut self, toward: Toward, failed: bool) {
+    /// Counts one move `toward` that ended `outcome`.
+    pub fn count(&mut self, toward: Toward, outcome: MoveOutcome) {
         match toward {
             Toward::Prefill => self.toward_prefill += 1,
             Toward::Decode => self.toward_decode += 1,
         }
-        self.failed += u64::from(failed);
+        self.failed += u64::from(outcome != MoveOutcome::Done);
+        self.stale += u64::from(outcome == MoveOutcome::Stale);
+    }
+
+    /// Moves that ended `outcome`.
+    pub fn ended(&self, outcome: MoveOutcome) -> u64 {
+        let all = self.toward_prefill + self.toward_decode;
+        match outcome {
+            MoveOutcome::Done => all - self.failed,
+            MoveOutcome::Failed => self.failed - self.stale,
+            MoveOutcome::Stale => self.stale,
+        }
+    }
+}
+
+impl MoveRecord {
+    /// Which way the move went.
+    pub fn toward(&self) -> Toward {
+        if self.to.prefill > self.from.prefill || self.to.decode < self.from.decode {
+            Toward::Prefill
+        } else {
+            Toward::Decode
+        }
     }
 }
 

@@ -2,12 +2,23 @@
 //! runs, the table's objectives, bounds and budget, and the cluster's state in, no move
 //! or one move (one instance from one role to the other, or one more of a role while the
 //! budget has room) with its reason out. No clock, no I/O: every rule has a unit test.
+//!
+//! Steady by design: an objective counts as missed only past its hysteresis margin; a
+//! move that takes an instance from the other role is made only when the miss it mends
+//! is larger than the miss it would cause there; a move back waits `cooldown_s`, doubled
+//! for each move back in a row; and with both objectives missed, a move back (or a move
+//! with no instance to give) is no help: the verdict says the cluster is overloaded and
+//! which budget would help, and nothing moves.
 
-use crate::vocab::RebalancePlan;
 pub use crate::vocab::{Figures, Move, Split, Toward};
+use crate::vocab::{MoveOutcome, MoveRecord, RebalancePlan};
 
-/// First tokens a window needs before its TTFT p90 is judged.
+/// First tokens (or requests with token gaps) a window needs before its TTFT (or ITL)
+/// p90 is judged: a p90 of a handful is one request's luck, not the traffic's.
 pub const MIN_FIRST_TOKENS: u64 = 5;
+
+/// The hold before a move back doubles at most this many times.
+const MAX_DOUBLINGS: u32 = 6;
 
 /// What the cluster is doing besides serving.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -16,12 +27,84 @@ pub struct State {
     pub change_running: bool,
     /// Some prefill or decode instance is not healthy.
     pub unhealthy: bool,
-    /// The last move: how long ago (ms) and which way.
-    pub last_move: Option<(u64, Toward)>,
+    /// The last move.
+    pub last_move: Option<LastMove>,
+    /// How long ago (ms) someone else (`pdctl scale`, `apply`) changed the split, when
+    /// they did since the rebalancer started.
+    pub changed_by_other_ms: Option<u64>,
 }
 
-/// The judgement: Ok(Some(move)), Ok(None) when the objectives are met or nothing can
-/// help, Err(why) when a rule holds a wanted move back (the reason is shown as it is).
+/// The last move as the moves' records tell it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LastMove {
+    /// How long ago (ms) its change ended.
+    pub ago_ms: u64,
+    pub toward: Toward,
+    /// Moves back in a row up to it (0: it was no move back, or came after a quiet
+    /// period): the hold before the next move back is `cooldown_s` × 2^this.
+    pub reversals: u32,
+}
+
+impl LastMove {
+    /// How long (ms) a move back waits after this one.
+    pub fn hold_ms(&self, plan: &RebalancePlan) -> u64 {
+        (plan.table.cooldown_s * 1000) << self.reversals.min(MAX_DOUBLINGS)
+    }
+}
+
+/// The last move of `records` (oldest first; a change refused as stale moved nothing and
+/// is skipped) at Unix time `now_ms`, with the moves back in a row up to it: a gap of
+/// `backoff_reset_s` without a move starts the count again.
+pub fn last_move_of(records: &[MoveRecord], now_ms: u64, plan: &RebalancePlan) -> Option<LastMove> {
+    let reset_ms = plan.table.backoff_reset_s() * 1000;
+    let mut last: Option<(u64, Toward, u32)> = None;
+    for r in records {
+        if r.outcome
+            .as_deref()
+            .is_some_and(|o| MoveOutcome::of(o) == MoveOutcome::Stale)
+        {
+            continue;
+        }
+        let toward = r.toward();
+        let ended = r.ended_ms.unwrap_or(r.at_ms);
+        let reversals = match last {
+            Some((end, way, n)) if r.at_ms.saturating_sub(end) <= reset_ms => {
+                if way != toward {
+                    n + 1
+                } else {
+                    n
+                }
+            }
+            _ => 0,
+        };
+        last = Some((ended, toward, reversals));
+    }
+    let (ended, toward, reversals) = last?;
+    let ago_ms = now_ms.saturating_sub(ended);
+    Some(LastMove {
+        ago_ms,
+        toward,
+        reversals: if ago_ms > reset_ms { 0 } else { reversals },
+    })
+}
+
+/// How far each objective is missed: the p90 over its objective (1.0: just met), None
+/// when it is not judged (no objective, no figure, or too few requests for one).
+fn ratios(plan: &RebalancePlan, f: &Figures) -> (Option<f64>, Option<f64>) {
+    let t = &plan.table;
+    let over = |n: u64, v: Option<f64>, goal: Option<f64>| match (v, goal) {
+        (Some(v), Some(g)) if n >= MIN_FIRST_TOKENS => Some(v / g),
+        _ => None,
+    };
+    (
+        over(f.requests, f.ttft_p90_ms, t.ttft_p90_ms),
+        over(f.itl_requests, f.itl_p90_ms, t.itl_p90_ms),
+    )
+}
+
+/// The judgement: Ok(Some(move)), Ok(None) when the objectives are met or not judged,
+/// Err(verdict) when a rule holds a wanted move back (`held: ...`) or no move can help
+/// (`overloaded: ...`); the verdict is shown as it is.
 pub fn decide(
     plan: &RebalancePlan,
     split: Split,
@@ -30,21 +113,10 @@ pub fn decide(
     state: State,
 ) -> Result<Option<Move>, String> {
     let t = &plan.table;
-    // Long answers may put no first token in a window and still show its gaps: the
-    // inter-token figure is judged on its own.
-    if figures.requests == 0 && figures.itl_p90_ms.is_none() {
-        return Ok(None);
-    }
-    let over = |v: Option<f64>, goal: Option<f64>| match (v, goal) {
-        (Some(v), Some(g)) if v > g => Some(v / g),
-        _ => None,
-    };
-    // A p90 of a handful of first tokens is one request's luck, not the traffic's.
-    let ttft_miss = (figures.requests >= MIN_FIRST_TOKENS)
-        .then(|| over(figures.ttft_p90_ms, t.ttft_p90_ms))
-        .flatten();
-    let itl_miss = over(figures.itl_p90_ms, t.itl_p90_ms);
-    let toward = match (ttft_miss, itl_miss) {
+    let (ttft, itl) = ratios(plan, figures);
+    let margin = 1.0 + t.hysteresis_pct / 100.0;
+    let missed = |r: Option<f64>| r.filter(|r| *r > margin);
+    let toward = match (missed(ttft), missed(itl)) {
         (None, None) => return Ok(None),
         (Some(_), None) => Toward::Prefill,
         (None, Some(_)) => Toward::Decode,
@@ -54,33 +126,65 @@ pub fn decide(
         _ if figures.prefill_busy >= figures.decode_busy => Toward::Prefill,
         _ => Toward::Decode,
     };
+    let both = missed(ttft).is_some() && missed(itl).is_some();
     let why = reason(toward, figures, plan);
-    let to = match target(split, toward, budget, plan) {
-        Some(to) => to,
-        None => return Err(format!("{why}, but {}", no_room(toward, split, plan))),
+    let back = state.last_move.is_some_and(|l| l.toward != toward);
+    let to = target(split, toward, budget, plan);
+    let cost = to.and_then(|to| costs_more(split, to, toward, ttft, itl));
+    // Both missed: a move back, a move with no instance to give, or one that costs the
+    // other role more than it mends only shifts the miss; more instances would help.
+    if both && (back || to.is_none() || cost.is_some()) {
+        return Err(overloaded(split, toward, budget, figures, plan));
+    }
+    let Some(to) = to else {
+        return Err(format!("held: {why}, but {}", no_room(toward, split, plan)));
     };
     if state.change_running {
-        return Err(format!("{why}, but a change runs: no move until it ends"));
+        return Err(format!(
+            "held: {why}, but a change runs: no move until it ends"
+        ));
     }
     if state.unhealthy {
         return Err(format!(
-            "{why}, but an instance is not healthy: no move until every one is"
+            "held: {why}, but an instance is not healthy: no move until every one is"
         ));
     }
-    if let Some((ago_ms, last)) = state.last_move {
-        let window_ms = t.window_s * 1000;
-        let cooldown_ms = t.cooldown_s * 1000;
-        if last != toward && ago_ms < cooldown_ms {
+    if let Some(cost) = cost {
+        return Err(format!("held: {why}, but {cost}"));
+    }
+    if let Some(ago) = state.changed_by_other_ms
+        && ago < t.cooldown_s * 1000
+    {
+        return Err(format!(
+            "held: {why}, but the split was changed to {split} by another change {} s ago: it is left alone for the cool-down (cooldown_s = {})",
+            ago / 1000,
+            t.cooldown_s
+        ));
+    }
+    if let Some(last) = state.last_move {
+        let hold_ms = last.hold_ms(plan);
+        if back && last.ago_ms < hold_ms {
+            let doubled = if last.reversals > 0 {
+                format!(
+                    "; {} s after {} move{} back in a row",
+                    hold_ms / 1000,
+                    last.reversals,
+                    if last.reversals == 1 { "" } else { "s" }
+                )
+            } else {
+                String::new()
+            };
             return Err(format!(
-                "{why}, but the last move went the other way {} s ago (cooldown_s = {})",
-                ago_ms / 1000,
+                "held: {why}, but the last move went the other way {} s ago (cooldown_s = {}{doubled})",
+                last.ago_ms / 1000,
                 t.cooldown_s
             ));
         }
-        if ago_ms < window_ms {
+        let window_ms = t.window_s * 1000;
+        if last.ago_ms < window_ms {
             return Err(format!(
-                "{why}, but the last move was {} s ago: its effect is judged over a whole window first (window_s = {})",
-                ago_ms / 1000,
+                "held: {why}, but the last move was {} s ago: its effect is judged over a whole window first (window_s = {})",
+                last.ago_ms / 1000,
                 t.window_s
             ));
         }
@@ -91,6 +195,78 @@ pub fn decide(
         toward,
         reason: why,
     }))
+}
+
+/// Why moving from `split` to `to` would cost the role it takes an instance from more
+/// than it mends (None: it takes none, or costs less). That role's figure rises about in
+/// proportion to its instances (its load on one fewer); the move helps only when the miss
+/// it mends is larger than the miss it would cause.
+fn costs_more(
+    split: Split,
+    to: Split,
+    toward: Toward,
+    ttft: Option<f64>,
+    itl: Option<f64>,
+) -> Option<String> {
+    let (mine, theirs, (had, left), role, what) = match toward {
+        Toward::Prefill => (ttft, itl, (split.decode, to.decode), "decode", "ITL"),
+        Toward::Decode => (itl, ttft, (split.prefill, to.prefill), "prefill", "TTFT"),
+    };
+    if left >= had || left == 0 {
+        return None;
+    }
+    let cost = theirs? * f64::from(had) / f64::from(left);
+    let mends = mine.unwrap_or(0.0);
+    (cost > 1.0 && cost >= mends).then(|| {
+        format!(
+            "one {role} fewer would put {what} p90 at about {cost:.1}× its objective, more than the {mends:.1}× it would mend"
+        )
+    })
+}
+
+/// The verdict when both objectives are missed and no move helps: which budget would.
+fn overloaded(
+    split: Split,
+    toward: Toward,
+    budget: Budget,
+    f: &Figures,
+    plan: &RebalancePlan,
+) -> String {
+    let t = &plan.table;
+    let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
+    let grown = match toward {
+        Toward::Prefill => Split {
+            prefill: split.prefill + 1,
+            ..split
+        },
+        Toward::Decode => Split {
+            decode: split.decode + 1,
+            ..split
+        },
+    };
+    let role = match toward {
+        Toward::Prefill => "prefill",
+        Toward::Decode => "decode",
+    };
+    let help = match budget {
+        Budget::Gpus(_) => format!(
+            "gpu_budget = {} (one more {role}: {grown})",
+            grown.prefill * plan.prefill_gpus + grown.decode * plan.decode_gpus
+        ),
+        Budget::Instances(_) => format!(
+            "budget = {} (one more {role}: {grown})",
+            grown.prefill + grown.decode
+        ),
+    };
+    format!(
+        "overloaded: both objectives missed; more instances needed, not a move: TTFT p90 {} ms over the {} ms objective ({}), ITL p90 {} ms over the {} ms ({} on decode); {help} would help",
+        ms(f.ttft_p90_ms),
+        ms(t.ttft_p90_ms),
+        requests(f.requests),
+        ms(f.itl_p90_ms),
+        ms(t.itl_p90_ms),
+        requests(f.itl_requests),
+    )
 }
 
 /// How many instances (or GPUs) the two roles may share.
@@ -166,15 +342,19 @@ pub fn requests(n: u64) -> String {
 fn reason(toward: Toward, f: &Figures, plan: &RebalancePlan) -> String {
     let t = &plan.table;
     let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
-    let (what, v, goal) = match toward {
-        Toward::Prefill => ("TTFT", f.ttft_p90_ms, t.ttft_p90_ms),
-        Toward::Decode => ("ITL", f.itl_p90_ms, t.itl_p90_ms),
+    let (what, v, goal, n) = match toward {
+        Toward::Prefill => ("TTFT", f.ttft_p90_ms, t.ttft_p90_ms, requests(f.requests)),
+        Toward::Decode => (
+            "ITL",
+            f.itl_p90_ms,
+            t.itl_p90_ms,
+            format!("{} on decode", requests(f.itl_requests)),
+        ),
     };
     format!(
-        "{what} p90 {} ms over the {} ms objective ({}; queue P {:.1} D {:.1}; busy P {:.0}% D {:.0}%)",
+        "{what} p90 {} ms over the {} ms objective ({n}; queue P {:.1} D {:.1}; busy P {:.0}% D {:.0}%)",
         ms(v),
         ms(goal),
-        requests(f.requests),
         f.prefill_queue,
         f.decode_queue,
         f.prefill_busy * 100.0,
@@ -204,6 +384,7 @@ mod tests {
             requests: 40,
             ttft_p90_ms: Some(3000.0),
             itl_p90_ms: Some(20.0),
+            itl_requests: 40,
             ..Figures::default()
         }
     }
@@ -241,6 +422,7 @@ mod tests {
             requests: 5,
             ttft_p90_ms: Some(100.0),
             itl_p90_ms: Some(80.0),
+            itl_requests: 5,
             ..Figures::default()
         };
         let m = run(&plan(P), s(2, 2), &f, State::default())
@@ -277,6 +459,7 @@ mod tests {
             requests: 0,
             ttft_p90_ms: None,
             itl_p90_ms: Some(72.0),
+            itl_requests: 9,
             ..Figures::default()
         };
         let m = run(&plan(P), s(3, 1), &long_answers, State::default())
@@ -329,13 +512,13 @@ mod tests {
     #[test]
     fn no_move_back_within_the_cooldown() {
         let back = State {
-            last_move: Some((60_000, Toward::Decode)),
+            last_move: Some(last(60_000, Toward::Decode, 0)),
             ..State::default()
         };
         let e = run(&plan(P), s(2, 2), &slow_first_token(), back).unwrap_err();
         assert!(e.contains("other way 60 s ago (cooldown_s = 120)"), "{e}");
         let later = State {
-            last_move: Some((121_000, Toward::Decode)),
+            last_move: Some(last(121_000, Toward::Decode, 0)),
             ..State::default()
         };
         assert!(
@@ -348,13 +531,13 @@ mod tests {
     #[test]
     fn the_same_way_again_waits_one_window() {
         let soon = State {
-            last_move: Some((10_000, Toward::Prefill)),
+            last_move: Some(last(10_000, Toward::Prefill, 0)),
             ..State::default()
         };
         let e = run(&plan(P), s(2, 2), &slow_first_token(), soon).unwrap_err();
         assert!(e.contains("whole window"), "{e}");
         let after = State {
-            last_move: Some((31_000, Toward::Prefill)),
+            last_move: Some(last(31_000, Toward::Prefill, 0)),
             ..State::default()
         };
         assert!(
@@ -366,15 +549,193 @@ mod tests {
 
     #[test]
     fn both_missed_helps_the_one_missed_by_more() {
+        // ITL 3× its objective, TTFT 1.2×: one prefill fewer (2 -> 1) would put TTFT
+        // at 2.4×, less than the 3× mended.
         let f = Figures {
             requests: 9,
             ttft_p90_ms: Some(1200.0),
             itl_p90_ms: Some(150.0),
+            itl_requests: 9,
             ..Figures::default()
         };
         let m = run(&plan(P), s(2, 2), &f, State::default())
             .unwrap()
             .unwrap();
         assert_eq!(m.toward, Toward::Decode);
+        assert!(m.reason.contains("(9 requests on decode;"), "{}", m.reason);
+    }
+
+    fn last(ago_ms: u64, toward: Toward, reversals: u32) -> LastMove {
+        LastMove {
+            ago_ms,
+            toward,
+            reversals,
+        }
+    }
+
+    #[test]
+    fn an_itl_of_too_few_requests_is_not_judged() {
+        let f = Figures {
+            requests: 0,
+            itl_p90_ms: Some(195.0),
+            itl_requests: MIN_FIRST_TOKENS - 1,
+            ..Figures::default()
+        };
+        assert_eq!(run(&plan(P), s(3, 1), &f, State::default()), Ok(None));
+    }
+
+    #[test]
+    fn a_miss_within_the_hysteresis_margin_moves_nothing() {
+        // 1000 ms objective, 10 % margin by default: 1090 ms is no miss, 1110 ms is.
+        let mut f = slow_first_token();
+        f.ttft_p90_ms = Some(1090.0);
+        assert_eq!(run(&plan(P), s(2, 2), &f, State::default()), Ok(None));
+        f.ttft_p90_ms = Some(1110.0);
+        assert!(
+            run(&plan(P), s(2, 2), &f, State::default())
+                .unwrap()
+                .is_some()
+        );
+        let p = plan(&format!("{P}hysteresis_pct = 20\n"));
+        assert_eq!(run(&p, s(2, 2), &f, State::default()), Ok(None));
+    }
+
+    #[test]
+    fn a_move_that_would_cause_a_larger_miss_than_it_mends_is_held() {
+        // TTFT 1.5× its objective; ITL 0.9× on two decodes would be 1.8× on one.
+        let f = Figures {
+            requests: 20,
+            ttft_p90_ms: Some(1500.0),
+            itl_p90_ms: Some(45.0),
+            itl_requests: 20,
+            ..Figures::default()
+        };
+        let e = run(&plan(P), s(2, 2), &f, State::default()).unwrap_err();
+        assert!(
+            e.starts_with("held: TTFT p90 1500 ms")
+                && e.contains("one decode fewer would put ITL p90 at about 1.8× its objective, more than the 1.5× it would mend"),
+            "{e}"
+        );
+        // With three decodes, one fewer costs 1.35×: the move helps.
+        let m = run(&plan(P), s(2, 3), &f, State::default())
+            .unwrap()
+            .unwrap();
+        assert_eq!(m.to, s(3, 2));
+    }
+
+    #[test]
+    fn both_missed_and_the_move_back_asked_is_overloaded() {
+        let f = Figures {
+            requests: 30,
+            ttft_p90_ms: Some(3000.0),
+            itl_p90_ms: Some(100.0),
+            itl_requests: 30,
+            ..Figures::default()
+        };
+        // The last move went toward decode; the figures ask for prefill back.
+        let st = State {
+            last_move: Some(last(600_000, Toward::Decode, 0)),
+            ..State::default()
+        };
+        let e = run(&plan(P), s(1, 3), &f, st).unwrap_err();
+        assert!(
+            e.starts_with("overloaded: both objectives missed; more instances needed, not a move: TTFT p90 3000 ms over the 1000 ms objective"),
+            "{e}"
+        );
+        assert!(
+            e.ends_with("budget = 5 (one more prefill: 2P3D) would help"),
+            "{e}"
+        );
+        let g = plan(&format!("{P}gpu_budget = 7\n"));
+        let e = run(&g, s(1, 3), &f, st).unwrap_err();
+        assert!(
+            e.ends_with("gpu_budget = 8 (one more prefill: 2P3D) would help"),
+            "{e}"
+        );
+        // Both missed and no instance to give: overloaded too.
+        let e = run(&plan(P), s(3, 1), &f, State::default()).unwrap_err();
+        assert!(e.starts_with("overloaded:"), "{e}");
+    }
+
+    #[test]
+    fn moves_back_in_a_row_double_the_hold() {
+        let p = plan(P);
+        let itl = Figures {
+            requests: 9,
+            ttft_p90_ms: Some(100.0),
+            itl_p90_ms: Some(80.0),
+            itl_requests: 9,
+            ..Figures::default()
+        };
+        // After 2 moves back in a row the hold is 4 × 120 s.
+        let st = |ago| State {
+            last_move: Some(last(ago, Toward::Prefill, 2)),
+            ..State::default()
+        };
+        let e = run(&p, s(3, 1), &itl, st(300_000)).unwrap_err();
+        assert!(
+            e.contains("other way 300 s ago (cooldown_s = 120; 480 s after 2 moves back in a row)"),
+            "{e}"
+        );
+        assert!(run(&p, s(3, 1), &itl, st(481_000)).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_split_changed_by_another_change_is_left_alone_for_the_cooldown() {
+        let st = State {
+            changed_by_other_ms: Some(30_000),
+            ..State::default()
+        };
+        let e = run(&plan(P), s(2, 3), &slow_first_token(), st).unwrap_err();
+        assert!(
+            e.contains("but the split was changed to 2P3D by another change 30 s ago"),
+            "{e}"
+        );
+        let st = State {
+            changed_by_other_ms: Some(121_000),
+            ..State::default()
+        };
+        assert!(
+            run(&plan(P), s(2, 3), &slow_first_token(), st)
+                .unwrap()
+                .is_some()
+        );
+    }
+
+    fn record(at_s: u64, from: Split, to: Split, outcome: &str) -> MoveRecord {
+        MoveRecord {
+            at_ms: at_s * 1000,
+            from,
+            to,
+            reason: String::new(),
+            figures: Figures::default(),
+            outcome: Some(outcome.into()),
+            ended_ms: Some(at_s * 1000 + 2000),
+        }
+    }
+
+    #[test]
+    fn the_last_move_and_its_hold_are_read_from_the_records() {
+        // cooldown 120 s: moves back reset after 480 s without a move.
+        let p = plan(P);
+        let (a, b) = (s(2, 2), s(3, 1));
+        let recs = vec![
+            record(0, a, b, "done (0): ok"),
+            record(200, b, a, "done (0): ok"),
+            record(300, a, b, "failed (1): no"),
+            // Refused as stale: nothing moved, not counted.
+            record(350, b, a, "not started: refused as stale: ..."),
+        ];
+        let l = last_move_of(&recs, 302_000 + 5_000, &p).unwrap();
+        assert_eq!(l, last(5_000, Toward::Prefill, 2));
+        assert_eq!(l.hold_ms(&p), 480_000);
+        // A quiet period resets the count.
+        let l = last_move_of(&recs, 302_000 + 481_000, &p).unwrap();
+        assert_eq!(l.reversals, 0);
+        let mut later = recs.clone();
+        later.push(record(2000, b, a, "done (0): ok"));
+        let l = last_move_of(&later, 2_010_000, &p).unwrap();
+        assert_eq!(l, last(8_000, Toward::Decode, 0));
+        assert_eq!(last_move_of(&[], 1, &p), None);
     }
 }

@@ -1,15 +1,18 @@
 //! The figures over a window, from pages of `/metrics` read every few seconds: the
-//! proxy's TTFT histogram (`pdctl_proxy_ttft_seconds`), the decode engines' inter-token
-//! histogram where they export one (`vllm:inter_token_latency_seconds`, or the older
-//! `vllm:time_per_output_token_seconds`), and the proxy's per-instance requests in
-//! flight (`pdctl_proxy_instance_in_flight{leg=...}`) and health. A percentile over the
-//! window comes from the difference of the cumulative bucket counts between the window's
-//! first and last page, interpolated inside its bucket as Prometheus'
-//! `histogram_quantile` does.
+//! proxy's TTFT histogram (`pdctl_proxy_ttft_seconds`), each decode engine's inter-token
+//! histogram where it exports one (`vllm:inter_token_latency_seconds`, or the older
+//! `vllm:time_per_output_token_seconds`) with its requests finished and running, and the
+//! proxy's per-instance requests in flight (`pdctl_proxy_instance_in_flight{leg=...}`)
+//! and health. A percentile over the window comes from the difference of the cumulative
+//! bucket counts between the window's first and last page, interpolated inside its
+//! bucket as Prometheus' `histogram_quantile` does. Each engine's difference is taken on
+//! its own, keyed by its URL: an engine restarted within the window (its counters lower)
+//! counts from its first page after the restart, never from zero; an engine that did not
+//! answer at some look makes the window not judged ([`Window::missing`]).
 
 use super::decide::Figures;
 use crate::prometheus::{label_value, samples};
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
 /// The proxy's end-to-end time-to-first-token histogram.
 pub const TTFT: &str = "pdctl_proxy_ttft_seconds";
@@ -18,10 +21,26 @@ pub const ITL: [&str; 2] = [
     "vllm:inter_token_latency_seconds",
     "vllm:time_per_output_token_seconds",
 ];
+/// A histogram with one observation per request an engine finished (its count is what
+/// the window needs).
+pub const FINISHED: &str = "vllm:e2e_request_latency_seconds";
+/// The gauge of requests an engine runs now.
+pub const RUNNING: &str = "vllm:num_requests_running";
 
 /// Cumulative bucket counts of one histogram: (upper bound in seconds, count), ascending,
 /// `+Inf` last.
 pub type Buckets = Vec<(f64, f64)>;
+
+/// What one look found on a decode engine's page.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineSample {
+    /// Its inter-token histogram; empty when it exports none.
+    pub itl: Buckets,
+    /// Requests it finished since it started.
+    pub finished: f64,
+    /// Requests it runs now.
+    pub running: f64,
+}
 
 /// What one look at the pages found.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -29,8 +48,10 @@ pub struct Sample {
     /// When (ms, any monotonic origin).
     pub at_ms: u64,
     pub ttft: Buckets,
-    /// Summed over the decode engines; empty when none exports one.
-    pub itl: Buckets,
+    /// Each decode engine that answered, by its URL.
+    pub engines: BTreeMap<String, EngineSample>,
+    /// The decode engines the proxy routes to that did not answer in time.
+    pub missing: Vec<String>,
     /// Requests in flight on each prefill instance, and on each decode instance.
     pub prefill_in_flight: Vec<f64>,
     pub decode_in_flight: Vec<f64>,
@@ -93,37 +114,60 @@ pub fn decode_urls(page: &str) -> Vec<String> {
         .collect()
 }
 
-/// Adds one engine page's inter-token buckets to a sum.
-pub fn add_itl(sum: &mut Buckets, page: &str) {
-    let Some(b) = ITL.iter().map(|n| buckets(page, n)).find(|b| !b.is_empty()) else {
-        return;
-    };
+/// Reads one decode engine's page.
+pub fn from_engine(page: &str) -> EngineSample {
+    let total = |b: &Buckets| b.last().map_or(0.0, |x| x.1);
+    EngineSample {
+        itl: ITL
+            .iter()
+            .map(|n| buckets(page, n))
+            .find(|b| !b.is_empty())
+            .unwrap_or_default(),
+        finished: total(&buckets(page, FINISHED)),
+        running: samples(page)
+            .filter(|m| m.name == RUNNING)
+            .map(|m| m.value)
+            .sum(),
+    }
+}
+
+/// Adds `b` to a sum of buckets.
+fn add(sum: &mut Buckets, b: &Buckets) {
     for (le, n) in b {
-        match sum.iter_mut().find(|(x, _)| *x == le) {
+        match sum.iter_mut().find(|(x, _)| x == le) {
             Some(slot) => slot.1 += n,
-            None => sum.push((le, n)),
+            None => sum.push((*le, *n)),
         }
     }
     sum.sort_by(|a, b| a.0.total_cmp(&b.0));
 }
 
-/// The `q` quantile (0..1) of what was observed between two looks at a histogram, in
-/// seconds; None when nothing was. A counter that went down (a restarted proxy or
-/// engine) counts from zero.
-pub fn quantile(before: &Buckets, after: &Buckets, q: f64) -> Option<f64> {
+/// What was observed between two looks at one histogram (bucket by bucket, never below
+/// zero).
+pub fn delta(before: &Buckets, after: &Buckets) -> Buckets {
     let count_at = |b: &Buckets, le: f64| b.iter().find(|(x, _)| *x == le).map_or(0.0, |x| x.1);
-    let reset = after.iter().any(|(le, n)| *n < count_at(before, *le));
-    let delta: Vec<(f64, f64)> = after
+    after
         .iter()
-        .map(|(le, n)| (*le, if reset { *n } else { n - count_at(before, *le) }))
-        .collect();
+        .map(|(le, n)| (*le, (n - count_at(before, *le)).max(0.0)))
+        .collect()
+}
+
+/// Whether a histogram's counts went down between two looks: its process restarted.
+fn restarted(before: &Buckets, after: &Buckets) -> bool {
+    let total = |b: &Buckets| b.last().map_or(0.0, |x| x.1);
+    total(after) < total(before)
+}
+
+/// The `q` quantile (0..1) of observations counted in `delta` (cumulative buckets), in
+/// seconds; None when there are none.
+pub fn quantile_of(delta: &Buckets, q: f64) -> Option<f64> {
     let total = delta.last()?.1;
     if total <= 0.0 {
         return None;
     }
     let rank = q * total;
     let mut lower = (0.0, 0.0);
-    for (le, n) in &delta {
+    for (le, n) in delta {
         if *n >= rank {
             if le.is_infinite() {
                 // Above the last bound: the last bound is all that is known.
@@ -140,6 +184,16 @@ pub fn quantile(before: &Buckets, after: &Buckets, q: f64) -> Option<f64> {
         lower = (*le, *n);
     }
     None
+}
+
+/// The `q` quantile of what was observed between two looks at one histogram; None when
+/// nothing was. A histogram whose counts went down (its process restarted between the
+/// looks) gives None: what it counted before the restart is unknown.
+pub fn quantile(before: &Buckets, after: &Buckets, q: f64) -> Option<f64> {
+    if restarted(before, after) {
+        return None;
+    }
+    quantile_of(&delta(before, after), q)
 }
 
 /// The samples of the last window.
@@ -172,13 +226,50 @@ impl Window {
         }
     }
 
-    /// The figures between the first and the last sample.
+    /// The index of the sample each series counts from: the first sample of the window
+    /// that has it, moved on past each sample where its counts went down (a restart: the
+    /// sample after it is the new baseline, its counts before it unknown).
+    fn base_of(&self, get: impl Fn(&Sample) -> Option<Buckets>) -> Option<(Buckets, Buckets)> {
+        let mut base: Option<Buckets> = None;
+        let mut prev: Option<Buckets> = None;
+        for s in &self.samples {
+            let Some(b) = get(s) else {
+                continue;
+            };
+            if base.is_none() || prev.as_ref().is_some_and(|p| restarted(p, &b)) {
+                base = Some(b.clone());
+            }
+            prev = Some(b);
+        }
+        Some((base?, prev?))
+    }
+
+    /// The figures between the first and the last sample: the proxy's first tokens, and
+    /// the token gaps summed over each decode engine's own difference.
     pub fn figures(&self) -> Figures {
-        let (Some(first), Some(last)) = (self.samples.front(), self.samples.back()) else {
+        let (Some(_), Some(last)) = (self.samples.front(), self.samples.back()) else {
             return Figures::default();
         };
         let total = |b: &Buckets| b.last().map_or(0.0, |x| x.1);
-        let requests = (total(&last.ttft) - total(&first.ttft)).max(0.0) as u64;
+        let ttft = self
+            .base_of(|s| Some(s.ttft.clone()))
+            .map(|(b, l)| delta(&b, &l))
+            .unwrap_or_default();
+        let mut itl = Buckets::new();
+        let mut itl_requests = 0.0;
+        for (url, now) in &last.engines {
+            let engine = |s: &Sample| s.engines.get(url).cloned();
+            if let Some((b, l)) = self.base_of(|s| engine(s).map(|e| e.itl)) {
+                add(&mut itl, &delta(&b, &l));
+            }
+            // Requests with a gap in the window: those finished in it, and those running
+            // at its end.
+            let finished = |s: &Sample| engine(s).map(|e| vec![(f64::INFINITY, e.finished)]);
+            if let Some((b, l)) = self.base_of(finished) {
+                itl_requests += (total(&l) - total(&b)).max(0.0);
+            }
+            itl_requests += now.running;
+        }
         let ms = |v: Option<f64>| v.map(|s| s * 1000.0);
         let n = self.samples.len() as f64;
         let mean = |f: &dyn Fn(&Sample) -> f64| self.samples.iter().map(f).sum::<f64>() / n;
@@ -190,14 +281,32 @@ impl Window {
             }
         };
         Figures {
-            requests,
-            ttft_p90_ms: ms(quantile(&first.ttft, &last.ttft, 0.9)),
-            itl_p90_ms: ms(quantile(&first.itl, &last.itl, 0.9)),
+            requests: total(&ttft) as u64,
+            ttft_p90_ms: ms(quantile_of(&ttft, 0.9)),
+            itl_p90_ms: ms(quantile_of(&itl, 0.9)),
+            itl_requests: itl_requests.round() as u64,
             prefill_queue: mean(&|s| s.prefill_in_flight.iter().sum()),
             decode_queue: mean(&|s| s.decode_in_flight.iter().sum()),
             prefill_busy: mean(&|s| busy(&s.prefill_in_flight)),
             decode_busy: mean(&|s| busy(&s.decode_in_flight)),
         }
+    }
+
+    /// The decode engines that did not answer at some look of the window, with how many
+    /// looks each missed (empty: every figure of the window was read).
+    pub fn missing(&self) -> BTreeMap<String, usize> {
+        let mut out = BTreeMap::new();
+        for s in &self.samples {
+            for url in &s.missing {
+                *out.entry(url.clone()).or_insert(0) += 1;
+            }
+        }
+        out
+    }
+
+    /// How many looks the window holds.
+    pub fn looks(&self) -> usize {
+        self.samples.len()
     }
 
     /// Whether the last sample saw an unhealthy instance.
@@ -250,10 +359,16 @@ mod tests {
     }
 
     #[test]
-    fn a_reset_counter_counts_from_zero_and_inf_gives_the_last_bound() {
+    fn a_restarted_counter_is_no_figure_and_inf_gives_the_last_bound() {
         let before = buckets(&page([100, 100, 100, 100], 0, 1), TTFT);
         let after = buckets(&page([0, 0, 0, 4], 0, 1), TTFT);
-        assert_eq!(quantile(&before, &after, 0.9), Some(5.0));
+        assert_eq!(
+            quantile(&before, &after, 0.9),
+            None,
+            "what came before is unknown"
+        );
+        let more = buckets(&page([0, 0, 0, 8], 0, 1), TTFT);
+        assert_eq!(quantile(&after, &more, 0.9), Some(5.0));
     }
 
     #[test]
@@ -274,14 +389,132 @@ mod tests {
         assert!(f.ttft_p90_ms.unwrap() > 100.0 && f.ttft_p90_ms.unwrap() <= 1000.0);
     }
 
+    /// A decode engine's page: `fast` gaps under 50 ms, `slow` ones 50-100 ms, `done`
+    /// requests finished, `running` running.
+    fn engine(fast: u64, slow: u64, done: u64, running: u64) -> EngineSample {
+        let all = fast + slow;
+        from_engine(&format!(
+            "vllm:inter_token_latency_seconds_bucket{{model_name=\"m\",le=\"0.05\"}} {fast}\n\
+             vllm:inter_token_latency_seconds_bucket{{model_name=\"m\",le=\"0.1\"}} {all}\n\
+             vllm:inter_token_latency_seconds_bucket{{model_name=\"m\",le=\"+Inf\"}} {all}\n\
+             vllm:e2e_request_latency_seconds_bucket{{model_name=\"m\",le=\"+Inf\"}} {done}\n\
+             vllm:num_requests_running{{model_name=\"m\"}} {running}\n"
+        ))
+    }
+
+    /// A look at `at_ms` with these decode engines (and nothing on the proxy's page).
+    fn look(at_ms: u64, engines: &[(&str, EngineSample)], missing: &[&str]) -> Sample {
+        Sample {
+            at_ms,
+            engines: engines
+                .iter()
+                .map(|(u, e)| (u.to_string(), e.clone()))
+                .collect(),
+            missing: missing.iter().map(|u| u.to_string()).collect(),
+            ..from_proxy(&page([0, 0, 0, 0], 0, 1), at_ms)
+        }
+    }
+
     #[test]
-    fn engine_itl_pages_are_summed_and_decode_urls_found() {
-        let mut sum = Buckets::new();
-        let e = "vllm:inter_token_latency_seconds_bucket{model_name=\"m\",le=\"0.05\"} 3\n\
-                 vllm:inter_token_latency_seconds_bucket{model_name=\"m\",le=\"+Inf\"} 4\n";
-        add_itl(&mut sum, e);
-        add_itl(&mut sum, e);
-        assert_eq!(sum, vec![(0.05, 6.0), (f64::INFINITY, 8.0)]);
+    fn engine_pages_are_read_and_decode_urls_found() {
+        let e = engine(3, 1, 7, 2);
+        assert_eq!(e.itl, vec![(0.05, 3.0), (0.1, 4.0), (f64::INFINITY, 4.0)]);
+        assert_eq!((e.finished, e.running), (7.0, 2.0));
         assert_eq!(decode_urls(&page([0, 0, 0, 0], 0, 1)), vec!["http://d0"]);
+    }
+
+    #[test]
+    fn each_engine_counts_its_own_difference() {
+        // d0 is old (1000 fast gaps before the window), d1 young: in the window d0 adds
+        // 10 slow gaps, d1 10 fast ones: p90 among the slow.
+        let mut w = Window::default();
+        w.push(
+            look(
+                0,
+                &[("d0", engine(1000, 0, 50, 1)), ("d1", engine(0, 0, 0, 0))],
+                &[],
+            ),
+            10_000,
+        );
+        w.push(
+            look(
+                10_000,
+                &[("d0", engine(1000, 10, 52, 1)), ("d1", engine(10, 0, 1, 1))],
+                &[],
+            ),
+            10_000,
+        );
+        let f = w.figures();
+        let p90 = f.itl_p90_ms.unwrap();
+        assert!(p90 > 50.0 && p90 <= 100.0, "{f:?}");
+        // Finished in the window (2 + 1) and running at its end (1 + 1).
+        assert_eq!(f.itl_requests, 5);
+        assert!(w.missing().is_empty());
+    }
+
+    #[test]
+    fn an_engine_missing_from_a_look_is_said_never_read_as_a_reset() {
+        // d1 does not answer at the middle look: the sum of the others would drop (the
+        // old reading: a reset, p90 over d0's whole lifetime); now the window says so.
+        let mut w = Window::default();
+        let both = |at, slow| {
+            look(
+                at,
+                &[("d0", engine(1000, slow, 0, 0)), ("d1", engine(5, 0, 0, 0))],
+                &[],
+            )
+        };
+        w.push(both(0, 0), 20_000);
+        w.push(
+            look(5_000, &[("d0", engine(1000, 2, 0, 0))], &["d1"]),
+            20_000,
+        );
+        w.push(both(10_000, 4), 20_000);
+        assert_eq!(w.missing(), BTreeMap::from([("d1".to_string(), 1)]));
+        // Its figures stay each engine's own difference: 4 slow gaps, none of d0's old.
+        let p90 = w.figures().itl_p90_ms.unwrap();
+        assert!(p90 > 50.0, "{p90}");
+    }
+
+    #[test]
+    fn a_restarted_engine_starts_its_own_baseline() {
+        // d1 restarts between the first and second looks (its counts fall from 500 to
+        // 2): it counts from the second look; d0 from the first.
+        let mut w = Window::default();
+        w.push(
+            look(
+                0,
+                &[("d0", engine(0, 0, 0, 0)), ("d1", engine(500, 0, 40, 0))],
+                &[],
+            ),
+            20_000,
+        );
+        w.push(
+            look(
+                5_000,
+                &[("d0", engine(0, 5, 0, 0)), ("d1", engine(2, 0, 0, 0))],
+                &[],
+            ),
+            20_000,
+        );
+        w.push(
+            look(
+                10_000,
+                &[("d0", engine(0, 10, 1, 0)), ("d1", engine(4, 0, 1, 0))],
+                &[],
+            ),
+            20_000,
+        );
+        let f = w.figures();
+        // d0: 10 slow gaps; d1: 2 fast ones since its restart (not 4, not -496): p90 of
+        // 12 gaps, rank 10.8, among the slow.
+        let p90 = f.itl_p90_ms.unwrap();
+        assert!(p90 > 50.0 && p90 < 100.0, "{p90}");
+        let slow_share = (10.8 - 2.0) / 10.0;
+        assert!((p90 - (50.0 + 50.0 * slow_share)).abs() < 1e-6, "{p90}");
+        assert_eq!(
+            f.itl_requests, 2,
+            "one finished on each, counted from its baseline"
+        );
     }
 }

@@ -236,11 +236,14 @@ pub(crate) fn status(h: &Handlers, origin: Origin) -> crate::control::StatusRepo
         peers.merge_into(&mut report);
     }
     report.operation = h.operations.as_ref().and_then(|o| o.report()).map(Box::new);
-    report.rebalance = h
-        .operations
-        .as_ref()
-        .and_then(|o| o.rebalance())
-        .map(Box::new);
+    report.rebalance = match &h.operations {
+        Some(o) => o.rebalance(),
+        // Not the head: the head's, as its supervisor reports it (so this node's proxy
+        // exports the rebalancer's series too).
+        None if origin == Origin::Local => h.peers.as_ref().and_then(|p| p.rebalance()),
+        None => None,
+    }
+    .map(Box::new);
     report
 }
 

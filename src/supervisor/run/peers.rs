@@ -84,6 +84,18 @@ impl Peers {
         }
     }
 
+    /// The head's rebalancer as its supervisor last reported it, while it answers: a
+    /// node other than the head runs none, and its proxy exports the head's series.
+    pub fn rebalance(&self) -> Option<crate::vocab::RebalanceReport> {
+        self.peers.iter().find_map(|p| {
+            let seen = p.seen.lock().unwrap_or_else(|e| e.into_inner());
+            if seen.failing_since.is_some() {
+                return None;
+            }
+            seen.report.as_ref()?.rebalance.as_deref().cloned()
+        })
+    }
+
     /// Fills the rows of other nodes' services in `report` with what their supervisors
     /// say, or marks them unreachable.
     pub fn merge_into(&self, report: &mut StatusReport) {
@@ -203,5 +215,55 @@ async fn poll(peer: std::sync::Weak<Peer>) {
         }
         drop(p);
         tokio::time::sleep(POLL).await;
+    }
+}
+
+#[cfg(test)]
+mod rebalance_tests {
+    use super::*;
+    use crate::vocab::{Figures, MoveCounts, RebalanceMode, RebalanceReport, Split};
+
+    #[test]
+    fn a_node_off_the_head_passes_on_the_heads_rebalancer_while_it_answers() {
+        let head = RebalanceReport {
+            mode: RebalanceMode::Act,
+            split: Split {
+                prefill: 3,
+                decode: 1,
+            },
+            window_s: 30,
+            measured_s: 30,
+            figures: Figures::default(),
+            verdict: "objectives met".into(),
+            moves_total: 1,
+            moves: vec![],
+            moves_counted: MoveCounts::default(),
+        };
+        let seen = |failing: bool| Seen {
+            report: Some(StatusReport {
+                cluster: "c".into(),
+                node: "head".into(),
+                proxy_url: None,
+                services: vec![],
+                operation: None,
+                rebalance: Some(Box::new(head.clone())),
+            }),
+            failing_since: failing.then(|| (Instant::now(), 0)),
+            error: None,
+        };
+        let peers = |failing: bool| Peers {
+            peers: vec![Arc::new(Peer {
+                node: "head".into(),
+                address: "127.0.0.1".into(),
+                endpoint: Endpoint::Unix("/nonexistent".into()),
+                seen: Mutex::new(seen(failing)),
+            })],
+        };
+        assert_eq!(peers(false).rebalance().map(|r| r.split), Some(head.split));
+        assert_eq!(
+            peers(true).rebalance(),
+            None,
+            "not while the head does not answer"
+        );
     }
 }
