@@ -184,9 +184,11 @@ def fetch(repo, revision, cache, timeout):
             if resp is not None:
                 mode = "ab" if have and resp.status == 206 else "wb"
                 try:
-                    with open(partial, mode) as w:
+                    # Unbuffered, each piece as it comes: the bytes on disk are the progress.
+                    read = getattr(resp, "read1", resp.read)
+                    with open(partial, mode, buffering=0) as w:
                         while True:
-                            chunk = resp.read(1 << 20)
+                            chunk = read(1 << 20)
                             if not chunk:
                                 break
                             w.write(chunk)

@@ -208,7 +208,7 @@ impl Progress {
     pub fn text(&self) -> String {
         let pct = (self.done as f64 * 100.0 / self.total.max(1) as f64).floor() as u64;
         let mut t = format!("{} ({pct}%)", done_of_total(self.done, self.total));
-        if self.done < self.total {
+        if self.done < self.total && self.rate > 0.0 {
             t.push_str(&format!(", {}/s", bytes(self.rate as u64)));
             if let Some(left) = self.left() {
                 t.push_str(&format!(", {} left", duration(left)));
