@@ -214,8 +214,10 @@ fn a_stalled_download_is_killed_and_resumed() {
         "{resumed_at} of {at}: {requests:?}"
     );
     assert!(
-        stderr.contains("no byte for 2 s"),
-        "the stalled try is said: {stderr}"
+        stdout.contains(
+            "pdctl: fetching org/tiny: the try failed (no byte for 2 s); again in 1 s, resuming"
+        ),
+        "the stalled try is said: {stdout}"
     );
 }
 

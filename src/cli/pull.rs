@@ -4,7 +4,7 @@
 //! with nothing of the download counted in their `startup_timeout_s`.
 
 use super::common::TopologyArgs;
-use crate::model_fetch::{self, Progress, Source};
+use crate::model_fetch::{self, Progress, Report, Source};
 use crate::plan::resolve::{Machine, load_topology};
 use crate::topology::{EngineKind, LoadedTopology, RoleSection};
 use clap::Args;
@@ -89,7 +89,19 @@ pub fn fetch_step(args: &TopologyArgs, chatty: bool, shown: Option<Shown>) -> an
     let mut last: Option<Instant> = None;
     let mut latest: Option<Progress> = None;
     let file = shown.as_ref().map(|s| s.state_dir.join(FETCH_FILE));
-    let mut report = |p: &Progress| {
+    let mut report = |r: Report| {
+        let p = match r {
+            Report::Progress(p) => p,
+            Report::Retry { why, pause } => {
+                let _ = writeln!(
+                    std::io::stdout(),
+                    "pdctl: fetching {}: the try failed ({why}); again in {} s, resuming",
+                    source.model,
+                    pause.as_secs()
+                );
+                return;
+            }
+        };
         if last.is_none_or(|l| l.elapsed() >= EVERY) {
             let _ = writeln!(
                 std::io::stdout(),

@@ -183,6 +183,16 @@ enum Event {
     },
 }
 
+/// What a running fetch reports.
+#[derive(Debug)]
+pub enum Report<'a> {
+    /// How far it has come.
+    Progress(&'a Progress),
+    /// A try failed (cut, stalled, a network error): the next one, resuming, begins after
+    /// `pause`.
+    Retry { why: &'a str, pause: Duration },
+}
+
 /// How far a fetch has come, as reported while it runs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Progress {
@@ -459,10 +469,10 @@ impl Source {
     }
 
     /// Fetches the model's files into the cache, calling `report` about four times a
-    /// second with the progress; a try that moves no byte for [`stall_after`] is killed and
-    /// begun again (resuming), with a growing pause, until [`TRIES`] in a row moved nothing.
-    /// Returns the snapshot directory.
-    pub fn fetch(&self, report: &mut dyn FnMut(&Progress)) -> Result<PathBuf, FetchError> {
+    /// second with the progress, and once per failed try; a try that moves no byte for
+    /// [`stall_after`] is killed and begun again (resuming), with a growing pause, until
+    /// [`TRIES`] in a row moved nothing. Returns the snapshot directory.
+    pub fn fetch(&self, report: &mut dyn FnMut(Report)) -> Result<PathBuf, FetchError> {
         if self.offline() {
             return Err(self.offline_error());
         }
@@ -487,7 +497,7 @@ impl Source {
                         });
                     }
                     let pause = Duration::from_secs(1 << (failed_in_a_row - 1).min(5));
-                    tracing::warn!(model = %self.model, "fetch try failed ({why}); again in {pause:?}");
+                    report(Report::Retry { why: &why, pause });
                     std::thread::sleep(pause);
                 }
             }
@@ -527,7 +537,7 @@ impl Source {
         stall: Duration,
         started: Instant,
         had: &mut Option<u64>,
-        report: &mut dyn FnMut(&Progress),
+        report: &mut dyn FnMut(Report),
     ) -> Result<PathBuf, Try> {
         let timeout = (stall.as_secs() + 30).to_string();
         let cache = self.cache();
@@ -595,13 +605,13 @@ impl Source {
                     }
                     _ => 0.0,
                 };
-                report(&Progress {
+                report(Report::Progress(&Progress {
                     done,
                     total,
                     had,
                     rate,
                     elapsed: started.elapsed(),
-                });
+                }));
             }
             if let Some(status) = child.try_wait().ok().flatten() {
                 break Some(status);
