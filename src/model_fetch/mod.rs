@@ -696,6 +696,25 @@ mod tests {
     }
 
     #[test]
+    fn the_token_reaches_the_fetch_through_its_environment_only() {
+        let s = Source {
+            model: "org/m".into(),
+            python: "python3".into(),
+            env: BTreeMap::from([("HF_TOKEN".to_string(), "hf_secret_42".to_string())]),
+        };
+        let c = s.command(&["fetch", "org/m", "main", "/cache", "90"]);
+        assert!(
+            c.get_args()
+                .all(|a| !a.to_string_lossy().contains("hf_secret_42")),
+            "{c:?}"
+        );
+        assert!(
+            c.get_envs()
+                .any(|(k, v)| k == "HF_TOKEN" && v.is_some_and(|v| v == "hf_secret_42"))
+        );
+    }
+
+    #[test]
     fn refusals_say_what_to_do_and_which_are_a_persons_to_fix() {
         let s = Source {
             model: "org/gated".into(),
