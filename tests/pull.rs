@@ -284,6 +284,16 @@ fn an_unknown_model_and_an_offline_hub_are_refused_with_what_to_do() {
         )),
         "{stderr}"
     );
+    // Without a token the hub answers 401 for an id it lacks, as for a private one.
+    let out = run(dir.path(), &["pull", "-f", file.to_str().unwrap()], &[]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("org/nope is gated or private")
+            && stderr.contains("(HTTP 401) (or it does not exist")
+            && stderr.contains("HF_TOKEN"),
+        "{stderr}"
+    );
     let file = topology(dir.path(), "org/tiny", &hub.endpoint(), "");
     let out = run(
         dir.path(),

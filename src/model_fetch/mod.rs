@@ -64,7 +64,7 @@ pub enum FetchError {
         cache: String,
     },
     #[error(
-        "{model} is gated or private: the hub at {endpoint} refused it {with_token} (HTTP {status}); accept its terms at {page} and set HF_TOKEN (in [engine.env] or the environment) to a token that has access"
+        "{model} is gated or private: the hub at {endpoint} refused it {with_token} (HTTP {status}){or_missing}; accept its terms at {page} and set HF_TOKEN (in [engine.env] or the environment) to a token that has access"
     )]
     Gated {
         model: String,
@@ -72,6 +72,8 @@ pub enum FetchError {
         page: String,
         status: u16,
         with_token: &'static str,
+        /// Said when the hub's answer is also the one it gives for an id it lacks.
+        or_missing: &'static str,
     },
     #[error(
         "model {model} was not found on the hub at {endpoint} (HTTP {status}): check [model] name against {page}"
@@ -438,6 +440,11 @@ impl Source {
                 cache: self.cache().display().to_string(),
             },
             "gated" | "unauthorized" => FetchError::Gated {
+                or_missing: if kind == "unauthorized" && !self.has_token() {
+                    " (or it does not exist: to a caller without a token the hub answers both alike)"
+                } else {
+                    ""
+                },
                 model,
                 endpoint: self.endpoint(),
                 page: self.page(),
