@@ -109,7 +109,11 @@ fn pull_fetches_what_vllm_loads_with_progress_resumes_a_cut_download_and_then_fe
             .any(|l| l.contains("/s, ") && l.contains(" left")),
         "a line with the rate and the time left: {stdout}"
     );
-    assert!(stdout.contains("pdctl: fetched org/tiny "), "{stdout}");
+    // All of it fetched by this pull, none of it there before.
+    assert!(
+        stdout.contains("pdctl: fetched org/tiny 2.0 MiB (2.0 MiB fetched now) in "),
+        "{stdout}"
+    );
     // What vLLM loads is there, byte for byte; the .bin beside the safetensors and the
     // README stayed on the hub.
     let snap = snapshot(dir.path());

@@ -150,13 +150,13 @@ def fetch(repo, revision, cache, timeout):
     os.makedirs(snapshot, exist_ok=True)
     headers = build_hf_headers()
     headers["Accept-Encoding"] = "identity"
-    out(event="files", commit=commit, files=files)
     need = 0
     for f in files:
         blob = os.path.join(blobs, f["blob"])
         if not os.path.exists(blob):
             partial = blob + ".incomplete"
             need += max(f["size"] - (os.path.getsize(partial) if os.path.exists(partial) else 0), 0)
+    out(event="files", commit=commit, files=files, present=sum(f["size"] for f in files) - need)
     free = shutil.disk_usage(blobs).free
     if need > free:
         out(event="error", kind="no-room", message="not enough disk", need=need, free=free, dir=blobs)

@@ -163,6 +163,9 @@ enum Event {
     Files {
         #[serde(flatten)]
         listing: Listing,
+        /// Bytes of those files on disk before this try fetched any.
+        #[serde(default)]
+        present: Option<u64>,
     },
     FileDone {
         #[allow(dead_code)]
@@ -392,7 +395,7 @@ impl Source {
         let stdout = String::from_utf8_lossy(&stdout);
         for line in stdout.lines() {
             match serde_json::from_str::<Event>(line) {
-                Ok(Event::Files { listing }) => return Ok(listing),
+                Ok(Event::Files { listing, .. }) => return Ok(listing),
                 Ok(Event::Error {
                     kind,
                     message,
@@ -578,23 +581,27 @@ impl Source {
             s
         });
         let mut files: Option<Vec<HubFile>> = None;
+        let mut present = None;
         let mut last = (Instant::now(), 0u64);
         let mut samples: std::collections::VecDeque<(Instant, u64)> = Default::default();
         let status = loop {
             if files.is_none() {
-                files = events
+                (files, present) = events
                     .lock()
                     .expect("events lock")
                     .iter()
                     .find_map(|e| match e {
-                        Event::Files { listing } => Some(listing.files.clone()),
+                        Event::Files { listing, present } => {
+                            Some((Some(listing.files.clone()), *present))
+                        }
                         _ => None,
-                    });
+                    })
+                    .unwrap_or((None, None));
             }
             if let Some(f) = &files {
                 let done = self.bytes_on_disk(Some(f));
                 let total: u64 = f.iter().map(|x| x.size).sum();
-                let had = *had.get_or_insert(done);
+                let had = *had.get_or_insert(present.unwrap_or(done));
                 let now = Instant::now();
                 if done != last.1 {
                     last = (now, done);
