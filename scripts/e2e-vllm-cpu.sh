@@ -12,7 +12,9 @@
 #                mooncake-store-http (the same, mooncake_master's HTTP metadata, no etcd),
 #                misses-load (ExampleConnector behind a client key: pdctl check, and real
 #                misses made under steady streamed load, counted one for one),
-#                rebalance (the [rebalance] advisor reading real vLLM's figures) or
+#                rebalance (the [rebalance] advisor reading real vLLM's figures),
+#                fetch (the model as a hub id a stand-in hub serves: `up` fetches it
+#                first, then the engines load it offline) or
 #                gpu-script (scripts/e2e-vllm-gpu.sh --cpu: the GPU script's own cases,
 #                its rebalance case too, rehearsed on the CPU build, so its logic is run
 #                where there is no GPU)
@@ -32,7 +34,7 @@ MODEL=""
 VENV=""
 while (($#)); do
   case "$1" in
-    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance, gpu-script}"; shift 2 ;;
+    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance, fetch, gpu-script}"; shift 2 ;;
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
     --venv) VENV="${2:?--venv needs a directory}"; shift 2 ;;
     -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -48,8 +50,9 @@ case "$ONLY" in
   mooncake-store-http) FILTER="vllm_cpu_mooncake_store_http_metadata_1p1d" ;;
   misses-load) FILTER="vllm_cpu_misses_under_load_1p1d" ;;
   rebalance) FILTER="vllm_cpu_rebalance_reads_real_figures_1p1d" ;;
+  fetch) FILTER="vllm_cpu_fetches_the_model_first_1p1d" ;;
   gpu-script) FILTER="" ;;
-  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance or gpu-script, not '$ONLY'" >&2; exit 2 ;;
+  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance, fetch or gpu-script, not '$ONLY'" >&2; exit 2 ;;
 esac
 
 step() { printf '\n==> %s\n' "$*"; }

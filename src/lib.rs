@@ -19,6 +19,7 @@ pub mod control;
 pub mod error_text;
 pub mod export;
 pub mod gpu;
+pub mod model_fetch;
 pub mod model_files;
 pub mod ops;
 pub mod plan;

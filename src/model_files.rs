@@ -81,6 +81,96 @@ pub fn read(model: &str, env: &BTreeMap<String, String>) -> Result<ModelSize, St
     })
 }
 
+/// Whether `model` names a Hugging Face repository (`org/name`) rather than a local
+/// directory: only such a model can be fetched.
+pub fn is_hub_id(model: &str) -> bool {
+    !Path::new(model).is_dir()
+        && !model.starts_with('/')
+        && !model.starts_with('.')
+        && !model.starts_with('~')
+        && model.matches('/').count() == 1
+}
+
+/// The snapshot directory of a hub model that the cache holds whole (config.json and its
+/// weights: every file its index names, else at least one safetensors or .bin file), or
+/// why it does not: what decides whether `up` must fetch it first.
+pub fn cached(model: &str, env: &BTreeMap<String, String>) -> Result<PathBuf, String> {
+    let dir = model_dir(model, env)?;
+    if !dir.join("config.json").is_file() {
+        return Err(format!("{} has no config.json", dir.display()));
+    }
+    for index in [
+        "model.safetensors.index.json",
+        "pytorch_model.bin.index.json",
+    ] {
+        let path = dir.join(index);
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let v: Value = serde_json::from_str(&text)
+                .map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
+            let names: std::collections::BTreeSet<&str> = v["weight_map"]
+                .as_object()
+                .map(|m| m.values().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            if let Some(gone) = names.iter().find(|n| !dir.join(n).is_file()) {
+                return Err(format!("{} lacks {gone}", dir.display()));
+            }
+            return Ok(dir);
+        }
+    }
+    let weights = std::fs::read_dir(&dir)
+        .map_err(|e| format!("cannot read {}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .any(|p| {
+            p.is_file()
+                && p.extension()
+                    .is_some_and(|x| x == "safetensors" || x == "bin")
+        });
+    if !weights {
+        return Err(format!("{} has no weights", dir.display()));
+    }
+    Ok(dir)
+}
+
+/// A model's size from the hub's file list, before it is fetched: the bytes of its weight
+/// files (a safetensors file is its tensors and a header of a few KiB), the rest from its
+/// config.json when the hub gave it. `weights` are (file name, size).
+pub fn from_hub_list(weights: &[(String, u64)], config: Option<&Value>) -> ModelSize {
+    let stored_bytes: u64 = weights.iter().map(|(_, s)| *s).sum();
+    let config = config.map(|c| {
+        let mut c = c.clone();
+        if let Some(text_config) = c.get("text_config").and_then(Value::as_object).cloned()
+            && let Some(top) = c.as_object_mut()
+        {
+            top.extend(text_config);
+        }
+        c
+    });
+    let width = match config
+        .as_ref()
+        .and_then(|c| c.get("torch_dtype").or_else(|| c.get("dtype")))
+        .and_then(Value::as_str)
+    {
+        Some("float32") => 4,
+        _ => 2,
+    };
+    let n = weights.len();
+    ModelSize {
+        parameters: stored_bytes / width,
+        stored_bytes,
+        source: format!(
+            "the hub's file list: {n} weight file{}, not fetched yet",
+            if n == 1 { "" } else { "s" }
+        ),
+        kv_elements_per_token: config.as_ref().and_then(kv_elements_per_token),
+        max_position_embeddings: config.as_ref().and_then(|c| {
+            first_u64(
+                c,
+                &["max_position_embeddings", "n_positions", "max_seq_len"],
+            )
+        }),
+    }
+}
+
 /// The directory holding the model's files.
 fn model_dir(model: &str, env: &BTreeMap<String, String>) -> Result<PathBuf, String> {
     let local = Path::new(model);
@@ -117,7 +207,7 @@ fn model_dir(model: &str, env: &BTreeMap<String, String>) -> Result<PathBuf, Str
 
 /// Where Hugging Face keeps downloaded models: HF_HUB_CACHE, else HF_HOME/hub, else
 /// ~/.cache/huggingface/hub; the engines' environment first, then this process's.
-fn hub_cache(env: &BTreeMap<String, String>) -> PathBuf {
+pub fn hub_cache(env: &BTreeMap<String, String>) -> PathBuf {
     let var = |k: &str| {
         env.get(k)
             .cloned()
@@ -369,5 +459,48 @@ mod tests {
         let e = read("org/other", &env).unwrap_err();
         assert!(e.contains("not in the Hugging Face cache"), "{e}");
         std::fs::remove_dir_all(hub).unwrap();
+    }
+
+    #[test]
+    fn a_cached_model_is_whole_only_with_its_config_and_every_weight_file() {
+        let hub = temp_dir("cached");
+        let snap = hub.join("models--org--m/snapshots/c1");
+        std::fs::create_dir_all(&snap).unwrap();
+        let env = BTreeMap::from([("HF_HUB_CACHE".to_string(), hub.display().to_string())]);
+        assert!(is_hub_id("org/m") && !is_hub_id("/models/m") && !is_hub_id("m"));
+        write_safetensors(
+            &snap.join("model-00001-of-00002.safetensors"),
+            &[("a", "BF16", &[4])],
+        );
+        std::fs::write(
+            snap.join("model.safetensors.index.json"),
+            r#"{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}"#,
+        )
+        .unwrap();
+        let e = cached("org/m", &env).unwrap_err();
+        assert!(e.ends_with("has no config.json"), "{e}");
+        std::fs::write(snap.join("config.json"), "{}").unwrap();
+        let e = cached("org/m", &env).unwrap_err();
+        assert!(e.ends_with("lacks model-00002-of-00002.safetensors"), "{e}");
+        write_safetensors(
+            &snap.join("model-00002-of-00002.safetensors"),
+            &[("b", "BF16", &[4])],
+        );
+        assert_eq!(cached("org/m", &env).unwrap(), snap);
+        std::fs::remove_dir_all(hub).unwrap();
+    }
+
+    #[test]
+    fn the_hubs_file_list_sizes_a_model_not_fetched_yet() {
+        let config = serde_json::json!({"num_hidden_layers": 2, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "hidden_size": 512, "max_position_embeddings": 4096});
+        let m = from_hub_list(&[("model.safetensors".into(), 1000)], Some(&config));
+        assert_eq!((m.stored_bytes, m.parameters), (1000, 500));
+        assert_eq!(m.kv_elements_per_token, Some(2 * 2 * 2 * 64));
+        assert_eq!(m.max_position_embeddings, Some(4096));
+        assert_eq!(
+            m.source,
+            "the hub's file list: 1 weight file, not fetched yet"
+        );
     }
 }

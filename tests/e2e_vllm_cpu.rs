@@ -17,6 +17,8 @@
 //! `target/tmp/e2e-vllm-cpu-<case>.json`.
 
 mod common;
+#[path = "common/hub.rs"]
+mod hub;
 
 use common::{TempDir, free_ports, pdctl};
 use serde_json::{Value, json};
@@ -2124,6 +2126,100 @@ fn vllm_cpu_rebalance_reads_real_figures_1p1d() {
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let sent = load.join().expect("the load failed");
     println!("[{}] {sent} streamed requests, none failed", case.name);
+    let down = run(pdctl_in(&guard, &["down"]), 120);
+    assert!(down.status.success(), "pdctl down failed:\n{}", text(&down));
+    guard.up = false;
+}
+
+// --- the model fetched first (issue 47) --------------------------------------------------------
+
+/// `up` of cpu-1p1d whose model is a hub id served by a stand-in hub (tests/hub_server.py,
+/// HF_ENDPOINT pointed at it) and missing from the cache: `up` fetches it first, with
+/// progress, then the engines, offline, load what the fetch put in the cache and answer
+/// through the proxy.
+#[test]
+#[ignore = "needs vLLM's CPU build and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
+fn vllm_cpu_fetches_the_model_first_1p1d() {
+    let case = Case {
+        name: "fetch",
+        ..EXAMPLE
+    };
+    let model = prerequisites(&case);
+    let ports = free_ports(8);
+    let root = TempDir::new("e2e-fetch");
+    let hub = hub::Hub::start(
+        root.path(),
+        &[("pdctl-test/tiny-llama", model.as_path())],
+        &["--cut-once"],
+    );
+    let cache = root.path().join("hub-cache");
+    let topo = root.path().join("topology.toml");
+    let mut t: toml::Table = toml::from_str(&topology(
+        &case,
+        "e2e-vllm-fetch",
+        Path::new("pdctl-test/tiny-llama"),
+        &ports,
+    ))
+    .unwrap();
+    // The fetch may go online; the engines may not: they load what it fetched.
+    let env = t["engine"]["env"].as_table_mut().unwrap();
+    env.remove("HF_HUB_OFFLINE");
+    env.insert("HF_ENDPOINT".into(), hub.endpoint().into());
+    env.insert("HF_HUB_CACHE".into(), cache.display().to_string().into());
+    for role in ["prefill", "decode"] {
+        let mut offline = toml::Table::new();
+        offline.insert("HF_HUB_OFFLINE".into(), "1".into());
+        t[role]
+            .as_table_mut()
+            .unwrap()
+            .insert("env".into(), offline.into());
+    }
+    std::fs::write(&topo, toml::to_string(&t).unwrap()).unwrap();
+    let tag = format!("{}-{}-{}", case.name, std::process::id(), ports[7]);
+    let mut guard = Running {
+        state: root.path().to_path_buf(),
+        tag,
+        up: false,
+    };
+    guard.up = true;
+    let started = Instant::now();
+    let up = run(pdctl_in(&guard, &["up", "-d", "-f", path(&topo)]), 900);
+    let out = text(&up);
+    assert!(up.status.success(), "pdctl up -d failed:\n{out}");
+    assert!(
+        out.contains("pdctl: fetching pdctl-test/tiny-llama for node local from")
+            && out.contains("pdctl: fetched pdctl-test/tiny-llama "),
+        "{out}"
+    );
+    // The fetch came before the cluster's first line, and the cut download was resumed.
+    let fetched_at = out.find("pdctl: fetched").unwrap();
+    let cluster_at = out
+        .find("pdctl: cluster e2e-vllm-fetch")
+        .unwrap_or(usize::MAX);
+    assert!(fetched_at < cluster_at, "{out}");
+    let requests = hub.requests();
+    assert!(
+        requests
+            .iter()
+            .any(|r| r["range"].as_str().is_some_and(|r| r != "bytes=0-")),
+        "no download was resumed: {requests:?}"
+    );
+    for line in out.lines().filter(|l| l.contains("fetch")) {
+        println!("[fetch] {line}");
+    }
+    println!(
+        "[fetch] up -d with the fetch: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let proxy = format!("http://127.0.0.1:{}/v1/completions", ports[2]);
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let body = request_body("/v1/completions", &prompt("fetch", "one", 0), 8, false);
+    let answer = rt.block_on(send(&http, &proxy, &body));
+    assert!(answer.prompt_tokens.unwrap_or(0) > 0, "{}", answer.text);
     let down = run(pdctl_in(&guard, &["down"]), 120);
     assert!(down.status.success(), "pdctl down failed:\n{}", text(&down));
     guard.up = false;

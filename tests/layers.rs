@@ -32,7 +32,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("vocabulary several layers share", &["vocab"]),
     (
         "what this machine has",
-        &["tools", "vllm", "gpu", "model_files"],
+        &["tools", "vllm", "gpu", "model_files", "model_fetch"],
     ),
     ("the user's topology", &["topology"]),
     (

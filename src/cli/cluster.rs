@@ -261,28 +261,43 @@ fn apply_if_running(a: &UpArgs, plan: &Plan, state: &StateDir) -> anyhow::Result
 /// `pdctl up`: plan, pre-flight, then supervise in the foreground or detached.
 pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     supervisor::private_umask();
+    let mut loaded = plan_to_run(&a)?;
+    if loaded.plan.vllm_version_source == Some(VersionSource::Assumed) {
+        return Err(ExitError::usage(format!(
+            "the plan assumes vLLM {} because none was found when it was made; make it again where vLLM is installed, or with engine.vllm_version pinned",
+            loaded.plan.vllm_version.as_deref().unwrap_or("?")
+        )));
+    }
+    runs_here(&a, &mut loaded.plan, &loaded.node)?;
+    let state = StateDir::new(&loaded.plan.state_dir);
+    if let Some(code) = apply_if_running(&a, &loaded.plan, &state)? {
+        return Ok(code);
+    }
+    state.create()?;
+    let lock = state.lock()?;
+    // The model first, where this node's engines lack it: fetched with its progress shown
+    // (and kept in the state dir for `status`), then planned again, now sized from its
+    // files (engines sharing a GPU start together), and no second of the download counted
+    // in an engine's startup_timeout_s. The lock keeps a second `up` out meanwhile.
+    if a.plan.is_none() {
+        let shown = super::pull::Shown {
+            cluster: &loaded.plan.cluster,
+            state_dir: &state.dir,
+        };
+        if super::pull::fetch_step(&a.topology, false, Some(shown))? {
+            loaded = plan_to_run(&a)?;
+            runs_here(&a, &mut loaded.plan, &loaded.node)?;
+        }
+    }
     let LoadedPlan {
-        mut plan,
+        plan,
         source_note: note,
         node,
         missing,
         machine,
         source,
         ..
-    } = plan_to_run(&a)?;
-    if plan.vllm_version_source == Some(VersionSource::Assumed) {
-        return Err(ExitError::usage(format!(
-            "the plan assumes vLLM {} because none was found when it was made; make it again where vLLM is installed, or with engine.vllm_version pinned",
-            plan.vllm_version.as_deref().unwrap_or("?")
-        )));
-    }
-    runs_here(&a, &mut plan, &node)?;
-    let state = StateDir::new(&plan.state_dir);
-    if let Some(code) = apply_if_running(&a, &plan, &state)? {
-        return Ok(code);
-    }
-    state.create()?;
-    let lock = state.lock()?;
+    } = loaded;
     let mut out = std::io::stdout();
     if let Some(cleaned) = supervisor::clean_if_stale(&state) {
         let _ = writeln!(out, "pdctl: {cleaned}");
@@ -569,6 +584,25 @@ pub fn down(a: super::down::DownArgs) -> anyhow::Result<ExitCode> {
 pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
     let root = state_root(a.which.state_dir.as_deref())?;
     let Some(found) = select::running(&root, a.which.cluster.as_deref())? else {
+        // No supervisor yet: an `up` may be fetching the model before starting one.
+        if let Some(f) = super::pull::fetching(&root, a.which.cluster.as_deref()) {
+            let mut out = std::io::stdout();
+            if a.json {
+                let doc = serde_json::json!({
+                    "cluster": f.cluster,
+                    "step": f,
+                    "services": [],
+                });
+                let _ = writeln!(out, "{}", serde_json::to_string_pretty(&doc).expect("json"));
+            } else {
+                let _ = writeln!(
+                    out,
+                    "cluster {} (node {}): {} ({}); no service started yet (pdctl up, pid {})",
+                    f.cluster, f.node, f.text, f.model, f.pid
+                );
+            }
+            return Ok(ExitCode::from(1));
+        }
         let mut msg = match a.which.cluster.as_deref() {
             Some(c) => format!("cluster {c} is not running under {}", root.display()),
             None => format!("no cluster is running under {}", root.display()),

@@ -47,6 +47,8 @@ pub fn code_of(err: &anyhow::Error) -> u8 {
                 || e.is::<crate::bench::UsageError>()
             {
                 Some(2)
+            } else if let Some(f) = e.downcast_ref::<crate::model_fetch::FetchError>() {
+                Some(if f.is_usage() { 2 } else { 1 })
             } else {
                 e.downcast_ref::<crate::supervisor::SupervisorError>()
                     .filter(|s| s.is_usage())

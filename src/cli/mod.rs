@@ -16,6 +16,7 @@ mod info;
 mod live;
 mod log_buffer;
 mod logs_cmd;
+mod pull;
 mod rebalance;
 mod rebalance_history;
 mod remote_up;
@@ -45,6 +46,9 @@ pub enum Command {
     Plan(info::PlanArgs),
     /// Start the cluster and keep it up (foreground, or -d to detach).
     Up(cluster::UpArgs),
+    /// Fetch the model the engines serve into their Hugging Face cache, with progress (what
+    /// `up` does first when it is missing).
+    Pull(pull::PullArgs),
     /// Stop every service of the running cluster and remove its runtime state.
     Down(down::DownArgs),
     /// Show the state of every service (table, or --json).
@@ -170,6 +174,7 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Gpus(a) => info::gpus(a),
         Command::Profiles(a) => info::profiles(a),
         Command::Up(a) => cluster::up(a),
+        Command::Pull(a) => pull::pull(&a),
         Command::Down(a) => cluster::down(a),
         Command::Status(a) => cluster::status(a),
         Command::Logs(a) => cluster::logs(a),

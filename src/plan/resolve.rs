@@ -262,10 +262,10 @@ pub fn plan_programs_unresolved(
     let (version, version_source, version_note) = resolve_version(t, &mut spec);
     // Engines sharing a GPU get their KV cache size from the model's weights: read them
     // here (headers only), not in the pure planner.
-    let model = if needs_gpus {
-        crate::model_files::read(&spec.model.name, &spec.engine.env)
+    let (model, fetch_note) = if needs_gpus {
+        model_size(&spec)
     } else {
-        Err("not needed: no engine runs on a GPU".to_string())
+        (Err("not needed: no engine runs on a GPU".to_string()), None)
     };
     let node = args.node.clone().unwrap_or_else(|| t.head.clone());
     let root = state_root(args.state_dir.as_deref())?;
@@ -282,6 +282,7 @@ pub fn plan_programs_unresolved(
         held: args.held.clone(),
     })
     .map_err(|p| ResolveError::Topology(Box::new(t.locate(p))))?;
+    plan.warnings.extend(fetch_note);
     if version_source == VersionSource::Pinned
         && spec.engine.kind == EngineKind::Vllm
         && let Ok((python, installed)) = crate::vllm::find_python(&spec.engine.python)
@@ -301,6 +302,42 @@ pub fn plan_programs_unresolved(
         machine,
         source: None,
     })
+}
+
+/// The model's size for planning, read from its files; for a Hugging Face model the cache
+/// lacks, when engines share a GPU (the only planning that needs it), from the hub's file
+/// list instead, with the note that `up` fetches it first (None when it is there).
+fn model_size(
+    spec: &topology::Topology,
+) -> (
+    Result<crate::model_files::ModelSize, String>,
+    Option<String>,
+) {
+    let name = &spec.model.name;
+    let env = &spec.engine.env;
+    let why = match crate::model_files::read(name, env) {
+        Ok(m) => return (Ok(m), None),
+        Err(why) => why,
+    };
+    if spec.engine.instances_per_gpu < 2 || !crate::model_files::is_hub_id(name) {
+        return (Err(why), None);
+    }
+    let source = crate::model_fetch::Source {
+        model: name.clone(),
+        python: spec.engine.python.clone(),
+        env: env.clone(),
+    };
+    match source.list(true) {
+        Ok(listing) => (
+            Ok(listing.size()),
+            Some(format!(
+                "{name} is not fetched yet: `up` fetches it first ({} from {}; `pdctl pull` fetches it alone), then starts the engines as planned here",
+                crate::model_fetch::bytes(listing.total()),
+                source.endpoint()
+            )),
+        ),
+        Err(e) => (Err(format!("{why}; its size from the hub: {e}")), None),
+    }
 }
 
 /// The vLLM version `spec` is planned for and where it came from (none for the

@@ -1,0 +1,221 @@
+//! `pdctl pull [-f FILE | -p PROFILE]`: the model fetch step alone (as `docker compose
+//! pull` fetches images), and the same step `pdctl up` runs before it plans, so the
+//! engines find the model in their cache, are planned with its size, and start together
+//! with nothing of the download counted in their `startup_timeout_s`.
+
+use super::common::TopologyArgs;
+use crate::model_fetch::{self, Progress, Report, Source};
+use crate::plan::resolve::{Machine, load_topology};
+use crate::topology::{EngineKind, LoadedTopology, RoleSection};
+use clap::Args;
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+/// Arguments of `pdctl pull`.
+#[derive(Debug, Args)]
+pub struct PullArgs {
+    #[command(flatten)]
+    pub topology: TopologyArgs,
+}
+
+/// `pdctl pull`: fetches the model the topology's engines serve into their cache, with
+/// progress; says so when it is there already.
+pub fn pull(a: &PullArgs) -> anyhow::Result<ExitCode> {
+    fetch_step(&a.topology, true, None)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Where `up` keeps the fetch's progress for `status`: the cluster's name and state dir.
+pub struct Shown<'a> {
+    pub cluster: &'a str,
+    pub state_dir: &'a std::path::Path,
+}
+
+/// The file in the state dir that holds a running fetch's progress.
+pub const FETCH_FILE: &str = "fetch.json";
+
+/// A fetch in progress as `status` shows it (the file [`FETCH_FILE`], and the JSON of
+/// `status --json` while no service has started).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct FetchState {
+    pub cluster: String,
+    pub node: String,
+    /// The `pdctl up` fetching it.
+    pub pid: u32,
+    pub model: String,
+    pub done: u64,
+    pub total: u64,
+    /// `fetching model 1.20 / 3.10 GiB (38%), 45.2 MiB/s, 43 s left`.
+    pub text: String,
+}
+
+/// The fetch an `up` under `root` is making now (of `cluster` when given), if any: its
+/// file, written by a process still alive.
+pub fn fetching(root: &std::path::Path, cluster: Option<&str>) -> Option<FetchState> {
+    std::fs::read_dir(root)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| std::fs::read(e.path().join(FETCH_FILE)).ok())
+        .filter_map(|b| serde_json::from_slice::<FetchState>(&b).ok())
+        .filter(|f| cluster.is_none_or(|c| c == f.cluster))
+        .find(|f| nix::sys::signal::kill(nix::unistd::Pid::from_raw(f.pid as i32), None).is_ok())
+}
+
+/// Seconds between two progress lines.
+const EVERY: Duration = Duration::from_secs(2);
+
+/// The fetch step of `pull` and `up`: when this node's engines serve a Hugging Face model
+/// their cache lacks, fetches it, printing where from and its progress (bytes done / total,
+/// rate, time left) every [`EVERY`]. `chatty` also says why nothing was fetched (`pull`);
+/// `up` is silent then. A refusal (gated, unknown model, offline, no room) is an error
+/// before anything starts.
+pub fn fetch_step(args: &TopologyArgs, chatty: bool, shown: Option<Shown>) -> anyhow::Result<bool> {
+    let machine = Machine::new(args.gpus.clone());
+    let (t, _) = load_topology(&args.request(), &machine)?;
+    let node = args.node.clone().unwrap_or_else(|| t.head.clone());
+    let mut out = std::io::stdout();
+    let Some(source) = to_fetch(&t, &node, chatty, &mut out) else {
+        return Ok(false);
+    };
+    let _ = writeln!(
+        out,
+        "pdctl: fetching {} for node {node} from {} into {}",
+        source.model,
+        source.endpoint(),
+        source.cache().display()
+    );
+    let started = Instant::now();
+    let mut last: Option<Instant> = None;
+    let mut latest: Option<Progress> = None;
+    let file = shown.as_ref().map(|s| s.state_dir.join(FETCH_FILE));
+    let mut report = |r: Report| {
+        let p = match r {
+            Report::Progress(p) => p,
+            Report::Retry { why, pause } => {
+                let _ = writeln!(
+                    std::io::stdout(),
+                    "pdctl: fetching {}: the try failed ({why}); again in {} s, resuming",
+                    source.model,
+                    pause.as_secs()
+                );
+                return;
+            }
+        };
+        if last.is_none_or(|l| l.elapsed() >= EVERY) {
+            let _ = writeln!(
+                std::io::stdout(),
+                "pdctl: fetching {}: {}",
+                source.model,
+                p.text()
+            );
+            last = Some(Instant::now());
+            if let (Some(s), Some(file)) = (&shown, &file) {
+                let state = FetchState {
+                    cluster: s.cluster.to_string(),
+                    node: node.clone(),
+                    pid: std::process::id(),
+                    model: source.model.clone(),
+                    done: p.done,
+                    total: p.total,
+                    text: format!("fetching model {}", p.text()),
+                };
+                let json = serde_json::to_vec(&state).expect("fetch states serialize");
+                let _ = crate::supervisor::write_atomic(file, &json);
+            }
+        }
+        latest = Some(p.clone());
+    };
+    let fetched = source.fetch(&mut report);
+    if let Some(file) = &file {
+        let _ = std::fs::remove_file(file);
+    }
+    let snapshot = fetched?;
+    let fetched = latest
+        .as_ref()
+        .map(|p| {
+            format!(
+                "{} ({} fetched now)",
+                model_fetch::bytes(p.total),
+                model_fetch::bytes(p.total.saturating_sub(p.had))
+            )
+        })
+        .unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "pdctl: fetched {} {fetched} in {:.1} s: {}",
+        source.model,
+        started.elapsed().as_secs_f64(),
+        snapshot.display()
+    );
+    Ok(true)
+}
+
+/// The model this node's engines need fetched, or None (saying why when `chatty`).
+fn to_fetch(t: &LoadedTopology, node: &str, chatty: bool, out: &mut dyn Write) -> Option<Source> {
+    let spec = &t.spec;
+    let mut say = |line: String| {
+        if chatty {
+            let _ = writeln!(out, "pdctl: {line}");
+        }
+    };
+    if spec.engine.kind != EngineKind::Vllm {
+        say("the engines are simulated (engine.kind = \"sim\"): no model to fetch".into());
+        return None;
+    }
+    let mut model = spec.model.name.clone();
+    if let Some(rest) = model.strip_prefix("~/")
+        && let Some(home) = std::env::var_os("HOME")
+    {
+        model = std::path::PathBuf::from(home)
+            .join(rest)
+            .display()
+            .to_string();
+    }
+    if !crate::model_files::is_hub_id(&model) {
+        say(format!("{model} is a local directory: nothing to fetch"));
+        return None;
+    }
+    if !runs_engines(spec, &t.head, node) {
+        say(format!(
+            "node {node} runs no engine: nothing to fetch there"
+        ));
+        return None;
+    }
+    if let Ok(dir) = crate::model_files::cached(&model, &spec.engine.env) {
+        say(format!(
+            "{model} is in the Hugging Face cache ({}): nothing to fetch",
+            dir.display()
+        ));
+        return None;
+    }
+    Some(Source {
+        model,
+        python: engine_python(&spec.engine.python),
+        env: spec.engine.env.clone(),
+    })
+}
+
+/// Whether `node` runs a prefill or decode instance of this topology.
+fn runs_engines(spec: &crate::topology::Topology, head: &str, node: &str) -> bool {
+    let on = |r: &RoleSection| {
+        r.instances > 0
+            && match (&r.node, &r.nodes) {
+                (Some(n), _) => n == node,
+                (None, Some(list)) => list.iter().any(|n| n == node),
+                (None, None) => head == node,
+            }
+    };
+    on(&spec.prefill) || on(&spec.decode)
+}
+
+/// The Python the engines run: engine.python when it is a path, else the one with vLLM
+/// pdctl finds, else the name as written (PATH).
+fn engine_python(configured: &str) -> String {
+    if configured.contains('/') {
+        return configured.to_string();
+    }
+    crate::vllm::find_python(configured)
+        .map(|(p, _)| p)
+        .unwrap_or_else(|_| configured.to_string())
+}

@@ -1,0 +1,480 @@
+//! The model fetch step (`pdctl pull`, and `pdctl up` before anything starts) against a
+//! stand-in hub the test starts (tests/hub_server.py, HF_ENDPOINT pointed at it): what is
+//! fetched and what not, progress, a second pull fetching nothing, a cut or stalled
+//! download resumed, the refusals (gated, unknown, offline) with exit 2 before anything
+//! starts, and the plan of a one-GPU pair sized from the hub's list, then from the files.
+//!
+//! Needs a Python with huggingface_hub (vLLM's; see `hub::hf_python`), no internet.
+
+mod common;
+#[path = "common/hub.rs"]
+mod hub;
+
+use common::{TempDir, pdctl};
+use hub::Hub;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+/// A topology serving `model` from the stand-in hub at `endpoint`, its cache in `dir/hub`;
+/// `extra` is added to `[engine]`.
+fn topology(dir: &Path, model: &str, endpoint: &str, extra: &str) -> PathBuf {
+    let file = dir.join("t.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[model]\nname = \"{model}\"\nmax_model_len = 4096\n[engine]\nvllm_version = \"0.26.0\"\npython = \"{}\"\n{extra}\n[engine.env]\nHF_ENDPOINT = \"{endpoint}\"\nHF_HUB_CACHE = \"{}\"\n[connector]\nkind = \"nixl\"\n",
+            hub::hf_python(),
+            dir.join("hub").display()
+        ),
+    )
+    .unwrap();
+    file
+}
+
+fn run(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = pdctl(args);
+    c.env("PDCTL_STATE_DIR", dir.join("state"))
+        .env_remove("HF_TOKEN")
+        .env_remove("HF_HUB_OFFLINE");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().unwrap()
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// The snapshot the fetch made of `org/tiny`.
+fn snapshot(dir: &Path) -> PathBuf {
+    let snaps = dir.join("hub/models--org--tiny/snapshots");
+    let mut all: Vec<PathBuf> = std::fs::read_dir(&snaps)
+        .unwrap_or_else(|e| panic!("{}: {e}", snaps.display()))
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(all.len(), 1, "{all:?}");
+    all.pop().unwrap()
+}
+
+#[test]
+fn pull_fetches_what_vllm_loads_with_progress_resumes_a_cut_download_and_then_fetches_nothing() {
+    let dir = TempDir::new("pull");
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    // About 512 KiB/s, cut half-way through the first GET of each large file.
+    let hub = Hub::start(
+        dir.path(),
+        &[("org/tiny", &repo)],
+        &["--cut-once", "--rate", "524288"],
+    );
+    let file = topology(dir.path(), "org/tiny", &hub.endpoint(), "");
+    let out = run(dir.path(), &["pull", "-f", file.to_str().unwrap()], &[]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(&format!(
+            "pdctl: fetching org/tiny for node local from {} into {}",
+            hub.endpoint(),
+            dir.path().join("hub").display()
+        )),
+        "{stdout}"
+    );
+    // Progress lines: bytes done / total (the total is every file vLLM loads).
+    let total: u64 = [
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ]
+    .iter()
+    .map(|f| std::fs::metadata(repo.join(f)).unwrap().len())
+    .sum();
+    let total_text = format!("{:.2} MiB", total as f64 / (1 << 20) as f64);
+    let progress: Vec<&str> = stdout
+        .lines()
+        .filter(|l| {
+            l.starts_with("pdctl: fetching org/tiny: ") && l.contains(&format!(" / {total_text} ("))
+        })
+        .collect();
+    assert!(progress.len() >= 2, "{stdout}");
+    assert!(
+        progress
+            .iter()
+            .any(|l| l.contains("/s, ") && l.contains(" left")),
+        "a line with the rate and the time left: {stdout}"
+    );
+    // All of it fetched by this pull, none of it there before.
+    assert!(
+        stdout.contains("pdctl: fetched org/tiny 2.0 MiB (2.0 MiB fetched now) in "),
+        "{stdout}"
+    );
+    // What vLLM loads is there, byte for byte; the .bin beside the safetensors and the
+    // README stayed on the hub.
+    let snap = snapshot(dir.path());
+    for f in [
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert_eq!(
+            std::fs::read(snap.join(f)).unwrap(),
+            std::fs::read(repo.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    for f in ["pytorch_model.bin", "README.md"] {
+        assert!(!snap.join(f).exists(), "{f} was fetched");
+    }
+    let commit = snap.file_name().unwrap().to_str().unwrap().to_string();
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("hub/models--org--tiny/refs/main")).unwrap(),
+        commit
+    );
+    // The cut download was resumed where it stopped, not begun again.
+    let requests = hub.requests();
+    let cut_at = requests
+        .iter()
+        .find(|r| r["event"] == "cut")
+        .and_then(|r| r["at"].as_u64())
+        .unwrap_or_else(|| panic!("the server cut no download: {requests:?}"));
+    assert!(
+        requests.iter().any(
+            |r| r["path"].as_str().unwrap().ends_with("/model.safetensors")
+                && r["range"].as_str() == Some(&format!("bytes={cut_at}-"))
+        ),
+        "no request resumed at byte {cut_at}: {requests:?}"
+    );
+    assert!(
+        !requests
+            .iter()
+            .any(|r| r["path"].as_str().unwrap().contains("pytorch_model.bin")),
+        "{requests:?}"
+    );
+
+    // A second pull finds it and asks the hub nothing.
+    let asked = hub.requests().len();
+    let out = run(dir.path(), &["pull", "-f", file.to_str().unwrap()], &[]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(&format!(
+            "pdctl: org/tiny is in the Hugging Face cache ({}): nothing to fetch",
+            snap.display()
+        )),
+        "{stdout}"
+    );
+    assert_eq!(hub.requests().len(), asked);
+}
+
+#[test]
+fn a_stalled_download_is_killed_and_resumed() {
+    let dir = TempDir::new("pull-stall");
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    // The first GET of the weights sends half, then nothing, never closing.
+    let hub = Hub::start(dir.path(), &[("org/tiny", &repo)], &["--stall-once"]);
+    let file = topology(dir.path(), "org/tiny", &hub.endpoint(), "");
+    let out = run(
+        dir.path(),
+        &["pull", "-f", file.to_str().unwrap()],
+        &[("PDCTL_FETCH_STALL_S", "2")],
+    );
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let snap = snapshot(dir.path());
+    assert_eq!(
+        std::fs::read(snap.join("model.safetensors")).unwrap(),
+        std::fs::read(repo.join("model.safetensors")).unwrap()
+    );
+    let requests = hub.requests();
+    let at = requests
+        .iter()
+        .find(|r| r["event"] == "stall")
+        .and_then(|r| r["at"].as_u64())
+        .unwrap_or_else(|| panic!("no stall: {requests:?}"));
+    // Resumed from what reached the disk before the stall (at most what was sent).
+    let resumed_at = requests
+        .iter()
+        .filter_map(|r| {
+            r["range"]
+                .as_str()?
+                .strip_prefix("bytes=")?
+                .strip_suffix('-')?
+                .parse::<u64>()
+                .ok()
+        })
+        .max()
+        .unwrap_or_else(|| panic!("not resumed: {requests:?}"));
+    assert!(
+        resumed_at > 0 && resumed_at <= at,
+        "{resumed_at} of {at}: {requests:?}"
+    );
+    assert!(
+        stdout.contains(
+            "pdctl: fetching org/tiny: the try failed (no byte for 2 s); again in 1 s, resuming"
+        ),
+        "the stalled try is said: {stdout}"
+    );
+}
+
+#[test]
+fn a_gated_model_without_a_token_is_refused_before_anything_starts_and_fetched_with_one() {
+    let dir = TempDir::new("pull-gated");
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    let token = "hf_test_secret_token_1234";
+    let hub = Hub::start(dir.path(), &[("org/tiny", &repo)], &["--gated", token]);
+    let file = topology(dir.path(), "org/tiny", &hub.endpoint(), "");
+    let out = run(
+        dir.path(),
+        &["up", "-f", file.to_str().unwrap(), "--gpus", "0,1", "-d"],
+        &[],
+    );
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "error: org/tiny is gated or private: the hub at {} refused it without a token (HTTP 401); accept its terms at {}/org/tiny and set HF_TOKEN",
+            hub.endpoint(),
+            hub.endpoint()
+        )),
+        "{stderr}"
+    );
+    // Nothing started: no cluster to see.
+    let status = run(dir.path(), &["status"], &[]);
+    assert_eq!(status.status.code(), Some(3), "{:?}", text(&status));
+
+    // With the token (in the environment) it is fetched, and the token is nowhere printed.
+    let out = run(
+        dir.path(),
+        &["pull", "-f", file.to_str().unwrap()],
+        &[("HF_TOKEN", token)],
+    );
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(!stdout.contains(token) && !stderr.contains(token));
+    assert!(snapshot(dir.path()).join("model.safetensors").is_file());
+    assert!(hub.requests().iter().any(|r| r["authorized"] == true));
+}
+
+#[test]
+fn an_unknown_model_and_an_offline_hub_are_refused_with_what_to_do() {
+    let dir = TempDir::new("pull-refused");
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    let hub = Hub::start(dir.path(), &[("org/tiny", &repo)], &[]);
+    let file = topology(dir.path(), "org/nope", &hub.endpoint(), "");
+    // With a token the hub says "not found" (without one it answers 401, as for a gated model).
+    let out = run(
+        dir.path(),
+        &["pull", "-f", file.to_str().unwrap()],
+        &[("HF_TOKEN", "t")],
+    );
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "error: model org/nope was not found on the hub at {} (HTTP 404): check [model] name against {}/org/nope",
+            hub.endpoint(),
+            hub.endpoint()
+        )),
+        "{stderr}"
+    );
+    // Without a token the hub answers 401 for an id it lacks, as for a private one.
+    let out = run(dir.path(), &["pull", "-f", file.to_str().unwrap()], &[]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("org/nope is gated or private")
+            && stderr.contains("(HTTP 401) (or it does not exist")
+            && stderr.contains("HF_TOKEN"),
+        "{stderr}"
+    );
+    let file = topology(dir.path(), "org/tiny", &hub.endpoint(), "");
+    let out = run(
+        dir.path(),
+        &["pull", "-f", file.to_str().unwrap()],
+        &[("HF_HUB_OFFLINE", "1")],
+    );
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "error: org/tiny is not in the Hugging Face cache ({}) and HF_HUB_OFFLINE forbids fetching it",
+            dir.path().join("hub").display()
+        )),
+        "{stderr}"
+    );
+    assert!(
+        hub.requests()
+            .iter()
+            .all(|r| !r["path"].as_str().unwrap().contains("/resolve/"))
+    );
+}
+
+/// The engines of a plan, as JSON, and whether each has its KV cache bytes and waits for none
+/// of the others.
+fn engines_start_together(plan: &Value) -> Vec<(String, Option<u64>, bool)> {
+    plan["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["role"] == "prefill" || s["role"] == "decode")
+        .map(|s| {
+            let argv: Vec<&str> = s["argv"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|a| a.as_str().unwrap())
+                .collect();
+            let kv = argv
+                .iter()
+                .position(|a| *a == "--kv-cache-memory-bytes")
+                .map(|i| argv[i + 1].parse().unwrap());
+            let waits = s["depends_on"].as_array().unwrap().iter().any(|d| {
+                d.as_str().unwrap().starts_with("prefill")
+                    || d.as_str().unwrap().starts_with("decode")
+            });
+            (s["name"].as_str().unwrap().to_string(), kv, !waits)
+        })
+        .collect()
+}
+
+/// What the plan says of prefill-0's memory.
+fn prefill_note(plan: &Value) -> String {
+    plan["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "prefill-0")
+        .unwrap()["gpu_memory_note"]
+        .to_string()
+}
+
+#[test]
+fn a_one_gpu_pair_is_sized_from_the_hubs_list_before_the_fetch_and_from_its_files_after() {
+    let dir = TempDir::new("pull-plan");
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    let hub = Hub::start(dir.path(), &[("org/tiny", &repo)], &[]);
+    let file = topology(
+        dir.path(),
+        "org/tiny",
+        &hub.endpoint(),
+        "instances_per_gpu = 2",
+    );
+    let plan_json = || {
+        let out = run(
+            dir.path(),
+            &[
+                "plan",
+                "-f",
+                file.to_str().unwrap(),
+                "--gpus",
+                "0:80GiB",
+                "--json",
+            ],
+            &[],
+        );
+        let (stdout, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+        serde_json::from_str::<Value>(&stdout).unwrap()
+    };
+    // Not fetched: sized from the hub's file list, and the plan says `up` fetches it first.
+    let before = plan_json();
+    let engines = engines_start_together(&before);
+    assert_eq!(engines.len(), 2, "{engines:?}");
+    for (name, kv, together) in &engines {
+        assert!(kv.is_some() && *together, "{name}: {engines:?}");
+    }
+    let warnings = before["warnings"].to_string();
+    assert!(
+        warnings.contains("org/tiny is not fetched yet: `up` fetches it first")
+            && warnings.contains(&hub.endpoint()),
+        "{warnings}"
+    );
+    let note = prefill_note(&before);
+    assert!(
+        note.contains("the hub's file list: 1 weight file, not fetched yet"),
+        "{note}"
+    );
+
+    let out = run(dir.path(), &["pull", "-f", file.to_str().unwrap()], &[]);
+    assert_eq!(out.status.code(), Some(0), "{:?}", text(&out));
+    // Fetched: sized from its safetensors header, both engines start together with their
+    // KV bytes; nothing said of a fetch.
+    let after = plan_json();
+    let engines = engines_start_together(&after);
+    assert_eq!(engines.len(), 2, "{engines:?}");
+    for (name, kv, together) in &engines {
+        assert!(
+            kv.is_some_and(|b| b > 30 << 30) && *together,
+            "{name}: {engines:?}"
+        );
+    }
+    assert!(!after["warnings"].to_string().contains("not fetched yet"));
+    let note = prefill_note(&after);
+    assert!(
+        note.contains("safetensors headers of 1 file") && note.contains("starts together with"),
+        "{note}"
+    );
+}
+
+#[test]
+fn status_shows_the_fetch_while_up_makes_it() {
+    let dir = TempDir::new("pull-status");
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    // 2 MiB at about 256 KiB/s: some eight seconds of fetching to look at.
+    let hub = Hub::start(dir.path(), &[("org/tiny", &repo)], &["--rate", "262144"]);
+    let file = topology(dir.path(), "org/tiny", &hub.endpoint(), "");
+    // A port held here stops the `up` in pre-flight once the fetch is done: nothing starts.
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = holder.local_addr().unwrap().port();
+    let mut text_of = std::fs::read_to_string(&file).unwrap();
+    text_of.push_str(&format!("[proxy]\nport = {port}\n"));
+    std::fs::write(&file, text_of).unwrap();
+    let mut up = pdctl(&["up", "-f", file.to_str().unwrap(), "--gpus", "0,1", "-d"]);
+    up.env("PDCTL_STATE_DIR", dir.path().join("state"))
+        .env_remove("HF_TOKEN")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let _up = common::ChildGuard(up.spawn().unwrap());
+    let mut seen = None;
+    common::wait_until(std::time::Duration::from_secs(30), || {
+        let out = run(dir.path(), &["status", "--json"], &[]);
+        let doc: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        let text = doc["step"]["text"].as_str().unwrap_or("").to_string();
+        if text.starts_with("fetching model ") && doc["step"]["done"].as_u64() > Some(0) {
+            seen = Some((out.status.code(), doc));
+            return true;
+        }
+        false
+    });
+    let (code, doc) = seen.expect("status --json never showed the fetch");
+    assert_eq!(code, Some(1));
+    assert_eq!(doc["step"]["model"], "org/tiny");
+    assert!(
+        doc["step"]["text"]
+            .as_str()
+            .unwrap()
+            .contains(" / 2.00 MiB ("),
+        "{doc}"
+    );
+    assert_eq!(doc["services"], serde_json::json!([]));
+    let out = run(dir.path(), &["status"], &[]);
+    let (stdout, _) = text(&out);
+    assert!(
+        stdout.starts_with("cluster pd (node local): fetching model ")
+            && stdout.contains("(org/tiny); no service started yet"),
+        "{stdout}"
+    );
+}
