@@ -1265,32 +1265,74 @@ fn run(mut cmd: Command, limit_s: u64) -> Output {
     }
 }
 
-/// Every live process whose environment carries `PDCTL_E2E_TAG=tag`: the supervisor and
-/// everything it started, down to vLLM's engine-core and worker processes.
+/// Every live process of the cluster tagged `tag`: those whose environment carries
+/// `PDCTL_E2E_TAG=tag` (the supervisor and everything it started), and their descendants.
+/// vLLM's `VLLM::EngineCore` and `VLLM::Worker` set their process title with setproctitle,
+/// which may write over the environment that /proc shows (seen with vLLM 0.32.0's CPU
+/// build: the tag gone, the area zeroed): they are found as children of the tagged.
 fn tagged_processes(tag: &str) -> Vec<(u32, String)> {
     let needle = format!("PDCTL_E2E_TAG={tag}");
-    let mut found = Vec::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
-        return found;
+        return Vec::new();
     };
-    for entry in dir.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        if environ.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()) {
-            let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            found.push((pid, cmd.chars().take(100).collect()));
+    // (pid, parent, tagged) of every process.
+    let all: Vec<(u32, Option<u32>, bool)> = dir
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_str()?.parse::<u32>().ok()?;
+            let environ = std::fs::read(entry.path().join("environ")).ok()?;
+            let tagged = environ.split(|b| *b == 0).any(|kv| kv == needle.as_bytes());
+            Some((pid, parent_of(pid), tagged))
+        })
+        .collect();
+    let mut of_cluster: std::collections::BTreeSet<u32> =
+        all.iter().filter(|p| p.2).map(|p| p.0).collect();
+    loop {
+        let more: Vec<u32> = all
+            .iter()
+            .filter(|(pid, parent, _)| {
+                !of_cluster.contains(pid) && parent.is_some_and(|p| of_cluster.contains(&p))
+            })
+            .map(|p| p.0)
+            .collect();
+        if more.is_empty() {
+            break;
         }
+        of_cluster.extend(more);
     }
-    found
+    of_cluster
+        .into_iter()
+        .filter_map(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            Some((pid, cmd.chars().take(100).collect()))
+        })
+        .collect()
+}
+
+#[test]
+fn a_cluster_process_is_found_by_its_tag_or_a_tagged_parent() {
+    // The child's environment is empty, as vLLM's engine core's can look from /proc.
+    let tag = format!("tag-test-{}", std::process::id());
+    let mut sh = Command::new("sh")
+        .args(["-c", "env -i sleep 60 & wait"])
+        .env("PDCTL_E2E_TAG", &tag)
+        .spawn()
+        .unwrap();
+    let both = common::wait_until(Duration::from_secs(10), || {
+        let found = tagged_processes(&tag);
+        found.len() == 2 && found.iter().any(|(_, cmd)| cmd.starts_with("sleep 60"))
+    });
+    let found = tagged_processes(&tag);
+    for (pid, _) in &found {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    sh.wait().unwrap();
+    assert!(both, "{found:?}");
+    assert!(tagged_processes("no-such-tag").is_empty());
 }
 
 // --- small things -----------------------------------------------------------------------------
