@@ -162,7 +162,14 @@ field() { "$PYTHON_PATH" -c 'import json,sys; r=json.load(sys.stdin); s=[x for x
 # Processes of the session the detached supervisor $1 led: everything it started and all
 # they forked (the run-id marker in the environment is not enough: vLLM's engine core
 # writes its process title over its environment).
-cluster_pids() { ps -e -o pid=,sid= | awk -v s="$1" '$2 == s && $1 != s { print $1 }'; }
+# Zombies (state Z) are left out: dead, holding nothing, only not yet reaped by their parent.
+cluster_pids() { ps -e -o pid=,sid=,stat= | awk -v s="$1" '$2 == s && $1 != s && $3 !~ /^Z/ { print $1 }'; }
+# True once no process of the session $1 is left and none is on the GPU.
+cluster_gone() { [ -z "$(cluster_pids "$1")" ] && gpu_idle; }
+# True once the proxy at $1 is serving a client request (the load has begun).
+proxy_busy() { curl -s "$1/metrics" | awk '$1 == "pdctl_proxy_requests_in_flight" && $2 > 0 { ok = 1 } END { exit !ok }'; }
+# True once the GPU's used memory is within 1 GiB of $1 MiB.
+gpu_mem_near() { local d=$(( $(gpu_mem_mib) - $1 )); (( ${d#-} < 1024 )); }
 # The engine core child of a vLLM API server (vLLM names its process VLLM::EngineCore).
 engine_core() {
   local p
@@ -289,7 +296,7 @@ run_case() {
   "$PDCTL" bench --url "$proxy" --model e2e-model --num-prompts 40 --max-concurrency 4 --no-stream \
     --input-len 64 --output-len 64 --json "$dir/live-whole.json" > "$dir/live-whole.log" 2>&1 &
   local whole_pid=$!
-  sleep 2
+  wait_for 120 proxy_busy "$proxy" || fail "$case: the load of pdctl bench never reached the proxy within 120 s"
   proxy_pid="$(field proxy pid <<<"$(status_json "$state")")"
   printf 'max_concurrent = 6\nqueue_size = 64\nrestart_wait_s = 600\n' >> "$dir/topology.toml"
   "$PDCTL" apply -f "$dir/topology.toml" --gpus "$GPUS_ARG" --state-dir "$state" > "$dir/apply.log" 2>&1
@@ -323,7 +330,8 @@ run_case() {
     kill -9 "$core"
     if wait_for 600 decode_healthy_after "$state" "$restarts"; then
       restart_s=$((SECONDS - t0))
-      sleep 5
+      # The new engine's memory settles: wait (bounded) for it to come back near before.
+      wait_for 60 gpu_mem_near "$mem_before" || true
       leak=$(( $(gpu_mem_mib) - mem_before ))
       pass "$case: decode's engine core killed (pid $core): healthy again in ${restart_s} s"
       (( ${leak#-} < 1024 )) && pass "$case: GPU memory after the restart within 1 GiB of before (${leak} MiB)" \
@@ -337,14 +345,17 @@ run_case() {
 
   # SIGKILL of the supervisor: nothing of the cluster may outlive it.
   local sup left gpu_left
+  local gone_s="-"
   sup="$(record "$state" supervisor_pid)"
+  t0=$SECONDS
   kill -9 "$sup"
-  sleep 10
+  # Waited for, bounded: the watchdog stops everything within ~2 s; a busy machine is slower.
+  wait_for 30 cluster_gone "$sup" && gone_s=$((SECONDS - t0))
   left="$(cluster_pids "$sup" | wc -l)"
   gpu_left="$(gpu_pids | wc -l)"
   [ "$left" = 0 ] && [ "$gpu_left" = 0 ] \
-    && pass "$case: supervisor SIGKILLed: 10 s later no process of the cluster and none on the GPU" \
-    || fail "$case: supervisor SIGKILLed: $left process(es) of the cluster and $gpu_left on the GPU left"
+    && pass "$case: supervisor SIGKILLed: no process of the cluster and none on the GPU ${gone_s} s later" \
+    || fail "$case: supervisor SIGKILLed: $left process(es) of the cluster and $gpu_left on the GPU left 30 s later"
   "$PDCTL" down --state-dir "$state" >/dev/null 2>&1 || true
 
   # Up again, then down: nothing left, GPU memory back to where it started.
@@ -353,7 +364,7 @@ run_case() {
     t0=$SECONDS
     "$PDCTL" down --state-dir "$state" > "$dir/down.log" 2>&1
     local down_s=$((SECONDS - t0))
-    sleep 3
+    wait_for 30 cluster_gone "$sup" || true
     left="$(cluster_pids "$sup" | wc -l)"; gpu_left="$(gpu_pids | wc -l)"
     local mem_end; mem_end="$(gpu_mem_mib)"
     [ "$left" = 0 ] && [ "$gpu_left" = 0 ] && (( mem_end - mem0 < 512 )) \
@@ -450,7 +461,7 @@ run_rebalance() {
   local sup left gpu_left
   sup="$(record "$state" supervisor_pid)"
   "$PDCTL" down --state-dir "$state" > "$dir/down.log" 2>&1
-  sleep 3
+  wait_for 30 cluster_gone "$sup" || true
   left="$(cluster_pids "$sup" | wc -l)"; gpu_left="$(gpu_pids | wc -l)"
   [ "$left" = 0 ] && [ "$gpu_left" = 0 ] && pass "$case: down: no process, nothing on the GPU" \
     || fail "$case: after down: $left process(es), $gpu_left on the GPU"

@@ -34,6 +34,7 @@ import urllib.error
 import urllib.request
 
 EXTERNAL = ('vllm:prompt_tokens_by_source_total', 'source="external_kv_transfer"')
+FINISHED = ('vllm:request_success_total', '')
 
 
 def request(url, body=None, timeout=300, key=None):
@@ -66,6 +67,21 @@ def counter(base, name, label, key=None):
             except ValueError:
                 pass
     return total
+
+
+def counted_after(base, before, key=None, timeout_s=120):
+    """An engine's external KV counter once it has finished a request more than `before`
+    (its FINISHED count then): vLLM counts a prompt's tokens by source when it prefills it,
+    so the request answered since is in it. A condition, bounded, not a time: None when the
+    engine finished nothing more in `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while True:
+        done = counter(base, *FINISHED, key=key)
+        if done is not None and before is not None and done > before:
+            return counter(base, *EXTERNAL, key=key)
+        if time.monotonic() > end:
+            return None
+        time.sleep(0.2)
 
 
 def prompt(seed, words=300):
@@ -105,8 +121,9 @@ def answers(proxy, prefill, decode, model):
     for i in range(4):
         text = prompt(f"{seed}-{i}")
         before = counter(decode, *EXTERNAL, key=engine_key)
+        finished = counter(decode, *FINISHED, key=engine_key)
         st_p, via_proxy = completion(proxy, model, text, key=proxy_key)
-        after = counter(decode, *EXTERNAL, key=engine_key)
+        after = counted_after(decode, finished, key=engine_key) if st_p == 200 else None
         st_d, direct = completion(prefill, model, text, key=engine_key)
         if st_p != 200 or st_d != 200:
             check(False, f"completion {i}: proxy answered {st_p}, prefill {st_d}: "

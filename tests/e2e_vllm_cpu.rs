@@ -269,9 +269,9 @@ fn run_case(case: &Case) {
     let mut handoffs = Vec::new();
     for (i, (kind, route, stream)) in kinds.iter().enumerate() {
         let body = request_body(route, &prompt(case.name, kind, i), 16, *stream);
-        let before = rt.block_on(external_kv_tokens(&http, &decode));
+        let before = rt.block_on(decode_mark(&http, &decode));
         let via_proxy = rt.block_on(send(&http, &format!("{proxy}{route}"), &body));
-        let moved = rt.block_on(wait_for_more_kv(&http, &decode, before));
+        let moved = rt.block_on(kv_moved_since(&http, &decode, &before));
         assert!(
             moved >= 128.0 || !case.handoff_guaranteed,
             "{kind}: the decode instance took {moved} prompt tokens from the KV connector (want at \
@@ -310,7 +310,7 @@ fn run_case(case: &Case) {
 
     // The control: a fresh prompt sent straight to decode finds nothing to load, so the
     // counter above moves only when the prefill instance handed KV over.
-    let before = rt.block_on(external_kv_tokens(&http, &decode));
+    let before = rt.block_on(decode_mark(&http, &decode));
     let body = request_body(
         "/v1/completions",
         &prompt(case.name, "control", 0),
@@ -318,17 +318,15 @@ fn run_case(case: &Case) {
         false,
     );
     rt.block_on(send(&http, &format!("{decode}/v1/completions"), &body));
-    std::thread::sleep(Duration::from_secs(2));
-    let after = rt.block_on(external_kv_tokens(&http, &decode));
     assert_eq!(
-        after - before,
+        rt.block_on(kv_moved_since(&http, &decode, &before)),
         0.0,
         "a prompt no prefill instance saw was counted as loaded from the KV connector"
     );
 
     // The connector says so in the log too (decode's; the prefill's in push mode).
     let log_proof = rt.block_on(async {
-        let end = Instant::now() + Duration::from_secs(40);
+        let end = Instant::now() + Duration::from_secs(120);
         loop {
             let out = run(pdctl_in(&guard, &["logs", case.log_of]), 30);
             let log = String::from_utf8_lossy(&out.stdout).to_string();
@@ -369,11 +367,11 @@ fn run_case(case: &Case) {
             16,
             false,
         );
-        let before = rt.block_on(external_kv_tokens(&http, &decode));
+        let before = rt.block_on(decode_mark(&http, &decode));
         let a = rt.block_on(send(&http, &format!("{proxy}/v1/completions"), &p));
         proxied_ms.push(round1(a.ms));
         prompt_tokens.extend(a.prompt_tokens);
-        if rt.block_on(wait_for_more_kv(&http, &decode, before)) >= 128.0 {
+        if rt.block_on(kv_moved_since(&http, &decode, &before)) >= 128.0 {
             latency_handoffs += 1;
         }
     }
@@ -381,9 +379,10 @@ fn run_case(case: &Case) {
         latency_handoffs == LATENCY_SAMPLES || !case.handoff_guaranteed,
         "only {latency_handoffs} of {LATENCY_SAMPLES} proxied requests handed KV over"
     );
-    // The proxy finds silent recomputes from decode's own vLLM counters: with every
-    // handoff made, it must count none (it scrapes decode once per health interval).
-    std::thread::sleep(Duration::from_secs(3));
+    // The proxy counts a silent recompute per request, from decode's usage, by the time the
+    // answer is handed on (estimates from decode's counters go to another metric): every
+    // request here was answered, so the count is final. With every handoff made, it must
+    // count none.
     let misses = rt.block_on(async {
         let text = common::get_text(&format!("{proxy}/metrics")).await;
         metric_sum(&text, "pdctl_proxy_kv_handoff_misses_total", "").unwrap_or(0.0)
@@ -526,6 +525,13 @@ async fn proxy_misses(proxy: &str) -> f64 {
     metric_sum(&text, "pdctl_proxy_kv_handoff_misses_total", "").unwrap_or(0.0)
 }
 
+/// The proxy's count of KV handoff failures (decode failed a request it was handed KV
+/// for, or reported failed transfers), all reasons.
+async fn proxy_handoff_failures(proxy: &str) -> f64 {
+    let text = common::get_text(&format!("{proxy}/metrics")).await;
+    metric_sum(&text, "pdctl_proxy_kv_handoff_failures_total", "").unwrap_or(0.0)
+}
+
 /// The ExampleConnector's shared directory, from decode's `--kv-transfer-config`.
 fn shared_dir(plan: &Value) -> Option<PathBuf> {
     let decode = plan["services"]
@@ -656,8 +662,8 @@ async fn real_misses(
         );
         made.push((id, prompt_tokens));
     }
-    // Counted per request, named in the proxy's log: id, decode, tokens recomputed.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Counted per request (by the time each answer was handed on), named in the proxy's
+    // log: id, decode, tokens recomputed.
     let metrics = common::get_text(&format!("{proxy}/metrics")).await;
     let by_usage = metric_sum(
         &metrics,
@@ -674,8 +680,8 @@ async fn real_misses(
         made.len()
     );
     assert!(by_usage >= made.len() as f64, "{metrics}");
-    let out = run(pdctl_in(guard, &["logs", "proxy", "-n", "3000"]), 30);
-    let log = String::from_utf8_lossy(&out.stdout).to_string();
+    let ids: Vec<&str> = made.iter().map(|(id, _)| id.as_str()).collect();
+    let log = proxy_log_naming(guard, &ids);
     for (id, n) in &made {
         let line = log
             .lines()
@@ -697,6 +703,25 @@ async fn real_misses(
             .map(|(id, n)| json!({"request_id": id, "prompt_tokens": n}))
             .collect::<Vec<_>>()
     )
+}
+
+/// The proxy's log once it has a `KV handoff missed` line for each of `ids` (the proxy
+/// writes it as it counts the miss; the supervisor copies it into the log file a moment
+/// later): polled, bounded (60 s), then returned as it is for the caller's checks.
+fn proxy_log_naming(guard: &Running, ids: &[&str]) -> String {
+    let end = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = run(pdctl_in(guard, &["logs", "proxy", "-n", "5000"]), 30);
+        let log = String::from_utf8_lossy(&out.stdout).to_string();
+        let named = |id: &&str| {
+            log.lines()
+                .any(|l| l.contains("KV handoff missed") && l.contains(*id))
+        };
+        if ids.iter().all(named) || Instant::now() >= end {
+            return log;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }
 
 /// SIGKILLs decode's vLLM engine core (the process that holds the model and the KV): its
@@ -754,9 +779,10 @@ async fn kill_decode_engine_core_and_recover(
         16,
         false,
     );
-    let before = external_kv_tokens(http, decode).await;
+    let before = decode_mark(http, decode).await;
     let mut answer = None;
-    for _ in 0..30 {
+    let end = Instant::now() + Duration::from_secs(300);
+    while Instant::now() < end {
         let r = http
             .post(format!("{proxy}/v1/completions"))
             .json(&body)
@@ -771,7 +797,7 @@ async fn kill_decode_engine_core_and_recover(
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
     let answer = answer.expect("no answer through the proxy after decode's restart");
-    let moved = wait_for_more_kv(http, decode, before).await;
+    let moved = kv_moved_since(http, decode, &before).await;
     assert!(
         moved >= 128.0 || !case.handoff_guaranteed,
         "after decode's restart the handoff did not happen ({moved} tokens from the connector)"
@@ -1038,17 +1064,35 @@ async fn external_kv_tokens(http: &reqwest::Client, base: &str) -> f64 {
     })
 }
 
-/// How many more external-KV prompt tokens the decode instance counts than `before`, once
-/// the counter moved (metrics are published a moment after the answer) or 3 s passed.
-async fn wait_for_more_kv(http: &reqwest::Client, base: &str, before: f64) -> f64 {
-    let end = Instant::now() + Duration::from_secs(3);
-    loop {
-        let now = external_kv_tokens(http, base).await;
-        if now > before || Instant::now() >= end {
-            return now - before;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+/// Decode's counters before a request: its external-KV prompt tokens and the requests it
+/// has finished.
+struct DecodeMark {
+    kv: f64,
+    finished: f64,
+}
+
+async fn decode_mark(http: &reqwest::Client, base: &str) -> DecodeMark {
+    DecodeMark {
+        kv: external_kv_tokens(http, base).await,
+        finished: decode_gauge(http, base, "vllm:request_success_total").await,
     }
+}
+
+/// How many more external-KV prompt tokens the decode instance counts than at `before`,
+/// once it has finished a request more than then (`vllm:request_success_total`): the
+/// request sent since is counted by then, as vLLM counts a prompt's tokens by source when
+/// it prefills it. A condition rather than a time, so a handoff that did not happen is told
+/// from one counted late on a busy machine; bounded (120 s).
+async fn kv_moved_since(http: &reqwest::Client, base: &str, before: &DecodeMark) -> f64 {
+    let finished = common::eventually(Duration::from_secs(120), || async {
+        decode_gauge(http, base, "vllm:request_success_total").await > before.finished
+    })
+    .await;
+    assert!(
+        finished,
+        "{base} finished no request within 120 s of the one just answered (vllm:request_success_total)"
+    );
+    external_kv_tokens(http, base).await - before.kv
 }
 
 /// The sum of a Prometheus series' samples whose labels contain `labels`; None when the
@@ -1223,32 +1267,74 @@ fn run(mut cmd: Command, limit_s: u64) -> Output {
     }
 }
 
-/// Every live process whose environment carries `PDCTL_E2E_TAG=tag`: the supervisor and
-/// everything it started, down to vLLM's engine-core and worker processes.
+/// Every live process of the cluster tagged `tag`: those whose environment carries
+/// `PDCTL_E2E_TAG=tag` (the supervisor and everything it started), and their descendants.
+/// vLLM's `VLLM::EngineCore` and `VLLM::Worker` set their process title with setproctitle,
+/// which may write over the environment that /proc shows (seen with vLLM 0.32.0's CPU
+/// build: the tag gone, the area zeroed): they are found as children of the tagged.
 fn tagged_processes(tag: &str) -> Vec<(u32, String)> {
     let needle = format!("PDCTL_E2E_TAG={tag}");
-    let mut found = Vec::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
-        return found;
+        return Vec::new();
     };
-    for entry in dir.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        if environ.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()) {
-            let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            found.push((pid, cmd.chars().take(100).collect()));
+    // (pid, parent, tagged) of every process.
+    let all: Vec<(u32, Option<u32>, bool)> = dir
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_str()?.parse::<u32>().ok()?;
+            let environ = std::fs::read(entry.path().join("environ")).ok()?;
+            let tagged = environ.split(|b| *b == 0).any(|kv| kv == needle.as_bytes());
+            Some((pid, parent_of(pid), tagged))
+        })
+        .collect();
+    let mut of_cluster: std::collections::BTreeSet<u32> =
+        all.iter().filter(|p| p.2).map(|p| p.0).collect();
+    loop {
+        let more: Vec<u32> = all
+            .iter()
+            .filter(|(pid, parent, _)| {
+                !of_cluster.contains(pid) && parent.is_some_and(|p| of_cluster.contains(&p))
+            })
+            .map(|p| p.0)
+            .collect();
+        if more.is_empty() {
+            break;
         }
+        of_cluster.extend(more);
     }
-    found
+    of_cluster
+        .into_iter()
+        .filter_map(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            Some((pid, cmd.chars().take(100).collect()))
+        })
+        .collect()
+}
+
+#[test]
+fn a_cluster_process_is_found_by_its_tag_or_a_tagged_parent() {
+    // The child's environment is empty, as vLLM's engine core's can look from /proc.
+    let tag = format!("tag-test-{}", std::process::id());
+    let mut sh = Command::new("sh")
+        .args(["-c", "env -i sleep 60 & wait"])
+        .env("PDCTL_E2E_TAG", &tag)
+        .spawn()
+        .unwrap();
+    let both = common::wait_until(Duration::from_secs(10), || {
+        let found = tagged_processes(&tag);
+        found.len() == 2 && found.iter().any(|(_, cmd)| cmd.starts_with("sleep 60"))
+    });
+    let found = tagged_processes(&tag);
+    for (pid, _) in &found {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    sh.wait().unwrap();
+    assert!(both, "{found:?}");
+    assert!(tagged_processes("no-such-tag").is_empty());
 }
 
 // --- small things -----------------------------------------------------------------------------
@@ -1541,10 +1627,13 @@ fn vllm_cpu_misses_under_load_1p1d() {
         decode: format!("http://127.0.0.1:{decode_port}"),
     };
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let healthy = rt.block_on(load_phase(&engines, &clients, &urls, &plan, "healthy", 0));
+    let healthy = rt.block_on(load_phase(
+        &guard, &engines, &clients, &urls, &plan, "healthy", 0,
+    ));
     println!("[{}] healthy load: {healthy}", case.name);
     assert_eq!(healthy["proxy_counted"], 0.0, "false misses: {healthy}");
     let lossy = rt.block_on(load_phase(
+        &guard,
         &engines,
         &clients,
         &urls,
@@ -1669,20 +1758,149 @@ fn kv_folder(shared: &Path, tokens: &[u64]) -> PathBuf {
     shared.join(String::from_utf8(out.stdout).unwrap().trim())
 }
 
-/// Removes `folder` as soon as prefill has written every layer's file into it (the last
-/// file is then being written, and nothing more is added), before decode, which runs one
-/// request at a time behind the load, looks for it. True when it did.
-fn remove_when_stored(folder: PathBuf, layers: usize, until: Instant) -> bool {
-    while Instant::now() < until {
-        let files = std::fs::read_dir(&folder)
-            .map(|d| d.flatten().count())
-            .unwrap_or(0);
-        if files >= layers {
-            return std::fs::remove_dir_all(&folder).is_ok();
-        }
-        std::thread::sleep(Duration::from_millis(2));
+/// The ExampleConnector's file of one attention layer in a prompt's folder (vLLM names it
+/// after the layer: `model.layers.N.self_attn.attn`).
+fn layer_file(folder: &Path, layer: usize) -> PathBuf {
+    folder.join(format!("model.layers.{layer}.self_attn.attn.safetensors"))
+}
+
+/// Whether `file` is a whole safetensors file: as long as its header says (8 bytes of
+/// header length, the JSON header, then the data up to the largest end offset), so the
+/// writer is done with it.
+fn safetensors_whole(file: &Path) -> bool {
+    let Ok(bytes) = std::fs::read(file) else {
+        return false;
+    };
+    let Some(n) = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize)
+    else {
+        return false;
+    };
+    let Some(header) = bytes
+        .get(8..8 + n)
+        .and_then(|h| serde_json::from_slice::<Value>(h).ok())
+    else {
+        return false;
+    };
+    let end = header.as_object().and_then(|o| {
+        o.values()
+            .filter_map(|t| t["data_offsets"][1].as_u64())
+            .max()
+    });
+    end.is_some_and(|end| bytes.len() as u64 == 8 + n as u64 + end)
+}
+
+/// Removes `folder` once prefill has written every layer's whole file into it (a prompt is
+/// stored once, in the forward pass of its prefill, so nothing more is written there), and
+/// checks it is gone. True when it did before `until`.
+fn remove_when_stored(folder: &Path, layers: usize, until: Instant) -> bool {
+    let stored = || (0..layers).all(|l| safetensors_whole(&layer_file(folder, l)));
+    if !common::wait_until(until.saturating_duration_since(Instant::now()), stored) {
+        return false;
     }
-    false
+    std::fs::remove_dir_all(folder)
+        .unwrap_or_else(|e| panic!("removing {}: {e}", folder.display()));
+    !folder.exists()
+}
+
+/// Decode's engine core held stopped (SIGSTOP) until dropped (SIGCONT). Decode's scheduler
+/// runs in that process: while it is stopped, decode admits no request, so its KV connector
+/// looks for a prompt's KV only once the hold ends, whatever the machine's load. Its API
+/// server goes on accepting requests, which queue.
+struct DecodeHeld(nix::unistd::Pid);
+
+impl DecodeHeld {
+    /// Stops decode-0's engine core and waits (bounded) until every thread of it is stopped.
+    fn new(guard: &Running) -> DecodeHeld {
+        let pid = engine_core_of(guard, "decode-0");
+        let held = DecodeHeld(nix::unistd::Pid::from_raw(pid as i32));
+        nix::sys::signal::kill(held.0, nix::sys::signal::Signal::SIGSTOP)
+            .unwrap_or_else(|e| panic!("SIGSTOP decode's engine core {pid}: {e}"));
+        assert!(
+            common::wait_until(Duration::from_secs(60), || all_threads_stopped(pid)),
+            "decode's engine core (pid {pid}) did not stop within 60 s of SIGSTOP"
+        );
+        held
+    }
+}
+
+impl Drop for DecodeHeld {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGCONT);
+    }
+}
+
+/// Whether every thread of `pid` is stopped (state `T` in `/proc/PID/task/*/stat`).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    let states: Vec<Option<String>> = tasks
+        .flatten()
+        .map(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+            let after = &stat[stat.rfind(')')? + 1..];
+            after.split_whitespace().next().map(str::to_string)
+        })
+        .collect();
+    !states.is_empty() && states.iter().all(|s| s.as_deref() == Some("T"))
+}
+
+#[test]
+fn a_kv_file_is_whole_only_at_the_length_its_header_says() {
+    let dir = TempDir::new("e2e-safetensors");
+    let header = br#"{"__metadata__":{"format":"pt"},"kv_cache":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    bytes.extend_from_slice(&[0u8; 8]);
+    let f = dir.path().join("model.layers.0.self_attn.attn.safetensors");
+    std::fs::write(&f, &bytes).unwrap();
+    assert!(safetensors_whole(&f));
+    for cut in [bytes.len() - 1, 8 + header.len(), 5, 0] {
+        std::fs::write(&f, &bytes[..cut]).unwrap();
+        assert!(!safetensors_whole(&f), "{cut} bytes");
+    }
+    assert!(!safetensors_whole(&dir.path().join("absent.safetensors")));
+}
+
+#[test]
+fn a_stopped_process_is_seen_stopped_in_every_thread_until_continued() {
+    use nix::sys::signal::{Signal, kill};
+    let mut child = Command::new("sleep").arg("60").spawn().unwrap();
+    let (pid, raw) = (child.id(), nix::unistd::Pid::from_raw(child.id() as i32));
+    assert!(!all_threads_stopped(pid));
+    kill(raw, Signal::SIGSTOP).unwrap();
+    assert!(common::wait_until(Duration::from_secs(10), || {
+        all_threads_stopped(pid)
+    }));
+    kill(raw, Signal::SIGCONT).unwrap();
+    assert!(common::wait_until(Duration::from_secs(10), || {
+        !all_threads_stopped(pid)
+    }));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        !all_threads_stopped(pid),
+        "a process that is gone is not held"
+    );
+}
+
+/// The pid of `service`'s `VLLM::EngineCore` (the child of its API server).
+fn engine_core_of(guard: &Running, service: &str) -> u32 {
+    let out = run(pdctl_in(guard, &["status", "--json"]), 30);
+    let status: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    let api = status["services"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["name"] == service))
+        .and_then(|s| s["pid"].as_u64())
+        .unwrap_or_else(|| panic!("no pid of {service} in pdctl status:\n{}", text(&out)))
+        as u32;
+    tagged_processes(&guard.tag)
+        .into_iter()
+        .find(|(pid, cmd)| cmd.contains("EngineCore") && parent_of(*pid) == Some(api))
+        .unwrap_or_else(|| panic!("no VLLM::EngineCore process under {service} (pid {api})"))
+        .0
 }
 
 /// What the load clients did.
@@ -1751,10 +1969,13 @@ async fn load_client(
 }
 
 /// Steady streamed load without usage through the proxy, with `misses` requests among it
-/// whose KV files the test removes before decode loads them (each sent once the load
+/// whose KV files the test removes before decode looks for them (each sent once the load
 /// runs, checked counted as its stream ends). Checks decode's own counters agree: every
-/// load request handed its three blocks over, no target did. Returns the figures.
+/// load request handed its three blocks over, no target did; and that no handoff failed
+/// (a KV load that fails is a failure under `kv_load_failure_policy = "fail"`, never a
+/// miss). Returns the figures.
 async fn load_phase(
+    guard: &Running,
     engines: &reqwest::Client,
     clients: &reqwest::Client,
     urls: &LoadUrls,
@@ -1765,6 +1986,7 @@ async fn load_phase(
     use std::sync::atomic::Ordering::SeqCst;
     let shared = shared_dir(plan).expect("the ExampleConnector's shared_storage_path");
     let counted_before = proxy_misses(&urls.proxy).await;
+    let failed_before = proxy_handoff_failures(&urls.proxy).await;
     let kv_before = external_kv_tokens(engines, &urls.decode).await;
     let count = std::sync::Arc::new(LoadCount::default());
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -1782,10 +2004,12 @@ async fn load_phase(
             ))
         })
         .collect();
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    // The load runs (each client had a request through), and between two misses and after
+    // the last, more of it ends: the misses are among the load, not before or after it.
+    load_ran(&count, LOAD_CLIENTS as u64, "before the misses").await;
     let mut targets = Vec::new();
     for k in 0..misses {
-        targets.push(real_miss_under_load(engines, clients, urls, &shared, label, k).await);
+        targets.push(real_miss_under_load(guard, engines, clients, urls, &shared, label, k).await);
         let counted = proxy_misses(&urls.proxy).await - counted_before;
         assert_eq!(
             counted,
@@ -1793,9 +2017,9 @@ async fn load_phase(
             "the proxy counted {counted} misses once the stream of real miss {} ended",
             k + 1
         );
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        load_ran(&count, 1, &format!("after real miss {}", k + 1)).await;
     }
-    tokio::time::sleep(Duration::from_secs(20)).await;
+    load_ran(&count, 2 * LOAD_CLIENTS as u64, "after the misses").await;
     stop.store(true, SeqCst);
     for t in tasks {
         t.await.unwrap();
@@ -1805,9 +2029,11 @@ async fn load_phase(
     assert!(wrong.is_empty(), "streams not as asked: {wrong:?}");
     let completed = count.completed.load(SeqCst);
     assert!(completed >= 6, "too little load: {completed} requests");
-    // Decode's own counters, once settled: the load handed over, the targets did not.
+    // Decode's own counters: every stream has ended, so decode has counted every prompt
+    // (vLLM counts a prompt's tokens by source when it prefills it); waited for all the
+    // same, bounded, as the counter can only grow to what is due.
     let expected = count.expected_kv.load(SeqCst) as f64;
-    let end = Instant::now() + Duration::from_secs(15);
+    let end = Instant::now() + Duration::from_secs(60);
     let mut kv = external_kv_tokens(engines, &urls.decode).await - kv_before;
     while kv < expected && Instant::now() < end {
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -1817,21 +2043,47 @@ async fn load_phase(
         kv, expected,
         "decode took {kv} prompt tokens by handoff; the {completed} load requests bring {expected} and the {misses} real misses none"
     );
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Misses are counted per request as each stream ends (by decode's usage): all of them
+    // ended, so the count is final.
     let counted = proxy_misses(&urls.proxy).await - counted_before;
     assert_eq!(
         counted, misses as f64,
         "the proxy counted {counted} misses for the {misses} made among {completed} streamed requests"
     );
+    let failed = proxy_handoff_failures(&urls.proxy).await - failed_before;
+    assert_eq!(
+        failed, 0.0,
+        "the proxy counted {failed} KV handoff failures (a decode that failed a request it was handed KV for): none was made"
+    );
     json!({"load_clients": LOAD_CLIENTS, "load_s": round1(load_s),
         "load_requests_completed": completed, "decode_kv_tokens": kv,
-        "real_misses": targets, "proxy_counted": counted})
+        "real_misses": targets, "proxy_counted": counted, "proxy_failures_counted": failed})
 }
 
-/// One real miss under the load: the KV folder of a fresh prompt is removed as soon as
-/// prefill has stored it, while the request's decode leg waits behind the load; the
-/// request streams without usage through the proxy. Returns its id and prompt length.
+/// Waits (bounded) until `n` more load requests ended than had when called.
+async fn load_ran(count: &LoadCount, n: u64, what: &str) {
+    use std::sync::atomic::Ordering::SeqCst;
+    let ended = || count.completed.load(SeqCst) + count.wrong.lock().unwrap().len() as u64;
+    let from = ended();
+    let ran = common::eventually(Duration::from_secs(600), || async { ended() >= from + n }).await;
+    assert!(
+        ran,
+        "{what}: {n} more load requests did not end within 600 s: {:?}",
+        count.wrong.lock().unwrap()
+    );
+}
+
+/// One real miss under the load, a miss by vLLM's own test: the ExampleConnector's
+/// scheduler side loads a prompt's KV only if its folder exists when decode admits the
+/// request. Decode's engine core is held still ([`DecodeHeld`]); a fresh prompt streams
+/// without usage through the proxy; once its prefill has stored the prompt's folder whole,
+/// the test removes it, then lets decode go. The request's decode leg, queued behind the
+/// load's, can only be looked at after the folder is gone: decode finds nothing and
+/// computes the prompt, every time. (Removed while decode could look, the folder could be
+/// found and its files then be gone when the worker reads them: a failed KV load, not a
+/// miss, which is what the test once made by chance.) Returns its id and prompt length.
 async fn real_miss_under_load(
+    guard: &Running,
     engines: &reqwest::Client,
     clients: &reqwest::Client,
     urls: &LoadUrls,
@@ -1850,32 +2102,53 @@ async fn real_miss_under_load(
     };
     let folder = kv_folder(shared, &t);
     let layers = 2; // the tiny model's attention layers, one file each
-    let until = Instant::now() + Duration::from_secs(600);
-    let remover = tokio::task::spawn_blocking(move || remove_when_stored(folder, layers, until));
+    let held = DecodeHeld::new(guard);
     let body = json!({"model": "tiny-llama", "prompt": p, "max_tokens": 24,
         "temperature": 0, "stream": true});
-    let r = clients
-        .post(format!("{}/v1/completions", urls.proxy))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let id = r.headers()["x-request-id"].to_str().unwrap().to_string();
-    let raw = r.text().await.unwrap();
-    assert_eq!(not_as_asked(&raw), None, "real miss {k}");
+    let sent = {
+        let req = clients
+            .post(format!("{}/v1/completions", urls.proxy))
+            .json(&body);
+        tokio::spawn(async move { req.send().await })
+    };
+    let until = Instant::now() + Duration::from_secs(300);
+    let removed = {
+        let folder = folder.clone();
+        tokio::task::spawn_blocking(move || remove_when_stored(&folder, layers, until))
+            .await
+            .unwrap()
+    };
+    drop(held);
     assert!(
-        remover.await.unwrap(),
-        "real miss {k}: prefill never stored its KV folder"
+        removed,
+        "real miss {k}: prefill did not store {} whole within 300 s",
+        folder.display()
     );
+    let r = sent
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("real miss {k}: {e}"));
+    let status = r.status();
+    let id = r
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let raw = r.text().await.unwrap();
+    assert_eq!(status, 200, "real miss {k} ({id}): {raw}");
+    assert_eq!(not_as_asked(&raw), None, "real miss {k}");
     json!({"request_id": id, "prompt_tokens": t.len()})
 }
 
 /// Each real miss named in the proxy's log with its request id; returns how many.
 async fn misses_named(guard: &Running, lossy: &Value) -> usize {
-    let out = run(pdctl_in(guard, &["logs", "proxy", "-n", "5000"]), 30);
-    let log = String::from_utf8_lossy(&out.stdout).to_string();
     let made = lossy["real_misses"].as_array().unwrap();
+    let ids: Vec<&str> = made
+        .iter()
+        .map(|m| m["request_id"].as_str().unwrap())
+        .collect();
+    let log = proxy_log_naming(guard, &ids);
     for m in made {
         let id = m["request_id"].as_str().unwrap();
         let n = m["prompt_tokens"].as_u64().unwrap();
