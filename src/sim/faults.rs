@@ -31,6 +31,9 @@ pub struct FaultRequest {
     /// real hardware: the decode answers normally but recomputes the prompt, which only its
     /// counters and usage show (what silent-recompute detection must catch).
     pub fail_handoff_next: Option<u64>,
+    /// From now on `/health` answers 200 only after this many milliseconds (0: at once),
+    /// as a saturated vLLM's API server does, while requests are served as before.
+    pub health_delay_ms: Option<u64>,
     /// Forget every pending fault first.
     #[serde(default)]
     pub clear: bool,
@@ -51,6 +54,7 @@ pub struct Faults {
     unhealthy_until_ms: AtomicU64,
     stall_stream_after: AtomicU64,
     fail_handoff_next: AtomicU64,
+    health_delay_ms: AtomicU64,
     exit_after: Option<u64>,
     served: AtomicU64,
 }
@@ -71,6 +75,7 @@ impl Faults {
             unhealthy_until_ms: AtomicU64::new(0),
             stall_stream_after: AtomicU64::new(NONE),
             fail_handoff_next: AtomicU64::new(0),
+            health_delay_ms: AtomicU64::new(0),
             exit_after,
             served: AtomicU64::new(0),
         }
@@ -85,6 +90,10 @@ impl Faults {
             self.unhealthy_until_ms.store(0, Relaxed);
             self.stall_stream_after.store(NONE, Relaxed);
             self.fail_handoff_next.store(0, Relaxed);
+            self.health_delay_ms.store(0, Relaxed);
+        }
+        if let Some(ms) = req.health_delay_ms {
+            self.health_delay_ms.store(ms, Relaxed);
         }
         if let Some(n) = req.fail_next {
             self.fail_next.store(n, Relaxed);
@@ -137,6 +146,11 @@ impl Faults {
         now_ms >= self.unhealthy_until_ms.load(Relaxed)
     }
 
+    /// How long `/health` waits before it answers (`health_delay_ms`).
+    pub fn health_delay(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.health_delay_ms.load(Relaxed))
+    }
+
     /// Counts one served request; true when `--fault-exit-after` is reached by it.
     pub fn count_served(&self) -> bool {
         let Some(limit) = self.exit_after else {
@@ -154,6 +168,7 @@ impl Faults {
             "unhealthy_ms": self.unhealthy_until_ms.load(Relaxed).saturating_sub(now_ms),
             "stall_stream_after": (stall != NONE).then_some(stall),
             "fail_handoff_next": self.fail_handoff_next.load(Relaxed),
+            "health_delay_ms": self.health_delay_ms.load(Relaxed),
             "exit_after": self.exit_after,
             "served": self.served.load(Relaxed),
         })
