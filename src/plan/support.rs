@@ -329,8 +329,10 @@ pub(super) fn plan_proxy(
         config.display().to_string(),
     ];
     let url = format!("http://{host}:{}", p.port);
+    // Healthy once the pairs usable at its start have had their KV path warmed (for a
+    // connector whose handshake is lazy), so `up` shows that step and waits for it.
     let probe = Probe::Http {
-        url: format!("{url}/health"),
+        url: format!("{url}/health?warmed"),
         status: 200,
         body_contains: None,
     };
