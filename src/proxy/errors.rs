@@ -96,9 +96,9 @@ impl LegFailure {
             LegFailure::Body(_) => Some("reset"),
             LegFailure::Unreachable(_) => Some("unreachable"),
             LegFailure::Bootstrap { .. } => Some("handshake"),
-            LegFailure::Status { status, .. } if matches!(status, 502 | 503) => {
-                self.admission().is_none().then_some("unavailable")
-            }
+            LegFailure::Status {
+                status: 502 | 503, ..
+            } => self.admission().is_none().then_some("unavailable"),
             _ => None,
         }
     }

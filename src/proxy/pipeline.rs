@@ -502,7 +502,16 @@ async fn choose(
         };
         let pools = proxy.pools.snapshot();
         let pool = pools.of(leg);
-        let warming = proxy.warmup.pending() && pool.iter().any(|i| i.is_usable());
+        // Usable instances kept out only by the warm-up: wait while a pair may still be
+        // warmed (one warming, due again, or an instance of the other leg coming or in).
+        let other = pools.of(match leg {
+            Leg::Prefill => Leg::Decode,
+            Leg::Decode => Leg::Prefill,
+        });
+        let warming = proxy.warmup.needed()
+            && pool.iter().any(|i| i.is_usable())
+            && (proxy.warmup.pending()
+                || other.iter().any(|i| i.is_usable() || i.is_coming_back()));
         let awaited = match pool.iter().find(|i| i.is_coming_back()) {
             Some(i) => i.url.clone(),
             None if warming => "a pair whose KV path is being warmed up".to_string(),
