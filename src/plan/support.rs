@@ -402,6 +402,7 @@ fn proxy_args(
         prefill_policy: p.prefill_policy,
         decode_policy: p.decode_policy,
         scrape_metrics: p.scrape_metrics,
+        no_warmup: false,
         rate_limit: p.rate_limit,
         max_concurrent: p.max_concurrent,
         queue_size: p.queue_size,
