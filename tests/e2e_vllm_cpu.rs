@@ -2147,9 +2147,29 @@ fn vllm_cpu_two_nodes_nixl() {
     let key = run(on_head(&["secret", "--engine-key"]), 30);
     assert!(key.status.success(), "{}", text(&key));
     let key = String::from_utf8(key.stdout).unwrap().trim().to_string();
-    let proxy = format!("http://{}:{proxy_port}", pair.addr_a);
-    let prefill = format!("http://{}:{prefill_port}", pair.addr_a);
-    let decode = format!("http://{}:{decode_port}", pair.addr_b);
+    // Where each listens, as the head's status says (prefill's API only on the head's
+    // loopback: nothing but the proxy there needs it).
+    let status = run(on_head(&["status", "--json"]), 30);
+    let status: Value = serde_json::from_slice(&status.stdout)
+        .unwrap_or_else(|e| panic!("status --json: {e}: {}", text(&status)));
+    let url_of = |name: &str| -> String {
+        status["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == name)
+            .and_then(|s| s["url"].as_str())
+            .unwrap_or_else(|| panic!("no url for {name} in {status}"))
+            .to_string()
+    };
+    let proxy = url_of("proxy");
+    let prefill = url_of("prefill-0");
+    let decode = url_of("decode-0");
+    assert!(
+        decode.contains(&pair.addr_b) && decode.ends_with(&decode_port.to_string()),
+        "{decode}"
+    );
+    let _ = (prefill_port, proxy_port);
 
     // Everything below talks from the head's namespace.
     let (first8, streamed, healthy_drops) = {
