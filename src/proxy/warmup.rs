@@ -29,6 +29,9 @@ const TICK: Duration = Duration::from_millis(200);
 /// How long one warm-up (both legs) may take: a first NIXL handshake on a busy CPU engine
 /// takes seconds, vLLM gives up on it after its own timeout.
 const WARM_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long `/health?warmed` waits for the first warm-ups: well inside the 30 s the
+/// supervisor gives the proxy to be ready.
+const SETTLE_WITHIN: Duration = Duration::from_secs(20);
 /// Backoff after a failed warm-up: 1 s, doubling, at most 30 s.
 const BACKOFF_FIRST: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
@@ -201,6 +204,7 @@ pub fn start(p: Arc<Proxy>) {
         return;
     }
     tokio::spawn(async move {
+        let began = Instant::now();
         let mut first_round: Option<Vec<(String, String)>> = None;
         loop {
             let started = tick(&p);
@@ -210,7 +214,16 @@ pub fn start(p: Arc<Proxy>) {
                 let done = round
                     .iter()
                     .all(|k| !matches!(pairs.get(k), Some(PairState::Warming { .. })));
-                if done {
+                // The supervisor gives the proxy 30 s to be ready: a first warm-up still on
+                // its way then (a busy CPU engine's first forward pass) goes on, and routing
+                // still waits for it, but the proxy says it is ready.
+                if !done && began.elapsed() >= SETTLE_WITHIN {
+                    tracing::info!(
+                        "the first KV path warm-ups are still on their way after {} s: ready all the same; requests wait for a warmed pair",
+                        SETTLE_WITHIN.as_secs()
+                    );
+                }
+                if done || began.elapsed() >= SETTLE_WITHIN {
                     p.warmup.settled.store(true, Ordering::Relaxed);
                 }
             }
