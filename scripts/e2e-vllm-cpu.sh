@@ -14,7 +14,11 @@
 #                misses made under steady streamed load, counted one for one),
 #                rebalance (the [rebalance] advisor reading real vLLM's figures),
 #                fetch (the model as a hub id a stand-in hub serves: `up` fetches it
-#                first, then the engines load it offline) or
+#                first, then the engines load it offline),
+#                two-nodes (two network namespaces as two machines, ONE `pdctl up` on the
+#                head starting the worker over ssh, NIXL across the link: the first 8
+#                requests after up, 60 s of 8 streaming clients; needs root, iproute2 and
+#                openssh-server) or
 #                gpu-script (scripts/e2e-vllm-gpu.sh --cpu: the GPU script's own cases,
 #                its rebalance case too, rehearsed on the CPU build, so its logic is run
 #                where there is no GPU)
@@ -34,10 +38,10 @@ MODEL=""
 VENV=""
 while (($#)); do
   case "$1" in
-    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance, fetch, gpu-script}"; shift 2 ;;
+    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance, fetch, two-nodes, gpu-script}"; shift 2 ;;
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
     --venv) VENV="${2:?--venv needs a directory}"; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e-vllm-cpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -51,8 +55,9 @@ case "$ONLY" in
   misses-load) FILTER="vllm_cpu_misses_under_load_1p1d" ;;
   rebalance) FILTER="vllm_cpu_rebalance_reads_real_figures_1p1d" ;;
   fetch) FILTER="vllm_cpu_fetches_the_model_first_1p1d" ;;
+  two-nodes) FILTER="vllm_cpu_two_nodes_nixl" ;;
   gpu-script) FILTER="" ;;
-  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance, fetch or gpu-script, not '$ONLY'" >&2; exit 2 ;;
+  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance, fetch, two-nodes or gpu-script, not '$ONLY'" >&2; exit 2 ;;
 esac
 
 step() { printf '\n==> %s\n' "$*"; }

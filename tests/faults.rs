@@ -187,3 +187,143 @@ async fn down_during_streams_ends_each_with_an_error_event_and_done() {
         "down left the cluster running"
     );
 }
+
+/// A decode whose /health takes 3 s while it serves (a saturated vLLM's API server does
+/// that) is busy, not dead: under 20 s of streaming load it stays in rotation, the
+/// supervisor keeps it healthy, every stream completes, and no log says it left rotation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_decode_whose_health_takes_3_s_stays_in_rotation_and_its_streams_complete() {
+    let (cluster, _topology, url) = up_1p1d("slowh", "[engine.sim]\nitl_ms = 20.0\n");
+    let r = cluster.status(&[]).expect("the cluster runs");
+    let decode = suph::svc(&r, "decode-0").port.expect("decode's port");
+    let proxy = url.trim_end_matches("/v1/completions").to_string();
+    let key = cluster.engine_key();
+    let status = suph::post_json_with_key(
+        decode,
+        "/sim/fault",
+        r#"{"health_delay_ms": 3000}"#,
+        Some(&key),
+    );
+    assert_eq!(status, 200);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let healthy = "pdctl_proxy_instance_healthy{leg=\"decode\"";
+    let end = Instant::now() + Duration::from_secs(20);
+    let mut workers = Vec::new();
+    for w in 0..4 {
+        let (client, url) = (client.clone(), url.clone());
+        workers.push(tokio::spawn(async move {
+            let mut done = Vec::new();
+            let mut i = 0;
+            while Instant::now() < end {
+                i += 1;
+                let body = json!({"model": "sim-model", "prompt": format!("slow health {w} {i}"), "max_tokens": 40, "stream": true});
+                let outcome = match client.post(&url).json(&body).send().await {
+                    Ok(r) if r.status() == 200 => r.text().await.map_or_else(
+                        |e| format!("broke off: {e}"),
+                        |t| {
+                            if t.contains("\"error\"") || !t.trim_end().ends_with("data: [DONE]") {
+                                format!("bad stream: {t}")
+                            } else {
+                                "ok".to_string()
+                            }
+                        },
+                    ),
+                    Ok(r) => format!("status {}: {}", r.status(), r.text().await.unwrap_or_default()),
+                    Err(e) => format!("no answer: {e}"),
+                };
+                done.push(outcome);
+            }
+            done
+        }));
+    }
+    // Meanwhile the proxy keeps the decode in rotation and the supervisor calls it healthy.
+    let mut out_of_rotation = Vec::new();
+    while Instant::now() < end {
+        let page = client
+            .get(format!("{proxy}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let line = page
+            .lines()
+            .find(|l| l.starts_with(healthy))
+            .unwrap_or_default()
+            .to_string();
+        if !line.ends_with(" 1") {
+            out_of_rotation.push(line);
+        }
+        let r = cluster.status(&[]).expect("the cluster runs");
+        let state = suph::svc(&r, "decode-0").state;
+        if state != ServiceState::Healthy {
+            out_of_rotation.push(format!("status says decode-0 is {state}"));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let mut outcomes = Vec::new();
+    for w in workers {
+        outcomes.extend(w.await.unwrap());
+    }
+    let logs = cluster.run(&["logs", "proxy", "-n", "500"]);
+    let logs = String::from_utf8_lossy(&logs.stdout).to_string();
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let failed: Vec<&String> = outcomes.iter().filter(|o| *o != "ok").collect();
+    assert!(outcomes.len() >= 8, "the load ran: {outcomes:?}");
+    assert!(
+        failed.is_empty(),
+        "{} of {} failed: {failed:?}",
+        failed.len(),
+        outcomes.len()
+    );
+    assert!(out_of_rotation.is_empty(), "{out_of_rotation:?}");
+    for said in ["taken out of rotation", "unreachable", "cut off"] {
+        assert!(!logs.contains(said), "the proxy said `{said}`:\n{logs}");
+    }
+}
+
+/// NIXL (sim) whose decode fails its first KV handshake, under kv_load_failure_policy
+/// "fail": the proxy's warm-up of the pair meets the failure, keeps the pair out of
+/// routing and tries again, so the first client request after `up` is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_first_request_after_up_succeeds_when_the_first_nixl_handshake_fails() {
+    let (t, port) = suph::sim_topology(
+        "f-hs",
+        "nixl",
+        1,
+        1,
+        "args = [\"--fault-first-handshake-fails\", \"--kv-load-failure-policy\", \"fail\"]",
+    );
+    let cluster = Cluster::new("fhs");
+    let dir = TempDir::new("fhs-topo");
+    cluster.up_topology(dir.path(), &t);
+    let url = format!("http://127.0.0.1:{port}/v1/completions");
+    let body = json!({"model": "sim-model", "prompt": "the very first request", "max_tokens": 8});
+    let resp = reqwest::Client::new()
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status();
+    let answer: Value = resp.json().await.unwrap_or(Value::Null);
+    let logs = cluster.run(&["logs", "proxy", "-n", "500"]);
+    let logs = String::from_utf8_lossy(&logs.stdout).to_string();
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(status, 200, "{answer}\n{logs}");
+    assert!(answer["choices"][0]["text"].is_string(), "{answer}");
+    assert!(
+        logs.contains("warm-up of pair"),
+        "the failed warm-up is logged:\n{logs}"
+    );
+    assert!(
+        logs.contains("warmed in"),
+        "the second warm-up made it:\n{logs}"
+    );
+}

@@ -344,8 +344,9 @@ fn scale_and_apply_under_load_fail_no_request() {
 }
 
 /// A decode instance killed with SIGKILL while `scale` drains it: the streams it carried
-/// end with the proxy's error naming the decode leg, nothing hangs, `scale` says what
-/// happened and finishes, and `status` shows the one decode instance left.
+/// end with the proxy's error naming the decode leg, the whole answers it carried (nothing
+/// sent yet) are redone on the decode left, nothing hangs, `scale` says what happened and
+/// finishes, and `status` shows the one decode instance left.
 #[test]
 fn an_instance_killed_while_draining_fails_only_its_requests_and_scale_finishes() {
     let (cluster, dir, _, port) = up_sim(
@@ -394,9 +395,11 @@ fn an_instance_killed_while_draining_fails_only_its_requests_and_scale_finishes(
     let (whole_completed, whole_failed) = finished(whole, &whole_json);
     let w: Value = serde_json::from_str(&std::fs::read_to_string(&whole_json).unwrap()).unwrap();
     assert_eq!(whole_completed + whole_failed, 8);
-    assert!(
-        whole_failed >= 1,
-        "the killed instance carried whole answers: {w}"
+    // A whole answer sends its client nothing before decode has finished: those the killed
+    // instance carried are redone once on the decode left, so none fails.
+    assert_eq!(
+        whole_failed, 0,
+        "whole answers are redone on the decode left: {w}"
     );
     for errors in [
         v["errors"].as_object().unwrap(),

@@ -1722,6 +1722,29 @@ fn kv_load_failure_policy_and_nixl_push_are_planned_where_vllm_has_them() {
     );
 }
 
+/// NixlConnector (pull) roles per vLLM version, as the planned commands carry them: kv_both
+/// up to 0.22.1; from 0.23.0 (which warns that kv_both is deprecated for NIXL) prefill
+/// kv_producer and decode kv_consumer, with the same nixl proxy protocol.
+#[test]
+fn nixl_pull_roles_are_planned_per_vllm_version() {
+    let text = "[model]\nname = \"/m\"\n[engine]\nkind = \"vllm\"\n[connector]\nkind = \"nixl\"\n";
+    for (version, prefill, decode) in [
+        ("0.13.0", "kv_both", "kv_both"),
+        ("0.22.1", "kv_both", "kv_both"),
+        ("0.23.0", "kv_producer", "kv_consumer"),
+        ("0.32.0", "kv_producer", "kv_consumer"),
+    ] {
+        let plan = try_plan_text(text, version, 2).unwrap();
+        let v = serde_json::to_value(&plan).unwrap();
+        assert_eq!(v["protocol"], "nixl", "{version}");
+        for (role, want) in [("prefill", prefill), ("decode", decode)] {
+            let kv = kv_config(services(&v, role)[0]);
+            assert_eq!(kv["kv_connector"], "NixlConnector", "{version} {role}");
+            assert_eq!(kv["kv_role"], want, "{version} {role}");
+        }
+    }
+}
+
 /// Every address a service of `plan` binds, as its command line, environment and
 /// generated files say, with what says it.
 fn binds(svc: &pdctl::vocab::Service) -> Vec<(String, String)> {

@@ -409,7 +409,15 @@ async fn mooncake_prefill_failure_cancels_the_waiting_decode_and_answers_an_erro
         msg.contains(&format!("http://127.0.0.1:{boot}/query")),
         "{msg}"
     );
-    assert_eq!(p.state.bootstrap_queries.load(Ordering::SeqCst), 2);
+    // One query for the request before, one for this one, one for its redo (a handshake
+    // that failed before any byte reached the client is redone once).
+    assert_eq!(p.state.bootstrap_queries.load(Ordering::SeqCst), 3);
+    assert_eq!(
+        proxy
+            .metric("pdctl_proxy_requests_redone_total{reason=\"handshake\"}")
+            .await,
+        1.0
+    );
 }
 
 /// Mooncake sends decode at once; when decode streams before prefill has answered and
@@ -1840,11 +1848,13 @@ async fn a_stream_whose_decode_is_cut_off_ends_with_an_error_event_then_done() {
     assert!(eventually(WAIT, || async { d.cancelled() == 1 }).await);
 }
 
-/// Without a supervisor, a decode whose health probes go unanswered (a machine cut off,
-/// not one answering 503) is unreachable: a non-streamed request hanging on it is retried
-/// on the other decode within seconds, far inside the first-byte and total timeouts.
+/// Without a supervisor, a decode whose /health hangs while its port still takes TCP
+/// connections is busy, not cut off (a saturated vLLM's /health is slow): the leg waiting on
+/// it is neither ended nor redone elsewhere, and nothing calls it unreachable. (Where the port
+/// takes no connection either, the instance is unreachable and its legs end: the partition
+/// tests cut a link for that.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn standalone_a_decode_whose_probes_go_unanswered_loses_its_legs() {
+async fn standalone_a_decode_whose_health_hangs_but_takes_connections_keeps_its_legs() {
     let p = FakeEngine::start("P").await;
     let (d1, d2) = (FakeEngine::start("D1").await, FakeEngine::start("D2").await);
     d1.behave(Behavior::Hang);
@@ -1855,26 +1865,27 @@ async fn standalone_a_decode_whose_probes_go_unanswered_loses_its_legs() {
         &["--health-interval-ms", "200"],
     ))
     .await;
-    let started = std::time::Instant::now();
     let waiting = tokio::spawn({
         let url = proxy.url.clone();
         async move {
-            let resp = client()
+            client()
                 .post(format!("{url}/v1/completions"))
                 .json(&completion("x"))
                 .send()
                 .await
-                .unwrap();
-            (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
         }
     });
     assert!(eventually(WAIT, || async { d1.count() == 1 }).await);
     d2.set_health(200);
     d1.set_health(0);
-    let (status, answer) = waiting.await.unwrap();
-    assert_eq!(status, 200, "{answer}");
-    assert_eq!(answer["served_by"], "D2", "{answer}");
-    assert!(started.elapsed() < Duration::from_secs(10));
-    assert_eq!(p.count(), 2, "prefill redone");
-    assert!(proxy.log().contains("health probes go unanswered"));
+    // Several probe intervals (a wait for nothing to happen: no condition ends it sooner).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !waiting.is_finished(),
+        "the leg on the busy decode was ended"
+    );
+    assert_eq!(p.count(), 1, "prefill not redone");
+    assert_eq!(d2.count(), 0, "not redone on the other decode");
+    assert!(!proxy.log().contains("unreachable"), "{}", proxy.log());
+    waiting.abort();
 }

@@ -91,10 +91,12 @@ async fn three_requests(proxy: &ProxyProcess, tag: &str) {
     assert!(common::chat_text(&answer).len() > 1, "{answer}");
 }
 
-async fn assert_three_handoffs(p: &SimProc, d: &SimProc, proxy: &ProxyProcess) {
+/// Three handoffs of the test's requests, and `warmups` of the proxy's warm-up of the pair
+/// (1 for the NIXL protocols, whose handshake is lazy; 0 for the others).
+async fn assert_three_handoffs(p: &SimProc, d: &SimProc, proxy: &ProxyProcess, warmups: f64) {
     assert_eq!(
         d.metric("pdctl_sim_kv_handoffs_received_total").await,
-        3.0,
+        3.0 + warmups,
         "{}",
         d.log()
     );
@@ -104,7 +106,10 @@ async fn assert_three_handoffs(p: &SimProc, d: &SimProc, proxy: &ProxyProcess) {
         "{}",
         d.log()
     );
-    assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 3.0);
+    assert_eq!(
+        p.metric("pdctl_sim_kv_handoffs_sent_total").await,
+        3.0 + warmups
+    );
     let metrics = proxy.metrics().await;
     assert!(
         !metrics.contains("pdctl_proxy_kv_handoff_misses_total{"),
@@ -120,7 +125,7 @@ async fn two_step_over_a_shared_dir_makes_the_decode_sim_load_the_kv() {
     let d = start_sim("decode", "shared-dir", &["--kv-dir", &kv]).await;
     let proxy = ProxyProcess::start(&args(&[&p], &[&d], &[])).await;
     three_requests(&proxy, "twostep").await;
-    assert_three_handoffs(&p, &d, &proxy).await;
+    assert_three_handoffs(&p, &d, &proxy, 0.0).await;
 }
 
 /// Misses estimated from decode's counters, for legs no answer judged (kept apart from the
@@ -153,8 +158,41 @@ async fn wait_watched(proxy: &ProxyProcess, d: &SimProc) {
     );
 }
 
-/// A nixl pair and a proxy that scrapes the decode every 100 ms, its baseline taken.
-async fn nixl_pair() -> (SimProc, SimProc, ProxyProcess) {
+/// What the pair's warm-up left on the decode sim's by-source counters, and in the proxy's
+/// view of them: the tests' own requests count from here.
+struct Base {
+    local: f64,
+    external: f64,
+}
+
+/// Waits until the proxy has warmed the pair's KV path (one request through both sims)
+/// and has read the decode's counters after it; what they say then.
+async fn warmed(proxy: &ProxyProcess, d: &SimProc) -> Base {
+    let ready = eventually(WAIT, || async {
+        let v = common::get_json(&format!("{}/health?ready", proxy.url)).await;
+        v["pairs"]
+            .as_array()
+            .is_some_and(|ps| ps.iter().any(|p| p["state"] == "ready"))
+    })
+    .await;
+    assert!(ready, "the pair was never warmed:\n{}", proxy.log());
+    let base = Base {
+        local: d.prompt_tokens("local_compute").await,
+        external: d.prompt_tokens("external_kv_transfer").await,
+    };
+    assert!(base.external > 0.0, "the warm-up handed KV over");
+    let seen = eventually(WAIT, || async {
+        proxy_seen(proxy, d, "local_compute").await == base.local
+            && proxy_seen(proxy, d, "external_kv_transfer").await == base.external
+    })
+    .await;
+    assert!(seen, "the proxy never read the counters after the warm-up");
+    base
+}
+
+/// A nixl pair and a proxy that scrapes the decode every 100 ms, its baseline taken and
+/// the pair warmed.
+async fn nixl_pair() -> (SimProc, SimProc, ProxyProcess, Base) {
     let p = start_sim("prefill", "nixl", &[]).await;
     let d = start_sim("decode", "nixl", &[]).await;
     let proxy = ProxyProcess::start(&args(
@@ -164,7 +202,8 @@ async fn nixl_pair() -> (SimProc, SimProc, ProxyProcess) {
     ))
     .await;
     wait_watched(&proxy, &d).await;
-    (p, d, proxy)
+    let base = warmed(&proxy, &d).await;
+    (p, d, proxy, base)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -208,7 +247,7 @@ async fn a_recompute_only_the_decode_sim_knows_of_still_shows_in_the_proxy() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn working_handoffs_leave_misses_at_zero_and_the_prompt_arrives_by_kv_transfer() {
-    let (_p, d, proxy) = nixl_pair().await;
+    let (_p, d, proxy, base) = nixl_pair().await;
     // 70-token prompts: 4 full blocks (64 tokens) are handed off, 6 tokens computed.
     let mut stream_usage = completion(&prompt_of(70, "oka"), true);
     stream_usage["stream_options"] = json!({"include_usage": true});
@@ -221,11 +260,17 @@ async fn working_handoffs_leave_misses_at_zero_and_the_prompt_arrives_by_kv_tran
         assert_eq!(resp.status(), 200);
         resp.bytes().await.unwrap();
     }
-    assert_eq!(d.prompt_tokens("external_kv_transfer").await, 3.0 * 64.0);
-    assert_eq!(d.prompt_tokens("local_compute").await, 3.0 * 6.0);
+    assert_eq!(
+        d.prompt_tokens("external_kv_transfer").await - base.external,
+        3.0 * 64.0
+    );
+    assert_eq!(
+        d.prompt_tokens("local_compute").await - base.local,
+        3.0 * 6.0
+    );
     assert!(
         eventually(WAIT, || async {
-            proxy_seen(&proxy, &d, "external_kv_transfer").await == 3.0 * 64.0
+            proxy_seen(&proxy, &d, "external_kv_transfer").await - base.external == 3.0 * 64.0
         })
         .await,
         "{}",
@@ -252,7 +297,7 @@ async fn working_handoffs_leave_misses_at_zero_and_the_prompt_arrives_by_kv_tran
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_handoff_on_a_stream_without_usage_is_found_in_the_decode_counters() {
-    let (p, d, proxy) = nixl_pair().await;
+    let (p, d, proxy, base) = nixl_pair().await;
     let (s, _) = d.post("/sim/fault", &json!({"fail_handoff_next": 1})).await;
     assert_eq!(s, 200);
     let resp = complete(&proxy, &prompt_of(70, "lost"), true).await;
@@ -267,8 +312,9 @@ async fn a_lost_handoff_on_a_stream_without_usage_is_found_in_the_decode_counter
         events.iter().all(|e| !e.contains("\"choices\":[]")),
         "the usage chunk the proxy asked decode for is not the client's: {events:?}"
     );
-    assert_eq!(d.prompt_tokens("local_compute").await, 70.0);
-    assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 1.0);
+    assert_eq!(d.prompt_tokens("local_compute").await - base.local, 70.0);
+    // The warm-up's handoff, then this one.
+    assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 2.0);
     proxy.wait_metric(ESTIMATED, 1.0).await;
     assert_eq!(
         proxy
@@ -276,7 +322,10 @@ async fn a_lost_handoff_on_a_stream_without_usage_is_found_in_the_decode_counter
             .await,
         70.0 - 16.0
     );
-    assert_eq!(proxy_seen(&proxy, &d, "local_compute").await, 70.0);
+    assert_eq!(
+        proxy_seen(&proxy, &d, "local_compute").await - base.local,
+        70.0
+    );
     assert!(
         proxy
             .log()
@@ -288,7 +337,7 @@ async fn a_lost_handoff_on_a_stream_without_usage_is_found_in_the_decode_counter
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_handoff_shows_in_the_decode_answer_usage_once_and_names_the_request() {
-    let (_p, d, proxy) = nixl_pair().await;
+    let (_p, d, proxy, base) = nixl_pair().await;
     // A working handoff first: the decode is seen to report cached_tokens (64 of 70).
     let resp = complete(&proxy, &prompt_of(70, "first"), false).await;
     let answer: Value = resp.json().await.unwrap();
@@ -332,7 +381,7 @@ async fn a_lost_handoff_shows_in_the_decode_answer_usage_once_and_names_the_requ
     // count the request a second time.
     assert!(
         eventually(WAIT, || async {
-            proxy_seen(&proxy, &d, "local_compute").await == 6.0 + 70.0
+            proxy_seen(&proxy, &d, "local_compute").await - base.local == 6.0 + 70.0
         })
         .await
     );
@@ -353,7 +402,7 @@ async fn nixl_params_from_the_prefill_sim_let_the_decode_sim_pull_the_kv() {
     let d = start_sim("decode", "nixl", &[]).await;
     let proxy = ProxyProcess::start(&args(&[&p], &[&d], &["--protocol", "nixl"])).await;
     three_requests(&proxy, "nixl").await;
-    assert_three_handoffs(&p, &d, &proxy).await;
+    assert_three_handoffs(&p, &d, &proxy, 1.0).await;
     assert_eq!(
         p.metric("pdctl_sim_kv_blocks_held").await,
         0.0,
@@ -373,7 +422,7 @@ async fn mooncake_transfer_ids_let_the_decode_sim_receive_the_push() {
     ))
     .await;
     three_requests(&proxy, "mooncake").await;
-    assert_three_handoffs(&p, &d, &proxy).await;
+    assert_three_handoffs(&p, &d, &proxy, 0.0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -516,13 +565,17 @@ async fn a_failing_prefill_sim_is_a_json_error_and_a_killed_decode_sim_an_error_
 
 const KV_LOAD_FAILED: &str =
     "pdctl_proxy_kv_handoff_failures_total{reason=\"decode_failed_the_request\"}";
+const REDONE_KV_LOAD: &str = "pdctl_proxy_requests_redone_total{reason=\"kv_load_failed\"}";
 const ENGINE_FAILED: &str =
     "pdctl_proxy_kv_handoff_failures_total{reason=\"engine_reported_failed_transfers\"}";
 
 /// Under kv_load_failure_policy "fail" a lost handoff fails the request on the decode sim
-/// (as vLLM: a bare "Internal server error"); the client gets an error naming the decode
-/// leg, the instance and the KV load, whole or streamed, and the failure counters rise (the
-/// one the proxy saw, and the one from the decode's vllm:nixl_num_failed_transfers).
+/// (as vLLM: a bare "Internal server error"). Nothing had reached the client, so the proxy
+/// redoes the request once (the only pair again) and the client gets its answer, the redo
+/// counted by reason; when the redo loses its handoff too, the client gets an error naming
+/// the decode leg, the instance and the KV load, whole or streamed, and the failure
+/// counters rise (the one the proxy saw, and the one from the decode's
+/// vllm:nixl_num_failed_transfers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_the_fail_policy_a_lost_handoff_reaches_the_client_as_a_kv_load_error() {
     let fail = ["--kv-load-failure-policy", "fail"];
@@ -536,7 +589,20 @@ async fn under_the_fail_policy_a_lost_handoff_reaches_the_client_as_a_kv_load_er
     let resp = complete(&proxy, &prompt_of(70, "fine"), false).await;
     assert_eq!(resp.status(), 200);
 
+    // One lost handoff: redone once, answered.
     d.post("/sim/fault", &json!({"fail_handoff_next": 1})).await;
+    let resp = complete(&proxy, &prompt_of(70, "lost-once"), false).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(proxy.metric(KV_LOAD_FAILED).await, 1.0);
+    assert_eq!(proxy.metric(REDONE_KV_LOAD).await, 1.0);
+    assert!(
+        proxy.log().contains("request redone once (kv_load_failed)"),
+        "{}",
+        proxy.log()
+    );
+
+    // Two in a row: the redo fails too, and the client is told why.
+    d.post("/sim/fault", &json!({"fail_handoff_next": 2})).await;
     let resp = complete(&proxy, &prompt_of(70, "lost-whole"), false).await;
     assert_eq!(resp.status(), 502);
     let err: Value = resp.json().await.unwrap();
@@ -548,9 +614,10 @@ async fn under_the_fail_policy_a_lost_handoff_reaches_the_client_as_a_kv_load_er
         msg.contains("KV load failed") && msg.contains(&d.base),
         "{msg}"
     );
-    assert_eq!(proxy.metric(KV_LOAD_FAILED).await, 1.0);
+    assert_eq!(proxy.metric(KV_LOAD_FAILED).await, 3.0);
+    assert_eq!(proxy.metric(REDONE_KV_LOAD).await, 2.0);
 
-    d.post("/sim/fault", &json!({"fail_handoff_next": 1})).await;
+    d.post("/sim/fault", &json!({"fail_handoff_next": 2})).await;
     let resp = complete(&proxy, &prompt_of(70, "lost-stream"), true).await;
     assert_eq!(
         resp.status(),
@@ -559,9 +626,9 @@ async fn under_the_fail_policy_a_lost_handoff_reaches_the_client_as_a_kv_load_er
     );
     let err: Value = resp.json().await.unwrap();
     assert_eq!(err["error"]["type"], "kv_load_error", "{err}");
-    assert_eq!(proxy.metric(KV_LOAD_FAILED).await, 2.0);
-    assert_eq!(d.metric("pdctl_sim_kv_load_failures_total").await, 2.0);
-    proxy.wait_metric(ENGINE_FAILED, 2.0).await;
+    assert_eq!(proxy.metric(KV_LOAD_FAILED).await, 5.0);
+    assert_eq!(d.metric("pdctl_sim_kv_load_failures_total").await, 5.0);
+    proxy.wait_metric(ENGINE_FAILED, 5.0).await;
     // Not a dead decode: the next request goes through it.
     let resp = complete(&proxy, &prompt_of(70, "after"), false).await;
     assert_eq!(resp.status(), 200);
@@ -601,8 +668,9 @@ async fn nixl_push_hands_the_kv_over_with_both_legs_at_once() {
             );
         }
     }
-    assert_eq!(d.metric("pdctl_sim_kv_handoffs_received_total").await, 3.0);
+    // Three, and the proxy's warm-up of the pair.
+    assert_eq!(d.metric("pdctl_sim_kv_handoffs_received_total").await, 4.0);
     assert_eq!(d.metric("pdctl_sim_kv_handoffs_missed_total").await, 0.0);
-    assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 3.0);
+    assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 4.0);
     assert!(d.log().contains("(pushed)"), "{}", d.log());
 }

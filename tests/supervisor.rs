@@ -852,6 +852,9 @@ fn two_nodes_on_loopback_addresses_start_in_either_order_and_see_each_other() {
     let remote = svc(&r, "decode-0");
     assert!(remote.remote && remote.node == "worker");
     assert_eq!(remote.pid, None, "remote: not the head's process");
+    // The head probed it while the worker had not started it yet (refused): that is no
+    // exit of the run that serves, so LAST EXIT says nothing.
+    assert_eq!(remote.last_exit, None, "{remote:?}");
     assert_eq!(c.run(&["status"]).status.code(), Some(0));
 
     // The worker goes away: the head shows its instance unhealthy, status exits 1.

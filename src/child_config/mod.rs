@@ -387,6 +387,7 @@ mod tests {
             prefill_policy: Some(PolicyName::PrefixAware),
             decode_policy: Some(PolicyName::Random),
             scrape_metrics: true,
+            no_warmup: true,
             rate_limit: 40.5,
             max_concurrent: 100,
             queue_size: 7,

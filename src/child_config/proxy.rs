@@ -85,6 +85,12 @@ pub struct ProxyArgs {
     /// Blend the engines' vllm:num_requests_running (scraped from /metrics) into least-loaded.
     #[arg(long)]
     pub scrape_metrics: bool,
+    /// Route every prefill/decode pair at once, without warming its KV path first
+    /// (docs/proxy.md, "Ready means the KV path works"): for engines that are not vLLM,
+    /// such as test fakes; real NIXL engines make their handshake on the first request.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub no_warmup: bool,
     /// Requests per second admitted (token bucket); 0 = unlimited.
     #[arg(long, default_value_t = ProxyArgs::default().rate_limit)]
     pub rate_limit: f64,
@@ -168,6 +174,7 @@ impl Default for ProxyArgs {
             prefill_policy: None,
             decode_policy: None,
             scrape_metrics: false,
+            no_warmup: false,
             rate_limit: 0.0,
             max_concurrent: 0,
             queue_size: 0,
@@ -293,6 +300,9 @@ impl ProxyArgs {
         }
         if self.scrape_metrics {
             v.push("--scrape-metrics".into());
+        }
+        if self.no_warmup {
+            v.push("--no-warmup".into());
         }
         let nums: [(&str, String); 11] = [
             ("--rate-limit", self.rate_limit.to_string()),

@@ -57,6 +57,12 @@ pub struct SimArgs {
     /// Fault injection: exit with status 1 after serving this many requests.
     #[arg(long)]
     pub fault_exit_after: Option<u64>,
+    /// Fault injection: the first KV handoff this decode takes fails, as vLLM's first
+    /// NIXL handshake with a prefill does when it times out (under kv_load_failure_policy
+    /// "fail" the request fails; "recompute": decode recomputes).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub fault_first_handshake_fails: bool,
     /// Host that decode instances use to pull KV from this one (nixl `remote_host`).
     /// Defaults to --host, or 127.0.0.1 when --host is a wildcard address.
     #[arg(long)]
@@ -88,6 +94,7 @@ impl Default for SimArgs {
             kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
             model_params: SimModel::default(),
             fault_exit_after: None,
+            fault_first_handshake_fails: false,
             kv_host: None,
             log_stats_interval_ms: 10_000,
             api_key: None,
@@ -138,6 +145,9 @@ impl SimArgs {
         if let Some(n) = self.fault_exit_after {
             v.extend(["--fault-exit-after".into(), n.to_string()]);
         }
+        if self.fault_first_handshake_fails {
+            v.push("--fault-first-handshake-fails".into());
+        }
         if let Some(h) = &self.kv_host {
             v.extend(["--kv-host".into(), h.clone()]);
         }
@@ -178,6 +188,7 @@ pub(crate) fn every_setting() -> SimArgs {
             max_concurrent_prefills: 2,
         },
         fault_exit_after: Some(7),
+        fault_first_handshake_fails: true,
         kv_host: Some("10.0.0.2".into()),
         log_stats_interval_ms: 0,
         api_key: None,

@@ -172,7 +172,52 @@ pub fn healthy_text(report: StatusReport) -> Pin<Box<dyn Future<Output = String>
 pub async fn scrape_proxy(proxy_url: &str) -> Option<String> {
     let text = metrics_page(proxy_url, std::time::Duration::from_millis(500)).await?;
     let f = crate::proxy::read_figures(&text)?;
-    Some(format_figures(proxy_url, &f))
+    let mut out = format_figures(proxy_url, &f);
+    for line in pairs_out_of_routing(proxy_url).await {
+        out.push('\n');
+        out.push_str(&line);
+    }
+    Some(out)
+}
+
+/// A line for each prefill/decode pair the proxy keeps out of routing while its KV path
+/// is not warmed (`/health?ready`'s `pairs`), with the reason.
+async fn pairs_out_of_routing(proxy_url: &str) -> Vec<String> {
+    let Ok(client) = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(std::time::Duration::from_millis(500))
+        .build()
+    else {
+        return Vec::new();
+    };
+    let url = format!("{}/health?ready", proxy_url.trim_end_matches('/'));
+    let Ok(resp) = client.get(&url).send().await else {
+        return Vec::new();
+    };
+    let Ok(v) = resp.json::<serde_json::Value>().await else {
+        return Vec::new();
+    };
+    pair_lines(&v)
+}
+
+/// The lines of [`pairs_out_of_routing`] from a `/health?ready` answer.
+fn pair_lines(v: &serde_json::Value) -> Vec<String> {
+    v["pairs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["state"] != "ready")
+        .map(|p| {
+            format!(
+                "  pair {} -> {} out of routing: {}",
+                p["prefill"].as_str().unwrap_or("?"),
+                p["decode"].as_str().unwrap_or("?"),
+                p["reason"]
+                    .as_str()
+                    .unwrap_or("warming up its KV path (one small request through both legs)")
+            )
+        })
+        .collect()
 }
 
 /// The proxy's `/metrics` page, or `None` when it does not answer within `timeout`.
@@ -249,6 +294,23 @@ mod tests {
         assert!(format_figures("http://p:8000", &f).ends_with(
             "(900 prompt tokens recomputed), about 4 more estimated from decode counters, 3 KV handoff failures"
         ));
+    }
+
+    #[test]
+    fn pairs_not_ready_are_listed_with_their_reason() {
+        let v = serde_json::json!({"pairs": [
+            {"prefill": "http://p:1", "decode": "http://d:2", "state": "ready", "took_ms": 40},
+            {"prefill": "http://p:1", "decode": "http://d:3", "state": "failed",
+             "reason": "warm-up failed: decode http://d:3 could not take the KV: answered 500; next try in 4 s"},
+            {"prefill": "http://p:1", "decode": "http://d:4", "state": "warming"},
+        ]});
+        let lines = pair_lines(&v);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(
+            lines[0].contains("http://p:1 -> http://d:3 out of routing: warm-up failed"),
+            "{lines:?}"
+        );
+        assert!(lines[1].contains("warming up its KV path"), "{lines:?}");
     }
 
     #[test]

@@ -21,6 +21,24 @@ const NIXL: VersionRange = VersionRange::from((0, 9, 0));
 /// vLLM that registers NixlPushConnector (absent in 0.23.0, present in 0.24.0).
 const PUSH: VersionRange = VersionRange::from((0, 24, 0));
 
+/// vLLM that deprecates `kv_role = "kv_both"` for NixlConnector: 0.23.0 is the first
+/// release whose nixl/connector.py warns "Using kv_role='kv_both' with NixlConnector is
+/// deprecated ... set kv_role='kv_producer' for prefill instances and
+/// kv_role='kv_consumer' for decode instances" (0.22.1 does not), and whose NIXL usage
+/// page writes prefill as kv_producer and decode as kv_consumer. Its proxy protocol is
+/// the same under either role (the toy proxy sends the same kv_transfer_params).
+const ROLES: VersionRange = VersionRange::from((0, 23, 0));
+
+/// The kv_role an instance gets: producer/consumer where vLLM asks for it (every push
+/// version, pull from 0.23.0), kv_both before, which those versions' examples write.
+fn kv_role(c: &ConnectorSection, v: &Version, role: Role) -> &'static str {
+    if push(c) || ROLES.contains(v) {
+        producer_consumer(role)
+    } else {
+        "kv_both"
+    }
+}
+
 const ABOUT: About = About {
     kind: ConnectorKind::Nixl,
     classes: "NixlConnector (NixlPushConnector with nixl_mode = \"push\")",
@@ -101,18 +119,13 @@ impl Connector for Nixl {
             })?;
         // Push mode: vLLM 0.33's NixlPushConnector refuses bidirectional transfer, and its
         // scheduler tells the prefill (do_remote_decode) from the decode side by the
-        // request's params; kv_producer / kv_consumer as vLLM asks of every NIXL connector
-        // now (kv_both is deprecated there). Pull keeps kv_both, which every version takes.
-        let kv_transfer_config = if push(c) {
-            transfer_config(
-                c,
-                "NixlPushConnector",
-                producer_consumer(inst.role),
-                json!({}),
-            )
+        // request's params. Roles: see `kv_role` (kv_both is deprecated from 0.23.0).
+        let class = if push(c) {
+            "NixlPushConnector"
         } else {
-            transfer_config(c, "NixlConnector", "kv_both", json!({}))
+            "NixlConnector"
         };
+        let kv_transfer_config = transfer_config(c, class, kv_role(c, v, inst.role), json!({}));
         let mut launch = Launch {
             kv_transfer_config,
             ..Launch::default()
@@ -125,5 +138,43 @@ impl Connector for Nixl {
             .insert("VLLM_NIXL_SIDE_CHANNEL_PORT".into(), port.to_string());
         launch.rank_ports("side-channel", port, width);
         Ok(launch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v(s: &str) -> Version {
+        s.parse().unwrap()
+    }
+
+    /// Pull mode: kv_both up to 0.22.1 (what those versions' examples write), producer and
+    /// consumer from 0.23.0, the first vLLM that calls kv_both deprecated for NIXL.
+    #[test]
+    fn pull_roles_follow_the_version_that_deprecates_kv_both() {
+        let c = ConnectorSection::default();
+        assert_eq!(c.nixl_mode, NixlMode::Pull);
+        for old in ["0.9.2", "0.13.0", "0.22.0", "0.22.1"] {
+            assert_eq!(kv_role(&c, &v(old), Role::Prefill), "kv_both", "{old}");
+            assert_eq!(kv_role(&c, &v(old), Role::Decode), "kv_both", "{old}");
+        }
+        for new in ["0.23.0", "0.24.0", "0.32.0", "0.33.0"] {
+            assert_eq!(kv_role(&c, &v(new), Role::Prefill), "kv_producer", "{new}");
+            assert_eq!(kv_role(&c, &v(new), Role::Decode), "kv_consumer", "{new}");
+        }
+    }
+
+    /// Push mode exists from 0.24.0 only and always takes producer/consumer.
+    #[test]
+    fn push_roles_are_producer_and_consumer() {
+        let c = ConnectorSection {
+            nixl_mode: NixlMode::Push,
+            ..ConnectorSection::default()
+        };
+        for ver in ["0.24.0", "0.33.0"] {
+            assert_eq!(kv_role(&c, &v(ver), Role::Prefill), "kv_producer");
+            assert_eq!(kv_role(&c, &v(ver), Role::Decode), "kv_consumer");
+        }
     }
 }

@@ -174,6 +174,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
         warnings,
         control_port: (t.nodes.len() > 1).then_some(t.control.port),
         tcp: t.network,
+        health: t.health,
         settings,
         rebalance: t
             .rebalance

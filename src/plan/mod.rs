@@ -74,6 +74,13 @@ pub struct Plan {
     /// `[network]`): the supervisors' probes of other nodes' services use them.
     #[serde(default, skip_serializing_if = "crate::vocab::TcpLiveness::is_default")]
     pub tcp: crate::vocab::TcpLiveness,
+    /// The topology's `[health]`: the supervisors' probe timeout, the failed probes that
+    /// make a service unhealthy, and how long a node must be silent to be cut off.
+    #[serde(
+        default,
+        skip_serializing_if = "crate::vocab::HealthSettings::is_default"
+    )]
+    pub health: crate::vocab::HealthSettings,
     /// The typed settings of the services pdctl runs as itself (the proxy, simulated
     /// engines), by service name: what their generated config files say, kept as values
     /// so a change is compared and carried as one, never as text read back.
@@ -132,6 +139,7 @@ impl Plan {
             warnings: vec![],
             control_port: None,
             tcp: Default::default(),
+            health: Default::default(),
             settings: BTreeMap::new(),
             rebalance: None,
         }

@@ -329,8 +329,10 @@ pub(super) fn plan_proxy(
         config.display().to_string(),
     ];
     let url = format!("http://{host}:{}", p.port);
+    // Healthy once the pairs usable at its start have had their KV path warmed (for a
+    // connector whose handshake is lazy), so `up` shows that step and waits for it.
     let probe = Probe::Http {
-        url: format!("{url}/health"),
+        url: format!("{url}/health?warmed"),
         status: 200,
         body_contains: None,
     };
@@ -400,6 +402,7 @@ fn proxy_args(
         prefill_policy: p.prefill_policy,
         decode_policy: p.decode_policy,
         scrape_metrics: p.scrape_metrics,
+        no_warmup: false,
         rate_limit: p.rate_limit,
         max_concurrent: p.max_concurrent,
         queue_size: p.queue_size,

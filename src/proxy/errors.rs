@@ -84,6 +84,25 @@ impl LegFailure {
         }
     }
 
+    /// Why a request whose leg failed this way, before any byte reached its client, is
+    /// worth redoing once on another pair: the KV load failed (vLLM's lazy NIXL handshake
+    /// timing out does this), the connection was refused or reset, the instance was cut
+    /// off, or a handshake (Mooncake's bootstrap) failed. None for the rest: an engine's
+    /// error answer, a timeout (the client has waited already), a 4xx.
+    pub fn redo_reason(&self) -> Option<&'static str> {
+        match self {
+            LegFailure::KvLoad { .. } => Some("kv_load_failed"),
+            LegFailure::Connect(_) => Some("connect"),
+            LegFailure::Body(_) => Some("reset"),
+            LegFailure::Unreachable(_) => Some("unreachable"),
+            LegFailure::Bootstrap { .. } => Some("handshake"),
+            LegFailure::Status {
+                status: 502 | 503, ..
+            } => self.admission().is_none().then_some("unavailable"),
+            _ => None,
+        }
+    }
+
     /// Whether this says something about the instance's health: a client's own 4xx never
     /// does, nor an engine's admission 503 (it is full, not dead), nor a failed KV load
     /// (the transfer failed, not the decode).

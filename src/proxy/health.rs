@@ -17,16 +17,19 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Probe failures in a row that take an instance out of rotation.
-pub const DOWN_AFTER: u32 = 3;
+/// Probe failures in a row that take an instance out of rotation (a refused connection
+/// does at once): the cluster's default `health.failed_probes`.
+pub const DOWN_AFTER: u32 = crate::vocab::HealthSettings::default_failed_probes();
 /// Probe successes in a row that bring it back.
 pub const UP_AFTER: u32 = 2;
 /// How often the supervisor is asked for service states.
 pub const SUPERVISOR_POLL: Duration = Duration::from_millis(500);
 
-/// How long one probe may take.
+/// How long one probe may take: the interval, but never less than the cluster's default
+/// `health.probe_timeout_s`, which a saturated vLLM's /health stays under (measured, see
+/// docs/supervisor.md): a busy engine's slow answer is no failure.
 fn probe_timeout(interval: Duration) -> Duration {
-    interval.clamp(Duration::from_millis(500), Duration::from_secs(5))
+    interval.max(crate::vocab::HealthSettings::default().probe_timeout())
 }
 
 /// Why a health probe failed.
@@ -34,20 +37,39 @@ fn probe_timeout(interval: Duration) -> Duration {
 enum ProbeError {
     #[error("/health answered {0}")]
     Status(u16),
+    /// No answer in time, but its port takes TCP connections: busy, not gone.
+    #[error("{0}, though its port takes connections (busy)")]
+    Slow(super::errors::LegFailure),
     #[error(transparent)]
     Unanswered(#[from] super::errors::LegFailure),
 }
 
-/// One `GET /health`; Ok when it answered 200.
+impl ProbeError {
+    /// A refused connection: the process is gone or not listening, which takes the
+    /// instance out of rotation at once.
+    fn refused(&self) -> bool {
+        matches!(
+            self,
+            ProbeError::Unanswered(super::errors::LegFailure::Connect(_))
+        )
+    }
+}
+
+/// One `GET /health`; Ok when it answered 200. One that times out is told busy (its port
+/// still takes a TCP connection) from unreachable (it does not).
 async fn probe(p: &Proxy, inst: &Instance) -> Result<(), ProbeError> {
     let url = format!("{}/health", inst.url);
-    match p
-        .upstream
-        .get(&url, probe_timeout(p.settings().health_interval))
-        .await
-    {
+    let limit = probe_timeout(p.settings().health_interval);
+    match p.upstream.get(&url, limit).await {
         Ok((200, _)) => Ok(()),
         Ok((status, _)) => Err(ProbeError::Status(status)),
+        Err(f @ super::errors::LegFailure::Timeout { .. }) => {
+            let connect = tokio::net::TcpStream::connect((inst.host.as_str(), inst.port));
+            match tokio::time::timeout(Duration::from_secs(2), connect).await {
+                Ok(Ok(_)) => Err(ProbeError::Slow(f)),
+                _ => Err(ProbeError::Unanswered(f)),
+            }
+        }
         Err(e) => Err(e.into()),
     }
 }
@@ -74,6 +96,8 @@ pub async fn probe_round(p: &Arc<Proxy>, first: bool) {
     for (inst, result) in own.into_iter().zip(results) {
         let changed = if first {
             inst.set_usable(result.is_ok())
+        } else if result.as_ref().is_err_and(ProbeError::refused) {
+            inst.set_usable(false)
         } else {
             inst.record_probe(result.is_ok(), DOWN_AFTER, UP_AFTER)
         };
@@ -89,13 +113,15 @@ pub async fn probe_round(p: &Arc<Proxy>, first: bool) {
 }
 
 /// Takes an instance as unreachable while it is out of rotation and its probes go
-/// unanswered (no connection, or no answer in time; an answer of any status means it is
-/// alive), so the legs on it end; reachable again on its first answered probe.
+/// unanswered (no connection, or no answer in time and no TCP connection either; an
+/// answer of any status, or a port that takes connections, means it is alive, maybe
+/// busy), so the legs on it end; reachable again on its first answered probe.
 fn note_reach(inst: &Instance, result: &Result<(), ProbeError>) {
     let why = match result {
         Err(ProbeError::Unanswered(f)) if !inst.is_usable() => {
             Some(format!("its health probes go unanswered: {f}"))
         }
+        Err(ProbeError::Slow(_)) => None,
         Err(_) if inst.reach.is_unreachable() && !inst.is_usable() => return,
         _ => None,
     };

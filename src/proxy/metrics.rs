@@ -61,6 +61,7 @@ pub struct Metrics {
     queued: Counter,
     queue_depth: Gauge,
     retries: FixedFamily<Counter, 2>,
+    redone: Sparse<[(&'static str, &'static str); 1]>,
     restart_waits: FixedFamily<Counter, 2>,
     prefix_routing: Sparse<[(&'static str, &'static str); 2]>,
     client_disconnects: Counter,
@@ -90,6 +91,7 @@ impl Default for Metrics {
             queued: Counter::default(),
             queue_depth: Gauge::default(),
             retries: FixedFamily::new("leg", LEGS),
+            redone: Sparse::default(),
             restart_waits: FixedFamily::new("leg", LEGS),
             prefix_routing: Sparse::default(),
             client_disconnects: Counter::default(),
@@ -241,6 +243,11 @@ impl Metrics {
             "retries",
             "Legs retried on another instance after a connect error or 502/503",
             self.retries.clone(),
+        );
+        r.register(
+            "requests_redone",
+            "Requests redone once on another prefill/decode pair (the same when it is the only one) after a leg failed before any byte reached the client, by reason (kv_load_failed, connect, reset, unreachable, handshake)",
+            self.redone.clone(),
         );
         r.register(
             "restart_waits",
@@ -525,6 +532,9 @@ impl Recorder for Metrics {
     }
     fn retry(&self, leg: Leg) {
         Metrics::retry(self, leg);
+    }
+    fn redone(&self, reason: &'static str) {
+        self.redone.add([("reason", reason)], 1);
     }
     fn restart_wait(&self, leg: Leg) {
         Metrics::restart_wait(self, leg);

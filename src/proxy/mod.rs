@@ -67,6 +67,7 @@ mod transfer_failures;
 mod tuning;
 mod upstream;
 mod usage_chunk;
+mod warmup;
 
 use crate::child_config::proxy::ProxyArgs;
 use anyhow::Context;
@@ -117,6 +118,9 @@ pub struct Proxy {
     pub recorder: Arc<dyn Recorder>,
     /// Shutdown: refusing new requests, cutting streams at the end of the grace.
     pub drain: drain::Drain,
+    /// Which prefill/decode pairs have their KV path warmed (protocols whose connector
+    /// makes its handshake lazily route only those).
+    pub warmup: warmup::Warmup,
 }
 
 impl Proxy {
@@ -133,9 +137,11 @@ impl Proxy {
             a.engine_api_key.as_deref(),
         )?;
         let bootstrap_timeout = settings.connect_timeout + Duration::from_secs(2);
+        let protocol = protocol::build(a.protocol, bootstrap_timeout);
         Ok(Proxy {
+            warmup: warmup::Warmup::new(protocol.lazy_handshake() && !a.no_warmup),
             policies: ArcSwap::from_pointee(tuning::Policies::new(a, &recorder)),
-            protocol: protocol::build(a.protocol, bootstrap_timeout),
+            protocol,
             kv_load_failure_policy: a.kv_load_failure_policy,
             handoff: recompute::HandoffSettings {
                 leaves_tokens: a.handoff_leaves_tokens,
@@ -202,6 +208,7 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
     discovery::refresh_all(&proxy).await;
     health::start(proxy.clone(), a.supervisor_socket.clone(), a.clone()).await;
     discovery::start(proxy.clone());
+    warmup::start(proxy.clone());
     scrape::start(
         proxy.clone(),
         proxy.settings().health_interval,

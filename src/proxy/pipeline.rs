@@ -19,8 +19,59 @@ use tokio::time::Instant;
 /// Metrics reason: n > 1 with a protocol whose handoff serves one decode only.
 pub const MISS_MULTIPLE_CHOICES: &str = "n_gt_1_recomputed";
 
-/// Runs the request through its legs.
+/// Runs the request through its legs. A request whose leg failed before any byte reached
+/// its client (nothing is sent before this returns) for a reason another pair may not
+/// have ([`super::errors::LegFailure::redo_reason`]: the KV load failed, a connection
+/// refused or reset...) is redone once, both legs, on another prefill/decode pair (the
+/// same one when it is the only one), under a request id of its own; counted by reason,
+/// logged with both attempts. Its engines' `kv_load_failure_policy` is left as it is.
 pub async fn run(
+    proxy: &Arc<Proxy>,
+    req: &ClientRequest,
+    rec: &mut RequestRecord,
+) -> Result<Answer, ProxyError> {
+    let first = run_once(proxy, req, rec).await;
+    let Err(ProxyError::Leg(failed)) = &first else {
+        return first;
+    };
+    let Some(reason) = failed.failure.redo_reason() else {
+        return first;
+    };
+    if Instant::now() >= req.deadline {
+        return first;
+    }
+    let pair = [rec.prefill.clone(), rec.decode.clone()];
+    let mut again = req.clone();
+    again.id = format!("{}-redo", req.id);
+    again.avoid = pair.iter().flatten().cloned().collect();
+    proxy.recorder.redone(reason);
+    rec.retries += 1;
+    tracing::warn!(
+        request_id = %req.id,
+        "request redone once ({reason}): the first attempt (prefill {}, decode {}) failed before any byte reached the client: {failed}",
+        pair[0].as_deref().unwrap_or("-"),
+        pair[1].as_deref().unwrap_or("-"),
+    );
+    let second = run_once(proxy, &again, rec).await;
+    match &second {
+        Ok(_) => tracing::info!(
+            request_id = %req.id,
+            "redone request answered on prefill {} and decode {} (second attempt, id {})",
+            rec.prefill.as_deref().unwrap_or("-"),
+            rec.decode.as_deref().unwrap_or("-"),
+            again.id
+        ),
+        Err(e) => tracing::warn!(
+            request_id = %req.id,
+            "redone request failed again (second attempt, id {}): {e}",
+            again.id
+        ),
+    }
+    second
+}
+
+/// One attempt of the request through its legs.
+async fn run_once(
     proxy: &Arc<Proxy>,
     req: &ClientRequest,
     rec: &mut RequestRecord,
@@ -70,16 +121,18 @@ async fn sequential_once(
     rec: &mut RequestRecord,
 ) -> Result<Result<Answer, (Arc<Instance>, LegFailure)>, ProxyError> {
     let started = Instant::now();
-    let (prefill, (handshake, answer)) = retry_leg(proxy, req, rec, Leg::Prefill, |inst| {
-        let proxy = proxy.clone();
-        async move {
-            let handshake = proxy.protocol.prepare(&inst, &proxy.upstream).await?;
-            let body = proxy.protocol.prefill_body(&req.body, &req.id, &handshake);
-            let answer = prefill_once(proxy.clone(), inst, req.path, body, req.id.clone()).await?;
-            Ok((handshake, answer))
-        }
-    })
-    .await?;
+    let (prefill, (handshake, answer)) =
+        retry_leg(proxy, req, rec, Leg::Prefill, Partner::Any, |inst| {
+            let proxy = proxy.clone();
+            async move {
+                let handshake = proxy.protocol.prepare(&inst, &proxy.upstream).await?;
+                let body = proxy.protocol.prefill_body(&req.body, &req.id, &handshake);
+                let answer =
+                    prefill_once(proxy.clone(), inst, req.path, body, req.id.clone()).await?;
+                Ok((handshake, answer))
+            }
+        })
+        .await?;
     rec.prefill_time = Some(started.elapsed());
     let decode =
         proxy
@@ -98,15 +151,22 @@ async fn sequential_once(
         Expect::handoff(&req.body, decode.body.as_ref())
     };
     let body = decode_bytes(decode.body, req, expect);
-    let (inst, attempt) = retry_leg(proxy, req, rec, Leg::Decode, |inst| {
-        let body = body.clone();
-        async move {
-            match decode_once(proxy, req, inst, body, expect).await {
-                Err(f @ LegFailure::Unreachable(_)) => Ok(Err(f)),
-                other => other.map(Ok),
+    let (inst, attempt) = retry_leg(
+        proxy,
+        req,
+        rec,
+        Leg::Decode,
+        Partner::Of(&prefill),
+        |inst| {
+            let body = body.clone();
+            async move {
+                match decode_once(proxy, req, inst, body, expect).await {
+                    Err(f @ LegFailure::Unreachable(_)) => Ok(Err(f)),
+                    other => other.map(Ok),
+                }
             }
-        }
-    })
+        },
+    )
     .await?;
     Ok(match attempt {
         Ok((answer, first_byte)) => {
@@ -128,13 +188,20 @@ async fn concurrent(
     let mut tried_decode = Vec::new();
     let mut attempt = 0;
     loop {
-        let prefill = choose(proxy, req, Leg::Prefill, &tried_prefill).await?;
+        let prefill = choose(proxy, req, Leg::Prefill, &tried_prefill, Partner::Any).await?;
         tried_prefill.push(prefill.index);
         rec.set_instance(Leg::Prefill, &prefill.url);
         let failure = match proxy.protocol.prepare(&prefill, &proxy.upstream).await {
             Err(f) => (Leg::Prefill, prefill.clone(), f),
             Ok(handshake) => {
-                let decode = choose(proxy, req, Leg::Decode, &tried_decode).await?;
+                let decode = choose(
+                    proxy,
+                    req,
+                    Leg::Decode,
+                    &tried_decode,
+                    Partner::Of(&prefill),
+                )
+                .await?;
                 tried_decode.push(decode.index);
                 rec.set_instance(Leg::Decode, &decode.url);
                 match both_legs(proxy, req, rec, &prefill, &decode, &handshake).await {
@@ -310,13 +377,26 @@ async fn decode_leg(
     body: Bytes,
     expect: Expect,
 ) -> Result<Answer, ProxyError> {
-    let (_, (answer, first_byte)) = retry_leg(proxy, req, rec, Leg::Decode, |inst| {
-        decode_once(proxy, req, inst, body.clone(), expect)
-    })
-    .await?;
+    let (_, (answer, first_byte)) =
+        retry_leg(proxy, req, rec, Leg::Decode, Partner::None, |inst| {
+            decode_once(proxy, req, inst, body.clone(), expect)
+        })
+        .await?;
     rec.decode_first_byte = first_byte;
     note_recompute(rec, &answer);
     Ok(answer)
+}
+
+/// Which instance the other leg of a request goes to, for routing only pairs whose KV
+/// path is warmed (warmup.rs).
+#[derive(Clone, Copy)]
+enum Partner<'a> {
+    /// Not chosen yet: any instance in a warmed pair.
+    Any,
+    /// This one: only instances warmed with it.
+    Of(&'a Instance),
+    /// No KV handoff (decode alone recomputes): any usable instance.
+    None,
 }
 
 /// Runs `attempt` on an instance of `leg`, then on others while it fails in a retryable way.
@@ -325,6 +405,7 @@ async fn retry_leg<T, F, Fut>(
     req: &ClientRequest,
     rec: &mut RequestRecord,
     leg: Leg,
+    partner: Partner<'_>,
     mut attempt: F,
 ) -> Result<(Arc<Instance>, T), ProxyError>
 where
@@ -334,7 +415,7 @@ where
     let mut tried = Vec::new();
     let mut n = 0;
     loop {
-        let inst = choose(proxy, req, leg, &tried).await?;
+        let inst = choose(proxy, req, leg, &tried, partner).await?;
         tried.push(inst.index);
         rec.set_instance(leg, &inst.url);
         match attempt(inst.clone()).await {
@@ -402,25 +483,39 @@ async fn retrying(
 }
 
 /// Picks the instance for a leg as [`choose_now`] does; when none is usable but the
-/// supervisor reports one starting or restarting, waits for it (up to `--restart-wait-s`
-/// and the request's own deadline) instead of failing at once.
+/// supervisor reports one starting or restarting, or a pair's KV path is being warmed,
+/// waits for it (up to `--restart-wait-s` and the request's own deadline) instead of
+/// failing at once.
 async fn choose(
     proxy: &Proxy,
     req: &ClientRequest,
     leg: Leg,
     tried: &[usize],
+    partner: Partner<'_>,
 ) -> Result<Arc<Instance>, ProxyError> {
     let give_up = (Instant::now() + proxy.settings().restart_wait).min(req.deadline);
     let mut said = false;
     loop {
-        let err = match choose_now(proxy, req, leg, tried) {
+        let err = match choose_now(proxy, req, leg, tried, partner) {
             Err(e @ ProxyError::NoInstance { .. }) => e,
             done => return done,
         };
         let pools = proxy.pools.snapshot();
         let pool = pools.of(leg);
-        let Some(awaited) = pool.iter().find(|i| i.is_coming_back()) else {
-            return Err(err);
+        // Usable instances kept out only by the warm-up: wait while a pair may still be
+        // warmed (one warming, due again, or an instance of the other leg coming or in).
+        let other = pools.of(match leg {
+            Leg::Prefill => Leg::Decode,
+            Leg::Decode => Leg::Prefill,
+        });
+        let warming = proxy.warmup.needed()
+            && pool.iter().any(|i| i.is_usable())
+            && (proxy.warmup.pending()
+                || other.iter().any(|i| i.is_usable() || i.is_coming_back()));
+        let awaited = match pool.iter().find(|i| i.is_coming_back()) {
+            Some(i) => i.url.clone(),
+            None if warming => "a pair whose KV path is being warmed up".to_string(),
+            None => return Err(err),
         };
         if Instant::now() >= give_up {
             return Err(err);
@@ -430,9 +525,8 @@ async fn choose(
             proxy.recorder.restart_wait(leg);
             tracing::info!(
                 request_id = %req.id,
-                "no healthy {leg} instance; waiting up to {:?} for {}, which is coming back",
+                "no healthy {leg} instance; waiting up to {:?} for {awaited}, which is coming back",
                 give_up.saturating_duration_since(Instant::now()),
-                awaited.url
             );
         }
         tokio::time::sleep(RESTART_POLL.min(give_up.saturating_duration_since(Instant::now())))
@@ -450,6 +544,7 @@ fn choose_now(
     req: &ClientRequest,
     leg: Leg,
     tried: &[usize],
+    partner: Partner<'_>,
 ) -> Result<Arc<Instance>, ProxyError> {
     if let Some(pinned) = req.designation.of(leg) {
         return Ok(pinned.clone());
@@ -467,13 +562,73 @@ fn choose_now(
             detail: states.join(", "),
         });
     }
+    let usable = warmed(proxy, &pools, leg, usable, partner);
+    if usable.is_empty() {
+        return Err(ProxyError::NoInstance {
+            leg,
+            detail: proxy.warmup.why_not(leg),
+        });
+    }
     let fresh: Vec<Arc<Instance>> = usable
         .iter()
         .filter(|i| !tried.contains(&i.index))
         .cloned()
         .collect();
-    let candidates = if fresh.is_empty() { usable } else { fresh };
+    // A redone request goes elsewhere than its failed attempt where another is usable.
+    let elsewhere: Vec<Arc<Instance>> = fresh
+        .iter()
+        .filter(|i| !req.avoid.contains(&i.url))
+        .cloned()
+        .collect();
+    let candidates = if !elsewhere.is_empty() {
+        elsewhere
+    } else if fresh.is_empty() {
+        usable
+    } else {
+        fresh
+    };
     Ok(proxy.policy(leg).pick(&candidates, &req.facts))
+}
+
+/// The instances of `usable` that make a warmed pair: with `partner` when it is chosen,
+/// with any usable instance of the other leg while it is not; all of them when the
+/// protocol needs no warm-up or the request no handoff.
+fn warmed(
+    proxy: &Proxy,
+    pools: &super::instances::Pools,
+    leg: Leg,
+    usable: Vec<Arc<Instance>>,
+    partner: Partner<'_>,
+) -> Vec<Arc<Instance>> {
+    if !proxy.warmup.needed() {
+        return usable;
+    }
+    let other = match leg {
+        Leg::Prefill => Leg::Decode,
+        Leg::Decode => Leg::Prefill,
+    };
+    match partner {
+        Partner::None => usable,
+        Partner::Of(p) => usable
+            .into_iter()
+            .filter(|i| match leg {
+                Leg::Decode => proxy.warmup.pair_ready(&p.url, &i.url),
+                Leg::Prefill => proxy.warmup.pair_ready(&i.url, &p.url),
+            })
+            .collect(),
+        Partner::Any => {
+            let others: Vec<Arc<Instance>> = pools
+                .of(other)
+                .iter()
+                .filter(|i| i.is_usable())
+                .cloned()
+                .collect();
+            usable
+                .into_iter()
+                .filter(|i| proxy.warmup.in_a_ready_pair(i, &others))
+                .collect()
+        }
+    }
 }
 
 /// Counts a failure against the instance (never a client's 4xx) and takes an instance that

@@ -43,6 +43,9 @@ pub trait Recorder: Debug + Send + Sync {
     fn kv_load_failed(&self);
     /// A leg was retried on another instance.
     fn retry(&self, leg: Leg);
+    /// A whole request was redone once (both legs) after it failed before any byte
+    /// reached its client, for `reason` (see [`super::errors::LegFailure::redo_reason`]).
+    fn redone(&self, reason: &'static str);
     /// A request waited for an instance of `leg` the supervisor is bringing back.
     fn restart_wait(&self, leg: Leg);
     /// A request was refused with 429.

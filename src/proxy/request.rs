@@ -8,7 +8,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 /// A client request, parsed and checked.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ClientRequest {
     /// Upstream path, the same as the client's (`/v1/completions`, `/v1/chat/completions`).
     pub path: &'static str,
@@ -21,4 +21,7 @@ pub struct ClientRequest {
     pub facts: RouteFacts,
     /// When the whole request must be over (--total-timeout-s).
     pub deadline: Instant,
+    /// Instances (URLs) routing picks only when no other is usable: those of a failed
+    /// first attempt, when the request is redone once ([`super::pipeline::run`]).
+    pub avoid: Vec<String>,
 }

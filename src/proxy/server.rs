@@ -233,6 +233,7 @@ async fn prepare(
         designation,
         facts,
         deadline: Instant::now() + p.settings().total_timeout,
+        avoid: Vec::new(),
     };
     Ok((req, admission))
 }
@@ -253,14 +254,27 @@ fn with_request_id(mut r: Response, id: &str) -> Response {
     r
 }
 
-/// `/health`: the proxy's own liveness; `/health?ready`: 200 only when at least one prefill
-/// and one decode instance are usable, else 503 naming what is missing.
+/// `/health`: the proxy's own liveness; `/health?warmed`: the same once the pairs usable
+/// at start have had their first KV path warm-up (what the supervisor waits for, so `up`
+/// shows the step); `/health?ready`: 200 only when at least one prefill and one decode
+/// instance are usable (and, where pairs are warmed, one pair is), else 503 naming what
+/// is missing; both list the pairs' warm-up states.
 async fn health(State(p): State<Arc<Proxy>>, uri: Uri) -> Response {
-    let ready = uri
-        .query()
-        .is_some_and(|q| q.split('&').any(|kv| kv.split('=').next() == Some("ready")));
+    let asked = |name: &str| {
+        uri.query()
+            .is_some_and(|q| q.split('&').any(|kv| kv.split('=').next() == Some(name)))
+    };
+    let ready = asked("ready");
     if p.drain.is_draining() {
         return ProxyError::ShuttingDown.into_response();
+    }
+    if asked("warmed") && !p.warmup.settled() {
+        let body = json!({
+            "status": "warming-up",
+            "pairs": p.warmup.views(),
+            "error": {"message": "warming up the KV path of each prefill/decode pair", "type": "service_unavailable", "param": null, "code": 503},
+        });
+        return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
     }
     if !ready {
         return axum::Json(json!({"status": "ok"})).into_response();
@@ -275,12 +289,16 @@ async fn health(State(p): State<Arc<Proxy>>, uri: Uri) -> Response {
     if decode == 0 {
         missing.push("decode");
     }
+    let pairs = p.warmup.views();
+    if missing.is_empty() && p.warmup.needed() && !pairs.iter().any(|v| v.state == "ready") {
+        missing.push("warmed prefill/decode pair");
+    }
     let instances: Vec<Value> = pools
         .all()
         .map(|i| json!({"leg": i.leg.as_str(), "url": i.url, "usable": i.is_usable()}))
         .collect();
     if missing.is_empty() {
-        return axum::Json(json!({"status": "ready", "usable_prefill": prefill, "usable_decode": decode, "instances": instances})).into_response();
+        return axum::Json(json!({"status": "ready", "usable_prefill": prefill, "usable_decode": decode, "instances": instances, "pairs": pairs})).into_response();
     }
     let msg = format!(
         "not ready: no usable {} instance",
@@ -290,6 +308,7 @@ async fn health(State(p): State<Arc<Proxy>>, uri: Uri) -> Response {
         "status": "not-ready",
         "missing": missing,
         "instances": instances,
+        "pairs": pairs,
         "error": {"message": msg, "type": "service_unavailable", "param": null, "code": 503},
     });
     (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()

@@ -69,7 +69,17 @@ impl Sim {
             started: Instant::now(),
             started_unix: now.as_secs(),
             metrics: Metrics::new(&args.model, m.cache_blocks, m.block_size),
-            faults: Faults::new(args.fault_exit_after),
+            faults: {
+                let f = Faults::new(args.fault_exit_after);
+                if args.fault_first_handshake_fails {
+                    let first = super::faults::FaultRequest {
+                        fail_handoff_next: Some(1),
+                        ..Default::default()
+                    };
+                    f.apply(&first, 0);
+                }
+                f
+            },
             cache: Mutex::new(PrefixCache::new(m.cache_blocks as usize)),
             slots: Arc::new(Semaphore::new(m.max_num_seqs as usize)),
             prefill_turns: (m.max_concurrent_prefills > 0)
@@ -287,6 +297,7 @@ mod tests {
             kv_load_failure_policy: crate::topology::KvLoadFailurePolicy::Recompute,
             model_params: model,
             fault_exit_after: None,
+            fault_first_handshake_fails: false,
             kv_host: None,
             log_stats_interval_ms: 0,
             api_key: None,

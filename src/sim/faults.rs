@@ -34,6 +34,9 @@ pub struct FaultRequest {
     /// `/metrics` answers this many milliseconds late, every time, until set to 0 or
     /// cleared (a scrape that times out, as an engine under a stall does).
     pub slow_metrics_ms: Option<u64>,
+    /// From now on `/health` answers 200 only after this many milliseconds (0: at once),
+    /// as a saturated vLLM's API server does, while requests are served as before.
+    pub health_delay_ms: Option<u64>,
     /// Forget every pending fault first.
     #[serde(default)]
     pub clear: bool,
@@ -55,6 +58,7 @@ pub struct Faults {
     stall_stream_after: AtomicU64,
     fail_handoff_next: AtomicU64,
     slow_metrics_ms: AtomicU64,
+    health_delay_ms: AtomicU64,
     exit_after: Option<u64>,
     served: AtomicU64,
 }
@@ -76,6 +80,7 @@ impl Faults {
             stall_stream_after: AtomicU64::new(NONE),
             fail_handoff_next: AtomicU64::new(0),
             slow_metrics_ms: AtomicU64::new(0),
+            health_delay_ms: AtomicU64::new(0),
             exit_after,
             served: AtomicU64::new(0),
         }
@@ -94,6 +99,10 @@ impl Faults {
         }
         if let Some(ms) = req.slow_metrics_ms {
             self.slow_metrics_ms.store(ms, Relaxed);
+            self.health_delay_ms.store(0, Relaxed);
+        }
+        if let Some(ms) = req.health_delay_ms {
+            self.health_delay_ms.store(ms, Relaxed);
         }
         if let Some(n) = req.fail_next {
             self.fail_next.store(n, Relaxed);
@@ -151,6 +160,11 @@ impl Faults {
         now_ms >= self.unhealthy_until_ms.load(Relaxed)
     }
 
+    /// How long `/health` waits before it answers (`health_delay_ms`).
+    pub fn health_delay(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.health_delay_ms.load(Relaxed))
+    }
+
     /// Counts one served request; true when `--fault-exit-after` is reached by it.
     pub fn count_served(&self) -> bool {
         let Some(limit) = self.exit_after else {
@@ -169,6 +183,7 @@ impl Faults {
             "stall_stream_after": (stall != NONE).then_some(stall),
             "fail_handoff_next": self.fail_handoff_next.load(Relaxed),
             "slow_metrics_ms": self.slow_metrics_ms.load(Relaxed),
+            "health_delay_ms": self.health_delay_ms.load(Relaxed),
             "exit_after": self.exit_after,
             "served": self.served.load(Relaxed),
         })

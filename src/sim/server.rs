@@ -138,6 +138,10 @@ async fn models(State(sim): State<Arc<Sim>>) -> Response {
 }
 
 async fn health(State(sim): State<Arc<Sim>>) -> Response {
+    let delay = sim.faults.health_delay();
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
     if !sim.loaded() {
         return ApiError::status(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -240,6 +240,23 @@ mod tests {
     }
 
     #[test]
+    fn a_health_setting_of_zero_is_located_and_the_rest_default() {
+        let e = err("[model]\nname = \"m\"\n[health]\nfailed_probes = 0\n");
+        assert_eq!((e.key.as_str(), e.line), ("health.failed_probes", 4), "{e}");
+        assert!(e.message.contains("at least 1"), "{e}");
+        let t = load_str(
+            "[model]\nname = \"m\"\n[health]\nprobe_timeout_s = 30\n",
+            Source::Profile("t".into()),
+            "t".into(),
+        )
+        .unwrap();
+        assert_eq!(t.spec.health.probe_timeout_s, 30);
+        let d = crate::vocab::HealthSettings::default();
+        assert_eq!(t.spec.health.failed_probes, d.failed_probes);
+        assert_eq!(t.spec.health.cut_off_after_s, d.cut_off_after_s);
+    }
+
+    #[test]
     fn syntax_errors_are_located() {
         let e = err("[model]\nname = \"m\n");
         assert_eq!(e.line, 2, "{e}");

@@ -116,6 +116,10 @@ pub struct Topology {
     /// timeout): the proxy's legs and the supervisors' probes of other nodes.
     #[serde(default)]
     pub network: crate::vocab::TcpLiveness,
+    /// When a busy service is told from one that cannot serve, and a slow node from a
+    /// cut-off one: the probe timeout, the failed probes in a row, the cut-off delay.
+    #[serde(default)]
+    pub health: crate::vocab::HealthSettings,
     /// Moving instances between prefill and decode as the traffic asks (`[rebalance]`,
     /// see docs/rebalance.md); absent: the split stays as written.
     #[serde(default)]

@@ -251,6 +251,10 @@ fn check_ports(t: &Topology) -> Result<(), Problem> {
 }
 
 fn check_network(t: &Topology) -> Result<(), Problem> {
+    if let Some(name) = t.health.first_zero() {
+        return Err(Problem::new(format!("health.{name}"), "must be at least 1")
+            .hint("leave it out for the default (docs/supervisor.md says how it was chosen)"));
+    }
     match t.network.first_zero() {
         Some(name) => Err(
             Problem::new(format!("network.{name}"), "must be at least 1")

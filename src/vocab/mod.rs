@@ -6,6 +6,7 @@
 //! here does I/O or depends on anything of this crate.
 
 mod control_socket;
+mod health;
 mod proxy;
 mod rebalance;
 mod restart;
@@ -16,6 +17,7 @@ mod tcp;
 mod vllm_version;
 
 pub use control_socket::SOCKET_NAME;
+pub use health::HealthSettings;
 pub use proxy::{AdmissionError, PolicyName, ProxyProtocol, check_admission};
 pub use rebalance::{
     Figures, HistoryPoint, Move, MoveCounts, MoveOutcome, MoveRecord, Rebalance, RebalanceMode,

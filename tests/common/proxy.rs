@@ -514,10 +514,13 @@ pub fn metric_value(text: &str, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// The standard arguments for a proxy in front of these engines.
+/// The standard arguments for a proxy in front of these engines. Fakes make no NIXL
+/// handshake and count every request they get, so no pair is warmed up first.
 pub fn proxy_args(prefill: &[&FakeEngine], decode: &[&FakeEngine], extra: &[&str]) -> Vec<String> {
     let urls = |engines: &[&FakeEngine]| engines.iter().map(|e| e.url.clone()).collect();
-    proxy_args_for(urls(prefill), urls(decode), extra)
+    let mut args = proxy_args_for(urls(prefill), urls(decode), extra);
+    args.push("--no-warmup".into());
+    args
 }
 
 /// The arguments for a proxy in front of the engines at these base URLs.

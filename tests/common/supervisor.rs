@@ -274,6 +274,7 @@ pub fn plan(cluster: &str, nodes: &[(&str, &str)]) -> Plan {
         warnings: vec![],
         control_port: None,
         tcp: Default::default(),
+        health: Default::default(),
         settings: Default::default(),
         rebalance: None,
     }

@@ -1,6 +1,12 @@
 //! The other nodes' supervisors, asked for their status over the TCP control channel
 //! (mutually authenticated TLS) once a second, so `status` here shows their services as they report them (state, pid,
 //! restarts, last error) and says `unreachable` (since when) while a node cannot be reached.
+//!
+//! A node is cut off only when its link is gone: its supervisor has not answered AND no
+//! port of that node (the control channel, the services it reported) has taken a TCP
+//! connection, for `health.cut_off_after_s`. A busy machine whose supervisor or engines
+//! answer slowly still completes TCP handshakes in its kernel, so it is never cut off
+//! (and the legs in flight on it are never ended) for being busy.
 
 use crate::control::client::{Endpoint, StatusConn, logs_at};
 use crate::control::operation::now_ms;
@@ -11,9 +17,8 @@ use std::time::{Duration, Instant};
 /// How often each peer is asked, and how long an answer may take.
 const POLL: Duration = Duration::from_secs(1);
 const ANSWER_WITHIN: Duration = Duration::from_secs(2);
-/// A peer that has not answered for this long is taken as cut off (where its services'
-/// probes fail too).
-const CUT_OFF_AFTER: Duration = Duration::from_secs(3);
+/// How long a TCP connect to one of a silent peer's ports may take.
+const CONNECT_WITHIN: Duration = Duration::from_secs(2);
 
 /// What is known of one other node's supervisor.
 #[derive(Debug, Default)]
@@ -21,6 +26,8 @@ struct Seen {
     report: Option<StatusReport>,
     /// Since when it has not answered (monotonic, and Unix ms for the report).
     failing_since: Option<(Instant, u64)>,
+    /// Since when, besides, none of its ports took a TCP connection: its link is gone.
+    link_down_since: Option<(Instant, u64)>,
     error: Option<String>,
 }
 
@@ -37,12 +44,15 @@ struct Peer {
 #[derive(Debug)]
 pub struct Peers {
     peers: Vec<Arc<Peer>>,
+    /// How long a node's channel and ports must be silent before it is cut off.
+    cut_off_after: Duration,
 }
 
 impl Peers {
     /// Starts polling `nodes` (name, endpoint); stops when the returned value is dropped
-    /// by everyone and the runtime ends.
-    pub fn start(nodes: Vec<(String, String, Endpoint)>) -> Arc<Peers> {
+    /// by everyone and the runtime ends. A node is cut off once its supervisor and its
+    /// ports have been silent for `cut_off_after`.
+    pub fn start(nodes: Vec<(String, String, Endpoint)>, cut_off_after: Duration) -> Arc<Peers> {
         let now = (Instant::now(), now_ms());
         let peers: Vec<Arc<Peer>> = nodes
             .into_iter()
@@ -53,6 +63,7 @@ impl Peers {
                     endpoint,
                     seen: Mutex::new(Seen {
                         failing_since: Some(now),
+                        link_down_since: Some(now),
                         error: Some("not asked yet".into()),
                         ..Seen::default()
                     }),
@@ -62,7 +73,10 @@ impl Peers {
         for p in &peers {
             tokio::spawn(poll(Arc::downgrade(p)));
         }
-        Arc::new(Peers { peers })
+        Arc::new(Peers {
+            peers,
+            cut_off_after,
+        })
     }
 
     /// The last `lines` lines of service `name`'s log, asked of node `node`'s supervisor:
@@ -102,8 +116,8 @@ impl Peers {
         for peer in &self.peers {
             let seen = peer.seen.lock().unwrap_or_else(|e| e.into_inner());
             let cut_off = seen
-                .failing_since
-                .filter(|(t, _)| t.elapsed() >= CUT_OFF_AFTER);
+                .link_down_since
+                .filter(|(t, _)| t.elapsed() >= self.cut_off_after);
             for row in report
                 .services
                 .iter_mut()
@@ -111,14 +125,12 @@ impl Peers {
             {
                 if let Some((_, since_ms)) = cut_off {
                     let why = seen.error.clone().unwrap_or_default();
-                    if row.state != ServiceState::Healthy && row.state != ServiceState::Draining {
-                        row.state = ServiceState::Unreachable;
-                        row.unreachable_since_ms = Some(since_ms);
-                        row.pid = None;
-                        row.uptime_s = None;
-                    }
+                    row.state = ServiceState::Unreachable;
+                    row.unreachable_since_ms = Some(since_ms);
+                    row.pid = None;
+                    row.uptime_s = None;
                     row.last_exit = Some(format!(
-                        "node {}'s supervisor has not answered for {} s: {why}",
+                        "node {} is cut off: its supervisor has not answered and none of its ports has taken a connection for {} s: {why}",
                         peer.node,
                         now_ms().saturating_sub(since_ms) / 1000
                     ));
@@ -182,7 +194,9 @@ async fn ask_kept(
     answer
 }
 
-/// Asks one peer for its status once a second while anyone holds it.
+/// Asks one peer for its status once a second while anyone holds it; while it does not
+/// answer, tries a TCP connection to each of its ports to tell a busy node (its kernel
+/// still takes connections) from one whose link is gone.
 async fn poll(peer: std::sync::Weak<Peer>) {
     // One connection (one TLS handshake) kept for every poll, opened again only after
     // it failed: a peer's polls never queue behind strangers' handshakes.
@@ -193,6 +207,10 @@ async fn poll(peer: std::sync::Weak<Peer>) {
         // takes ANSWER_WITHIN to fail, which is not added to the time it takes to be cut off.
         let asked = (Instant::now(), now_ms());
         let answer = ask_kept(&mut kept, &p.endpoint).await;
+        let link_up = match &answer {
+            Ok(_) => true,
+            Err(_) => any_port_connects(&p.ports()).await,
+        };
         {
             let mut seen = p.seen.lock().unwrap_or_else(|e| e.into_inner());
             match answer {
@@ -206,16 +224,75 @@ async fn poll(peer: std::sync::Weak<Peer>) {
                 }
                 Err(e) => {
                     if seen.failing_since.is_none() {
-                        tracing::warn!("node {}'s supervisor does not answer: {e}", p.node);
+                        tracing::warn!(
+                            "node {}'s supervisor does not answer: {e}{}",
+                            p.node,
+                            if link_up {
+                                " (its ports take connections: busy, not cut off)"
+                            } else {
+                                ""
+                            }
+                        );
                         seen.failing_since = Some(asked);
                     }
                     seen.error = Some(e.to_string());
                 }
             }
+            if link_up {
+                seen.link_down_since = None;
+            } else if seen.link_down_since.is_none() {
+                // From this round on: a node busy (silent supervisor, ports open) for a
+                // while before its link went is not cut off any sooner for it.
+                seen.link_down_since = Some(asked);
+            }
         }
         drop(p);
         tokio::time::sleep(POLL).await;
     }
+}
+
+impl Peer {
+    /// Every `host:port` of this node worth a TCP connect: its control channel, and the
+    /// main port of each service it last reported running there.
+    fn ports(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Endpoint::Tcp { addr, .. } = &self.endpoint {
+            out.push(addr.clone());
+        }
+        let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(report) = &seen.report {
+            for s in report.services.iter().filter(|s| !s.remote) {
+                let host = s
+                    .url
+                    .as_deref()
+                    .and_then(url_host)
+                    .unwrap_or(self.address.as_str());
+                if crate::supervisor::run::probe::only_on_its_node(host, Some(&self.address)) {
+                    continue;
+                }
+                if let Some(port) = s.port {
+                    out.push(format!("{host}:{port}"));
+                }
+            }
+        }
+        out.sort();
+        out.dedup();
+        out
+    }
+}
+
+/// Whether any of `addrs` takes a TCP connection within [`CONNECT_WITHIN`] (tried at once).
+async fn any_port_connects(addrs: &[String]) -> bool {
+    let tries = addrs.iter().map(|a| async move {
+        matches!(
+            tokio::time::timeout(CONNECT_WITHIN, tokio::net::TcpStream::connect(a.as_str())).await,
+            Ok(Ok(_))
+        )
+    });
+    futures_util::future::join_all(tries)
+        .await
+        .into_iter()
+        .any(|ok| ok)
 }
 
 #[cfg(test)]

@@ -2,12 +2,9 @@
 //! while a service starts: 50 ms at first so a simulated cluster is ready in well under a
 //! second, growing to 1 s so a vLLM that loads for minutes is not hammered.
 
-use crate::vocab::{Probe, Service, TcpLiveness};
+use crate::vocab::{HealthSettings, Probe, Service, TcpLiveness};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
-
-/// Per-attempt limit of an HTTP or TCP probe.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Time between liveness probes of a healthy service.
 pub const LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -38,33 +35,72 @@ pub enum ProbeError {
     TcpTimeout { host: String, port: u16 },
 }
 
+impl ProbeError {
+    /// Whether this failure is evidence that the service cannot serve (its port refuses
+    /// connections or resets them: the process is gone or not listening), rather than
+    /// slowness (no answer in time, an error status from a busy server), which only
+    /// `health.failed_probes` failures in a row make count.
+    pub fn cannot_serve(&self) -> bool {
+        match self {
+            ProbeError::HttpRefused { .. } => true,
+            ProbeError::Tcp { source, .. } => matches!(
+                source.kind(),
+                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset
+            ),
+            ProbeError::Http { source, .. } => reset_in(source),
+            _ => false,
+        }
+    }
+}
+
+/// Whether an io error of kind ConnectionReset / ConnectionRefused is in `e`'s chain.
+fn reset_in(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionRefused
+            )
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
 /// Runs probes; holds the HTTP client (no proxy: probes go straight to the services).
 #[derive(Debug, Clone)]
 pub struct Prober {
     http: reqwest::Client,
+    /// Per-attempt limit of an HTTP or TCP probe (`health.probe_timeout_s`).
+    timeout: Duration,
 }
 
 impl Default for Prober {
     fn default() -> Self {
-        Prober::new(TcpLiveness::default())
+        Prober::new(TcpLiveness::default(), HealthSettings::default())
     }
 }
 
 impl Prober {
     /// A prober whose connections carry `tcp`'s keepalive and user timeout, so a pooled
-    /// connection to a node that went silent is given up in seconds, not reused.
-    pub fn new(tcp: TcpLiveness) -> Prober {
+    /// connection to a node that went silent is given up in seconds, not reused, and whose
+    /// probes wait `health`'s probe timeout for a busy server's answer.
+    pub fn new(tcp: TcpLiveness, health: HealthSettings) -> Prober {
+        let timeout = health.probe_timeout();
         let http = reqwest::Client::builder()
             .no_proxy()
-            .timeout(PROBE_TIMEOUT)
-            .connect_timeout(PROBE_TIMEOUT)
+            .timeout(timeout)
+            .connect_timeout(timeout)
             .tcp_keepalive(tcp.keepalive_idle())
             .tcp_keepalive_interval(tcp.keepalive_interval())
             .tcp_keepalive_retries(tcp.tcp_keepalive_count)
             .tcp_user_timeout(tcp.user_timeout())
             .build()
             .expect("a plain HTTP client builds");
-        Prober { http }
+        Prober { http, timeout }
     }
 
     /// `Ok` when the probe passes, else a short reason for progress and status displays.
@@ -79,7 +115,7 @@ impl Prober {
                 self.http_check(url, *status, body_contains.as_deref())
                     .await
             }
-            Probe::Tcp { host, port } => tcp_check(host, *port).await,
+            Probe::Tcp { host, port } => tcp_check(host, *port, self.timeout).await,
             Probe::LogLine { contains } => {
                 if log_seen.load(Ordering::Relaxed) {
                     Ok(())
@@ -139,8 +175,8 @@ fn describe_http_error(url: &str, source: reqwest::Error) -> ProbeError {
     }
 }
 
-async fn tcp_check(host: &str, port: u16) -> Result<(), ProbeError> {
-    match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect((host, port))).await {
+async fn tcp_check(host: &str, port: u16, limit: Duration) -> Result<(), ProbeError> {
+    match tokio::time::timeout(limit, tokio::net::TcpStream::connect((host, port))).await {
         Ok(Ok(_)) => Ok(()),
         Ok(Err(source)) => Err(ProbeError::Tcp {
             host: host.to_string(),
@@ -187,6 +223,14 @@ pub fn startup_delay(elapsed: Duration) -> Duration {
     (elapsed / 5).clamp(Duration::from_millis(50), Duration::from_secs(1))
 }
 
+/// Whether a healthy service whose liveness probes failed `failures` times in a row, the
+/// last with `why`, is to be called unhealthy (out of rotation) now: at once when the
+/// failure shows it cannot serve (a refused or reset connection), else after
+/// `failed_probes` failures in a row, so one slow answer of a busy engine is not enough.
+pub fn unhealthy_now(failures: u32, why: &ProbeError, failed_probes: u32) -> bool {
+    why.cannot_serve() || failures >= failed_probes.max(1)
+}
+
 /// Output from a starting service often means its state changed ("ready to serve"), so
 /// it triggers an early probe — but not more often than this.
 pub const OUTPUT_PROBE_GAP: Duration = Duration::from_millis(50);
@@ -204,6 +248,35 @@ mod tests {
         // Test nodes on loopback addresses: a service at the node's own address is probed.
         assert!(!only_on_its_node("127.0.0.3", Some("127.0.0.3")));
         assert!(only_on_its_node("127.0.0.1", Some("127.0.0.3")));
+    }
+
+    #[test]
+    fn a_slow_probe_needs_n_in_a_row_and_a_refused_one_counts_at_once() {
+        let url = "http://h:1/health".to_string();
+        let slow = ProbeError::HttpTimeout { url: url.clone() };
+        assert!(!slow.cannot_serve());
+        assert!(!unhealthy_now(1, &slow, 3));
+        assert!(!unhealthy_now(2, &slow, 3));
+        assert!(unhealthy_now(3, &slow, 3));
+        let busy = ProbeError::HttpStatus {
+            url: url.clone(),
+            got: 503,
+            want: 200,
+        };
+        assert!(!unhealthy_now(1, &busy, 3));
+        let refused = ProbeError::HttpRefused { url };
+        assert!(unhealthy_now(1, &refused, 3));
+        let tcp = ProbeError::Tcp {
+            host: "h".into(),
+            port: 1,
+            source: std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
+        };
+        assert!(unhealthy_now(1, &tcp, 3));
+        let tcp_slow = ProbeError::TcpTimeout {
+            host: "h".into(),
+            port: 1,
+        };
+        assert!(!unhealthy_now(1, &tcp_slow, 3));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 
 use crate::control::ServiceState;
 use crate::supervisor::run::probe::{
-    LIVENESS_INTERVAL, only_on_its_node, remote_probe, startup_delay,
+    LIVENESS_INTERVAL, only_on_its_node, remote_probe, startup_delay, unhealthy_now,
 };
 use crate::supervisor::run::service::ServiceCtx;
 use std::sync::Arc;
@@ -13,7 +13,9 @@ use std::sync::atomic::AtomicBool;
 use tokio::sync::watch;
 
 /// Probes remote service `idx` until `shutdown` turns true: fast while it has not
-/// answered yet, every second after; `healthy` on success, `unhealthy` on failure.
+/// answered yet, every second after; `healthy` on success, `unhealthy` once it cannot
+/// serve (refused) or `health.failed_probes` probes in a row failed (a busy engine's slow
+/// answer alone keeps it healthy).
 pub async fn run_remote(ctx: Arc<ServiceCtx>, idx: usize, mut shutdown: watch::Receiver<bool>) {
     let svc = ctx.service(idx);
     let node_address = ctx.members().plan.nodes.get(&svc.node).cloned();
@@ -34,7 +36,9 @@ pub async fn run_remote(ctx: Arc<ServiceCtx>, idx: usize, mut shutdown: watch::R
     };
     let never = AtomicBool::new(false);
     let started = std::time::Instant::now();
+    let failed_probes = ctx.members().plan.health.failed_probes;
     let mut seen_healthy = false;
+    let mut failures = 0u32;
     loop {
         let delay = if seen_healthy {
             LIVENESS_INTERVAL
@@ -51,21 +55,34 @@ pub async fn run_remote(ctx: Arc<ServiceCtx>, idx: usize, mut shutdown: watch::R
         }
         let result = ctx.prober.check(&probe, &never).await;
         let state = ctx.table.state(idx);
+        if result.is_ok() {
+            failures = 0;
+        }
         match result {
             Ok(()) if !seen_healthy || state != ServiceState::Healthy => {
                 if seen_healthy {
                     ctx.table.set_state(idx, ServiceState::Healthy);
                 } else {
+                    // What the probes said while it started (connection refused before
+                    // its node had started it) is no exit of this run: LAST EXIT would
+                    // read as a failure of a healthy service.
+                    ctx.table.update(idx, |s| s.last_exit = None);
                     ctx.table.run_started(idx, None, ServiceState::Healthy);
                 }
                 seen_healthy = true;
             }
             Ok(()) => {}
             Err(why) => {
-                let next = if seen_healthy {
-                    ServiceState::Unhealthy
-                } else {
-                    ServiceState::Starting
+                failures += 1;
+                let next = match (seen_healthy, state) {
+                    (false, _) => ServiceState::Starting,
+                    // Busy, not gone: still healthy, and nothing to say in LAST EXIT.
+                    (true, ServiceState::Healthy)
+                        if !unhealthy_now(failures, &why, failed_probes) =>
+                    {
+                        continue;
+                    }
+                    (true, _) => ServiceState::Unhealthy,
                 };
                 ctx.table.update(idx, |s| {
                     s.state = next;

@@ -132,7 +132,7 @@ fn service_ctx(
         node: opts.node.clone(),
         table: Arc::new(Table::new(plan, &opts.node)),
         spawner,
-        prober: Prober::new(plan.tcp),
+        prober: Prober::new(plan.tcp, plan.health),
         record,
         console,
         cwd: state.dir.clone(),
@@ -397,7 +397,7 @@ async fn control_channel(
             (n.clone(), addr.clone(), endpoint)
         })
         .collect();
-    Ok((listener, Peers::start(peers)))
+    Ok((listener, Peers::start(peers, plan.health.cut_off_after())))
 }
 
 /// Raises this process's open-file limit to its hard limit: every connection, log and

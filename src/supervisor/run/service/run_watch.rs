@@ -3,7 +3,9 @@
 
 use super::Task;
 use crate::control::ServiceState;
-use crate::supervisor::run::probe::{LIVENESS_INTERVAL, OUTPUT_PROBE_GAP, startup_delay};
+use crate::supervisor::run::probe::{
+    LIVENESS_INTERVAL, OUTPUT_PROBE_GAP, startup_delay, unhealthy_now,
+};
 use crate::supervisor::run::service::Cmd;
 use crate::supervisor::run::stop::describe_exit;
 use std::sync::atomic::AtomicBool;
@@ -82,6 +84,7 @@ impl Task {
         let svc = self.ctx.service(self.idx);
         let probe = svc.probe.clone();
         let allowed = svc.restart.liveness_failures.max(1);
+        let failed_probes = self.ctx.members().plan.health.failed_probes;
         let prober = self.ctx.prober.clone();
         let mut failures = 0u32;
         loop {
@@ -97,7 +100,11 @@ impl Task {
                         Ok(()) => {}
                         Err(why) => {
                             failures += 1;
-                            self.ctx.table.set_state(self.idx, ServiceState::Unhealthy);
+                            // A slow answer of a busy engine keeps it in rotation until
+                            // `health.failed_probes` in a row; a refused one does not.
+                            if unhealthy_now(failures, &why, failed_probes) {
+                                self.ctx.table.set_state(self.idx, ServiceState::Unhealthy);
+                            }
                             if failures >= allowed {
                                 return RunEnd::LivenessFailed(format!(
                                     "liveness failed {failures} times: {why}"

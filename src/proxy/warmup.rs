@@ -1,0 +1,510 @@
+//! Ready means the KV path works. vLLM's NixlConnector (pull and push) makes its handshake
+//! with a prefill lazily, over its ZMQ side channel, on the first request a decode takes
+//! from that prefill; a handshake that times out fails that request (under
+//! `kv_load_failure_policy = "fail"`). So for protocols whose handshake is lazy
+//! ([`super::protocol::Protocol::lazy_handshake`]) each prefill/decode pair gets one small
+//! warm-up request (a prompt of a few hundred tokens, one output token) through both legs
+//! before routing sends it a client's request: at start, and for every pair an instance
+//! joining later makes (`pdctl scale`, a restart, a rebalance move: any instance that
+//! comes (back) into rotation). A pair whose warm-up fails stays out of routing with the
+//! reason (`/health?ready`, `pdctl status`) and is tried again with a growing backoff.
+//! The warm-up goes straight to the engines: it never reaches a client and no counter of
+//! the proxy's traffic sees it.
+
+use super::Proxy;
+use super::instances::{Instance, Leg};
+use super::protocol::{Body, PrefillAnswer};
+use super::recompute::judgment::{Expect, leg_sent};
+use super::recorder::Recorder;
+use super::upstream::MAX_ANSWER_BYTES;
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// How often the pairs are looked over.
+const TICK: Duration = Duration::from_millis(200);
+/// How long one warm-up (both legs) may take: a first NIXL handshake on a busy CPU engine
+/// takes seconds, vLLM gives up on it after its own timeout.
+const WARM_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long `/health?warmed` waits for the first warm-ups: well inside the 30 s the
+/// supervisor gives the proxy to be ready.
+const SETTLE_WITHIN: Duration = Duration::from_secs(20);
+/// Backoff after a failed warm-up: 1 s, doubling, at most 30 s.
+const BACKOFF_FIRST: Duration = Duration::from_secs(1);
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// Words of the warm-up prompt: more than one KV block on every engine (vLLM's CPU
+/// build uses blocks of 128 tokens), so decode really loads KV from the prefill.
+const PROMPT_WORDS: usize = 300;
+
+/// Where one pair stands.
+#[derive(Debug, Clone)]
+pub enum PairState {
+    /// A warm-up is on its way (attempt number).
+    Warming { attempt: u32 },
+    /// Its KV path works; the warm-up took this long.
+    Ready { took: Duration },
+    /// The last warm-up failed; the next is due at `next_try`.
+    Failed {
+        why: String,
+        attempt: u32,
+        next_try: Instant,
+    },
+}
+
+/// One pair as `/health?ready` shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PairView {
+    pub prefill: String,
+    pub decode: String,
+    /// `warming`, `ready` or `failed`.
+    pub state: &'static str,
+    /// Why the last warm-up failed (and when the next one goes), for `failed`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// How long the warm-up that made it ready took.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub took_ms: Option<u64>,
+}
+
+/// The warm-up state of every prefill/decode pair (by the instances' URLs).
+#[derive(Debug, Default)]
+pub struct Warmup {
+    needed: bool,
+    pairs: Mutex<HashMap<(String, String), PairState>>,
+    /// Every pair usable when the proxy started has had its first warm-up end (ok or not).
+    settled: AtomicBool,
+    /// Tells warm-up request ids apart.
+    next_id: AtomicU64,
+}
+
+impl Warmup {
+    /// The state for a protocol whose handshake is lazy (`needed`), or a no-op one.
+    pub fn new(needed: bool) -> Warmup {
+        Warmup {
+            needed,
+            settled: AtomicBool::new(!needed),
+            ..Warmup::default()
+        }
+    }
+
+    /// Whether pairs are warmed before routing uses them.
+    pub fn needed(&self) -> bool {
+        self.needed
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), PairState>> {
+        self.pairs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether routing may send a handoff from `prefill` to `decode`.
+    pub fn pair_ready(&self, prefill: &str, decode: &str) -> bool {
+        !self.needed
+            || matches!(
+                self.lock().get(&(prefill.to_string(), decode.to_string())),
+                Some(PairState::Ready { .. })
+            )
+    }
+
+    /// Whether `inst` makes a ready pair with one of `others` (the other leg's instances).
+    pub fn in_a_ready_pair(&self, inst: &Instance, others: &[Arc<Instance>]) -> bool {
+        others.iter().any(|o| {
+            let (p, d) = ordered(inst, o);
+            self.pair_ready(p, d)
+        })
+    }
+
+    /// Whether a warm-up is on its way or due again (a request may wait for it).
+    pub fn pending(&self) -> bool {
+        self.needed
+            && self
+                .lock()
+                .values()
+                .any(|s| !matches!(s, PairState::Ready { .. }))
+    }
+
+    /// Whether the pairs usable at start have all had their first warm-up end.
+    pub fn settled(&self) -> bool {
+        self.settled.load(Ordering::Relaxed)
+    }
+
+    /// Every pair known, for `/health?ready` and `pdctl status`.
+    pub fn views(&self) -> Vec<PairView> {
+        let mut out: Vec<PairView> = self
+            .lock()
+            .iter()
+            .map(|((p, d), s)| {
+                let (state, reason, took_ms) = match s {
+                    PairState::Warming { attempt } => (
+                        "warming",
+                        Some(format!("warming up its KV path (attempt {attempt})")),
+                        None,
+                    ),
+                    PairState::Ready { took } => ("ready", None, Some(took.as_millis() as u64)),
+                    PairState::Failed { why, next_try, .. } => (
+                        "failed",
+                        Some(format!(
+                            "warm-up failed: {why}; next try in {:.0} s",
+                            next_try
+                                .saturating_duration_since(Instant::now())
+                                .as_secs_f64()
+                        )),
+                        None,
+                    ),
+                };
+                PairView {
+                    prefill: p.clone(),
+                    decode: d.clone(),
+                    state,
+                    reason,
+                    took_ms,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.prefill, &a.decode).cmp(&(&b.prefill, &b.decode)));
+        out
+    }
+
+    /// Why no instance of `leg` is routable although some are usable: their pairs.
+    pub fn why_not(&self, leg: Leg) -> String {
+        let views = self.views();
+        let mut parts: Vec<String> = views
+            .iter()
+            .filter(|v| v.state != "ready")
+            .map(|v| {
+                format!(
+                    "pair {} -> {} {}",
+                    v.prefill,
+                    v.decode,
+                    v.reason.as_deref().unwrap_or("is warming up its KV path")
+                )
+            })
+            .collect();
+        if parts.is_empty() {
+            parts.push(format!("no {leg} instance makes a warmed pair yet"));
+        }
+        parts.join("; ")
+    }
+}
+
+/// `(prefill URL, decode URL)` of a pair given its two instances in any order.
+fn ordered<'a>(a: &'a Instance, b: &'a Instance) -> (&'a str, &'a str) {
+    if a.leg == Leg::Prefill {
+        (&a.url, &b.url)
+    } else {
+        (&b.url, &a.url)
+    }
+}
+
+/// Starts warming pairs (nothing when the protocol's handshake is not lazy).
+pub fn start(p: Arc<Proxy>) {
+    if !p.warmup.needed() {
+        return;
+    }
+    tokio::spawn(async move {
+        let began = Instant::now();
+        let mut first_round: Option<Vec<(String, String)>> = None;
+        loop {
+            let started = tick(&p);
+            let round = first_round.get_or_insert(started);
+            if !p.warmup.settled() {
+                let pairs = p.warmup.lock();
+                let done = round
+                    .iter()
+                    .all(|k| !matches!(pairs.get(k), Some(PairState::Warming { .. })));
+                // The supervisor gives the proxy 30 s to be ready: a first warm-up still on
+                // its way then (a busy CPU engine's first forward pass) goes on, and routing
+                // still waits for it, but the proxy says it is ready.
+                if !done && began.elapsed() >= SETTLE_WITHIN {
+                    tracing::info!(
+                        "the first KV path warm-ups are still on their way after {} s: ready all the same; requests wait for a warmed pair",
+                        SETTLE_WITHIN.as_secs()
+                    );
+                }
+                if done || began.elapsed() >= SETTLE_WITHIN {
+                    p.warmup.settled.store(true, Ordering::Relaxed);
+                }
+            }
+            tokio::time::sleep(TICK).await;
+        }
+    });
+}
+
+/// Forgets pairs whose instances are out of rotation or gone (their handshake is to be
+/// made again when they are back: a restarted engine has none), and starts the warm-ups
+/// that are due. Returns the pairs it started.
+fn tick(p: &Arc<Proxy>) -> Vec<(String, String)> {
+    let pools = p.pools.snapshot();
+    let usable = |leg| -> Vec<Arc<Instance>> {
+        pools
+            .of(leg)
+            .iter()
+            .filter(|i| i.is_usable())
+            .cloned()
+            .collect()
+    };
+    let (prefills, decodes) = (usable(Leg::Prefill), usable(Leg::Decode));
+    let mut due = Vec::new();
+    {
+        let mut pairs = p.warmup.lock();
+        pairs.retain(|(pu, du), _| {
+            prefills.iter().any(|i| &i.url == pu) && decodes.iter().any(|i| &i.url == du)
+        });
+        let now = Instant::now();
+        for pf in &prefills {
+            for d in &decodes {
+                let key = (pf.url.clone(), d.url.clone());
+                let attempt = match pairs.get(&key) {
+                    None => 1,
+                    Some(PairState::Failed {
+                        attempt, next_try, ..
+                    }) if *next_try <= now => attempt + 1,
+                    Some(_) => continue,
+                };
+                pairs.insert(key.clone(), PairState::Warming { attempt });
+                due.push((pf.clone(), d.clone(), attempt));
+            }
+        }
+    }
+    let started = due
+        .iter()
+        .map(|(pf, d, _)| (pf.url.clone(), d.url.clone()))
+        .collect();
+    for (pf, d, attempt) in due {
+        let p = p.clone();
+        tokio::spawn(async move {
+            tracing::info!(
+                "warming up the KV path of pair {} -> {} (attempt {attempt}): one small request through both legs before routing uses it",
+                pf.url,
+                d.url
+            );
+            let t0 = Instant::now();
+            let result = tokio::time::timeout(WARM_TIMEOUT, warm(&p, &pf, &d))
+                .await
+                .unwrap_or_else(|_| Err(format!("no answer within {} s", WARM_TIMEOUT.as_secs())));
+            let took = t0.elapsed();
+            let key = (pf.url.clone(), d.url.clone());
+            let mut pairs = p.warmup.lock();
+            // Forgotten meanwhile (an instance left): nothing to record.
+            if !matches!(pairs.get(&key), Some(PairState::Warming { .. })) {
+                return;
+            }
+            match result {
+                Ok(()) => {
+                    tracing::info!(
+                        "KV path of pair {} -> {} warmed in {:.1} s: the pair enters routing",
+                        pf.url,
+                        d.url,
+                        took.as_secs_f64()
+                    );
+                    pairs.insert(key, PairState::Ready { took });
+                }
+                Err(why) => {
+                    let wait = backoff(attempt);
+                    tracing::warn!(
+                        "warm-up of pair {} -> {} failed after {:.1} s ({why}): the pair stays out of routing; next try in {:.0} s",
+                        pf.url,
+                        d.url,
+                        took.as_secs_f64(),
+                        wait.as_secs_f64()
+                    );
+                    pairs.insert(
+                        key,
+                        PairState::Failed {
+                            why,
+                            attempt,
+                            next_try: Instant::now() + wait,
+                        },
+                    );
+                }
+            }
+        });
+    }
+    started
+}
+
+/// The wait after the `attempt`-th failed warm-up.
+fn backoff(attempt: u32) -> Duration {
+    (BACKOFF_FIRST * 2u32.saturating_pow(attempt.saturating_sub(1).min(10))).min(BACKOFF_MAX)
+}
+
+/// One warm-up of the pair: the protocol's prefill leg, then its decode leg with what the
+/// prefill handed over, as a client's request would go, but sent straight to the engines.
+async fn warm(p: &Proxy, prefill: &Arc<Instance>, decode: &Arc<Instance>) -> Result<(), String> {
+    let model = served_model(p, prefill).await?;
+    let n = p.warmup.next_id.fetch_add(1, Ordering::Relaxed);
+    let id = format!("pdctl-warmup-{}-{n}", std::process::id());
+    let original = warm_body(&model);
+    let handshake = p
+        .protocol
+        .prepare(prefill, &p.upstream)
+        .await
+        .map_err(|f| format!("prefill {}: {f}", prefill.url))?;
+    let pbody = p.protocol.prefill_body(&original, &id, &handshake);
+    let answer: PrefillAnswer = {
+        let bytes = post(p, &prefill.url, &pbody, &id)
+            .await
+            .map_err(|e| format!("prefill {}: {e}", prefill.url))?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| format!("prefill {} answered non-JSON: {e}", prefill.url))?
+    };
+    p.protocol.learned(prefill, &answer);
+    let dbody = p
+        .protocol
+        .decode_body(&original, &id, prefill, &handshake, Some(&answer));
+    if let Some(miss) = dbody.handoff_miss {
+        return Err(format!(
+            "prefill {} handed no KV over ({miss})",
+            prefill.url
+        ));
+    }
+    // The decode's counters show this handoff: its leg is accounted for like a client's
+    // (left to the window check of those counters, so no recompute is suspected), but
+    // nothing is counted in the proxy's figures.
+    let expect = Expect::handoff(&original, dbody.body.as_ref());
+    let silent: Arc<dyn Recorder> = Arc::new(Silent);
+    let account = leg_sent(&silent, decode, expect, false, p.handoff, &id);
+    let dbody = dbody.body.unwrap_or(original);
+    let sent = post(p, &decode.url, &dbody, &id).await;
+    drop(account);
+    sent.map_err(|e| format!("decode {} could not take the KV: {e}", decode.url))?;
+    Ok(())
+}
+
+/// The recorder of warm-up legs: they are no traffic, so nothing is counted.
+#[derive(Debug)]
+struct Silent;
+
+impl Recorder for Silent {
+    fn add_in_flight(&self, _: i64) {}
+    fn request_done(&self, _: &'static str, _: u16) {}
+    fn client_disconnect(&self) {}
+    fn first_byte(&self, _: Duration) {}
+    fn prefill_done(&self, _: Duration) {}
+    fn decode_first_byte(&self, _: Duration) {}
+    fn handoff_miss(&self, _: &'static str) {}
+    fn recomputed_tokens(&self, _: u64) {}
+    fn kv_load_failed(&self) {}
+    fn retry(&self, _: Leg) {}
+    fn redone(&self, _: &'static str) {}
+    fn restart_wait(&self, _: Leg) {}
+    fn rate_limited(&self, _: super::recorder::LimitReason) {}
+    fn queued(&self) {}
+    fn queue_depth(&self, _: i64) {}
+    fn prefix_routing(&self, _: Leg, _: &'static str) {}
+    fn settings_applied(&self, _: u64) {}
+    fn rebalance_seen(&self, _: Option<&crate::vocab::RebalanceReport>) {}
+}
+
+/// The warm-up request: a few hundred tokens of prompt, one token out, greedy.
+fn warm_body(model: &str) -> Body {
+    let prompt = format!(
+        "pdctl warm-up of the KV path.{}",
+        " ready".repeat(PROMPT_WORDS)
+    );
+    let v = json!({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0});
+    match v {
+        Value::Object(m) => m,
+        _ => unreachable!("a JSON object literal"),
+    }
+}
+
+/// The model the prefill serves (the first its `/v1/models` lists).
+async fn served_model(p: &Proxy, prefill: &Instance) -> Result<String, String> {
+    let url = format!("{}/v1/models", prefill.url);
+    let (status, body) = p
+        .upstream
+        .get(&url, Duration::from_secs(10))
+        .await
+        .map_err(|f| format!("GET {url}: {f}"))?;
+    if status != 200 {
+        return Err(format!("GET {url} answered {status}"));
+    }
+    let v: Value =
+        serde_json::from_slice(&body).map_err(|e| format!("GET {url} answered non-JSON: {e}"))?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| format!("GET {url} lists no model"))
+}
+
+/// POSTs `body` to `base`'s completions route; the whole answer when it is 2xx.
+async fn post(p: &Proxy, base: &str, body: &Body, id: &str) -> Result<bytes::Bytes, String> {
+    let bytes = serde_json::to_vec(body).expect("JSON values serialize");
+    let resp = p
+        .upstream
+        .legs()
+        .post_json(base, "/v1/completions", &bytes, id)
+        .await
+        .map_err(|f| f.to_string())?;
+    let status = resp.status;
+    let answer = resp
+        .body
+        .read_all(MAX_ANSWER_BYTES)
+        .await
+        .map_err(|f| f.to_string())?;
+    if !(200..300).contains(&status) {
+        return Err(format!(
+            "answered {status}: {}",
+            crate::error_text::answer_message(&answer)
+        ));
+    }
+    Ok(answer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::instances::parse_endpoint;
+
+    fn inst(leg: Leg, addr: &str) -> Arc<Instance> {
+        Arc::new(Instance::new(leg, 0, parse_endpoint(addr).unwrap(), None))
+    }
+
+    #[test]
+    fn only_a_ready_pair_is_routable_and_a_failed_one_says_why() {
+        let w = Warmup::new(true);
+        let p = inst(Leg::Prefill, "10.0.0.1:1");
+        let d = inst(Leg::Decode, "10.0.0.2:2");
+        assert!(!w.pair_ready(&p.url, &d.url), "unknown: not ready");
+        assert!(!w.in_a_ready_pair(&d, std::slice::from_ref(&p)));
+        w.lock().insert(
+            (p.url.clone(), d.url.clone()),
+            PairState::Failed {
+                why: "handshake timed out".into(),
+                attempt: 1,
+                next_try: Instant::now() + Duration::from_secs(2),
+            },
+        );
+        assert!(w.pending());
+        let why = w.why_not(Leg::Decode);
+        assert!(
+            why.contains("handshake timed out") && why.contains(&d.url),
+            "{why}"
+        );
+        w.lock().insert(
+            (p.url.clone(), d.url.clone()),
+            PairState::Ready {
+                took: Duration::from_millis(40),
+            },
+        );
+        assert!(w.pair_ready(&p.url, &d.url));
+        assert!(w.in_a_ready_pair(&d, std::slice::from_ref(&p)));
+        assert!(w.in_a_ready_pair(&p, std::slice::from_ref(&d)));
+        assert!(!w.pending());
+        assert_eq!(w.views()[0].state, "ready");
+        // A protocol without a lazy handshake routes every pair at once.
+        assert!(Warmup::new(false).pair_ready("a", "b"));
+        assert!(Warmup::new(false).settled());
+    }
+
+    #[test]
+    fn backoff_doubles_from_a_second_to_half_a_minute() {
+        assert_eq!(backoff(1), Duration::from_secs(1));
+        assert_eq!(backoff(2), Duration::from_secs(2));
+        assert_eq!(backoff(4), Duration::from_secs(8));
+        assert_eq!(backoff(9), Duration::from_secs(30));
+    }
+}
