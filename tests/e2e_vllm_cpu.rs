@@ -2499,6 +2499,7 @@ fn vllm_cpu_fetches_the_model_first_1p1d() {
     let down = run(pdctl_in(&guard, &["down"]), 120);
     assert!(down.status.success(), "pdctl down failed:\n{}", text(&down));
     guard.up = false;
+}
 
 // --- two machines: one `pdctl up` on the head, the worker started over ssh (issue 44) ---
 

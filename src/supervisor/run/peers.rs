@@ -326,9 +326,11 @@ mod rebalance_tests {
                 rebalance: Some(Box::new(head.clone())),
             }),
             failing_since: failing.then(|| (Instant::now(), 0)),
+            link_down_since: None,
             error: None,
         };
         let peers = |failing: bool| Peers {
+            cut_off_after: Duration::from_secs(6),
             peers: vec![Arc::new(Peer {
                 node: "head".into(),
                 address: "127.0.0.1".into(),
