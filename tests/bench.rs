@@ -2,9 +2,8 @@
 //! must be the ones the simulator was configured with, its files must be usable, and bad
 //! arguments must get clear errors.
 
-mod common;
-#[path = "common/sim.rs"]
-mod simh;
+use crate::common;
+use crate::common::sim as simh;
 
 use common::{TempDir, pdctl};
 use serde_json::Value;

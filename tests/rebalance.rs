@@ -6,9 +6,8 @@
 //! a steady load whose shape shifts, `act` follows the shift within two windows and back,
 //! and the bounds, the cool-down and a running change each hold a move back (and say so).
 
-mod common;
-#[path = "common/supervisor.rs"]
-mod suph;
+use crate::common;
+use crate::common::supervisor as suph;
 
 use common::TempDir;
 use pdctl::control::StatusReport;

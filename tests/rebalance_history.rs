@@ -3,7 +3,7 @@
 //! `rebalance.jsonl`), with no cluster running — as after `pdctl down`, which keeps both
 //! files: the table, `--last`, `--json`, `--plot`, and the errors when there is no history.
 
-mod common;
+use crate::common;
 
 use pdctl::ops::rebalance::{MOVES_FILE, history};
 use pdctl::vocab::{Figures, HistoryPoint, MoveRecord, RebalanceMode, Split};

@@ -3,9 +3,8 @@
 //! long-output one, moving between splits live with 0 failed requests, and leaves the
 //! cluster where it found it (or on the best split with `--apply`).
 
-mod common;
-#[path = "common/supervisor.rs"]
-mod suph;
+use crate::common;
+use crate::common::supervisor as suph;
 
 use common::TempDir;
 use pdctl::vocab::Role;
