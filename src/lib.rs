@@ -21,6 +21,7 @@ pub mod export;
 pub mod gpu;
 pub mod model_files;
 pub mod ops;
+pub mod pictures;
 pub mod plan;
 pub mod profiles;
 pub mod prometheus;

@@ -50,6 +50,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         "changes to a running cluster, and what measures and proves it",
         &["ops", "tune", "check"],
     ),
+    (
+        "pictures of what the layers below measured and kept (above ops: it never draws)",
+        &["pictures"],
+    ),
     ("the command line", &["cli"]),
 ];
 

@@ -6,6 +6,7 @@ pub mod netns;
 pub mod proxy;
 pub mod sim;
 pub mod supervisor;
+pub mod svg;
 
 use std::net::TcpListener;
 use std::path::PathBuf;
