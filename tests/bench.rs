@@ -275,7 +275,10 @@ async fn results_compare_and_plot() {
         assert_eq!(corners, [12, 12], "two panels, one line each, for {color}");
     }
     let texts = common::svg::texts(&svg);
-    assert!(texts.iter().any(|t| t == "Time to first token (CDF)"), "{texts:?}");
+    assert!(
+        texts.iter().any(|t| t == "Time to first token (CDF)"),
+        "{texts:?}"
+    );
     for run in ["fast: median TTFT", "slow: median TTFT"] {
         assert!(texts.iter().any(|t| t.starts_with(run)), "{run}: {texts:?}");
     }

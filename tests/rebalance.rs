@@ -682,7 +682,8 @@ fn a_traffic_shift_under_steady_load_moves_the_split_within_two_windows_and_back
     assert!(out.status.success(), "{}", text(&out));
     let labels = common::svg::texts(&std::fs::read_to_string(&plot).unwrap());
     assert!(
-        labels.iter().any(|t| t == "2P2D -&gt; 3P1D") && labels.iter().any(|t| t == "3P1D -&gt; 2P2D"),
+        labels.iter().any(|t| t == "2P2D -&gt; 3P1D")
+            && labels.iter().any(|t| t == "3P1D -&gt; 2P2D"),
         "{labels:?}"
     );
 

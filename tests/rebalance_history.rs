@@ -264,7 +264,10 @@ fn plot_writes_an_svg_of_the_figures_and_moves_and_says_where() {
     let moves = common::svg::polylines(&svg, pdctl::pictures::rebalance::MOVE, 1);
     assert_eq!(moves.len(), 2, "{moves:?}");
     assert!(moves.iter().all(|m| m.len() == 2 && m[0].0 == m[1].0));
-    assert!(has("2P2D -&gt; 3P1D") && has("3P1D -&gt; 2P2D"), "{texts:?}");
+    assert!(
+        has("2P2D -&gt; 3P1D") && has("3P1D -&gt; 2P2D"),
+        "{texts:?}"
+    );
     // The first look has no TTFT: the line starts at the second, 39 vertices (its legend's
     // stroke is the only other line of its color).
     let ttft = common::svg::polylines(&svg, pdctl::pictures::rebalance::TTFT, 2);

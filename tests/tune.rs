@@ -212,7 +212,10 @@ fn tune_picks_the_split_the_sim_model_predicts() {
     let svg = std::fs::read_to_string(&plot).unwrap();
     let legend = common::svg::texts(&svg);
     for split in ["1P:3D", "3P:1D"] {
-        assert!(legend.iter().any(|t| t.contains(split)), "{split}: {legend:?}");
+        assert!(
+            legend.iter().any(|t| t.contains(split)),
+            "{split}: {legend:?}"
+        );
     }
 
     let (v, stdout) = tune(&cluster, &dir, "long-output", &long_output, &["--apply"]);

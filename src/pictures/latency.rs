@@ -177,7 +177,9 @@ mod tests {
             assert_eq!(n, panels, "{want}: {texts:?}");
         }
         assert!(
-            texts.iter().any(|t| t.starts_with("fast &lt;a&gt;: median TTFT")),
+            texts
+                .iter()
+                .any(|t| t.starts_with("fast &lt;a&gt;: median TTFT")),
             "labels are escaped: {texts:?}"
         );
         assert!(texts.iter().any(|t| t.starts_with("slow: median TTFT")));

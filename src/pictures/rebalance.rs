@@ -256,8 +256,12 @@ fn panel<'a, 'b>(
         .map_err(drawn)?;
     let name = TextStyle::from(("sans-serif", 16).into_font().style(FontStyle::Bold))
         .pos(Pos::new(HPos::Left, VPos::Bottom));
-    root.draw(&Text::new(title.to_string(), (PAD_L as i32, top as i32 - 6), name))
-        .map_err(drawn)?;
+    root.draw(&Text::new(
+        title.to_string(),
+        (PAD_L as i32, top as i32 - 6),
+        name,
+    ))
+    .map_err(drawn)?;
     let tick = |v: &f64| trim(*v);
     let mut mesh = chart.configure_mesh();
     mesh.max_light_lines(0)
@@ -324,8 +328,8 @@ fn legend(
             root.draw(&PathElement::new([(x + from, y), (x + to, y)], style))
                 .map_err(drawn)?;
         }
-        let font = TextStyle::from(("sans-serif", 15).into_font())
-            .pos(Pos::new(HPos::Left, VPos::Center));
+        let font =
+            TextStyle::from(("sans-serif", 15).into_font()).pos(Pos::new(HPos::Left, VPos::Center));
         root.draw(&Text::new(s.name.to_string(), (x + 30, y), font))
             .map_err(drawn)?;
     }
@@ -375,7 +379,11 @@ fn move_marker(
     } else {
         format!(" ({})", outcome.split([' ', ':']).next().unwrap_or(outcome))
     };
-    let color = rgb(if ended.is_empty() { MOVE } else { MOVE_NOT_DONE });
+    let color = rgb(if ended.is_empty() {
+        MOVE
+    } else {
+        MOVE_NOT_DONE
+    });
     let (top, bottom) = (panel_top(0) as i32, (panel_top(2) + PH) as i32);
     root.draw(&PathElement::new(
         [(x, top), (x, bottom)],
@@ -441,7 +449,10 @@ mod tests {
         let right = f64::from(W - PAD_R);
         polylines(svg, color, width)
             .into_iter()
-            .filter(|l| l.iter().all(|&(x, y)| x <= right && y >= top && y <= bottom))
+            .filter(|l| {
+                l.iter()
+                    .all(|&(x, y)| x <= right && y >= top && y <= bottom)
+            })
             .collect()
     }
 
@@ -489,7 +500,11 @@ mod tests {
             ttft[0].windows(2).all(|w| w[0].0 < w[1].0),
             "time goes right"
         );
-        assert_eq!(lines_in(&svg, ITL, 2, 1).len(), 1, "ITL in the second panel");
+        assert_eq!(
+            lines_in(&svg, ITL, 2, 1).len(),
+            1,
+            "ITL in the second panel"
+        );
         // A step line has a riser before each look after the first: 2n - 1 vertices.
         let prefill = lines_in(&svg, PREFILL, 4, 2);
         assert_eq!(prefill.len(), 1);
@@ -520,8 +535,14 @@ mod tests {
         assert_eq!(ttft[1].1, y);
         assert!(ttft[2].1 < y);
         assert!(ttft[0].1 > y);
-        assert!(x_end >= ttft[4].0 - 10.0, "the objective runs to the last look");
-        assert!(!lines_in(&svg, OBJECTIVE, 2, 1).is_empty(), "ITL's objective");
+        assert!(
+            x_end >= ttft[4].0 - 10.0,
+            "the objective runs to the last look"
+        );
+        assert!(
+            !lines_in(&svg, OBJECTIVE, 2, 1).is_empty(),
+            "ITL's objective"
+        );
     }
 
     #[test]

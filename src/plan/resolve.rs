@@ -128,10 +128,7 @@ pub fn resolve(req: &Request) -> Result<LoadedPlan, ResolveError> {
     let mut loaded = plan_programs_unresolved(&topology, req, machine)?;
     loaded.missing = resolve_programs(&mut loaded.plan);
     loaded.source_note = source_note;
-    loaded.source = Some(ClusterSource::of(
-        &topology,
-        req.gpus.clone(),
-    ));
+    loaded.source = Some(ClusterSource::of(&topology, req.gpus.clone()));
     Ok(loaded)
 }
 
