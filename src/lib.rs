@@ -22,6 +22,7 @@ pub mod gpu;
 pub mod model_fetch;
 pub mod model_files;
 pub mod ops;
+pub mod pictures;
 pub mod plan;
 pub mod profiles;
 pub mod prometheus;

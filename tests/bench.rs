@@ -2,9 +2,8 @@
 //! must be the ones the simulator was configured with, its files must be usable, and bad
 //! arguments must get clear errors.
 
-mod common;
-#[path = "common/sim.rs"]
-mod simh;
+use crate::common;
+use crate::common::sim as simh;
 
 use common::{TempDir, pdctl};
 use serde_json::Value;
@@ -267,11 +266,22 @@ async fn results_compare_and_plot() {
         "the slow run's TTFT should be several times the fast one's: {ttft_row}"
     );
     let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.starts_with("<svg"));
+    use pdctl::pictures::latency::{LINE_WIDTH, RUN_COLORS};
+    for color in &RUN_COLORS[..2] {
+        let lines = common::svg::polylines(&svg, color, LINE_WIDTH);
+        // Six requests: a step line of 12 corners, in each of the two panels.
+        let corners: Vec<usize> = lines.iter().map(Vec::len).collect();
+        assert_eq!(corners, [12, 12], "two panels, one line each, for {color}");
+    }
+    let texts = common::svg::texts(&svg);
     assert!(
-        svg.starts_with("<svg") && svg.matches("<polyline").count() == 4,
-        "two runs x two panels"
+        texts.iter().any(|t| t == "Time to first token (CDF)"),
+        "{texts:?}"
     );
-    assert!(svg.contains("Time to first token") && svg.contains("fast:") && svg.contains("slow:"));
+    for run in ["fast: median TTFT", "slow: median TTFT"] {
+        assert!(texts.iter().any(|t| t.starts_with(run)), "{run}: {texts:?}");
+    }
 }
 
 /// Errors say what is wrong and exit 2 (bad input) or 1 (the server failed every request).

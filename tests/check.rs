@@ -3,9 +3,8 @@
 //! key (`PDCTL_API_KEY`) it still passes and reports the model; and `up`'s pre-flight
 //! refuses a pair whose block sizes differ, naming both sides.
 
-mod common;
-#[path = "common/supervisor.rs"]
-mod suph;
+use crate::common;
+use crate::common::supervisor as suph;
 
 use common::TempDir;
 use std::time::Duration;

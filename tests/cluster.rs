@@ -3,9 +3,8 @@
 //! simulator's matching KV handoff; then a 4P4D sim with real etcd and mooncake_master for
 //! designation, policies, failures, disconnects, limits and the benchmark's strategies.
 
-mod common;
-#[path = "common/supervisor.rs"]
-mod suph;
+use crate::common;
+use crate::common::supervisor as suph;
 
 use common::{TempDir, eventually};
 use serde_json::{Value, json};

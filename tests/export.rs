@@ -24,7 +24,7 @@
 //! `disaggregatedset.x-k8s.io_disaggregatedsets.yaml`), every document is also checked
 //! against their full openAPIV3Schema, converted the same way.
 
-mod common;
+use crate::common;
 
 use common::pdctl;
 use serde_json::{Value, json};

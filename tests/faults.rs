@@ -2,9 +2,8 @@
 //! engine killed from outside again and again while serving costs seconds, not the
 //! cluster; `pdctl down` during streams ends each with an error event and `[DONE]`.
 
-mod common;
-#[path = "common/supervisor.rs"]
-mod suph;
+use crate::common;
+use crate::common::supervisor as suph;
 
 use common::TempDir;
 use pdctl::control::ServiceState;

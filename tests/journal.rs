@@ -5,11 +5,9 @@
 //! failure paths that must leave routing whole: a drained restart that cannot restart
 //! puts the instance back in routing; a relative `--state-dir` works for `scale`.
 
-mod common;
-#[path = "common/netns.rs"]
-mod netns;
-#[path = "common/supervisor.rs"]
-mod suph;
+use crate::common;
+use crate::common::netns;
+use crate::common::supervisor as suph;
 
 use common::TempDir;
 use pdctl::control::operation::Recovered;

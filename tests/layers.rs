@@ -50,6 +50,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         "changes to a running cluster, and what measures and proves it",
         &["ops", "tune", "check"],
     ),
+    (
+        "pictures of what the layers below measured and kept (above ops: it never draws)",
+        &["pictures"],
+    ),
     ("the command line", &["cli"]),
 ];
 
@@ -450,16 +454,6 @@ fn no_import_cycle_spans_two_top_level_modules() {
     }
 }
 
-/// Import cycles between files found when the check below was written, each as the files
-/// (module paths under `src/`) that import one another round a loop, with the issue that
-/// untangles it. The check fails on a cycle of more than two files missing here and on a
-/// listed one that is no longer there as listed, so the list only shrinks. (Two-file
-/// cycles are allowed; the ones listed are tangles the issue names.)
-const KNOWN_TANGLES: &[(&str, &[&str])] = &[
-    ("#40", &["plan/resolve", "plan/source"]),
-    ("#40", &["supervisor/run/members", "supervisor/run/service"]),
-];
-
 /// File -> the files it imports, each with where (the first place it does). A reference
 /// counts when a `crate::`, `super::` or `self::` path leads into another file's module;
 /// a file's own ancestors (the `mod.rs` files that declare it, up to the crate root) do
@@ -544,16 +538,15 @@ fn cycles<V>(graph: &BTreeMap<String, BTreeMap<String, V>>) -> Vec<BTreeSet<Stri
     w.out
 }
 
+/// No two files of `src/` import each other, directly or round a longer loop: the two
+/// two-file tangles once allowed here (plan's resolve and source, the supervisor's members
+/// and service task) are undone, and there is no list of allowed ones to grow back.
 #[test]
-fn no_import_cycle_of_more_than_two_files_but_the_known_tangles() {
+fn no_import_cycle_between_files() {
     let graph = file_graph();
     let found = cycles(&graph);
-    let listed: Vec<BTreeSet<String>> = KNOWN_TANGLES
-        .iter()
-        .map(|(_, files)| files.iter().map(|f| f.to_string()).collect())
-        .collect();
     let mut wrong = Vec::new();
-    for part in found.iter().filter(|p| p.len() > 2 && !listed.contains(p)) {
+    for part in &found {
         let evidence: Vec<String> = part
             .iter()
             .flat_map(|from| {
@@ -570,14 +563,6 @@ fn no_import_cycle_of_more_than_two_files_but_the_known_tangles() {
             part.iter().cloned().collect::<Vec<_>>().join(", "),
             evidence.join("\n")
         ));
-    }
-    for ((issue, _), tangle) in KNOWN_TANGLES.iter().zip(&listed) {
-        if !found.contains(tangle) {
-            wrong.push(format!(
-                "the known tangle ({issue}) {} is no longer a cycle as listed: take it out of KNOWN_TANGLES in tests/layers.rs, or replace it with what is left of it",
-                tangle.iter().cloned().collect::<Vec<_>>().join(", ")
-            ));
-        }
     }
     let today: Vec<String> = found
         .iter()

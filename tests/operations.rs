@@ -2,11 +2,9 @@
 //! `pdctl scale` and `pdctl apply` under continuous load from `pdctl bench`, with 0 failed
 //! requests; and an instance killed while it drains.
 
-mod common;
-#[path = "common/netns.rs"]
-mod netns;
-#[path = "common/supervisor.rs"]
-mod suph;
+use crate::common;
+use crate::common::netns;
+use crate::common::supervisor as suph;
 
 use common::TempDir;
 use netns::in_netns;

@@ -8,11 +8,9 @@
 //! Needs root and `ip netns` (CI runs as root): where they are refused the test fails
 //! saying why, since a cut cannot be made on loopback and a skipped test would pass green.
 
-mod common;
-#[path = "common/netns.rs"]
-mod netns;
-#[path = "common/supervisor.rs"]
-mod suph;
+use crate::common;
+use crate::common::netns;
+use crate::common::supervisor as suph;
 
 use common::TempDir;
 use pdctl::control::{ServiceState, StatusReport};

@@ -1,7 +1,7 @@
 //! `pdctl plan`: located errors for bad topologies, golden plans for every profile, and the
 //! flags of the usual hand-run setups carried into the generated commands.
 
-mod common;
+use crate::common;
 
 use common::{TempDir, pdctl};
 use pdctl::child_config::proxy::ProxyArgs;

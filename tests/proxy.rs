@@ -4,9 +4,8 @@
 //! disconnect, broken request-id correlation, load counted only until headers, health
 //! tripped by client 4xx, /v1/models failing with one instance down, keys not sent.
 
-mod common;
-#[path = "common/proxy.rs"]
-mod fake;
+use crate::common;
+use crate::common::proxy as fake;
 
 use fake::{
     Behavior, FakeEngine, FakeSupervisor, ProxyProcess, eventually, metric_value, proxy_args,

@@ -3,11 +3,9 @@
 //! choices seen in the sims' own metrics, and failures and disconnects as the engines see
 //! them (aborted requests, error events).
 
-mod common;
-#[path = "common/proxy.rs"]
-mod fake;
-#[path = "common/sim.rs"]
-mod sim;
+use crate::common;
+use crate::common::proxy as fake;
+use crate::common::sim;
 
 use common::TempDir;
 use fake::{ProxyProcess, eventually, sse_events};

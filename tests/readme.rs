@@ -7,7 +7,7 @@
 //! checked for what a reader relies on (names, ports, answers, file names), not for PIDs
 //! and timings.
 
-mod common;
+use crate::common;
 
 use common::{TempDir, pdctl_bin};
 use serde_json::Value;

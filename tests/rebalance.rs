@@ -6,9 +6,8 @@
 //! a steady load whose shape shifts, `act` follows the shift within two windows and back,
 //! and the bounds, the cool-down and a running change each hold a move back (and say so).
 
-mod common;
-#[path = "common/supervisor.rs"]
-mod suph;
+use crate::common;
+use crate::common::supervisor as suph;
 
 use common::TempDir;
 use pdctl::control::StatusReport;
@@ -688,11 +687,11 @@ fn a_traffic_shift_under_steady_load_moves_the_split_within_two_windows_and_back
         plot.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", text(&out));
-    let svg = std::fs::read_to_string(&plot).unwrap();
+    let labels = common::svg::texts(&std::fs::read_to_string(&plot).unwrap());
     assert!(
-        svg.contains(">2P2D -&gt; 3P1D</text>") && svg.contains(">3P1D -&gt; 2P2D</text>"),
-        "{}",
-        &svg[..svg.len().min(2000)]
+        labels.iter().any(|t| t == "2P2D -&gt; 3P1D")
+            && labels.iter().any(|t| t == "3P1D -&gt; 2P2D"),
+        "{labels:?}"
     );
 
     let tally = load.finish();

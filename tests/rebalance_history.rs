@@ -3,7 +3,7 @@
 //! `rebalance.jsonl`), with no cluster running — as after `pdctl down`, which keeps both
 //! files: the table, `--last`, `--json`, `--plot`, and the errors when there is no history.
 
-mod common;
+use crate::common;
 
 use pdctl::ops::rebalance::{MOVES_FILE, history};
 use pdctl::vocab::{Figures, HistoryPoint, MoveRecord, RebalanceMode, Split};
@@ -252,21 +252,29 @@ fn plot_writes_an_svg_of_the_figures_and_moves_and_says_where() {
     );
     let svg = std::fs::read_to_string(&file).unwrap();
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    let texts = common::svg::texts(&svg);
+    let has = |t: &str| texts.iter().any(|x| x == t);
     assert!(
-        svg.contains("Rebalancing of cluster demo: 40 looks, 2 moves"),
-        "{svg}"
+        has("Rebalancing of cluster demo: 40 looks, 2 moves"),
+        "{texts:?}"
     );
     for panel in ["TTFT p90 (ms)", "ITL p90 (ms)", "Split (instances)"] {
-        assert!(svg.contains(panel), "{panel}");
+        assert!(has(panel), "{panel}");
     }
-    assert_eq!(svg.matches(r#"<line class="move""#).count(), 2);
-    assert!(svg.contains(">2P2D -&gt; 3P1D</text>") && svg.contains(">3P1D -&gt; 2P2D</text>"));
-    // The first look has no TTFT: the line starts at the second, 39 vertices.
-    let ttft = svg
-        .lines()
-        .find(|l| l.starts_with(r#"<polyline class="ttft" "#))
-        .unwrap();
-    assert_eq!(ttft.split(',').count() - 1, 39, "{ttft}");
+    // Each move a line across the three panels (both ended done), labelled with its splits.
+    let moves = common::svg::polylines(&svg, pdctl::pictures::rebalance::MOVE, 1);
+    assert_eq!(moves.len(), 2, "{moves:?}");
+    assert!(moves.iter().all(|m| m.len() == 2 && m[0].0 == m[1].0));
+    assert!(
+        has("2P2D -&gt; 3P1D") && has("3P1D -&gt; 2P2D"),
+        "{texts:?}"
+    );
+    // The first look has no TTFT: the line starts at the second, 39 vertices (its legend's
+    // stroke is the only other line of its color).
+    let ttft = common::svg::polylines(&svg, pdctl::pictures::rebalance::TTFT, 2);
+    let mut vertices: Vec<usize> = ttft.iter().map(Vec::len).collect();
+    vertices.sort();
+    assert_eq!(vertices, [2, 39], "{ttft:?}");
 }
 
 #[test]

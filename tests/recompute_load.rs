@@ -7,9 +7,8 @@
 //! exactly the stream it asked for (no usage chunk it did not ask for; its usage when it
 //! did), and count nothing on the healthy cluster.
 
-mod common;
-#[path = "common/supervisor.rs"]
-mod suph;
+use crate::common;
+use crate::common::supervisor as suph;
 
 use common::TempDir;
 use serde_json::{Value, json};

@@ -2,9 +2,8 @@
 //! errors, metrics, the prefix cache, the three KV handoffs, faults, start-up delay and
 //! cancellation. Run alone with `cargo test --test sim`.
 
-mod common;
-#[path = "common/sim.rs"]
-mod simh;
+use crate::common;
+use crate::common::sim as simh;
 
 use common::{TempDir, free_port, pdctl};
 use serde_json::{Value, json};

@@ -1,9 +1,8 @@
 //! The supervisor end to end: `pdctl up / status / logs / down` with real etcd, real
 //! mooncake_master and small HTTP engines, each test in its own state root on free ports.
 
-mod common;
-#[path = "common/supervisor.rs"]
-mod sup;
+use crate::common;
+use crate::common::supervisor as sup;
 
 use common::{free_ports, wait_until};
 use pdctl::control::ServiceState;

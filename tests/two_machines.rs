@@ -9,11 +9,9 @@
 //! Needs root, iproute2, openssh-server and tcpdump (`./install.sh --deps-only
 //! --with-test-deps`); where any is missing the test fails saying which.
 
-mod common;
-#[path = "common/netns.rs"]
-mod netns;
-#[path = "common/supervisor.rs"]
-mod suph;
+use crate::common;
+use crate::common::netns;
+use crate::common::supervisor as suph;
 
 use common::{ChildGuard, TempDir};
 use netns::{NetnsPair, in_netns};

@@ -5,7 +5,6 @@
 pub mod args;
 pub mod dataset;
 pub mod engines;
-pub mod plot;
 pub mod report;
 pub mod runner;
 pub mod stats;
@@ -86,10 +85,14 @@ fn engine_key_for(root: &std::path::Path, url: &str) -> anyhow::Result<Option<St
     Ok(None)
 }
 
-/// Runs a benchmark (or `--compare`s two results).
-pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
+/// What draws the runs' latency CDFs for `--plot`, handed in by the command line: pictures
+/// sit above the bench (`src/pictures`), which only measures.
+pub type Draw = fn(&[&Report]) -> anyhow::Result<String>;
+
+/// Runs a benchmark (or `--compare`s two results); `draw` makes `--plot`'s SVG.
+pub async fn run(a: BenchArgs, draw: Draw) -> anyhow::Result<ExitCode> {
     if let Some(files) = &a.compare {
-        return compare(files, a.plot.as_deref());
+        return compare(files, a.plot.as_deref(), draw);
     }
     check_args(&a)?;
     let target = target(&a).await?;
@@ -141,7 +144,7 @@ pub async fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         eprintln!("figures written to {}", path.display());
     }
     if let Some(path) = &a.plot {
-        std::fs::write(path, plot::svg(&[&report]))
+        std::fs::write(path, draw(&[&report])?)
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("plot written to {}", path.display());
     }
@@ -292,6 +295,7 @@ fn progress(done: usize, total: usize, tty: bool) {
 fn compare(
     files: &[std::path::PathBuf],
     plot: Option<&std::path::Path>,
+    draw: Draw,
 ) -> anyhow::Result<ExitCode> {
     let load = |p: &std::path::Path| -> anyhow::Result<Report> {
         let text = std::fs::read_to_string(p)
@@ -311,7 +315,7 @@ fn compare(
     let refs: Vec<&Report> = runs.iter().collect();
     print!("{}", report::compare(&refs));
     if let Some(path) = plot {
-        std::fs::write(path, plot::svg(&refs))
+        std::fs::write(path, draw(&refs)?)
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("plot written to {}", path.display());
     }

@@ -202,6 +202,8 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
                 .block_on(crate::sim::run(a))
                 .map(|_| ExitCode::SUCCESS)
         }
-        Command::Bench(a) => runtime()?.block_on(crate::bench::run(a)),
+        Command::Bench(a) => runtime()?.block_on(crate::bench::run(a, |runs| {
+            Ok(crate::pictures::latency::svg(runs)?)
+        })),
     }
 }

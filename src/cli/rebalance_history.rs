@@ -5,7 +5,8 @@
 
 use super::ExitError;
 use super::common::{ClusterArgs, state_root};
-use crate::ops::rebalance::{MOVES_FILE, history, plot, read_moves};
+use crate::ops::rebalance::{MOVES_FILE, history, read_moves};
+use crate::pictures::rebalance as plot;
 use crate::supervisor::{StateDir, format_utc, read_record, select};
 use crate::vocab::{HistoryPoint, MoveRecord};
 use clap::Args;

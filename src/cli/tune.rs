@@ -226,7 +226,9 @@ fn write_result(t: &TuneArgs, result: &TuneResult) -> anyhow::Result<()> {
         eprintln!("figures written to {}", path.display());
     }
     if let Some(path) = &t.plot {
-        std::fs::write(path, result.svg())
+        let runs: Vec<&crate::bench::report::Report> =
+            result.splits.iter().map(|m| &m.bench).collect();
+        std::fs::write(path, crate::pictures::latency::svg(&runs)?)
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("plot written to {}", path.display());
     }

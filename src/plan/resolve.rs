@@ -7,7 +7,8 @@
 //! again.
 
 use crate::gpu::{self, Gpu, GpuError};
-use crate::plan::{Plan, PlanInput, build_plan};
+use crate::plan::source::ClusterSource;
+use crate::plan::{Holdings, Plan, PlanInput, build_plan};
 use crate::profiles;
 use crate::tools::{self, MissingProgram};
 use crate::topology::{self, EngineKind, LoadedTopology, Source, TopologyError};
@@ -157,7 +158,7 @@ pub struct LoadedPlan {
     pub machine: Machine,
     /// The topology it came from, for `up` to keep beside the plan (`scale` plans again
     /// from it).
-    pub source: Option<super::source::ClusterSource>,
+    pub source: Option<ClusterSource>,
 }
 
 /// What to say when the vLLM version was assumed: a warning for `plan`, an error for `up`.
@@ -178,11 +179,34 @@ pub fn resolve(req: &Request) -> Result<LoadedPlan, ResolveError> {
     check_client_key_reach(&topology, &loaded.plan)?;
     loaded.missing = resolve_programs(&mut loaded.plan);
     loaded.source_note = source_note;
-    loaded.source = Some(super::source::ClusterSource::of(
-        &topology,
-        req.gpus.clone(),
-    ));
+    loaded.source = Some(ClusterSource::of(&topology, req.gpus.clone()));
     Ok(loaded)
+}
+
+/// Planning again from what a running cluster was made from: here, above `source.rs`,
+/// which keeps the data and knows nothing of resolving.
+impl ClusterSource {
+    /// Plans the cluster again (programs resolved) for node `node` under `state_root`; the
+    /// instances it keeps of a running cluster keep the GPUs and ports `held` says they hold.
+    pub fn plan(
+        &self,
+        node: &str,
+        state_root: &Path,
+        held: &Holdings,
+    ) -> Result<LoadedPlan, ResolveError> {
+        let t = self.topology()?;
+        let req = Request {
+            node: Some(node.to_string()),
+            gpus: self.gpus.clone(),
+            state_dir: Some(state_root.to_path_buf()),
+            held: held.clone(),
+            ..Request::default()
+        };
+        let mut loaded = plan_programs_unresolved(&t, &req, Machine::new(self.gpus.clone()))?;
+        loaded.missing = resolve_programs(&mut loaded.plan);
+        loaded.source_note = format!("using {}", self.label);
+        Ok(loaded)
+    }
 }
 
 /// Reads the topology the request points at, and says which one was chosen and why.

@@ -3,9 +3,7 @@
 //! can say what it changes: the topology's text, what it is called, the GPUs declared with
 //! `--gpus`, and the counts `scale` set since.
 
-use super::Holdings;
-use super::resolve::{LoadedPlan, Machine, Request, ResolveError, plan_programs_unresolved};
-use crate::topology::{self, LoadedTopology, Source};
+use crate::topology::{self, LoadedTopology, Source, TopologyError};
 use crate::vocab::Role;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -92,7 +90,7 @@ impl ClusterSource {
     }
 
     /// The topology with the counts `scale` set applied and checked again.
-    pub fn topology(&self) -> Result<LoadedTopology, ResolveError> {
+    pub fn topology(&self) -> Result<LoadedTopology, TopologyError> {
         let source = match &self.profile {
             Some(name) => Source::Profile(name.clone()),
             None => Source::File(PathBuf::from(&self.label)),
@@ -111,7 +109,7 @@ impl ClusterSource {
 
     /// The `[rebalance]` table as the plan carries it: what the head's rebalancer judges
     /// by while this source is kept (None: it has none).
-    pub fn rebalance(&self) -> Result<Option<crate::vocab::RebalancePlan>, ResolveError> {
+    pub fn rebalance(&self) -> Result<Option<crate::vocab::RebalancePlan>, TopologyError> {
         let t = self.topology()?;
         Ok(t.spec
             .rebalance
@@ -121,28 +119,6 @@ impl ClusterSource {
                 prefill_gpus: t.spec.prefill.gpus_per_instance,
                 decode_gpus: t.spec.decode.gpus_per_instance,
             }))
-    }
-
-    /// Plans the cluster again (programs resolved) for node `node` under `state_root`; the
-    /// instances it keeps of a running cluster keep the GPUs and ports `held` says they hold.
-    pub fn plan(
-        &self,
-        node: &str,
-        state_root: &Path,
-        held: &Holdings,
-    ) -> Result<LoadedPlan, ResolveError> {
-        let t = self.topology()?;
-        let req = Request {
-            node: Some(node.to_string()),
-            gpus: self.gpus.clone(),
-            state_dir: Some(state_root.to_path_buf()),
-            held: held.clone(),
-            ..Request::default()
-        };
-        let mut loaded = plan_programs_unresolved(&t, &req, Machine::new(self.gpus.clone()))?;
-        loaded.missing = crate::plan::resolve::resolve_programs(&mut loaded.plan);
-        loaded.source_note = format!("using {}", self.label);
-        Ok(loaded)
     }
 }
 

@@ -1,5 +1,6 @@
 //! The result of `pdctl tune`: the table a person reads, the JSON a script reads (with a
-//! top-level `best`), and the plot (the bench's latency CDFs, one line per split).
+//! top-level `best`); its plot (the bench's latency CDFs, one line per split) is drawn by
+//! `src/pictures` for the command line.
 
 use super::{Measured, Slo, Split};
 use serde::{Deserialize, Serialize};
@@ -76,12 +77,5 @@ impl TuneResult {
             self.best, self.best.prefill, self.best.decode, self.left_on
         );
         o
-    }
-
-    /// The plot: every split's TTFT and end-to-end latency CDFs.
-    pub fn svg(&self) -> String {
-        let runs: Vec<&crate::bench::report::Report> =
-            self.splits.iter().map(|m| &m.bench).collect();
-        crate::bench::plot::svg(&runs)
     }
 }

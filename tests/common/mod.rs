@@ -2,6 +2,12 @@
 //! that are killed when a test ends (even when it fails).
 #![allow(dead_code)]
 
+pub mod netns;
+pub mod proxy;
+pub mod sim;
+pub mod supervisor;
+pub mod svg;
+
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command};

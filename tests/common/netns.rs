@@ -38,7 +38,11 @@ impl NetnsPair {
         if std::env::var_os("PDCTL_TEST_NO_NETNS").is_some() {
             return Err("PDCTL_TEST_NO_NETNS is set".into());
         }
-        let id = std::process::id() % 250;
+        // One test binary runs many tests at once: the process id keeps apart the runs of
+        // several binaries (other checkouts' tests), the counter the pairs of one.
+        static MADE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let made = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = (std::process::id() + made) % 250;
         let pair = NetnsPair {
             a: format!("{tag}{id}a"),
             b: format!("{tag}{id}b"),

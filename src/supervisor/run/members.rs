@@ -5,11 +5,23 @@
 //! of the same name takes over, so names stay unique and indices never shift.
 
 use crate::plan::Plan;
-use crate::supervisor::run::service::Cmd;
 use crate::supervisor::state_dir::logfile::ServiceLog;
 use crate::vocab::Service;
 use std::sync::Arc;
-use tokio::sync::mpsc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+/// What a service task can be told to do.
+#[derive(Debug)]
+pub enum Cmd {
+    /// Stop for good (`down`): the timeout overrides the plan's when given.
+    Stop {
+        timeout: Option<Duration>,
+        done: oneshot::Sender<()>,
+    },
+    /// Stop and start again; `cascade` also restarts its `restart_with` companions.
+    Restart { reason: String, cascade: bool },
+}
 
 /// One snapshot of the services; changed by copying (rare: an add, a remove, a replace).
 #[derive(Debug, Clone)]

@@ -31,7 +31,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 /// Why a run of a service could not even start; its text is what `status` and the
 /// failure report show.
@@ -58,17 +58,8 @@ pub enum StartError {
     },
 }
 
-/// What a service task can be told to do.
-#[derive(Debug)]
-pub enum Cmd {
-    /// Stop for good (`down`): the timeout overrides the plan's when given.
-    Stop {
-        timeout: Option<Duration>,
-        done: oneshot::Sender<()>,
-    },
-    /// Stop and start again; `cascade` also restarts its `restart_with` companions.
-    Restart { reason: String, cascade: bool },
-}
+/// What a service task can be told to do (kept beside the channels [`Members`] holds).
+pub use crate::supervisor::run::members::Cmd;
 
 /// Everything the service tasks share.
 #[derive(Debug)]
