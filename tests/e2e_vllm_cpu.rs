@@ -17,11 +17,7 @@
 //! `target/tmp/e2e-vllm-cpu-<case>.json`.
 
 mod common;
-#[path = "common/hub.rs"]
-mod hub;
-
-#[path = "common/netns.rs"]
-mod netns;
+use common::{hub, netns};
 
 use common::{TempDir, free_ports, pdctl};
 use serde_json::{Value, json};

@@ -6,9 +6,8 @@
 //!
 //! Needs a Python with huggingface_hub (vLLM's; see `hub::hf_python`), no internet.
 
-mod common;
-#[path = "common/hub.rs"]
-mod hub;
+use crate::common;
+use crate::common::hub;
 
 use common::{TempDir, pdctl};
 use hub::Hub;

@@ -6,11 +6,9 @@
 //! joins one node, once, in its time, a joined node holds no cluster secret, and a node
 //! that joins again leaves its old certificate refused.
 
-mod common;
-#[path = "common/netns.rs"]
-mod netns;
-#[path = "common/supervisor.rs"]
-mod suph;
+use crate::common;
+use crate::common::netns;
+use crate::common::supervisor as suph;
 
 use common::TempDir;
 use std::os::unix::fs::PermissionsExt;
