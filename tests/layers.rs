@@ -697,6 +697,7 @@ const PROXY_LAYERS: &[(&str, &[&str])] = &[
             "record",
             "drain",
             "models",
+            "warmup",
         ],
     ),
     (

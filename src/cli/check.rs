@@ -40,7 +40,7 @@ pub fn check(a: CheckArgs) -> anyhow::Result<ExitCode> {
 async fn run(a: CheckArgs) -> anyhow::Result<ExitCode> {
     let found = running(&a.which.state_dir, a.which.cluster.as_deref(), "check")?;
     let report = client::status(&found.socket, Duration::from_secs(5)).await?;
-    let plan = super::cluster::read_plan(&StateDir::new(&found.dir).plan_path())?;
+    let plan = super::common::read_plan(&StateDir::new(&found.dir).plan_path())?;
     let proxy = report.proxy_url.clone().ok_or_else(|| {
         ExitError::usage(format!(
             "cluster {} has no proxy: check sends its probes through it",

@@ -2,7 +2,7 @@
 //! turning outcomes into exit codes (0 ok, 1 failure, 2 bad input, 3 nothing running).
 
 use super::ExitError;
-use super::common::{ClusterArgs, TopologyArgs, state_root};
+use super::common::{ClusterArgs, TopologyArgs, read_plan, state_root};
 use super::detach::{self, LogSettings};
 use super::{logs_cmd, view};
 use crate::control::client;
@@ -14,7 +14,7 @@ use crate::vocab::VersionSource;
 use anyhow::Context;
 use clap::Args;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -141,14 +141,6 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?)
-}
-
-/// Reads a plan written as JSON (`--plan`, or plan.json in a state dir).
-pub(super) fn read_plan(path: &Path) -> anyhow::Result<Plan> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| ExitError::usage(format!("cannot read plan {}: {e}", path.display())))?;
-    serde_json::from_str(&text)
-        .map_err(|e| ExitError::usage(format!("plan {} is not a valid plan: {e}", path.display())))
 }
 
 /// The plan `up` runs: read from `--plan FILE` (its programs found here), or made from

@@ -127,3 +127,13 @@ impl TopologyArgs {
         }
     }
 }
+
+/// Reads a plan written as JSON (`--plan`, or plan.json in a state dir).
+pub(super) fn read_plan(path: &std::path::Path) -> anyhow::Result<crate::plan::Plan> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        super::exit::ExitError::usage(format!("cannot read plan {}: {e}", path.display()))
+    })?;
+    serde_json::from_str(&text).map_err(|e| {
+        super::exit::ExitError::usage(format!("plan {} is not a valid plan: {e}", path.display()))
+    })
+}

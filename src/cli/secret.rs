@@ -388,7 +388,7 @@ pub fn join_token(a: JoinTokenArgs) -> anyhow::Result<ExitCode> {
     )?;
     let state = StateDir::new(&found.dir);
     let dir = state.dir.join(TLS_DIR);
-    let plan = super::cluster::read_plan(&state.plan_path())?;
+    let plan = super::common::read_plan(&state.plan_path())?;
     let Some(ca) = ClusterCa::load(&dir, &found.cluster)?.filter(|_| found.node == plan.head_node)
     else {
         return Err(ExitError::usage(format!(
@@ -519,7 +519,7 @@ pub fn show(a: SecretArgs) -> anyhow::Result<ExitCode> {
         "show the secret of",
     )?;
     let state = StateDir::new(&found.dir);
-    let head = super::cluster::read_plan(&state.plan_path())
+    let head = super::common::read_plan(&state.plan_path())
         .map(|p| p.head_node)
         .unwrap_or_default();
     if !a.engine_key && found.node != head && !head.is_empty() {

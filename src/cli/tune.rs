@@ -161,7 +161,7 @@ fn splits_to_measure(
     found: &Found,
     start: Split,
 ) -> anyhow::Result<(Vec<Split>, String)> {
-    let plan = super::cluster::read_plan(&StateDir::new(&found.dir).plan_path())?;
+    let plan = super::common::read_plan(&StateDir::new(&found.dir).plan_path())?;
     let gpus_of = |role: Role| plan.by_role(role).next().map_or(0, |s| s.gpus.len() as u32);
     let gpus_per = (gpus_of(Role::Prefill), gpus_of(Role::Decode));
     if t.gpu_budget.is_some() && gpus_per == (0, 0) {

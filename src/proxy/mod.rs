@@ -25,7 +25,8 @@
 //!    (the HTTP client of probes and scrapes), `usage_chunk` (the usage chunk each
 //!    streamed decode leg asks for and the client gets only if it asked),
 //!    `recompute/judgment` (a decode leg judged by its own usage); `relay` (streams),
-//!    `record` (the request's log line), `drain` (shutdown), `models`.
+//!    `record` (the request's log line), `drain` (shutdown), `models`, `warmup` (one
+//!    request through each new prefill/decode pair whose connector handshakes lazily).
 //! 4. The figures, reading from below: `metrics` (the counters and `/metrics`, a
 //!    [`recorder::Recorder`]), `histogram`, `figures` (what `pdctl status` reads back),
 //!    `recompute` (KV handoff misses decode hides: the window check on its counters),
