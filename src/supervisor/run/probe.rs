@@ -37,12 +37,14 @@ pub enum ProbeError {
 
 impl ProbeError {
     /// Whether this failure is evidence that the service cannot serve (its port refuses
-    /// connections or resets them: the process is gone or not listening), rather than
-    /// slowness (no answer in time, an error status from a busy server), which only
-    /// `health.failed_probes` failures in a row make count.
+    /// connections or resets them: the process is gone or not listening; or it says so
+    /// itself with a 5xx, as vLLM's /health does once its engine is dead), rather than
+    /// slowness (no answer in time), which only `health.failed_probes` failures in a row
+    /// make count.
     pub fn cannot_serve(&self) -> bool {
         match self {
             ProbeError::HttpRefused { .. } => true,
+            ProbeError::HttpStatus { got, .. } => *got >= 500,
             ProbeError::Tcp { source, .. } => matches!(
                 source.kind(),
                 std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset
@@ -258,12 +260,20 @@ mod tests {
         assert!(!unhealthy_now(1, &slow, 3));
         assert!(!unhealthy_now(2, &slow, 3));
         assert!(unhealthy_now(3, &slow, 3));
-        let busy = ProbeError::HttpStatus {
+        // A 5xx is the service's own word that it cannot serve (vLLM's /health once its
+        // engine is dead); a 4xx is not.
+        let dead = ProbeError::HttpStatus {
             url: url.clone(),
             got: 503,
             want: 200,
         };
-        assert!(!unhealthy_now(1, &busy, 3));
+        assert!(unhealthy_now(1, &dead, 3));
+        let odd = ProbeError::HttpStatus {
+            url: url.clone(),
+            got: 404,
+            want: 200,
+        };
+        assert!(!unhealthy_now(1, &odd, 3));
         let refused = ProbeError::HttpRefused { url };
         assert!(unhealthy_now(1, &refused, 3));
         let tcp = ProbeError::Tcp {
