@@ -9,7 +9,7 @@ requests queue), and probes /health every INTERVAL seconds meanwhile, each probe
 a fresh connection as a supervisor's is. Prints p50, p90, p99 and the maximum, idle and
 saturated, as JSON.
 
-    flock /tmp/vllm-e2e.lock /opt/pdctl/venv/bin/python bench/vllm_health_latency.py \
+    /opt/pdctl/venv/bin/python bench/vllm_health_latency.py \
         --model ~/.local/share/pdctl/models/tiny-llama --seconds 90
 
 Standard library only, so any python runs it.
