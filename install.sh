@@ -8,7 +8,7 @@
 #                                 GPU: profile cpu-1p1d, scripts/e2e-vllm-cpu.sh)
 #   ./install.sh --deps-only      runtime parts only, no pdctl build (what the tests need)
 #   ./install.sh --with-test-deps also what only the tests need: the `openai` Python client they drive
-#                                 the simulator with, iproute2, openssh-server (an sshd the two-machine
+#                                 the simulator with, huggingface_hub (the model fetch's tests), iproute2, openssh-server (an sshd the two-machine
 #                                 test starts itself; not left enabled as a service) and tcpdump
 #   ./install.sh --keep-system-etcd  leave Debian's etcd service running (it holds port 2379)
 #
@@ -108,9 +108,10 @@ fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
 # The versions the tests were run with, pinned so a new release cannot change CI under us
-# (PDCTL_MOONCAKE_PIN=, PDCTL_OPENAI_PIN= empty take the newest).
+# (PDCTL_MOONCAKE_PIN=, PDCTL_OPENAI_PIN=, PDCTL_HF_HUB_PIN= empty take the newest).
 NONCUDA_PIN=${PDCTL_MOONCAKE_PIN-==0.3.13.post1}
 OPENAI_PIN=${PDCTL_OPENAI_PIN-==3.54.0}
+HF_HUB_PIN=${PDCTL_HF_HUB_PIN-==2.4.0}
 if [ -e /dev/nvidiactl ] || command -v nvidia-smi >/dev/null 2>&1; then
   MOONCAKE=mooncake-transfer-engine
 else
@@ -131,6 +132,14 @@ if [ "$TEST_DEPS" -eq 1 ]; then
   else
     step "Installing the openai Python client into $VENV (the tests drive the simulator with it)"
     "${PIP[@]}" "openai$OPENAI_PIN" || fail "pip install openai$OPENAI_PIN failed: check access to PyPI"
+  fi
+  # The model fetch runs with the engines' huggingface_hub (vLLM brings it); its tests
+  # (tests/pull.rs) need it where vLLM is not installed too: the version vLLM's CPU lock pins.
+  if "$VENV/bin/python" -c 'import huggingface_hub' 2>/dev/null; then
+    step "huggingface_hub already installed (test dependency)"
+  else
+    step "Installing huggingface_hub$HF_HUB_PIN into $VENV (the model fetch's tests run with it)"
+    "${PIP[@]}" "huggingface_hub$HF_HUB_PIN" || fail "pip install huggingface_hub$HF_HUB_PIN failed: check access to PyPI"
   fi
 fi
 

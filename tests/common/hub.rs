@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 /// The Python with huggingface_hub the fetch runs with: `PDCTL_TEST_HF_PYTHON`, else the
-/// system venv's (vLLM's CPU build installs it there). Panics saying why when it lacks it:
+/// system venv's (./install.sh --with-test-deps installs it there, as vLLM does). Panics saying why when it lacks it:
 /// these tests need it, they never pass without.
 pub fn hf_python() -> String {
     let python = std::env::var("PDCTL_TEST_HF_PYTHON")
@@ -20,7 +20,7 @@ pub fn hf_python() -> String {
         .is_ok_and(|s| s.success());
     assert!(
         ok,
-        "{python} cannot import huggingface_hub: install it (./install.sh --with-vllm puts it in /opt/pdctl/venv) or set PDCTL_TEST_HF_PYTHON to a Python that has it"
+        "{python} cannot import huggingface_hub: install it (./install.sh --with-test-deps puts it in /opt/pdctl/venv) or set PDCTL_TEST_HF_PYTHON to a Python that has it"
     );
     python
 }
