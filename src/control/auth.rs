@@ -50,7 +50,7 @@ impl std::fmt::Debug for Secret {
 /// Why a secret could not be had.
 #[derive(Debug, thiserror::Error)]
 pub enum SecretError {
-    #[error("cannot {what} the cluster secret {}: {source}", path.display())]
+    #[error("cannot {what} {}: {source}", path.display())]
     Io {
         what: &'static str,
         path: PathBuf,
@@ -65,6 +65,35 @@ pub enum SecretError {
         "the cluster secret {origin} holds about {bits} bits of randomness, fewer than {MIN_SECRET_BITS}: leave it out (the head makes a random one) or use one such as `openssl rand -hex 32` prints"
     )]
     Weak { origin: String, bits: u32 },
+    #[error(
+        "the client key kept in {} {why}: remove the file and run `up` again with PDCTL_API_KEY set",
+        path.display()
+    )]
+    BadClientKey { path: PathBuf, why: &'static str },
+}
+
+/// The text of `file`, or None when there is none: the one reader of the kept secret and
+/// client key.
+fn read_kept(file: &Path) -> Result<Option<String>, SecretError> {
+    match std::fs::read_to_string(file) {
+        Ok(text) => Ok(Some(text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(SecretError::Io {
+            what: "read",
+            path: file.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// Keeps `value` as one line in `file` (mode 0600, synced): the one writer of the kept
+/// secret and client key.
+fn write_kept(file: &Path, value: &str) -> Result<(), SecretError> {
+    write_private(file, format!("{value}\n").as_bytes()).map_err(|(what, source)| SecretError::Io {
+        what,
+        path: file.to_path_buf(),
+        source,
+    })
 }
 
 /// The randomness a cluster secret the user chooses must hold at least (estimated by
@@ -130,26 +159,14 @@ impl Secret {
 
     /// Reads `file`, if it exists.
     pub fn read(file: &Path) -> Result<Option<Secret>, SecretError> {
-        match std::fs::read_to_string(file) {
-            Ok(text) => Secret::from_text(&text, &file.display().to_string()).map(Some),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(SecretError::Io {
-                what: "read",
-                path: file.to_path_buf(),
-                source,
-            }),
-        }
+        read_kept(file)?
+            .map(|text| Secret::from_text(&text, &file.display().to_string()))
+            .transpose()
     }
 
     /// Writes the secret to `file` with mode 0600 (created so, never readable by others).
     pub fn write(&self, file: &Path) -> Result<(), SecretError> {
-        write_private(file, format!("{}\n", self.0).as_bytes()).map_err(|(what, source)| {
-            SecretError::Io {
-                what,
-                path: file.to_path_buf(),
-                source,
-            }
-        })
+        write_kept(file, &self.0)
     }
 
     /// The key every engine of the cluster requires (`VLLM_API_KEY`) and the proxy sends:
@@ -227,28 +244,22 @@ impl ClientKey {
         &self.0
     }
 
-    /// The key kept in `file`, if there is one.
+    /// The key kept in `file`, if there is one; a file that holds no usable key is an
+    /// error, never a proxy left without its key.
     pub fn read(file: &Path) -> Result<Option<ClientKey>, SecretError> {
-        match std::fs::read_to_string(file) {
-            Ok(text) => Ok(ClientKey::from_text(&text, "").ok()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(SecretError::Io {
-                what: "read",
-                path: file.to_path_buf(),
-                source,
-            }),
-        }
+        read_kept(file)?
+            .map(|text| {
+                ClientKey::from_text(&text, "").map_err(|e| SecretError::BadClientKey {
+                    path: file.to_path_buf(),
+                    why: e.why,
+                })
+            })
+            .transpose()
     }
 
     /// Keeps the key in `file` (mode 0600, synced).
     pub fn write(&self, file: &Path) -> Result<(), SecretError> {
-        write_private(file, format!("{}\n", self.0).as_bytes()).map_err(|(what, source)| {
-            SecretError::Io {
-                what,
-                path: file.to_path_buf(),
-                source,
-            }
-        })
+        write_kept(file, &self.0)
     }
 }
 
@@ -391,6 +402,22 @@ pub(crate) fn write_private(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kept_client_key_file_without_a_usable_key_is_an_error_not_an_open_proxy() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("client.key");
+        assert_eq!(ClientKey::read(&file).unwrap(), None, "no file: no key");
+        std::fs::write(&file, "\n").unwrap();
+        let err = ClientKey::read(&file).unwrap_err().to_string();
+        assert!(
+            err.contains("client.key") && err.contains("PDCTL_API_KEY"),
+            "{err}"
+        );
+        let key = ClientKey::from_text("k-123", "test").unwrap();
+        key.write(&file).unwrap();
+        assert_eq!(ClientKey::read(&file).unwrap(), Some(key));
+    }
 
     #[test]
     fn join_proofs_hold_for_one_node_and_one_session_only() {
