@@ -53,10 +53,7 @@ impl HealthSettings {
     /// The first setting that is 0, which cannot work (a probe that times out at once,
     /// a service out of rotation before any probe failed, a node cut off at once).
     pub fn first_zero(&self) -> Option<&'static str> {
-        self.named()
-            .into_iter()
-            .find(|(_, v)| *v == 0)
-            .map(|(name, _)| name)
+        super::tcp::first_zero(&self.named())
     }
 
     /// Whether these are the defaults (left out of a plan's JSON then).

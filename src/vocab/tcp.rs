@@ -48,10 +48,7 @@ impl TcpLiveness {
     /// fires at once): the one rule for them, which the topology (`network.NAME`) and the
     /// proxy's flags (`--tcp-...`) both apply.
     pub fn first_zero(&self) -> Option<&'static str> {
-        self.named()
-            .into_iter()
-            .find(|(_, v)| *v == 0)
-            .map(|(name, _)| name)
+        first_zero(&self.named())
     }
 
     /// Whether these are the defaults (left out of a plan's JSON then).
@@ -81,6 +78,12 @@ impl TcpLiveness {
             self.keepalive_idle() + self.keepalive_interval() * self.tcp_keepalive_count;
         keepalive.min(self.user_timeout().max(self.keepalive_idle()))
     }
+}
+
+/// The name of the first setting in `named` that is 0: the one rule of settings for which 0
+/// cannot work (here and in `[health]`).
+pub fn first_zero(named: &[(&'static str, u32)]) -> Option<&'static str> {
+    named.iter().find(|(_, v)| *v == 0).map(|(name, _)| *name)
 }
 
 #[cfg(test)]
