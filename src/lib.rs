@@ -12,6 +12,7 @@ pub mod allocator;
 pub mod bench;
 pub mod check;
 pub mod child_config;
+pub mod civil_date;
 pub mod cli;
 pub mod connectors;
 pub mod constant_time;

@@ -27,6 +27,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "sse",
             "allocator",
             "constant_time",
+            "civil_date",
         ],
     ),
     ("vocabulary several layers share", &["vocab"]),

@@ -405,17 +405,8 @@ impl ClusterCa {
 
 /// Year, month and day (UTC) of Unix time `s`, for a certificate's dates.
 pub fn ymd(s: u64) -> (i32, u8, u8) {
-    // Civil-from-days (proleptic Gregorian), after Howard Hinnant's derivation.
-    let z = (s / 86_400) as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year as i32, month as u8, day as u8)
+    let (year, month, day) = crate::civil_date::from_days((s / 86_400) as i64);
+    (year as i32, month, day)
 }
 
 /// A node's credentials on the channel: the cluster's CA certificate, and the node's own
