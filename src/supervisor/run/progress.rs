@@ -43,12 +43,22 @@ pub struct StartFailure {
 }
 
 /// `Some` once every local service is healthy, or as soon as one failed or stopped.
-/// Remote services do not hold up a node's start.
+/// Remote services do not hold up a node's start. While a change runs (one a dead
+/// supervisor left in its journal, finished by this one), a stopped service is one the
+/// change is removing, not a failed start: the start waits for the change instead.
 pub fn startup_verdict(report: &StatusReport) -> Option<StartupEnd> {
+    let changing = report
+        .operation
+        .as_ref()
+        .is_some_and(|o| o.outcome.is_none());
     let local = report.services.iter().filter(|s| !s.remote);
     let failed: Vec<StartFailure> = local
         .clone()
-        .filter(|s| matches!(s.state, ServiceState::Failed | ServiceState::Stopped))
+        .filter(|s| match s.state {
+            ServiceState::Failed => true,
+            ServiceState::Stopped => !changing,
+            _ => false,
+        })
         .map(|s| StartFailure {
             name: s.name.clone(),
             why: s.last_exit.clone().unwrap_or_else(|| s.state.to_string()),
@@ -275,6 +285,32 @@ mod tests {
             operation: None,
             rebalance: None,
         }
+    }
+
+    #[test]
+    fn a_service_stopped_by_a_running_change_is_waited_for_not_a_failed_start() {
+        let mut r = report(vec![
+            status("a", ServiceState::Healthy, false),
+            status("b", ServiceState::Stopped, false),
+        ]);
+        assert!(matches!(startup_verdict(&r), Some(StartupEnd::Failed(_))));
+        let op = crate::control::operation::OperationReport {
+            what: "scale prefill=2 decode=2".into(),
+            started_ms: 0,
+            step: "b: removed".into(),
+            outcome: None,
+            interrupted: None,
+        };
+        r.operation = Some(Box::new(op));
+        assert_eq!(startup_verdict(&r), None, "the change is still removing b");
+        r.services[1].state = ServiceState::Failed;
+        assert!(
+            matches!(startup_verdict(&r), Some(StartupEnd::Failed(_))),
+            "a failure is one whatever runs"
+        );
+        r.services[1].state = ServiceState::Stopped;
+        r.operation = None;
+        assert!(matches!(startup_verdict(&r), Some(StartupEnd::Failed(_))));
     }
 
     #[test]
