@@ -6,7 +6,9 @@
 //! are; what a pod cannot express is said.
 //!
 //! Schemas: Kubernetes' own kinds (PodTemplateSpec, Service, ConfigMap, Deployment,
-//! ObjectMeta) come from the k8s-openapi crate's JSON schemas (schemars). The RBG and LWS
+//! ObjectMeta) come from the k8s-openapi crate's JSON schemas (schemars), written once to
+//! tests/data/k8s/core-schemas.json by tools/k8s-schemas (so the test build does not
+//! compile k8s-openapi; rerun the tool when its pin moves). The RBG and LWS
 //! wrappers are tests/data/k8s/*.yaml (see the README there), written in a CRD's
 //! openAPIV3Schema dialect, which [`openapi_to_json_schema`] converts for the `jsonschema`
 //! crate:
@@ -134,9 +136,22 @@ fn openapi_to_json_schema(s: &mut Value) {
     }
 }
 
-/// The schema of a Kubernetes type from k8s-openapi, split into its body and its `$defs`.
-fn core_schema<T: schemars::JsonSchema>() -> (Value, serde_json::Map<String, Value>) {
-    let mut v = serde_json::to_value(schemars::schema_for!(T)).unwrap();
+/// The schema of a Kubernetes kind from tests/data/k8s/core-schemas.json (k8s-openapi's,
+/// written by tools/k8s-schemas), split into its body and its `$defs`.
+fn core_schema(kind: &str) -> (Value, serde_json::Map<String, Value>) {
+    static ALL: OnceLock<Value> = OnceLock::new();
+    let all = ALL.get_or_init(|| {
+        let path = format!(
+            "{}/tests/data/k8s/core-schemas.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+    });
+    let mut v = all
+        .get(kind)
+        .unwrap_or_else(|| panic!("core-schemas.json has no {kind}: rerun tools/k8s-schemas"))
+        .clone();
     let defs = v
         .as_object_mut()
         .unwrap()
@@ -169,17 +184,14 @@ fn fill_markers(s: &mut Value, pod: &Value, meta: &Value) {
 fn validators() -> &'static BTreeMap<&'static str, jsonschema::Validator> {
     static V: OnceLock<BTreeMap<&'static str, jsonschema::Validator>> = OnceLock::new();
     V.get_or_init(|| {
-        use k8s_openapi::api::apps::v1::Deployment;
-        use k8s_openapi::api::core::v1::{ConfigMap, PodTemplateSpec, Service};
-        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
         let mut out = BTreeMap::new();
         let compile = |mut body: Value, defs: serde_json::Map<String, Value>| {
             body["$defs"] = Value::Object(defs);
             openapi_to_json_schema(&mut body);
             jsonschema::validator_for(&body).expect("the schema compiles")
         };
-        let (pod, mut defs) = core_schema::<PodTemplateSpec>();
-        let (meta, meta_defs) = core_schema::<ObjectMeta>();
+        let (pod, mut defs) = core_schema("PodTemplateSpec");
+        let (meta, meta_defs) = core_schema("ObjectMeta");
         defs.extend(meta_defs);
         for (kind, file) in [
             ("RoleBasedGroup", "rolebasedgroup-v1alpha2.yaml"),
@@ -192,11 +204,11 @@ fn validators() -> &'static BTreeMap<&'static str, jsonschema::Validator> {
             fill_markers(&mut wrapper, &pod, &meta);
             out.insert(kind, compile(wrapper, defs.clone()));
         }
-        let (s, d) = core_schema::<Service>();
+        let (s, d) = core_schema("Service");
         out.insert("Service", compile(s, d));
-        let (s, d) = core_schema::<ConfigMap>();
+        let (s, d) = core_schema("ConfigMap");
         out.insert("ConfigMap", compile(s, d));
-        let (s, d) = core_schema::<Deployment>();
+        let (s, d) = core_schema("Deployment");
         out.insert("Deployment", compile(s, d));
         out
     })
