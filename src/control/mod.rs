@@ -24,6 +24,11 @@ pub const STOP_DEADLINE_ENV: &str = "PDCTL_STOP_DEADLINE_FILE";
 /// Directory of those files inside a cluster's state dir, one per service.
 pub const STOP_DEADLINE_DIR: &str = "stop-by";
 
+/// How a service's last exit starts when its process had ended on its own (killed,
+/// crashed) before a stop or remove reached it; `remove`'s answer says it too, so a drain
+/// does not report "drained" for an instance that died under it.
+pub const ENDED_BEFORE_STOP: &str = "ended before its stop: ";
+
 /// What a client asks of the supervisor.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "kebab-case")]

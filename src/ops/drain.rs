@@ -4,7 +4,7 @@
 
 use super::context::Progress;
 use super::nodes::Nodes;
-use crate::control::{Request, ServiceState};
+use crate::control::{ENDED_BEFORE_STOP, Request, ServiceState};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -142,16 +142,30 @@ impl Drainer<'_> {
                 .cloned(),
         );
         for node in &nodes {
-            self.forget(node, service).await?;
+            let said = self.forget(node, service).await?;
+            // Its process died after the drain's last look and before the stop: the
+            // requests it carried got the proxy's error, which the drain must not hide.
+            if healthy
+                && node == owner
+                && said
+                    .as_deref()
+                    .is_some_and(|m| m.contains(ENDED_BEFORE_STOP))
+            {
+                self.progress.warn(&format!(
+                    "{service} ended while draining ({}): its requests in flight got the proxy's error",
+                    said.as_deref().and_then(|m| m.split(ENDED_BEFORE_STOP).nth(1)).unwrap_or("?")
+                ));
+            }
         }
         Ok(())
     }
 
     /// `node`'s supervisor stops `service` (if it runs it) and forgets it; nothing to do
     /// where it is not known.
-    pub async fn forget(&self, node: &str, service: &str) -> anyhow::Result<()> {
+    /// Returns what that supervisor answered (None where it did not know the service).
+    pub async fn forget(&self, node: &str, service: &str) -> anyhow::Result<Option<String>> {
         if self.row(node, service).await?.is_none() {
-            return Ok(());
+            return Ok(None);
         }
         let remove = Request::Remove {
             service: service.to_string(),
@@ -159,8 +173,8 @@ impl Drainer<'_> {
         };
         self.ask(node, remove)
             .await
-            .map_err(|e| anyhow::anyhow!("{service}: {e}"))?;
-        Ok(())
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("{service}: {e}"))
     }
 
     /// The row of `service` in `node`'s own report.

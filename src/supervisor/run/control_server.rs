@@ -4,7 +4,7 @@
 
 use crate::child_config::ChildSettings;
 use crate::control::frame::{FrameError, LOCAL_FRAME_MAX, read_frame};
-use crate::control::{Request, Response};
+use crate::control::{ENDED_BEFORE_STOP, Request, Response};
 use crate::supervisor::run::members::Members;
 use crate::supervisor::run::ops_hook::Operations;
 use crate::supervisor::run::peers::Peers;
@@ -582,15 +582,21 @@ pub(crate) async fn remove(h: &Handlers, name: &str, timeout_s: u64) -> Response
     if h.ctx.send(idx, Cmd::Stop { timeout, done }).is_ok() {
         let _ = stopped.await;
     }
+    let last_exit = h.ctx.table.last_exit(idx);
     h.ctx.change_members(|m| m.retire(idx));
     h.ctx.table.retire(idx);
     h.ctx.console.event(&format!("{name} removed"));
     if let Err(e) = save_plan(h) {
         return e;
     }
-    Response::Done {
-        message: format!("{name} stopped and removed"),
-    }
+    let message = match last_exit
+        .as_deref()
+        .and_then(|e| e.strip_prefix(ENDED_BEFORE_STOP))
+    {
+        Some(how) => format!("{name} removed; it had {ENDED_BEFORE_STOP}{how}"),
+        None => format!("{name} stopped and removed"),
+    };
+    Response::Done { message }
 }
 
 /// Probes a service added on another node (as the services of other nodes in the plan

@@ -200,6 +200,11 @@ impl Table {
         self.rows()[idx].status.state
     }
 
+    /// How service `idx`'s last run ended, as its row says.
+    pub fn last_exit(&self, idx: usize) -> Option<String> {
+        self.rows()[idx].status.last_exit.clone()
+    }
+
     /// Changes service `idx`'s row and wakes everyone waiting on the table.
     pub fn update(&self, idx: usize, change: impl FnOnce(&mut ServiceStatus)) {
         {

@@ -11,8 +11,8 @@
 pub(crate) mod deps;
 pub(crate) mod run_watch;
 
-use crate::control::ServiceState;
 use crate::control::auth::EngineKey;
+use crate::control::{ENDED_BEFORE_STOP, ServiceState};
 use crate::supervisor::process::spawner::{SpawnSpec, Spawned, Spawner};
 use crate::supervisor::run::console::Console;
 use crate::supervisor::run::members::Members;
@@ -389,6 +389,12 @@ impl Task {
                 why.clone()
             }
             RunEnd::Stop(t, _) => {
+                // Ended on its own before the stop reached it (killed, crashed): say so,
+                // or a stop would take the credit for a death (a drain that "drained").
+                if let Ok(Some(st)) = child.try_wait() {
+                    clear_group(pgid, signal, grace).await;
+                    return format!("{ENDED_BEFORE_STOP}{}", describe_exit(&st));
+                }
                 let t = t.unwrap_or(grace);
                 self.announce_stop(t);
                 self.ctx.table.set_state(self.idx, ServiceState::Stopping);
