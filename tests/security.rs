@@ -119,6 +119,81 @@ fn a_state_dir_another_user_owns_or_may_write_is_refused() {
     assert!(said.contains("group or others may write it"), "{said}");
 }
 
+#[test]
+fn a_weak_cluster_secret_is_refused_before_anything_starts() {
+    let c = Cluster::new("secweak");
+    let dir = TempDir::new("secweak-topo");
+    let (topology, _) = sim_topology("secweak", "example", 1, 1, "");
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, topology).unwrap();
+    let f = file.to_str().unwrap();
+    let weak_file = dir.path().join("weak.secret");
+    std::fs::write(&weak_file, "correcthorsebattery\n").unwrap();
+    let up = |env: Option<&str>, args: &[&str]| {
+        let mut all = vec!["up", "-d", "-f", f];
+        all.extend(args);
+        let mut cmd = c.command(&all);
+        match env {
+            Some(v) => cmd.env(pdctl::control::auth::SECRET_ENV, v),
+            None => cmd.env_remove(pdctl::control::auth::SECRET_ENV),
+        };
+        let out = suph::run_bounded(cmd, Duration::from_secs(60));
+        (out.status.code().unwrap_or(-1), text(&out))
+    };
+    let (code, said) = up(Some("password1234"), &[]);
+    assert_eq!(code, 2, "{said}");
+    assert!(
+        said.contains("in PDCTL_CLUSTER_SECRET")
+            && said.contains("fewer than 128")
+            && said.contains("openssl rand -hex 32"),
+        "{said}"
+    );
+    let (code, said) = up(None, &["--secret-file", weak_file.to_str().unwrap()]);
+    assert_eq!(code, 2, "{said}");
+    assert!(
+        said.contains(&format!("in {}", weak_file.display())) && said.contains("fewer than 128"),
+        "{said}"
+    );
+    assert!(c.status(&[]).is_none(), "something runs: {said}");
+    assert!(
+        !c.root()
+            .join("secweak")
+            .join(pdctl::control::auth::SECRET_FILE)
+            .exists(),
+        "a weak secret was kept"
+    );
+}
+
+#[test]
+fn without_home_or_a_state_dir_pdctl_stops_rather_than_use_a_shared_folder() {
+    let dir = TempDir::new("sechome-topo");
+    let (topology, _) = sim_topology("sechome", "example", 1, 1, "");
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, topology).unwrap();
+    for args in [
+        vec!["up", "-d", "-f", file.to_str().unwrap()],
+        vec!["status"],
+    ] {
+        let mut cmd = common::pdctl(&args);
+        for var in ["HOME", "XDG_STATE_HOME", "PDCTL_STATE_DIR"] {
+            cmd.env_remove(var);
+        }
+        let out = suph::run_bounded(cmd, Duration::from_secs(60));
+        let said = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {said}");
+        assert!(
+            said.contains("no state directory: HOME is not set")
+                && said.contains("--state-dir DIR"),
+            "{args:?}: {said}"
+        );
+    }
+    // Where pdctl before issue 45 put it: a folder every local user may reach.
+    for shared in [std::env::temp_dir(), "/tmp".into()] {
+        let fallback = shared.join(".local/state/pdctl/sechome");
+        assert!(!fallback.exists(), "{} was made", fallback.display());
+    }
+}
+
 /// Every file and folder under `dir`: its path and mode bits.
 fn modes(dir: &Path, out: &mut Vec<(String, u32)>) {
     for e in std::fs::read_dir(dir).unwrap().flatten() {
