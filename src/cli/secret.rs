@@ -343,7 +343,7 @@ pub struct JoinTokenArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_ttl, conflicts_with_all = ["list", "revoke"])]
     pub ttl: Option<u64>,
     /// List the join tokens (id, node, state, expiry; never their secret) and each node's
-    /// certificate (serial, how it came by it, expiry).
+    /// certificate (serial, how it came by it, when it was issued and expires).
     #[arg(long)]
     pub list: bool,
     /// Revoke a join token (its id, as `--list` shows it), or a node's certificate (the

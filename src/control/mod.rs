@@ -249,7 +249,7 @@ pub struct StatusReport {
     /// head accepts of each node (the others refuse every other), and which nodes should
     /// renew theirs ([`tls::RenewRequest`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub certificates: Option<BTreeMap<String, tls::Accepted>>,
+    pub certificates: Option<Box<BTreeMap<String, tls::Accepted>>>,
 }
 
 impl StatusReport {

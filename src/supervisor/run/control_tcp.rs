@@ -455,7 +455,7 @@ async fn carry_out(h: &Handlers, tls: &PeerTls, req: PeerRequest) -> Response {
         PeerRequest::Status => {
             let mut report = cs::status(h, Origin::Peer);
             // The head tells every node which certificates it accepts (and who renews).
-            report.certificates = tls.accepted();
+            report.certificates = tls.accepted().map(Box::new);
             Response::Status(report)
         }
         PeerRequest::Logs { service, lines } => match local_service(h, &service) {
