@@ -697,6 +697,7 @@ fn a_joined_node_renews_its_certificate_at_the_heads_up_and_every_node_refuses_a
         Duration::from_secs(90),
     );
     assert!(up.status.success(), "head up again: {}", text(&up));
+    let up_returned = std::time::Instant::now();
     // (Its files are written one after another: wait for both.)
     let renewed = common::wait_until(Duration::from_secs(30), || {
         let now = c.worker_creds();
@@ -705,6 +706,10 @@ fn a_joined_node_renews_its_certificate_at_the_heads_up_and_every_node_refuses_a
     assert!(
         renewed,
         "the worker kept its certificate after the head's up"
+    );
+    eprintln!(
+        "the worker renewed its certificate {:.1} s after the head's up returned",
+        up_returned.elapsed().as_secs_f64()
     );
     let new = c.worker_creds();
     let issued = c.book().issued["worker"].clone();
