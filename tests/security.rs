@@ -3,16 +3,19 @@
 //! label are refused at `plan` (exit 2, located); a state dir another user owns or may
 //! write is refused; every file a running cluster keeps is its user's only; a journal
 //! that cannot be read is moved aside and changes wait for the user's word; a join token
-//! joins one node, once, in its time, a joined node holds no cluster secret, and a node
-//! that joins again leaves its old certificate refused.
+//! joins one node, once, in its time, a joined node holds no cluster secret, a node
+//! that joins again leaves its old certificate refused, and a joined node renews its
+//! certificate at the head's `up` (the old one refused by the head and the other nodes).
 
 use crate::common;
 use crate::common::netns;
 use crate::common::supervisor as suph;
 
 use common::TempDir;
+use pdctl::control::tls::{JoinToken, NodeCreds, TLS_DIR};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::time::Duration;
 use suph::{Cluster, sim_topology, text};
 
 /// A two-node topology whose worker is `worker` (its key in `[nodes]` quoted) reached
@@ -114,6 +117,81 @@ fn a_state_dir_another_user_owns_or_may_write_is_refused() {
     let (code, said) = with_topology(&c, dir.path(), &["up", "-d"], &topology);
     assert_eq!(code, 2, "{said}");
     assert!(said.contains("group or others may write it"), "{said}");
+}
+
+#[test]
+fn a_weak_cluster_secret_is_refused_before_anything_starts() {
+    let c = Cluster::new("secweak");
+    let dir = TempDir::new("secweak-topo");
+    let (topology, _) = sim_topology("secweak", "example", 1, 1, "");
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, topology).unwrap();
+    let f = file.to_str().unwrap();
+    let weak_file = dir.path().join("weak.secret");
+    std::fs::write(&weak_file, "correcthorsebattery\n").unwrap();
+    let up = |env: Option<&str>, args: &[&str]| {
+        let mut all = vec!["up", "-d", "-f", f];
+        all.extend(args);
+        let mut cmd = c.command(&all);
+        match env {
+            Some(v) => cmd.env(pdctl::control::auth::SECRET_ENV, v),
+            None => cmd.env_remove(pdctl::control::auth::SECRET_ENV),
+        };
+        let out = suph::run_bounded(cmd, Duration::from_secs(60));
+        (out.status.code().unwrap_or(-1), text(&out))
+    };
+    let (code, said) = up(Some("password1234"), &[]);
+    assert_eq!(code, 2, "{said}");
+    assert!(
+        said.contains("in PDCTL_CLUSTER_SECRET")
+            && said.contains("fewer than 128")
+            && said.contains("openssl rand -hex 32"),
+        "{said}"
+    );
+    let (code, said) = up(None, &["--secret-file", weak_file.to_str().unwrap()]);
+    assert_eq!(code, 2, "{said}");
+    assert!(
+        said.contains(&format!("in {}", weak_file.display())) && said.contains("fewer than 128"),
+        "{said}"
+    );
+    assert!(c.status(&[]).is_none(), "something runs: {said}");
+    assert!(
+        !c.root()
+            .join("secweak")
+            .join(pdctl::control::auth::SECRET_FILE)
+            .exists(),
+        "a weak secret was kept"
+    );
+}
+
+#[test]
+fn without_home_or_a_state_dir_pdctl_stops_rather_than_use_a_shared_folder() {
+    let dir = TempDir::new("sechome-topo");
+    let (topology, _) = sim_topology("sechome", "example", 1, 1, "");
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, topology).unwrap();
+    for args in [
+        vec!["up", "-d", "-f", file.to_str().unwrap()],
+        vec!["status"],
+    ] {
+        let mut cmd = common::pdctl(&args);
+        for var in ["HOME", "XDG_STATE_HOME", "PDCTL_STATE_DIR"] {
+            cmd.env_remove(var);
+        }
+        let out = suph::run_bounded(cmd, Duration::from_secs(60));
+        let said = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {said}");
+        assert!(
+            said.contains("no state directory: HOME is not set")
+                && said.contains("--state-dir DIR"),
+            "{args:?}: {said}"
+        );
+    }
+    // Where pdctl before issue 45 put it: a folder every local user may reach.
+    for shared in [std::env::temp_dir(), "/tmp".into()] {
+        let fallback = shared.join(".local/state/pdctl/sechome");
+        assert!(!fallback.exists(), "{} was made", fallback.display());
+    }
 }
 
 /// Every file and folder under `dir`: its path and mode bits.
@@ -268,9 +346,14 @@ fn with_a_client_key_a_proxy_where_the_head_cannot_hand_it_is_refused_at_plan() 
     assert_eq!(code, 0, "{said}");
 }
 
-/// One request over the channel as `creds.node` to the head at `addr`, from `ns`: the
-/// answer, or what the connection ended with.
-fn ask_head_as(ns: Option<&str>, creds: pdctl::control::tls::NodeCreds, addr: String) -> String {
+/// One status request over the channel as `creds.node` to node `server` at `addr`, from
+/// `ns`: the answer, or what the connection ended with.
+fn ask_as(
+    ns: Option<&str>,
+    creds: pdctl::control::tls::NodeCreds,
+    addr: String,
+    server: &'static str,
+) -> String {
     netns::in_netns(ns, move || {
         let nodes = ["head", "worker", "other"].map(String::from).to_vec();
         let tls = pdctl::control::tls::PeerTls::new("sectok", "head", nodes, &creds, None).unwrap();
@@ -280,7 +363,7 @@ fn ask_head_as(ns: Option<&str>, creds: pdctl::control::tls::NodeCreds, addr: St
             .unwrap();
         rt.block_on(async move {
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let mut s = match pdctl::control::client::open_peer(&addr, "head", &tls).await {
+            let mut s = match pdctl::control::client::open_peer(&addr, server, &tls).await {
                 Ok(s) => s,
                 Err(e) => return format!("handshake: {e}"),
             };
@@ -300,50 +383,100 @@ fn ask_head_as(ns: Option<&str>, creds: pdctl::control::tls::NodeCreds, addr: St
     })
 }
 
-#[test]
-fn a_join_token_joins_one_node_once_in_its_time_and_the_secret_stays_on_the_head() {
-    use pdctl::control::tls::{JoinToken, NodeCreds, TLS_DIR};
-    use std::process::Stdio;
-    use std::time::Duration;
-    let netns::TwoHosts {
-        pair: _pair,
-        ns_a: ns_head,
-        ns_b: ns_worker,
-        addr_a: head_addr,
-        addr_b: worker_addr,
-    } = netns::TwoHosts::make("pdj");
-    let (nh, nw) = (ns_head.as_deref(), ns_worker.as_deref());
-    let run = suph::free_port_run(12);
-    let topology = format!(
-        "cluster = \"sectok\"\nhead = \"head\"\n\
-         [nodes]\nhead = \"{head_addr}\"\nworker = \"{worker_addr}\"\nother = \"127.0.0.9\"\n\
-         [model]\nname = \"sim-model\"\n[engine]\nkind = \"sim\"\n\
-         [connector]\nkind = \"nixl\"\n\
-         [prefill]\ninstances = 1\nnode = \"head\"\nbase_port = {}\n\
-         [decode]\ninstances = 1\nnodes = [\"worker\"]\nbase_port = {}\n\
-         [control]\nport = {}\n\
-         [proxy]\nport = {run}\n",
-        run + 2,
-        run + 6,
-        run + 11,
-    );
-    let (head, worker) = (Cluster::new("sjhead"), Cluster::new("sjwork"));
-    let dir = TempDir::new("sectok-topo");
-    let file = dir.path().join("topology.toml");
-    std::fs::write(&file, &topology).unwrap();
-    let f = file.to_str().unwrap();
-    let on =
-        |ns: Option<&str>, c: &Cluster, args: &[&str]| netns::NetnsPair::wrap(ns, c.command(args));
-    let up_head = on(nh, &head, &["up", "-d", "-f", f, "--node", "head"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let token_for = |node: &str, ttl: &str| {
+/// Whether an answer of [`ask_as`] is a status report (the certificate was taken).
+fn taken(answer: &str) -> bool {
+    answer.contains(r#""reply":"status""#)
+}
+
+/// A cluster `sectok` over two hosts: the head (with the CA) on one, `worker` started by
+/// hand on the other, and `other`, a node that never runs (127.0.0.9).
+struct JoinPair {
+    hosts: netns::TwoHosts,
+    head: Cluster,
+    worker: Cluster,
+    _dir: TempDir,
+    file: String,
+    /// `address:port` of the head's and the worker's control channel.
+    head_control: String,
+    worker_control: String,
+}
+
+impl JoinPair {
+    fn new(tag: &str) -> JoinPair {
+        let hosts = netns::TwoHosts::make(tag);
+        let run = suph::free_port_run(12);
+        let topology = format!(
+            "cluster = \"sectok\"\nhead = \"head\"\n\
+             [nodes]\nhead = \"{}\"\nworker = \"{}\"\nother = \"127.0.0.9\"\n\
+             [model]\nname = \"sim-model\"\n[engine]\nkind = \"sim\"\n\
+             [connector]\nkind = \"nixl\"\n\
+             [prefill]\ninstances = 1\nnode = \"head\"\nbase_port = {}\n\
+             [decode]\ninstances = 1\nnodes = [\"worker\"]\nbase_port = {}\n\
+             [control]\nport = {}\n\
+             [proxy]\nport = {run}\n",
+            hosts.addr_a,
+            hosts.addr_b,
+            run + 2,
+            run + 6,
+            run + 11,
+        );
+        let dir = TempDir::new(&format!("{tag}-topo"));
+        let file = dir.path().join("topology.toml");
+        std::fs::write(&file, &topology).unwrap();
+        JoinPair {
+            head_control: format!("{}:{}", hosts.addr_a, run + 11),
+            worker_control: format!("{}:{}", hosts.addr_b, run + 11),
+            hosts,
+            head: Cluster::new(&format!("{tag}head")),
+            worker: Cluster::new(&format!("{tag}work")),
+            _dir: dir,
+            file: file.to_str().unwrap().to_string(),
+        }
+    }
+
+    fn ns_head(&self) -> Option<&str> {
+        self.hosts.ns_a.as_deref()
+    }
+
+    fn ns_worker(&self) -> Option<&str> {
+        self.hosts.ns_b.as_deref()
+    }
+
+    /// `pdctl ARGS` on the head's host.
+    fn on_head(&self, args: &[&str]) -> std::process::Command {
+        netns::NetnsPair::wrap(self.ns_head(), self.head.command(args))
+    }
+
+    /// `pdctl ARGS` on the worker's host.
+    fn on_worker(&self, args: &[&str]) -> std::process::Command {
+        netns::NetnsPair::wrap(self.ns_worker(), self.worker.command(args))
+    }
+
+    /// `pdctl up -d --node head` started (it waits for the worker).
+    fn start_head(&self) -> std::process::Child {
+        self.on_head(&["up", "-d", "-f", &self.file, "--node", "head"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    /// `pdctl up -d --node worker`, with `token` when given; panics when it fails.
+    fn up_worker(&self, token: Option<&str>) {
+        let mut up = self.on_worker(&["up", "-d", "-f", &self.file, "--node", "worker"]);
+        if let Some(t) = token {
+            up.env(pdctl::control::auth::JOIN_TOKEN_ENV, t);
+        }
+        let out = suph::run_bounded(up, Duration::from_secs(90));
+        assert!(out.status.success(), "worker: {}", text(&out));
+    }
+
+    /// A join token for `node` good for `ttl`, made on the head once its supervisor runs.
+    fn token_for(&self, node: &str, ttl: &str) -> String {
         let mut token = None;
         let made = common::wait_until(Duration::from_secs(30), || {
             let out = suph::run_bounded(
-                on(nh, &head, &["join-token", "--node", node, "--ttl", ttl]),
+                self.on_head(&["join-token", "--node", node, "--ttl", ttl]),
                 Duration::from_secs(30),
             );
             token = out
@@ -354,11 +487,13 @@ fn a_join_token_joins_one_node_once_in_its_time_and_the_secret_stays_on_the_head
         });
         assert!(made, "the head made no join token");
         token.unwrap()
-    };
-    let control = format!("{head_addr}:{}", run + 11);
-    let join = |token: &str, node: &'static str| {
-        let (to, token) = (control.clone(), JoinToken::parse(token).unwrap());
-        netns::in_netns(nw, move || {
+    }
+
+    /// A join with `token` as `node` from the worker's host: the credentials the head
+    /// issued, or why not.
+    fn join(&self, token: &str, node: &'static str) -> Result<NodeCreds, String> {
+        let (to, token) = (self.head_control.clone(), JoinToken::parse(token).unwrap());
+        netns::in_netns(self.ns_worker(), move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
@@ -373,37 +508,94 @@ fn a_join_token_joins_one_node_once_in_its_time_and_the_secret_stays_on_the_head
             .map(|j| j.creds)
             .map_err(|e| e.to_string())
         })
-    };
+    }
+
+    /// A status request to the head as `creds.node`, from the worker's host.
+    fn ask_head(&self, creds: &NodeCreds) -> String {
+        ask_as(
+            self.ns_worker(),
+            creds.clone(),
+            self.head_control.clone(),
+            "head",
+        )
+    }
+
+    /// A status request to the worker as `creds.node`, from the head's host.
+    fn ask_worker(&self, creds: &NodeCreds) -> String {
+        ask_as(
+            self.ns_head(),
+            creds.clone(),
+            self.worker_control.clone(),
+            "worker",
+        )
+    }
+
+    /// The head's state dir and the worker's.
+    fn head_state(&self) -> std::path::PathBuf {
+        self.head.root().join("sectok-head")
+    }
+
+    fn worker_state(&self) -> std::path::PathBuf {
+        self.worker.root().join("sectok-worker")
+    }
+
+    /// The credentials the worker keeps.
+    fn worker_creds(&self) -> NodeCreds {
+        NodeCreds::read(&self.worker_state().join(TLS_DIR))
+            .unwrap()
+            .expect("the worker's certificate")
+    }
+
+    /// The head's book of certificates and tokens.
+    fn book(&self) -> pdctl::control::tls::Book {
+        pdctl::control::tls::Book::read(&self.head_state().join(TLS_DIR)).unwrap()
+    }
+
+    /// Takes the worker down, then the head.
+    fn down(&self) {
+        let down = suph::run_bounded(self.on_worker(&["down"]), Duration::from_secs(60));
+        assert!(down.status.success(), "worker down: {}", text(&down));
+        let down = suph::run_bounded(self.on_head(&["down"]), Duration::from_secs(90));
+        assert!(down.status.success(), "head down: {}", text(&down));
+    }
+}
+
+#[test]
+fn a_join_token_joins_one_node_once_in_its_time_and_the_secret_stays_on_the_head() {
+    let c = JoinPair::new("pdj");
+    let up_head = c.start_head();
 
     // A token made for the worker cannot join another node; an expired one nothing.
-    let token = token_for("worker", "1h");
-    let err = join(&token, "other").expect_err("a token for worker joined as other");
+    let token = c.token_for("worker", "1h");
+    let err = c
+        .join(&token, "other")
+        .expect_err("a token for worker joined as other");
     assert!(err.contains("made for node worker, not other"), "{err}");
-    let short = token_for("worker", "1s");
+    let short = c.token_for("worker", "1s");
     std::thread::sleep(Duration::from_secs(2));
-    let err = join(&short, "worker").expect_err("an expired token joined");
+    let err = c
+        .join(&short, "worker")
+        .expect_err("an expired token joined");
     assert!(err.contains("expired"), "{err}");
 
     // The worker joins with it, once.
-    let mut up_worker = on(nw, &worker, &["up", "-d", "-f", f, "--node", "worker"]);
-    up_worker.env(pdctl::control::auth::JOIN_TOKEN_ENV, &token);
-    let out = suph::run_bounded(up_worker, Duration::from_secs(90));
-    assert!(out.status.success(), "worker: {}", text(&out));
+    c.up_worker(Some(&token));
     let up = up_head.wait_with_output().unwrap();
     assert!(up.status.success(), "head: {}", text(&up));
-    let r = head.wait_status(Duration::from_secs(60), &[], suph::all_healthy);
+    let r = c
+        .head
+        .wait_status(Duration::from_secs(60), &[], suph::all_healthy);
     assert!(suph::all_healthy(&r), "{r:?}");
-    let err = join(&token, "worker").expect_err("a token joined twice");
+    let err = c.join(&token, "worker").expect_err("a token joined twice");
     assert!(err.contains("used already"), "{err}");
 
     // The cluster's secret stayed on the head: the worker has its certificate, key and
     // the engines' key, no secret.
-    let state = worker.root().join("sectok-worker");
+    let state = c.worker_state();
     assert!(!state.join(pdctl::control::auth::SECRET_FILE).exists());
     let mut held = Vec::new();
     modes(&state, &mut held);
-    let head_secret =
-        std::fs::read_to_string(head.root().join("sectok-head").join("cluster.secret")).unwrap();
+    let head_secret = std::fs::read_to_string(c.head_state().join("cluster.secret")).unwrap();
     for (path, _) in &held {
         let bytes = std::fs::read(path).unwrap_or_default();
         assert!(
@@ -413,47 +605,41 @@ fn a_join_token_joins_one_node_once_in_its_time_and_the_secret_stays_on_the_head
             "the cluster secret is in {path}"
         );
     }
-    let said = suph::run_bounded(on(nw, &worker, &["secret"]), Duration::from_secs(30));
+    let said = suph::run_bounded(c.on_worker(&["secret"]), Duration::from_secs(30));
     assert_eq!(said.status.code(), Some(2), "{}", text(&said));
     assert!(text(&said).contains("lives on the head"), "{}", text(&said));
     let key = suph::run_bounded(
-        on(nw, &worker, &["secret", "--engine-key"]),
+        c.on_worker(&["secret", "--engine-key"]),
         Duration::from_secs(30),
     );
     assert!(key.status.success(), "{}", text(&key));
     assert_eq!(
         String::from_utf8_lossy(&key.stdout).trim(),
-        head.engine_key()
+        c.head.engine_key()
     );
 
     // Joining again revokes the certificate before.
-    let old = NodeCreds::read(&state.join(TLS_DIR))
-        .unwrap()
-        .expect("the worker's certificate");
-    let before = ask_head_as(nw, old.clone(), control.clone());
-    assert!(before.contains(r#""reply":"status""#), "{before}");
-    let again = join(&token_for("worker", "1h"), "worker").expect("a new token joins");
-    let refused = ask_head_as(nw, old, control.clone());
-    assert!(
-        !refused.contains(r#""reply":"status""#),
-        "the old certificate was taken: {refused}"
-    );
-    let taken = ask_head_as(nw, again.clone(), control.clone());
-    assert!(taken.contains(r#""reply":"status""#), "{taken}");
+    let old = c.worker_creds();
+    let before = c.ask_head(&old);
+    assert!(taken(&before), "{before}");
+    let again = c
+        .join(&c.token_for("worker", "1h"), "worker")
+        .expect("a new token joins");
+    let refused = c.ask_head(&old);
+    assert!(!taken(&refused), "the old certificate was taken: {refused}");
+    let now = c.ask_head(&again);
+    assert!(taken(&now), "{now}");
     // `--revoke NODE` shuts that node's certificate out.
     let revoke = suph::run_bounded(
-        on(nh, &head, &["join-token", "--revoke", "worker"]),
+        c.on_head(&["join-token", "--revoke", "worker"]),
         Duration::from_secs(30),
     );
     assert!(revoke.status.success(), "{}", text(&revoke));
-    let shut = ask_head_as(nw, again, control.clone());
-    assert!(
-        !shut.contains(r#""reply":"status""#),
-        "a revoked certificate was taken: {shut}"
-    );
+    let shut = c.ask_head(&again);
+    assert!(!taken(&shut), "a revoked certificate was taken: {shut}");
 
     let list = suph::run_bounded(
-        on(nh, &head, &["join-token", "--list"]),
+        c.on_head(&["join-token", "--list"]),
         Duration::from_secs(30),
     );
     let listed = text(&list);
@@ -466,8 +652,112 @@ fn a_join_token_joins_one_node_once_in_its_time_and_the_secret_stays_on_the_head
         !listed.contains(&token[token.len() - 64..]),
         "--list shows a token's secret"
     );
-    let down = suph::run_bounded(on(nw, &worker, &["down"]), Duration::from_secs(60));
-    assert!(down.status.success(), "worker down: {}", text(&down));
-    let down = suph::run_bounded(on(nh, &head, &["down"]), Duration::from_secs(90));
-    assert!(down.status.success(), "head down: {}", text(&down));
+    c.down();
+}
+
+#[test]
+fn a_joined_node_renews_its_certificate_at_the_heads_up_and_every_node_refuses_a_replaced_one() {
+    let c = JoinPair::new("pdr");
+    let up_head = c.start_head();
+    c.up_worker(Some(&c.token_for("worker", "1h")));
+    let up = up_head.wait_with_output().unwrap();
+    assert!(up.status.success(), "head: {}", text(&up));
+    let r = c
+        .head
+        .wait_status(Duration::from_secs(60), &[], suph::all_healthy);
+    assert!(suph::all_healthy(&r), "{r:?}");
+    let old = c.worker_creds();
+    let old_issued = c.book().issued["worker"].clone();
+    assert_eq!(old_issued.how, "join");
+
+    // The worker takes the head's word on which certificate of a node is the one: a
+    // certificate of `other` that a second join replaced is refused by the worker too.
+    let first = c
+        .join(&c.token_for("other", "1h"), "other")
+        .expect("other joins");
+    let took_first = common::wait_until(Duration::from_secs(15), || taken(&c.ask_worker(&first)));
+    assert!(took_first, "the worker refused other's current certificate");
+    let second = c
+        .join(&c.token_for("other", "1h"), "other")
+        .expect("other joins again");
+    let refused = common::wait_until(Duration::from_secs(15), || !taken(&c.ask_worker(&first)));
+    assert!(
+        refused,
+        "the worker still takes other's replaced certificate"
+    );
+    let now = c.ask_worker(&second);
+    assert!(taken(&now), "{now}");
+
+    // The head's `up` again (its supervisor gone, the worker still running): the worker
+    // renews its certificate over the channel, on its own.
+    let state = pdctl::supervisor::StateDir::new(c.head_state());
+    suph::kill_supervisor_and_wait(&state);
+    let up = suph::run_bounded(
+        c.on_head(&["up", "-d", "-f", &c.file, "--node", "head"]),
+        Duration::from_secs(90),
+    );
+    assert!(up.status.success(), "head up again: {}", text(&up));
+    let up_returned = std::time::Instant::now();
+    // (Its files are written one after another: wait for both.)
+    let renewed = common::wait_until(Duration::from_secs(30), || {
+        let now = c.worker_creds();
+        now.cert_pem != old.cert_pem && now.key_pem != old.key_pem
+    });
+    assert!(
+        renewed,
+        "the worker kept its certificate after the head's up"
+    );
+    eprintln!(
+        "the worker renewed its certificate {:.1} s after the head's up returned",
+        up_returned.elapsed().as_secs_f64()
+    );
+    let new = c.worker_creds();
+    let issued = c.book().issued["worker"].clone();
+    assert_eq!(issued.how, "renew");
+    assert_ne!(issued.serial, old_issued.serial);
+    assert!(issued.not_after_s > old_issued.not_after_s, "{issued:?}");
+    let der = |pem: &str| {
+        use rustls::pki_types::pem::PemObject;
+        rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
+    };
+    assert_eq!(
+        issued.sha256,
+        pdctl::control::tls::cert_hash(&der(&new.cert_pem)),
+        "the worker keeps the certificate the head accepts"
+    );
+    assert_ne!(new.key_pem, old.key_pem, "a new key");
+    assert_eq!(new.node, "worker");
+    let mut kept = Vec::new();
+    modes(&c.worker_state().join(TLS_DIR), &mut kept);
+    assert!(
+        kept.iter().all(|(_, m)| *m == 0o600 || *m == 0o700),
+        "{kept:?}"
+    );
+    let now = c.ask_head(&new);
+    assert!(
+        taken(&now),
+        "the head refused the renewed certificate: {now}"
+    );
+    let refused = c.ask_head(&old);
+    assert!(
+        !taken(&refused),
+        "the head took the old certificate: {refused}"
+    );
+    // Renewed once, not at every poll; the cluster stays whole.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(c.book().issued["worker"], issued);
+    let r = c
+        .head
+        .wait_status(Duration::from_secs(60), &[], suph::all_healthy);
+    assert!(suph::all_healthy(&r), "{r:?}");
+    let list = suph::run_bounded(
+        c.on_head(&["join-token", "--list"]),
+        Duration::from_secs(30),
+    );
+    let listed = text(&list);
+    assert!(
+        listed.contains(&format!("worker  serial {}  from renew", issued.serial)),
+        "{listed}"
+    );
+    c.down();
 }

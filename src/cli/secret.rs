@@ -251,7 +251,7 @@ pub fn channel(
                 joined.creds.write(&dir)?;
                 let (y, m, d) = crate::control::tls::ymd(now_s() + CERT_LIFETIME_S);
                 println!(
-                    "pdctl: joined cluster {} as node {node}; its certificate expires on {y:04}-{m:02}-{d:02} (UTC): join again with a new token before",
+                    "pdctl: joined cluster {} as node {node}; its certificate expires on {y:04}-{m:02}-{d:02} (UTC) and is renewed at every `up` of the head while this node runs",
                     plan.cluster
                 );
                 if let Some(k) = &joined.engine_key {
@@ -266,7 +266,8 @@ pub fn channel(
             })
         })?,
     };
-    let tls = PeerTls::new(&plan.cluster, &plan.head_node, nodes, &creds, None)?;
+    // A renewed certificate is kept where this one came from.
+    let tls = PeerTls::new(&plan.cluster, &plan.head_node, nodes, &creds, None)?.keeping_in(&dir);
     Ok(Some(Arc::new(tls)))
 }
 
@@ -342,7 +343,7 @@ pub struct JoinTokenArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_ttl, conflicts_with_all = ["list", "revoke"])]
     pub ttl: Option<u64>,
     /// List the join tokens (id, node, state, expiry; never their secret) and each node's
-    /// certificate (serial, how it came by it, expiry).
+    /// certificate (serial, how it came by it, when it was issued and expires).
     #[arg(long)]
     pub list: bool,
     /// Revoke a join token (its id, as `--list` shows it), or a node's certificate (the
@@ -488,12 +489,15 @@ fn print_book(book: &Book) {
             date(t.expires_s)
         );
     }
-    println!("node certificates (the head accepts only these):");
+    println!(
+        "node certificates (the head accepts only these; `join` and `renew` ones are renewed at every `up` of the head, every node's within 30 days of its expiry, while the node runs):"
+    );
     for (node, i) in &book.issued {
         println!(
-            "  {node}  serial {}  from {}  expires {} (UTC)",
+            "  {node}  serial {}  from {}  issued {}  expires {} (UTC)",
             i.serial,
             i.how,
+            date(i.issued_s),
             date(i.not_after_s)
         );
     }

@@ -350,6 +350,7 @@ mod tests {
             }],
             operation: None,
             rebalance: None,
+            certificates: None,
         };
         let t = status_table(&report);
         let lines: Vec<&str> = t.lines().collect();
@@ -437,6 +438,7 @@ mod tests {
             services: vec![s.clone()],
             operation: None,
             rebalance: None,
+            certificates: None,
         };
         let row = status_table(&report).lines().nth(2).unwrap().to_string();
         let cell = row.split("  ").last().unwrap().trim();

@@ -135,16 +135,17 @@ impl Secret {
 
     /// A cluster secret the user chose (`PDCTL_CLUSTER_SECRET`, `--secret-file`): refused
     /// below [`MIN_SECRET_BITS`] of estimated randomness.
+    /// A short one is refused as weak too, with the same advice (not the advice for a
+    /// kept file, which a person does not choose).
     pub fn chosen(text: &str, origin: &str) -> Result<Secret, SecretError> {
-        let secret = Secret::from_text(text, origin)?;
-        let bits = estimated_bits(&secret.0);
+        let bits = estimated_bits(text.trim());
         if bits < MIN_SECRET_BITS {
             return Err(SecretError::Weak {
                 origin: origin.to_string(),
                 bits,
             });
         }
-        Ok(secret)
+        Secret::from_text(text, origin)
     }
 
     /// A new random secret (64 hex digits).
@@ -440,6 +441,7 @@ mod tests {
             "password1234password1234password1234",
             &"a".repeat(200),
             "correct-horse-battery",
+            "pass1234",
         ] {
             let e = Secret::chosen(weak, "PDCTL_CLUSTER_SECRET").unwrap_err();
             assert!(e.to_string().contains("fewer than 128"), "{weak}: {e}");

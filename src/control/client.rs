@@ -498,3 +498,72 @@ pub async fn join(
         }),
     }
 }
+
+/// Renews this node's certificate with the head at `to` (its TCP channel): a new key is
+/// made here, certified by the head for the node this node's current certificate names,
+/// kept (0600, synced) where this node keeps its credentials and used for every
+/// connection from then on. The credentials now used.
+pub async fn renew(to: &Endpoint, timeout: Duration) -> Result<NodeCreds, ControlError> {
+    let Endpoint::Tcp { addr, node, tls } = to else {
+        return Err(ControlError::Refused {
+            path: to.label(),
+            message: "a certificate is renewed with the head over the channel between nodes".into(),
+        });
+    };
+    let path = to.label();
+    let auth = |reason: String| ControlError::Auth {
+        path: path.clone(),
+        reason,
+    };
+    let work = async {
+        let stream = tokio::net::TcpStream::connect(addr.as_str())
+            .await
+            .map_err(|source| ControlError::Connect {
+                path: path.clone(),
+                source,
+            })?;
+        let stream = tls
+            .connect(node, stream)
+            .await
+            .map_err(|e| auth(e.to_string()))?;
+        let mut binding = [0u8; 32];
+        stream
+            .get_ref()
+            .1
+            .export_keying_material(&mut binding, super::tls::RENEW_EXPORTER_LABEL, None)
+            .map_err(|e| auth(e.to_string()))?;
+        let renewal = tls.renewal(&binding).map_err(|e| auth(e.to_string()))?;
+        let (r, w) = tokio::io::split(stream);
+        let mut conn = Conn {
+            read: BufReader::new(Box::new(r)),
+            write: Box::new(w),
+            path: path.clone(),
+            peer: true,
+        };
+        let mut line = serde_json::to_string(&renewal.request).expect("renewals serialize");
+        line.push('\n');
+        conn.write_line(&line).await?;
+        Ok::<_, ControlError>((renewal, conn.receive().await?))
+    };
+    let (renewal, answer) =
+        tokio::time::timeout(timeout, work)
+            .await
+            .map_err(|_| ControlError::Timeout {
+                path: path.clone(),
+                secs: timeout.as_secs(),
+            })??;
+    match answer {
+        Response::Renewed { cert_pem } => tls.install(renewal, &cert_pem).map_err(|e| {
+            auth(format!(
+                "{e}; the head accepts only the certificate it just sent from now on: on the head run `pdctl join-token --node {}` and join again with it",
+                tls.node
+            ))
+        }),
+        Response::Error { message } => Err(ControlError::Refused { path, message }),
+        other => Err(ControlError::Unexpected {
+            path,
+            asked: "a renewed certificate",
+            what: format!("{other:?}"),
+        }),
+    }
+}

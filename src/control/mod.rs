@@ -210,6 +210,11 @@ pub enum Response {
         service: String,
         lines: Vec<String>,
     },
+    /// The answer to a [`tls::RenewRequest`]: the node's new certificate (PEM), for the
+    /// key it sent; the only one the head accepts of it from now on.
+    Renewed {
+        cert_pem: String,
+    },
     /// The answer to a `JoinRequest`: the joining node's certificate and key, and the
     /// cluster's CA certificate.
     Joined {
@@ -245,6 +250,11 @@ pub struct StatusReport {
     /// The head's rebalancer (`[rebalance]`): its mode, figures, verdict and moves.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebalance: Option<Box<crate::vocab::RebalanceReport>>,
+    /// In the head's answer to another node's status poll only: the one certificate the
+    /// head accepts of each node (the others refuse every other), and which nodes should
+    /// renew theirs ([`tls::RenewRequest`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificates: Option<Box<BTreeMap<String, tls::Accepted>>>,
 }
 
 impl StatusReport {

@@ -19,6 +19,15 @@
 //! latest certificate (serial, SHA-256, expiry) and each join token (its hash, node,
 //! expiry, use). It accepts from a node only the latest certificate it issued it, so a
 //! node joining again, or started again over SSH, revokes the one before.
+//!
+//! Certificates are renewed over the channel itself ([`RenewRequest`]): a node makes a
+//! new key and asks the head, over a connection its current certificate opened, to
+//! certify it; the head signs it for the node that certificate names (never a name the
+//! node gives) and records it as the only one it accepts. A node asks when the head's
+//! answer to its status poll says so ([`Accepted::renew`]: a certificate that joined,
+//! or was renewed, before the head's supervisor started, i.e. at every `up` of the head)
+//! or when less than [`RENEW_WITHIN_S`] is left. The same answer tells the nodes which
+//! certificate the head accepts of each node, so a node refuses a replaced one too.
 
 use super::auth::Secret;
 use rustls::pki_types::pem::PemObject;
@@ -45,9 +54,11 @@ const BOOK_LOCK: &str = "book.lock";
 
 /// How long a node certificate is good for. The head's own is made again at its `up`
 /// when less than [`RENEW_WITHIN_S`] is left, a node's started over SSH at every `up` of
-/// the head; a node that joined joins again with a new token before it runs out.
+/// the head; a node that joined renews its own over the channel at every `up` of the
+/// head ([`RenewRequest`]).
 pub const CERT_LIFETIME_S: u64 = 365 * 86_400;
-/// A certificate with less than this left is made again where pdctl can (the head's own).
+/// A certificate with less than this left is made again: the head's own at its `up`, a
+/// running node's over the channel.
 pub const RENEW_WITHIN_S: u64 = 30 * 86_400;
 /// How long a join token is good for unless `--ttl` says otherwise.
 pub const DEFAULT_TOKEN_TTL_S: u64 = 3600;
@@ -55,6 +66,10 @@ pub const DEFAULT_TOKEN_TTL_S: u64 = 3600;
 /// The label under which a join is exported from the TLS session (RFC 5705), so a proof
 /// of the secret made for one session is worth nothing in another.
 pub const JOIN_EXPORTER_LABEL: &[u8] = b"EXPORTER-pdctl-join-v1";
+/// The label under which a renewal's proof of the new key is exported from the session.
+pub const RENEW_EXPORTER_LABEL: &[u8] = b"EXPORTER-pdctl-renew-v1";
+/// How a certificate renewed over the channel is recorded in the book.
+const RENEWED: &str = "renew";
 
 /// What can go wrong with the channel's certificates and keys.
 #[derive(Debug, thiserror::Error)]
@@ -133,6 +148,22 @@ impl TokenRecord {
     }
 }
 
+/// What the head tells the other nodes of one node's certificate, with its status: the
+/// one certificate it accepts of that node, and whether that node should renew it now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Accepted {
+    /// SHA-256 of the certificate (hex).
+    pub sha256: String,
+    /// Its serial number (hex).
+    pub serial: String,
+    /// When it expires (Unix seconds).
+    pub not_after_s: u64,
+    /// The node should ask for a new one ([`RenewRequest`]): it joined (or renewed)
+    /// before the head's supervisor started, i.e. before the head's latest `up`.
+    #[serde(default)]
+    pub renew: bool,
+}
+
 /// The head's book (`tls/book.json`): each node's latest certificate and the join tokens.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Book {
@@ -193,6 +224,26 @@ impl Book {
             .get(node)
             .is_some_and(|i| i.sha256 == cert_hash(cert))
     }
+
+    /// The certificate accepted of each node, as the head tells the nodes; one that a
+    /// node came by with a join token or a renewal before `started_s` (the start of the
+    /// head's supervisor) is marked for renewal. Nodes started over SSH are given a new
+    /// one at every `up` of the head instead, and the head makes its own again.
+    pub fn accepted(&self, started_s: u64) -> BTreeMap<String, Accepted> {
+        self.issued
+            .iter()
+            .map(|(node, i)| {
+                let renewable = i.how == "join" || i.how == RENEWED;
+                let accepted = Accepted {
+                    sha256: i.sha256.clone(),
+                    serial: i.serial.clone(),
+                    not_after_s: i.not_after_s,
+                    renew: renewable && i.issued_s < started_s,
+                };
+                (node.clone(), accepted)
+            })
+            .collect()
+    }
 }
 
 /// The TLS provider every side uses: ring, TLS 1.3 only.
@@ -228,6 +279,17 @@ pub fn cert_hash(der: &[u8]) -> String {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The bytes of a hex text, None when it is not hex.
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 fn ca_params(cluster: &str) -> rcgen::CertificateParams {
@@ -357,6 +419,25 @@ impl ClusterCa {
     /// as the node's latest (`how`: `head`, `ssh`, `join`): the one before is refused from
     /// now on.
     pub fn issue(&self, node: &str, how: &str) -> Result<NodeCreds, TlsError> {
+        let key =
+            rcgen::KeyPair::generate_for(KEY_ALG).map_err(|e| TlsError::Make(e.to_string()))?;
+        let cert_pem = self.certify(node, &key, how)?;
+        Ok(NodeCreds {
+            node: node.to_string(),
+            ca_pem: self.cert_pem.clone(),
+            cert_pem,
+            key_pem: key.serialize_pem(),
+        })
+    }
+
+    /// A certificate (PEM) for `node`'s public key `public`, signed by this CA as
+    /// [`ClusterCa::issue`] signs them, and recorded in the book as that node's latest.
+    fn certify(
+        &self,
+        node: &str,
+        public: &impl rcgen::PublicKeyData,
+        how: &str,
+    ) -> Result<String, TlsError> {
         let make = |e: rcgen::Error| TlsError::Make(e.to_string());
         let now = now_s();
         let not_after_s = now + CERT_LIFETIME_S;
@@ -364,7 +445,6 @@ impl ClusterCa {
         serial[0] &= 0x7f;
         serial[0] |= 0x01;
         let issuer = rcgen::Issuer::new(ca_params(&self.cluster), &self.key);
-        let key = rcgen::KeyPair::generate().map_err(make)?;
         let mut p = rcgen::CertificateParams::new(vec![node_dns(node)]).map_err(make)?;
         p.distinguished_name = rcgen::DistinguishedName::new();
         p.distinguished_name.push(
@@ -381,7 +461,7 @@ impl ClusterCa {
         p.not_before = rcgen::date_time_ymd(y, m, d);
         let (y, m, d) = ymd(not_after_s);
         p.not_after = rcgen::date_time_ymd(y, m, d);
-        let cert = p.signed_by(&key, &issuer).map_err(make)?;
+        let cert = p.signed_by(public, &issuer).map_err(make)?;
         let issued = Issued {
             serial: hex(&serial),
             sha256: cert_hash(cert.der()),
@@ -394,12 +474,23 @@ impl ClusterCa {
             Ok(())
         })?
         .map_err(TlsError::Make)?;
-        Ok(NodeCreds {
-            node: node.to_string(),
-            ca_pem: self.cert_pem.clone(),
-            cert_pem: cert.pem(),
-            key_pem: key.serialize_pem(),
-        })
+        Ok(cert.pem())
+    }
+}
+
+/// The kind of key every node certificate holds: ECDSA P-256 (rcgen's default).
+const KEY_ALG: &rcgen::SignatureAlgorithm = &rcgen::PKCS_ECDSA_P256_SHA256;
+
+/// A node's new public key as it asks for a certificate: the uncompressed P-256 point.
+struct NewPublicKey(Vec<u8>);
+
+impl rcgen::PublicKeyData for NewPublicKey {
+    fn der_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
+        KEY_ALG
     }
 }
 
@@ -493,7 +584,8 @@ impl NodeCreds {
 
 /// A node's side of the channel, made once at start: how it connects to the other
 /// nodes (as a client showing its certificate) and how it accepts them (as a server
-/// asking for theirs), and, on the head, what it needs to let nodes join.
+/// asking for theirs), and, on the head, what it needs to let nodes join. A renewed
+/// certificate replaces both configurations for the connections made from then on.
 pub struct PeerTls {
     /// The cluster's name, for messages.
     pub cluster: String,
@@ -503,17 +595,91 @@ pub struct PeerTls {
     pub head: String,
     /// Every node of the cluster, for telling which one a peer's certificate names.
     nodes: Vec<String>,
+    /// What this node shows and trusts now (replaced when it renews its certificate).
+    current: std::sync::RwLock<Current>,
+    /// On the head: the CA, to answer joins and renewals and to accept from each node
+    /// only the latest certificate its book records.
+    authority: Option<ClusterCa>,
+    /// Where this node keeps its credentials (a state dir's `tls/`): a renewed
+    /// certificate and key are written there before they are used.
+    kept_in: Option<PathBuf>,
+    /// When this was made (Unix seconds): on the head, the start of its supervisor.
+    started_s: u64,
+    /// Elsewhere: the SHA-256 of the one certificate the head accepts of each node, from
+    /// its last status answer (None before the first).
+    learned: std::sync::RwLock<Option<BTreeMap<String, String>>>,
+}
+
+/// The credentials a node uses now, and the TLS configurations made of them.
+struct Current {
+    creds: NodeCreds,
     client: Arc<ClientConfig>,
     server: Arc<ServerConfig>,
-    /// On the head: the CA, to answer joins and to accept from each node only the latest
-    /// certificate its book records.
-    authority: Option<ClusterCa>,
 }
 
 impl std::fmt::Debug for PeerTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "PeerTls({} of {})", self.node, self.cluster)
     }
+}
+
+/// What a node sends the head, over a connection its current certificate opened, to
+/// renew it: a new public key and a proof that it holds the key. The head certifies the
+/// key for the node the connection's certificate names; the request names no node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RenewRequest {
+    /// The new public key: an uncompressed P-256 point, hex.
+    pub renew: String,
+    /// An ECDSA P-256 SHA-256 signature (DER, hex) by the new key of the session's
+    /// keying material exported under [`RENEW_EXPORTER_LABEL`].
+    pub proof: String,
+}
+
+/// A renewal under way on a node: the new key (kept here until the head's certificate
+/// for it comes back) and the request that asks for it. `Debug` never shows the key.
+pub struct Renewal {
+    key: rcgen::KeyPair,
+    /// What is sent to the head.
+    pub request: RenewRequest,
+}
+
+impl std::fmt::Debug for Renewal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Renewal({})", self.request.renew)
+    }
+}
+
+/// The client and server configurations of `creds`.
+fn configs(creds: &NodeCreds) -> Result<Current, TlsError> {
+    let (ca, chain, key) = creds.parts().map_err(TlsError::Config)?;
+    let config = |e: &dyn std::fmt::Display| TlsError::Config(e.to_string());
+    let mut roots = RootCertStore::empty();
+    roots.add(ca).map_err(|e| config(&e))?;
+    let roots = Arc::new(roots);
+    let client = ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| config(&e))?
+        .with_root_certificates(roots.clone())
+        .with_client_auth_cert(chain.clone(), key.clone_key())
+        .map_err(|e| config(&e))?;
+    // A client without a certificate gets through the handshake only to join (and
+    // only on the head, with a token); everything else wants a node's certificate.
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots, provider())
+        .allow_unauthenticated()
+        .build()
+        .map_err(|e| config(&e))?;
+    let server = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| config(&e))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)
+        .map_err(|e| config(&e))?;
+    Ok(Current {
+        creds: creds.clone(),
+        client: Arc::new(client),
+        server: Arc::new(server),
+    })
 }
 
 impl PeerTls {
@@ -527,49 +693,193 @@ impl PeerTls {
         creds: &NodeCreds,
         authority: Option<ClusterCa>,
     ) -> Result<PeerTls, TlsError> {
-        let (ca, chain, key) = creds.parts().map_err(TlsError::Config)?;
-        let config = |e: &dyn std::fmt::Display| TlsError::Config(e.to_string());
-        let mut roots = RootCertStore::empty();
-        roots.add(ca).map_err(|e| config(&e))?;
-        let roots = Arc::new(roots);
-        let client = ClientConfig::builder_with_provider(provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(|e| config(&e))?
-            .with_root_certificates(roots.clone())
-            .with_client_auth_cert(chain.clone(), key.clone_key())
-            .map_err(|e| config(&e))?;
-        // A client without a certificate gets through the handshake only to join (and
-        // only on the head, with the secret); everything else wants a node's certificate.
-        let verifier =
-            rustls::server::WebPkiClientVerifier::builder_with_provider(roots, provider())
-                .allow_unauthenticated()
-                .build()
-                .map_err(|e| config(&e))?;
-        let server = ServerConfig::builder_with_provider(provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(|e| config(&e))?
-            .with_client_cert_verifier(verifier)
-            .with_single_cert(chain, key)
-            .map_err(|e| config(&e))?;
         Ok(PeerTls {
             cluster: cluster.to_string(),
             node: creds.node.clone(),
             head: head.to_string(),
             nodes,
-            client: Arc::new(client),
-            server: Arc::new(server),
+            current: std::sync::RwLock::new(configs(creds)?),
             authority,
+            kept_in: None,
+            started_s: now_s(),
+            learned: std::sync::RwLock::new(None),
         })
     }
 
-    /// On the head: whether `cert` is the latest certificate issued to `node` (a node
-    /// that joined again, or was started again over SSH, has a new one; the old is
-    /// refused). Elsewhere nodes keep no book: true.
+    /// The same, keeping a renewed certificate and key in `dir` (a state dir's `tls/`,
+    /// where `creds` came from).
+    pub fn keeping_in(mut self, dir: &Path) -> PeerTls {
+        self.kept_in = Some(dir.to_path_buf());
+        self
+    }
+
+    fn current(&self) -> std::sync::RwLockReadGuard<'_, Current> {
+        self.current.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The credentials this node uses now.
+    pub fn creds(&self) -> NodeCreds {
+        self.current().creds.clone()
+    }
+
+    /// Whether `cert` is the certificate accepted of `node`: on the head, the latest its
+    /// book records (a node that joined again, renewed, or was started again over SSH
+    /// has a new one; the old is refused); elsewhere the one the head last said it
+    /// accepts (any the CA signed before the head's first answer, and always for the
+    /// head's own, which a node must reach to learn anything).
     pub fn is_latest(&self, node: &str, cert: &CertificateDer<'_>) -> bool {
         match &self.authority {
-            None => true,
             Some(ca) => Book::read(ca.dir()).is_ok_and(|b| b.is_latest(node, cert)),
+            None if node == self.head => true,
+            None => {
+                let learned = self.learned.read().unwrap_or_else(|e| e.into_inner());
+                learned
+                    .as_ref()
+                    .is_none_or(|m| m.get(node).is_some_and(|h| *h == cert_hash(cert)))
+            }
         }
+    }
+
+    /// On the head: the certificate it accepts of each node, for its answers to the
+    /// nodes' status polls (None elsewhere, or when the book cannot be read).
+    pub fn accepted(&self) -> Option<BTreeMap<String, Accepted>> {
+        let ca = self.authority.as_ref()?;
+        Book::read(ca.dir())
+            .ok()
+            .map(|b| b.accepted(self.started_s))
+    }
+
+    /// Elsewhere: takes what the head said it accepts of each node, refusing every other
+    /// certificate from then on. Whether this node should renew its own now (`Some`: why),
+    /// which it should when the head accepts the one it has and marks it for renewal, or
+    /// when less than [`RENEW_WITHIN_S`] is left of it.
+    pub fn learn(&self, accepted: &BTreeMap<String, Accepted>) -> Option<&'static str> {
+        if self.authority.is_some() {
+            return None;
+        }
+        let hashes = accepted
+            .iter()
+            .map(|(n, a)| (n.clone(), a.sha256.clone()))
+            .collect();
+        *self.learned.write().unwrap_or_else(|e| e.into_inner()) = Some(hashes);
+        let mine = accepted.get(&self.node)?;
+        let own = CertificateDer::from_pem_slice(self.current().creds.cert_pem.as_bytes()).ok()?;
+        if mine.sha256 != cert_hash(&own) {
+            return None;
+        }
+        if mine.renew {
+            Some("the head's `up` renews the certificates of nodes that joined")
+        } else if mine.not_after_s < now_s() + RENEW_WITHIN_S {
+            Some("it expires within 30 days")
+        } else {
+            None
+        }
+    }
+
+    /// Elsewhere: a new key, and the request that asks the head to certify it, proven for
+    /// the session whose keying material exported under [`RENEW_EXPORTER_LABEL`] is
+    /// `binding`.
+    pub fn renewal(&self, binding: &[u8]) -> Result<Renewal, TlsError> {
+        use rcgen::SigningKey;
+        let make = |e: rcgen::Error| TlsError::Make(e.to_string());
+        let key = rcgen::KeyPair::generate_for(KEY_ALG).map_err(make)?;
+        let proof = key.sign(binding).map_err(make)?;
+        let request = RenewRequest {
+            renew: hex(key.public_key_raw()),
+            proof: hex(&proof),
+        };
+        Ok(Renewal { key, request })
+    }
+
+    /// On the head: a certificate (PEM) for the new key of `req`, for `node` — the node
+    /// named by the certificate `cert` that opened this connection (with `binding`, its
+    /// exported keying material), which must still be the latest of that node. The new
+    /// one is the only one accepted of `node` from now on. Why not, otherwise.
+    pub fn answer_renewal(
+        &self,
+        node: &str,
+        cert: &CertificateDer<'_>,
+        req: &RenewRequest,
+        binding: &[u8],
+    ) -> Result<String, String> {
+        let Some(ca) = &self.authority else {
+            return Err(format!(
+                "node {} is not the head ({}): certificates are renewed by the head",
+                self.node, self.head
+            ));
+        };
+        if node == self.head {
+            return Err("the head renews its own certificate at its `up`".into());
+        }
+        if !self.is_latest(node, cert) {
+            return Err(format!(
+                "this connection's certificate of node {node} is no longer the one the head accepts (renewed, joined again or revoked): it renews nothing"
+            ));
+        }
+        let public = unhex(&req.renew)
+            .filter(|k| k.len() == 65 && k[0] == 4)
+            .ok_or("the new key is not an uncompressed P-256 point in hex")?;
+        let proof = unhex(&req.proof).ok_or("the proof is not hex")?;
+        let verifier = provider()
+            .signature_verification_algorithms
+            .mapping
+            .iter()
+            .find(|(scheme, _)| *scheme == rustls::SignatureScheme::ECDSA_NISTP256_SHA256)
+            .and_then(|(_, algs)| algs.first().copied())
+            .ok_or("this build verifies no P-256 signature")?;
+        verifier
+            .verify_signature(&public, binding, &proof)
+            .map_err(|_| "the proof is not a signature of this session by the new key")?;
+        ca.certify(node, &NewPublicKey(public), RENEWED)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Elsewhere: takes the certificate the head sent for `renewal`'s key — it must be
+    /// for this node, signed by the cluster's CA and hold that key — keeps it and the key
+    /// (0600, synced) where this node keeps its credentials, and uses them for every
+    /// connection made from now on. The credentials now used.
+    pub fn install(&self, renewal: Renewal, cert_pem: &str) -> Result<NodeCreds, TlsError> {
+        use rustls::client::danger::ServerCertVerifier;
+        let old = self.creds();
+        let creds = NodeCreds {
+            node: old.node.clone(),
+            ca_pem: old.ca_pem.clone(),
+            cert_pem: cert_pem.to_string(),
+            key_pem: renewal.key.serialize_pem(),
+        };
+        let bad = |why: String| TlsError::Config(format!("the renewed certificate: {why}"));
+        let (ca, chain, key) = creds.parts().map_err(bad)?;
+        let signer = provider()
+            .key_provider
+            .load_private_key(key)
+            .map_err(|e| bad(e.to_string()))?;
+        rustls::sign::CertifiedKey::new(chain.clone(), signer)
+            .keys_match()
+            .map_err(|e| bad(format!("it does not hold the new key ({e})")))?;
+        let mut roots = RootCertStore::empty();
+        roots.add(ca).map_err(|e| bad(e.to_string()))?;
+        rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider())
+            .build()
+            .map_err(|e| bad(e.to_string()))?
+            .verify_server_cert(
+                &chain[0],
+                &[],
+                &server_name(&self.node),
+                &[],
+                UnixTime::now(),
+            )
+            .map_err(|e| {
+                bad(format!(
+                    "not one the cluster's CA made for node {} ({e})",
+                    self.node
+                ))
+            })?;
+        let next = configs(&creds)?;
+        if let Some(dir) = &self.kept_in {
+            creds.write(dir)?;
+        }
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = next;
+        Ok(creds)
     }
 
     /// Connects to `node`'s supervisor over `stream`, checking its certificate names it.
@@ -578,13 +888,14 @@ impl PeerTls {
         node: &str,
         stream: tokio::net::TcpStream,
     ) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
-        let tls = tokio_rustls::TlsConnector::from(self.client.clone())
+        let client = self.current().client.clone();
+        let tls = tokio_rustls::TlsConnector::from(client)
             .connect(server_name(node), stream)
             .await?;
         let cert = tls.get_ref().1.peer_certificates().and_then(|c| c.first());
         if !cert.is_some_and(|c| self.is_latest(node, c)) {
             return Err(std::io::Error::other(format!(
-                "node {node} showed a certificate that is not the latest the head issued it (revoked: it joined again, or was started again)"
+                "node {node} showed a certificate that is not the one the head accepts of it (replaced: it renewed, joined again or was started again; or revoked)"
             )));
         }
         Ok(tls)
@@ -592,7 +903,7 @@ impl PeerTls {
 
     /// The acceptor for connections from other nodes.
     pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
-        tokio_rustls::TlsAcceptor::from(self.server.clone())
+        tokio_rustls::TlsAcceptor::from(self.current().server.clone())
     }
 
     /// The node a verified client certificate names, if any of the cluster's (on the
@@ -959,6 +1270,95 @@ mod tests {
         );
         assert_eq!(book.issued["a"].how, "join");
         assert!(book.issued["a"].not_after_s > now_s() + CERT_LIFETIME_S - 10);
+    }
+
+    #[test]
+    fn a_node_renews_over_the_channel_for_its_own_name_and_the_old_certificate_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = ClusterCa::load_or_make(dir.path(), "c1").unwrap();
+        let nodes: Vec<String> = ["head", "a", "b"].map(String::from).to_vec();
+        let head_creds = ca.issue("head", "head").unwrap();
+        let a_old = ca.issue("a", "join").unwrap();
+        let b_old = ca.issue("b", "join").unwrap();
+        let head = PeerTls::new("c1", "head", nodes.clone(), &head_creds, Some(ca)).unwrap();
+        let kept = dir.path().join("a");
+        let a = PeerTls::new("c1", "head", nodes, &a_old, None)
+            .unwrap()
+            .keeping_in(&kept);
+        let der = |pem: &str| CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
+
+        // Joined before the head's supervisor started: marked; the head's own is not.
+        let book = Book::read(dir.path()).unwrap();
+        let accepted = book.accepted(now_s() + 10);
+        assert!(accepted["a"].renew && !accepted["head"].renew);
+        assert_eq!(
+            a.learn(&accepted),
+            Some("the head's `up` renews the certificates of nodes that joined")
+        );
+        assert_eq!(
+            a.learn(&book.accepted(now_s() - 10)),
+            None,
+            "joined since: kept"
+        );
+
+        let renewal = a.renewal(b"session-1").unwrap();
+        let e = head
+            .answer_renewal("a", &der(&a_old.cert_pem), &renewal.request, b"session-2")
+            .unwrap_err();
+        assert!(e.contains("not a signature of this session"), "{e}");
+        let e = head
+            .answer_renewal(
+                "head",
+                &der(&head_creds.cert_pem),
+                &renewal.request,
+                b"session-1",
+            )
+            .unwrap_err();
+        assert!(e.contains("its own certificate at its `up`"), "{e}");
+        let cert_pem = head
+            .answer_renewal("a", &der(&a_old.cert_pem), &renewal.request, b"session-1")
+            .expect("renewed");
+        // The old certificate renews nothing more, and is refused.
+        let again = a.renewal(b"session-1").unwrap();
+        let e = head
+            .answer_renewal("a", &der(&a_old.cert_pem), &again.request, b"session-1")
+            .unwrap_err();
+        assert!(e.contains("no longer the one the head accepts"), "{e}");
+        assert_eq!(head.node_of(&der(&cert_pem)).as_deref(), Some("a"));
+        assert_eq!(head.node_of(&der(&a_old.cert_pem)), None);
+        let book = Book::read(dir.path()).unwrap();
+        assert_eq!(book.issued["a"].how, RENEWED);
+        assert_eq!(book.issued["a"].sha256, cert_hash(&der(&cert_pem)));
+        assert!(
+            !book
+                .accepted(book.issued["a"].issued_s)
+                .get("a")
+                .unwrap()
+                .renew
+        );
+
+        // A certificate for another key is not taken; the one for its own key is kept
+        // and used.
+        let e = a.install(again, &cert_pem).unwrap_err().to_string();
+        assert!(e.contains("does not hold the new key"), "{e}");
+        assert_eq!(a.creds(), a_old);
+        let now_used = a.install(renewal, &cert_pem).unwrap();
+        assert_eq!(a.creds(), now_used);
+        assert_eq!(NodeCreds::read(&kept).unwrap(), Some(now_used.clone()));
+        assert_ne!(now_used.key_pem, a_old.key_pem);
+
+        // A node takes the head's word on the others: b's replaced certificate is refused.
+        let b_new = ClusterCa::load(dir.path(), "c1")
+            .unwrap()
+            .unwrap()
+            .issue("b", "join")
+            .unwrap();
+        assert_eq!(a.node_of(&der(&b_old.cert_pem)).as_deref(), Some("b"));
+        let book = Book::read(dir.path()).unwrap();
+        assert_eq!(a.learn(&book.accepted(0)), None);
+        assert_eq!(a.node_of(&der(&b_old.cert_pem)), None, "replaced");
+        assert_eq!(a.node_of(&der(&b_new.cert_pem)).as_deref(), Some("b"));
+        assert!(a.is_latest("head", &der(&head_creds.cert_pem)));
     }
 
     #[test]

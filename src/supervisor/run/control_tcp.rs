@@ -7,9 +7,11 @@
 //! [`LOG_EVERY`] with a count of the ones not logged. The topology's node addresses have
 //! handshake places of their own: strangers (any other address, counted per address and
 //! per /64 for IPv6, with a shorter time to finish) can fill theirs, never the nodes'.
+//! Besides [`PeerRequest`]s a node may send the head a [`RenewRequest`], a type of its
+//! own: a new key to certify for the node the connection's certificate names.
 
 use crate::control::frame::{FrameError, PEER_FRAME_MAX, UNAUTHENTICATED_FRAME_MAX, read_frame};
-use crate::control::tls::PeerTls;
+use crate::control::tls::{PeerTls, RENEW_EXPORTER_LABEL, RenewRequest};
 use crate::control::{JoinRequest, PeerRequest, Response};
 use crate::supervisor::run::control_server::{self as cs, Handlers, Origin, answer};
 use std::collections::{HashMap, HashSet};
@@ -268,9 +270,72 @@ async fn serve_one(
         return Err("its certificate names no node of this cluster".into());
     };
     drop(ticket);
+    let mut binding = [0u8; 32];
+    let exported =
+        stream
+            .get_ref()
+            .1
+            .export_keying_material(&mut binding, RENEW_EXPORTER_LABEL, None);
+    exported.map_err(|e| e.to_string())?;
+    let peer = Peer {
+        node: &node,
+        cert: &cert,
+        binding: &binding,
+    };
     let (read, write) = tokio::io::split(stream);
-    requests(BufReader::new(read), write, h, tls, &node).await;
+    requests(BufReader::new(read), write, h, tls, &peer).await;
     Ok(())
+}
+
+/// An authenticated node at the other end of a connection: its name, the certificate it
+/// opened the connection with and the session's keying material for a renewal's proof.
+struct Peer<'a> {
+    node: &'a str,
+    cert: &'a rustls::pki_types::CertificateDer<'static>,
+    binding: &'a [u8],
+}
+
+/// What an authenticated node may send: a request of [`PeerRequest`], or a renewal.
+enum Asked {
+    Peer(PeerRequest),
+    Renew(RenewRequest),
+}
+
+impl Asked {
+    /// Reads a frame; the error of reading it as a [`PeerRequest`] when it is neither.
+    fn read(frame: &[u8]) -> Result<Asked, serde_json::Error> {
+        serde_json::from_slice::<PeerRequest>(frame)
+            .map(Asked::Peer)
+            .or_else(|e| {
+                serde_json::from_slice::<RenewRequest>(frame)
+                    .map(Asked::Renew)
+                    .map_err(|_| e)
+            })
+    }
+}
+
+/// The head's answer to a node's renewal: its new certificate, recorded as the only one
+/// accepted of it, or why not.
+fn renew(h: &Handlers, tls: &PeerTls, peer: &Peer<'_>, req: &RenewRequest) -> Response {
+    match tls.answer_renewal(peer.node, peer.cert, req, peer.binding) {
+        Ok(cert_pem) => {
+            let line = format!(
+                "control channel: node {} renewed its certificate",
+                peer.node
+            );
+            tracing::info!("{line}");
+            h.ctx.console.event(&line);
+            Response::Renewed { cert_pem }
+        }
+        Err(why) => {
+            let message = format!(
+                "node {} asked node {} for a new certificate: refused: {why}",
+                peer.node, tls.node
+            );
+            tracing::warn!("control channel: {message}");
+            Response::Error { message }
+        }
+    }
 }
 
 /// A node started by hand asks for its credentials: one request, one answer. The node
@@ -318,8 +383,9 @@ async fn requests(
     mut write: impl AsyncWrite + Unpin,
     h: &Handlers,
     tls: &PeerTls,
-    node: &str,
+    peer: &Peer<'_>,
 ) {
+    let node = peer.node;
     let mut frame = Vec::new();
     loop {
         let next = tokio::time::timeout(
@@ -337,14 +403,15 @@ async fn requests(
             }
         }
         let mut ack = None;
-        let response = match serde_json::from_slice::<PeerRequest>(&frame) {
-            Ok(PeerRequest::Down { timeout_s }) if node == tls.head => {
+        let response = match Asked::read(&frame) {
+            Ok(Asked::Peer(PeerRequest::Down { timeout_s })) if node == tls.head => {
                 let (resp, a) = cs::down(h, timeout_s, Origin::Peer).await;
                 ack = a;
                 resp
             }
-            Ok(req) => match permitted(tls, node, &req) {
-                Ok(()) => carry_out(h, req).await,
+            Ok(Asked::Renew(req)) => renew(h, tls, peer, &req),
+            Ok(Asked::Peer(req)) => match permitted(tls, node, &req) {
+                Ok(()) => carry_out(h, tls, req).await,
                 Err(message) => {
                     tracing::warn!("control channel: {message}");
                     Response::Error { message }
@@ -383,9 +450,14 @@ fn permitted(tls: &PeerTls, node: &str, req: &PeerRequest) -> Result<(), String>
     Ok(())
 }
 
-async fn carry_out(h: &Handlers, req: PeerRequest) -> Response {
+async fn carry_out(h: &Handlers, tls: &PeerTls, req: PeerRequest) -> Response {
     match req {
-        PeerRequest::Status => Response::Status(cs::status(h, Origin::Peer)),
+        PeerRequest::Status => {
+            let mut report = cs::status(h, Origin::Peer);
+            // The head tells every node which certificates it accepts (and who renews).
+            report.certificates = tls.accepted().map(Box::new);
+            Response::Status(report)
+        }
         PeerRequest::Logs { service, lines } => match local_service(h, &service) {
             Ok(()) => cs::logs(h, &service, lines).await,
             Err(e) => e,

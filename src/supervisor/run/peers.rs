@@ -7,8 +7,12 @@
 //! connection, for `health.cut_off_after_s`. A busy machine whose supervisor or engines
 //! answer slowly still completes TCP handshakes in its kernel, so it is never cut off
 //! (and the legs in flight on it are never ended) for being busy.
+//!
+//! The head's answer also says which certificate it accepts of each node: a node takes
+//! that as the only one it accepts of each other node, and renews its own when the head
+//! marks it (at the head's `up`) or when it nears its expiry.
 
-use crate::control::client::{Endpoint, StatusConn, logs_at};
+use crate::control::client::{Endpoint, StatusConn, logs_at, renew};
 use crate::control::operation::now_ms;
 use crate::control::{Response, ServiceState, StatusReport};
 use std::sync::{Arc, Mutex};
@@ -19,6 +23,9 @@ const POLL: Duration = Duration::from_secs(1);
 const ANSWER_WITHIN: Duration = Duration::from_secs(2);
 /// How long a TCP connect to one of a silent peer's ports may take.
 const CONNECT_WITHIN: Duration = Duration::from_secs(2);
+/// How long a renewal may take, and how long a failed one waits before it is tried again.
+const RENEW_WITHIN: Duration = Duration::from_secs(10);
+const RENEW_AGAIN_AFTER: Duration = Duration::from_secs(60);
 
 /// What is known of one other node's supervisor.
 #[derive(Debug, Default)]
@@ -201,6 +208,8 @@ async fn poll(peer: std::sync::Weak<Peer>) {
     // One connection (one TLS handshake) kept for every poll, opened again only after
     // it failed: a peer's polls never queue behind strangers' handshakes.
     let mut kept: Option<StatusConn> = None;
+    // A renewal that failed is not tried again before this.
+    let mut renew_not_before: Option<Instant> = None;
     loop {
         let Some(p) = peer.upgrade() else { return };
         // A peer that does not answer has not answered since it was asked: a silent one
@@ -214,7 +223,14 @@ async fn poll(peer: std::sync::Weak<Peer>) {
         {
             let mut seen = p.seen.lock().unwrap_or_else(|e| e.into_inner());
             match answer {
-                Ok(report) => {
+                Ok(mut report) => {
+                    if let Some(accepted) = report.certificates.take() {
+                        let due = renew_not_before.is_none_or(|t| Instant::now() >= t);
+                        if let Some(why) = learn(&p.endpoint, &accepted).filter(|_| due) {
+                            renew_not_before = Some(Instant::now() + RENEW_AGAIN_AFTER);
+                            tokio::spawn(renew_own(p.endpoint.clone(), why));
+                        }
+                    }
                     if seen.failing_since.is_some() && seen.report.is_some() {
                         tracing::info!("node {} answers again", p.node);
                     }
@@ -248,6 +264,32 @@ async fn poll(peer: std::sync::Weak<Peer>) {
         }
         drop(p);
         tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Takes the head's word on which certificate it accepts of each node (`to`: the head's
+/// channel); whether this node should renew its own (`Some`: why).
+fn learn(
+    to: &Endpoint,
+    accepted: &std::collections::BTreeMap<String, crate::control::tls::Accepted>,
+) -> Option<&'static str> {
+    match to {
+        Endpoint::Tcp { node, tls, .. } if *node == tls.head => tls.learn(accepted),
+        _ => None,
+    }
+}
+
+/// Renews this node's certificate with the head at `to`, saying so (or why it failed).
+async fn renew_own(to: Endpoint, why: &'static str) {
+    match renew(&to, RENEW_WITHIN).await {
+        Ok(creds) => tracing::info!(
+            "renewed the certificate of node {} ({why}); the head accepts only the new one",
+            creds.node
+        ),
+        Err(e) => tracing::warn!(
+            "cannot renew this node's certificate ({why}): {e}; tried again in {} s",
+            RENEW_AGAIN_AFTER.as_secs()
+        ),
     }
 }
 
@@ -324,6 +366,7 @@ mod rebalance_tests {
                 services: vec![],
                 operation: None,
                 rebalance: Some(Box::new(head.clone())),
+                certificates: None,
             }),
             failing_since: failing.then(|| (Instant::now(), 0)),
             link_down_since: None,

@@ -284,6 +284,7 @@ mod tests {
             services,
             operation: None,
             rebalance: None,
+            certificates: None,
         }
     }
 

@@ -151,6 +151,7 @@ impl Table {
             services,
             operation: None,
             rebalance: None,
+            certificates: None,
         }
     }
 
