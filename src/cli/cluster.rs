@@ -56,6 +56,8 @@ pub struct Handed {
     pub engine_key: crate::control::auth::EngineKey,
     /// The proxy's client key, when the head's `up` has one.
     pub client_key: Option<crate::control::auth::ClientKey>,
+    /// The values of the plan's secret variables (hub tokens), kept in the state dir.
+    pub hidden_env: crate::vocab::HiddenEnv,
 }
 
 /// Arguments of `pdctl status`.
@@ -163,6 +165,7 @@ fn plan_to_run(a: &UpArgs) -> anyhow::Result<LoadedPlan> {
                 version_note: None,
                 machine: Machine::new(a.topology.gpus.clone()),
                 source: None,
+                hidden_env: Default::default(),
             })
         }
         None => {
@@ -288,8 +291,16 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         missing,
         machine,
         source,
+        hidden_env,
         ..
     } = loaded;
+    // The secret values the plan names only: from the topology, else from the head; a
+    // plan file run by hand leaves what an earlier `up` kept.
+    match (&a.plan, &a.handed) {
+        (None, _) => crate::control::hidden_env::keep(&state.dir, &hidden_env)?,
+        (Some(_), Some(h)) => crate::control::hidden_env::keep(&state.dir, &h.hidden_env)?,
+        (Some(_), None) => {}
+    }
     let mut out = std::io::stdout();
     if let Some(cleaned) = supervisor::clean_if_stale(&state) {
         let _ = writeln!(out, "pdctl: {cleaned}");
@@ -333,6 +344,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         &state,
         &ssh_of,
         (creds.engine_key.as_ref(), creds.client_key.as_ref()),
+        &hidden_env,
         logs,
     )?);
     let kept = (!remote.is_empty()).then(|| plan.clone());
@@ -458,6 +470,7 @@ fn start_ssh_nodes(
         Option<&crate::control::auth::EngineKey>,
         Option<&crate::control::auth::ClientKey>,
     ),
+    hidden_env: &crate::vocab::HiddenEnv,
     logs: LogSettings,
 ) -> anyhow::Result<super::remote_up::RemoteNodes> {
     use crate::control::tls::{ClusterCa, TLS_DIR};
@@ -474,6 +487,7 @@ fn start_ssh_nodes(
         client_key,
         log_max_bytes: logs.max_bytes,
         log_keep: logs.keep,
+        hidden_env,
     };
     super::remote_up::RemoteNodes::start(ssh_of, &handout)
 }
@@ -528,6 +542,7 @@ pub fn node_up() -> anyhow::Result<ExitCode> {
             creds: b.creds,
             engine_key,
             client_key,
+            hidden_env: b.hidden_env,
         }),
     })
 }

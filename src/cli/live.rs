@@ -112,6 +112,11 @@ pub fn apply(a: &ApplyArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<Appl
         drain_timeout_s: a.timeout,
         state_root: state_root(a.topology.state_dir.as_deref())?,
     };
+    // The secret values the new plan names only, where the supervisor reads them at each
+    // start (on this node; a node elsewhere keeps what its `up` was given).
+    if !a.dry_run {
+        crate::control::hidden_env::keep(&found.dir, &wanted.hidden_env)?;
+    }
     let request = ChangeRequest::Apply {
         source: Box::new(source),
         how,

@@ -52,6 +52,10 @@ pub struct NodeBundle {
     pub creds: NodeCreds,
     pub log_max_bytes: u64,
     pub log_keep: u32,
+    /// The values of the secret variables the plan names only (hub tokens), which the
+    /// node keeps in its state dir (mode 0600) for its engines.
+    #[serde(default)]
+    pub hidden_env: crate::vocab::HiddenEnv,
 }
 
 /// The largest bundle `node-up` reads (a plan with its files is far smaller).
@@ -205,6 +209,8 @@ pub struct Handout<'a> {
     pub client_key: Option<&'a crate::control::auth::ClientKey>,
     pub log_max_bytes: u64,
     pub log_keep: u32,
+    /// The values of the plan's secret variables (hub tokens) the nodes' engines need.
+    pub hidden_env: &'a crate::vocab::HiddenEnv,
 }
 
 impl RemoteNodes {
@@ -350,6 +356,7 @@ fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Resu
         creds: h.ca.issue(node, "ssh")?,
         log_max_bytes: h.log_max_bytes,
         log_keep: h.log_keep,
+        hidden_env: h.hidden_env.clone(),
     };
     let mut cmd = ssh(dest, &format!("{program} node-up"));
     cmd.stdin(Stdio::piped())

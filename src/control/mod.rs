@@ -7,6 +7,7 @@
 pub mod auth;
 pub mod client;
 pub mod frame;
+pub mod hidden_env;
 pub mod operation;
 pub mod tls;
 

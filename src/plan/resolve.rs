@@ -159,6 +159,9 @@ pub struct LoadedPlan {
     /// The topology it came from, for `up` to keep beside the plan (`scale` plans again
     /// from it).
     pub source: Option<ClusterSource>,
+    /// The values of the secret variables the plan names only (`Service::hidden_env`),
+    /// read from the topology, for `up` to keep in the state dir (none from a plan file).
+    pub hidden_env: crate::vocab::HiddenEnv,
 }
 
 /// What to say when the vLLM version was assumed: a warning for `plan`, an error for `up`.
@@ -180,6 +183,7 @@ pub fn resolve(req: &Request) -> Result<LoadedPlan, ResolveError> {
     loaded.missing = resolve_programs(&mut loaded.plan);
     loaded.source_note = source_note;
     loaded.source = Some(ClusterSource::of(&topology, req.gpus.clone()));
+    loaded.hidden_env = crate::plan::source::hidden_env_of(&topology.spec);
     Ok(loaded)
 }
 
@@ -325,6 +329,7 @@ pub fn plan_programs_unresolved(
         version_note,
         machine,
         source: None,
+        hidden_env: Default::default(),
     })
 }
 
