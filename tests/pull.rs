@@ -477,3 +477,120 @@ fn status_shows_the_fetch_while_up_makes_it() {
         "{stdout}"
     );
 }
+
+/// A stand-in for vLLM's CPU build: `python -m vllm...` serves 200 to every GET at its
+/// `--host`/`--port`; the fetch script (`-c SCRIPT list|fetch ...`) runs in the Python with
+/// huggingface_hub; a module check answers found, anything else prints version 0.26.0.
+fn fake_vllm(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let engine = dir.join("fake_vllm.py");
+    std::fs::write(
+        &engine,
+        "import http.server, sys\nargs = sys.argv[1:]\nflag = lambda n: args[args.index(n) + 1]\n\
+         class H(http.server.BaseHTTPRequestHandler):\n    def do_GET(self):\n        self.send_response(200)\n        self.send_header('content-length', '2')\n        self.end_headers()\n        self.wfile.write(b'ok')\n    def log_message(self, *a):\n        pass\n\
+         print('ready', flush=True)\nhttp.server.HTTPServer((flag('--host'), int(flag('--port'))), H).serve_forever()\n",
+    )
+    .unwrap();
+    let python = dir.join("python3");
+    std::fs::write(
+        &python,
+        format!(
+            "#!/bin/sh\nif [ \"$1\" = -m ]; then shift 2; exec python3 {} \"$@\"; fi\n\
+             if [ \"$1\" = -c ] && {{ [ \"$3\" = list ] || [ \"$3\" = fetch ]; }}; then exec {} \"$@\"; fi\n\
+             if [ \"$1\" = -c ] && [ $# -ge 3 ]; then exit 0; fi\nprintf 0.26.0\n",
+            engine.display(),
+            hub::hf_python()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+    python
+}
+
+/// A cluster `name` of `org/tiny` from the stand-in hub at `endpoint` on that stand-in
+/// (CPU, one prefill and one decode, free ports), its cache in `dir/hub`.
+fn fake_vllm_topology(dir: &Path, name: &str, endpoint: &str) -> PathBuf {
+    let python = fake_vllm(dir);
+    let run = crate::common::supervisor::free_port_run(12);
+    let file = dir.join("t.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "cluster = \"{name}\"\n[model]\nname = \"org/tiny\"\nmax_model_len = 4096\n\
+             [engine]\nvllm_version = \"0.26.0\"\ndevice = \"cpu\"\npython = \"{}\"\n\
+             [engine.env]\nHF_ENDPOINT = \"{endpoint}\"\nHF_HUB_CACHE = \"{}\"\n\
+             [connector]\nkind = \"nixl\"\nside_channel_port = {}\n\
+             [prefill]\ninstances = 1\nbase_port = {}\n\
+             [decode]\ninstances = 1\nbase_port = {}\n\
+             [proxy]\nport = {run}\n",
+            python.display(),
+            dir.join("hub").display(),
+            run + 9,
+            run + 1,
+            run + 5,
+        ),
+    )
+    .unwrap();
+    file
+}
+
+/// How many GETs of the weights file the hub answered.
+fn weight_gets(hub: &Hub) -> usize {
+    hub.requests()
+        .iter()
+        .filter(|r| {
+            r["method"] == "GET"
+                && r["path"]
+                    .as_str()
+                    .is_some_and(|p| p.ends_with("model.safetensors"))
+        })
+        .count()
+}
+
+#[test]
+fn scale_fetches_the_model_a_new_engines_node_lacks_before_it_starts() {
+    let dir = TempDir::new("pull-scale");
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    let hub = Hub::start(dir.path(), &[("org/tiny", &repo)], &["--rate", "1048576"]);
+    let file = fake_vllm_topology(dir.path(), "pullscale", &hub.endpoint());
+    let cluster = crate::common::supervisor::Cluster::new("pullscale");
+    let f = file.to_str().unwrap();
+    let mut up = cluster.command(&["up", "-d", "-f", f]);
+    up.env_remove("HF_TOKEN");
+    let out = crate::common::supervisor::run_bounded(up, std::time::Duration::from_secs(120));
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(stdout.contains("pdctl: fetched org/tiny"), "{stdout}");
+    assert_eq!(weight_gets(&hub), 1, "{:?}", hub.requests());
+
+    // The cache loses the model (a node that never had it): the new engine waits for it.
+    std::fs::remove_dir_all(dir.path().join("hub")).unwrap();
+    let out = cluster.run(&["scale", "decode=2"]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    // Fetched (with the lines `up` prints) before decode-1 starts; its start-up counts
+    // nothing of it.
+    let fetching = stdout
+        .find("pdctl: fetching org/tiny for node local from")
+        .unwrap_or_else(|| panic!("scale fetched nothing: {stdout}"));
+    let fetched = stdout
+        .find("pdctl: fetched org/tiny 2.0 MiB (2.0 MiB fetched now)")
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let starting = stdout
+        .find("pdctl: starting decode-1")
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(fetching < fetched && fetched < starting, "{stdout}");
+    assert!(stdout.contains("pdctl: decode-1: healthy"), "{stdout}");
+    assert_eq!(weight_gets(&hub), 2);
+    snapshot(dir.path());
+
+    // With the model there, the next scale fetches nothing.
+    let out = cluster.run(&["scale", "decode=3"]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(!stdout.contains("fetching org/tiny"), "{stdout}");
+    assert_eq!(weight_gets(&hub), 2);
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out).0);
+}

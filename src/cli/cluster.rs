@@ -274,15 +274,23 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     // (and kept in the state dir for `status`), then planned again, now sized from its
     // files (engines sharing a GPU start together), and no second of the download counted
     // in an engine's startup_timeout_s. The lock keeps a second `up` out meanwhile.
+    let shown = super::pull::Shown {
+        cluster: &loaded.plan.cluster,
+        state_dir: &state.dir,
+    };
     if a.plan.is_none() {
-        let shown = super::pull::Shown {
-            cluster: &loaded.plan.cluster,
-            state_dir: &state.dir,
-        };
         if super::pull::fetch_step(&a.topology, false, Some(shown))? {
             loaded = plan_to_run(&a)?;
             runs_here(&a, &mut loaded.plan, &loaded.node)?;
         }
+    } else {
+        // A node run from a plan (over SSH from the head, or by hand): the plan names the
+        // model, the token comes with what the head handed, else from an earlier `up`.
+        let hidden = match &a.handed {
+            Some(h) => h.hidden_env.clone(),
+            None => crate::control::hidden_env::kept(&state.dir)?,
+        };
+        super::pull::fetch_planned(&loaded.plan, &loaded.node, &hidden, Some(shown))?;
     }
     let LoadedPlan {
         plan,

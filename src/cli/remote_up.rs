@@ -387,9 +387,14 @@ fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Resu
     .flatten()
     .map(|r| {
         let output = output.clone();
+        let node = node.to_string();
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(r).lines().map_while(Result::ok) {
                 let line = crate::supervisor::strip_ansi(&line);
+                // The node's model fetch is shown as it goes: it can take minutes.
+                if let Some(fetch) = line.strip_prefix("pdctl: fetch") {
+                    println!("pdctl: node {node}: fetch{fetch}");
+                }
                 if !line.trim().is_empty() {
                     output.lock().unwrap_or_else(|e| e.into_inner()).push(line);
                 }

@@ -382,6 +382,15 @@ fn drainer<'a>(
     }
 }
 
+/// A change that ended with `code` before its first step: nothing was changed.
+fn failed_before(why: String, code: u8) -> End {
+    ChangeEnd {
+        code,
+        message: format!("{why}\nnothing was changed"),
+        needs_recreate: false,
+    }
+}
+
 /// What turning the running cluster into the wanted plan takes.
 pub struct Change<'a> {
     inner: &'a Inner,
@@ -523,6 +532,9 @@ impl<'a> Change<'a> {
                 crate::supervisor::bullet_list(&self.problems)
             ));
         }
+        if let Some(end) = self.fetch_first().await {
+            return Ok(end);
+        }
         let started = Instant::now();
         self.begin_journal(what)?;
         match self.make().await {
@@ -531,6 +543,47 @@ impl<'a> Change<'a> {
                 started.elapsed().as_secs_f64()
             ))),
             Err(e) => Ok(self.undo_after(e).await),
+        }
+    }
+
+    /// The model fetched on this node before the new engines start, where its cache
+    /// lacks it: the end of the change when that fails (nothing was changed yet). The
+    /// engines added on other nodes are not fetched for (their vLLM fetches the model
+    /// during its start-up), which is said.
+    async fn fetch_first(&self) -> Option<End> {
+        let p = self.progress;
+        self.wanted.model_fetch.as_ref()?;
+        let here = &self.inner.nodes.here;
+        let added: Vec<&Service> = self
+            .diff
+            .added
+            .iter()
+            .map(|n| self.service(n))
+            .filter(|s| s.role.is_engine())
+            .collect();
+        let elsewhere: std::collections::BTreeSet<&str> = added
+            .iter()
+            .filter(|s| &s.node != here)
+            .map(|s| s.node.as_str())
+            .collect();
+        for node in elsewhere {
+            p.warn(&format!(
+                "node {node}: the model is not fetched there before its new engines start; if its cache lacks it, vLLM fetches it within their startup_timeout_s"
+            ));
+        }
+        let names: Vec<String> = added.iter().map(|s| s.name.clone()).collect();
+        let hidden = match crate::control::hidden_env::kept(&self.inner.state_dir) {
+            Ok(h) => h,
+            Err(e) => return Some(failed_before(format!("{e}"), 1)),
+        };
+        let source = super::fetch::planned_source(&self.wanted, here, Some(&names), &hidden)?;
+        p.step("fetching the model before the new engines start");
+        match super::fetch::fetch_here(source, here, p).await {
+            Ok(_) => None,
+            Err(e) => Some(failed_before(
+                format!("{e}"),
+                if e.is_usage() { 2 } else { 1 },
+            )),
         }
     }
 

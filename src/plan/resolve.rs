@@ -321,6 +321,7 @@ pub fn plan_programs_unresolved(
             spec.engine.vllm_version, spec.engine.vllm_version
         ));
     }
+    plan.model_fetch = model_fetch_of(&spec);
     Ok(LoadedPlan {
         plan,
         source_note: String::new(),
@@ -330,6 +331,22 @@ pub fn plan_programs_unresolved(
         machine,
         source: None,
         hidden_env: Default::default(),
+    })
+}
+
+/// What the engines' nodes fetch (`Plan::model_fetch`): a Hugging Face model served by
+/// vLLM, with `[engine.env]` less the hub tokens, and `engine.python` as written (each
+/// node finds its own).
+fn model_fetch_of(spec: &topology::Topology) -> Option<crate::model_fetch::Source> {
+    if spec.engine.kind != EngineKind::Vllm || !crate::model_files::is_hub_id(&spec.model.name) {
+        return None;
+    }
+    let mut env = spec.engine.env.clone();
+    env.retain(|k, _| !crate::vocab::HUB_TOKEN_VARS.contains(&k.as_str()));
+    Some(crate::model_fetch::Source {
+        model: spec.model.name.clone(),
+        python: spec.engine.python.clone(),
+        env,
     })
 }
 
