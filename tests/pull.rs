@@ -671,3 +671,37 @@ fn apply_fetches_with_the_topologys_token_and_a_refusal_changes_nothing() {
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out).0);
 }
+
+#[test]
+fn a_node_run_from_a_plan_file_fetches_the_model_first() {
+    let dir = TempDir::new("pull-plan");
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    let hub = Hub::start(dir.path(), &[("org/tiny", &repo)], &[]);
+    let file = fake_vllm_topology(dir.path(), "pullplan", &hub.endpoint());
+    let cluster = crate::common::supervisor::Cluster::new("pullplan");
+    // The plan names the model and where to fetch it from, never a token.
+    let out = cluster.run(&["plan", "-f", file.to_str().unwrap(), "--json"]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let plan: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(plan["model_fetch"]["model"], "org/tiny", "{plan}");
+    assert_eq!(plan["model_fetch"]["env"]["HF_ENDPOINT"], hub.endpoint());
+    let plan_file = dir.path().join("plan.json");
+    std::fs::write(&plan_file, &stdout).unwrap();
+
+    // What `pdctl node-up` runs on a node the head starts over SSH: `up` of a plan file.
+    let mut up = cluster.command(&["up", "-d", "--plan", plan_file.to_str().unwrap()]);
+    up.env_remove("HF_TOKEN");
+    let out = crate::common::supervisor::run_bounded(up, std::time::Duration::from_secs(120));
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let fetched = stdout
+        .find("pdctl: fetched org/tiny 2.0 MiB")
+        .unwrap_or_else(|| panic!("up --plan fetched nothing: {stdout}"));
+    let started = stdout.find("is up").unwrap_or_else(|| panic!("{stdout}"));
+    assert!(fetched < started, "{stdout}");
+    assert!(snapshot(dir.path()).join("model.safetensors").is_file());
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out).0);
+}
