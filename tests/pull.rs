@@ -478,35 +478,6 @@ fn status_shows_the_fetch_while_up_makes_it() {
     );
 }
 
-/// A stand-in for vLLM's CPU build: `python -m vllm...` serves 200 to every GET at its
-/// `--host`/`--port`; the fetch script (`-c SCRIPT list|fetch ...`) runs in the Python with
-/// huggingface_hub; a module check answers found, anything else prints version 0.26.0.
-fn fake_vllm(dir: &Path) -> PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    let engine = dir.join("fake_vllm.py");
-    std::fs::write(
-        &engine,
-        "import http.server, sys\nargs = sys.argv[1:]\nflag = lambda n: args[args.index(n) + 1]\n\
-         class H(http.server.BaseHTTPRequestHandler):\n    def do_GET(self):\n        self.send_response(200)\n        self.send_header('content-length', '2')\n        self.end_headers()\n        self.wfile.write(b'ok')\n    def log_message(self, *a):\n        pass\n\
-         print('ready', flush=True)\nhttp.server.HTTPServer((flag('--host'), int(flag('--port'))), H).serve_forever()\n",
-    )
-    .unwrap();
-    let python = dir.join("python3");
-    std::fs::write(
-        &python,
-        format!(
-            "#!/bin/sh\nif [ \"$1\" = -m ]; then shift 2; exec python3 {} \"$@\"; fi\n\
-             if [ \"$1\" = -c ] && {{ [ \"$3\" = list ] || [ \"$3\" = fetch ]; }}; then exec {} \"$@\"; fi\n\
-             if [ \"$1\" = -c ] && [ $# -ge 3 ]; then exit 0; fi\nprintf 0.26.0\n",
-            engine.display(),
-            hub::hf_python()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
-    python
-}
-
 /// A cluster `name` of `org/tiny` from the stand-in hub at `endpoint` on that stand-in
 /// (CPU, one prefill and one decode, free ports), its cache in `dir/hub`.
 fn fake_vllm_topology(dir: &Path, name: &str, endpoint: &str) -> PathBuf {
@@ -515,7 +486,7 @@ fn fake_vllm_topology(dir: &Path, name: &str, endpoint: &str) -> PathBuf {
 
 /// [`fake_vllm_topology`] with `env` added to [engine.env].
 fn fake_vllm_topology_with(dir: &Path, name: &str, endpoint: &str, env: &str) -> PathBuf {
-    let python = fake_vllm(dir);
+    let python = hub::fake_vllm(dir);
     let run = crate::common::supervisor::free_port_run(12);
     let file = dir.join("t.toml");
     std::fs::write(

@@ -852,3 +852,83 @@ fn a_failed_up_takes_down_the_nodes_it_started() {
     let down = setup.head.run(&["down"]);
     assert!(down.status.success(), "down: {}", text(&down));
 }
+
+/// Issue 47 over SSH: the head runs no engine; the worker's `node-up` fetches the model
+/// (from a stand-in hub only the worker reaches) before its engines start, and the head's
+/// `up` shows that fetch as it goes.
+#[test]
+fn the_worker_started_over_ssh_fetches_the_model_before_its_engines_start() {
+    use crate::common::hub::{self, Hub};
+    let pair = NetnsPair::create("pd47").unwrap_or_else(|why| {
+        panic!("this test needs two network namespaces (root and iproute2): {why}")
+    });
+    let dir = TempDir::new("pd47-ssh");
+    let (head, worker) = (Cluster::new("pd47head"), Cluster::new("pd47work"));
+    let home = dir.path().join("worker-home");
+    std::fs::create_dir_all(&home).unwrap();
+    let _sshd = start_sshd(&pair.b, &pair.addr_b, dir.path(), worker.root(), &home);
+    assert!(
+        common::wait_until(Duration::from_secs(10), || connects(
+            &pair.a,
+            &pair.addr_b,
+            22
+        )),
+        "sshd did not listen"
+    );
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    let hub = Hub::start_in(Some(&pair.b), dir.path(), &[("org/tiny", &repo)], &[]);
+    let python = hub::fake_vllm(dir.path());
+    let cache = dir.path().join("worker-cache");
+    let run = suph::free_port_run(12);
+    let control = run + 11;
+    let topology = format!(
+        "cluster = \"pd47\"\nhead = \"head\"\n\
+         [nodes]\nhead = \"{a}\"\nworker = {{ address = \"{b}\", ssh = \"root@{b}\" }}\n\
+         [model]\nname = \"org/tiny\"\nmax_model_len = 4096\n\
+         [engine]\nvllm_version = \"0.26.0\"\ndevice = \"cpu\"\npython = \"{}\"\n\
+         [engine.env]\nHF_ENDPOINT = \"{}\"\nHF_HUB_CACHE = \"{}\"\n\
+         [connector]\nkind = \"nixl\"\nside_channel_port = {}\n\
+         [prefill]\ninstances = 1\nnodes = [\"worker\"]\nbase_port = {}\n\
+         [decode]\ninstances = 1\nnodes = [\"worker\"]\nbase_port = {}\n\
+         [control]\nport = {control}\n\
+         [proxy]\nport = {run}\n",
+        python.display(),
+        hub.endpoint(),
+        cache.display(),
+        run + 9,
+        run + 1,
+        run + 5,
+        a = pair.addr_a,
+        b = pair.addr_b,
+    );
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, &topology).unwrap();
+    let mut up = NetnsPair::wrap(
+        Some(&pair.a),
+        head.command(&["up", "-d", "-f", file.to_str().unwrap()]),
+    );
+    up.env("PDCTL_SSH_COMMAND", ssh_command(dir.path()))
+        .env_remove("HF_TOKEN");
+    let out = suph::run_bounded(up, Duration::from_secs(180));
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "up -d: {}", text(&out));
+    assert!(
+        said.contains("pdctl: node worker: fetching org/tiny for node worker from")
+            && said.contains("pdctl: node worker: fetched org/tiny 2.0 MiB"),
+        "{said}"
+    );
+    let snaps = cache.join("models--org--tiny/snapshots");
+    assert_eq!(
+        std::fs::read_dir(&snaps).map(|d| d.count()).unwrap_or(0),
+        1,
+        "{said}"
+    );
+    let r = head.wait_status(Duration::from_secs(30), &[], suph::all_healthy);
+    assert!(suph::all_healthy(&r), "{r:?}");
+    let down = suph::run_bounded(
+        NetnsPair::wrap(Some(&pair.a), head.command(&["down"])),
+        Duration::from_secs(60),
+    );
+    assert!(down.status.success(), "down: {}", text(&down));
+}
