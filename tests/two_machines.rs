@@ -855,9 +855,10 @@ fn a_failed_up_takes_down_the_nodes_it_started() {
 
 /// Issue 47 over SSH: the head runs no engine; the worker's `node-up` fetches the model
 /// (from a stand-in hub only the worker reaches) before its engines start, and the head's
-/// `up` shows that fetch as it goes.
+/// `up` shows that fetch as it goes; a `scale` on the head that adds an engine on the
+/// worker has the worker's supervisor fetch it first (once).
 #[test]
-fn the_worker_started_over_ssh_fetches_the_model_before_its_engines_start() {
+fn the_worker_fetches_the_model_before_its_engines_start_at_up_and_at_scale() {
     use crate::common::hub::{self, Hub};
     let pair = NetnsPair::create("pd47").unwrap_or_else(|why| {
         panic!("this test needs two network namespaces (root and iproute2): {why}")
@@ -926,6 +927,43 @@ fn the_worker_started_over_ssh_fetches_the_model_before_its_engines_start() {
     );
     let r = head.wait_status(Duration::from_secs(30), &[], suph::all_healthy);
     assert!(suph::all_healthy(&r), "{r:?}");
+
+    // The worker's cache loses the model: `scale` on the head has the worker's supervisor
+    // fetch it before decode-1 starts there.
+    std::fs::remove_dir_all(&cache).unwrap();
+    let scale = suph::run_bounded(
+        NetnsPair::wrap(Some(&pair.a), head.command(&["scale", "decode=2"])),
+        Duration::from_secs(120),
+    );
+    let said = String::from_utf8_lossy(&scale.stdout).into_owned();
+    assert!(scale.status.success(), "scale: {}", text(&scale));
+    let fetched = said
+        .find("pdctl: node worker: fetched org/tiny into")
+        .unwrap_or_else(|| panic!("{said}"));
+    let starting = said
+        .find("pdctl: starting decode-1")
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(fetched < starting, "{said}");
+    assert_eq!(
+        std::fs::read_dir(&snaps).map(|d| d.count()).unwrap_or(0),
+        1,
+        "{said}"
+    );
+    let r = head.wait_status(Duration::from_secs(30), &[], |r| {
+        suph::all_healthy(r) && r.services.iter().any(|s| s.name == "decode-1")
+    });
+    assert!(suph::all_healthy(&r), "{r:?}");
+    // With the model there, the next one fetches nothing.
+    let scale = suph::run_bounded(
+        NetnsPair::wrap(Some(&pair.a), head.command(&["scale", "decode=3"])),
+        Duration::from_secs(120),
+    );
+    let said = String::from_utf8_lossy(&scale.stdout).into_owned();
+    assert!(scale.status.success(), "scale: {}", text(&scale));
+    assert!(
+        said.contains("org/tiny is in the Hugging Face cache here"),
+        "{said}"
+    );
     let down = suph::run_bounded(
         NetnsPair::wrap(Some(&pair.a), head.command(&["down"])),
         Duration::from_secs(60),

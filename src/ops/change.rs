@@ -382,6 +382,10 @@ fn drainer<'a>(
     }
 }
 
+/// How long a node's fetch of the model is waited for: it is judged by its progress there
+/// (no byte for a while is a stall, tried again, then an error), not by a time limit.
+const FETCH_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
+
 /// A change that ended with `code` before its first step: nothing was changed.
 fn failed_before(why: String, code: u8) -> End {
     ChangeEnd {
@@ -546,13 +550,13 @@ impl<'a> Change<'a> {
         }
     }
 
-    /// The model fetched on this node before the new engines start, where its cache
-    /// lacks it: the end of the change when that fails (nothing was changed yet). The
-    /// engines added on other nodes are not fetched for (their vLLM fetches the model
-    /// during its start-up), which is said.
+    /// The model fetched on each node that gets new engines, where its cache lacks it,
+    /// before any of them starts: here with its progress lines, on another node by its
+    /// own supervisor (asked over the control channel; its lines go to that node's log).
+    /// The end of the change when that fails (nothing was changed yet).
     async fn fetch_first(&self) -> Option<End> {
         let p = self.progress;
-        self.wanted.model_fetch.as_ref()?;
+        let planned = self.wanted.model_fetch.as_ref()?;
         let here = &self.inner.nodes.here;
         let added: Vec<&Service> = self
             .diff
@@ -561,15 +565,35 @@ impl<'a> Change<'a> {
             .map(|n| self.service(n))
             .filter(|s| s.role.is_engine())
             .collect();
-        let elsewhere: std::collections::BTreeSet<&str> = added
-            .iter()
-            .filter(|s| &s.node != here)
-            .map(|s| s.node.as_str())
-            .collect();
-        for node in elsewhere {
-            p.warn(&format!(
-                "node {node}: the model is not fetched there before its new engines start; if its cache lacks it, vLLM fetches it within their startup_timeout_s"
+        let mut elsewhere: std::collections::BTreeMap<&str, Vec<Role>> = Default::default();
+        for s in added.iter().filter(|s| &s.node != here) {
+            elsewhere.entry(s.node.as_str()).or_default().push(s.role);
+        }
+        for (node, roles) in elsewhere {
+            p.step(&format!("fetching the model on node {node}"));
+            p.line(&format!(
+                "node {node}: fetching {} there if its cache lacks it (its progress goes to that node's supervisor log)",
+                planned.model
             ));
+            let req = Request::FetchModel {
+                source: Box::new(planned.clone()),
+                roles,
+            };
+            match self.inner.nodes.answer(node, &req, FETCH_WAIT).await {
+                Ok(crate::control::Response::Done { message }) => {
+                    p.line(&format!("node {node}: {message}"))
+                }
+                Ok(crate::control::Response::Finished { code, message, .. }) => {
+                    return Some(failed_before(format!("node {node}: {message}"), code));
+                }
+                Ok(other) => {
+                    return Some(failed_before(
+                        format!("node {node}: asked to fetch the model, it answered {other:?}"),
+                        1,
+                    ));
+                }
+                Err(e) => return Some(failed_before(format!("{e:#}"), 1)),
+            }
         }
         let names: Vec<String> = added.iter().map(|s| s.name.clone()).collect();
         let hidden = match crate::control::hidden_env::kept(&self.inner.state_dir) {
