@@ -855,7 +855,7 @@ fn a_failed_up_takes_down_the_nodes_it_started() {
 
 /// Issue 47 over SSH: the head runs no engine; the worker's `node-up` fetches the model
 /// (from a stand-in hub only the worker reaches) before its engines start, and the head's
-/// `up` shows that fetch as it goes; a `scale` on the head that adds an engine on the
+/// `up` and `status` show that fetch as it goes; a `scale` on the head that adds an engine on the
 /// worker has the worker's supervisor fetch it first (once).
 #[test]
 fn the_worker_fetches_the_model_before_its_engines_start_at_up_and_at_scale() {
@@ -878,7 +878,13 @@ fn the_worker_fetches_the_model_before_its_engines_start_at_up_and_at_scale() {
     );
     let repo = dir.path().join("repo");
     hub::tiny_repo(&repo);
-    let hub = Hub::start_in(Some(&pair.b), dir.path(), &[("org/tiny", &repo)], &[]);
+    // About 256 KiB/s: some eight seconds of the worker fetching to look at.
+    let hub = Hub::start_in(
+        Some(&pair.b),
+        dir.path(),
+        &[("org/tiny", &repo)],
+        &["--rate", "262144"],
+    );
     let python = hub::fake_vllm(dir.path());
     let cache = dir.path().join("worker-cache");
     let run = suph::free_port_run(12);
@@ -911,9 +917,47 @@ fn the_worker_fetches_the_model_before_its_engines_start_at_up_and_at_scale() {
     );
     up.env("PDCTL_SSH_COMMAND", ssh_command(dir.path()))
         .env_remove("HF_TOKEN");
-    let out = suph::run_bounded(up, Duration::from_secs(180));
+    let up = up
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Meanwhile the head's `status` shows the worker's fetch (its services wait for it).
+    let mut seen = None;
+    common::wait_until(Duration::from_secs(60), || {
+        let out = head.run(&["status", "--json"]);
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let f = &doc["fetching"][0];
+        if f["node"] == "worker" && f["done"].as_u64() > Some(0) {
+            seen = Some(doc.clone());
+            return true;
+        }
+        false
+    });
+    let doc = seen.expect("the head's status --json never showed the worker's fetch");
+    let f = &doc["fetching"][0];
+    assert_eq!(f["model"], "org/tiny", "{doc}");
+    assert!(
+        f["text"].as_str().unwrap().starts_with("fetching model ")
+            && f["text"].as_str().unwrap().contains(" / 2.00 MiB ("),
+        "{doc}"
+    );
+    let shown = String::from_utf8_lossy(&head.run(&["status"]).stdout).into_owned();
+    assert!(
+        shown.contains("node worker: fetching model ")
+            && shown.contains("(org/tiny); its services start once it is there"),
+        "{shown}"
+    );
+    let out = up.wait_with_output().unwrap();
     let said = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "up -d: {}", text(&out));
+    assert!(
+        head.run(&["status", "--json"])
+            .stdout
+            .windows(10)
+            .all(|w| w != b"\"fetching\""),
+        "the fetch is still shown after it ended"
+    );
     assert!(
         said.contains("pdctl: node worker: fetching org/tiny for node worker from")
             && said.contains("pdctl: node worker: fetched org/tiny 2.0 MiB"),
@@ -927,6 +971,20 @@ fn the_worker_fetches_the_model_before_its_engines_start_at_up_and_at_scale() {
     );
     let r = head.wait_status(Duration::from_secs(30), &[], suph::all_healthy);
     assert!(suph::all_healthy(&r), "{r:?}");
+    // The head reconciles a node that joined late (it was fetching): a change waits for
+    // that to end.
+    let t = Instant::now();
+    let r = head.wait_status(Duration::from_secs(60), &[], |r| {
+        r.operation.as_ref().is_none_or(|o| o.outcome.is_some())
+    });
+    assert!(
+        r.operation.as_ref().is_none_or(|o| o.outcome.is_some()),
+        "{r:?}"
+    );
+    eprintln!(
+        "the head's reconcile of the late worker ended {:.1} s after up -d returned",
+        t.elapsed().as_secs_f64()
+    );
 
     // The worker's cache loses the model: `scale` on the head has the worker's supervisor
     // fetch it before decode-1 starts there.

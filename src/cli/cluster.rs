@@ -277,6 +277,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     let shown = super::pull::Shown {
         cluster: &loaded.plan.cluster,
         state_dir: &state.dir,
+        to_head: a.handed.is_some(),
     };
     if a.plan.is_none() {
         if super::pull::fetch_step(&a.topology, false, Some(shown))? {
@@ -490,6 +491,7 @@ fn start_ssh_nodes(
     };
     let handout = super::remote_up::Handout {
         plan,
+        state_dir: &state.dir,
         ca: &ca,
         engine_key,
         client_key,
@@ -636,14 +638,27 @@ pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
         .block_on(client::status(&socket, Duration::from_secs(5)))
         .with_context(|| format!("asking the supervisor of {} for its status", found.label()))?;
     let mut out = std::io::stdout();
+    // Other nodes' model fetches the head's `up` relays (their services wait for them).
+    let fetches = super::pull::nodes_fetching(&found.state.dir);
     if a.json {
+        let mut doc = serde_json::to_value(&report).expect("reports serialize");
+        if !fetches.is_empty() {
+            doc["fetching"] = serde_json::to_value(&fetches).expect("fetch states serialize");
+        }
         let _ = writeln!(
             out,
             "{}",
-            serde_json::to_string_pretty(&report).expect("reports serialize")
+            serde_json::to_string_pretty(&doc).expect("reports serialize")
         );
     } else {
         let _ = write!(out, "{}", view::status_table(&report));
+        for f in &fetches {
+            let _ = writeln!(
+                out,
+                "node {}: {} ({}); its services start once it is there",
+                f.node, f.text, f.model
+            );
+        }
         if let Some(url) = &report.proxy_url {
             if let Some(figures) = rt.block_on(view::scrape_proxy(url)) {
                 let _ = writeln!(out, "{figures}");

@@ -26,10 +26,41 @@ pub fn pull(a: &PullArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Where `up` keeps the fetch's progress for `status`: the cluster's name and state dir.
+/// Where `up` keeps the fetch's progress for `status`: the cluster's name and state dir,
+/// and whether to hand each progress to the head too (`node-up`, on its stdout).
 pub struct Shown<'a> {
     pub cluster: &'a str,
     pub state_dir: &'a std::path::Path,
+    pub to_head: bool,
+}
+
+/// How `node-up` hands the head its fetch's progress on its stdout: this, then the
+/// [`FetchState`] as JSON, one line each; the head keeps it as [`node_fetch_file`] for its
+/// `status` and prints nothing of it.
+pub const TO_HEAD_PREFIX: &str = "pdctl-fetch-state ";
+
+/// The file of the head's state dir that holds the fetch progress `node` handed it.
+pub fn node_fetch_file(node: &str) -> String {
+    format!("fetch-{node}.json")
+}
+
+/// The fetches of other nodes the head's `up` is relaying now (their files in the head's
+/// state dir `dir`, kept by a process still alive), by node.
+pub fn nodes_fetching(dir: &std::path::Path) -> Vec<FetchState> {
+    let mut all: Vec<FetchState> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.starts_with("fetch-") && name.ends_with(".json")
+        })
+        .filter_map(|e| std::fs::read(e.path()).ok())
+        .filter_map(|b| serde_json::from_slice::<FetchState>(&b).ok())
+        .filter(|f| nix::sys::signal::kill(nix::unistd::Pid::from_raw(f.pid as i32), None).is_ok())
+        .collect();
+    all.sort_by(|a, b| a.node.cmp(&b.node));
+    all
 }
 
 /// The file in the state dir that holds a running fetch's progress.
@@ -120,6 +151,13 @@ pub fn run_fetch(source: &Source, node: &str, shown: Option<Shown>) -> anyhow::R
             };
             let json = serde_json::to_vec(&state).expect("fetch states serialize");
             let _ = crate::supervisor::write_atomic(file, &json);
+            if s.to_head {
+                let _ = writeln!(
+                    std::io::stdout(),
+                    "{TO_HEAD_PREFIX}{}",
+                    String::from_utf8_lossy(&json)
+                );
+            }
         }
     };
     let fetched = source.fetch_saying(node, EVERY, &mut say, &mut keep);
