@@ -18,6 +18,7 @@ mod check;
 mod cluster;
 mod export;
 mod faults;
+mod hub_token;
 mod journal;
 mod layers;
 mod operations;

@@ -1015,7 +1015,7 @@ fn the_engine_image_follows_the_planned_version_and_an_assumed_one_is_marked() {
         "nixl-1p1d pins no version to replace"
     );
     std::fs::write(&file, topology).unwrap();
-    let (out, err, code) = export(&["-f", file.to_str().unwrap()]);
+    let (out, err, code) = export(&["-f", file.to_str().unwrap(), "--format", "rbg", "-o", "-"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("image: vllm/vllm-openai:v0.11.0"), "{out}");
     assert!(!err.contains("ASSUMED"), "{err}");
@@ -1219,4 +1219,46 @@ fn the_dockerfile_builds_the_image_the_exports_name() {
 /// The vLLM version an "auto" plan assumes without vLLM (the newest templated one).
 fn newest() -> String {
     pdctl::connectors::NEWEST_TEMPLATED.to_string()
+}
+
+#[test]
+fn a_hub_token_in_the_topology_is_read_from_a_secret_not_written_in_the_manifest() {
+    let dir = common::TempDir::new("export-token");
+    let file = dir.path().join("t.toml");
+    let token = "hf_exportTestToken_42";
+    std::fs::write(
+        &file,
+        format!(
+            "[model]\nname = \"org/tiny\"\n[engine]\nvllm_version = \"0.26.0\"\n[engine.env]\nHF_TOKEN = \"{token}\"\n[connector]\nkind = \"nixl\"\n"
+        ),
+    )
+    .unwrap();
+    let (out, err, code) = export(&["-f", file.to_str().unwrap(), "--format", "rbg", "-o", "-"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains(token) && !err.contains(token), "{out}\n{err}");
+    let docs = documents(&out);
+    let group = docs.iter().find(|d| d["kind"] == "RoleBasedGroup").unwrap();
+    for role in group["spec"]["roles"].as_array().unwrap() {
+        let template = &role["standalonePattern"]["template"];
+        let Some(c) = template["spec"]["containers"].get(0) else {
+            continue;
+        };
+        if !["prefill", "decode"].contains(&role["name"].as_str().unwrap_or("")) {
+            continue;
+        }
+        let env = c["env"].as_array().unwrap();
+        let hf = env
+            .iter()
+            .find(|e| e["name"] == "HF_TOKEN")
+            .unwrap_or_else(|| panic!("{c}"));
+        assert_eq!(
+            hf["valueFrom"]["secretKeyRef"],
+            json!({"name": "pdctl-hub-token", "key": "HF_TOKEN"}),
+            "{hf}"
+        );
+    }
+    assert!(
+        out.contains("kubectl create secret generic pdctl-hub-token --from-literal=HF_TOKEN=..."),
+        "{out}"
+    );
 }

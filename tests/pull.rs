@@ -477,3 +477,202 @@ fn status_shows_the_fetch_while_up_makes_it() {
         "{stdout}"
     );
 }
+
+/// A cluster `name` of `org/tiny` from the stand-in hub at `endpoint` on that stand-in
+/// (CPU, one prefill and one decode, free ports), its cache in `dir/hub`.
+fn fake_vllm_topology(dir: &Path, name: &str, endpoint: &str) -> PathBuf {
+    fake_vllm_topology_with(dir, name, endpoint, "")
+}
+
+/// [`fake_vllm_topology`] with `env` added to [engine.env].
+fn fake_vllm_topology_with(dir: &Path, name: &str, endpoint: &str, env: &str) -> PathBuf {
+    let python = hub::fake_vllm(dir);
+    let run = crate::common::supervisor::free_port_run(12);
+    let file = dir.join("t.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "cluster = \"{name}\"\n[model]\nname = \"org/tiny\"\nmax_model_len = 4096\n\
+             [engine]\nvllm_version = \"0.26.0\"\ndevice = \"cpu\"\npython = \"{}\"\n\
+             [engine.env]\nHF_ENDPOINT = \"{endpoint}\"\nHF_HUB_CACHE = \"{}\"\n{env}\n\
+             [connector]\nkind = \"nixl\"\nside_channel_port = {}\n\
+             [prefill]\ninstances = 1\nbase_port = {}\n\
+             [decode]\ninstances = 1\nbase_port = {}\n\
+             [proxy]\nport = {run}\n",
+            python.display(),
+            dir.join("hub").display(),
+            run + 9,
+            run + 1,
+            run + 5,
+        ),
+    )
+    .unwrap();
+    file
+}
+
+/// How many GETs of the weights file the hub answered.
+fn weight_gets(hub: &Hub) -> usize {
+    hub.requests()
+        .iter()
+        .filter(|r| {
+            r["method"] == "GET"
+                && r["path"]
+                    .as_str()
+                    .is_some_and(|p| p.ends_with("model.safetensors"))
+        })
+        .count()
+}
+
+#[test]
+fn scale_fetches_the_model_a_new_engines_node_lacks_before_it_starts() {
+    let dir = TempDir::new("pull-scale");
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    let hub = Hub::start(dir.path(), &[("org/tiny", &repo)], &["--rate", "1048576"]);
+    let file = fake_vllm_topology(dir.path(), "pullscale", &hub.endpoint());
+    let cluster = crate::common::supervisor::Cluster::new("pullscale");
+    let f = file.to_str().unwrap();
+    let mut up = cluster.command(&["up", "-d", "-f", f]);
+    up.env_remove("HF_TOKEN");
+    let out = crate::common::supervisor::run_bounded(up, std::time::Duration::from_secs(120));
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(stdout.contains("pdctl: fetched org/tiny"), "{stdout}");
+    assert_eq!(weight_gets(&hub), 1, "{:?}", hub.requests());
+
+    // The cache loses the model (a node that never had it): the new engine waits for it.
+    std::fs::remove_dir_all(dir.path().join("hub")).unwrap();
+    let out = cluster.run(&["scale", "decode=2"]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    // Fetched (with the lines `up` prints) before decode-1 starts; its start-up counts
+    // nothing of it.
+    let fetching = stdout
+        .find("pdctl: fetching org/tiny for node local from")
+        .unwrap_or_else(|| panic!("scale fetched nothing: {stdout}"));
+    let fetched = stdout
+        .find("pdctl: fetched org/tiny 2.0 MiB (2.0 MiB fetched now)")
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let starting = stdout
+        .find("pdctl: starting decode-1")
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(fetching < fetched && fetched < starting, "{stdout}");
+    assert!(stdout.contains("pdctl: decode-1: healthy"), "{stdout}");
+    assert_eq!(weight_gets(&hub), 2);
+    snapshot(dir.path());
+
+    // With the model there, the next scale fetches nothing.
+    let out = cluster.run(&["scale", "decode=3"]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(!stdout.contains("fetching org/tiny"), "{stdout}");
+    assert_eq!(weight_gets(&hub), 2);
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out).0);
+}
+
+#[test]
+fn apply_fetches_with_the_topologys_token_and_a_refusal_changes_nothing() {
+    let dir = TempDir::new("pull-apply");
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    let token = "hf_applyTestToken_5678";
+    let hub = Hub::start(dir.path(), &[("org/tiny", &repo)], &["--gated", token]);
+    let env = format!("HF_TOKEN = \"{token}\"");
+    let file = fake_vllm_topology_with(dir.path(), "pullapply", &hub.endpoint(), &env);
+    let cluster = crate::common::supervisor::Cluster::new("pullapply");
+    let mut up = cluster.command(&["up", "-d", "-f", file.to_str().unwrap()]);
+    up.env_remove("HF_TOKEN");
+    let out = crate::common::supervisor::run_bounded(up, std::time::Duration::from_secs(120));
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(stdout.contains("pdctl: fetched org/tiny"), "{stdout}");
+    std::fs::remove_dir_all(dir.path().join("hub")).unwrap();
+
+    // Another decode with a token the hub refuses: exit 2 before anything changes.
+    let text_of = std::fs::read_to_string(&file).unwrap();
+    let two = text_of.replace("[decode]\ninstances = 1", "[decode]\ninstances = 2");
+    assert_ne!(two, text_of);
+    let wrong = dir.path().join("wrong.toml");
+    std::fs::write(&wrong, two.replace(token, "hf_notTheToken")).unwrap();
+    let mut apply = cluster.command(&["apply", "-f", wrong.to_str().unwrap()]);
+    apply.env_remove("HF_TOKEN");
+    let out = crate::common::supervisor::run_bounded(apply, std::time::Duration::from_secs(60));
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    let said = format!("{stdout}{stderr}");
+    assert!(
+        said.contains("org/tiny is gated or private") && said.contains("nothing was changed"),
+        "{said}"
+    );
+    assert!(
+        !said.contains("hf_notTheToken") && !said.contains(token),
+        "{said}"
+    );
+    let r = cluster.status(&[]).expect("the cluster runs");
+    assert!(!r.services.iter().any(|s| s.name == "decode-1"), "{r:?}");
+
+    // With the topology's token it is fetched, then decode-1 starts, with the token.
+    let right = dir.path().join("right.toml");
+    std::fs::write(&right, &two).unwrap();
+    let mut apply = cluster.command(&["apply", "-f", right.to_str().unwrap()]);
+    apply.env_remove("HF_TOKEN");
+    let out = crate::common::supervisor::run_bounded(apply, std::time::Duration::from_secs(60));
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let fetched = stdout
+        .find("pdctl: fetched org/tiny")
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let starting = stdout
+        .find("pdctl: starting decode-1")
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(fetched < starting, "{stdout}");
+    assert!(hub.requests().iter().any(|r| r["authorized"] == true));
+    let r = cluster.wait_status(std::time::Duration::from_secs(20), &[], |r| {
+        r.services
+            .iter()
+            .any(|s| s.name == "decode-1" && s.pid.is_some())
+    });
+    let pid = crate::common::supervisor::svc(&r, "decode-1").pid.unwrap();
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    assert!(
+        String::from_utf8_lossy(&environ).contains(&format!("HF_TOKEN={token}")),
+        "decode-1 lacks the token"
+    );
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out).0);
+}
+
+#[test]
+fn a_node_run_from_a_plan_file_fetches_the_model_first() {
+    let dir = TempDir::new("pull-plan");
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    let hub = Hub::start(dir.path(), &[("org/tiny", &repo)], &[]);
+    let file = fake_vllm_topology(dir.path(), "pullplan", &hub.endpoint());
+    let cluster = crate::common::supervisor::Cluster::new("pullplan");
+    // The plan names the model and where to fetch it from, never a token.
+    let out = cluster.run(&["plan", "-f", file.to_str().unwrap(), "--json"]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let plan: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(plan["model_fetch"]["model"], "org/tiny", "{plan}");
+    assert_eq!(plan["model_fetch"]["env"]["HF_ENDPOINT"], hub.endpoint());
+    let plan_file = dir.path().join("plan.json");
+    std::fs::write(&plan_file, &stdout).unwrap();
+
+    // What `pdctl node-up` runs on a node the head starts over SSH: `up` of a plan file.
+    let mut up = cluster.command(&["up", "-d", "--plan", plan_file.to_str().unwrap()]);
+    up.env_remove("HF_TOKEN");
+    let out = crate::common::supervisor::run_bounded(up, std::time::Duration::from_secs(120));
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let fetched = stdout
+        .find("pdctl: fetched org/tiny 2.0 MiB")
+        .unwrap_or_else(|| panic!("up --plan fetched nothing: {stdout}"));
+    let started = stdout.find("is up").unwrap_or_else(|| panic!("{stdout}"));
+    assert!(fetched < started, "{stdout}");
+    assert!(snapshot(dir.path()).join("model.safetensors").is_file());
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out).0);
+}

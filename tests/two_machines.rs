@@ -852,3 +852,179 @@ fn a_failed_up_takes_down_the_nodes_it_started() {
     let down = setup.head.run(&["down"]);
     assert!(down.status.success(), "down: {}", text(&down));
 }
+
+/// Issue 47 over SSH: the head runs no engine; the worker's `node-up` fetches the model
+/// (from a stand-in hub only the worker reaches) before its engines start, and the head's
+/// `up` and `status` show that fetch as it goes; a `scale` on the head that adds an engine on the
+/// worker has the worker's supervisor fetch it first (once).
+#[test]
+fn the_worker_fetches_the_model_before_its_engines_start_at_up_and_at_scale() {
+    use crate::common::hub::{self, Hub};
+    let pair = NetnsPair::create("pd47").unwrap_or_else(|why| {
+        panic!("this test needs two network namespaces (root and iproute2): {why}")
+    });
+    let dir = TempDir::new("pd47-ssh");
+    let (head, worker) = (Cluster::new("pd47head"), Cluster::new("pd47work"));
+    let home = dir.path().join("worker-home");
+    std::fs::create_dir_all(&home).unwrap();
+    let _sshd = start_sshd(&pair.b, &pair.addr_b, dir.path(), worker.root(), &home);
+    assert!(
+        common::wait_until(Duration::from_secs(10), || connects(
+            &pair.a,
+            &pair.addr_b,
+            22
+        )),
+        "sshd did not listen"
+    );
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    // About 256 KiB/s: some eight seconds of the worker fetching to look at.
+    let hub = Hub::start_in(
+        Some(&pair.b),
+        dir.path(),
+        &[("org/tiny", &repo)],
+        &["--rate", "262144"],
+    );
+    let python = hub::fake_vllm(dir.path());
+    let cache = dir.path().join("worker-cache");
+    let run = suph::free_port_run(12);
+    let control = run + 11;
+    let topology = format!(
+        "cluster = \"pd47\"\nhead = \"head\"\n\
+         [nodes]\nhead = \"{a}\"\nworker = {{ address = \"{b}\", ssh = \"root@{b}\" }}\n\
+         [model]\nname = \"org/tiny\"\nmax_model_len = 4096\n\
+         [engine]\nvllm_version = \"0.26.0\"\ndevice = \"cpu\"\npython = \"{}\"\n\
+         [engine.env]\nHF_ENDPOINT = \"{}\"\nHF_HUB_CACHE = \"{}\"\n\
+         [connector]\nkind = \"nixl\"\nside_channel_port = {}\n\
+         [prefill]\ninstances = 1\nnodes = [\"worker\"]\nbase_port = {}\n\
+         [decode]\ninstances = 1\nnodes = [\"worker\"]\nbase_port = {}\n\
+         [control]\nport = {control}\n\
+         [proxy]\nport = {run}\n",
+        python.display(),
+        hub.endpoint(),
+        cache.display(),
+        run + 9,
+        run + 1,
+        run + 5,
+        a = pair.addr_a,
+        b = pair.addr_b,
+    );
+    let file = dir.path().join("topology.toml");
+    std::fs::write(&file, &topology).unwrap();
+    let mut up = NetnsPair::wrap(
+        Some(&pair.a),
+        head.command(&["up", "-d", "-f", file.to_str().unwrap()]),
+    );
+    up.env("PDCTL_SSH_COMMAND", ssh_command(dir.path()))
+        .env_remove("HF_TOKEN");
+    let up = up
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Meanwhile the head's `status` shows the worker's fetch (its services wait for it).
+    let mut seen = None;
+    common::wait_until(Duration::from_secs(60), || {
+        let out = head.run(&["status", "--json"]);
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let f = &doc["fetching"][0];
+        if f["node"] == "worker" && f["done"].as_u64() > Some(0) {
+            seen = Some(doc.clone());
+            return true;
+        }
+        false
+    });
+    let doc = seen.expect("the head's status --json never showed the worker's fetch");
+    let f = &doc["fetching"][0];
+    assert_eq!(f["model"], "org/tiny", "{doc}");
+    assert!(
+        f["text"].as_str().unwrap().starts_with("fetching model ")
+            && f["text"].as_str().unwrap().contains(" / 2.00 MiB ("),
+        "{doc}"
+    );
+    let shown = String::from_utf8_lossy(&head.run(&["status"]).stdout).into_owned();
+    assert!(
+        shown.contains("node worker: fetching model ")
+            && shown.contains("(org/tiny); its services start once it is there"),
+        "{shown}"
+    );
+    let out = up.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "up -d: {}", text(&out));
+    assert!(
+        head.run(&["status", "--json"])
+            .stdout
+            .windows(10)
+            .all(|w| w != b"\"fetching\""),
+        "the fetch is still shown after it ended"
+    );
+    assert!(
+        said.contains("pdctl: node worker: fetching org/tiny for node worker from")
+            && said.contains("pdctl: node worker: fetched org/tiny 2.0 MiB"),
+        "{said}"
+    );
+    let snaps = cache.join("models--org--tiny/snapshots");
+    assert_eq!(
+        std::fs::read_dir(&snaps).map(|d| d.count()).unwrap_or(0),
+        1,
+        "{said}"
+    );
+    let r = head.wait_status(Duration::from_secs(30), &[], suph::all_healthy);
+    assert!(suph::all_healthy(&r), "{r:?}");
+    // The head reconciles a node that joined late (it was fetching): a change waits for
+    // that to end.
+    let t = Instant::now();
+    let r = head.wait_status(Duration::from_secs(60), &[], |r| {
+        r.operation.as_ref().is_none_or(|o| o.outcome.is_some())
+    });
+    assert!(
+        r.operation.as_ref().is_none_or(|o| o.outcome.is_some()),
+        "{r:?}"
+    );
+    eprintln!(
+        "the head's reconcile of the late worker ended {:.1} s after up -d returned",
+        t.elapsed().as_secs_f64()
+    );
+
+    // The worker's cache loses the model: `scale` on the head has the worker's supervisor
+    // fetch it before decode-1 starts there.
+    std::fs::remove_dir_all(&cache).unwrap();
+    let scale = suph::run_bounded(
+        NetnsPair::wrap(Some(&pair.a), head.command(&["scale", "decode=2"])),
+        Duration::from_secs(120),
+    );
+    let said = String::from_utf8_lossy(&scale.stdout).into_owned();
+    assert!(scale.status.success(), "scale: {}", text(&scale));
+    let fetched = said
+        .find("pdctl: node worker: fetched org/tiny into")
+        .unwrap_or_else(|| panic!("{said}"));
+    let starting = said
+        .find("pdctl: starting decode-1")
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(fetched < starting, "{said}");
+    assert_eq!(
+        std::fs::read_dir(&snaps).map(|d| d.count()).unwrap_or(0),
+        1,
+        "{said}"
+    );
+    let r = head.wait_status(Duration::from_secs(30), &[], |r| {
+        suph::all_healthy(r) && r.services.iter().any(|s| s.name == "decode-1")
+    });
+    assert!(suph::all_healthy(&r), "{r:?}");
+    // With the model there, the next one fetches nothing.
+    let scale = suph::run_bounded(
+        NetnsPair::wrap(Some(&pair.a), head.command(&["scale", "decode=3"])),
+        Duration::from_secs(120),
+    );
+    let said = String::from_utf8_lossy(&scale.stdout).into_owned();
+    assert!(scale.status.success(), "scale: {}", text(&scale));
+    assert!(
+        said.contains("org/tiny is in the Hugging Face cache here"),
+        "{said}"
+    );
+    let down = suph::run_bounded(
+        NetnsPair::wrap(Some(&pair.a), head.command(&["down"])),
+        Duration::from_secs(60),
+    );
+    assert!(down.status.success(), "down: {}", text(&down));
+}

@@ -56,6 +56,8 @@ pub struct Handed {
     pub engine_key: crate::control::auth::EngineKey,
     /// The proxy's client key, when the head's `up` has one.
     pub client_key: Option<crate::control::auth::ClientKey>,
+    /// The values of the plan's secret variables (hub tokens), kept in the state dir.
+    pub hidden_env: crate::vocab::HiddenEnv,
 }
 
 /// Arguments of `pdctl status`.
@@ -163,6 +165,7 @@ fn plan_to_run(a: &UpArgs) -> anyhow::Result<LoadedPlan> {
                 version_note: None,
                 machine: Machine::new(a.topology.gpus.clone()),
                 source: None,
+                hidden_env: Default::default(),
             })
         }
         None => {
@@ -271,15 +274,24 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     // (and kept in the state dir for `status`), then planned again, now sized from its
     // files (engines sharing a GPU start together), and no second of the download counted
     // in an engine's startup_timeout_s. The lock keeps a second `up` out meanwhile.
+    let shown = super::pull::Shown {
+        cluster: &loaded.plan.cluster,
+        state_dir: &state.dir,
+        to_head: a.handed.is_some(),
+    };
     if a.plan.is_none() {
-        let shown = super::pull::Shown {
-            cluster: &loaded.plan.cluster,
-            state_dir: &state.dir,
-        };
         if super::pull::fetch_step(&a.topology, false, Some(shown))? {
             loaded = plan_to_run(&a)?;
             runs_here(&a, &mut loaded.plan, &loaded.node)?;
         }
+    } else {
+        // A node run from a plan (over SSH from the head, or by hand): the plan names the
+        // model, the token comes with what the head handed, else from an earlier `up`.
+        let hidden = match &a.handed {
+            Some(h) => h.hidden_env.clone(),
+            None => crate::control::hidden_env::kept(&state.dir)?,
+        };
+        super::pull::fetch_planned(&loaded.plan, &loaded.node, &hidden, Some(shown))?;
     }
     let LoadedPlan {
         plan,
@@ -288,8 +300,16 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         missing,
         machine,
         source,
+        hidden_env,
         ..
     } = loaded;
+    // The secret values the plan names only: from the topology, else from the head; a
+    // plan file run by hand leaves what an earlier `up` kept.
+    match (&a.plan, &a.handed) {
+        (None, _) => crate::control::hidden_env::keep(&state.dir, &hidden_env)?,
+        (Some(_), Some(h)) => crate::control::hidden_env::keep(&state.dir, &h.hidden_env)?,
+        (Some(_), None) => {}
+    }
     let mut out = std::io::stdout();
     if let Some(cleaned) = supervisor::clean_if_stale(&state) {
         let _ = writeln!(out, "pdctl: {cleaned}");
@@ -333,6 +353,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         &state,
         &ssh_of,
         (creds.engine_key.as_ref(), creds.client_key.as_ref()),
+        &hidden_env,
         logs,
     )?);
     let kept = (!remote.is_empty()).then(|| plan.clone());
@@ -458,6 +479,7 @@ fn start_ssh_nodes(
         Option<&crate::control::auth::EngineKey>,
         Option<&crate::control::auth::ClientKey>,
     ),
+    hidden_env: &crate::vocab::HiddenEnv,
     logs: LogSettings,
 ) -> anyhow::Result<super::remote_up::RemoteNodes> {
     use crate::control::tls::{ClusterCa, TLS_DIR};
@@ -469,11 +491,13 @@ fn start_ssh_nodes(
     };
     let handout = super::remote_up::Handout {
         plan,
+        state_dir: &state.dir,
         ca: &ca,
         engine_key,
         client_key,
         log_max_bytes: logs.max_bytes,
         log_keep: logs.keep,
+        hidden_env,
     };
     super::remote_up::RemoteNodes::start(ssh_of, &handout)
 }
@@ -528,6 +552,7 @@ pub fn node_up() -> anyhow::Result<ExitCode> {
             creds: b.creds,
             engine_key,
             client_key,
+            hidden_env: b.hidden_env,
         }),
     })
 }
@@ -613,14 +638,27 @@ pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
         .block_on(client::status(&socket, Duration::from_secs(5)))
         .with_context(|| format!("asking the supervisor of {} for its status", found.label()))?;
     let mut out = std::io::stdout();
+    // Other nodes' model fetches the head's `up` relays (their services wait for them).
+    let fetches = super::pull::nodes_fetching(&found.state.dir);
     if a.json {
+        let mut doc = serde_json::to_value(&report).expect("reports serialize");
+        if !fetches.is_empty() {
+            doc["fetching"] = serde_json::to_value(&fetches).expect("fetch states serialize");
+        }
         let _ = writeln!(
             out,
             "{}",
-            serde_json::to_string_pretty(&report).expect("reports serialize")
+            serde_json::to_string_pretty(&doc).expect("reports serialize")
         );
     } else {
         let _ = write!(out, "{}", view::status_table(&report));
+        for f in &fetches {
+            let _ = writeln!(
+                out,
+                "node {}: {} ({}); its services start once it is there",
+                f.node, f.text, f.model
+            );
+        }
         if let Some(url) = &report.proxy_url {
             if let Some(figures) = rt.block_on(view::scrape_proxy(url)) {
                 let _ = writeln!(out, "{figures}");

@@ -112,11 +112,22 @@ pub fn apply(a: &ApplyArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<Appl
         drain_timeout_s: a.timeout,
         state_root: state_root(a.topology.state_dir.as_deref())?,
     };
+    // The secret values the new plan names only, where the supervisor reads them at each
+    // start (on this node; a node elsewhere keeps what its `up` was given) and the change
+    // fetches the model with; the ones before are put back when the change fails.
+    let before = crate::control::hidden_env::kept(&found.dir)?;
+    if !a.dry_run {
+        crate::control::hidden_env::keep(&found.dir, &wanted.hidden_env)?;
+    }
     let request = ChangeRequest::Apply {
         source: Box::new(source),
         how,
     };
-    let end = change(&found, request, rt)?;
+    let end = change(&found, request, rt);
+    if !a.dry_run && end.as_ref().is_ok_and(|e| e.code != 0) {
+        crate::control::hidden_env::keep(&found.dir, &before)?;
+    }
+    let end = end?;
     if end.needs_recreate && a.recreate && !a.dry_run {
         return Ok(Applied::NeedsRecreate(found));
     }

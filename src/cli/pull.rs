@@ -4,13 +4,13 @@
 //! with nothing of the download counted in their `startup_timeout_s`.
 
 use super::common::TopologyArgs;
-use crate::model_fetch::{self, Progress, Report, Source};
+use crate::model_fetch::{self, Progress, Source};
 use crate::plan::resolve::{Machine, load_topology};
 use crate::topology::{EngineKind, LoadedTopology, RoleSection};
 use clap::Args;
 use std::io::Write;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Arguments of `pdctl pull`.
 #[derive(Debug, Args)]
@@ -26,10 +26,41 @@ pub fn pull(a: &PullArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Where `up` keeps the fetch's progress for `status`: the cluster's name and state dir.
+/// Where `up` keeps the fetch's progress for `status`: the cluster's name and state dir,
+/// and whether to hand each progress to the head too (`node-up`, on its stdout).
 pub struct Shown<'a> {
     pub cluster: &'a str,
     pub state_dir: &'a std::path::Path,
+    pub to_head: bool,
+}
+
+/// How `node-up` hands the head its fetch's progress on its stdout: this, then the
+/// [`FetchState`] as JSON, one line each; the head keeps it as [`node_fetch_file`] for its
+/// `status` and prints nothing of it.
+pub const TO_HEAD_PREFIX: &str = "pdctl-fetch-state ";
+
+/// The file of the head's state dir that holds the fetch progress `node` handed it.
+pub fn node_fetch_file(node: &str) -> String {
+    format!("fetch-{node}.json")
+}
+
+/// The fetches of other nodes the head's `up` is relaying now (their files in the head's
+/// state dir `dir`, kept by a process still alive), by node.
+pub fn nodes_fetching(dir: &std::path::Path) -> Vec<FetchState> {
+    let mut all: Vec<FetchState> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.starts_with("fetch-") && name.ends_with(".json")
+        })
+        .filter_map(|e| std::fs::read(e.path()).ok())
+        .filter_map(|b| serde_json::from_slice::<FetchState>(&b).ok())
+        .filter(|f| nix::sys::signal::kill(nix::unistd::Pid::from_raw(f.pid as i32), None).is_ok())
+        .collect();
+    all.sort_by(|a, b| a.node.cmp(&b.node));
+    all
 }
 
 /// The file in the state dir that holds a running fetch's progress.
@@ -63,7 +94,7 @@ pub fn fetching(root: &std::path::Path, cluster: Option<&str>) -> Option<FetchSt
 }
 
 /// Seconds between two progress lines.
-const EVERY: Duration = Duration::from_secs(2);
+const EVERY: Duration = crate::ops::fetch::EVERY;
 
 /// The fetch step of `pull` and `up`: when this node's engines serve a Hugging Face model
 /// their cache lacks, fetches it, printing where from and its progress (bytes done / total,
@@ -78,77 +109,63 @@ pub fn fetch_step(args: &TopologyArgs, chatty: bool, shown: Option<Shown>) -> an
     let Some(source) = to_fetch(&t, &node, chatty, &mut out) else {
         return Ok(false);
     };
-    let _ = writeln!(
-        out,
-        "pdctl: fetching {} for node {node} from {} into {}",
-        source.model,
-        source.endpoint(),
-        source.cache().display()
-    );
-    let started = Instant::now();
-    let mut last: Option<Instant> = None;
-    let mut latest: Option<Progress> = None;
+    run_fetch(&source, &node, shown)?;
+    Ok(true)
+}
+
+/// The fetch step of a node run from a plan (`pdctl node-up`, `up --plan FILE`): the
+/// plan's model ([`crate::plan::Plan::model_fetch`]) when `node` runs an engine and its
+/// cache lacks it, with the token from the values kept for the engines (`hidden`).
+/// Returns whether it fetched.
+pub fn fetch_planned(
+    plan: &crate::plan::Plan,
+    node: &str,
+    hidden: &crate::vocab::HiddenEnv,
+    shown: Option<Shown>,
+) -> anyhow::Result<bool> {
+    let Some(source) = crate::ops::fetch::planned_source(plan, node, None, hidden) else {
+        return Ok(false);
+    };
+    run_fetch(&source, node, shown)?;
+    Ok(true)
+}
+
+/// Fetches `source` for `node`, printing where from and its progress (bytes done / total,
+/// rate, time left) every [`EVERY`], and keeping it in the state dir for `status` when
+/// `shown` says where.
+pub fn run_fetch(source: &Source, node: &str, shown: Option<Shown>) -> anyhow::Result<()> {
     let file = shown.as_ref().map(|s| s.state_dir.join(FETCH_FILE));
-    let mut report = |r: Report| {
-        let p = match r {
-            Report::Progress(p) => p,
-            Report::Retry { why, pause } => {
+    let mut say = |line: String| {
+        let _ = writeln!(std::io::stdout(), "pdctl: {line}");
+    };
+    let mut keep = |p: &Progress| {
+        if let (Some(s), Some(file)) = (&shown, &file) {
+            let state = FetchState {
+                cluster: s.cluster.to_string(),
+                node: node.to_string(),
+                pid: std::process::id(),
+                model: source.model.clone(),
+                done: p.done,
+                total: p.total,
+                text: format!("fetching model {}", p.text()),
+            };
+            let json = serde_json::to_vec(&state).expect("fetch states serialize");
+            let _ = crate::supervisor::write_atomic(file, &json);
+            if s.to_head {
                 let _ = writeln!(
                     std::io::stdout(),
-                    "pdctl: fetching {}: the try failed ({why}); again in {} s, resuming",
-                    source.model,
-                    pause.as_secs()
+                    "{TO_HEAD_PREFIX}{}",
+                    String::from_utf8_lossy(&json)
                 );
-                return;
-            }
-        };
-        if last.is_none_or(|l| l.elapsed() >= EVERY) {
-            let _ = writeln!(
-                std::io::stdout(),
-                "pdctl: fetching {}: {}",
-                source.model,
-                p.text()
-            );
-            last = Some(Instant::now());
-            if let (Some(s), Some(file)) = (&shown, &file) {
-                let state = FetchState {
-                    cluster: s.cluster.to_string(),
-                    node: node.clone(),
-                    pid: std::process::id(),
-                    model: source.model.clone(),
-                    done: p.done,
-                    total: p.total,
-                    text: format!("fetching model {}", p.text()),
-                };
-                let json = serde_json::to_vec(&state).expect("fetch states serialize");
-                let _ = crate::supervisor::write_atomic(file, &json);
             }
         }
-        latest = Some(p.clone());
     };
-    let fetched = source.fetch(&mut report);
+    let fetched = source.fetch_saying(node, EVERY, &mut say, &mut keep);
     if let Some(file) = &file {
         let _ = std::fs::remove_file(file);
     }
-    let snapshot = fetched?;
-    let fetched = latest
-        .as_ref()
-        .map(|p| {
-            format!(
-                "{} ({} fetched now)",
-                model_fetch::bytes(p.total),
-                model_fetch::bytes(p.total.saturating_sub(p.had))
-            )
-        })
-        .unwrap_or_default();
-    let _ = writeln!(
-        out,
-        "pdctl: fetched {} {fetched} in {:.1} s: {}",
-        source.model,
-        started.elapsed().as_secs_f64(),
-        snapshot.display()
-    );
-    Ok(true)
+    fetched?;
+    Ok(())
 }
 
 /// The model this node's engines need fetched, or None (saying why when `chatty`).
@@ -191,7 +208,7 @@ fn to_fetch(t: &LoadedTopology, node: &str, chatty: bool, out: &mut dyn Write) -
     }
     Some(Source {
         model,
-        python: engine_python(&spec.engine.python),
+        python: model_fetch::engine_python(&spec.engine.python),
         env: spec.engine.env.clone(),
     })
 }
@@ -207,15 +224,4 @@ fn runs_engines(spec: &crate::topology::Topology, head: &str, node: &str) -> boo
             }
     };
     on(&spec.prefill) || on(&spec.decode)
-}
-
-/// The Python the engines run: engine.python when it is a path, else the one with vLLM
-/// pdctl finds, else the name as written (PATH).
-fn engine_python(configured: &str) -> String {
-    if configured.contains('/') {
-        return configured.to_string();
-    }
-    crate::vllm::find_python(configured)
-        .map(|(p, _)| p)
-        .unwrap_or_else(|_| configured.to_string())
 }

@@ -52,6 +52,10 @@ pub struct NodeBundle {
     pub creds: NodeCreds,
     pub log_max_bytes: u64,
     pub log_keep: u32,
+    /// The values of the secret variables the plan names only (hub tokens), which the
+    /// node keeps in its state dir (mode 0600) for its engines.
+    #[serde(default)]
+    pub hidden_env: crate::vocab::HiddenEnv,
 }
 
 /// The largest bundle `node-up` reads (a plan with its files is far smaller).
@@ -200,11 +204,15 @@ pub struct RemoteNodes {
 /// What each SSH node is given, made by the head.
 pub struct Handout<'a> {
     pub plan: &'a Plan,
+    /// The head's state dir, where a node's fetch progress is kept for `status`.
+    pub state_dir: &'a std::path::Path,
     pub ca: &'a ClusterCa,
     pub engine_key: &'a EngineKey,
     pub client_key: Option<&'a crate::control::auth::ClientKey>,
     pub log_max_bytes: u64,
     pub log_keep: u32,
+    /// The values of the plan's secret variables (hub tokens) the nodes' engines need.
+    pub hidden_env: &'a crate::vocab::HiddenEnv,
 }
 
 impl RemoteNodes {
@@ -350,6 +358,7 @@ fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Resu
         creds: h.ca.issue(node, "ssh")?,
         log_max_bytes: h.log_max_bytes,
         log_keep: h.log_keep,
+        hidden_env: h.hidden_env.clone(),
     };
     let mut cmd = ssh(dest, &format!("{program} node-up"));
     cmd.stdin(Stdio::piped())
@@ -380,9 +389,27 @@ fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Resu
     .flatten()
     .map(|r| {
         let output = output.clone();
+        let node = node.to_string();
+        let kept = h.state_dir.join(super::pull::node_fetch_file(&node));
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(r).lines().map_while(Result::ok) {
                 let line = crate::supervisor::strip_ansi(&line);
+                // The node's model fetch is shown as it goes (it can take minutes), and kept
+                // for the head's `status` while this process relays it.
+                if let Some(json) = line.strip_prefix(super::pull::TO_HEAD_PREFIX) {
+                    if let Ok(mut state) = serde_json::from_str::<super::pull::FetchState>(json) {
+                        state.pid = std::process::id();
+                        let json = serde_json::to_vec(&state).expect("fetch states serialize");
+                        let _ = crate::supervisor::write_atomic(&kept, &json);
+                    }
+                    continue;
+                }
+                if let Some(fetch) = line.strip_prefix("pdctl: fetch") {
+                    println!("pdctl: node {node}: fetch{fetch}");
+                    if fetch.starts_with("ed ") {
+                        let _ = std::fs::remove_file(&kept);
+                    }
+                }
                 if !line.trim().is_empty() {
                     output.lock().unwrap_or_else(|e| e.into_inner()).push(line);
                 }
@@ -391,10 +418,13 @@ fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Resu
     })
     .collect();
     let done = exit.clone();
+    let kept = h.state_dir.join(super::pull::node_fetch_file(node));
     std::thread::spawn(move || {
         for r in readers {
             let _ = r.join();
         }
+        // A fetch that ended without its last line (the node's `up` failed) is over too.
+        let _ = std::fs::remove_file(&kept);
         let status = child.wait().ok();
         *done.lock().unwrap_or_else(|e| e.into_inner()) = status;
     });

@@ -7,6 +7,7 @@
 pub mod auth;
 pub mod client;
 pub mod frame;
+pub mod hidden_env;
 pub mod operation;
 pub mod tls;
 
@@ -80,6 +81,14 @@ pub enum Request {
     /// `pdctl rebalance off|advise|act`: what the head's rebalancer does from now on
     /// (until the supervisor restarts, which reads the topology's `mode` again).
     Rebalance { mode: crate::vocab::RebalanceMode },
+    /// Before a change starts engines of `roles` on this node: fetch the plan's model
+    /// into this node's cache when it lacks it (the token from the values this node
+    /// keeps for those roles). Answered with `Done` once it is there, or `Finished` with
+    /// code 2 (a refusal: gated, unknown, offline, no room) or 1 (the network).
+    FetchModel {
+        source: Box<crate::model_fetch::Source>,
+        roles: Vec<Role>,
+    },
 }
 
 /// What another node's supervisor may ask of this one over the TCP channel: a type of
@@ -123,6 +132,10 @@ pub enum PeerRequest {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         settings: Option<Box<ChildSettings>>,
     },
+    FetchModel {
+        source: Box<crate::model_fetch::Source>,
+        roles: Vec<Role>,
+    },
 }
 
 impl PeerRequest {
@@ -139,6 +152,7 @@ impl PeerRequest {
             Request::Add { service, settings } => PeerRequest::Add { service, settings },
             Request::Remove { service, timeout_s } => PeerRequest::Remove { service, timeout_s },
             Request::Replace { service, settings } => PeerRequest::Replace { service, settings },
+            Request::FetchModel { source, roles } => PeerRequest::FetchModel { source, roles },
             Request::WatchSettings { .. } | Request::Change { .. } | Request::Rebalance { .. } => {
                 return None;
             }
@@ -163,6 +177,7 @@ impl PeerRequest {
             PeerRequest::Add { .. } => "add",
             PeerRequest::Remove { .. } => "remove",
             PeerRequest::Replace { .. } => "replace",
+            PeerRequest::FetchModel { .. } => "fetch-model",
         }
     }
 }

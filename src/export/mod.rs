@@ -605,8 +605,30 @@ fn pod_env(rw: &Rewriter, svc: &Service, rewrites: &mut Vec<String>) -> Vec<Valu
             own_env.join(", ")
         ));
     }
+    // A hub token the topology sets is planned by name only: the pods read it from a
+    // Secret the user makes, never from the manifest.
+    for k in &svc.hidden_env {
+        env.push(json!({
+            "name": k,
+            "valueFrom": {"secretKeyRef": {"name": HUB_TOKEN_SECRET, "key": k}},
+        }));
+    }
+    if !svc.hidden_env.is_empty() {
+        rewrites.push(format!(
+            "{} (a token the topology sets) -> from the Secret {HUB_TOKEN_SECRET}, which you make: kubectl create secret generic {HUB_TOKEN_SECRET} {}",
+            svc.hidden_env.join(", "),
+            svc.hidden_env
+                .iter()
+                .map(|k| format!("--from-literal={k}=..."))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ));
+    }
     env
 }
+
+/// The Secret the exported pods read a hub token from (`Service::hidden_env`).
+pub const HUB_TOKEN_SECRET: &str = "pdctl-hub-token";
 
 /// A pod's generated files by ConfigMap key: (path, content).
 type PodFiles = BTreeMap<String, (String, String)>;

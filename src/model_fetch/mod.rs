@@ -272,8 +272,10 @@ fn duration(d: Duration) -> String {
 }
 
 /// A model to fetch and how: the engines' Python and environment decide the cache, the
-/// endpoint and the token, as they will for the engines.
-#[derive(Debug, Clone)]
+/// endpoint and the token, as they will for the engines. A plan carries one (its `env`
+/// without the token, its `python` as the topology writes it) for the nodes that run from
+/// a plan and for the engines `scale` and `apply` add.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, Deserialize)]
 pub struct Source {
     /// The hub id, `org/name`.
     pub model: String,
@@ -284,7 +286,92 @@ pub struct Source {
     pub env: BTreeMap<String, String>,
 }
 
+/// The Python the engines run: `configured` (engine.python) when it is a path, else the
+/// one with vLLM pdctl finds, else the name as written (PATH).
+pub fn engine_python(configured: &str) -> String {
+    if configured.contains('/') {
+        return configured.to_string();
+    }
+    crate::vllm::find_python(configured)
+        .map(|(p, _)| p)
+        .unwrap_or_else(|_| configured.to_string())
+}
+
 impl Source {
+    /// The fetch of this node for a planned source: its Python found here, and the
+    /// secret variables the plan names only (`tokens`, from the values kept for the
+    /// engines) added to its environment.
+    pub fn runnable<'a>(&self, tokens: impl IntoIterator<Item = (&'a str, &'a str)>) -> Source {
+        let mut env = self.env.clone();
+        for (k, v) in tokens {
+            env.entry(k.to_string()).or_insert_with(|| v.to_string());
+        }
+        Source {
+            model: self.model.clone(),
+            python: engine_python(&self.python),
+            env,
+        }
+    }
+
+    /// Fetches it for `node` saying what it does in the lines `pull`, `up` and a change
+    /// that adds engines print (without their `pdctl: `): where from, bytes done / total,
+    /// rate and time left every `every`, each retry, then what was fetched. `shown` gets
+    /// each progress said (for `status`).
+    pub fn fetch_saying(
+        &self,
+        node: &str,
+        every: Duration,
+        say: &mut dyn FnMut(String),
+        shown: &mut dyn FnMut(&Progress),
+    ) -> Result<PathBuf, FetchError> {
+        say(format!(
+            "fetching {} for node {node} from {} into {}",
+            self.model,
+            self.endpoint(),
+            self.cache().display()
+        ));
+        let started = Instant::now();
+        let mut last: Option<Instant> = None;
+        let mut latest: Option<Progress> = None;
+        let snapshot = self.fetch(&mut |r: Report| match r {
+            Report::Retry { why, pause } => say(format!(
+                "fetching {}: the try failed ({why}); again in {} s, resuming",
+                self.model,
+                pause.as_secs()
+            )),
+            Report::Progress(p) => {
+                if last.is_none_or(|l| l.elapsed() >= every) {
+                    say(format!("fetching {}: {}", self.model, p.text()));
+                    shown(p);
+                    last = Some(Instant::now());
+                }
+                latest = Some(p.clone());
+            }
+        })?;
+        let fetched = latest
+            .as_ref()
+            .map(|p| {
+                format!(
+                    "{} ({} fetched now)",
+                    bytes(p.total),
+                    bytes(p.total.saturating_sub(p.had))
+                )
+            })
+            .unwrap_or_default();
+        say(format!(
+            "fetched {} {fetched} in {:.1} s: {}",
+            self.model,
+            started.elapsed().as_secs_f64(),
+            snapshot.display()
+        ));
+        Ok(snapshot)
+    }
+
+    /// Whether the cache the engines read lacks the model (what makes a node fetch it).
+    pub fn missing(&self) -> bool {
+        model_files::cached(&self.model, &self.env).is_err()
+    }
+
     fn var(&self, k: &str) -> Option<String> {
         self.env
             .get(k)

@@ -382,6 +382,19 @@ fn drainer<'a>(
     }
 }
 
+/// How long a node's fetch of the model is waited for: it is judged by its progress there
+/// (no byte for a while is a stall, tried again, then an error), not by a time limit.
+const FETCH_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// A change that ended with `code` before its first step: nothing was changed.
+fn failed_before(why: String, code: u8) -> End {
+    ChangeEnd {
+        code,
+        message: format!("{why}\nnothing was changed"),
+        needs_recreate: false,
+    }
+}
+
 /// What turning the running cluster into the wanted plan takes.
 pub struct Change<'a> {
     inner: &'a Inner,
@@ -523,6 +536,9 @@ impl<'a> Change<'a> {
                 crate::supervisor::bullet_list(&self.problems)
             ));
         }
+        if let Some(end) = self.fetch_first().await {
+            return Ok(end);
+        }
         let started = Instant::now();
         self.begin_journal(what)?;
         match self.make().await {
@@ -531,6 +547,67 @@ impl<'a> Change<'a> {
                 started.elapsed().as_secs_f64()
             ))),
             Err(e) => Ok(self.undo_after(e).await),
+        }
+    }
+
+    /// The model fetched on each node that gets new engines, where its cache lacks it,
+    /// before any of them starts: here with its progress lines, on another node by its
+    /// own supervisor (asked over the control channel; its lines go to that node's log).
+    /// The end of the change when that fails (nothing was changed yet).
+    async fn fetch_first(&self) -> Option<End> {
+        let p = self.progress;
+        let planned = self.wanted.model_fetch.as_ref()?;
+        let here = &self.inner.nodes.here;
+        let added: Vec<&Service> = self
+            .diff
+            .added
+            .iter()
+            .map(|n| self.service(n))
+            .filter(|s| s.role.is_engine())
+            .collect();
+        let mut elsewhere: std::collections::BTreeMap<&str, Vec<Role>> = Default::default();
+        for s in added.iter().filter(|s| &s.node != here) {
+            elsewhere.entry(s.node.as_str()).or_default().push(s.role);
+        }
+        for (node, roles) in elsewhere {
+            p.step(&format!("fetching the model on node {node}"));
+            p.line(&format!(
+                "node {node}: fetching {} there if its cache lacks it (its progress goes to that node's supervisor log)",
+                planned.model
+            ));
+            let req = Request::FetchModel {
+                source: Box::new(planned.clone()),
+                roles,
+            };
+            match self.inner.nodes.answer(node, &req, FETCH_WAIT).await {
+                Ok(crate::control::Response::Done { message }) => {
+                    p.line(&format!("node {node}: {message}"))
+                }
+                Ok(crate::control::Response::Finished { code, message, .. }) => {
+                    return Some(failed_before(format!("node {node}: {message}"), code));
+                }
+                Ok(other) => {
+                    return Some(failed_before(
+                        format!("node {node}: asked to fetch the model, it answered {other:?}"),
+                        1,
+                    ));
+                }
+                Err(e) => return Some(failed_before(format!("{e:#}"), 1)),
+            }
+        }
+        let names: Vec<String> = added.iter().map(|s| s.name.clone()).collect();
+        let hidden = match crate::control::hidden_env::kept(&self.inner.state_dir) {
+            Ok(h) => h,
+            Err(e) => return Some(failed_before(format!("{e}"), 1)),
+        };
+        let source = super::fetch::planned_source(&self.wanted, here, Some(&names), &hidden)?;
+        p.step("fetching the model before the new engines start");
+        match super::fetch::fetch_here(source, here, p).await {
+            Ok(_) => None,
+            Err(e) => Some(failed_before(
+                format!("{e}"),
+                if e.is_usage() { 2 } else { 1 },
+            )),
         }
     }
 

@@ -17,6 +17,7 @@ mod change;
 mod context;
 mod drain;
 mod engine;
+pub mod fetch;
 mod journal;
 mod nodes;
 pub mod rebalance;

@@ -52,6 +52,18 @@ impl Nodes {
         self.ask_retrying(node, &req, wait, Duration::ZERO).await
     }
 
+    /// Sends `req` to `node`'s supervisor, waiting up to `wait`: its answer as it is (for
+    /// the requests answered with more than `Done` or `Error`). One try.
+    pub async fn answer(
+        &self,
+        node: &str,
+        req: &Request,
+        wait: Duration,
+    ) -> anyhow::Result<Response> {
+        let to = self.endpoint(node)?;
+        retrying(node, Duration::ZERO, || client::send_to(to, req, wait)).await
+    }
+
     /// [`Nodes::ask`], tried again with backoff while the supervisor cannot be reached or
     /// does not answer (a transient error), until `within` has passed; an answer, even
     /// an error, ends it.

@@ -184,6 +184,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
                 prefill_gpus: t.prefill.gpus_per_instance,
                 decode_gpus: t.decode.gpus_per_instance,
             }),
+        model_fetch: None,
     })
 }
 

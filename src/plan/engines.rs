@@ -784,6 +784,7 @@ fn base_service(p: &Placement, inst: &InstanceCtx, port: u16) -> Service {
         dirs: Vec::new(),
         checks: Vec::new(),
         secret_env: Vec::new(),
+        hidden_env: Vec::new(),
     }
 }
 
@@ -872,10 +873,16 @@ fn vllm_service(
 }
 
 /// What the topology sets for every engine of a role, on top of what pdctl planned: its
-/// env (which wins), restart policy and start-up timeout (`default_s` when it sets none).
+/// env (which wins; a hub token only by name, in `hidden_env`), restart policy and
+/// start-up timeout (`default_s` when it sets none).
 fn apply_user_settings(svc: &mut Service, t: &Topology, r: &RoleSection, default_s: u64) {
     svc.env.extend(t.engine.env.clone());
     svc.env.extend(r.env.clone());
+    for var in crate::vocab::HUB_TOKEN_VARS {
+        if svc.env.remove(*var).is_some() {
+            svc.hidden_env.push(var.to_string());
+        }
+    }
     svc.restart.mode = r.restart;
     svc.startup_timeout_s = r
         .startup_timeout_s

@@ -89,6 +89,12 @@ pub struct Plan {
     /// The topology's `[rebalance]`, for the head's operations layer to act on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebalance: Option<crate::vocab::RebalancePlan>,
+    /// The Hugging Face model the engines serve, as each node fetches it before its
+    /// engines start (a node run from this plan, an engine `scale` or `apply` adds): None
+    /// for simulated engines and a model in a local directory. Its environment holds no
+    /// token (`Service::hidden_env`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_fetch: Option<crate::model_fetch::Source>,
 }
 
 impl Plan {
@@ -142,6 +148,7 @@ impl Plan {
             health: Default::default(),
             settings: BTreeMap::new(),
             rebalance: None,
+            model_fetch: None,
         }
     }
 }

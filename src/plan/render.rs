@@ -22,12 +22,18 @@ pub fn shell_quote(s: &str) -> String {
 /// engine key: from the running cluster, never the key itself.
 pub const ENGINE_KEY_FROM: &str = "\"$(pdctl secret --engine-key)\"";
 
+/// How the printed command sets a variable whose value the topology keeps secret (a hub
+/// token, `Service::hidden_env`): from the shell's own, never the value.
+pub fn hidden_env_from(var: &str) -> String {
+    format!("\"${var}\"")
+}
+
 /// The service's command as a copy-pasteable shell command: env (a variable the engine
-/// key fills shown as read from `pdctl secret --engine-key`), program, then one flag (with
-/// its values) per line.
+/// key fills shown as read from `pdctl secret --engine-key`, a secret the topology sets as
+/// read from the shell's environment), program, then one flag (with its values) per line.
 pub fn shell_command(svc: &Service) -> String {
     let mut lines: Vec<String> = Vec::new();
-    let has_env = !svc.env.is_empty() || !svc.secret_env.is_empty();
+    let has_env = !svc.env.is_empty() || !svc.secret_env.is_empty() || !svc.hidden_env.is_empty();
     if has_env {
         let mut env: Vec<String> = svc
             .env
@@ -39,6 +45,11 @@ pub fn shell_command(svc: &Service) -> String {
             svc.secret_env
                 .iter()
                 .map(|k| format!("{k}={ENGINE_KEY_FROM}")),
+        );
+        env.extend(
+            svc.hidden_env
+                .iter()
+                .map(|k| format!("{k}={}", hidden_env_from(k))),
         );
         lines.push(env.join(" "));
     }

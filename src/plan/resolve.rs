@@ -159,6 +159,9 @@ pub struct LoadedPlan {
     /// The topology it came from, for `up` to keep beside the plan (`scale` plans again
     /// from it).
     pub source: Option<ClusterSource>,
+    /// The values of the secret variables the plan names only (`Service::hidden_env`),
+    /// read from the topology, for `up` to keep in the state dir (none from a plan file).
+    pub hidden_env: crate::vocab::HiddenEnv,
 }
 
 /// What to say when the vLLM version was assumed: a warning for `plan`, an error for `up`.
@@ -180,6 +183,7 @@ pub fn resolve(req: &Request) -> Result<LoadedPlan, ResolveError> {
     loaded.missing = resolve_programs(&mut loaded.plan);
     loaded.source_note = source_note;
     loaded.source = Some(ClusterSource::of(&topology, req.gpus.clone()));
+    loaded.hidden_env = crate::plan::source::hidden_env_of(&topology.spec);
     Ok(loaded)
 }
 
@@ -317,6 +321,7 @@ pub fn plan_programs_unresolved(
             spec.engine.vllm_version, spec.engine.vllm_version
         ));
     }
+    plan.model_fetch = model_fetch_of(&spec);
     Ok(LoadedPlan {
         plan,
         source_note: String::new(),
@@ -325,6 +330,23 @@ pub fn plan_programs_unresolved(
         version_note,
         machine,
         source: None,
+        hidden_env: Default::default(),
+    })
+}
+
+/// What the engines' nodes fetch (`Plan::model_fetch`): a Hugging Face model served by
+/// vLLM, with `[engine.env]` less the hub tokens, and `engine.python` as written (each
+/// node finds its own).
+fn model_fetch_of(spec: &topology::Topology) -> Option<crate::model_fetch::Source> {
+    if spec.engine.kind != EngineKind::Vllm || !crate::model_files::is_hub_id(&spec.model.name) {
+        return None;
+    }
+    let mut env = spec.engine.env.clone();
+    env.retain(|k, _| !crate::vocab::HUB_TOKEN_VARS.contains(&k.as_str()));
+    Some(crate::model_fetch::Source {
+        model: spec.model.name.clone(),
+        python: spec.engine.python.clone(),
+        env,
     })
 }
 

@@ -51,15 +51,27 @@ pub enum SourceError {
 }
 
 impl ClusterSource {
-    /// The source of a loaded topology, as `up` keeps it: the text it was read from.
+    /// The source of a loaded topology, as `up` keeps it: the text it was read from, with
+    /// the values of the hub tokens it sets ([`hidden_env_of`]) replaced by
+    /// [`HIDDEN_VALUE`], so the state dir's copy, the journal and the change requests never
+    /// hold them (plans made from it again name those variables only).
     pub fn of(t: &LoadedTopology, gpus: Option<Vec<crate::gpu::Declared>>) -> ClusterSource {
+        let mut text = t.locator.text().to_string();
+        for value in hidden_env_of(&t.spec).values().filter(|v| !v.is_empty()) {
+            for quote in ['"', '\''] {
+                text = text.replace(
+                    &format!("{quote}{value}{quote}"),
+                    &format!("\"{HIDDEN_VALUE}\""),
+                );
+            }
+        }
         ClusterSource {
             label: t.locator.file.clone(),
             profile: match &t.source {
                 Source::Profile(name) => Some(name.clone()),
                 Source::File(_) => None,
             },
-            text: t.locator.text().to_string(),
+            text,
             gpus,
             scaled: BTreeMap::new(),
         }
@@ -120,6 +132,28 @@ impl ClusterSource {
                 decode_gpus: t.spec.decode.gpus_per_instance,
             }))
     }
+}
+
+/// What a kept topology says in place of a hub token's value (see [`ClusterSource::of`]).
+pub const HIDDEN_VALUE: &str = "(kept secret by pdctl)";
+
+/// The hub tokens ([`crate::vocab::HUB_TOKEN_VARS`]) the topology sets for each engine
+/// role: `[engine.env]`, overridden by the role's own `env`, as the plan sets the rest.
+pub fn hidden_env_of(spec: &crate::topology::Topology) -> crate::vocab::HiddenEnv {
+    let mut out = crate::vocab::HiddenEnv::default();
+    for (role, section) in [(Role::Prefill, &spec.prefill), (Role::Decode, &spec.decode)] {
+        let vars: BTreeMap<String, String> = crate::vocab::HUB_TOKEN_VARS
+            .iter()
+            .filter_map(|var| {
+                let value = section.env.get(*var).or(spec.engine.env.get(*var))?;
+                (value != HIDDEN_VALUE).then(|| (var.to_string(), value.clone()))
+            })
+            .collect();
+        if !vars.is_empty() {
+            out.0.insert(role.as_str().to_string(), vars);
+        }
+    }
+    out
 }
 
 /// The role a `scale` target names (`prefill`, `decode`), or None.

@@ -46,6 +46,7 @@ fn support_service(
         dirs: Vec::new(),
         checks: Vec::new(),
         secret_env: Vec::new(),
+        hidden_env: Vec::new(),
     }
 }
 

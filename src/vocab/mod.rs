@@ -26,8 +26,8 @@ pub use rebalance::{
 pub use restart::{RestartMode, RestartPolicy};
 pub use role::Role;
 pub use service::{
-    Check, ENGINE_API_KEY_VAR, GeneratedFile, PROXY_CLIENT_KEY_VAR, PROXY_ENGINE_KEY_VAR, Probe,
-    Service, Shutdown,
+    Check, ENGINE_API_KEY_VAR, GeneratedFile, HUB_TOKEN_VARS, HiddenEnv, PROXY_CLIENT_KEY_VAR,
+    PROXY_ENGINE_KEY_VAR, Probe, Service, Shutdown,
 };
 pub use sim::{SimHandoff, SimModel, SimRole};
 pub use tcp::TcpLiveness;

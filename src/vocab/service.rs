@@ -66,6 +66,50 @@ pub struct Service {
     /// plan file, plan output or status.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub secret_env: Vec<String>,
+    /// Variables the topology sets for this service whose values are secrets (a Hugging
+    /// Face token, [`HUB_TOKEN_VARS`]): only the names are planned; the supervisor sets
+    /// them at spawn from the values `up` keeps in the state dir ([`HiddenEnv`]), so no
+    /// plan file, plan output, journal or status holds them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hidden_env: Vec<String>,
+}
+
+/// The variables huggingface_hub reads a token from: the topology may set them in
+/// `[engine.env]` (or a role's `env`), and the plan keeps only their names.
+pub const HUB_TOKEN_VARS: &[&str] = &["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_ID_TOKEN"];
+
+/// The values of the variables services name in `hidden_env`, by role (`prefill`,
+/// `decode`) then variable: what `up` keeps in the state dir (mode 0600) and hands the
+/// nodes it starts, never part of a plan. Its `Debug` shows the names only.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HiddenEnv(pub BTreeMap<String, BTreeMap<String, String>>);
+
+impl HiddenEnv {
+    /// Whether it holds no value.
+    pub fn is_empty(&self) -> bool {
+        self.0.values().all(BTreeMap::is_empty)
+    }
+
+    /// The value of `var` for services of `role`, if kept.
+    pub fn get(&self, role: Role, var: &str) -> Option<&str> {
+        self.0.get(role.as_str())?.get(var).map(String::as_str)
+    }
+
+    /// Every value kept (to look for them where they must not be).
+    pub fn values(&self) -> impl Iterator<Item = &str> {
+        self.0.values().flat_map(|m| m.values().map(String::as_str))
+    }
+}
+
+impl std::fmt::Debug for HiddenEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: BTreeMap<&str, Vec<&str>> = self
+            .0
+            .iter()
+            .map(|(role, vars)| (role.as_str(), vars.keys().map(String::as_str).collect()))
+            .collect();
+        f.debug_tuple("HiddenEnv").field(&names).finish()
+    }
 }
 
 /// The variable vLLM (and `pdctl sim`) takes its API key from: requests without
@@ -115,6 +159,7 @@ impl Service {
             dirs: vec![],
             checks: vec![],
             secret_env: vec![],
+            hidden_env: vec![],
         }
     }
 }

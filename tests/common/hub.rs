@@ -25,6 +25,35 @@ pub fn hf_python() -> String {
     python
 }
 
+/// A stand-in for vLLM's CPU build: `python -m vllm...` serves 200 to every GET at its
+/// `--host`/`--port`; the fetch script (`-c SCRIPT list|fetch ...`) runs in the Python with
+/// huggingface_hub; a module check answers found, anything else prints version 0.26.0.
+pub fn fake_vllm(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let engine = dir.join("fake_vllm.py");
+    std::fs::write(
+        &engine,
+        "import http.server, sys\nargs = sys.argv[1:]\nflag = lambda n: args[args.index(n) + 1]\n\
+         class H(http.server.BaseHTTPRequestHandler):\n    def do_GET(self):\n        self.send_response(200)\n        self.send_header('content-length', '2')\n        self.end_headers()\n        self.wfile.write(b'ok')\n    def log_message(self, *a):\n        pass\n\
+         print('ready', flush=True)\nhttp.server.HTTPServer((flag('--host'), int(flag('--port'))), H).serve_forever()\n",
+    )
+    .unwrap();
+    let python = dir.join("python3");
+    std::fs::write(
+        &python,
+        format!(
+            "#!/bin/sh\nif [ \"$1\" = -m ]; then shift 2; exec python3 {} \"$@\"; fi\n\
+             if [ \"$1\" = -c ] && {{ [ \"$3\" = list ] || [ \"$3\" = fetch ]; }}; then exec {} \"$@\"; fi\n\
+             if [ \"$1\" = -c ] && [ $# -ge 3 ]; then exit 0; fi\nprintf 0.26.0\n",
+            engine.display(),
+            hf_python()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+    python
+}
+
 /// A running hub_server.py, killed when dropped.
 pub struct Hub {
     child: Child,
@@ -35,6 +64,11 @@ pub struct Hub {
 impl Hub {
     /// Serves `repos` (id, directory) with the extra `flags` (`--cut-once`, `--gated T`...).
     pub fn start(dir: &Path, repos: &[(&str, &Path)], flags: &[&str]) -> Hub {
+        Hub::start_in(None, dir, repos, flags)
+    }
+
+    /// [`Hub::start`] inside network namespace `ns` (its 127.0.0.1 is that namespace's).
+    pub fn start_in(ns: Option<&str>, dir: &Path, repos: &[(&str, &Path)], flags: &[&str]) -> Hub {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/hub_server.py");
         let port_file = dir.join("hub.port");
         let log = dir.join("hub.log");
@@ -47,8 +81,8 @@ impl Hub {
         for (id, path) in repos {
             c.arg("--repo").arg(format!("{id}={}", path.display()));
         }
-        let child = c
-            .args(flags)
+        c.args(flags);
+        let child = crate::common::netns::NetnsPair::wrap(ns, c)
             .spawn()
             .expect("python3 runs tests/hub_server.py");
         let mut hub = Hub {

@@ -277,6 +277,7 @@ pub fn plan(cluster: &str, nodes: &[(&str, &str)]) -> Plan {
         health: Default::default(),
         settings: Default::default(),
         rebalance: None,
+        model_fetch: None,
     }
 }
 

@@ -118,6 +118,7 @@ pub async fn connection(
             Ok(Request::Add { service, settings }) => add(&h, *service, settings),
             Ok(Request::Remove { service, timeout_s }) => remove(&h, &service, timeout_s).await,
             Ok(Request::Replace { service, settings }) => replace(&h, *service, settings),
+            Ok(Request::FetchModel { source, roles }) => fetch_model(&h, *source, &roles).await,
             Ok(Request::Logs { service, lines }) => logs(&h, &service, lines).await,
             Ok(Request::Rebalance { mode }) => set_rebalance(&h, mode),
             Ok(Request::WatchSettings { service }) => {
@@ -504,6 +505,57 @@ fn set_settings(m: &mut Members, name: &str, settings: Option<Box<ChildSettings>
         None => {
             m.plan.settings.remove(name);
         }
+    }
+}
+
+/// Fetches the plan's model into this node's cache when it lacks it, before the head
+/// starts engines of `roles` here (their token from the values kept in the state dir);
+/// each progress line goes to this supervisor's log.
+pub(crate) async fn fetch_model(
+    h: &Handlers,
+    source: crate::model_fetch::Source,
+    roles: &[crate::vocab::Role],
+) -> Response {
+    let finished = |code: u8, message: String| Response::Finished {
+        code,
+        message,
+        needs_recreate: false,
+    };
+    let hidden = match crate::control::hidden_env::kept(&h.ctx.cwd) {
+        Ok(k) => k,
+        Err(e) => return finished(1, e.to_string()),
+    };
+    let tokens: Vec<(&str, String)> = crate::vocab::HUB_TOKEN_VARS
+        .iter()
+        .filter_map(|var| {
+            let value = roles.iter().find_map(|r| hidden.get(*r, var))?;
+            Some((*var, value.to_string()))
+        })
+        .collect();
+    let runnable = source.runnable(tokens.iter().map(|(k, v)| (*k, v.as_str())));
+    let model = runnable.model.clone();
+    if !runnable.missing() {
+        return Response::Done {
+            message: format!("{model} is in the Hugging Face cache here"),
+        };
+    }
+    let node = h.ctx.node.clone();
+    let fetched = tokio::task::spawn_blocking(move || {
+        let mut say = |line: String| tracing::info!("{line}");
+        runnable.fetch_saying(
+            &node,
+            std::time::Duration::from_secs(10),
+            &mut say,
+            &mut |_| {},
+        )
+    })
+    .await;
+    match fetched {
+        Ok(Ok(snapshot)) => Response::Done {
+            message: format!("fetched {model} into {}", snapshot.display()),
+        },
+        Ok(Err(e)) => finished(if e.is_usage() { 2 } else { 1 }, e.to_string()),
+        Err(e) => finished(1, format!("fetching {model}: {e}")),
     }
 }
 

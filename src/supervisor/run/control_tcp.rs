@@ -472,6 +472,7 @@ async fn carry_out(h: &Handlers, tls: &PeerTls, req: PeerRequest) -> Response {
         PeerRequest::Add { service, settings } => cs::add(h, *service, settings),
         PeerRequest::Remove { service, timeout_s } => cs::remove(h, &service, timeout_s).await,
         PeerRequest::Replace { service, settings } => cs::replace(h, *service, settings),
+        PeerRequest::FetchModel { source, roles } => cs::fetch_model(h, *source, &roles).await,
     }
 }
 

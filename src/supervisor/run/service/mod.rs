@@ -51,6 +51,17 @@ pub enum StartError {
         "its plan sets {vars} to the cluster's engine key, but this supervisor was given none (start it with `pdctl up`)"
     )]
     NoEngineKey { vars: String },
+    #[error(transparent)]
+    HiddenEnv(#[from] crate::control::hidden_env::HiddenEnvError),
+    #[error(
+        "its plan sets {var} from the topology, but {} holds no value of it for {role} engines: run `pdctl up` (or `pdctl apply`) with the topology that sets it",
+        file.display()
+    )]
+    NoHiddenValue {
+        var: String,
+        role: String,
+        file: PathBuf,
+    },
     #[error("could not start `{program}`: {source}")]
     Spawn {
         program: String,
@@ -285,6 +296,23 @@ impl Task {
             };
             for var in &self.svc().secret_env {
                 env.insert(var.clone(), key.reveal().to_string());
+            }
+        }
+        if !self.svc().hidden_env.is_empty() {
+            // Read at each start: `apply` may have changed a value since.
+            let kept = crate::control::hidden_env::kept(&self.ctx.cwd)?;
+            for var in &self.svc().hidden_env {
+                let Some(value) = kept.get(self.svc().role, var) else {
+                    return Err(StartError::NoHiddenValue {
+                        var: var.clone(),
+                        role: self.svc().role.as_str().to_string(),
+                        file: self
+                            .ctx
+                            .cwd
+                            .join(crate::control::hidden_env::HIDDEN_ENV_FILE),
+                    });
+                };
+                env.insert(var.clone(), value.to_string());
             }
         }
         let proxy = self
