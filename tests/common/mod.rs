@@ -59,24 +59,56 @@ pub fn test_state_home() -> PathBuf {
     std::env::temp_dir().join(format!("pdctl-test-xdg-{}", std::process::id()))
 }
 
-/// A TCP port free on 127.0.0.1 right now (the OS picks it; reuse soon after is unlikely).
+/// Where the tests' own server ports are handed out from: below the kernel's ephemeral
+/// range (`net.ipv4.ip_local_port_range`, 32768 and up by default), from which every
+/// outgoing connection takes its local port. A port picked in that range and bound only
+/// later (a cluster's instance that a scale adds a minute in) can meanwhile be taken by a
+/// client socket of a test running beside it: seen as "the new instances cannot start
+/// here" once tests ran six at a time. Each port is handed out once per test binary.
+const OWN_PORTS_FROM: u16 = 10_000;
+
+/// The first port of the kernel's ephemeral range (where the pool of own ports ends).
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse().ok())
+        .filter(|low| *low > OWN_PORTS_FROM + 2_000)
+        .unwrap_or(32_768)
+}
+
+/// `n` consecutive ports below the ephemeral range that no one holds now and that no other
+/// test of this binary was given; where a run starts is spread by the process id, so two
+/// test binaries running at once rarely meet.
+pub fn own_port_run(n: u16) -> u16 {
+    use std::sync::Mutex;
+    static NEXT: Mutex<Option<u16>> = Mutex::new(None);
+    let low = ephemeral_low();
+    let span = low - OWN_PORTS_FROM;
+    let mut next = NEXT.lock().unwrap_or_else(|e| e.into_inner());
+    let mut at =
+        next.unwrap_or_else(|| OWN_PORTS_FROM + (std::process::id() as u16 % span) / 64 * 64);
+    for _ in 0..span {
+        if at.checked_add(n).is_none_or(|end| end > low) {
+            at = OWN_PORTS_FROM;
+        }
+        let free = (at..at + n).all(|p| TcpListener::bind(("127.0.0.1", p)).is_ok());
+        if free {
+            *next = Some(at + n);
+            return at;
+        }
+        at += 1;
+    }
+    panic!("no run of {n} free ports between {OWN_PORTS_FROM} and {low}");
+}
+
+/// A TCP port free on 127.0.0.1 right now, handed to no other test ([`own_port_run`]).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind an ephemeral port")
-        .local_addr()
-        .unwrap()
-        .port()
+    own_port_run(1)
 }
 
 /// `n` distinct free ports.
 pub fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port"))
-        .collect();
-    listeners
-        .iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
+    (0..n).map(|_| free_port()).collect()
 }
 
 /// A child process killed (SIGKILL) when dropped, so a failing test leaves nothing behind.

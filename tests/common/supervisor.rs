@@ -444,18 +444,7 @@ pub fn all_healthy(r: &StatusReport) -> bool {
 
 /// The first of `n` consecutive ports free on 127.0.0.1 right now.
 pub fn free_port_run(n: u16) -> u16 {
-    for _ in 0..200 {
-        let base = crate::common::free_port();
-        if base.checked_add(n).is_none() {
-            continue;
-        }
-        let all_free =
-            (base..base + n).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok());
-        if all_free {
-            return base;
-        }
-    }
-    panic!("no run of {n} free ports found");
+    crate::common::own_port_run(n)
 }
 
 /// A sim topology (the planner's format): etcd, mooncake_master, `p` prefill + `d` decode

@@ -442,8 +442,15 @@ async fn act(engine: &dyn Operations, r: &Rebalancer, m: Move, figures: Figures)
                     } else {
                         "failed"
                     };
+                    // The whole answer: a refusal's reasons are on the lines after its first.
+                    let said = message
+                        .lines()
+                        .map(str::trim)
+                        .filter(|l| !l.is_empty())
+                        .collect::<Vec<_>>()
+                        .join(" ");
                     let freed = freed.take().map_or(String::new(), |f| format!("; {f}"));
-                    break format!("{how} ({code}): {first}{freed}");
+                    break format!("{how} ({code}): {said}{freed}");
                 }
                 Some(_) => {}
                 None => break "the change ended without a word".to_string(),
