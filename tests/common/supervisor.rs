@@ -419,6 +419,14 @@ pub fn kill_supervisor_and_wait(state: &StateDir) {
         "processes outlived their supervisor: {:?}",
         marked(&record.run_id)
     );
+    // The kernel drops a dead process's cluster lock when its last file closes, which can
+    // come after its services are gone on a loaded machine (seen once with eight tests at
+    // a time: the next `up` said "already running"); a lock still held is a failure.
+    let released = crate::common::wait_until(Duration::from_secs(10), || state.lock().is_ok());
+    assert!(
+        released,
+        "the killed supervisor's cluster lock is still held after 10 s"
+    );
 }
 
 /// The run id of the cluster in `state`, while it has a record.
