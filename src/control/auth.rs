@@ -127,7 +127,7 @@ impl Secret {
         if t.len() < 16 {
             return Err(SecretError::TooShort {
                 origin: origin.to_string(),
-                hint: "use the one the head made (`pdctl secret` on the head prints it)",
+                hint: "pdctl wrote that file whole, so it was damaged or edited: put back a copy of it, or remove it and run `pdctl up` on the head again (it makes a new one; nodes that joined with the old one join again)",
             });
         }
         Ok(Secret(t.to_string()))
