@@ -672,3 +672,43 @@ async fn nixl_push_hands_the_kv_over_with_both_legs_at_once() {
     assert_eq!(p.metric("pdctl_sim_kv_handoffs_sent_total").await, 4.0);
     assert!(d.log().contains("(pushed)"), "{}", d.log());
 }
+
+/// `/health?warmed` (what the supervisor waits on before `up` ends) of a proxy whose decode
+/// is not up at its start, as a remote engine its node still calls starting: 503 until the
+/// pair that decode makes has had its warm-up, then 200 with the pair ready. It said 200 at
+/// once (no pair at the first look counted as every warm-up done): on two machines `up`
+/// ended before the warm-up, and the first request waited 30 s for it and got 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warmed_waits_for_the_pair_an_engine_coming_up_late_makes() {
+    let p = start_sim("prefill", "nixl", &[]).await;
+    let port = common::free_port();
+    let proxy = ProxyProcess::start(&fake::proxy_args_for(
+        vec![p.base.clone()],
+        vec![format!("http://127.0.0.1:{port}")],
+        &["--protocol", "nixl", "--health-interval-ms", "100"],
+    ))
+    .await;
+    let warmed_status = || async {
+        sim::client()
+            .get(format!("{}/health?warmed", proxy.url))
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(warmed_status().await, 503, "{}", proxy.log());
+
+    let mut a: Vec<&str> = ZERO.to_vec();
+    a.extend(["--role", "decode", "--handoff", "nixl"]);
+    let _d = SimProc::start_on(port, &a).await;
+    let ok = eventually(WAIT, || async { warmed_status().await == 200 }).await;
+    assert!(ok, "never warmed:\n{}", proxy.log());
+    let v = common::get_json(&format!("{}/health?ready", proxy.url)).await;
+    assert!(
+        v["pairs"]
+            .as_array()
+            .is_some_and(|ps| ps.iter().any(|p| p["state"] == "ready")),
+        "200 before the pair was warmed: {v}"
+    );
+}

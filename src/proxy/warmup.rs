@@ -205,15 +205,23 @@ pub fn start(p: Arc<Proxy>) {
     }
     tokio::spawn(async move {
         let began = Instant::now();
-        let mut first_round: Option<Vec<(String, String)>> = None;
+        let mut round: Vec<(String, String)> = Vec::new();
         loop {
             let started = tick(&p);
-            let round = first_round.get_or_insert(started);
+            // The first round is the first tick that could pair anything: at the proxy's
+            // start an engine the supervisor has not reported usable yet (a remote one its
+            // node still calls starting) leaves no pair, and an empty round is not a warm-up
+            // done (it made `/health?warmed` say yes at once, `up` end, and the first
+            // request wait for a warm-up on its own; seen with vLLM on two machines).
+            if round.is_empty() {
+                round = started;
+            }
             if !p.warmup.settled() {
                 let pairs = p.warmup.lock();
-                let done = round
-                    .iter()
-                    .all(|k| !matches!(pairs.get(k), Some(PairState::Warming { .. })));
+                let done = !round.is_empty()
+                    && round
+                        .iter()
+                        .all(|k| !matches!(pairs.get(k), Some(PairState::Warming { .. })));
                 // The supervisor gives the proxy 30 s to be ready: a first warm-up still on
                 // its way then (a busy CPU engine's first forward pass) goes on, and routing
                 // still waits for it, but the proxy says it is ready.
