@@ -4,7 +4,7 @@
 
 use crate::child_config::ChildSettings;
 use crate::control::frame::{FrameError, LOCAL_FRAME_MAX, read_frame};
-use crate::control::{ENDED_BEFORE_STOP, Request, Response};
+use crate::control::{ENDED_BEFORE_STOP, Request, Response, ServiceState};
 use crate::supervisor::run::members::Members;
 use crate::supervisor::run::ops_hook::Operations;
 use crate::supervisor::run::peers::Peers;
@@ -629,12 +629,25 @@ pub(crate) async fn remove(h: &Handlers, name: &str, timeout_s: u64) -> Response
         Ok(i) => i,
         Err(e) => return e,
     };
+    // A run that had ended on its own before this remove (waiting to restart, or failed)
+    // is said as one the stop found ended, whichever of the two saw the death first.
+    let ended_before = matches!(
+        h.ctx.table.state(idx),
+        ServiceState::Restarting | ServiceState::Failed
+    )
+    .then(|| h.ctx.table.last_exit(idx))
+    .flatten()
+    .filter(|e| !e.starts_with("stopped"));
     let (done, stopped) = oneshot::channel();
     let timeout = Some(Duration::from_secs(timeout_s));
     if h.ctx.send(idx, Cmd::Stop { timeout, done }).is_ok() {
         let _ = stopped.await;
     }
-    let last_exit = h.ctx.table.last_exit(idx);
+    let last_exit = match ended_before {
+        Some(e) if !e.starts_with(ENDED_BEFORE_STOP) => Some(format!("{ENDED_BEFORE_STOP}{e}")),
+        Some(e) => Some(e),
+        None => h.ctx.table.last_exit(idx),
+    };
     h.ctx.change_members(|m| m.retire(idx));
     h.ctx.table.retire(idx);
     h.ctx.console.event(&format!("{name} removed"));
