@@ -15,6 +15,7 @@
 use crate::control::client::{Endpoint, StatusConn, logs_at, renew};
 use crate::control::operation::now_ms;
 use crate::control::{Response, ServiceState, StatusReport};
+use crate::supervisor::run::table::Table;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -58,8 +59,13 @@ pub struct Peers {
 impl Peers {
     /// Starts polling `nodes` (name, endpoint); stops when the returned value is dropped
     /// by everyone and the runtime ends. A node is cut off once its supervisor and its
-    /// ports have been silent for `cut_off_after`.
-    pub fn start(nodes: Vec<(String, String, Endpoint)>, cut_off_after: Duration) -> Arc<Peers> {
+    /// ports have been silent for `cut_off_after`. What each reports of its own services
+    /// goes into `table` (see [`Table::ready_for_dependents`]).
+    pub fn start(
+        nodes: Vec<(String, String, Endpoint)>,
+        cut_off_after: Duration,
+        table: Arc<Table>,
+    ) -> Arc<Peers> {
         let now = (Instant::now(), now_ms());
         let peers: Vec<Arc<Peer>> = nodes
             .into_iter()
@@ -78,7 +84,7 @@ impl Peers {
             })
             .collect();
         for p in &peers {
-            tokio::spawn(poll(Arc::downgrade(p)));
+            tokio::spawn(poll(Arc::downgrade(p), table.clone()));
         }
         Arc::new(Peers {
             peers,
@@ -204,7 +210,7 @@ async fn ask_kept(
 /// Asks one peer for its status once a second while anyone holds it; while it does not
 /// answer, tries a TCP connection to each of its ports to tell a busy node (its kernel
 /// still takes connections) from one whose link is gone.
-async fn poll(peer: std::sync::Weak<Peer>) {
+async fn poll(peer: std::sync::Weak<Peer>, table: Arc<Table>) {
     // One connection (one TLS handshake) kept for every poll, opened again only after
     // it failed: a peer's polls never queue behind strangers' handshakes.
     let mut kept: Option<StatusConn> = None;
@@ -234,6 +240,13 @@ async fn poll(peer: std::sync::Weak<Peer>) {
                     if seen.failing_since.is_some() && seen.report.is_some() {
                         tracing::info!("node {} answers again", p.node);
                     }
+                    let own: Vec<(String, ServiceState)> = report
+                        .services
+                        .iter()
+                        .filter(|s| !s.remote)
+                        .map(|s| (s.name.clone(), s.state))
+                        .collect();
+                    table.set_reported(&p.node, &own);
                     seen.report = Some(report);
                     seen.failing_since = None;
                     seen.error = None;

@@ -186,7 +186,9 @@ async fn serve_control(
     downs: mpsc::UnboundedSender<DownRequest>,
 ) -> Result<(JoinHandle<()>, Option<JoinHandle<()>>), SupervisorError> {
     let channel = match (plan.control_port, &opts.channel) {
-        (Some(port), Some(tls)) => Some(control_channel(plan, &opts.node, port, tls).await?),
+        (Some(port), Some(tls)) => {
+            Some(control_channel(plan, &opts.node, port, tls, &ctx.table).await?)
+        }
         (Some(_), None) => {
             return Err(SupervisorError::NoSecret {
                 node: opts.node.clone(),
@@ -374,6 +376,7 @@ async fn control_channel(
     node: &str,
     port: u16,
     tls: &Arc<PeerTls>,
+    table: &Arc<Table>,
 ) -> Result<(tokio::net::TcpListener, Arc<Peers>), SupervisorError> {
     let address = plan
         .nodes
@@ -397,7 +400,10 @@ async fn control_channel(
             (n.clone(), addr.clone(), endpoint)
         })
         .collect();
-    Ok((listener, Peers::start(peers, plan.health.cut_off_after())))
+    Ok((
+        listener,
+        Peers::start(peers, plan.health.cut_off_after(), table.clone()),
+    ))
 }
 
 /// Raises this process's open-file limit to its hard limit: every connection, log and

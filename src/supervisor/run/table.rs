@@ -31,6 +31,10 @@ struct Row {
     retired: bool,
     /// The last sample of its processes' use, and the pid it was taken of.
     usage: Option<(u32, Usage)>,
+    /// Another node's service: the state its own node's supervisor last reported, once
+    /// it has (this node's probe may see it answer before that supervisor calls it
+    /// healthy).
+    reported: Option<ServiceState>,
 }
 
 impl Row {
@@ -68,6 +72,7 @@ impl Row {
             usage: None,
             draining: false,
             retired: false,
+            reported: None,
         }
     }
 }
@@ -199,6 +204,43 @@ impl Table {
     /// Current state of service `idx`.
     pub fn state(&self, idx: usize) -> ServiceState {
         self.rows()[idx].status.state
+    }
+
+    /// Takes what node `node`'s supervisor reports of its own services (`(name, state)`)
+    /// into the rows of this node that follow them. Wakes watchers when a state changed.
+    pub fn set_reported(&self, node: &str, states: &[(String, ServiceState)]) {
+        let changed = {
+            let mut rows = self.rows();
+            let mut changed = false;
+            for r in rows
+                .iter_mut()
+                .filter(|r| r.status.remote && r.status.node == node)
+            {
+                let now = states
+                    .iter()
+                    .find(|(name, _)| *name == r.status.name)
+                    .map(|(_, s)| *s);
+                if now.is_some() && r.reported != now {
+                    r.reported = now;
+                    changed = true;
+                }
+            }
+            changed
+        };
+        if changed {
+            self.version.send_modify(|v| *v += 1);
+        }
+    }
+
+    /// Whether service `idx` is ready for the services that depend on it: healthy, and,
+    /// on another node, not called anything else by that node's supervisor. Both views
+    /// must agree, or a dependent (the proxy) would start while the status it routes by
+    /// still says `starting`.
+    pub fn ready_for_dependents(&self, idx: usize) -> bool {
+        let rows = self.rows();
+        let r = &rows[idx];
+        r.status.state == ServiceState::Healthy
+            && (!r.status.remote || r.reported.is_none_or(|s| s == ServiceState::Healthy))
     }
 
     /// How service `idx`'s last run ended, as its row says.
@@ -361,5 +403,40 @@ mod tests {
         t.run_ended(0, ServiceState::Stopped, Some("stopped".into()), None);
         assert_eq!(t.report().services[0].last_error, None);
         assert_eq!((r.services[0].pid, r.services[0].uptime_s), (None, None));
+    }
+
+    #[test]
+    fn a_remote_service_is_ready_for_dependents_only_when_its_own_node_agrees() {
+        let plan = testing::plan("a", vec![service("p0", "a"), service("d0", "b")]);
+        let t = Table::new(&plan, "a");
+        t.set_state(0, ServiceState::Healthy);
+        assert!(t.ready_for_dependents(0), "a local healthy service");
+        // This node's probe got an answer before node b's supervisor reported anything.
+        t.run_started(1, None, ServiceState::Healthy);
+        assert!(
+            t.ready_for_dependents(1),
+            "nothing reported yet: the probe's word"
+        );
+        let rx = t.subscribe();
+        t.set_reported("b", &[("d0".into(), ServiceState::Starting)]);
+        assert!(
+            rx.has_changed().unwrap(),
+            "a report that changes wakes waiters"
+        );
+        assert!(
+            !t.ready_for_dependents(1),
+            "its node still says starting: the proxy would route by that"
+        );
+        // Another node's report, or one without the service, changes nothing here.
+        t.set_reported("c", &[("d0".into(), ServiceState::Healthy)]);
+        t.set_reported("b", &[]);
+        assert!(!t.ready_for_dependents(1));
+        t.set_reported("b", &[("d0".into(), ServiceState::Healthy)]);
+        assert!(t.ready_for_dependents(1));
+        t.set_state(1, ServiceState::Unhealthy);
+        assert!(
+            !t.ready_for_dependents(1),
+            "this node's probe failing counts too"
+        );
     }
 }

@@ -46,7 +46,7 @@ pub async fn wait_for_dependencies(
             let dep = &members.plan.services[d];
             let remote = dep.node != ctx.node;
             match ctx.table.state(d) {
-                ServiceState::Healthy => {}
+                ServiceState::Healthy if ctx.table.ready_for_dependents(d) => {}
                 state @ (ServiceState::Failed | ServiceState::Stopped) if !remote => {
                     return DepsOutcome::Failed(format!("dependency {} is {state}", dep.name));
                 }
