@@ -3,7 +3,7 @@
 # (both cached), then runs the ignored tests of tests/e2e_vllm_cpu.rs, which `pdctl up -d`
 # a 1P1D, send requests through the proxy, prove the KV handoff and `pdctl down`.
 #
-#   scripts/e2e-vllm-cpu.sh [--only CASE] [--model DIR] [--venv DIR]
+#   scripts/e2e-vllm-cpu.sh [--only CASE | --no-gpu-script] [--model DIR] [--venv DIR]
 #
 #   --only CASE  run one case: example (ExampleConnector, shared directory),
 #                nixl (NixlConnector, decode pulls over UCX),
@@ -22,29 +22,37 @@
 #                gpu-script (scripts/e2e-vllm-gpu.sh --cpu: the GPU script's own cases,
 #                its rebalance case too, rehearsed on the CPU build, so its logic is run
 #                where there is no GPU)
+#   --no-gpu-script  every case but gpu-script (the cases of tests/e2e_vllm_cpu.rs only:
+#                about 20 of the whole run's 35 minutes)
 #   --model DIR  where the tiny model lives (default: ~/.local/share/pdctl/models/tiny-llama,
 #                where profiles/cpu-1p1d.toml looks)
 #   --venv DIR   pdctl's tools virtualenv (default: the one ./install.sh creates)
 #
 # Needs: ./install.sh done (etcd, mooncake_master), ~9 GB of free memory, ~6 GB of disk for
-# the venv and ~3 GB for the download cache the first time. Takes 6-12 minutes on 2 cores.
+# the venv and ~3 GB for the download cache the first time. On 2 cores the nine cases take
+# about 20 minutes, the GPU script's rehearsal about 15 more.
 # Figures (start-up time, latency through the proxy and direct) are printed at the end.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(dirname "$HERE")"
 ONLY=""
+NO_GPU_SCRIPT=""
 MODEL=""
 VENV=""
 while (($#)); do
   case "$1" in
     --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance, fetch, two-nodes, gpu-script}"; shift 2 ;;
+    --no-gpu-script) NO_GPU_SCRIPT=1; shift ;;
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
     --venv) VENV="${2:?--venv needs a directory}"; shift 2 ;;
-    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e-vllm-cpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
+if [ -n "$NO_GPU_SCRIPT" ] && [ -n "$ONLY" ]; then
+  echo "e2e-vllm-cpu.sh: --no-gpu-script and --only do not go together (--only already runs one case)" >&2; exit 2
+fi
 case "$ONLY" in
   "") FILTER="vllm_cpu_" ;;
   example) FILTER="vllm_cpu_example_connector_1p1d" ;;
@@ -98,7 +106,7 @@ if [ -n "$FILTER" ]; then
 fi
 
 gpu_status=0
-if [ -z "$ONLY" ] || [ "$ONLY" = gpu-script ]; then
+if { [ -z "$ONLY" ] && [ -z "$NO_GPU_SCRIPT" ]; } || [ "$ONLY" = gpu-script ]; then
   step "The GPU script rehearsed on the CPU build (scripts/e2e-vllm-gpu.sh --cpu)"
   cargo build || fail "cargo build failed"
   "$HERE/e2e-vllm-gpu.sh" --cpu --model "$MODEL" --python "$VENV/bin/python" \
