@@ -491,9 +491,16 @@ impl JoinPair {
 
     /// A join with `token` as `node` from the worker's host: the credentials the head
     /// issued, or why not.
+    /// `pdctl join-token` reads the head's files, so it answers before the head's
+    /// supervisor listens on its control channel (`up` on a node retries for that, a bare
+    /// join does not): the join waits for the listener first.
     fn join(&self, token: &str, node: &'static str) -> Result<NodeCreds, String> {
         let (to, token) = (self.head_control.clone(), JoinToken::parse(token).unwrap());
         netns::in_netns(self.ns_worker(), move || {
+            let listens = common::wait_until(Duration::from_secs(30), || {
+                std::net::TcpStream::connect(&to).is_ok()
+            });
+            assert!(listens, "the head's control channel at {to} never listened");
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
