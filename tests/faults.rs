@@ -288,7 +288,8 @@ async fn a_decode_whose_health_takes_3_s_stays_in_rotation_and_its_streams_compl
 
 /// NIXL (sim) whose decode fails its first KV handshake, under kv_load_failure_policy
 /// "fail": the proxy's warm-up of the pair meets the failure, keeps the pair out of
-/// routing and tries again, so the first client request after `up` is answered.
+/// routing and tries again, and `up` waits for that: the pair is warmed when it returns
+/// and the first client request after `up` is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_first_request_after_up_succeeds_when_the_first_nixl_handshake_fails() {
     let (t, port) = suph::sim_topology(
@@ -301,6 +302,12 @@ async fn the_first_request_after_up_succeeds_when_the_first_nixl_handshake_fails
     let cluster = Cluster::new("fhs");
     let dir = TempDir::new("fhs-topo");
     cluster.up_topology(dir.path(), &t);
+    // `up` waited for the retried warm-up: the pair is warmed when it returns.
+    let ready = common::get_json(&format!("http://127.0.0.1:{port}/health?ready")).await;
+    let states: Vec<&str> = ready["pairs"]
+        .as_array()
+        .map(|ps| ps.iter().filter_map(|p| p["state"].as_str()).collect())
+        .unwrap_or_default();
     let url = format!("http://127.0.0.1:{port}/v1/completions");
     let body = json!({"model": "sim-model", "prompt": "the very first request", "max_tokens": 8});
     let resp = reqwest::Client::new()
@@ -315,6 +322,7 @@ async fn the_first_request_after_up_succeeds_when_the_first_nixl_handshake_fails
     let logs = String::from_utf8_lossy(&logs.stdout).to_string();
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(states, ["ready"], "right after up: {ready}\n{logs}");
     assert_eq!(status, 200, "{answer}\n{logs}");
     assert!(answer["choices"][0]["text"].is_string(), "{answer}");
     assert!(

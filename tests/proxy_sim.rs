@@ -673,6 +673,74 @@ async fn nixl_push_hands_the_kv_over_with_both_legs_at_once() {
     assert!(d.log().contains("(pushed)"), "{}", d.log());
 }
 
+/// `/health?warmed` of a proxy (`url`): its status, 0 when it does not answer.
+async fn warmed_status(url: &str) -> u16 {
+    sim::client()
+        .get(format!("{url}/health?warmed"))
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+/// The warm-up states of the proxy's pairs, as `/health?ready` lists them.
+async fn pair_states(proxy: &ProxyProcess) -> Vec<String> {
+    let v = common::get_json(&format!("{}/health?ready", proxy.url)).await;
+    v["pairs"]
+        .as_array()
+        .map(|ps| {
+            ps.iter()
+                .map(|p| p["state"].as_str().unwrap_or("?").to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `/health?warmed` (what `up` waits on) through a first warm-up that fails: a decode whose
+/// first KV load fails under kv_load_failure_policy "fail" (a NIXL handshake that timed out
+/// once) makes the first warm-up fail; the proxy says warmed only once the retry made the
+/// pair ready. It used to say warmed as soon as the first warm-up ended, failed or not: on
+/// two machines `up` ended there and the first request got 503. And a pair that never warms
+/// holds it no longer than `--warmed-within-s`: then ready all the same, the pair failed and
+/// the log saying which and why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warmed_waits_through_a_failed_first_warm_up_and_no_longer_than_its_time() {
+    let fail = ["--kv-load-failure-policy", "fail"];
+    let p = start_sim("prefill", "nixl", &[]).await;
+    let mut first_fails = vec!["--fault-first-handshake-fails"];
+    first_fails.extend(fail);
+    let d = start_sim("decode", "nixl", &first_fails).await;
+    let mut extra = vec!["--protocol", "nixl", "--health-interval-ms", "100"];
+    extra.extend(fail);
+    let proxy = ProxyProcess::start(&args(&[&p], &[&d], &extra)).await;
+    let warmed = eventually(WAIT, || async { warmed_status(&proxy.url).await == 200 }).await;
+    assert!(warmed, "never warmed:\n{}", proxy.log());
+    assert_eq!(pair_states(&proxy).await, ["ready"], "{}", proxy.log());
+    let log = proxy.log();
+    assert!(
+        log.contains("warm-up of pair") && log.contains("failed after"),
+        "{log}"
+    );
+    assert!(log.contains("(attempt 2)"), "{log}");
+
+    // A decode that fails every KV load: warmed after --warmed-within-s, the pair failed.
+    let never = start_sim("decode", "nixl", &fail).await;
+    let (s, _) = never
+        .post("/sim/fault", &json!({"fail_handoff_next": 1000}))
+        .await;
+    assert_eq!(s, 200);
+    extra.extend(["--warmed-within-s", "2"]);
+    let proxy = ProxyProcess::start(&args(&[&p], &[&never], &extra)).await;
+    let warmed = eventually(WAIT, || async { warmed_status(&proxy.url).await == 200 }).await;
+    assert!(warmed, "the wait never ended:\n{}", proxy.log());
+    assert_eq!(pair_states(&proxy).await, ["failed"], "{}", proxy.log());
+    let log = proxy.log();
+    assert!(
+        log.contains("after 2 s the KV path of pair(s)") && log.contains("ready all the same"),
+        "{log}"
+    );
+}
+
 /// `/health?warmed` (what the supervisor waits on before `up` ends) of a proxy whose decode
 /// is not up at its start, as a remote engine its node still calls starting: 503 until the
 /// pair that decode makes has had its warm-up, then 200 with the pair ready. It said 200 at
@@ -688,14 +756,7 @@ async fn warmed_waits_for_the_pair_an_engine_coming_up_late_makes() {
         &["--protocol", "nixl", "--health-interval-ms", "100"],
     ))
     .await;
-    let warmed_status = || async {
-        sim::client()
-            .get(format!("{}/health?warmed", proxy.url))
-            .send()
-            .await
-            .map(|r| r.status().as_u16())
-            .unwrap_or(0)
-    };
+    let warmed_status = || warmed_status(&proxy.url);
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(warmed_status().await, 503, "{}", proxy.log());
 

@@ -388,6 +388,7 @@ mod tests {
             decode_policy: Some(PolicyName::Random),
             scrape_metrics: true,
             no_warmup: true,
+            warmed_within_s: 45,
             rate_limit: 40.5,
             max_concurrent: 100,
             queue_size: 7,

@@ -7,7 +7,7 @@
 use super::ChildConfig;
 use crate::spelling::value_name;
 use crate::topology::KvLoadFailurePolicy;
-use crate::vocab::{PolicyName, ProxyProtocol, TcpLiveness};
+use crate::vocab::{PolicyName, ProxyProtocol, TcpLiveness, WARMED_WITHIN_S};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -18,6 +18,9 @@ fn is_recompute(p: &KvLoadFailurePolicy) -> bool {
     *p == KvLoadFailurePolicy::Recompute
 }
 
+fn is_default_warmed_within_s(v: &u64) -> bool {
+    *v == WARMED_WITHIN_S
+}
 fn is_default_tcp_keepalive_idle_s(v: &u32) -> bool {
     *v == TcpLiveness::default().tcp_keepalive_idle_s
 }
@@ -91,6 +94,13 @@ pub struct ProxyArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub no_warmup: bool,
+    /// How long, at most, `/health?warmed` (what the supervisor waits on before `up` ends)
+    /// waits for the pairs usable at start to have their KV path warmed, failed warm-ups
+    /// retried meanwhile; then it says ready all the same and requests wait for a warmed
+    /// pair. Read at the proxy's start only.
+    #[arg(long, default_value_t = ProxyArgs::default().warmed_within_s)]
+    #[serde(skip_serializing_if = "is_default_warmed_within_s")]
+    pub warmed_within_s: u64,
     /// Requests per second admitted (token bucket); 0 = unlimited.
     #[arg(long, default_value_t = ProxyArgs::default().rate_limit)]
     pub rate_limit: f64,
@@ -175,6 +185,7 @@ impl Default for ProxyArgs {
             decode_policy: None,
             scrape_metrics: false,
             no_warmup: false,
+            warmed_within_s: WARMED_WITHIN_S,
             rate_limit: 0.0,
             max_concurrent: 0,
             queue_size: 0,
@@ -303,6 +314,9 @@ impl ProxyArgs {
         }
         if self.no_warmup {
             v.push("--no-warmup".into());
+        }
+        if !is_default_warmed_within_s(&self.warmed_within_s) {
+            v.extend(["--warmed-within-s".into(), self.warmed_within_s.to_string()]);
         }
         let nums: [(&str, String); 11] = [
             ("--rate-limit", self.rate_limit.to_string()),

@@ -350,7 +350,11 @@ pub(super) fn plan_proxy(
         .filter(|s| s.role.is_engine())
         .map(|s| s.name.clone())
         .collect();
+    // 30 s to listen; where pairs are warmed, the time `/health?warmed` may wait on top.
     svc.startup_timeout_s = 30;
+    if protocol.lazy_handshake() && !args.no_warmup {
+        svc.startup_timeout_s += args.warmed_within_s;
+    }
     Ok((svc, args))
 }
 

@@ -140,7 +140,10 @@ impl Proxy {
         let bootstrap_timeout = settings.connect_timeout + Duration::from_secs(2);
         let protocol = protocol::build(a.protocol, bootstrap_timeout);
         Ok(Proxy {
-            warmup: warmup::Warmup::new(protocol.lazy_handshake() && !a.no_warmup),
+            warmup: warmup::Warmup::new(
+                a.protocol.lazy_handshake() && !a.no_warmup,
+                Duration::from_secs(a.warmed_within_s),
+            ),
             policies: ArcSwap::from_pointee(tuning::Policies::new(a, &recorder)),
             protocol,
             kv_load_failure_policy: a.kv_load_failure_policy,

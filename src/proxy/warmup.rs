@@ -2,7 +2,7 @@
 //! with a prefill lazily, over its ZMQ side channel, on the first request a decode takes
 //! from that prefill; a handshake that times out fails that request (under
 //! `kv_load_failure_policy = "fail"`). So for protocols whose handshake is lazy
-//! ([`super::protocol::Protocol::lazy_handshake`]) each prefill/decode pair gets one small
+//! ([`crate::vocab::ProxyProtocol::lazy_handshake`]) each prefill/decode pair gets one small
 //! warm-up request (a prompt of a few hundred tokens, one output token) through both legs
 //! before routing sends it a client's request: at start, and for every pair an instance
 //! joining later makes (`pdctl scale`, a restart, a rebalance move: any instance that
@@ -29,9 +29,6 @@ const TICK: Duration = Duration::from_millis(200);
 /// How long one warm-up (both legs) may take: a first NIXL handshake on a busy CPU engine
 /// takes seconds, vLLM gives up on it after its own timeout.
 const WARM_TIMEOUT: Duration = Duration::from_secs(60);
-/// How long `/health?warmed` waits for the first warm-ups: well inside the 30 s the
-/// supervisor gives the proxy to be ready.
-const SETTLE_WITHIN: Duration = Duration::from_secs(20);
 /// Backoff after a failed warm-up: 1 s, doubling, at most 30 s.
 const BACKOFF_FIRST: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
@@ -74,18 +71,22 @@ pub struct PairView {
 pub struct Warmup {
     needed: bool,
     pairs: Mutex<HashMap<(String, String), PairState>>,
-    /// Every pair usable when the proxy started has had its first warm-up end (ok or not).
+    /// Every pair usable when the proxy started is warmed, or `settle_within` has passed.
     settled: AtomicBool,
+    /// How long `/health?warmed` waits for that (`--warmed-within-s`).
+    settle_within: Duration,
     /// Tells warm-up request ids apart.
     next_id: AtomicU64,
 }
 
 impl Warmup {
-    /// The state for a protocol whose handshake is lazy (`needed`), or a no-op one.
-    pub fn new(needed: bool) -> Warmup {
+    /// The state for a protocol whose handshake is lazy (`needed`), or a no-op one;
+    /// `/health?warmed` waits up to `settle_within` for the first pairs.
+    pub fn new(needed: bool, settle_within: Duration) -> Warmup {
         Warmup {
             needed,
             settled: AtomicBool::new(!needed),
+            settle_within,
             ..Warmup::default()
         }
     }
@@ -125,7 +126,7 @@ impl Warmup {
                 .any(|s| !matches!(s, PairState::Ready { .. }))
     }
 
-    /// Whether the pairs usable at start have all had their first warm-up end.
+    /// Whether the pairs usable at start are all warmed (or the wait for them is over).
     pub fn settled(&self) -> bool {
         self.settled.load(Ordering::Relaxed)
     }
@@ -216,28 +217,51 @@ pub fn start(p: Arc<Proxy>) {
             if round.is_empty() {
                 round = started;
             }
-            if !p.warmup.settled() {
-                let pairs = p.warmup.lock();
-                let done = !round.is_empty()
-                    && round
-                        .iter()
-                        .all(|k| !matches!(pairs.get(k), Some(PairState::Warming { .. })));
-                // The supervisor gives the proxy 30 s to be ready: a first warm-up still on
-                // its way then (a busy CPU engine's first forward pass) goes on, and routing
-                // still waits for it, but the proxy says it is ready.
-                if !done && began.elapsed() >= SETTLE_WITHIN {
-                    tracing::info!(
-                        "the first KV path warm-ups are still on their way after {} s: ready all the same; requests wait for a warmed pair",
-                        SETTLE_WITHIN.as_secs()
-                    );
-                }
-                if done || began.elapsed() >= SETTLE_WITHIN {
-                    p.warmup.settled.store(true, Ordering::Relaxed);
-                }
+            if !p.warmup.settled() && settle(&p.warmup, &round, began.elapsed()) {
+                p.warmup.settled.store(true, Ordering::Relaxed);
             }
             tokio::time::sleep(TICK).await;
         }
     });
+}
+
+/// Whether `/health?warmed` may say yes, `elapsed` after the proxy's start: every pair of
+/// the first `round` is warmed (or forgotten: an instance left), or the wait is over. A
+/// failed warm-up does not end the wait while time is left: it is tried again, and on a
+/// busy machine a NIXL handshake that timed out once works the next time (`up` ending
+/// before that made the first request wait for the warm-up and fail).
+fn settle(w: &Warmup, round: &[(String, String)], elapsed: Duration) -> bool {
+    let pairs = w.lock();
+    let waiting: Vec<String> = round
+        .iter()
+        .filter_map(|k| match pairs.get(k) {
+            None | Some(PairState::Ready { .. }) => None,
+            Some(PairState::Warming { attempt }) => Some(format!(
+                "{} -> {} (warm-up attempt {attempt} on its way)",
+                k.0, k.1
+            )),
+            Some(PairState::Failed { why, attempt, .. }) => Some(format!(
+                "{} -> {} (attempt {attempt} failed: {why})",
+                k.0, k.1
+            )),
+        })
+        .collect();
+    if !round.is_empty() && waiting.is_empty() {
+        return true;
+    }
+    if elapsed < w.settle_within {
+        return false;
+    }
+    tracing::warn!(
+        "after {} s the KV path of {} is not warmed: ready all the same; warm-ups go on, and requests wait for a warmed pair",
+        w.settle_within.as_secs(),
+        if waiting.is_empty() {
+            "no pair (no prefill and decode usable together yet)".to_string()
+        } else {
+            format!("pair(s) {}", waiting.join("; "))
+        }
+    );
+    true
 }
 
 /// Forgets pairs whose instances are out of rotation or gone (their handshake is to be
@@ -472,8 +496,45 @@ mod tests {
     }
 
     #[test]
+    fn warmed_waits_through_a_failed_first_warm_up_until_the_pair_is_ready_or_time_is_up() {
+        let w = Warmup::new(true, Duration::from_secs(180));
+        let key = ("http://p:1".to_string(), "http://d:2".to_string());
+        let round = vec![key.clone()];
+        let early = Duration::from_secs(40);
+        assert!(!settle(&w, &[], early), "no pair yet is no warm-up done");
+        w.lock()
+            .insert(key.clone(), PairState::Warming { attempt: 1 });
+        assert!(!settle(&w, &round, early));
+        w.lock().insert(
+            key.clone(),
+            PairState::Failed {
+                why: "answered 500: handshake timed out".into(),
+                attempt: 1,
+                next_try: Instant::now(),
+            },
+        );
+        assert!(
+            !settle(&w, &round, early),
+            "a failed first warm-up is tried again before ready"
+        );
+        assert!(
+            settle(&w, &round, Duration::from_secs(180)),
+            "past the wait: ready all the same"
+        );
+        w.lock().insert(
+            key.clone(),
+            PairState::Ready {
+                took: Duration::from_secs(3),
+            },
+        );
+        assert!(settle(&w, &round, early));
+        w.lock().clear();
+        assert!(settle(&w, &round, early), "a pair forgotten waits no more");
+    }
+
+    #[test]
     fn only_a_ready_pair_is_routable_and_a_failed_one_says_why() {
-        let w = Warmup::new(true);
+        let w = Warmup::new(true, Duration::from_secs(180));
         let p = inst(Leg::Prefill, "10.0.0.1:1");
         let d = inst(Leg::Decode, "10.0.0.2:2");
         assert!(!w.pair_ready(&p.url, &d.url), "unknown: not ready");
@@ -504,8 +565,8 @@ mod tests {
         assert!(!w.pending());
         assert_eq!(w.views()[0].state, "ready");
         // A protocol without a lazy handshake routes every pair at once.
-        assert!(Warmup::new(false).pair_ready("a", "b"));
-        assert!(Warmup::new(false).settled());
+        assert!(Warmup::new(false, Duration::ZERO).pair_ready("a", "b"));
+        assert!(Warmup::new(false, Duration::ZERO).settled());
     }
 
     #[test]

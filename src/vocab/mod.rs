@@ -18,7 +18,7 @@ mod vllm_version;
 
 pub use control_socket::SOCKET_NAME;
 pub use health::HealthSettings;
-pub use proxy::{AdmissionError, PolicyName, ProxyProtocol, check_admission};
+pub use proxy::{AdmissionError, PolicyName, ProxyProtocol, WARMED_WITHIN_S, check_admission};
 pub use rebalance::{
     Figures, HistoryPoint, Move, MoveCounts, MoveOutcome, MoveRecord, Rebalance, RebalanceMode,
     RebalancePlan, RebalanceReport, Split, Toward,

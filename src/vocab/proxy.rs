@@ -21,6 +21,23 @@ pub enum ProxyProtocol {
     NixlPush,
 }
 
+impl ProxyProtocol {
+    /// Whether the connector makes its handshake between a prefill and a decode lazily, on
+    /// the pair's first request (vLLM's NIXL connectors, over their ZMQ side channel): the
+    /// proxy then warms each pair's KV path with one small request before routing uses it,
+    /// and the planner gives the proxy the time that takes to be ready.
+    pub fn lazy_handshake(self) -> bool {
+        matches!(self, ProxyProtocol::Nixl | ProxyProtocol::NixlPush)
+    }
+}
+
+/// How long, at most, the proxy's `/health?warmed` waits for the prefill/decode pairs
+/// usable at its start to have their KV path warmed (a failed warm-up is retried
+/// meanwhile): three warm-ups of the proxy's 60 s. A NIXL handshake on a busy machine can
+/// time out once and work the next time; `up` ending before that made a user's first
+/// request wait for the warm-up and fail. Past it the proxy says ready all the same.
+pub const WARMED_WITHIN_S: u64 = 180;
+
 /// How an instance is picked for one leg.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

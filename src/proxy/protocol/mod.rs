@@ -72,12 +72,6 @@ pub trait Protocol: Send + Sync + std::fmt::Debug {
     /// Whether the legs go out in sequence or at once.
     fn flow(&self) -> Flow;
 
-    /// Whether the connector makes its handshake between a prefill and a decode lazily, on
-    /// the first request of the pair (NIXL): then each pair is warmed up with one small
-    /// request before routing uses it (warmup.rs).
-    fn lazy_handshake(&self) -> bool {
-        false
-    }
     /// Whether a request with n > 1 keeps its KV handoff. When false the proxy sends
     /// such requests to decode only, which recomputes the prompt (counted as a miss).
     fn handles_multiple_choices(&self) -> bool;

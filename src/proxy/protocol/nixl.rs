@@ -19,10 +19,6 @@ impl Protocol for Nixl {
         "nixl"
     }
 
-    /// vLLM's NIXL handshake (ZMQ side channel) is made on the pair's first request.
-    fn lazy_handshake(&self) -> bool {
-        true
-    }
     fn flow(&self) -> Flow {
         Flow::Sequential
     }

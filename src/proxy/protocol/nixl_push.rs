@@ -64,10 +64,6 @@ impl Protocol for NixlPush {
         "nixl-push"
     }
 
-    /// vLLM's NIXL handshake (ZMQ side channel) is made on the pair's first request.
-    fn lazy_handshake(&self) -> bool {
-        true
-    }
     fn flow(&self) -> Flow {
         Flow::Concurrent
     }
