@@ -32,6 +32,10 @@ const WARM_TIMEOUT: Duration = Duration::from_secs(60);
 /// Backoff after a failed warm-up: 1 s, doubling, at most 30 s.
 const BACKOFF_FIRST: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// `/health?warmed` waits for a pair of the first round through this many warm-ups: one
+/// that failed is tried again (a NIXL handshake that timed out on a busy machine works the
+/// next time), a pair whose KV path fails every time does not hold `up` further.
+const SETTLE_ATTEMPTS: u32 = 3;
 /// Words of the warm-up prompt: more than one KV block on every engine (vLLM's CPU
 /// build uses blocks of 128 tokens), so decode really loads KV from the prefill.
 const PROMPT_WORDS: usize = 300;
@@ -226,32 +230,44 @@ pub fn start(p: Arc<Proxy>) {
 }
 
 /// Whether `/health?warmed` may say yes, `elapsed` after the proxy's start: every pair of
-/// the first `round` is warmed (or forgotten: an instance left), or the wait is over. A
-/// failed warm-up does not end the wait while time is left: it is tried again, and on a
-/// busy machine a NIXL handshake that timed out once works the next time (`up` ending
-/// before that made the first request wait for the warm-up and fail).
+/// the first `round` is warmed (or forgotten: an instance left) or has failed
+/// [`SETTLE_ATTEMPTS`] warm-ups, or the wait is over. A first failed warm-up does not end
+/// the wait: it is tried again, and on a busy machine a NIXL handshake that timed out once
+/// works the next time (`up` ending before that made the first request wait for the
+/// warm-up and fail).
 fn settle(w: &Warmup, round: &[(String, String)], elapsed: Duration) -> bool {
     let pairs = w.lock();
-    let waiting: Vec<String> = round
-        .iter()
-        .filter_map(|k| match pairs.get(k) {
-            None | Some(PairState::Ready { .. }) => None,
-            Some(PairState::Warming { attempt }) => Some(format!(
+    let (mut waiting, mut given_up) = (Vec::new(), Vec::new());
+    for k in round {
+        match pairs.get(k) {
+            None | Some(PairState::Ready { .. }) => {}
+            Some(PairState::Warming { attempt }) => waiting.push(format!(
                 "{} -> {} (warm-up attempt {attempt} on its way)",
                 k.0, k.1
             )),
-            Some(PairState::Failed { why, attempt, .. }) => Some(format!(
-                "{} -> {} (attempt {attempt} failed: {why})",
-                k.0, k.1
-            )),
-        })
-        .collect();
+            Some(PairState::Failed { why, attempt, .. }) => {
+                let said = format!("{} -> {} (attempt {attempt} failed: {why})", k.0, k.1);
+                if *attempt < SETTLE_ATTEMPTS {
+                    waiting.push(said);
+                } else {
+                    given_up.push(said);
+                }
+            }
+        }
+    }
     if !round.is_empty() && waiting.is_empty() {
+        if !given_up.is_empty() {
+            tracing::warn!(
+                "the KV path of pair(s) {} failed {SETTLE_ATTEMPTS} warm-ups: ready all the same; warm-ups go on, and requests wait for a warmed pair",
+                given_up.join("; ")
+            );
+        }
         return true;
     }
     if elapsed < w.settle_within {
         return false;
     }
+    waiting.extend(given_up);
     tracing::warn!(
         "after {} s the KV path of {} is not warmed: ready all the same; warm-ups go on, and requests wait for a warmed pair",
         w.settle_within.as_secs(),
@@ -520,6 +536,18 @@ mod tests {
         assert!(
             settle(&w, &round, Duration::from_secs(180)),
             "past the wait: ready all the same"
+        );
+        w.lock().insert(
+            key.clone(),
+            PairState::Failed {
+                why: "answered 400: no such model".into(),
+                attempt: SETTLE_ATTEMPTS,
+                next_try: Instant::now(),
+            },
+        );
+        assert!(
+            settle(&w, &round, early),
+            "a pair that failed every warm-up holds `up` no further"
         );
         w.lock().insert(
             key.clone(),
