@@ -528,6 +528,78 @@ fn an_engine_that_stops_answering_is_restarted_by_its_liveness_probe() {
     assert_eq!(c.run(&["down"]).status.code(), Some(0));
 }
 
+/// A probe that timed out while the supervisor itself was frozen (the whole machine was:
+/// here the supervisor and its engine are both SIGSTOPped for 4 s, as a machine that
+/// freezes whole does to every process) says nothing of the engine and is not counted:
+/// with one failed probe enough to call it unhealthy, the engine stays healthy, and the
+/// log says why. On two vLLM engines on one busy 2-core machine such freezes took a
+/// serving decode out of rotation.
+/// Whether a connection to 127.0.0.1:`port` holds bytes its listener has not read (a
+/// probe's request to a stopped engine), from /proc/net/tcp.
+fn unread_request_on(port: u16) -> bool {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    tcp.lines().skip(1).any(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let local_port = f
+            .get(1)
+            .and_then(|a| a.split(':').nth(1))
+            .and_then(|p| u16::from_str_radix(p, 16).ok());
+        let unread = f
+            .get(4)
+            .and_then(|q| q.split(':').nth(1))
+            .and_then(|r| u64::from_str_radix(r, 16).ok());
+        local_port == Some(port) && f.get(3) == Some(&"01") && unread.is_some_and(|n| n > 0)
+    })
+}
+
+#[test]
+fn a_probe_that_timed_out_while_the_supervisor_was_frozen_is_not_counted() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let c = Cluster::new("frozen");
+    let p = free_ports(1);
+    let mut plan = plan("frz", &[("main", "127.0.0.1")]);
+    plan.health.probe_timeout_s = 1;
+    plan.health.failed_probes = 1;
+    plan.services = vec![local_engine(&c, "decode-0", Role::Decode, p[0])];
+    let up = c.up_detached(&plan, &[]);
+    assert_eq!(up.status.code(), Some(0), "{}", text(&up));
+    let state = c.state(&plan, "main");
+    let record = pdctl::supervisor::read_record(&state).unwrap().unwrap();
+    let supervisor = Pid::from_raw(record.supervisor_pid);
+    let engine = Pid::from_raw(svc(&c.status(&[]).unwrap(), "decode-0").pid.unwrap() as i32);
+    // The engine stops first; the moment a probe waits on it (its request unread in the
+    // engine's socket), the supervisor freezes too, with most of the probe's 1 s ahead.
+    std::thread::sleep(Duration::from_millis(1_500));
+    kill(engine, Signal::SIGSTOP).unwrap();
+    let waiting = wait_until(Duration::from_secs(5), || unread_request_on(p[0]));
+    kill(supervisor, Signal::SIGSTOP).unwrap();
+    assert!(waiting, "no probe reached the stopped engine");
+    std::thread::sleep(Duration::from_secs(3));
+    kill(supervisor, Signal::SIGCONT).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    kill(engine, Signal::SIGCONT).unwrap();
+    let mut states = Vec::new();
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        if let Some(r) = c.status(&[]) {
+            states.push(svc(&r, "decode-0").state);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = std::fs::read_to_string(state.dir.join("logs/supervisor.log")).unwrap_or_default();
+    assert_eq!(c.run(&["down"]).status.code(), Some(0));
+    assert!(
+        log.contains("while this machine stalled") && log.contains("not counted"),
+        "the uncounted probe is logged:\n{log}"
+    );
+    assert!(!states.is_empty());
+    assert!(
+        states.iter().all(|s| *s == ServiceState::Healthy),
+        "{states:?}\n{log}"
+    );
+}
+
 #[test]
 fn a_sigkilled_supervisor_leaves_no_orphans_and_the_next_up_cleans_its_state() {
     let c = Cluster::new("sigkill");

@@ -33,6 +33,13 @@ pub enum ProbeError {
     },
     #[error("TCP {host}:{port}: timed out")]
     TcpTimeout { host: String, port: u16 },
+    /// Timed out while this process was frozen for `stalled` (the whole machine was): no
+    /// evidence either way, not counted ([`super::stall`]).
+    #[error("{timed_out} while this machine stalled {:.1} s: not counted", stalled.as_secs_f64())]
+    Stalled {
+        timed_out: Box<ProbeError>,
+        stalled: Duration,
+    },
 }
 
 impl ProbeError {
@@ -42,6 +49,9 @@ impl ProbeError {
     /// slowness (no answer in time), which only `health.failed_probes` failures in a row
     /// make count.
     pub fn cannot_serve(&self) -> bool {
+        if self.inconclusive() {
+            return false;
+        }
         match self {
             ProbeError::HttpRefused { .. } => true,
             ProbeError::HttpStatus { got, .. } => *got >= 500,
@@ -54,6 +64,26 @@ impl ProbeError {
         }
     }
 }
+
+impl ProbeError {
+    /// Whether this probe says nothing of the service (it timed out while this process
+    /// was frozen): it neither counts as a failure nor ends a run of failures.
+    pub fn inconclusive(&self) -> bool {
+        matches!(self, ProbeError::Stalled { .. })
+    }
+
+    /// Whether this is a probe that got no answer in time.
+    fn timed_out(&self) -> bool {
+        matches!(
+            self,
+            ProbeError::HttpTimeout { .. } | ProbeError::TcpTimeout { .. }
+        )
+    }
+}
+
+/// A probe that timed out across a freeze of this process of at least this long is not
+/// counted: the service did not get its time either.
+const STALL_EXCUSES: Duration = Duration::from_secs(1);
 
 /// Whether an io error of kind ConnectionReset / ConnectionRefused is in `e`'s chain.
 fn reset_in(e: &(dyn std::error::Error + 'static)) -> bool {
@@ -92,6 +122,8 @@ impl Prober {
     /// probes wait `health`'s probe timeout for a busy server's answer.
     pub fn new(tcp: TcpLiveness, health: HealthSettings) -> Prober {
         let timeout = health.probe_timeout();
+        // Ticking from now on, so a freeze during the first probes is seen.
+        super::stall::clock();
         let http = reqwest::Client::builder()
             .no_proxy()
             .timeout(timeout)
@@ -108,6 +140,24 @@ impl Prober {
     /// `Ok` when the probe passes, else a short reason for progress and status displays.
     /// `log_seen` says whether the log line of a `LogLine` probe appeared in this run.
     pub async fn check(&self, probe: &Probe, log_seen: &AtomicBool) -> Result<(), ProbeError> {
+        let began = std::time::Instant::now();
+        match self.check_once(probe, log_seen).await {
+            Err(e) if e.timed_out() => {
+                let stalled = super::stall::clock().stalled_since(began);
+                Err(if stalled >= STALL_EXCUSES {
+                    ProbeError::Stalled {
+                        timed_out: Box::new(e),
+                        stalled,
+                    }
+                } else {
+                    e
+                })
+            }
+            other => other,
+        }
+    }
+
+    async fn check_once(&self, probe: &Probe, log_seen: &AtomicBool) -> Result<(), ProbeError> {
         match probe {
             Probe::Http {
                 url,

@@ -72,6 +72,9 @@ pub async fn run_remote(ctx: Arc<ServiceCtx>, idx: usize, mut shutdown: watch::R
                 seen_healthy = true;
             }
             Ok(()) => {}
+            Err(why) if seen_healthy && why.inconclusive() => {
+                tracing::warn!("probe of {} on node {}: {why}", svc.name, svc.node);
+            }
             Err(why) => {
                 failures += 1;
                 let next = match (seen_healthy, state) {

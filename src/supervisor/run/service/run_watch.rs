@@ -98,6 +98,9 @@ impl Task {
                             self.ctx.table.set_state(self.idx, ServiceState::Healthy);
                         }
                         Ok(()) => {}
+                        Err(why) if why.inconclusive() => {
+                            tracing::warn!("liveness probe of {}: {why}", self.ctx.service(self.idx).name);
+                        }
                         Err(why) => {
                             failures += 1;
                             // A slow answer of a busy engine keeps it in rotation until
