@@ -75,14 +75,20 @@ pub enum SecretError {
 /// The text of `file`, or None when there is none: the one reader of the kept secret and
 /// client key.
 fn read_kept(file: &Path) -> Result<Option<String>, SecretError> {
-    match std::fs::read_to_string(file) {
+    read_if_there(file).map_err(|source| SecretError::Io {
+        what: "read",
+        path: file.to_path_buf(),
+        source,
+    })
+}
+
+/// The text of `path`, or none when there is no such file: the one reader of kept
+/// secrets, keys and certificates (each caller names the file in its own error).
+pub(crate) fn read_if_there(path: &Path) -> Result<Option<String>, std::io::Error> {
+    match std::fs::read_to_string(path) {
         Ok(text) => Ok(Some(text)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(SecretError::Io {
-            what: "read",
-            path: file.to_path_buf(),
-            source,
-        }),
+        Err(e) => Err(e),
     }
 }
 

@@ -309,15 +309,11 @@ fn ca_params(cluster: &str) -> rcgen::CertificateParams {
 }
 
 fn read_text(path: &Path) -> Result<Option<String>, TlsError> {
-    match std::fs::read_to_string(path) {
-        Ok(t) => Ok(Some(t)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(TlsError::Io {
-            what: "read",
-            path: path.to_path_buf(),
-            source,
-        }),
-    }
+    super::auth::read_if_there(path).map_err(|source| TlsError::Io {
+        what: "read",
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Writes `text` to `path` (atomically), readable by its owner only.

@@ -243,6 +243,12 @@ impl Table {
             && (!r.status.remote || r.reported.is_none_or(|s| s == ServiceState::Healthy))
     }
 
+    /// What service `idx`'s own node's supervisor last reported of it (another node's
+    /// service; none yet, or this node's own).
+    pub fn reported(&self, idx: usize) -> Option<ServiceState> {
+        self.rows()[idx].reported
+    }
+
     /// How service `idx`'s last run ended, as its row says.
     pub fn last_exit(&self, idx: usize) -> Option<String> {
         self.rows()[idx].status.last_exit.clone()

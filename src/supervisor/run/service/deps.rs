@@ -3,6 +3,7 @@
 
 use crate::control::ServiceState;
 use crate::supervisor::run::service::{Cmd, ServiceCtx};
+use crate::supervisor::run::table::Table;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
@@ -14,6 +15,21 @@ pub enum DepsOutcome {
     Failed(String),
     /// `down` arrived while waiting.
     Stop(oneshot::Sender<()>),
+}
+
+/// What this node and the remote service's own node say of service `idx`: the two views a
+/// remote dependency must agree on ([`Table::ready_for_dependents`]), so a timeout names
+/// the one that held it back.
+///
+fn remote_views(table: &Table, idx: usize, node: &str) -> String {
+    format!(
+        "this node sees it {}, node {node} {}",
+        table.state(idx),
+        match table.reported(idx) {
+            Some(s) => format!("reports it {s}"),
+            None => "has reported nothing of it (its supervisor not reached)".to_string(),
+        }
+    )
 }
 
 /// Waits until every dependency of service `idx` is healthy. A remote dependency gets the
@@ -56,13 +72,14 @@ pub async fn wait_for_dependencies(
                         >= limit.max(Duration::from_secs(dep.startup_timeout_s)) =>
                 {
                     return DepsOutcome::Failed(format!(
-                        "dependency {} on node {} ({}) was not ready within {} s",
+                        "dependency {} on node {} ({}) was not ready within {} s: {}",
                         dep.name,
                         dep.node,
                         dep.host,
                         limit
                             .max(Duration::from_secs(dep.startup_timeout_s))
-                            .as_secs()
+                            .as_secs(),
+                        remote_views(&ctx.table, d, &dep.node)
                     ));
                 }
                 _ => all_ready = false,
@@ -86,5 +103,33 @@ pub async fn wait_for_dependencies(
             // Wake up now and then to check the remote deadline.
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::supervisor::testing;
+
+    #[test]
+    fn a_remote_dependency_that_times_out_is_named_with_both_views() {
+        let plan = testing::plan(
+            "a",
+            vec![
+                testing::tcp_service("proxy", "a", 8000),
+                testing::tcp_service("decode-0", "b", 8100),
+            ],
+        );
+        let t = Table::new(&plan, "a");
+        t.run_started(1, None, ServiceState::Healthy);
+        assert_eq!(
+            remote_views(&t, 1, "b"),
+            "this node sees it healthy, node b has reported nothing of it (its supervisor not reached)"
+        );
+        t.set_reported("b", &[("decode-0".into(), ServiceState::Starting)]);
+        assert_eq!(
+            remote_views(&t, 1, "b"),
+            "this node sees it healthy, node b reports it starting"
+        );
     }
 }
