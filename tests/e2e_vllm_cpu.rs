@@ -252,6 +252,7 @@ fn run_case(case: &Case) {
         format!("Bearer {key}").parse().unwrap(),
     );
     let http = reqwest::Client::builder()
+        .pool_idle_timeout(ENGINE_IDLE)
         .timeout(Duration::from_secs(300))
         .default_headers(auth)
         .build()
@@ -1696,6 +1697,7 @@ fn load_clients(guard: &Running) -> (reqwest::Client, reqwest::Client) {
             format!("Bearer {k}").parse().unwrap(),
         );
         reqwest::Client::builder()
+            .pool_idle_timeout(ENGINE_IDLE)
             .timeout(Duration::from_secs(600))
             .default_headers(h)
             .build()
@@ -1703,6 +1705,12 @@ fn load_clients(guard: &Running) -> (reqwest::Client, reqwest::Client) {
     };
     (with(&key), with(CLIENT_KEY))
 }
+
+/// How long the test's clients keep an idle connection: under vLLM's
+/// VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s), after which its server closes it. A connection kept
+/// longer can be reused the moment the server closes it, and the request fails with `error
+/// sending request` (misses-load's direct /tokenize did, once in eight rounds).
+const ENGINE_IDLE: Duration = Duration::from_secs(2);
 
 struct LoadUrls {
     proxy: String,
@@ -2576,6 +2584,7 @@ fn vllm_cpu_fetches_the_model_first_1p1d() {
     );
     let proxy = format!("http://127.0.0.1:{}/v1/completions", ports[2]);
     let http = reqwest::Client::builder()
+        .pool_idle_timeout(ENGINE_IDLE)
         .timeout(Duration::from_secs(300))
         .build()
         .unwrap();
@@ -2791,6 +2800,7 @@ async fn two_nodes_traffic(
         format!("Bearer {key}").parse().unwrap(),
     );
     let http = reqwest::Client::builder()
+        .pool_idle_timeout(ENGINE_IDLE)
         .no_proxy()
         .timeout(Duration::from_secs(300))
         .default_headers(auth)

@@ -25,8 +25,11 @@ use std::time::Duration;
 /// bodies, prefill answers). Streams are relayed without this limit.
 pub const MAX_ANSWER_BYTES: usize = 64 * 1024 * 1024;
 
-/// How long an unused pooled connection to an engine is kept open.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long an unused pooled connection to an engine is kept open: under vLLM's
+/// VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s), after which its server closes an idle connection. A
+/// connection kept longer may be taken for a request just as the server closes it, and that
+/// request fails for nothing.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// Idle connections kept per engine: enough for every stream of a busy proxy to find one.
 const POOL_MAX_IDLE_PER_ENGINE: usize = 1024;
