@@ -671,6 +671,7 @@ const PROXY_LAYERS: &[(&str, &[&str])] = &[
         &[
             "instances",
             "reach",
+            "engine_run",
             "health",
             "discovery",
             "config",

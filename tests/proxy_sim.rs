@@ -773,3 +773,119 @@ async fn warmed_waits_for_the_pair_an_engine_coming_up_late_makes() {
         "200 before the pair was warmed: {v}"
     );
 }
+
+/// How many warm-ups the proxy has started, by its log.
+fn warm_ups_started(proxy: &ProxyProcess) -> usize {
+    proxy
+        .log()
+        .matches("warming up the KV path of pair")
+        .count()
+}
+
+/// Whether `/health?ready` lists the instance at `url` as usable.
+async fn usable(proxy: &ProxyProcess, url: &str) -> bool {
+    let v = common::get_json(&format!("{}/health?ready", proxy.url)).await;
+    v["instances"]
+        .as_array()
+        .is_some_and(|is| is.iter().any(|i| i["url"] == url && i["usable"] == true))
+}
+
+/// A pair's NIXL handshake lives as long as its two engines' processes. A decode whose
+/// connect timed out (its machine frozen, as two vLLM engines on two cores freeze it) is
+/// the same process afterwards. On two machines a freeze took decode out of rotation as
+/// if it had refused the connection, its pair was warmed again, and that warm-up, in the
+/// next freeze, made eight streams wait 30 s and get 503. Now:
+/// - proxy `a` (probes every second) sends a request during the freeze: the client is told
+///   the connect timed out, and the decode is not taken for one that refused it;
+/// - proxy `b` (probes every 100 ms) takes the decode out of rotation during the freeze and
+///   back after it, and keeps its pair warmed;
+/// - neither warms the pair again, and both route to it after the freeze.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_that_timed_out_keeps_the_decode_and_its_warmed_pair() {
+    let p = start_sim("prefill", "nixl", &[]).await;
+    let d = start_sim("decode", "nixl", &[]).await;
+    let gate = common::gate::Gate::open(&format!("127.0.0.1:{}", d.port));
+    let args = |interval: &str| {
+        fake::proxy_args_for(
+            vec![p.base.clone()],
+            vec![gate.base.clone()],
+            &[
+                "--protocol",
+                "nixl",
+                "--health-interval-ms",
+                interval,
+                "--connect-timeout-ms",
+                "300",
+            ],
+        )
+    };
+    let a = ProxyProcess::start(&args("1000")).await;
+    let b = ProxyProcess::start(&args("100")).await;
+    for proxy in [&a, &b] {
+        let warmed = eventually(WAIT, || async { warmed_status(&proxy.url).await == 200 }).await;
+        assert!(warmed, "never warmed:\n{}", proxy.log());
+        assert_eq!(warm_ups_started(proxy), 1, "{}", proxy.log());
+    }
+
+    gate.freeze().await;
+    let r = complete(&a, &prompt_of(40, "frozen"), false).await;
+    let status = r.status().as_u16();
+    let body = r.text().await.unwrap();
+    let out = eventually(WAIT, || async { !usable(&b, &gate.base).await }).await;
+    gate.thaw();
+    assert_eq!(status, 502, "{body}\n{}", a.log());
+    assert!(
+        body.contains("could not connect in time") && body.contains("--connect-timeout-ms"),
+        "{body}"
+    );
+    assert!(out, "the frozen decode stayed in rotation:\n{}", b.log());
+    let back = eventually(WAIT, || async { usable(&b, &gate.base).await }).await;
+    assert!(back, "the decode never came back:\n{}", b.log());
+    for proxy in [&a, &b] {
+        let r = complete(proxy, &prompt_of(40, "thawed"), false).await;
+        assert_eq!(r.status(), 200, "{}", proxy.log());
+        let log = proxy.log();
+        assert!(!log.contains("refused a connection"), "{log}");
+        assert_eq!(warm_ups_started(proxy), 1, "warmed again:\n{log}");
+        assert_eq!(pair_states(proxy).await, ["ready"], "{log}");
+    }
+}
+
+/// A decode that restarted is a new run of the engine, with no handshake: its pair is
+/// warmed again before routing sends it a request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_decode_is_warmed_again_before_it_is_routed_to() {
+    let p = start_sim("prefill", "nixl", &[]).await;
+    let d = start_sim("decode", "nixl", &[]).await;
+    let (port, url) = (d.port, d.base.clone());
+    let proxy = ProxyProcess::start(&args(
+        &[&p],
+        &[&d],
+        &["--protocol", "nixl", "--health-interval-ms", "100"],
+    ))
+    .await;
+    let warmed = eventually(WAIT, || async { warmed_status(&proxy.url).await == 200 }).await;
+    assert!(warmed, "never warmed:\n{}", proxy.log());
+
+    drop(d);
+    let gone = eventually(WAIT, || async { !usable(&proxy, &url).await }).await;
+    assert!(gone, "the stopped decode stayed usable:\n{}", proxy.log());
+    let mut a: Vec<&str> = ZERO.to_vec();
+    a.extend(["--role", "decode", "--handoff", "nixl"]);
+    let d = SimProc::start_on(port, &a).await;
+    let again = eventually(WAIT, || async {
+        warm_ups_started(&proxy) == 2 && pair_states(&proxy).await == ["ready"]
+    })
+    .await;
+    assert!(
+        again,
+        "the restarted decode's pair was not warmed again:\n{}",
+        proxy.log()
+    );
+    let r = complete(&proxy, &prompt_of(40, "after the restart"), false).await;
+    assert_eq!(r.status(), 200, "{}", proxy.log());
+    assert!(
+        d.prompt_tokens("external_kv_transfer").await > 0.0,
+        "no KV handed over"
+    );
+}

@@ -11,8 +11,14 @@ use std::time::Duration;
 /// What went wrong with one leg on one instance.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum LegFailure {
+    /// Refused, or no route there: nothing listens at that address (its process is gone,
+    /// or its machine cannot be reached).
     #[error("could not connect: {0}")]
     Connect(String),
+    /// No connection in time: the engine (or its machine) is busy or cut off, which says
+    /// nothing of whether its process lives.
+    #[error("could not connect in time: {0}")]
+    ConnectTimeout(String),
     /// `raise` names the setting that bounds the wait (empty where none applies).
     #[error("no answer within {limit:?}{raise}")]
     Timeout {
@@ -72,13 +78,24 @@ pub const RAISE_TOTAL: &str =
     " (raise --total-timeout-s, or proxy.total_timeout_s in the topology)";
 
 impl LegFailure {
+    /// What a failed TCP connect says: a timeout (the kernel's or `--connect-timeout-ms`)
+    /// is [`LegFailure::ConnectTimeout`], anything else [`LegFailure::Connect`].
+    pub fn of_connect(e: &std::io::Error) -> LegFailure {
+        if e.kind() == std::io::ErrorKind::TimedOut {
+            LegFailure::ConnectTimeout(format!("{e} (--connect-timeout-ms)"))
+        } else {
+            LegFailure::Connect(e.to_string())
+        }
+    }
+
     /// Connect errors, 502/503 and an instance found unreachable are worth trying on
     /// another instance.
     pub fn is_retryable(&self) -> bool {
         match self {
-            LegFailure::Connect(_) | LegFailure::Bootstrap { .. } | LegFailure::Unreachable(_) => {
-                true
-            }
+            LegFailure::Connect(_)
+            | LegFailure::ConnectTimeout(_)
+            | LegFailure::Bootstrap { .. }
+            | LegFailure::Unreachable(_) => true,
             LegFailure::Status { status, .. } => matches!(status, 502 | 503),
             _ => false,
         }
@@ -92,7 +109,7 @@ impl LegFailure {
     pub fn redo_reason(&self) -> Option<&'static str> {
         match self {
             LegFailure::KvLoad { .. } => Some("kv_load_failed"),
-            LegFailure::Connect(_) => Some("connect"),
+            LegFailure::Connect(_) | LegFailure::ConnectTimeout(_) => Some("connect"),
             LegFailure::Body(_) => Some("reset"),
             LegFailure::Unreachable(_) => Some("unreachable"),
             LegFailure::Bootstrap { .. } => Some("handshake"),

@@ -314,12 +314,12 @@ impl Inner {
         let conn = tokio::time::timeout(self.connect_timeout, TcpStream::connect(authority))
             .await
             .map_err(|_| {
-                LegFailure::Connect(format!(
+                LegFailure::ConnectTimeout(format!(
                     "no connection within {:?} (--connect-timeout-ms)",
                     self.connect_timeout
                 ))
             })?
-            .map_err(|e| LegFailure::Connect(e.to_string()))?;
+            .map_err(|e| LegFailure::of_connect(&e))?;
         conn.set_nodelay(true)
             .map_err(|e| LegFailure::Connect(e.to_string()))?;
         // A peer that goes silent (a machine cut off) ends the connection in seconds:
@@ -898,5 +898,41 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, LegFailure::Connect(_)), "{err}");
+    }
+
+    /// A listener whose accept queue is full drops new SYNs, so a connect to it hangs, as
+    /// one to a frozen or busy machine does.
+    fn unaccepting_listener() -> (socket2::Socket, Vec<std::net::TcpStream>) {
+        let sock =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        let addr: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+        sock.bind(&addr.into()).unwrap();
+        sock.listen(0).unwrap();
+        let addr = sock.local_addr().unwrap().as_socket().unwrap();
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            let s =
+                socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+            if s.connect_timeout(&addr.into(), Duration::from_millis(300))
+                .is_err()
+            {
+                return (sock, held);
+            }
+            held.push(s.into());
+        }
+        panic!("a listener with a backlog of 0 took 4 connections unaccepted");
+    }
+
+    #[tokio::test]
+    async fn a_connect_that_times_out_is_slowness_not_a_refusal() {
+        let (listener, _held) = unaccepting_listener();
+        let addr = listener.local_addr().unwrap().as_socket().unwrap();
+        let client = Client::new(Duration::from_millis(300), TcpLiveness::default(), None);
+        let err = client
+            .post_json(&format!("http://{addr}"), "/v1/completions", b"{}", "id")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LegFailure::ConnectTimeout(_)), "{err}");
+        assert!(err.to_string().contains("--connect-timeout-ms"), "{err}");
     }
 }

@@ -97,6 +97,8 @@ pub async fn probe_round(p: &Arc<Proxy>, first: bool) {
         let changed = if first {
             inst.set_usable(result.is_ok())
         } else if result.as_ref().is_err_and(ProbeError::refused) {
+            // Nothing listens there: whatever answers next is a new run of the engine.
+            inst.run.ended();
             inst.set_usable(false)
         } else {
             inst.record_probe(result.is_ok(), DOWN_AFTER, UP_AFTER)
@@ -174,6 +176,16 @@ pub fn apply_report(p: &Proxy, report: &StatusReport) {
                     );
                 }
                 inst.set_supervised(true);
+                if inst.run.follow_report(s.pid, s.restarts) {
+                    tracing::info!(
+                        "{} instance {} runs anew (supervisor service {}: pid {}, {} restart(s))",
+                        inst.leg,
+                        inst.url,
+                        s.name,
+                        s.pid.map_or("-".to_string(), |p| p.to_string()),
+                        s.restarts
+                    );
+                }
                 inst.set_coming_back(matches!(
                     s.state,
                     ServiceState::Pending

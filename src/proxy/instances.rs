@@ -42,6 +42,8 @@ pub struct Instance {
     pub ledger: super::recompute::ledger::HandoffLedger,
     /// Whether it can be reached at all: the legs on it end when it cannot (reach.rs).
     pub reach: super::reach::Reach,
+    /// Which run of its engine this is: pairs warmed with another run are warmed again.
+    pub run: super::engine_run::EngineRun,
 }
 
 impl Instance {
@@ -68,6 +70,7 @@ impl Instance {
             out_reason: std::sync::Mutex::new(String::new()),
             ledger: Default::default(),
             reach: Default::default(),
+            run: Default::default(),
         }
     }
 

@@ -15,7 +15,8 @@
 //!    (what a client or a leg is told), `recorder` (the events the lower layers count;
 //!    the figures implement it, so nothing below the figures imports them).
 //! 2. Membership and settings: `instances` (the engines and their live facts), `reach`,
-//!    `health` (probes, the supervisor's word), `discovery` (instances found by DNS
+//!    `engine_run` (which run of its engine an instance is), `health` (probes, the
+//!    supervisor's word), `discovery` (instances found by DNS
 //!    name); `config`, `tuning` (settings taken while serving, from the supervisor's spec
 //!    of the proxy), `policy` (instance choice); `recompute/ledger` and
 //!    `recompute/counters` (the record of KV handoffs each decode instance carries).
@@ -41,6 +42,7 @@ mod designate;
 mod discovery;
 mod drain;
 mod endpoint;
+mod engine_run;
 mod errors;
 mod figures;
 mod h1;

@@ -612,8 +612,8 @@ fn warmed(
         Partner::Of(p) => usable
             .into_iter()
             .filter(|i| match leg {
-                Leg::Decode => proxy.warmup.pair_ready(&p.url, &i.url),
-                Leg::Prefill => proxy.warmup.pair_ready(&i.url, &p.url),
+                Leg::Decode => proxy.warmup.pair_ready(p, i),
+                Leg::Prefill => proxy.warmup.pair_ready(i, p),
             })
             .collect(),
         Partner::Any => {
@@ -632,13 +632,15 @@ fn warmed(
 }
 
 /// Counts a failure against the instance (never a client's 4xx) and takes an instance that
-/// refuses connections out of rotation until health checks bring it back.
+/// refuses connections out of rotation until health checks bring it back. A connect that
+/// timed out only counts: the engine or its machine is busy (a freeze on a loaded host
+/// stalls connects for seconds), and the health checks tell busy from gone.
 fn note_failure(inst: &Instance, f: &LegFailure) {
     if !f.blames_instance() {
         return;
     }
     let kind = match f {
-        LegFailure::Connect(_) => FailureKind::Connect,
+        LegFailure::Connect(_) | LegFailure::ConnectTimeout(_) => FailureKind::Connect,
         LegFailure::Timeout { .. } | LegFailure::Unreachable(_) => FailureKind::Timeout,
         LegFailure::Status { .. } => FailureKind::Status5xx,
         LegFailure::Body(_)
@@ -647,7 +649,12 @@ fn note_failure(inst: &Instance, f: &LegFailure) {
         | LegFailure::KvLoad { .. } => FailureKind::Body,
     };
     inst.record_failure(kind);
-    if matches!(f, LegFailure::Connect(_)) && inst.set_usable(false) {
+    if !matches!(f, LegFailure::Connect(_)) {
+        return;
+    }
+    // Nothing listens there: whatever answers next is a new run of the engine.
+    inst.run.ended();
+    if inst.set_usable(false) {
         // A supervised engine that refuses connections has most likely died, and its
         // supervisor is restarting it: requests may wait for it until its next report
         // says otherwise (`failed`, or healthy again).

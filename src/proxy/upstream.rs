@@ -123,7 +123,15 @@ fn parse_uri(url: &str) -> Result<Uri, LegFailure> {
 /// Maps a client error to what the proxy reports and counts.
 pub fn classify(e: &hyper_util::client::legacy::Error) -> LegFailure {
     if e.is_connect() {
-        // The innermost cause says "Connection refused" etc.; the outer ones only "client error (Connect)".
+        // The innermost cause says "Connection refused" etc.; the outer ones only "client
+        // error (Connect)". The connector's own timeout is an io::Error of kind TimedOut.
+        let mut cause: &(dyn std::error::Error + 'static) = e;
+        while let Some(next) = cause.source() {
+            if let Some(io) = next.downcast_ref::<std::io::Error>() {
+                return LegFailure::of_connect(io);
+            }
+            cause = next;
+        }
         LegFailure::Connect(innermost_cause(e))
     } else {
         LegFailure::Body(format!("{e}: {}", innermost_cause(e)))

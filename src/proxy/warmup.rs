@@ -4,9 +4,11 @@
 //! `kv_load_failure_policy = "fail"`). So for protocols whose handshake is lazy
 //! ([`crate::vocab::ProxyProtocol::lazy_handshake`]) each prefill/decode pair gets one small
 //! warm-up request (a prompt of a few hundred tokens, one output token) through both legs
-//! before routing sends it a client's request: at start, and for every pair an instance
-//! joining later makes (`pdctl scale`, a restart, a rebalance move: any instance that
-//! comes (back) into rotation). A pair whose warm-up fails stays out of routing with the
+//! before routing sends it a client's request: at start, for every pair an instance
+//! joining later makes (`pdctl scale`, a rebalance move), and again when one of its
+//! engines runs anew (a restart: [`super::engine_run`]). An instance that was only out
+//! of rotation for a while (busy, a freeze) keeps its warmed pairs: the handshake lives
+//! as long as the two processes. A pair whose warm-up fails stays out of routing with the
 //! reason (`/health?ready`, `pdctl status`) and is tried again with a growing backoff.
 //! The warm-up goes straight to the engines: it never reaches a client and no counter of
 //! the proxy's traffic sees it.
@@ -70,11 +72,29 @@ pub struct PairView {
     pub took_ms: Option<u64>,
 }
 
+/// A pair's state, with the engine runs ([`super::engine_run::EngineRun::generation`] of
+/// the prefill and of the decode) it holds for.
+#[derive(Debug, Clone)]
+struct Pair {
+    state: PairState,
+    runs: Runs,
+}
+
+/// The engine runs of a pair's prefill and decode.
+type Runs = (u64, u64);
+
+/// `(prefill URL, decode URL)`.
+type Key = (String, String);
+
+fn runs_of(prefill: &Instance, decode: &Instance) -> Runs {
+    (prefill.run.generation(), decode.run.generation())
+}
+
 /// The warm-up state of every prefill/decode pair (by the instances' URLs).
 #[derive(Debug, Default)]
 pub struct Warmup {
     needed: bool,
-    pairs: Mutex<HashMap<(String, String), PairState>>,
+    pairs: Mutex<HashMap<Key, Pair>>,
     /// Every pair usable when the proxy started is warmed, or `settle_within` has passed.
     settled: AtomicBool,
     /// How long `/health?warmed` waits for that (`--warmed-within-s`).
@@ -100,17 +120,21 @@ impl Warmup {
         self.needed
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), PairState>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Pair>> {
         self.pairs.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether routing may send a handoff from `prefill` to `decode`.
-    pub fn pair_ready(&self, prefill: &str, decode: &str) -> bool {
+    /// Whether routing may send a handoff from `prefill` to `decode`: their pair was warmed
+    /// with the engine runs they have now.
+    pub fn pair_ready(&self, prefill: &Instance, decode: &Instance) -> bool {
         !self.needed
-            || matches!(
-                self.lock().get(&(prefill.to_string(), decode.to_string())),
-                Some(PairState::Ready { .. })
-            )
+            || self
+                .lock()
+                .get(&(prefill.url.clone(), decode.url.clone()))
+                .is_some_and(|pair| {
+                    matches!(pair.state, PairState::Ready { .. })
+                        && pair.runs == runs_of(prefill, decode)
+                })
     }
 
     /// Whether `inst` makes a ready pair with one of `others` (the other leg's instances).
@@ -127,7 +151,7 @@ impl Warmup {
             && self
                 .lock()
                 .values()
-                .any(|s| !matches!(s, PairState::Ready { .. }))
+                .any(|pair| !matches!(pair.state, PairState::Ready { .. }))
     }
 
     /// Whether the pairs usable at start are all warmed (or the wait for them is over).
@@ -140,8 +164,8 @@ impl Warmup {
         let mut out: Vec<PairView> = self
             .lock()
             .iter()
-            .map(|((p, d), s)| {
-                let (state, reason, took_ms) = match s {
+            .map(|((p, d), pair)| {
+                let (state, reason, took_ms) = match &pair.state {
                     PairState::Warming { attempt } => (
                         "warming",
                         Some(format!("warming up its KV path (attempt {attempt})")),
@@ -194,12 +218,12 @@ impl Warmup {
     }
 }
 
-/// `(prefill URL, decode URL)` of a pair given its two instances in any order.
-fn ordered<'a>(a: &'a Instance, b: &'a Instance) -> (&'a str, &'a str) {
+/// `(prefill, decode)` of a pair given its two instances in any order.
+fn ordered<'a>(a: &'a Instance, b: &'a Instance) -> (&'a Instance, &'a Instance) {
     if a.leg == Leg::Prefill {
-        (&a.url, &b.url)
+        (a, b)
     } else {
-        (&b.url, &a.url)
+        (b, a)
     }
 }
 
@@ -210,7 +234,7 @@ pub fn start(p: Arc<Proxy>) {
     }
     tokio::spawn(async move {
         let began = Instant::now();
-        let mut round: Vec<(String, String)> = Vec::new();
+        let mut round: Vec<Key> = Vec::new();
         loop {
             let started = tick(&p);
             // The first round is the first tick that could pair anything: at the proxy's
@@ -235,11 +259,11 @@ pub fn start(p: Arc<Proxy>) {
 /// the wait: it is tried again, and on a busy machine a NIXL handshake that timed out once
 /// works the next time (`up` ending before that made the first request wait for the
 /// warm-up and fail).
-fn settle(w: &Warmup, round: &[(String, String)], elapsed: Duration) -> bool {
+fn settle(w: &Warmup, round: &[Key], elapsed: Duration) -> bool {
     let pairs = w.lock();
     let (mut waiting, mut given_up) = (Vec::new(), Vec::new());
     for k in round {
-        match pairs.get(k) {
+        match pairs.get(k).map(|pair| &pair.state) {
             None | Some(PairState::Ready { .. }) => {}
             Some(PairState::Warming { attempt }) => waiting.push(format!(
                 "{} -> {} (warm-up attempt {attempt} on its way)",
@@ -280,10 +304,10 @@ fn settle(w: &Warmup, round: &[(String, String)], elapsed: Duration) -> bool {
     true
 }
 
-/// Forgets pairs whose instances are out of rotation or gone (their handshake is to be
-/// made again when they are back: a restarted engine has none), and starts the warm-ups
-/// that are due. Returns the pairs it started.
-fn tick(p: &Arc<Proxy>) -> Vec<(String, String)> {
+/// Forgets pairs an instance of which left routing or runs anew (a restarted engine has
+/// no handshake; one that was only out of rotation, busy, keeps it), and starts the
+/// warm-ups that are due for pairs of usable instances. Returns the pairs it started.
+fn tick(p: &Arc<Proxy>) -> Vec<Key> {
     let pools = p.pools.snapshot();
     let usable = |leg| -> Vec<Arc<Instance>> {
         pools
@@ -297,30 +321,43 @@ fn tick(p: &Arc<Proxy>) -> Vec<(String, String)> {
     let mut due = Vec::new();
     {
         let mut pairs = p.warmup.lock();
-        pairs.retain(|(pu, du), _| {
-            prefills.iter().any(|i| &i.url == pu) && decodes.iter().any(|i| &i.url == du)
+        pairs.retain(|(pu, du), pair| {
+            let prefill = pools.of(Leg::Prefill).iter().find(|i| &i.url == pu);
+            let decode = pools.of(Leg::Decode).iter().find(|i| &i.url == du);
+            let Some((pf, d)) = prefill.zip(decode) else {
+                return false;
+            };
+            let same = pair.runs == runs_of(pf, d);
+            if !same && matches!(pair.state, PairState::Ready { .. }) {
+                tracing::info!(
+                    "pair {pu} -> {du} leaves routing until warmed again: an engine of it runs anew (restarted), and its KV handshake went with the old run"
+                );
+            }
+            same
         });
         let now = Instant::now();
         for pf in &prefills {
             for d in &decodes {
                 let key = (pf.url.clone(), d.url.clone());
-                let attempt = match pairs.get(&key) {
+                let attempt = match pairs.get(&key).map(|pair| &pair.state) {
                     None => 1,
                     Some(PairState::Failed {
                         attempt, next_try, ..
                     }) if *next_try <= now => attempt + 1,
                     Some(_) => continue,
                 };
-                pairs.insert(key.clone(), PairState::Warming { attempt });
-                due.push((pf.clone(), d.clone(), attempt));
+                let runs = runs_of(pf, d);
+                let state = PairState::Warming { attempt };
+                pairs.insert(key.clone(), Pair { state, runs });
+                due.push((pf.clone(), d.clone(), attempt, runs));
             }
         }
     }
     let started = due
         .iter()
-        .map(|(pf, d, _)| (pf.url.clone(), d.url.clone()))
+        .map(|(pf, d, _, _)| (pf.url.clone(), d.url.clone()))
         .collect();
-    for (pf, d, attempt) in due {
+    for (pf, d, attempt, runs) in due {
         let p = p.clone();
         tokio::spawn(async move {
             tracing::info!(
@@ -335,8 +372,10 @@ fn tick(p: &Arc<Proxy>) -> Vec<(String, String)> {
             let took = t0.elapsed();
             let key = (pf.url.clone(), d.url.clone());
             let mut pairs = p.warmup.lock();
-            // Forgotten meanwhile (an instance left): nothing to record.
-            if !matches!(pairs.get(&key), Some(PairState::Warming { .. })) {
+            // Forgotten meanwhile (an instance left or ran anew): nothing to record.
+            if !pairs.get(&key).is_some_and(|pair| {
+                matches!(pair.state, PairState::Warming { .. }) && pair.runs == runs
+            }) {
                 return;
             }
             match result {
@@ -347,7 +386,8 @@ fn tick(p: &Arc<Proxy>) -> Vec<(String, String)> {
                         d.url,
                         took.as_secs_f64()
                     );
-                    pairs.insert(key, PairState::Ready { took });
+                    let state = PairState::Ready { took };
+                    pairs.insert(key, Pair { state, runs });
                 }
                 Err(why) => {
                     let wait = backoff(attempt);
@@ -358,14 +398,13 @@ fn tick(p: &Arc<Proxy>) -> Vec<(String, String)> {
                         took.as_secs_f64(),
                         wait.as_secs_f64()
                     );
-                    pairs.insert(
-                        key,
-                        PairState::Failed {
-                            why,
-                            attempt,
-                            next_try: Instant::now() + wait,
-                        },
-                    );
+                    let next_try = Instant::now() + wait;
+                    let state = PairState::Failed {
+                        why,
+                        attempt,
+                        next_try,
+                    };
+                    pairs.insert(key, Pair { state, runs });
                 }
             }
         });
@@ -511,6 +550,17 @@ mod tests {
         Arc::new(Instance::new(leg, 0, parse_endpoint(addr).unwrap(), None))
     }
 
+    /// Sets a pair's state as warmed with the engines' first runs.
+    fn put(w: &Warmup, key: &Key, state: PairState) {
+        w.lock().insert(
+            key.clone(),
+            Pair {
+                state,
+                runs: (0, 0),
+            },
+        );
+    }
+
     #[test]
     fn warmed_waits_through_a_failed_first_warm_up_until_the_pair_is_ready_or_time_is_up() {
         let w = Warmup::new(true, Duration::from_secs(180));
@@ -518,11 +568,11 @@ mod tests {
         let round = vec![key.clone()];
         let early = Duration::from_secs(40);
         assert!(!settle(&w, &[], early), "no pair yet is no warm-up done");
-        w.lock()
-            .insert(key.clone(), PairState::Warming { attempt: 1 });
+        put(&w, &key, PairState::Warming { attempt: 1 });
         assert!(!settle(&w, &round, early));
-        w.lock().insert(
-            key.clone(),
+        put(
+            &w,
+            &key,
             PairState::Failed {
                 why: "answered 500: handshake timed out".into(),
                 attempt: 1,
@@ -537,8 +587,9 @@ mod tests {
             settle(&w, &round, Duration::from_secs(180)),
             "past the wait: ready all the same"
         );
-        w.lock().insert(
-            key.clone(),
+        put(
+            &w,
+            &key,
             PairState::Failed {
                 why: "answered 400: no such model".into(),
                 attempt: SETTLE_ATTEMPTS,
@@ -549,8 +600,9 @@ mod tests {
             settle(&w, &round, early),
             "a pair that failed every warm-up holds `up` no further"
         );
-        w.lock().insert(
-            key.clone(),
+        put(
+            &w,
+            &key,
             PairState::Ready {
                 took: Duration::from_secs(3),
             },
@@ -565,10 +617,11 @@ mod tests {
         let w = Warmup::new(true, Duration::from_secs(180));
         let p = inst(Leg::Prefill, "10.0.0.1:1");
         let d = inst(Leg::Decode, "10.0.0.2:2");
-        assert!(!w.pair_ready(&p.url, &d.url), "unknown: not ready");
+        assert!(!w.pair_ready(&p, &d), "unknown: not ready");
         assert!(!w.in_a_ready_pair(&d, std::slice::from_ref(&p)));
-        w.lock().insert(
-            (p.url.clone(), d.url.clone()),
+        put(
+            &w,
+            &(p.url.clone(), d.url.clone()),
             PairState::Failed {
                 why: "handshake timed out".into(),
                 attempt: 1,
@@ -581,19 +634,32 @@ mod tests {
             why.contains("handshake timed out") && why.contains(&d.url),
             "{why}"
         );
-        w.lock().insert(
-            (p.url.clone(), d.url.clone()),
+        put(
+            &w,
+            &(p.url.clone(), d.url.clone()),
             PairState::Ready {
                 took: Duration::from_millis(40),
             },
         );
-        assert!(w.pair_ready(&p.url, &d.url));
+        assert!(w.pair_ready(&p, &d));
         assert!(w.in_a_ready_pair(&d, std::slice::from_ref(&p)));
         assert!(w.in_a_ready_pair(&p, std::slice::from_ref(&d)));
         assert!(!w.pending());
         assert_eq!(w.views()[0].state, "ready");
+        d.set_usable(false);
+        d.set_usable(true);
+        assert!(
+            w.pair_ready(&p, &d),
+            "out of rotation for a while (busy): the same process keeps its handshake"
+        );
+        assert!(!d.run.follow_report(Some(41), 0));
+        assert!(d.run.follow_report(Some(42), 1));
+        assert!(
+            !w.pair_ready(&p, &d),
+            "a restarted decode has no handshake with the prefill"
+        );
         // A protocol without a lazy handshake routes every pair at once.
-        assert!(Warmup::new(false, Duration::ZERO).pair_ready("a", "b"));
+        assert!(Warmup::new(false, Duration::ZERO).pair_ready(&p, &d));
         assert!(Warmup::new(false, Duration::ZERO).settled());
     }
 

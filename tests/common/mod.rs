@@ -2,6 +2,7 @@
 //! that are killed when a test ends (even when it fails).
 #![allow(dead_code)]
 
+pub mod gate;
 pub mod hub;
 pub mod netns;
 pub mod proxy;
