@@ -167,6 +167,7 @@ fn run_case(case: &Case) {
         state: root.path().to_path_buf(),
         tag: tag.clone(),
         up: false,
+        worker_state: None,
     };
 
     // The plan must have what this case is about, before anything starts.
@@ -1162,6 +1163,8 @@ struct Running {
     state: PathBuf,
     tag: String,
     up: bool,
+    /// Another machine's state root (two-nodes' worker), whose logs are kept too.
+    worker_state: Option<PathBuf>,
 }
 
 impl Drop for Running {
@@ -1185,6 +1188,11 @@ impl Drop for Running {
             let keep = std::env::temp_dir().join(format!("pdctl-e2e-failed-{}", self.tag));
             if copy_logs(&self.state, &keep) {
                 eprintln!("every service's log is kept in {}", keep.display());
+            }
+            if let Some(worker) = &self.worker_state
+                && copy_logs(worker, &keep.join("worker"))
+            {
+                eprintln!("and the worker's in {}", keep.join("worker").display());
             }
         }
         let _ = run(pdctl_in(self, &["down", "-t", "10"]), 60);
@@ -1609,6 +1617,7 @@ fn vllm_cpu_misses_under_load_1p1d() {
         state: root.path().to_path_buf(),
         tag,
         up: false,
+        worker_state: None,
     };
     let plan = run(pdctl_in(&guard, &["plan", "-f", path(&topo), "--json"]), 60);
     assert!(plan.status.success(), "pdctl plan failed:\n{}", text(&plan));
@@ -2357,6 +2366,7 @@ fn vllm_cpu_rebalance_reads_real_figures_1p1d() {
         state: root.path().to_path_buf(),
         tag,
         up: false,
+        worker_state: None,
     };
     guard.up = true;
     let up = run(pdctl_in(&guard, &["up", "-d", "-f", path(&topo)]), 900);
@@ -2551,6 +2561,7 @@ fn vllm_cpu_fetches_the_model_first_1p1d() {
         state: root.path().to_path_buf(),
         tag,
         up: false,
+        worker_state: None,
     };
     guard.up = true;
     let started = Instant::now();
@@ -2663,6 +2674,7 @@ fn vllm_cpu_two_nodes_nixl() {
         state: head_root.clone(),
         tag: tag.clone(),
         up: true,
+        worker_state: Some(worker_root.clone()),
     };
     let on_head = |args: &[&str]| -> Command {
         let mut c = netns::NetnsPair::wrap(Some(&pair.a), pdctl_in(&guard, args));

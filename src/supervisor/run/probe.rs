@@ -126,6 +126,13 @@ impl Prober {
         super::stall::clock();
         let http = reqwest::Client::builder()
             .no_proxy()
+            // A fresh connection for every probe. vLLM closes a connection idle for 5 s
+            // (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`): a kept one, taken again after a freeze of
+            // a few seconds, met that close as the probe went out and read as a reset,
+            // which takes a service out of rotation at once (seen on two busy machines:
+            // decode out for 1.5 s though it never stopped serving). On a fresh connection
+            // a reset is evidence.
+            .pool_max_idle_per_host(0)
             .timeout(timeout)
             .connect_timeout(timeout)
             .tcp_keepalive(tcp.keepalive_idle())
@@ -346,6 +353,47 @@ mod tests {
         assert_eq!(startup_delay(ms(200)), ms(50));
         assert_eq!(startup_delay(ms(2_000)), ms(400));
         assert_eq!(startup_delay(ms(600_000)), ms(1_000));
+    }
+
+    /// A server that answers the first request on a connection and keeps it open, and
+    /// resets the connection if a second request comes on it (as vLLM's server does when
+    /// the request meets its close of an idle connection).
+    async fn resets_a_kept_connection() -> u16 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            while let Ok((mut s, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 1024];
+                    if s.read(&mut buf).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let ok = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    let _ = s.write_all(ok.as_bytes()).await;
+                    if s.read(&mut buf).await.unwrap_or(0) > 0 {
+                        let _ = s.set_zero_linger();
+                    }
+                });
+            }
+        });
+        port
+    }
+
+    #[tokio::test]
+    async fn each_probe_has_a_fresh_connection_so_a_closed_kept_one_is_no_reset() {
+        let port = resets_a_kept_connection().await;
+        let p = Prober::default();
+        let seen = AtomicBool::new(false);
+        let probe = Probe::Http {
+            url: format!("http://127.0.0.1:{port}/health"),
+            status: 200,
+            body_contains: None,
+        };
+        for n in 1..=3 {
+            let r = p.check(&probe, &seen).await;
+            assert!(r.is_ok(), "probe {n}: {}", r.unwrap_err());
+        }
     }
 
     #[tokio::test]
