@@ -16,6 +16,35 @@ const DEFAULT_STARTUP_LIMIT: Duration = Duration::from_secs(900);
 /// its table; the proxy's `/metrics` is one page).
 const LOOK_EVERY: Duration = Duration::from_millis(100);
 
+/// What a service's row says of its run, to tell whether it ended between two looks.
+#[derive(Debug, Clone)]
+struct RunSeen {
+    pid: Option<u32>,
+    restarts: u32,
+    state: ServiceState,
+    last_exit: Option<String>,
+}
+
+impl RunSeen {
+    fn of(row: Option<crate::control::ServiceStatus>) -> Option<RunSeen> {
+        row.map(|s| RunSeen {
+            pid: s.pid,
+            restarts: s.restarts,
+            state: s.state,
+            last_exit: s.last_exit,
+        })
+    }
+
+    /// Whether the run seen `before` ended by now: restarted (another restart count or
+    /// pid), or no longer serving (neither draining nor healthy).
+    fn ended_since(&self, before: &RunSeen) -> bool {
+        let other_pid = matches!((before.pid, self.pid), (Some(a), Some(b)) if a != b);
+        self.restarts != before.restarts
+            || other_pid
+            || !matches!(self.state, ServiceState::Draining | ServiceState::Healthy)
+    }
+}
+
 /// Drains, restarts and removes services of a running cluster.
 pub struct Drainer<'a> {
     pub nodes: &'a Nodes,
@@ -197,6 +226,10 @@ impl Drainer<'_> {
     /// Takes `service` out of routing and waits until the proxy has no request on it;
     /// fails (and leaves the caller to put it back) when that cannot be known.
     async fn drain(&self, service: &str, owner: &str) -> anyhow::Result<()> {
+        // Its run as it was before the drain: a death any time after this is told. (Taken
+        // after the drain began, it missed a death in between when the supervisor had
+        // already restarted the service: seen under load.)
+        let before = RunSeen::of(self.row(owner, service).await.ok().flatten());
         self.ask(
             &self.proxy_node,
             Request::Drain {
@@ -210,7 +243,7 @@ impl Drainer<'_> {
             .await?
             .and_then(|s| s.url);
         if let (Some(proxy), Some(url)) = (&self.proxy_url, url) {
-            self.wait_idle(proxy, &url, service, owner).await?;
+            self.wait_idle(proxy, &url, service, owner, before).await?;
         }
         Ok(())
     }
@@ -226,12 +259,9 @@ impl Drainer<'_> {
         url: &str,
         service: &str,
         owner: &str,
+        before: Option<RunSeen>,
     ) -> anyhow::Result<()> {
         let end = Instant::now() + self.timeout;
-        let run_of = |r: Option<crate::control::ServiceStatus>| {
-            r.map(|s| (s.restarts, s.state, s.last_exit))
-        };
-        let first = run_of(self.row_once(owner, service).await);
         let mut unread: Option<String> = None;
         loop {
             let look = match self.proxy_page(proxy).await {
@@ -272,14 +302,13 @@ impl Drainer<'_> {
             }
             tokio::time::sleep(LOOK_EVERY).await;
         }
-        let now = run_of(self.row_once(owner, service).await);
-        if let (Some((restarts, _, _)), Some((now_restarts, state, last_exit))) = (first, now)
-            && (now_restarts != restarts
-                || !matches!(state, ServiceState::Draining | ServiceState::Healthy))
+        let now = RunSeen::of(self.row_once(owner, service).await);
+        if let (Some(before), Some(now)) = (before, now)
+            && now.ended_since(&before)
         {
             self.progress.warn(&format!(
                 "{service} ended while draining ({}): its requests in flight got the proxy's error",
-                last_exit.as_deref().unwrap_or(state.as_str())
+                now.last_exit.as_deref().unwrap_or(now.state.as_str())
             ));
         }
         Ok(())
@@ -432,4 +461,30 @@ pub fn metrics_client() -> reqwest::Client {
         .timeout(Duration::from_secs(2))
         .build()
         .expect("a plain HTTP client builds")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(pid: u32, restarts: u32, state: ServiceState) -> RunSeen {
+        RunSeen {
+            pid: Some(pid),
+            restarts,
+            state,
+            last_exit: None,
+        }
+    }
+
+    #[test]
+    fn a_run_that_died_and_came_back_during_the_drain_is_told() {
+        let before = seen(10, 0, ServiceState::Healthy);
+        assert!(!seen(10, 0, ServiceState::Draining).ended_since(&before));
+        assert!(
+            seen(11, 1, ServiceState::Healthy).ended_since(&before),
+            "restarted and healthy again: still a death"
+        );
+        assert!(seen(11, 0, ServiceState::Draining).ended_since(&before));
+        assert!(seen(10, 0, ServiceState::Restarting).ended_since(&before));
+    }
 }
