@@ -385,7 +385,7 @@ fn run_case(case: &Case) {
     // request here was answered, so the count is final. With every handoff made, it must
     // count none.
     let misses = rt.block_on(async {
-        let text = common::get_text(&format!("{proxy}/metrics")).await;
+        let text = proxy_metrics(&proxy).await;
         metric_sum(&text, "pdctl_proxy_kv_handoff_misses_total", "").unwrap_or(0.0)
     });
     println!(
@@ -521,15 +521,39 @@ fn run_case(case: &Case) {
 // --- real misses, and a decode engine core killed ------------------------------------------
 
 /// The proxy's count of KV handoff misses, all reasons.
+/// How long one of the test's reads of a page may take: this 2-core machine froze whole for
+/// 70-100 s at times under two engines (the kernel logged `BUG: workqueue lockup ... stuck
+/// for 71s`), and a read that went out just before such a freeze is answered after it. A
+/// 60 s bound failed two-nodes once, every stream of it still running.
+const PAGE_WITHIN: Duration = Duration::from_secs(300);
+
+/// The proxy's `/metrics` page.
+async fn proxy_metrics(proxy: &str) -> String {
+    let url = format!("{proxy}/metrics");
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(PAGE_WITHIN)
+        .build()
+        .unwrap()
+        .get(&url)
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .unwrap_or_else(|e| panic!("GET {url}: {e} ({:?})", std::error::Error::source(&e)))
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: the page broke off: {e}"))
+}
+
 async fn proxy_misses(proxy: &str) -> f64 {
-    let text = common::get_text(&format!("{proxy}/metrics")).await;
+    let text = proxy_metrics(proxy).await;
     metric_sum(&text, "pdctl_proxy_kv_handoff_misses_total", "").unwrap_or(0.0)
 }
 
 /// The proxy's count of KV handoff failures (decode failed a request it was handed KV
 /// for, or reported failed transfers), all reasons.
 async fn proxy_handoff_failures(proxy: &str) -> f64 {
-    let text = common::get_text(&format!("{proxy}/metrics")).await;
+    let text = proxy_metrics(proxy).await;
     metric_sum(&text, "pdctl_proxy_kv_handoff_failures_total", "").unwrap_or(0.0)
 }
 
@@ -665,7 +689,7 @@ async fn real_misses(
     }
     // Counted per request (by the time each answer was handed on), named in the proxy's
     // log: id, decode, tokens recomputed.
-    let metrics = common::get_text(&format!("{proxy}/metrics")).await;
+    let metrics = proxy_metrics(proxy).await;
     let by_usage = metric_sum(
         &metrics,
         "pdctl_proxy_kv_handoff_misses_total",
@@ -2890,7 +2914,7 @@ async fn two_nodes_traffic(
     }
     let mut drops = Vec::new();
     while Instant::now() < end {
-        let page = common::get_text(&format!("{proxy}/metrics")).await;
+        let page = proxy_metrics(proxy).await;
         for l in page
             .lines()
             .filter(|l| l.starts_with("pdctl_proxy_instance_healthy{") && !l.ends_with(" 1"))
