@@ -156,9 +156,23 @@ else
   # it (vLLM versions with --kv-cache-memory-bytes), and every plan of a run is the same.
   GPUS_ARG="$GPU:$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i "$GPU" | tr -d ' ')MiB"
 fi
-status_json() { "$PDCTL" status --json --state-dir "$1" 2>/dev/null; }
-# `field SERVICE KEY` from a status --json document on stdin.
-field() { "$PYTHON_PATH" -c 'import json,sys; r=json.load(sys.stdin); s=[x for x in r["services"] if x["name"]==sys.argv[1]]; print(s[0].get(sys.argv[2]) if s else "")' "$1" "$2"; }
+# `status --json` of the cluster under $1. Its exit status is kept (1 while a service is not
+# healthy, the document still printed). When it prints no document (a loaded machine can
+# freeze longer than its 5 s wait for the supervisor), what it said is told here and the
+# readers below take the empty document as "no status".
+status_json() {
+  local rc=0
+  "$PDCTL" status --json --state-dir "$1" 2>"$WORK/status.err" || rc=$?
+  if [ "$rc" -gt 1 ] || [ -s "$WORK/status.err" ]; then
+    echo "  (status --json exited $rc: $(tr '\n' ' ' < "$WORK/status.err" | cut -c1-200))" >&2
+  fi
+  return "$rc"
+}
+# Python reading a status --json document on stdin into r; {} when there is none.
+READ_STATUS='import json,sys; t=sys.stdin.read(); r=json.loads(t) if t.strip() else {}'
+# `field SERVICE KEY` from a status --json document on stdin ("" without one).
+field() { "$PYTHON_PATH" -c "$READ_STATUS"'
+s=[x for x in r.get("services", []) if x["name"]==sys.argv[1]]; print(s[0].get(sys.argv[2]) if s else "")' "$1" "$2"; }
 # Processes of the session the detached supervisor $1 led: everything it started and all
 # they forked (the run-id marker in the environment is not enough: vLLM's engine core
 # writes its process title over its environment).
@@ -380,9 +394,8 @@ run_case() {
 # `rebalance_field STATE KEY`: the rebalancer's KEY in status --json (moves_total, verdict,
 # or last_move: the last move as "FROM TO OUTCOME").
 rebalance_field() {
-  status_json "$1" | "$PYTHON_PATH" -c '
-import json, sys
-r = (json.load(sys.stdin).get("rebalance") or {})
+  status_json "$1" | "$PYTHON_PATH" -c "$READ_STATUS"'
+r = (r.get("rebalance") or {})
 k = sys.argv[1]
 if k == "last_move":
     m = (r.get("moves") or [{}])[-1]
@@ -450,7 +463,8 @@ run_rebalance() {
     && pass "$case: the load through the move: $done_n requests, 0 failed" \
     || fail "$case: the load through the move: $done_n completed, $failed_n failed"
   local js; js="$(status_json "$state")"
-  local roles; roles="$("$PYTHON_PATH" -c 'import json,sys; r=json.load(sys.stdin); print(" ".join(sorted(s["name"]+":"+s["state"] for s in r["services"] if s["role"] in ("prefill","decode"))))' <<<"$js")"
+  local roles; roles="$("$PYTHON_PATH" -c "$READ_STATUS"'
+print(" ".join(sorted(s["name"]+":"+s["state"] for s in r.get("services", []) if s["role"] in ("prefill","decode"))) or "no status")' <<<"$js")"
   [ "$roles" = "decode-0:healthy prefill-0:healthy prefill-1:healthy" ] \
     && pass "$case: status: $roles" || fail "$case: status after the move: $roles"
   "$PDCTL" check --state-dir "$state" > "$dir/check.log" 2>&1 \
