@@ -31,6 +31,7 @@ pub mod proxy;
 pub mod sim;
 pub mod spelling;
 pub mod sse;
+pub mod stall_clock;
 pub mod supervisor;
 pub mod tools;
 pub mod topology;

@@ -28,6 +28,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "allocator",
             "constant_time",
             "civil_date",
+            "stall_clock",
         ],
     ),
     ("vocabulary several layers share", &["vocab"]),

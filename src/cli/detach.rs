@@ -12,10 +12,44 @@ use crate::supervisor::{
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// How long `up -d` waits for a supervisor that does not answer before giving up.
+/// How long `up -d` waits for a supervisor that does not answer before giving up, counting
+/// only the time this process ran (see [`Silence`]).
 const SILENCE_LIMIT: Duration = Duration::from_secs(30);
+
+/// How long the supervisor has not answered while this process ran. A freeze of the whole
+/// machine (seen for over a minute on 2 cores with two vLLM engines) stops the supervisor
+/// and this process alike: counted by the wall clock, the first refused ask after it would
+/// give up on a supervisor that was only frozen with it, and `up` would take a starting
+/// cluster down. The time this process was stalled is left out.
+#[derive(Debug, Clone, Copy)]
+struct Silence {
+    last_answer: Instant,
+}
+
+impl Silence {
+    fn new(now: Instant) -> Silence {
+        Silence { last_answer: now }
+    }
+
+    /// The supervisor answered at `at`.
+    fn heard(&mut self, at: Instant) {
+        self.last_answer = at;
+    }
+
+    /// How long it has been silent at `now` while this process ran, `stalled` being how
+    /// long this process was frozen since the last answer.
+    fn awake_for(&self, now: Instant, stalled: Duration) -> Duration {
+        now.saturating_duration_since(self.last_answer)
+            .saturating_sub(stalled)
+    }
+
+    /// Whether the silence at `now` is past [`SILENCE_LIMIT`].
+    fn too_long(&self, now: Instant, stalled: Duration) -> bool {
+        self.awake_for(now, stalled) > SILENCE_LIMIT
+    }
+}
 
 /// Log settings passed on to the detached supervisor.
 #[derive(Debug, Clone, Copy)]
@@ -76,7 +110,8 @@ pub async fn wait_for_start(
     let socket = state.socket_path();
     let mut renderer = Renderer::new(std::io::stdout().is_terminal());
     let last_line = |name: &str| last_line(&state.log_path(name));
-    let mut last_answer = std::time::Instant::now();
+    let clock = crate::stall_clock::clock();
+    let mut silence = Silence::new(Instant::now());
     loop {
         if let Ok(Some(status)) = child.try_wait() {
             let tail = history(&state.supervisor_log_path(), Some(15)).join("\n    ");
@@ -94,9 +129,10 @@ pub async fn wait_for_start(
             return 1;
         }
         let answer = client::status(&socket, Duration::from_secs(2)).await;
-        if answer.is_err() && last_answer.elapsed() > SILENCE_LIMIT {
+        let now = Instant::now();
+        if answer.is_err() && silence.too_long(now, clock.stalled_since(silence.last_answer)) {
             eprintln!(
-                "error: the supervisor (pid {}) has not answered on {} for {} s; see {}",
+                "error: the supervisor (pid {}) has not answered on {} for {} s (time this machine was frozen not counted); see {}",
                 child.id(),
                 socket.display(),
                 SILENCE_LIMIT.as_secs(),
@@ -105,7 +141,7 @@ pub async fn wait_for_start(
             return 1;
         }
         if let Ok(report) = answer {
-            last_answer = std::time::Instant::now();
+            silence.heard(now);
             let rows = supervisor::progress_rows(&report, plan, &last_line);
             renderer.draw(&mut std::io::stdout().lock(), &rows);
             match supervisor::startup_verdict(&report) {
@@ -165,4 +201,38 @@ pub fn last_line(path: &Path) -> Option<String> {
         .map(|l| l.rsplit('\r').next().unwrap_or(l).trim())
         .find(|l| !l.is_empty() && !l.starts_with(NOTE_PREFIX))
         .map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_silence_that_was_a_freeze_of_this_process_too_is_not_counted() {
+        let t0 = Instant::now();
+        let silence = Silence::new(t0);
+        let later = t0 + Duration::from_secs(80);
+        // Frozen 76 s of the 80 with the supervisor (the failed round's whole-machine freeze).
+        assert_eq!(
+            silence.awake_for(later, Duration::from_secs(76)),
+            Duration::from_secs(4)
+        );
+        assert!(!silence.too_long(later, Duration::from_secs(76)));
+        // The same 80 s with this process running throughout: the supervisor hangs.
+        assert!(silence.too_long(later, Duration::ZERO));
+    }
+
+    #[test]
+    fn an_answer_starts_the_silence_again() {
+        let t0 = Instant::now();
+        let mut silence = Silence::new(t0);
+        silence.heard(t0 + Duration::from_secs(25));
+        let at = t0 + Duration::from_secs(50);
+        assert_eq!(
+            silence.awake_for(at, Duration::ZERO),
+            Duration::from_secs(25)
+        );
+        assert!(!silence.too_long(at, Duration::ZERO));
+        assert!(silence.too_long(t0 + Duration::from_secs(56), Duration::ZERO));
+    }
 }

@@ -5,7 +5,7 @@
 //!   watching (readiness, liveness, exits) as children;
 //! - [`policy`], [`stop`]: when to restart, and how a service is stopped;
 //! - [`remote`], [`probe`]: services on other nodes followed by probes, and the probes themselves;
-//!   [`stall`]: whether this process was frozen while a probe waited (then it does not count);
+//!   [`crate::stall_clock`]: whether this process was frozen while a probe waited (then it does not count);
 //! - [`control_server`]: the socket `status`, `restart` and `down` talk to; [`control_tcp`]:
 //!   the same requests from other nodes' supervisors, behind the cluster's secret;
 //!   [`peers`]: the other nodes' supervisors, polled for their services' state;
@@ -28,6 +28,5 @@ pub(crate) mod pump;
 pub(crate) mod remote;
 pub(crate) mod runner;
 pub(crate) mod service;
-pub(crate) mod stall;
 pub(crate) mod stop;
 pub(crate) mod table;

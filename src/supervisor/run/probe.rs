@@ -34,7 +34,7 @@ pub enum ProbeError {
     #[error("TCP {host}:{port}: timed out")]
     TcpTimeout { host: String, port: u16 },
     /// Timed out while this process was frozen for `stalled` (the whole machine was): no
-    /// evidence either way, not counted ([`super::stall`]).
+    /// evidence either way, not counted ([`crate::stall_clock`]).
     #[error("{timed_out} while this machine stalled {:.1} s: not counted", stalled.as_secs_f64())]
     Stalled {
         timed_out: Box<ProbeError>,
@@ -123,7 +123,7 @@ impl Prober {
     pub fn new(tcp: TcpLiveness, health: HealthSettings) -> Prober {
         let timeout = health.probe_timeout();
         // Ticking from now on, so a freeze during the first probes is seen.
-        super::stall::clock();
+        crate::stall_clock::clock();
         let http = reqwest::Client::builder()
             .no_proxy()
             // A fresh connection for every probe. vLLM closes a connection idle for 5 s
@@ -150,7 +150,7 @@ impl Prober {
         let began = std::time::Instant::now();
         match self.check_once(probe, log_seen).await {
             Err(e) if e.timed_out() => {
-                let stalled = super::stall::clock().stalled_since(began);
+                let stalled = crate::stall_clock::clock().stalled_since(began);
                 Err(if stalled >= STALL_EXCUSES {
                     ProbeError::Stalled {
                         timed_out: Box::new(e),

@@ -1,11 +1,12 @@
 //! Whether this process itself was stalled: a thread ticks every 100 ms and notes each
 //! tick that came late by more than [`GAP`]. On a machine that freezes whole (two vLLM
-//! engines with NIXL's progress threads on 2 cores froze one for 15-45 s at a time, the
-//! kernel itself reporting a stuck workqueue), a probe that timed out across such a freeze
-//! says nothing of the service: the prober was frozen as long as the service, and the
-//! service did not get the time `health.probe_timeout_s` promises it. Such a probe is not
-//! counted ([`super::probe::ProbeError::Stalled`]); a service that hangs while this process
-//! runs is caught as before.
+//! engines with NIXL's progress threads on 2 cores froze one for 15-45 s at a time, and
+//! once for over a minute, the kernel itself reporting a stuck workqueue), a wait that ran
+//! out across such a freeze says nothing of what it waited for: the waiter was frozen as
+//! long as the other side, which did not get the time the wait promises it. The
+//! supervisor's prober does not count such a probe, and `pdctl up -d` does not count such
+//! time as the supervisor's silence; what hangs while this process runs is caught as
+//! before.
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, OnceLock};
@@ -16,7 +17,7 @@ const TICK: Duration = Duration::from_millis(100);
 /// A tick later than this after the one before marks a stall (scheduling jitter on a busy
 /// machine is well below it).
 const GAP: Duration = Duration::from_millis(500);
-/// How long stalls are remembered (longer than any probe takes).
+/// How long stalls are remembered (longer than any wait that asks).
 const KEEP: Duration = Duration::from_secs(600);
 /// At most this many stalls are remembered.
 const MAX_GAPS: usize = 1024;
@@ -101,7 +102,7 @@ pub fn clock() -> &'static StallClock {
             });
         if let Err(e) = started {
             tracing::warn!(
-                "no stall clock (cannot start its thread: {e}): every probe that times out counts"
+                "no stall clock (cannot start its thread: {e}): every wait that runs out counts, frozen or not"
             );
         }
         clock
