@@ -639,11 +639,16 @@ fn one_scale_on_the_head_changes_every_node() {
         .expect_err("a wrong secret must be refused")
         .to_string();
     assert!(err.contains("wrong join token"), "{err}");
-    let log =
-        std::fs::read_to_string(head.root().join("o-2node-head/logs/supervisor.log")).unwrap();
+    // The head answers the joiner first and logs the refusal after: wait for the line.
+    let head_log = head.root().join("o-2node-head/logs/supervisor.log");
+    let logged = common::wait_until(Duration::from_secs(10), || {
+        std::fs::read_to_string(&head_log)
+            .is_ok_and(|l| l.contains("control channel: refused a connection from"))
+    });
     assert!(
-        log.contains("control channel: refused a connection from"),
-        "{log}"
+        logged,
+        "the refusal is not in the head's log: {}",
+        std::fs::read_to_string(&head_log).unwrap_or_default()
     );
 
     let json = dir.path().join("bench.json");
