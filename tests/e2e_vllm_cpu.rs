@@ -520,7 +520,6 @@ fn run_case(case: &Case) {
 
 // --- real misses, and a decode engine core killed ------------------------------------------
 
-/// The proxy's count of KV handoff misses, all reasons.
 /// How long one of the test's reads of a page may take: this 2-core machine froze whole for
 /// 70-100 s at times under two engines (the kernel logged `BUG: workqueue lockup ... stuck
 /// for 71s`), and a read that went out just before such a freeze is answered after it. A
@@ -545,6 +544,7 @@ async fn proxy_metrics(proxy: &str) -> String {
         .unwrap_or_else(|e| panic!("GET {url}: the page broke off: {e}"))
 }
 
+/// The proxy's count of KV handoff misses, all reasons.
 async fn proxy_misses(proxy: &str) -> f64 {
     let text = proxy_metrics(proxy).await;
     metric_sum(&text, "pdctl_proxy_kv_handoff_misses_total", "").unwrap_or(0.0)

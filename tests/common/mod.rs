@@ -129,7 +129,7 @@ impl Drop for ChildGuard {
 }
 
 /// Polls `check` every 20 ms until it returns true or `timeout` passes, not counting the
-/// time this process was frozen meanwhile ([`stalled_ms`]): a 2-core machine running two
+/// time this process was frozen meanwhile ([`waited_out`]): a 2-core machine running two
 /// vLLM engines froze whole for up to 100 s (the kernel logged a workqueue lockup), and
 /// what the test waits on got no time either.
 pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
@@ -144,58 +144,11 @@ pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
 }
 
 /// Whether `timeout` has passed since this call, not counting the time this process was
-/// frozen meanwhile.
+/// frozen meanwhile (pdctl's own stall clock, which the supervisor and `up -d` use).
 pub fn waited_out(timeout: Duration) -> impl Fn() -> bool {
-    let (began, stalled_before) = (Instant::now(), stalled_ms());
-    move || {
-        let excused = Duration::from_millis(stalled_ms().saturating_sub(stalled_before));
-        began.elapsed() >= timeout + excused
-    }
-}
-
-/// How long this test process has been frozen since its first call, in ms: a thread ticks
-/// every 100 ms and counts each tick more than 0.5 s late as a freeze (as the supervisor's
-/// stall clock does), and a tick that is late now as a freeze still going on (a waiter may
-/// run before the ticking thread after a freeze).
-pub fn stalled_ms() -> u64 {
-    use std::sync::OnceLock;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    const TICK: Duration = Duration::from_millis(100);
-    const LATE: Duration = Duration::from_millis(500);
-    struct Clock {
-        base: Instant,
-        last_tick_ms: AtomicU64,
-        total_ms: AtomicU64,
-    }
-    static CLOCK: OnceLock<&'static Clock> = OnceLock::new();
-    let clock = *CLOCK.get_or_init(|| {
-        let clock: &'static Clock = Box::leak(Box::new(Clock {
-            base: Instant::now(),
-            last_tick_ms: AtomicU64::new(0),
-            total_ms: AtomicU64::new(0),
-        }));
-        std::thread::spawn(move || {
-            loop {
-                std::thread::sleep(TICK);
-                let now = clock.base.elapsed().as_millis() as u64;
-                let late = now - clock.last_tick_ms.load(Ordering::Relaxed);
-                if late > LATE.as_millis() as u64 {
-                    let frozen = late - TICK.as_millis() as u64;
-                    clock.total_ms.fetch_add(frozen, Ordering::Relaxed);
-                }
-                clock.last_tick_ms.store(now, Ordering::Relaxed);
-            }
-        });
-        clock
-    });
-    let now = clock.base.elapsed().as_millis() as u64;
-    let late = now.saturating_sub(clock.last_tick_ms.load(Ordering::Relaxed));
-    let open = if late > LATE.as_millis() as u64 {
-        late - TICK.as_millis() as u64
-    } else {
-        0
-    };
-    clock.total_ms.load(Ordering::Relaxed) + open
+    let clock = pdctl::stall_clock::clock();
+    let began = Instant::now();
+    move || began.elapsed() >= timeout + clock.stalled_since(began)
 }
 
 /// A fresh temporary directory removed when dropped.
