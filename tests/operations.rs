@@ -613,8 +613,14 @@ fn one_scale_on_the_head_changes_every_node() {
         "decode-0 inherited the join token"
     );
 
-    // A join with the head's CA pinned but a wrong secret is refused (and logged).
+    // A port check (connect, close unheard: what a head does to tell a busy node from a
+    // cut one) is not a refusal, and does not take the refusal line's place below.
     let control = format!("{head_addr}:{}", run + 11);
+    let checked = control.clone();
+    in_netns(nw, move || {
+        drop(std::net::TcpStream::connect(&checked).expect("the head's control port"));
+    });
+    // A join with the head's CA pinned but a wrong secret is refused (and logged).
     let token = pdctl::control::tls::JoinToken::parse(&secret).expect("a join token");
     let wrong = pdctl::control::tls::JoinToken {
         ca_hash: token.ca_hash.clone(),
@@ -641,15 +647,20 @@ fn one_scale_on_the_head_changes_every_node() {
     assert!(err.contains("wrong join token"), "{err}");
     // The head answers the joiner first and logs the refusal after: wait for the line.
     let head_log = head.root().join("o-2node-head/logs/supervisor.log");
+    let refusal = |l: &str| l.contains("control channel: refused a connection from");
     let logged = common::wait_until(Duration::from_secs(10), || {
-        std::fs::read_to_string(&head_log)
-            .is_ok_and(|l| l.contains("control channel: refused a connection from"))
+        std::fs::read_to_string(&head_log).is_ok_and(|l| {
+            l.lines()
+                .any(|line| refusal(line) && line.contains("wrong join token"))
+        })
     });
-    assert!(
-        logged,
-        "the refusal is not in the head's log: {}",
-        std::fs::read_to_string(&head_log).unwrap_or_default()
-    );
+    let log = std::fs::read_to_string(&head_log).unwrap_or_default();
+    assert!(logged, "the refusal is not in the head's log: {log}");
+    let others: Vec<&str> = log
+        .lines()
+        .filter(|line| refusal(line) && !line.contains("wrong join token"))
+        .collect();
+    assert!(others.is_empty(), "refused besides the join: {others:?}");
 
     let json = dir.path().join("bench.json");
     let url = format!("http://{head_addr}:{run}");

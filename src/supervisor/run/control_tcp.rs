@@ -222,6 +222,16 @@ pub async fn serve(listener: TcpListener, handlers: Handlers, tls: Arc<PeerTls>)
     }
 }
 
+/// Whether the peer closed the connection before sending a byte: a TLS client always
+/// speaks first, so this is a reachability check (the head telling a busy node from a cut
+/// one connects to the node's ports and closes), not a peer to refuse. Logged as a
+/// refusal it would be noise, and would take the place of a real refusal's line for
+/// [`LOG_EVERY`].
+async fn closed_unheard(stream: &TcpStream) -> bool {
+    let mut first = [0u8; 1];
+    matches!(stream.peek(&mut first).await, Ok(0))
+}
+
 /// One connection: the handshake (within its time, holding its ticket), then a node's
 /// requests or, from a client without a certificate, one join.
 /// (Err stays text: why the connection ended, only logged, rate-limited; no caller
@@ -234,9 +244,18 @@ async fn serve_one(
     tls: &PeerTls,
 ) -> Result<(), String> {
     let within = ticket.from.handshake_within();
-    let shake = tokio::time::timeout(within, tls.acceptor().accept(stream));
+    let shake = tokio::time::timeout(within, async {
+        if closed_unheard(&stream).await {
+            return Ok(None);
+        }
+        tls.acceptor().accept(stream).await.map(Some)
+    });
     let stream = match shake.await {
-        Ok(Ok(s)) => s,
+        Ok(Ok(Some(s))) => s,
+        Ok(Ok(None)) => {
+            tracing::debug!("control channel: {from} connected and closed unheard (a port check)");
+            return Ok(());
+        }
         Ok(Err(e)) => return Err(format!("TLS handshake failed: {e}")),
         Err(_) => return Err(format!("no TLS handshake within {within:?}")),
     };
@@ -563,6 +582,22 @@ mod tests {
             "one /64, one count"
         );
         assert!(admit(&gate, "2001:db8:1:3::1".parse().unwrap()).is_some());
+    }
+
+    #[tokio::test]
+    async fn a_connection_closed_before_its_first_byte_is_told_from_one_that_spoke() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap();
+        drop(TcpStream::connect(at).await.unwrap());
+        let (check, _) = listener.accept().await.unwrap();
+        assert!(closed_unheard(&check).await, "connected and closed");
+        let mut hello = TcpStream::connect(at).await.unwrap();
+        tokio::io::AsyncWriteExt::write_all(&mut hello, b"\x16")
+            .await
+            .unwrap();
+        drop(hello);
+        let (spoke, _) = listener.accept().await.unwrap();
+        assert!(!closed_unheard(&spoke).await, "sent a byte, then closed");
     }
 
     #[test]
