@@ -21,6 +21,7 @@ mod faults;
 mod hub_token;
 mod journal;
 mod layers;
+mod migration;
 mod operations;
 mod partition;
 mod plan;

@@ -697,6 +697,7 @@ const PROXY_LAYERS: &[(&str, &[&str])] = &[
             "usage_chunk",
             "recompute/judgment",
             "relay",
+            "migration",
             "record",
             "drain",
             "models",

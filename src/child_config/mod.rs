@@ -398,6 +398,8 @@ mod tests {
             total_timeout_s: 62,
             retries: 5,
             restart_wait_s: 3,
+            migration_limit: 5,
+            migration_max_tokens: 1_000,
             max_body_bytes: 1024,
             tcp_keepalive_idle_s: 5,
             tcp_keepalive_interval_s: 3,

@@ -18,6 +18,12 @@ fn is_recompute(p: &KvLoadFailurePolicy) -> bool {
     *p == KvLoadFailurePolicy::Recompute
 }
 
+fn is_default_migration_limit(v: &u32) -> bool {
+    *v == ProxyArgs::default().migration_limit
+}
+fn is_default_migration_max_tokens(v: &u32) -> bool {
+    *v == ProxyArgs::default().migration_max_tokens
+}
 fn is_default_warmed_within_s(v: &u64) -> bool {
     *v == WARMED_WITHIN_S
 }
@@ -128,6 +134,15 @@ pub struct ProxyArgs {
     /// supervisor reports), how long a request waits for it before the 503; 0 = fail at once.
     #[arg(long, default_value_t = ProxyArgs::default().restart_wait_s)]
     pub restart_wait_s: u64,
+    /// How many times a stream whose decode broke off mid-answer is continued on another
+    /// decode (0: never, the stream ends with an error event).
+    #[arg(long, default_value_t = ProxyArgs::default().migration_limit)]
+    #[serde(skip_serializing_if = "is_default_migration_limit")]
+    pub migration_limit: u32,
+    /// Most answer tokens a continuation may carry (its prompt grows by as many).
+    #[arg(long, default_value_t = ProxyArgs::default().migration_max_tokens)]
+    #[serde(skip_serializing_if = "is_default_migration_max_tokens")]
+    pub migration_max_tokens: u32,
     /// Largest accepted request body.
     #[arg(long, default_value_t = ProxyArgs::default().max_body_bytes)]
     pub max_body_bytes: usize,
@@ -195,6 +210,8 @@ impl Default for ProxyArgs {
             total_timeout_s: 3_600,
             retries: 2,
             restart_wait_s: 30,
+            migration_limit: 3,
+            migration_max_tokens: 32_768,
             max_body_bytes: 32 * 1024 * 1024,
             api_key: None,
             engine_api_key: None,
@@ -315,6 +332,13 @@ impl ProxyArgs {
         if self.no_warmup {
             v.push("--no-warmup".into());
         }
+        if !is_default_migration_limit(&self.migration_limit) {
+            v.extend(["--migration-limit".into(), self.migration_limit.to_string()]);
+        }
+        if !is_default_migration_max_tokens(&self.migration_max_tokens) {
+            let n = self.migration_max_tokens.to_string();
+            v.extend(["--migration-max-tokens".into(), n]);
+        }
         if !is_default_warmed_within_s(&self.warmed_within_s) {
             v.extend(["--warmed-within-s".into(), self.warmed_within_s.to_string()]);
         }
@@ -353,7 +377,9 @@ impl ProxyArgs {
 }
 
 /// Flags a running proxy takes in place (besides the policies, compared as resolved).
-const LIVE: [&str; 9] = [
+const LIVE: [&str; 11] = [
+    "--migration-limit",
+    "--migration-max-tokens",
     "--rate-limit",
     "--max-concurrent",
     "--queue-size",

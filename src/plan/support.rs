@@ -418,6 +418,8 @@ fn proxy_args(
         total_timeout_s: p.total_timeout_s.unwrap_or(d.total_timeout_s),
         max_body_bytes: p.max_body_bytes.unwrap_or(d.max_body_bytes),
         restart_wait_s: p.restart_wait_s.unwrap_or(d.restart_wait_s),
+        migration_limit: p.migration_limit.unwrap_or(d.migration_limit),
+        migration_max_tokens: p.migration_max_tokens.unwrap_or(d.migration_max_tokens),
         supervisor_socket: Some(socket.to_path_buf()),
         ..d
     };

@@ -62,6 +62,10 @@ pub struct Settings {
     pub retries: u32,
     /// How long a request waits for an instance that is coming back (`--restart-wait-s`).
     pub restart_wait: Duration,
+    /// Continuations a broken-off stream may take (`--migration-limit`).
+    pub migration_limit: u32,
+    /// Most tokens one continuation may carry (`--migration-max-tokens`).
+    pub migration_max_tokens: u32,
     pub max_body_bytes: usize,
     pub api_key: Option<String>,
     pub health_interval: Duration,
@@ -149,6 +153,8 @@ pub fn settings(args: &ProxyArgs) -> Result<Settings, ConfigError> {
         total_timeout: Duration::from_secs(args.total_timeout_s),
         retries: args.retries,
         restart_wait: Duration::from_secs(args.restart_wait_s),
+        migration_limit: args.migration_limit,
+        migration_max_tokens: args.migration_max_tokens,
         max_body_bytes: args.max_body_bytes,
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         health_interval: Duration::from_millis(args.health_interval_ms),

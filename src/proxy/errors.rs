@@ -185,6 +185,12 @@ pub enum ProxyError {
     Leg(Box<LegError>),
     #[error("the request took longer than the total limit of {0:?} (--total-timeout-s)")]
     TotalTimeout(Duration),
+    /// A stream whose decode broke off and that could not be continued on another decode.
+    #[error("{failed}; the answer was not continued on another decode: {why}")]
+    NotContinued {
+        failed: Box<ProxyError>,
+        why: String,
+    },
 }
 
 impl From<LegError> for ProxyError {
@@ -206,6 +212,7 @@ impl ProxyError {
             | ProxyError::ShuttingDown
             | ProxyError::CutByShutdown => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::TotalTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::NotContinued { failed, .. } => failed.status(),
             ProxyError::Leg(e) => match &e.failure {
                 LegFailure::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
                 LegFailure::Status { status, .. } if *status < 500 || *status == 503 => {
@@ -229,6 +236,7 @@ impl ProxyError {
             | ProxyError::ShuttingDown
             | ProxyError::CutByShutdown => "service_unavailable",
             ProxyError::TotalTimeout(_) => "timeout_error",
+            ProxyError::NotContinued { failed, .. } => failed.kind(),
             ProxyError::Leg(e) => match e.failure {
                 LegFailure::Timeout { .. } => "timeout_error",
                 LegFailure::KvLoad { .. } => "kv_load_error",
@@ -258,6 +266,15 @@ impl ProxyError {
                 }
             }
             ProxyError::NoInstance { leg, .. } => error["leg"] = json!(leg.as_str()),
+            ProxyError::NotContinued { failed, why } => {
+                let inner = failed.to_json();
+                for k in ["leg", "instance"] {
+                    if let Some(v) = inner["error"].get(k) {
+                        error[k] = v.clone();
+                    }
+                }
+                error["not_migrated"] = json!(why);
+            }
             _ => {}
         }
         json!({ "error": error })

@@ -53,16 +53,20 @@ pub struct Keep {
 }
 
 /// The bytes of a decode leg: `body` (`None`: the client's own), with the usage chunk
-/// asked for when the proxy needs it to judge the leg ([`usage_chunk::adds_usage`]). The
-/// client's bytes go as they are when nothing is added.
+/// asked for when the proxy needs it to judge the leg ([`usage_chunk::adds_usage`]) and the
+/// token ids when the stream may have to be continued elsewhere ([`super::migration`]).
+/// The client's bytes go as they are when nothing is added.
 pub fn decode_bytes(body: Option<Body>, req: &ClientRequest, expect: Expect) -> Bytes {
     let adds = usage_chunk::adds_usage(req.stream, &req.body, expect);
     match body {
-        None if !adds => req.raw.clone(),
+        None if !adds && !req.migrate => req.raw.clone(),
         body => {
             let mut b = body.unwrap_or_else(|| req.body.clone());
             if adds {
                 usage_chunk::ask_usage(&mut b);
+            }
+            if req.migrate {
+                super::migration::ask_ids(&mut b);
             }
             Bytes::from(serde_json::to_vec(&b).expect("JSON values serialize"))
         }

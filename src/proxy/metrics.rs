@@ -62,6 +62,8 @@ pub struct Metrics {
     queue_depth: Gauge,
     retries: FixedFamily<Counter, 2>,
     redone: Sparse<[(&'static str, &'static str); 1]>,
+    migrations: Sparse<[(&'static str, &'static str); 1]>,
+    migrations_refused: Sparse<[(&'static str, &'static str); 1]>,
     restart_waits: FixedFamily<Counter, 2>,
     prefix_routing: Sparse<[(&'static str, &'static str); 2]>,
     client_disconnects: Counter,
@@ -92,6 +94,8 @@ impl Default for Metrics {
             queue_depth: Gauge::default(),
             retries: FixedFamily::new("leg", LEGS),
             redone: Sparse::default(),
+            migrations: Sparse::default(),
+            migrations_refused: Sparse::default(),
             restart_waits: FixedFamily::new("leg", LEGS),
             prefix_routing: Sparse::default(),
             client_disconnects: Counter::default(),
@@ -248,6 +252,16 @@ impl Metrics {
             "requests_redone",
             "Requests redone once on another prefill/decode pair (the same when it is the only one) after a leg failed before any byte reached the client, by reason (kv_load_failed, connect, reset, unreachable, handshake)",
             self.redone.clone(),
+        );
+        r.register(
+            "migrations",
+            "Streams whose decode broke off mid-answer, continued on another decode (or the same one, back), by what broke it (connection, ended_early, unreachable, drained)",
+            self.migrations.clone(),
+        );
+        r.register(
+            "migrations_refused",
+            "Streams whose decode broke off mid-answer and that could not be continued, by why (not_migratable, limit, tokens, failed)",
+            self.migrations_refused.clone(),
         );
         r.register(
             "restart_waits",
@@ -532,6 +546,12 @@ impl Recorder for Metrics {
     }
     fn retry(&self, leg: Leg) {
         Metrics::retry(self, leg);
+    }
+    fn migrated(&self, reason: &'static str) {
+        self.migrations.add([("reason", reason)], 1);
+    }
+    fn migration_refused(&self, reason: &'static str) {
+        self.migrations_refused.add([("reason", reason)], 1);
     }
     fn redone(&self, reason: &'static str) {
         self.redone.add([("reason", reason)], 1);

@@ -26,6 +26,7 @@
 //!    (the HTTP client of probes and scrapes), `usage_chunk` (the usage chunk each
 //!    streamed decode leg asks for and the client gets only if it asked),
 //!    `recompute/judgment` (a decode leg judged by its own usage); `relay` (streams),
+//!    `migration` (a stream whose decode broke off, continued on another decode),
 //!    `record` (the request's log line), `drain` (shutdown), `models`, `warmup` (one
 //!    request through each new prefill/decode pair whose connector handshakes lazily).
 //! 4. The figures, reading from below: `metrics` (the counters and `/metrics`, a
@@ -53,6 +54,7 @@ mod leg;
 mod legs;
 mod limits;
 mod metrics;
+mod migration;
 mod models;
 mod pipeline;
 mod policy;

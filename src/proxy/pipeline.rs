@@ -25,6 +25,12 @@ pub const MISS_MULTIPLE_CHOICES: &str = "n_gt_1_recomputed";
 /// refused or reset...) is redone once, both legs, on another prefill/decode pair (the
 /// same one when it is the only one), under a request id of its own; counted by reason,
 /// logged with both attempts. Its engines' `kv_load_failure_policy` is left as it is.
+///
+/// One budget covers every retry of a request before its first byte: `--retries` in
+/// all, whether a leg is retried on its own, a pair is redone inside a flow, or the
+/// whole request is redone here ([`budget_left`], spent in [`retrying`] and here; the
+/// record's `retries` is what was spent). A stream's continuations after its first byte
+/// have their own, `--migration-limit` ([`super::migration`]).
 pub async fn run(
     proxy: &Arc<Proxy>,
     req: &ClientRequest,
@@ -37,7 +43,7 @@ pub async fn run(
     let Some(reason) = failed.failure.redo_reason() else {
         return first;
     };
-    if Instant::now() >= req.deadline {
+    if Instant::now() >= req.deadline || !budget_left(proxy, rec) {
         return first;
     }
     let pair = [rec.prefill.clone(), rec.decode.clone()];
@@ -428,8 +434,14 @@ where
     }
 }
 
-fn may_retry(proxy: &Proxy, req: &ClientRequest, f: &LegFailure, attempt: u32) -> bool {
-    f.is_retryable() && attempt < proxy.settings().retries && Instant::now() < req.deadline
+/// Whether the request's one budget of retries before its first byte (`--retries`) has
+/// some left.
+fn budget_left(proxy: &Proxy, rec: &RequestRecord) -> bool {
+    rec.retries < proxy.settings().retries
+}
+
+fn may_retry(proxy: &Proxy, req: &ClientRequest, rec: &RequestRecord, f: &LegFailure) -> bool {
+    f.is_retryable() && budget_left(proxy, rec) && Instant::now() < req.deadline
 }
 
 /// Counts and logs a retry, then waits a short, growing backoff.
@@ -445,7 +457,7 @@ async fn retry_or_give_up(
     attempt: u32,
 ) -> Result<(), ProxyError> {
     blame(proxy, leg, inst, &f);
-    if !may_retry(proxy, req, &f, attempt) {
+    if !may_retry(proxy, req, rec, &f) {
         return Err(LegError {
             leg,
             instance: inst.url.clone(),

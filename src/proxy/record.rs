@@ -38,6 +38,11 @@ pub struct RequestRecord {
     pub decode_first_byte: Option<Duration>,
     pub ttft: Option<Duration>,
     pub retries: u32,
+    /// Continuations of its stream on another decode ([`super::migration`]).
+    pub migrations: u32,
+    /// The inner account of a continuation: counted and logged by the client's record,
+    /// not by itself.
+    quiet: bool,
     /// Why decode had to recompute, if it did: known when the leg was sent, or seen in
     /// decode's usage (`cached_tokens`) when its answer came (recompute.rs).
     pub handoff_miss: Option<&'static str>,
@@ -61,10 +66,20 @@ impl RequestRecord {
             decode_first_byte: None,
             ttft: None,
             retries: 0,
+            migrations: 0,
+            quiet: false,
             handoff_miss: None,
             outcome: Outcome::Pending,
             recorder,
         }
+    }
+
+    /// The account of a continuation's own request ([`super::migration`]): its retries
+    /// and instances go to the client's record; nothing is counted or logged for it.
+    pub fn inner(route: &'static str, id: String) -> Self {
+        let mut rec = RequestRecord::new(route, id, Arc::new(super::recorder::Silent));
+        rec.quiet = true;
+        rec
     }
 
     /// Notes the instance a leg is being sent to (the last one tried is what gets logged).
@@ -113,6 +128,9 @@ impl Drop for RequestRecord {
             self.status = CLIENT_CLOSED;
         }
         self.recorder.request_done(self.route, self.status);
+        if self.quiet {
+            return;
+        }
         // "ok" only for a request that went through prefill and completed.
         let handoff_ok = if self.prefill.is_some() && self.outcome == Outcome::Complete {
             "ok"
@@ -136,6 +154,7 @@ impl Drop for RequestRecord {
             ttft_ms = %Ms(self.ttft),
             total_ms = %Ms(Some(self.received.elapsed())),
             retries = self.retries,
+            migrations = self.migrations,
             kv_handoff = %self.handoff_miss.unwrap_or(handoff_ok),
             "request {outcome}"
         );

@@ -46,6 +46,10 @@ pub trait Recorder: Debug + Send + Sync {
     /// A whole request was redone once (both legs) after it failed before any byte
     /// reached its client, for `reason` (see [`super::errors::LegFailure::redo_reason`]).
     fn redone(&self, reason: &'static str);
+    /// A stream whose decode broke off for `reason` was continued on another decode.
+    fn migrated(&self, reason: &'static str);
+    /// A stream whose decode broke off could not be continued, for `reason`.
+    fn migration_refused(&self, reason: &'static str);
     /// A request waited for an instance of `leg` the supervisor is bringing back.
     fn restart_wait(&self, leg: Leg);
     /// A request was refused with 429.
@@ -60,4 +64,33 @@ pub trait Recorder: Debug + Send + Sync {
     fn settings_applied(&self, revision: u64);
     /// The head's rebalancer as the supervisor's last report showed it (None: it has none).
     fn rebalance_seen(&self, report: Option<&crate::vocab::RebalanceReport>);
+}
+
+/// A recorder that counts nothing: for legs that are no client traffic (warm-ups) and
+/// for the inner account of a stream continued on another decode (the client's request
+/// is counted once, by the relay's own record).
+#[derive(Debug)]
+pub struct Silent;
+
+impl Recorder for Silent {
+    fn add_in_flight(&self, _: i64) {}
+    fn request_done(&self, _: &'static str, _: u16) {}
+    fn client_disconnect(&self) {}
+    fn first_byte(&self, _: Duration) {}
+    fn prefill_done(&self, _: Duration) {}
+    fn decode_first_byte(&self, _: Duration) {}
+    fn handoff_miss(&self, _: &'static str) {}
+    fn recomputed_tokens(&self, _: u64) {}
+    fn kv_load_failed(&self) {}
+    fn retry(&self, _: Leg) {}
+    fn redone(&self, _: &'static str) {}
+    fn migrated(&self, _: &'static str) {}
+    fn migration_refused(&self, _: &'static str) {}
+    fn restart_wait(&self, _: Leg) {}
+    fn rate_limited(&self, _: LimitReason) {}
+    fn queued(&self) {}
+    fn queue_depth(&self, _: i64) {}
+    fn prefix_routing(&self, _: Leg, _: &'static str) {}
+    fn settings_applied(&self, _: u64) {}
+    fn rebalance_seen(&self, _: Option<&crate::vocab::RebalanceReport>) {}
 }

@@ -4,13 +4,16 @@
 //! response ends, or when the client goes away (which drops, and so cancels, both legs).
 //! A decode failure mid-stream becomes an SSE error event, then the stream closes.
 
+use super::Proxy;
 use super::errors::{LegError, LegFailure, ProxyError};
 use super::h1;
 use super::instances::{FailureKind, Leg};
-use super::legs::Keep;
+use super::legs::{Answer, Keep};
 use super::limits::Admission;
+use super::migration::{self, Form, Out, Tracker};
 use super::recompute::judgment::{UsageSeen, usage_in};
 use super::record::{Outcome, RequestRecord};
+use super::request::ClientRequest;
 use super::usage_chunk::UsageStrip;
 use crate::sse::DoneTail;
 use axum::http::{HeaderValue, header};
@@ -18,8 +21,9 @@ use axum::response::Response;
 use bytes::Bytes;
 use futures_util::Stream;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
-use tokio::time::{Instant, Sleep};
+use tokio::time::Sleep;
 
 /// The client-facing stream.
 pub struct Relay {
@@ -37,7 +41,38 @@ pub struct Relay {
     strip: Option<UsageStrip>,
     finished: bool,
     ties: Ties,
+    /// Set when the answer may be continued on another decode ([`super::migration`]).
+    carry: Option<Box<Carry>>,
+    /// Why it may not, when the request is the reason, for the error a broken-off
+    /// stream ends with (and the counter of refusals).
+    refused: Option<(&'static str, Arc<dyn super::recorder::Recorder>)>,
 }
+
+/// What continuing a stream on another decode needs: the client's request, what it was
+/// sent so far, the current leg's events framed whole (so a continuation never follows
+/// half an event), and the continuation being set up.
+struct Carry {
+    proxy: Arc<Proxy>,
+    req: ClientRequest,
+    tracker: Tracker,
+    events: crate::sse::Events,
+    /// The decode the current leg is on.
+    decode: String,
+    pending: Option<Continuing>,
+}
+
+/// A continuation on its way: its request through the protocol's flow, up to its first
+/// chunk; what broke the leg before it; the form its events come in.
+struct Continuing {
+    answer: Pin<Box<dyn Future<Output = (Result<Answer, ProxyError>, RequestRecord)> + Send>>,
+    broke: ProxyError,
+    form: Form,
+    carried: u32,
+    exact: bool,
+}
+
+/// The item type of the client's stream.
+type Item = Poll<Option<Result<Bytes, std::convert::Infallible>>>;
 
 /// What a stream holds until it ends: its admission slot and its place among the requests
 /// in flight that a shutdown waits for; and the signal that cuts it (with an error event
@@ -54,15 +89,28 @@ pub struct Ties {
 
 /// The response for a decode stream whose first chunk has arrived.
 pub fn stream_response(
-    first: Bytes,
-    rest: h1::Body,
-    keep: Keep,
+    (first, rest, keep): (Bytes, h1::Body, Keep),
     mut rec: RequestRecord,
-    deadline: Instant,
-    total_limit: std::time::Duration,
+    (proxy, req): (&Arc<Proxy>, &ClientRequest),
     ties: Ties,
 ) -> Response {
+    let deadline = req.deadline;
+    let total_limit = proxy.settings().total_timeout;
     rec.status = 200;
+    let refused = (!req.migrate && req.stream && proxy.settings().migration_limit > 0)
+        .then(|| migration::refusal(&req.body))
+        .flatten()
+        .map(|why| (why, proxy.recorder.clone()));
+    let carry = req.migrate.then(|| {
+        Box::new(Carry {
+            proxy: proxy.clone(),
+            req: req.clone(),
+            tracker: Tracker::new(req),
+            events: crate::sse::Events::default(),
+            decode: keep.decode.instance().url.clone(),
+            pending: None,
+        })
+    });
     let request_id = rec.id.clone();
     let strip = keep.strip_usage.then(UsageStrip::default);
     let relay = Relay {
@@ -77,6 +125,8 @@ pub fn stream_response(
         strip,
         finished: false,
         ties,
+        carry,
+        refused,
     };
     let mut r = Response::new(axum::body::Body::from_stream(relay));
     let h = r.headers_mut();
@@ -122,22 +172,6 @@ impl Relay {
             Some(held) if !held.is_empty() => Bytes::from([&held[..], &error_event(&err)].concat()),
             _ => error_event(&err),
         }
-    }
-
-    fn decode_failed(
-        &mut self,
-        failure: LegFailure,
-    ) -> Poll<Option<Result<Bytes, std::convert::Infallible>>> {
-        let inst = self.keep.decode.instance().clone();
-        inst.record_failure(FailureKind::Body);
-        self.fail(
-            LegError {
-                leg: Leg::Decode,
-                instance: inst.url.clone(),
-                failure,
-            }
-            .into(),
-        )
     }
 }
 
@@ -212,7 +246,7 @@ impl Stream for Relay {
             }
             if let Some(first) = this.first.take() {
                 this.rec.first_byte_sent();
-                match this.pass(first) {
+                match this.relay_chunk(first) {
                     Some(out) => return Poll::Ready(Some(Ok(out))),
                     None => continue,
                 }
@@ -220,35 +254,231 @@ impl Stream for Relay {
             if let Some(end) = this.interrupted(cx) {
                 return end;
             }
+            if this.carry.as_ref().is_some_and(|c| c.pending.is_some()) {
+                match this.poll_continuation(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(None) => continue,
+                    Poll::Ready(Some(end)) => return end,
+                }
+            }
             match this.rest.poll_data(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Ok(chunk))) => {
-                    if let Some(out) = this.pass(chunk) {
+                    if let Some(out) = this.relay_chunk(chunk) {
                         return Poll::Ready(Some(Ok(out)));
                     }
                 }
                 Poll::Ready(Some(Err(e))) => {
-                    return this.decode_failed(LegFailure::Body(e.to_string()));
+                    let f = LegFailure::Body(e.to_string());
+                    if let Some(end) = this.broke(f, migration::BROKE_CONNECTION) {
+                        return end;
+                    }
                 }
-                Poll::Ready(None) => return this.ended(),
+                Poll::Ready(None) => {
+                    if let Some(end) = this.ended() {
+                        return end;
+                    }
+                }
             }
         }
     }
 }
 
 impl Relay {
+    /// What of decode's `chunk` goes to the client now: through the carry (whole events,
+    /// noted and written in the client's form) when the answer may be continued, then
+    /// through [`Relay::pass`].
+    fn relay_chunk(&mut self, chunk: Bytes) -> Option<Bytes> {
+        let Some(carry) = self.carry.as_mut() else {
+            return self.pass(chunk);
+        };
+        carry.events.push(&chunk);
+        let mut out = Vec::with_capacity(chunk.len() + 64);
+        while let Some(ev) = carry.events.next_event() {
+            let mut usage = None;
+            match carry.tracker.event(&ev.data, &mut usage) {
+                Out::Same => sse_event(&mut out, &ev.data),
+                Out::Rewritten(data) => sse_event(&mut out, &data),
+                Out::Dropped => {}
+            }
+            // A continuation's usage is rewritten for the client: its leg is judged by
+            // its own here.
+            if let Some(u) = usage.and_then(|u| serde_json::from_value(u).ok())
+                && let Some(j) = self.keep.judgment.take()
+                && let Some(reason) = j.judge(Some(u))
+            {
+                self.rec.handoff_miss = Some(reason);
+            }
+        }
+        if out.is_empty() {
+            return None;
+        }
+        self.pass(Bytes::from(out))
+    }
+
+    /// The decode leg broke off (`failure`, counted as `reason`): the answer is continued
+    /// on another decode when it may be (`None`: the continuation is on its way), else the
+    /// stream ends with an error event saying why it was not.
+    fn broke(&mut self, failure: LegFailure, reason: &'static str) -> Option<Item> {
+        let inst = self.keep.decode.instance().clone();
+        let kind = match failure {
+            LegFailure::Unreachable(_) => FailureKind::Timeout,
+            _ => FailureKind::Body,
+        };
+        inst.record_failure(kind);
+        let err: ProxyError = LegError {
+            leg: Leg::Decode,
+            instance: inst.url.clone(),
+            failure,
+        }
+        .into();
+        let Some(carry) = self.carry.as_mut() else {
+            return Some(self.fail_after(err, reason));
+        };
+        if carry.tracker.sent.finished {
+            return Some(self.finish_locally());
+        }
+        let limit = carry.proxy.settings().migration_limit;
+        if carry.tracker.hops >= limit {
+            carry.proxy.recorder.migration_refused("limit");
+            let why = format!("it was continued {limit} times already (--migration-limit)");
+            return Some(self.fail_with(migration::not_continued(err, why)));
+        }
+        let cap = carry.proxy.settings().migration_max_tokens;
+        let hop = carry.tracker.hops + 1;
+        let (next, form) = match migration::continuation(&carry.req, &carry.tracker.sent, hop, cap)
+        {
+            Ok(x) => x,
+            Err(why) => {
+                carry.proxy.recorder.migration_refused("tokens");
+                return Some(self.fail_with(migration::not_continued(err, why)));
+            }
+        };
+        carry.tracker.hops = hop;
+        carry.proxy.recorder.migrated(reason);
+        let sent = &carry.tracker.sent;
+        let exact = matches!(form, Form::ChatViaCompletions { .. })
+            || (sent.ids_exact() && next.body["prompt"].is_array());
+        let carried = sent.tokens();
+        tracing::warn!(
+            request_id = %self.rec.id,
+            "decode {} broke off mid-stream ({err}) after {carried} tokens; continuing the answer elsewhere (continuation {hop} of at most {limit}, carried as {})",
+            carry.decode,
+            if exact { "token ids" } else { "text" },
+        );
+        let mut avoid = vec![carry.decode.clone()];
+        avoid.extend(next.avoid.iter().cloned());
+        let mut next = next;
+        next.avoid = avoid;
+        let proxy = carry.proxy.clone();
+        let answer = Box::pin(async move {
+            let mut rec = RequestRecord::inner(next.path, next.id.clone());
+            let out = super::pipeline::run(&proxy, &next, &mut rec).await;
+            (out, rec)
+        });
+        carry.events = crate::sse::Events::default();
+        carry.pending = Some(Continuing {
+            answer,
+            broke: err,
+            form,
+            carried,
+            exact,
+        });
+        None
+    }
+
+    /// Polls the continuation on its way: `Ready(None)` once its leg is in place (its
+    /// first chunk next), `Ready(Some(..))` when it failed and the stream ends.
+    fn poll_continuation(&mut self, cx: &mut Context<'_>) -> Poll<Option<Item>> {
+        let Some(carry) = self.carry.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let Some(pending) = carry.pending.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let (out, inner) = match pending.answer.as_mut().poll(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(done) => done,
+        };
+        let pending = carry.pending.take().expect("polled above");
+        self.rec.retries += inner.retries;
+        let (first, rest, keep) = match out {
+            Ok(Answer::Stream { first, rest, keep }) => (first, rest, keep),
+            Ok(Answer::Full { status, .. }) => {
+                let why = format!("the continuation was answered whole ({status}), not streamed");
+                carry.proxy.recorder.migration_refused("failed");
+                let err = migration::not_continued(pending.broke, why);
+                return Poll::Ready(Some(self.fail_with(err)));
+            }
+            Err(e) => {
+                carry.proxy.recorder.migration_refused("failed");
+                let err = migration::not_continued(
+                    pending.broke,
+                    format!("the continuation failed: {e}"),
+                );
+                return Poll::Ready(Some(self.fail_with(err)));
+            }
+        };
+        let new = keep.decode.instance().url.clone();
+        tracing::info!(
+            request_id = %self.rec.id,
+            "stream continued: decode {} -> decode {new}, {} tokens carried as {} (continuation {})",
+            carry.decode,
+            pending.carried,
+            if pending.exact { "token ids" } else { "text" },
+            carry.tracker.hops,
+        );
+        carry.decode = new.clone();
+        carry.tracker.form = pending.form;
+        self.rec.decode = Some(new);
+        self.rec.migrations += 1;
+        self.rest = rest;
+        self.keep = keep;
+        self.first = Some(first);
+        Poll::Ready(None)
+    }
+
+    /// A decode that broke off after the answer's last token (only `[DONE]` was missing):
+    /// the proxy ends the stream itself.
+    fn finish_locally(&mut self) -> Item {
+        tracing::info!(
+            request_id = %self.rec.id,
+            "decode broke off after the answer's last token; the proxy ends the stream"
+        );
+        let mut out = Vec::new();
+        sse_event(&mut out, crate::sse::DONE);
+        match self.pass(Bytes::from(out)) {
+            Some(b) => {
+                self.finished = self.end.is_done();
+                Poll::Ready(Some(Ok(b)))
+            }
+            None => Poll::Ready(None),
+        }
+    }
+
+    /// Ends the stream with `err` (an error event, then `[DONE]`).
+    fn fail_with(&mut self, err: ProxyError) -> Item {
+        let event = self.last_event(err);
+        Poll::Ready(Some(Ok(with_done(&event))))
+    }
+
+    /// A leg that broke off in a stream that is not continued: the error says why not
+    /// when the request itself is the reason (n > 1, guided decoding...).
+    fn fail_after(&mut self, err: ProxyError, _reason: &'static str) -> Item {
+        if let Some((why, recorder)) = &self.refused {
+            recorder.migration_refused("not_migratable");
+            let why = why.to_string();
+            return self.fail_with(migration::not_continued(err, why));
+        }
+        self.fail(err)
+    }
+
     /// Ends the stream early when its deadline passed, its decode was found unreachable,
     /// or a shutdown's grace ran out; `None` while none of them happened.
-    fn interrupted(
-        &mut self,
-        cx: &mut Context<'_>,
-    ) -> Option<Poll<Option<Result<Bytes, std::convert::Infallible>>>> {
+    fn interrupted(&mut self, cx: &mut Context<'_>) -> Option<Item> {
         if self.deadline.as_mut().poll(cx).is_ready() {
             let limit = self.total_limit;
             return Some(self.fail(ProxyError::TotalTimeout(limit)));
-        }
-        if let Poll::Ready(why) = self.keep.unreachable.as_mut().poll(cx) {
-            return Some(self.cut_off(why));
         }
         if self.ties.cut.as_mut().poll(cx).is_ready() {
             // Like vLLM's own error ends: the error event, then [DONE], so a client reading
@@ -256,26 +486,44 @@ impl Relay {
             let event = self.last_event(ProxyError::CutByShutdown);
             return Some(Poll::Ready(Some(Ok(with_done(&event)))));
         }
+        let continuing = self.carry.as_ref().is_some_and(|c| c.pending.is_some());
+        if !continuing && let Poll::Ready(why) = self.keep.unreachable.as_mut().poll(cx) {
+            if self.carry.is_some() {
+                return self.broke(LegFailure::Unreachable(why), migration::BROKE_UNREACHABLE);
+            }
+            return Some(self.cut_off(why));
+        }
         None
     }
 
     /// Decode closed its stream: what the strip still holds goes out first, then the
-    /// stream ends, complete if it ended with `[DONE]`.
-    fn ended(&mut self) -> Poll<Option<Result<Bytes, std::convert::Infallible>>> {
+    /// stream ends, complete if it ended with `[DONE]`; a stream cut short before it is
+    /// continued where it may be.
+    fn ended(&mut self) -> Option<Item> {
         let held = self.strip.as_mut().map(UsageStrip::finish);
         if let Some(tail) = held.filter(|t| !t.is_empty()) {
             self.push(&tail);
-            return Poll::Ready(Some(Ok(tail)));
+            return Some(Poll::Ready(Some(Ok(tail))));
         }
         if !self.end.is_done() {
-            return self.decode_failed(LegFailure::Body(
-                "it closed the stream without the final `data: [DONE]`".into(),
-            ));
+            let f =
+                LegFailure::Body("it closed the stream without the final `data: [DONE]`".into());
+            return self.broke(f, migration::BROKE_ENDED_EARLY);
         }
         self.finished = true;
         self.rec.outcome = Outcome::Complete;
-        Poll::Ready(None)
+        Some(Poll::Ready(None))
     }
+}
+
+/// One SSE event with `data` as its data.
+fn sse_event(out: &mut Vec<u8>, data: &str) {
+    for line in data.split('\n') {
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(line.as_bytes());
+        out.push(b'\n');
+    }
+    out.push(b'\n');
 }
 
 #[cfg(test)]

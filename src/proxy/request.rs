@@ -24,4 +24,8 @@ pub struct ClientRequest {
     /// Instances (URLs) routing picks only when no other is usable: those of a failed
     /// first attempt, when the request is redone once ([`super::pipeline::run`]).
     pub avoid: Vec<String>,
+    /// Whether its answer may be continued on another decode if its decode breaks off
+    /// mid-stream ([`super::migration`]): a stream, `--migration-limit` above 0, and
+    /// nothing in it that cannot be carried. Its decode legs then ask for token ids.
+    pub migrate: bool,
 }

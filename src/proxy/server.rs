@@ -153,12 +153,9 @@ async fn generate(p: Arc<Proxy>, route: &'static str, body: Body) -> Response {
             with_request_id(r, &rec.id)
         }
         Answer::Stream { first, rest, keep } => relay::stream_response(
-            first,
-            rest,
-            keep,
+            (first, rest, keep),
             rec,
-            req.deadline,
-            p.settings().total_timeout,
+            (&p, &req),
             relay::Ties {
                 admission,
                 in_flight,
@@ -224,7 +221,10 @@ async fn prepare(
             Vec::new()
         },
     };
+    let migrate =
+        stream && p.settings().migration_limit > 0 && super::migration::refusal(&body).is_none();
     let req = ClientRequest {
+        migrate,
         path: route,
         body,
         raw: bytes,

@@ -451,38 +451,13 @@ async fn warm(p: &Proxy, prefill: &Arc<Instance>, decode: &Arc<Instance>) -> Res
     // (left to the window check of those counters, so no recompute is suspected), but
     // nothing is counted in the proxy's figures.
     let expect = Expect::handoff(&original, dbody.body.as_ref());
-    let silent: Arc<dyn Recorder> = Arc::new(Silent);
+    let silent: Arc<dyn Recorder> = Arc::new(super::recorder::Silent);
     let account = leg_sent(&silent, decode, expect, false, p.handoff, &id);
     let dbody = dbody.body.unwrap_or(original);
     let sent = post(p, &decode.url, &dbody, &id).await;
     drop(account);
     sent.map_err(|e| format!("decode {} could not take the KV: {e}", decode.url))?;
     Ok(())
-}
-
-/// The recorder of warm-up legs: they are no traffic, so nothing is counted.
-#[derive(Debug)]
-struct Silent;
-
-impl Recorder for Silent {
-    fn add_in_flight(&self, _: i64) {}
-    fn request_done(&self, _: &'static str, _: u16) {}
-    fn client_disconnect(&self) {}
-    fn first_byte(&self, _: Duration) {}
-    fn prefill_done(&self, _: Duration) {}
-    fn decode_first_byte(&self, _: Duration) {}
-    fn handoff_miss(&self, _: &'static str) {}
-    fn recomputed_tokens(&self, _: u64) {}
-    fn kv_load_failed(&self) {}
-    fn retry(&self, _: Leg) {}
-    fn redone(&self, _: &'static str) {}
-    fn restart_wait(&self, _: Leg) {}
-    fn rate_limited(&self, _: super::recorder::LimitReason) {}
-    fn queued(&self) {}
-    fn queue_depth(&self, _: i64) {}
-    fn prefix_routing(&self, _: Leg, _: &'static str) {}
-    fn settings_applied(&self, _: u64) {}
-    fn rebalance_seen(&self, _: Option<&crate::vocab::RebalanceReport>) {}
 }
 
 /// The warm-up request: a few hundred tokens of prompt, one token out, greedy.

@@ -99,6 +99,12 @@ async fn whole(mut job: Job) -> Response {
     let kv = job.finish();
     let usage = Some(Some(job.usage()));
     let model = job.sim.args.model.as_str();
+    let ids = job.req.return_token_ids;
+    let n = job.req.n.max(1);
+    let prompt_ids = |index: u32| {
+        ids.then(|| job.req.prompts.get((index / n) as usize).map(Vec::as_slice))
+            .flatten()
+    };
     let body = match job.req.endpoint {
         Endpoint::Completions => serde_json::to_vec(&Envelope {
             id: &job.id,
@@ -115,9 +121,12 @@ async fn whole(mut job: Job) -> Response {
                     finish_reason: s.finish_reason(),
                     stop_reason: s.stop_reason.as_deref(),
                     prompt_logprobs: Some(None),
+                    token_ids: ids.then_some(&s.ids[..]),
+                    prompt_token_ids: prompt_ids(s.index),
                 })
                 .collect(),
             usage,
+            prompt_token_ids: None,
             kv_transfer_params: kv,
         }),
         Endpoint::Chat => serde_json::to_vec(&Envelope {
@@ -139,9 +148,11 @@ async fn whole(mut job: Job) -> Response {
                     logprobs: None,
                     finish_reason: s.finish_reason(),
                     stop_reason: s.stop_reason.as_deref(),
+                    token_ids: ids.then_some(&s.ids[..]),
                 })
                 .collect(),
             usage,
+            prompt_token_ids: prompt_ids(0),
             kv_transfer_params: kv,
         }),
     };

@@ -5,7 +5,7 @@
 
 use super::cache::block_hashes;
 use super::engine::{RunGuard, Sim, pause};
-use super::generate::{Pieces, natural_length, sequence_seed};
+use super::generate::Pieces;
 use super::handoff::{self, Incoming, Producer};
 use super::metrics::Finish;
 use super::openai::response::Usage;
@@ -21,10 +21,14 @@ pub struct Seq {
     pub index: u32,
     prompt_len: u32,
     pieces: Pieces,
-    natural: u32,
     max_tokens: u32,
     pub text: String,
     sent: usize,
+    /// The generated tokens' ids, and where each one's text ends in `text`.
+    pub ids: Vec<u32>,
+    ends: Vec<usize>,
+    /// How many of `ids` went out in stream chunks.
+    ids_sent: usize,
     pub generated: u32,
     pub finish: Option<Finish>,
     pub stop_reason: Option<String>,
@@ -35,13 +39,15 @@ pub struct Seq {
 
 impl Seq {
     fn advance(&mut self, req: &GenRequest, max_stop_len: usize) {
-        let mut piece = self.pieces.next_piece();
+        let (mut piece, id) = self.pieces.next_piece();
         if self.trim_first && self.generated == 0 {
             piece = piece.trim_start();
         }
         self.generated += 1;
         let before = self.text.len();
         self.text.push_str(piece);
+        self.ids.push(id);
+        self.ends.push(self.text.len());
         if !req.stop.is_empty() && self.generated >= req.min_tokens {
             let from = before.saturating_sub(max_stop_len.saturating_sub(1));
             let hit = req
@@ -64,7 +70,10 @@ impl Seq {
         }
         if self.generated >= self.max_tokens {
             self.finish = Some(Finish::Length);
-        } else if !req.ignore_eos && self.generated >= self.natural.max(req.min_tokens) {
+        } else if !req.ignore_eos
+            && self.generated >= req.min_tokens
+            && self.pieces.already + self.generated >= self.pieces.natural
+        {
             self.finish = Some(Finish::Stop);
         }
     }
@@ -81,6 +90,15 @@ impl Seq {
         let start = self.sent;
         self.sent = upto;
         start..upto
+    }
+
+    /// The ids of the tokens whose text has gone out since the last call (vLLM's
+    /// `token_ids` of a stream chunk, with `return_token_ids`).
+    pub fn take_ids(&mut self) -> std::ops::Range<usize> {
+        let upto = self.ends.partition_point(|end| *end <= self.sent);
+        let from = self.ids_sent.min(upto);
+        self.ids_sent = upto;
+        from..upto
     }
 
     /// `finish_reason` as the API spells it.
@@ -136,18 +154,19 @@ impl Job {
         for (p, tokens) in req.prompts.iter().enumerate() {
             let len = tokens.len() as u32;
             for c in 0..req.n {
-                let seed = sequence_seed(tokens, c);
                 seqs.push(Seq {
                     index: p as u32 * req.n + c,
                     prompt_len: len,
-                    pieces: Pieces::new(seed),
-                    natural: natural_length(seed),
+                    pieces: Pieces::new(tokens, c),
                     max_tokens: req
                         .max_tokens
                         .unwrap_or(max_model_len.saturating_sub(len))
                         .max(1),
                     text: String::new(),
                     sent: 0,
+                    ids: Vec::new(),
+                    ends: Vec::new(),
+                    ids_sent: 0,
                     generated: 0,
                     finish: None,
                     stop_reason: None,

@@ -122,6 +122,7 @@ fn envelope<'a, C: Serialize>(
         model: &job.sim.args.model,
         choices,
         usage,
+        prompt_token_ids: None,
         kv_transfer_params: None,
     }
 }
@@ -142,10 +143,15 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
     // without by that chunk only.
     let no_usage = None;
     let hold = job.hold_back;
+    let with_ids = job.req.return_token_ids;
+    let n = job.req.n.max(1);
     let mut seqs = std::mem::take(&mut job.seqs);
     for s in seqs.iter_mut().filter(|s| !s.reported) {
         let index = s.index;
         let finish_reason = s.finish_reason();
+        let prompt_ids = (with_ids && first)
+            .then(|| job.req.prompts.get((index / n) as usize).map(Vec::as_slice))
+            .flatten();
         if endpoint == Endpoint::Chat && first {
             let role = ChatChunkChoice {
                 index,
@@ -156,18 +162,20 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
                 logprobs: None,
                 finish_reason: None,
                 stop_reason: None,
+                token_ids: with_ids.then_some(&[][..]),
             };
-            event(
-                &mut out,
-                &envelope(job, object(endpoint), vec![role], no_usage),
-            );
+            let mut env = envelope(job, object(endpoint), vec![role], no_usage);
+            env.prompt_token_ids = prompt_ids;
+            event(&mut out, &env);
         }
         let range = s.take_delta(hold);
-        let delta = &s.text[range];
-        if delta.is_empty() && finish_reason.is_none() {
+        if range.is_empty() && finish_reason.is_none() {
             continue;
         }
+        let id_range = s.take_ids();
         let stop_reason = s.stop_reason.as_deref();
+        let delta = &s.text[range];
+        let ids = with_ids.then(|| &s.ids[id_range]);
         match endpoint {
             Endpoint::Completions => {
                 let c = CompletionChoice {
@@ -177,6 +185,8 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
                     finish_reason,
                     stop_reason,
                     prompt_logprobs: None,
+                    token_ids: ids,
+                    prompt_token_ids: prompt_ids,
                 };
                 event(
                     &mut out,
@@ -193,6 +203,7 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
                     logprobs: None,
                     finish_reason,
                     stop_reason,
+                    token_ids: ids,
                 };
                 event(
                     &mut out,

@@ -629,6 +629,13 @@ pub struct ProxySection {
     /// other instance of its role is healthy (default 30 s; 0 fails at once with a 503).
     #[serde(default)]
     pub restart_wait_s: Option<u64>,
+    /// How many times a stream whose decode broke off mid-answer is continued on another
+    /// decode (default 3; 0 never: the stream ends with an error event).
+    #[serde(default)]
+    pub migration_limit: Option<u32>,
+    /// Most answer tokens one continuation may carry (default 32768).
+    #[serde(default)]
+    pub migration_max_tokens: Option<u32>,
 }
 
 impl ProxySection {

@@ -65,6 +65,9 @@ pub struct GenRequest {
     pub ignore_eos: bool,
     pub stream: bool,
     pub include_usage: bool,
+    /// vLLM's `return_token_ids`: the answer carries the prompt's and the output's token
+    /// ids (in a stream: the prompt's in the first chunk, each chunk's own after).
+    pub return_token_ids: bool,
     pub kv: Option<KvTransferParams>,
 }
 
@@ -95,6 +98,7 @@ struct RawRequest {
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
     ignore_eos: Option<bool>,
+    return_token_ids: Option<bool>,
     include_stop_str_in_output: Option<bool>,
     add_generation_prompt: Option<bool>,
     kv_transfer_params: Option<Value>,
@@ -166,6 +170,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: Limits) -> Result<GenReque
         stop: parse_stop(raw.stop)?,
         include_stop_str_in_output: raw.include_stop_str_in_output.unwrap_or(false),
         ignore_eos: raw.ignore_eos.unwrap_or(false),
+        return_token_ids: raw.return_token_ids.unwrap_or(false),
         stream,
         include_usage: raw
             .stream_options

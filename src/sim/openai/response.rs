@@ -45,6 +45,13 @@ pub struct CompletionChoice<'a> {
     pub stop_reason: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<Option<()>>,
+    /// `return_token_ids`: the output tokens' ids (in a stream chunk, the chunk's own).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<&'a [u32]>,
+    /// `return_token_ids`: the prompt's ids (a stream's first chunk only), on the choice
+    /// as vLLM puts them for completions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<&'a [u32]>,
 }
 
 /// The assistant's message in a chat answer.
@@ -64,6 +71,9 @@ pub struct ChatChoice<'a> {
     pub logprobs: Option<()>,
     pub finish_reason: Option<&'static str>,
     pub stop_reason: Option<&'a str>,
+    /// `return_token_ids`: the output tokens' ids (in a stream chunk, the chunk's own).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<&'a [u32]>,
 }
 
 /// The change a chat stream chunk brings to one choice.
@@ -83,6 +93,9 @@ pub struct ChatChunkChoice<'a> {
     pub logprobs: Option<()>,
     pub finish_reason: Option<&'static str>,
     pub stop_reason: Option<&'a str>,
+    /// `return_token_ids`: the output tokens' ids (in a stream chunk, the chunk's own).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<&'a [u32]>,
 }
 
 /// A whole answer or a stream chunk: the envelope shared by both endpoints.
@@ -96,6 +109,10 @@ pub struct Envelope<'a, C: Serialize> {
     /// Absent (None), null (Some(None)) or the counts.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Option<Usage>>,
+    /// `return_token_ids` on a chat answer: the rendered prompt's ids (a stream's first
+    /// chunk only), beside the choices as vLLM puts them for chat.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<&'a [u32]>,
     /// The KV handoff a prefill offers its decode (nixl), absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_transfer_params: Option<Value>,

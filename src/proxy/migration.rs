@@ -1,0 +1,594 @@
+//! Streams that go on: when a decode leg breaks off after part of its answer reached the
+//! client (its connection reset or closed early, its instance found unreachable or drained
+//! past its grace), the answer is continued on another decode, or on the same one once its
+//! supervisor has it back. The continuation is a new request through the protocol's own
+//! flow (prefill, then decode) whose prompt is the original prompt followed by everything
+//! the client was sent, with `max_tokens` and `min_tokens` lowered by as many tokens. The
+//! client sees one stream: the same id, model and created, no text repeated or lost, and a
+//! final usage counting the original prompt and every token sent.
+//!
+//! Exact where the engine lets it be: each streamed decode leg asks for vLLM's
+//! `return_token_ids` (the prompt's ids in the first chunk, each chunk's own after), so the
+//! continuation's prompt is token ids, not re-tokenized text, and a greedy continuation is
+//! the answer the dead decode would have given. A chat is continued as a completion of the
+//! chat's own rendered prompt ids, its events written back as chat chunks. Where the ids
+//! are not there (an engine without `return_token_ids`, a request with stop strings, whose
+//! text the engine may hold back while its ids have gone out) the text sent is carried
+//! instead: the prompt text plus the answer's text, or for a chat, the answer as a final
+//! assistant message to continue (`continue_final_message`); the request's log line says
+//! "text".
+//!
+//! Not continued, with the reason in the error the client gets: n > 1, guided decoding,
+//! tools, logprobs, echo, beam search, a batch of prompts, past `--migration-limit` hops or
+//! `--migration-max-tokens` tokens carried.
+
+use super::errors::ProxyError;
+use super::protocol::Body;
+use super::request::ClientRequest;
+use serde_json::{Map, Value, json};
+
+/// Metrics reasons of a migration: what broke the decode leg.
+pub const BROKE_CONNECTION: &str = "connection";
+/// The decode closed its stream without `[DONE]`.
+pub const BROKE_ENDED_EARLY: &str = "ended_early";
+/// The decode's instance (or its node) was found unreachable.
+pub const BROKE_UNREACHABLE: &str = "unreachable";
+/// The decode's instance was drained and its grace ran out.
+pub const BROKE_DRAINED: &str = "drained";
+
+/// Why a request's answer cannot be continued on another decode, decided from its body
+/// once, when it comes in (`None`: it can be).
+pub fn refusal(body: &Body) -> Option<&'static str> {
+    let num = |k: &str| body.get(k).and_then(Value::as_i64);
+    let on = |k: &str| {
+        body.get(k)
+            .is_some_and(|v| !v.is_null() && v != &json!(false))
+    };
+    if num("n").is_some_and(|n| n > 1) || num("best_of").is_some_and(|n| n > 1) {
+        return Some("n > 1: several answers share one prompt");
+    }
+    if let Some(Value::Array(items)) = body.get("prompt")
+        && items.first().is_some_and(|i| !i.is_number())
+        && items.len() > 1
+    {
+        return Some("a batch of prompts");
+    }
+    let format = body.get("response_format");
+    let guided = format.is_some_and(|f| !f.is_null() && f.get("type") != Some(&json!("text")))
+        || [
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+        ]
+        .iter()
+        .any(|k| on(k))
+        || on("structured_outputs");
+    if guided {
+        return Some("guided decoding: the grammar's state cannot be carried");
+    }
+    let tools = body
+        .get("tools")
+        .is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty()))
+        && body.get("tool_choice") != Some(&json!("none"));
+    if tools {
+        return Some("tools: a tool call's parser state cannot be carried");
+    }
+    if on("logprobs") || num("top_logprobs").is_some_and(|n| n > 0) || on("prompt_logprobs") {
+        return Some("logprobs: the continuation's would not be the same request's");
+    }
+    if on("echo") {
+        return Some("echo");
+    }
+    if on("use_beam_search") {
+        return Some("beam search");
+    }
+    None
+}
+
+/// Where the continuation's events come from, for writing them back in the client's form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    /// The client's own leg: its events pass as they are (less the ids the client did
+    /// not ask for).
+    Original,
+    /// A continuation in the client's own endpoint (completions, or a chat continued
+    /// by text): ids and the usage rewritten, a chat's new role chunk dropped.
+    Same { carried: u32 },
+    /// A chat continued as a completion of its rendered prompt's ids: each event
+    /// written back as a chat chunk.
+    ChatViaCompletions { carried: u32 },
+}
+
+/// What the client has been sent of the answer so far.
+#[derive(Debug, Default)]
+pub struct Sent {
+    id: Option<Value>,
+    model: Option<Value>,
+    created: Option<Value>,
+    /// The prompt's token ids, from the first chunk (`return_token_ids`).
+    pub prompt_ids: Option<Vec<u32>>,
+    /// The answer's token ids, while every chunk with text carried its own.
+    pub ids: Vec<u32>,
+    ids_whole: bool,
+    pub text: String,
+    /// Chunks with text (the token count where no ids came).
+    text_chunks: u32,
+    /// A finish_reason went out: only the end of the stream is missing.
+    pub finished: bool,
+    seen_any: bool,
+}
+
+impl Sent {
+    /// Tokens sent: exact with ids, else one per chunk with text (vLLM sends one token
+    /// per chunk unless a stop string holds text back).
+    pub fn tokens(&self) -> u32 {
+        if self.ids_exact() {
+            self.ids.len() as u32
+        } else {
+            self.text_chunks
+        }
+    }
+
+    /// Whether the answer so far is known as token ids, and the prompt too.
+    pub fn ids_exact(&self) -> bool {
+        (self.ids_whole || self.text.is_empty()) && self.prompt_ids.is_some()
+    }
+
+    fn note(&mut self, v: &Map<String, Value>, chat: bool, form: Form) {
+        if !self.seen_any {
+            self.seen_any = true;
+            self.ids_whole = true;
+            self.id = v.get("id").cloned();
+            self.model = v.get("model").cloned();
+            self.created = v.get("created").cloned();
+        }
+        let Some(choice) = v.get("choices").and_then(|c| c.get(0)) else {
+            return;
+        };
+        if form == Form::Original && self.prompt_ids.is_none() {
+            let at = if chat {
+                v.get("prompt_token_ids")
+            } else {
+                choice.get("prompt_token_ids")
+            };
+            self.prompt_ids = at.and_then(ids_of);
+        }
+        let text = if chat && !matches!(form, Form::ChatViaCompletions { .. }) {
+            choice.pointer("/delta/content")
+        } else {
+            choice.get("text")
+        };
+        let text = text.and_then(Value::as_str).unwrap_or("");
+        let ids = choice.get("token_ids").and_then(ids_of);
+        if !text.is_empty() {
+            self.text.push_str(text);
+            self.text_chunks += 1;
+            if ids.as_ref().is_none_or(Vec::is_empty) {
+                self.ids_whole = false;
+            }
+        }
+        if let Some(ids) = ids {
+            self.ids.extend(ids);
+        }
+        if choice.get("finish_reason").is_some_and(|f| !f.is_null()) {
+            self.finished = true;
+        }
+    }
+}
+
+fn ids_of(v: &Value) -> Option<Vec<u32>> {
+    v.as_array()?
+        .iter()
+        .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+        .collect()
+}
+
+/// Reads and rewrites the events of a stream that may be continued: every complete event
+/// of the current decode leg goes through [`Tracker::event`].
+#[derive(Debug)]
+pub struct Tracker {
+    pub sent: Sent,
+    chat: bool,
+    /// The client asked for `return_token_ids` itself: the ids stay in its events.
+    client_ids: bool,
+    /// The client asked for the usage chunk.
+    client_usage: bool,
+    pub form: Form,
+    /// Continuations so far.
+    pub hops: u32,
+}
+
+/// What an event of the current leg becomes for the client.
+pub enum Out {
+    /// The event's data as it came.
+    Same,
+    /// Other data.
+    Rewritten(String),
+    /// Nothing (a continuation's role chunk, or a usage chunk the client did not ask for).
+    Dropped,
+}
+
+impl Tracker {
+    /// A tracker for `req`'s stream.
+    pub fn new(req: &ClientRequest) -> Tracker {
+        Tracker {
+            sent: Sent::default(),
+            chat: req.path == "/v1/chat/completions",
+            client_ids: req.body.get("return_token_ids") == Some(&json!(true)),
+            client_usage: super::usage_chunk::asks_usage(&req.body),
+            form: Form::Original,
+            hops: 0,
+        }
+    }
+
+    /// Notes one event's data and says what the client gets of it; `usage` is set to the
+    /// leg's own usage when the event carries one (for judging the leg's KV).
+    pub fn event(&mut self, data: &str, usage: &mut Option<Value>) -> Out {
+        if data.trim() == crate::sse::DONE {
+            return Out::Same;
+        }
+        let Ok(Value::Object(mut v)) = serde_json::from_str::<Value>(data) else {
+            return Out::Same;
+        };
+        if self.form == Form::Original {
+            self.sent.note(&v, self.chat, self.form);
+            if self.client_ids || !strip_ids(&mut v) {
+                return Out::Same;
+            }
+            return Out::Rewritten(Value::Object(v).to_string());
+        }
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            *usage = Some(u.clone());
+        }
+        if self.is_role_chunk(&v) {
+            return Out::Dropped;
+        }
+        self.sent.note(&v, self.chat, self.form);
+        let is_usage_chunk = v
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(Vec::is_empty)
+            && v.get("usage").is_some_and(|u| !u.is_null());
+        if is_usage_chunk && !self.client_usage {
+            return Out::Dropped;
+        }
+        self.rewrite(&mut v);
+        Out::Rewritten(Value::Object(v).to_string())
+    }
+
+    /// A chat continuation's opening chunk (the role, no text): the client had it.
+    fn is_role_chunk(&self, v: &Map<String, Value>) -> bool {
+        let Some(delta) = v.get("choices").and_then(|c| c.pointer("/0/delta")) else {
+            return false;
+        };
+        delta.get("role").is_some()
+            && delta
+                .get("content")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
+    }
+
+    /// A continuation's event in the client's form: the first leg's id, model and
+    /// created, the totals in the usage, a chat chunk for a chat continued as a completion.
+    fn rewrite(&self, v: &mut Map<String, Value>) {
+        let s = &self.sent;
+        for (k, val) in [("id", &s.id), ("model", &s.model), ("created", &s.created)] {
+            if let Some(val) = val {
+                v.insert(k.into(), val.clone());
+            }
+        }
+        v.remove("prompt_token_ids");
+        if let Some(Value::Array(choices)) = v.get_mut("choices") {
+            for c in choices.iter_mut().filter_map(Value::as_object_mut) {
+                c.remove("prompt_token_ids");
+                if matches!(self.form, Form::ChatViaCompletions { .. }) {
+                    let text = c.remove("text").unwrap_or(json!(""));
+                    c.insert("delta".into(), json!({ "content": text }));
+                }
+            }
+        }
+        if matches!(self.form, Form::ChatViaCompletions { .. }) {
+            v.insert("object".into(), json!("chat.completion.chunk"));
+        }
+        let carried = match self.form {
+            Form::Same { carried } | Form::ChatViaCompletions { carried } => carried,
+            Form::Original => 0,
+        };
+        if let Some(u) = v.get_mut("usage").and_then(Value::as_object_mut) {
+            total_usage(u, carried, s.prompt_ids.as_ref().map(Vec::len));
+        }
+        if !self.client_ids {
+            strip_ids(v);
+        }
+    }
+}
+
+/// A continuation's usage as the client's whole answer's: the original prompt, every
+/// token sent (those carried and the continuation's own).
+fn total_usage(u: &mut Map<String, Value>, carried: u32, prompt_len: Option<usize>) {
+    let get = |u: &Map<String, Value>, k: &str| u.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let carried = u64::from(carried);
+    let prompt = prompt_len
+        .map(|n| n as u64)
+        .unwrap_or_else(|| get(u, "prompt_tokens").saturating_sub(carried));
+    let completion = get(u, "completion_tokens") + carried;
+    u.insert("prompt_tokens".into(), json!(prompt));
+    u.insert("completion_tokens".into(), json!(completion));
+    u.insert("total_tokens".into(), json!(prompt + completion));
+    if let Some(d) = u
+        .get_mut("prompt_tokens_details")
+        .and_then(Value::as_object_mut)
+        && let Some(c) = d.get("cached_tokens").and_then(Value::as_u64)
+    {
+        d.insert("cached_tokens".into(), json!(c.min(prompt)));
+    }
+}
+
+/// Takes out the token id fields the proxy asked for; whether there were any.
+fn strip_ids(v: &mut Map<String, Value>) -> bool {
+    let mut any = v.remove("prompt_token_ids").is_some();
+    if let Some(Value::Array(choices)) = v.get_mut("choices") {
+        for c in choices.iter_mut().filter_map(Value::as_object_mut) {
+            any |= c.remove("token_ids").is_some();
+            any |= c.remove("prompt_token_ids").is_some();
+        }
+    }
+    any
+}
+
+/// Asks decode for the token ids of what it sends (vLLM's `return_token_ids`; an engine
+/// that does not know the field ignores it, and the answer is then carried as text).
+pub fn ask_ids(body: &mut Body) {
+    body.insert("return_token_ids".into(), Value::Bool(true));
+}
+
+/// Keys of a chat request that a completion request does not take.
+const CHAT_ONLY: [&str; 11] = [
+    "messages",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "max_completion_tokens",
+    "reasoning_effort",
+];
+
+/// The continuation of `req` after what `sent` holds, as a request of its own, and the
+/// form its events come back in. Err: why it cannot be made.
+pub fn continuation(
+    req: &ClientRequest,
+    sent: &Sent,
+    hop: u32,
+    max_tokens_carried: u32,
+) -> Result<(ClientRequest, Form), String> {
+    let carried = sent.tokens();
+    if carried > max_tokens_carried {
+        return Err(format!(
+            "it would carry {carried} tokens, more than --migration-max-tokens {max_tokens_carried}"
+        ));
+    }
+    let chat = req.path == "/v1/chat/completions";
+    let mut body = req.body.clone();
+    lower(&mut body, "max_tokens", carried)?;
+    lower(&mut body, "max_completion_tokens", carried)?;
+    if let Some(m) = body.get("min_tokens").and_then(Value::as_u64) {
+        body.insert(
+            "min_tokens".into(),
+            json!(m.saturating_sub(u64::from(carried))),
+        );
+    }
+    ask_ids(&mut body);
+    let exact = sent.ids_exact() && body.get("stop").is_none_or(no_stop);
+    let (path, form) = match (chat, exact) {
+        (false, true) | (true, true) => {
+            let mut prompt = sent.prompt_ids.clone().unwrap_or_default();
+            prompt.extend_from_slice(&sent.ids);
+            if chat {
+                if let Some(m) = body.remove("max_completion_tokens") {
+                    body.insert("max_tokens".into(), m);
+                }
+                for k in CHAT_ONLY {
+                    body.remove(k);
+                }
+            }
+            body.insert("prompt".into(), json!(prompt));
+            let form = if chat {
+                Form::ChatViaCompletions { carried }
+            } else {
+                Form::Same { carried }
+            };
+            ("/v1/completions", form)
+        }
+        (false, false) => {
+            let Some(Value::String(p)) = body.get("prompt") else {
+                return Err("the answer came without token ids and the prompt is not text".into());
+            };
+            let prompt = format!("{p}{}", sent.text);
+            body.insert("prompt".into(), json!(prompt));
+            ("/v1/completions", Form::Same { carried })
+        }
+        (true, false) => {
+            let Some(Value::Array(msgs)) = body.get_mut("messages") else {
+                return Err("a chat request without messages".into());
+            };
+            msgs.push(json!({"role": "assistant", "content": sent.text}));
+            body.insert("continue_final_message".into(), json!(true));
+            body.insert("add_generation_prompt".into(), json!(false));
+            ("/v1/chat/completions", Form::Same { carried })
+        }
+    };
+    let raw = bytes::Bytes::from(serde_json::to_vec(&body).expect("JSON values serialize"));
+    let mut next = req.clone();
+    next.path = path;
+    next.body = body;
+    next.raw = raw;
+    next.id = format!("{}-m{hop}", req.id);
+    next.designation.decode = None;
+    Ok((next, form))
+}
+
+fn no_stop(stop: &Value) -> bool {
+    match stop {
+        Value::Null => true,
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        _ => false,
+    }
+}
+
+/// Lowers a length key by the tokens carried; Err when nothing would be left (the caller
+/// then ends the answer itself).
+fn lower(body: &mut Body, key: &str, by: u32) -> Result<(), String> {
+    if let Some(m) = body.get(key).and_then(Value::as_u64) {
+        let left = m.saturating_sub(u64::from(by));
+        if left == 0 {
+            return Err(format!("{key} {m} were all sent"));
+        }
+        body.insert(key.into(), json!(left));
+    }
+    Ok(())
+}
+
+/// The error a client gets when its answer broke off and could not be continued.
+pub fn not_continued(failed: ProxyError, why: String) -> ProxyError {
+    ProxyError::NotContinued {
+        failed: Box::new(failed),
+        why,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(v: Value) -> Body {
+        match v {
+            Value::Object(m) => m,
+            _ => unreachable!(),
+        }
+    }
+
+    fn request(path: &'static str, v: Value) -> ClientRequest {
+        let raw = bytes::Bytes::from(v.to_string());
+        ClientRequest {
+            path,
+            body: body(v),
+            raw,
+            stream: true,
+            id: "r".into(),
+            designation: Default::default(),
+            facts: Default::default(),
+            deadline: tokio::time::Instant::now(),
+            avoid: Vec::new(),
+            migrate: true,
+        }
+    }
+
+    #[test]
+    fn what_cannot_be_carried_is_refused_with_its_reason() {
+        assert!(
+            refusal(&body(json!({"prompt": "a", "n": 2})))
+                .unwrap()
+                .contains("n > 1")
+        );
+        let guided = json!({"messages": [], "response_format": {"type": "json_object"}});
+        assert!(refusal(&body(guided)).unwrap().contains("guided"));
+        assert!(refusal(&body(json!({"prompt": "a", "logprobs": 1}))).is_some());
+        assert!(refusal(&body(json!({"prompt": ["a", "b"]}))).is_some());
+        assert_eq!(refusal(&body(json!({"prompt": [1, 2, 3]}))), None);
+        assert_eq!(
+            refusal(&body(json!({"messages": [], "logprobs": false}))),
+            None
+        );
+        let plain = json!({"messages": [], "response_format": {"type": "text"}});
+        assert_eq!(refusal(&body(plain)), None);
+    }
+
+    #[test]
+    fn usage_of_a_continuation_counts_the_original_prompt_and_every_token_sent() {
+        let mut u = body(
+            json!({"prompt_tokens": 30, "completion_tokens": 5, "total_tokens": 35,
+            "prompt_tokens_details": {"cached_tokens": 28}}),
+        );
+        total_usage(&mut u, 20, Some(10));
+        assert_eq!(u["prompt_tokens"], 10);
+        assert_eq!(u["completion_tokens"], 25);
+        assert_eq!(u["total_tokens"], 35);
+        assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 10);
+    }
+
+    #[test]
+    fn the_original_legs_ids_are_noted_and_taken_out_when_the_client_did_not_ask() {
+        let req = request("/v1/completions", json!({"prompt": "a b", "stream": true}));
+        let mut t = Tracker::new(&req);
+        let mut usage = None;
+        let first = r#"{"id":"cmpl-1","created":7,"model":"m","choices":[{"index":0,"text":" x","token_ids":[5],"prompt_token_ids":[1,2]}]}"#;
+        let Out::Rewritten(out) = t.event(first, &mut usage) else {
+            panic!("ids not taken out")
+        };
+        assert!(!out.contains("token_ids"), "{out}");
+        assert_eq!(t.sent.prompt_ids, Some(vec![1, 2]));
+        assert_eq!(t.sent.ids, vec![5]);
+        assert_eq!(t.sent.tokens(), 1);
+        let (next, form) = continuation(&req, &t.sent, 1, 100).unwrap();
+        assert_eq!(next.body["prompt"], json!([1, 2, 5]));
+        assert_eq!(form, Form::Same { carried: 1 });
+    }
+
+    #[test]
+    fn a_chat_is_continued_as_a_completion_of_its_ids_and_written_back_as_chat() {
+        let req = request(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "max_completion_tokens": 10}),
+        );
+        let mut t = Tracker::new(&req);
+        let mut usage = None;
+        let role = r#"{"id":"chatcmpl-1","created":7,"model":"m","prompt_token_ids":[1,2],"choices":[{"index":0,"delta":{"role":"assistant","content":""},"token_ids":[]}]}"#;
+        let tok = r#"{"id":"chatcmpl-1","created":7,"model":"m","choices":[{"index":0,"delta":{"content":" x"},"token_ids":[9]}]}"#;
+        t.event(role, &mut usage);
+        t.event(tok, &mut usage);
+        let (next, form) = continuation(&req, &t.sent, 1, 100).unwrap();
+        assert_eq!(next.path, "/v1/completions");
+        assert_eq!(next.body["prompt"], json!([1, 2, 9]));
+        assert_eq!(next.body["max_tokens"], 9);
+        assert!(next.body.get("messages").is_none());
+        t.form = form;
+        let cont = r#"{"id":"cmpl-9","object":"text_completion","created":9,"model":"m","choices":[{"index":0,"text":" y","token_ids":[4],"finish_reason":"length"}]}"#;
+        let Out::Rewritten(out) = t.event(cont, &mut usage) else {
+            panic!()
+        };
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["id"], "chatcmpl-1");
+        assert_eq!(v["object"], "chat.completion.chunk");
+        assert_eq!(v["choices"][0]["delta"]["content"], " y");
+        assert!(v["choices"][0].get("token_ids").is_none());
+        assert_eq!(t.sent.text, " x y");
+    }
+
+    #[test]
+    fn without_ids_the_text_is_carried() {
+        let req = request(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "stream": true}),
+        );
+        let mut t = Tracker::new(&req);
+        let mut usage = None;
+        t.event(
+            r#"{"id":"c","choices":[{"index":0,"delta":{"content":"Hello"}}]}"#,
+            &mut usage,
+        );
+        let (next, form) = continuation(&req, &t.sent, 1, 100).unwrap();
+        assert_eq!(next.path, "/v1/chat/completions");
+        assert_eq!(
+            next.body["messages"][1],
+            json!({"role": "assistant", "content": "Hello"})
+        );
+        assert_eq!(next.body["continue_final_message"], true);
+        assert_eq!(form, Form::Same { carried: 1 });
+    }
+}

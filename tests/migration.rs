@@ -1,0 +1,283 @@
+//! Streams that go on: a decode killed (SIGKILL) while it streams costs its users a pause,
+//! never an error. Sim 1P2D clusters brought up with `pdctl up`; every stream is compared
+//! with the same request's answer on a cluster where nothing was killed (the simulator
+//! continues exactly, as greedy decoding does: src/sim/generate.rs).
+
+use crate::common;
+use crate::common::supervisor as suph;
+
+use common::TempDir;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+use suph::{Cluster, sim_topology, text};
+
+/// Streams in flight when decode-0 is killed, and the tokens each asks for.
+const STREAMS: usize = 16;
+const TOKENS: u32 = 120;
+
+/// A 1P2D sim cluster `m-TAG` over `connector` (its extra lines in `connector_extra`),
+/// brought up by `pdctl up`; the directory holds its topology file; the last item is the
+/// proxy's base URL.
+fn up_1p2d(tag: &str, connector: &str, connector_extra: &str) -> (Cluster, TempDir, String) {
+    let sim = "[engine.sim]\nitl_ms = 25.0\n";
+    let (t, port) = sim_topology(&format!("m-{tag}"), connector, 1, 2, sim);
+    let kind = format!("[connector]\nkind = \"{connector}\"\n");
+    let t = t.replacen(&kind, &format!("{kind}{connector_extra}"), 1);
+    let cluster = Cluster::new(&format!("m{tag}"));
+    let dir = TempDir::new(&format!("m{tag}-topo"));
+    cluster.up_topology(dir.path(), &t);
+    (cluster, dir, format!("http://127.0.0.1:{port}"))
+}
+
+/// What a client read of one streamed answer.
+#[derive(Debug, Default, Clone)]
+struct Read {
+    text: String,
+    /// Every `id` the events carried.
+    ids: Vec<String>,
+    models: Vec<String>,
+    created: Vec<u64>,
+    finish: Option<String>,
+    error: Option<Value>,
+    done: bool,
+    usage: Option<Value>,
+    events: u32,
+}
+
+impl Read {
+    fn note(&mut self, data: &str, chat: bool) {
+        if data == "[DONE]" {
+            self.done = true;
+            return;
+        }
+        let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data}"));
+        if v.get("error").is_some() {
+            self.error = Some(v);
+            return;
+        }
+        self.events += 1;
+        self.ids.push(v["id"].as_str().unwrap_or("").to_string());
+        self.models
+            .push(v["model"].as_str().unwrap_or("").to_string());
+        self.created.push(v["created"].as_u64().unwrap_or(0));
+        if !v["usage"].is_null() {
+            self.usage = Some(v["usage"].clone());
+        }
+        let Some(c) = v["choices"].get(0) else { return };
+        assert!(
+            c.get("token_ids").is_none(),
+            "ids the client did not ask for: {data}"
+        );
+        let piece = if chat {
+            &c["delta"]["content"]
+        } else {
+            &c["text"]
+        };
+        self.text.push_str(piece.as_str().unwrap_or(""));
+        if let Some(f) = c["finish_reason"].as_str() {
+            self.finish = Some(f.to_string());
+        }
+    }
+
+    /// The client's view is one stream: one id, model and created throughout.
+    fn is_one_stream(&self) -> bool {
+        let same = |v: &[String]| v.windows(2).all(|w| w[0] == w[1]);
+        same(&self.ids) && same(&self.models) && self.created.windows(2).all(|w| w[0] == w[1])
+    }
+}
+
+/// Streams `body` to `url`, counting events into `progress` as they come.
+async fn stream(
+    client: reqwest::Client,
+    url: String,
+    body: Value,
+    progress: Arc<AtomicU32>,
+) -> Read {
+    let chat = url.ends_with("/chat/completions");
+    let mut r = client.post(&url).json(&body).send().await.expect("sent");
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    let mut events = pdctl::sse::Events::default();
+    let mut read = Read::default();
+    while let Ok(Some(chunk)) = r.chunk().await {
+        events.push(&chunk);
+        while let Some(ev) = events.next_event() {
+            read.note(&ev.data, chat);
+            progress.store(read.events, Ordering::Relaxed);
+        }
+    }
+    read
+}
+
+fn body_of(route: &str, i: usize, extra: &Value) -> Value {
+    let mut b = if route.contains("chat") {
+        json!({"model": "sim-model", "messages": [{"role": "user", "content": format!("stream number {i}, please go on")}]})
+    } else {
+        json!({"model": "sim-model", "prompt": format!("stream number {i}, please go on")})
+    };
+    b["max_tokens"] = json!(TOKENS);
+    b["ignore_eos"] = json!(true);
+    b["stream"] = json!(true);
+    b["stream_options"] = json!({"include_usage": true});
+    for (k, v) in extra.as_object().into_iter().flatten() {
+        b[k] = v.clone();
+    }
+    b
+}
+
+/// Sends `n` streams to `route` and, once every one has 20 events or more, kills
+/// decode-0 with SIGKILL; what each client read.
+async fn streams_with_a_kill(cluster: &Cluster, url: &str, n: usize, extra: &Value) -> Vec<Read> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(90))
+        .build()
+        .unwrap();
+    let progress: Vec<Arc<AtomicU32>> = (0..n).map(|_| Arc::new(AtomicU32::new(0))).collect();
+    let mut running = Vec::new();
+    for (i, p) in progress.iter().enumerate() {
+        let route = url.rsplit("/v1").next().unwrap_or_default();
+        let body = body_of(route, i, extra);
+        running.push(tokio::spawn(stream(
+            client.clone(),
+            url.to_string(),
+            body,
+            p.clone(),
+        )));
+    }
+    let all_going = common::wait_until(Duration::from_secs(60), || {
+        progress.iter().all(|p| p.load(Ordering::Relaxed) >= 20)
+    });
+    assert!(all_going, "the streams did not get going");
+    let report = cluster.status(&[]).expect("the cluster is up");
+    let pid = suph::svc(&report, "decode-0").pid.expect("decode-0 runs");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let mut reads = Vec::new();
+    for r in running {
+        reads.push(r.await.unwrap());
+    }
+    reads
+}
+
+/// The answers of the same requests with nothing killed.
+async fn unkilled(url: &str, n: usize, extra: &Value) -> Vec<Read> {
+    let client = reqwest::Client::new();
+    let route = url.rsplit("/v1").next().unwrap_or_default().to_string();
+    let mut out = Vec::new();
+    for i in 0..n {
+        let body = body_of(&route, i, extra);
+        out.push(stream(client.clone(), url.to_string(), body, Arc::default()).await);
+    }
+    out
+}
+
+/// The proxy's counter `pdctl_proxy_migrations_total`, all reasons.
+async fn migrations(base: &str) -> f64 {
+    let page = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    page.lines()
+        .filter(|l| l.starts_with("pdctl_proxy_migrations_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Every stream complete and equal to its unkilled answer, as one stream, with the usage
+/// of the whole answer; the migrations counted.
+async fn check_every_stream_goes_on(cluster: &Cluster, base: &str, route: &str) {
+    let url = format!("{base}{route}");
+    let none = json!({});
+    let want = unkilled(&url, STREAMS, &none).await;
+    let got = streams_with_a_kill(cluster, &url, STREAMS, &none).await;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            g.error.is_none(),
+            "stream {i} ended with an error: {:?}",
+            g.error
+        );
+        assert!(g.done, "stream {i} has no [DONE]: {g:?}");
+        assert_eq!(
+            g.text, w.text,
+            "stream {i}: the text differs from the unkilled answer"
+        );
+        assert_eq!(g.finish.as_deref(), Some("length"), "stream {i}");
+        assert!(
+            g.is_one_stream(),
+            "stream {i} changed id, model or created: {g:?}"
+        );
+        let usage = g.usage.as_ref().expect("usage asked for");
+        let want_usage = w.usage.as_ref().unwrap();
+        assert_eq!(usage["completion_tokens"], TOKENS, "stream {i}: {usage}");
+        assert_eq!(
+            usage["prompt_tokens"], want_usage["prompt_tokens"],
+            "stream {i}"
+        );
+    }
+    let moved = migrations(base).await;
+    assert!(moved >= 1.0, "no migration counted: {moved}");
+    let out = cluster.run(&["logs", "proxy"]);
+    assert!(
+        text(&out).contains("stream continued: decode"),
+        "{}",
+        text(&out)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_decode_killed_mid_stream_costs_its_completions_streams_a_pause_never_an_error() {
+    let (cluster, _t, base) = up_1p2d("nixl", "nixl", "");
+    check_every_stream_goes_on(&cluster, &base, "/v1/completions").await;
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_decode_killed_mid_stream_costs_its_chat_streams_a_pause_never_an_error() {
+    let (cluster, _t, base) = up_1p2d("chat", "nixl", "");
+    check_every_stream_goes_on(&cluster, &base, "/v1/chat/completions").await;
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn streams_go_on_under_the_push_and_mooncake_protocols_too() {
+    for (tag, connector, extra) in [
+        ("push", "nixl", "mode = \"push\"\n"),
+        ("mc", "mooncake", ""),
+    ] {
+        let (cluster, _t, base) = up_1p2d(tag, connector, extra);
+        check_every_stream_goes_on(&cluster, &base, "/v1/completions").await;
+        let out = cluster.run(&["down"]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+}
+
+/// A stream that cannot be continued (n = 2: two answers share one prompt) ends with a
+/// JSON error event that says why, then `[DONE]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_that_cannot_be_continued_says_why() {
+    let (cluster, _t, base) = up_1p2d("n2", "nixl", "");
+    let url = format!("{base}/v1/completions");
+    let reads = streams_with_a_kill(&cluster, &url, 4, &json!({"n": 2})).await;
+    let failed: Vec<&Read> = reads.iter().filter(|r| r.error.is_some()).collect();
+    assert!(!failed.is_empty(), "no stream was on decode-0: {reads:?}");
+    for r in failed {
+        let e = &r.error.as_ref().unwrap()["error"];
+        let why = e["not_migrated"].as_str().unwrap_or_default();
+        assert!(why.contains("n > 1"), "{e}");
+        assert!(
+            e["message"].as_str().unwrap().contains("not continued"),
+            "{e}"
+        );
+        assert!(r.done, "no [DONE] after the error");
+    }
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
