@@ -249,7 +249,7 @@ async fn a_decode_killed_mid_stream_costs_its_chat_streams_a_pause_never_an_erro
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn streams_go_on_under_the_push_and_mooncake_protocols_too() {
     for (tag, connector, extra) in [
-        ("push", "nixl", "mode = \"push\"\n"),
+        ("push", "nixl", "nixl_mode = \"push\"\n"),
         ("mc", "mooncake", ""),
     ] {
         let (cluster, _t, base) = up_1p2d(tag, connector, extra);
