@@ -418,6 +418,8 @@ fn proxy_args(
         total_timeout_s: p.total_timeout_s.unwrap_or(d.total_timeout_s),
         max_body_bytes: p.max_body_bytes.unwrap_or(d.max_body_bytes),
         restart_wait_s: p.restart_wait_s.unwrap_or(d.restart_wait_s),
+        header_read_timeout_s: p.header_read_timeout_s.unwrap_or(d.header_read_timeout_s),
+        max_client_connections: p.max_client_connections.unwrap_or(d.max_client_connections),
         supervisor_socket: Some(socket.to_path_buf()),
         ..d
     };

@@ -629,6 +629,14 @@ pub struct ProxySection {
     /// other instance of its role is healthy (default 30 s; 0 fails at once with a 503).
     #[serde(default)]
     pub restart_wait_s: Option<u64>,
+    /// Seconds a client may take over a request's headers, and stay idle between
+    /// requests, before its connection is closed (default 10; docs/security.md).
+    #[serde(default)]
+    pub header_read_timeout_s: Option<u64>,
+    /// Client connections the proxy holds open at once; one more is answered 503
+    /// (default 4096; docs/security.md).
+    #[serde(default)]
+    pub max_client_connections: Option<usize>,
 }
 
 impl ProxySection {
