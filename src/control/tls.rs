@@ -687,6 +687,9 @@ pub struct PeerTls {
     /// Elsewhere: the key (PEM) of a renewal asked whose certificate is not installed
     /// yet, asked for again with the same key (the head then sends the same certificate).
     renew_key: std::sync::Mutex<Option<String>>,
+    /// How many renewed certificates this node has installed: a connection kept from
+    /// before one is opened again, so the head sees the new one used and drops the old.
+    installed: std::sync::atomic::AtomicU64,
 }
 
 /// The credentials a node uses now, and the TLS configurations made of them.
@@ -783,6 +786,7 @@ impl PeerTls {
             started_s: now_s(),
             learned: std::sync::RwLock::new(None),
             renew_key: std::sync::Mutex::new(None),
+            installed: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -1016,7 +1020,15 @@ impl PeerTls {
         }
         *self.current.write().unwrap_or_else(|e| e.into_inner()) = next;
         *self.renew_key.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.installed
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(creds)
+    }
+
+    /// How many renewed certificates this node has installed since it started: a
+    /// connection opened before the latest carries the old certificate.
+    pub fn installed(&self) -> u64 {
+        self.installed.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Connects to `node`'s supervisor over `stream`, checking its certificate names it.
