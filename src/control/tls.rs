@@ -10,10 +10,12 @@
 //! connection. A node started by hand joins: its join token ([`JoinToken`], made by
 //! `pdctl join-token` on the head for one node, good once, expiring) pins the CA (the
 //! SHA-256 of its certificate) and carries a random secret of its own; the node checks
-//! the head's certificate chains to exactly that CA before it proves the token (an HMAC
-//! bound to this TLS session, [`crate::control::auth::Secret::join_proof`], keyed by the
-//! token secret's SHA-256, which is all the head keeps of it) and takes the certificate
-//! the head issues it. Only the head holds the CA's key and the cluster's secret.
+//! the head's certificate chains to exactly that CA before it proves the token (a
+//! signature bound to this TLS session by an Ed25519 key the token's secret seeds,
+//! [`JoinToken::proof`]; the head keeps only the public half, which cannot prove) and
+//! takes the certificate the head issues it. The token is spent when the node first uses
+//! that certificate, so a join whose answer was lost is asked again. Only the head holds
+//! the CA's key and the cluster's secret.
 //!
 //! The head keeps a book of what it issued ([`Book`], `tls/book.json`): each node's
 //! latest certificate (serial, SHA-256, expiry) and each join token (its hash, node,
@@ -23,7 +25,9 @@
 //! Certificates are renewed over the channel itself ([`RenewRequest`]): a node makes a
 //! new key and asks the head, over a connection its current certificate opened, to
 //! certify it; the head signs it for the node that certificate names (never a name the
-//! node gives) and records it as the only one it accepts. A node asks when the head's
+//! node gives) and records it as pending: the old one stays accepted until the node first
+//! uses the new one (or [`RENEW_GRACE_S`] passes), and a renewal asked again for the same
+//! key is sent the same certificate, so a lost answer locks no node out. A node asks when the head's
 //! answer to its status poll says so ([`Accepted::renew`]: a certificate that joined,
 //! or was renewed, before the head's supervisor started, i.e. at every `up` of the head)
 //! or when less than [`RENEW_WITHIN_S`] is left. The same answer tells the nodes which
