@@ -34,6 +34,7 @@ mod rebalance_history;
 mod recompute_load;
 mod security;
 mod sim;
+mod slow_clients;
 mod supervisor;
 mod tune;
 mod two_machines;

@@ -719,6 +719,15 @@ fn a_joined_node_renews_its_certificate_at_the_heads_up_and_every_node_refuses_a
         up_returned.elapsed().as_secs_f64()
     );
     let new = c.worker_creds();
+    // Two-phase: the head drops the old certificate once the worker used the new one
+    // (its next poll opens a connection with it).
+    let confirmed = common::wait_until(Duration::from_secs(10), || {
+        c.book().issued["worker"].how == "renew"
+    });
+    assert!(
+        confirmed,
+        "the head still waits for the renewed certificate's first use"
+    );
     let issued = c.book().issued["worker"].clone();
     assert_eq!(issued.how, "renew");
     assert_ne!(issued.serial, old_issued.serial);
@@ -766,5 +775,82 @@ fn a_joined_node_renews_its_certificate_at_the_heads_up_and_every_node_refuses_a
         listed.contains(&format!("worker  serial {}  from renew", issued.serial)),
         "{listed}"
     );
+    c.down();
+}
+
+/// Holds a connection to the head as `creds.node` from the worker's host: answers one
+/// status request, says so on `ready`, waits for `go`, then reads until the head closes
+/// the connection. How long after `go` it was closed (None: not within 10 s).
+fn held_connection(
+    c: &JoinPair,
+    creds: NodeCreds,
+    ready: std::sync::mpsc::Sender<String>,
+    go: std::sync::mpsc::Receiver<()>,
+) -> std::thread::JoinHandle<Option<Duration>> {
+    let ns = c.ns_worker().map(|n| format!("/var/run/netns/{n}"));
+    let addr = c.head_control.clone();
+    std::thread::spawn(move || {
+        netns::enter(ns.as_deref());
+        let nodes = ["head", "worker", "other"].map(String::from).to_vec();
+        let tls = pdctl::control::tls::PeerTls::new("sectok", "head", nodes, &creds, None).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut s = pdctl::control::client::open_peer(&addr, "head", &tls)
+                .await
+                .expect("the current certificate connects");
+            s.write_all(b"{\"cmd\":\"status\"}\n").await.unwrap();
+            let mut answer = vec![0u8; 1 << 16];
+            let n = s.read(&mut answer).await.unwrap();
+            let _ = ready.send(String::from_utf8_lossy(&answer[..n]).into_owned());
+            go.recv().unwrap();
+            let asked = std::time::Instant::now();
+            let closed = tokio::time::timeout(Duration::from_secs(10), async {
+                loop {
+                    match s.read(&mut answer).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    }
+                }
+            });
+            closed.await.ok().map(|()| asked.elapsed())
+        })
+    })
+}
+
+#[test]
+fn a_revoked_node_that_is_still_connected_is_cut_off_within_a_second() {
+    let c = JoinPair::new("pdv");
+    let up_head = c.start_head();
+    c.up_worker(Some(&c.token_for("worker", "1h")));
+    let up = up_head.wait_with_output().unwrap();
+    assert!(up.status.success(), "head: {}", text(&up));
+    let other = c
+        .join(&c.token_for("other", "1h"), "other")
+        .expect("other joins");
+
+    // A connection `other` keeps open (as a node keeps one for its polls) is closed
+    // within a second of `--revoke other`, though it sends nothing more.
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    let (go, go_rx) = std::sync::mpsc::channel();
+    let held = held_connection(&c, other.clone(), ready_tx, go_rx);
+    let first = ready.recv_timeout(Duration::from_secs(20)).unwrap();
+    assert!(taken(&first), "{first}");
+    let revoke = suph::run_bounded(
+        c.on_head(&["join-token", "--revoke", "other"]),
+        Duration::from_secs(30),
+    );
+    assert!(revoke.status.success(), "{}", text(&revoke));
+    go.send(()).unwrap();
+    let closed = held.join().unwrap();
+    assert!(
+        closed.is_some_and(|t| t <= Duration::from_secs(1)),
+        "the revoked node's connection was closed after {closed:?}"
+    );
+    let again = c.ask_head(&other);
+    assert!(!taken(&again), "a revoked certificate was taken: {again}");
     c.down();
 }

@@ -409,6 +409,8 @@ mod tests {
             engine_api_key: None,
             supervisor_socket: Some("/run/pd/control.sock".into()),
             health_interval_ms: 250,
+            header_read_timeout_s: 7,
+            max_client_connections: 900,
         }
     }
 

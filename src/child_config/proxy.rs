@@ -39,6 +39,12 @@ fn is_default_tcp_keepalive_count(v: &u32) -> bool {
 fn is_default_tcp_user_timeout_s(v: &u32) -> bool {
     *v == TcpLiveness::default().tcp_user_timeout_s
 }
+fn is_default_header_read_timeout_s(v: &u64) -> bool {
+    *v == ProxyArgs::default().header_read_timeout_s
+}
+fn is_default_max_client_connections(v: &usize) -> bool {
+    *v == ProxyArgs::default().max_client_connections
+}
 
 /// Everything `pdctl proxy` takes, as flags or as keys of its config file.
 #[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
@@ -177,6 +183,16 @@ pub struct ProxyArgs {
     #[arg(long, default_value_t = ProxyArgs::default().tcp_user_timeout_s)]
     #[serde(skip_serializing_if = "is_default_tcp_user_timeout_s")]
     pub tcp_user_timeout_s: u32,
+    /// Seconds a client connection may take to send a request's headers, and may stay
+    /// idle between requests (keep-alive): past it the connection is closed, so a client
+    /// that sends half a request holds nothing for long.
+    #[arg(long, default_value_t = ProxyArgs::default().header_read_timeout_s)]
+    #[serde(skip_serializing_if = "is_default_header_read_timeout_s")]
+    pub header_read_timeout_s: u64,
+    /// Client connections open at once; one more is answered 503 and closed.
+    #[arg(long, default_value_t = ProxyArgs::default().max_client_connections)]
+    #[serde(skip_serializing_if = "is_default_max_client_connections")]
+    pub max_client_connections: usize,
 }
 
 /// The one place the proxy's defaults are written: clap's `default_value_t`s and the
@@ -221,6 +237,8 @@ impl Default for ProxyArgs {
             tcp_keepalive_interval_s: TcpLiveness::default().tcp_keepalive_interval_s,
             tcp_keepalive_count: TcpLiveness::default().tcp_keepalive_count,
             tcp_user_timeout_s: TcpLiveness::default().tcp_user_timeout_s,
+            header_read_timeout_s: 10,
+            max_client_connections: 4096,
         }
     }
 }
@@ -241,6 +259,7 @@ impl ProxyArgs {
             tcp_keepalive_interval_s: self.tcp_keepalive_interval_s,
             tcp_keepalive_count: self.tcp_keepalive_count,
             tcp_user_timeout_s: self.tcp_user_timeout_s,
+            ..TcpLiveness::default()
         }
     }
 
@@ -265,6 +284,8 @@ impl ProxyArgs {
             ("total_timeout_s", self.total_timeout_s),
             ("health_interval_ms", self.health_interval_ms),
             ("max_body_bytes", self.max_body_bytes as u64),
+            ("header_read_timeout_s", self.header_read_timeout_s),
+            ("max_client_connections", self.max_client_connections as u64),
         ]
         .into_iter()
         .find(|(_, v)| *v == 0)
@@ -372,6 +393,14 @@ impl ProxyArgs {
         if let Some(s) = &self.supervisor_socket {
             v.extend(["--supervisor-socket".into(), s.display().to_string()]);
         }
+        if !is_default_header_read_timeout_s(&self.header_read_timeout_s) {
+            let t = self.header_read_timeout_s.to_string();
+            v.extend(["--header-read-timeout-s".into(), t]);
+        }
+        if !is_default_max_client_connections(&self.max_client_connections) {
+            let n = self.max_client_connections.to_string();
+            v.extend(["--max-client-connections".into(), n]);
+        }
         v
     }
 }
@@ -393,7 +422,7 @@ const LIVE: [&str; 11] = [
 
 /// Flags a running proxy takes only when it restarts. The instance lists are in neither
 /// list: the proxy follows the supervisor's services.
-const RESTART: [&str; 15] = [
+const RESTART: [&str; 17] = [
     "--host",
     "--port",
     "--protocol",
@@ -409,6 +438,8 @@ const RESTART: [&str; 15] = [
     "--tcp-keepalive-interval-s",
     "--tcp-keepalive-count",
     "--tcp-user-timeout-s",
+    "--header-read-timeout-s",
+    "--max-client-connections",
 ];
 
 /// Every value `flag` has in `argv`, joined (flags may repeat; a switch reads `on`).

@@ -452,10 +452,12 @@ pub fn join_token(a: JoinTokenArgs) -> anyhow::Result<ExitCode> {
     let record = TokenRecord {
         id: token.id.clone(),
         node: node.clone(),
-        hash: token.secret_hash(),
+        verifier: token.verifier(),
+        hash: None,
         created_s: now,
         expires_s: now + a.ttl.unwrap_or(DEFAULT_TOKEN_TTL_S),
         used_s: None,
+        handed: None,
         revoked: false,
     };
     Book::update(&dir, |b| {

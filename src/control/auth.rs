@@ -1,10 +1,6 @@
-//! The cluster secret: what the engine key is derived from, and what a node started by
-//! hand proves (inside a TLS session whose server it has checked against the CA its join
-//! token pins, [`crate::control::tls`]) to be given its certificate. The proof is an
-//! HMAC-SHA256 bound to that session, compared in constant time by
-//! [`crate::constant_time::equal`] (the one comparison pdctl uses): the secret never
-//! crosses the wire. Everything between the supervisors travels inside
-//! mutually authenticated TLS 1.3 (docs/security.md).
+//! The cluster secret: what the engine key is derived from (a node started by hand proves
+//! its join token instead, [`crate::control::tls::JoinToken`]). Everything between the
+//! supervisors travels inside mutually authenticated TLS 1.3 (docs/security.md).
 
 use hmac::{KeyInit, Mac};
 use std::path::{Path, PathBuf};
@@ -156,7 +152,7 @@ impl Secret {
 
     /// A new random secret (64 hex digits).
     pub fn random() -> Secret {
-        Secret(hex(&rand::random::<[u8; RANDOM_BYTES]>()))
+        Secret(hex::encode(rand::random::<[u8; RANDOM_BYTES]>()))
     }
 
     /// The secret as written in its file; for `pdctl secret`, which a person asks for.
@@ -182,34 +178,16 @@ impl Secret {
     /// secret (a process that can read an engine's environment cannot join the control
     /// channel).
     pub fn engine_key(&self) -> EngineKey {
-        EngineKey(hex(&self
-            .mac(ENGINE_KEY_LABEL, b"", b"")
-            .finalize()
-            .into_bytes()))
+        EngineKey(hex::encode(
+            self.mac(ENGINE_KEY_LABEL).finalize().into_bytes(),
+        ))
     }
 
-    fn mac(&self, label: &[u8], first: &[u8], second: &[u8]) -> HmacSha256 {
+    fn mac(&self, label: &[u8]) -> HmacSha256 {
         let mut m = <HmacSha256 as KeyInit>::new_from_slice(self.0.as_bytes())
             .expect("HMAC takes keys of any length");
         m.update(label);
-        m.update(first);
-        m.update(second);
         m
-    }
-
-    fn proof(&self, label: &[u8], server: &[u8], client: &[u8]) -> String {
-        hex(&self.mac(label, server, client).finalize().into_bytes())
-    }
-
-    /// Whether `proof` (hex) is the HMAC of the nonces; compared in constant time.
-    fn verify(&self, label: &[u8], server: &[u8], client: &[u8], proof: &str) -> bool {
-        match unhex(proof) {
-            Some(bytes) => {
-                let want = self.mac(label, server, client).finalize().into_bytes();
-                crate::constant_time::equal(&bytes, &want)
-            }
-            None => false,
-        }
     }
 }
 
@@ -343,38 +321,6 @@ pub fn kept_engine_key(dir: &Path) -> Result<Option<EngineKey>, SecretError> {
     Ok(Secret::read(&dir.join(SECRET_FILE))?.map(|s| s.engine_key()))
 }
 
-const JOIN_LABEL: &[u8] = b"pdctl-join-v1";
-
-impl Secret {
-    /// A node's proof that it holds the secret, for joining as `node` over the TLS
-    /// session whose exported keying material is `binding`: HMAC-SHA256 (hex) of both
-    /// under the secret, so it is worth nothing in another session or for another node,
-    /// and the secret itself never crosses the wire.
-    pub fn join_proof(&self, node: &str, binding: &[u8]) -> String {
-        self.proof(JOIN_LABEL, node.as_bytes(), binding)
-    }
-
-    /// Whether `proof` is [`Secret::join_proof`] for `node` and `binding`; compared in
-    /// constant time.
-    pub fn verify_join(&self, node: &str, binding: &[u8], proof: &str) -> bool {
-        self.verify(JOIN_LABEL, node.as_bytes(), binding, proof)
-    }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 || text.len() > 256 {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
-        .collect()
-}
-
 /// Writes `bytes` to `path` through a temporary file created with mode 0600 and renamed
 /// over it, so what holds a secret or a key is never readable by others, not even for a
 /// moment; the file, then its directory, synced, so a crash or a power cut leaves the old
@@ -424,17 +370,6 @@ mod tests {
         let key = ClientKey::from_text("k-123", "test").unwrap();
         key.write(&file).unwrap();
         assert_eq!(ClientKey::read(&file).unwrap(), Some(key));
-    }
-
-    #[test]
-    fn join_proofs_hold_for_one_node_and_one_session_only() {
-        let s = Secret::random();
-        let p = s.join_proof("worker", b"session-1");
-        assert!(s.verify_join("worker", b"session-1", &p));
-        assert!(!s.verify_join("worker", b"session-2", &p));
-        assert!(!s.verify_join("head", b"session-1", &p));
-        assert!(!Secret::random().verify_join("worker", b"session-1", &p));
-        assert!(!p.contains(s.reveal()));
     }
 
     #[test]

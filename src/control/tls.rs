@@ -10,10 +10,12 @@
 //! connection. A node started by hand joins: its join token ([`JoinToken`], made by
 //! `pdctl join-token` on the head for one node, good once, expiring) pins the CA (the
 //! SHA-256 of its certificate) and carries a random secret of its own; the node checks
-//! the head's certificate chains to exactly that CA before it proves the token (an HMAC
-//! bound to this TLS session, [`crate::control::auth::Secret::join_proof`], keyed by the
-//! token secret's SHA-256, which is all the head keeps of it) and takes the certificate
-//! the head issues it. Only the head holds the CA's key and the cluster's secret.
+//! the head's certificate chains to exactly that CA before it proves the token (a
+//! signature bound to this TLS session by an Ed25519 key the token's secret seeds,
+//! [`JoinToken::proof`]; the head keeps only the public half, which cannot prove) and
+//! takes the certificate the head issues it. The token is spent when the node first uses
+//! that certificate, so a join whose answer was lost is asked again. Only the head holds
+//! the CA's key and the cluster's secret.
 //!
 //! The head keeps a book of what it issued ([`Book`], `tls/book.json`): each node's
 //! latest certificate (serial, SHA-256, expiry) and each join token (its hash, node,
@@ -23,7 +25,9 @@
 //! Certificates are renewed over the channel itself ([`RenewRequest`]): a node makes a
 //! new key and asks the head, over a connection its current certificate opened, to
 //! certify it; the head signs it for the node that certificate names (never a name the
-//! node gives) and records it as the only one it accepts. A node asks when the head's
+//! node gives) and records it as pending: the old one stays accepted until the node first
+//! uses the new one (or [`RENEW_GRACE_S`] passes), and a renewal asked again for the same
+//! key is sent the same certificate, so a lost answer locks no node out. A node asks when the head's
 //! answer to its status poll says so ([`Accepted::renew`]: a certificate that joined,
 //! or was renewed, before the head's supervisor started, i.e. at every `up` of the head)
 //! or when less than [`RENEW_WITHIN_S`] is left. The same answer tells the nodes which
@@ -111,30 +115,68 @@ pub struct Issued {
     /// When it was issued and when it expires (Unix seconds).
     pub issued_s: u64,
     pub not_after_s: u64,
-    /// How the node came by it: `head`, `ssh` or `join`.
+    /// How the node came by it: `head`, `ssh`, `join` or `renew`.
     pub how: String,
+    /// A renewed certificate the head sent the node and the node has not used yet: both
+    /// are accepted until it does (then the new one replaces this entry) or until
+    /// [`RENEW_GRACE_S`] has passed (then only the new one is).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<Pending>,
 }
 
-/// A join token as the head keeps it: never the token's secret, only its SHA-256.
+/// A renewal answered, kept until its node first uses the certificate: a node whose
+/// answer was lost asks again with the same key and is sent the same certificate.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pending {
+    pub serial: String,
+    pub sha256: String,
+    pub issued_s: u64,
+    pub not_after_s: u64,
+    /// The new public key it certifies (hex), as the renewal asked.
+    pub public: String,
+    /// The certificate itself (public), to send again.
+    pub cert_pem: String,
+}
+
+/// How long a node's certificate stays accepted after the head answered its renewal
+/// without the node having used the new one: long enough for every retry of a node
+/// stopped or cut off for a while, short enough that a key left behind stops working.
+pub const RENEW_GRACE_S: u64 = 86_400;
+
+/// A join token as the head keeps it: never the token's secret, only the public half of
+/// the key its secret derives ([`JoinToken::verifier`]), which checks a join's proof but
+/// cannot make one: whoever reads the book cannot redeem the token.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TokenRecord {
     /// What names the token (`--revoke ID`); printed in the token, not secret.
     pub id: String,
     /// The one node it lets join.
     pub node: String,
-    /// SHA-256 (hex) of the token's secret.
-    pub hash: String,
+    /// The Ed25519 public key (hex) of the token's proof key.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub verifier: String,
+    /// What an older pdctl kept instead (SHA-256 of the secret, which was the proof's key
+    /// itself): such a token is refused, and a new one must be made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<String>,
     pub created_s: u64,
     pub expires_s: u64,
-    /// When it was used (a token joins once).
+    /// When the node it joined first spoke with the certificate it was given: the token is
+    /// spent then, not when the answer was sent (an answer lost on the way leaves the
+    /// token good for the same node once more).
     #[serde(default)]
     pub used_s: Option<u64>,
+    /// SHA-256 of the certificate the last join with this token was given, until its node
+    /// uses it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handed: Option<String>,
     #[serde(default)]
     pub revoked: bool,
 }
 
 impl TokenRecord {
-    /// `unused`, `used`, `revoked` or `expired`, at `now`.
+    /// `unused`, `answered` (a join was answered; its node has not used the certificate
+    /// yet), `used`, `revoked` or `expired`, at `now`.
     pub fn state(&self, now: u64) -> &'static str {
         if self.revoked {
             "revoked"
@@ -142,6 +184,8 @@ impl TokenRecord {
             "used"
         } else if now >= self.expires_s {
             "expired"
+        } else if self.handed.is_some() {
+            "answered"
         } else {
             "unused"
         }
@@ -158,6 +202,9 @@ pub struct Accepted {
     pub serial: String,
     /// When it expires (Unix seconds).
     pub not_after_s: u64,
+    /// SHA-256 of a renewed certificate the node has not used yet, accepted as well.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<String>,
     /// The node should ask for a new one ([`RenewRequest`]): it joined (or renewed)
     /// before the head's supervisor started, i.e. before the head's latest `up`.
     #[serde(default)]
@@ -218,11 +265,52 @@ impl Book {
         Ok(answer)
     }
 
-    /// Whether `cert` is the latest certificate issued to `node`.
+    /// Whether `cert` is a certificate the head accepts of `node`: the latest issued it,
+    /// or a renewed one it has not used yet (its current one then for [`RENEW_GRACE_S`]).
     pub fn is_latest(&self, node: &str, cert: &[u8]) -> bool {
-        self.issued
+        let hash = cert_hash(cert);
+        self.issued.get(node).is_some_and(|i| match &i.pending {
+            Some(p) if p.sha256 == hash => true,
+            Some(p) if now_s() >= p.issued_s + RENEW_GRACE_S => false,
+            _ => i.sha256 == hash,
+        })
+    }
+
+    /// Whether `node` using `hash` (a certificate [`Book::is_latest`] accepts) is news
+    /// to the book: a renewed certificate's first use, or a join's.
+    pub fn unconfirmed(&self, node: &str, hash: &str) -> bool {
+        let renewed = self
+            .issued
             .get(node)
-            .is_some_and(|i| i.sha256 == cert_hash(cert))
+            .and_then(|i| i.pending.as_ref())
+            .is_some_and(|p| p.sha256 == hash);
+        let joined = self
+            .tokens
+            .iter()
+            .any(|t| t.node == node && t.used_s.is_none() && t.handed.as_deref() == Some(hash));
+        renewed || joined
+    }
+
+    /// Records that `node` used the certificate `hash`: a renewed one replaces the one
+    /// before (refused from now on), and the join token that handed it is spent.
+    pub fn confirm(&mut self, node: &str, hash: &str, now: u64) {
+        if let Some(i) = self.issued.get_mut(node)
+            && let Some(p) = i.pending.take_if(|p| p.sha256 == hash)
+        {
+            *i = Issued {
+                serial: p.serial,
+                sha256: p.sha256,
+                issued_s: p.issued_s,
+                not_after_s: p.not_after_s,
+                how: RENEWED.to_string(),
+                pending: None,
+            };
+        }
+        for t in self.tokens.iter_mut() {
+            if t.node == node && t.used_s.is_none() && t.handed.as_deref() == Some(hash) {
+                t.used_s = Some(now);
+            }
+        }
     }
 
     /// The certificate accepted of each node, as the head tells the nodes; one that a
@@ -238,6 +326,7 @@ impl Book {
                     sha256: i.sha256.clone(),
                     serial: i.serial.clone(),
                     not_after_s: i.not_after_s,
+                    pending: i.pending.as_ref().map(|p| p.sha256.clone()),
                     renew: renewable && i.issued_s < started_s,
                 };
                 (node.clone(), accepted)
@@ -254,7 +343,7 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// The DNS name a node's certificate is made for: its name in hex (node names are free
 /// text; hex is unambiguous and always a valid DNS label), split in labels of 60.
 pub fn node_dns(node: &str) -> String {
-    let hex: String = node.bytes().map(|b| format!("{b:02x}")).collect();
+    let hex = hex::encode(node.as_bytes());
     let hex = if hex.is_empty() {
         "00".to_string()
     } else {
@@ -274,22 +363,7 @@ fn server_name(node: &str) -> ServerName<'static> {
 
 /// SHA-256 of a certificate, hex: what a join token pins.
 pub fn cert_hash(der: &[u8]) -> String {
-    hex(&sha2::Sha256::digest(der))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The bytes of a hex text, None when it is not hex.
-fn unhex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
-        .collect()
+    hex::encode(sha2::Sha256::digest(der))
 }
 
 fn ca_params(cluster: &str) -> rcgen::CertificateParams {
@@ -415,25 +489,38 @@ impl ClusterCa {
     /// as the node's latest (`how`: `head`, `ssh`, `join`): the one before is refused from
     /// now on.
     pub fn issue(&self, node: &str, how: &str) -> Result<NodeCreds, TlsError> {
+        let (creds, issued) = self.sign_new(node, how)?;
+        Book::update(&self.dir, |b| {
+            b.issued.insert(node.to_string(), issued);
+            Ok(())
+        })?
+        .map_err(TlsError::Make)?;
+        Ok(creds)
+    }
+
+    /// A new key and certificate for `node` as [`ClusterCa::issue`] makes them, and its
+    /// entry for the book, not recorded yet (for a caller that holds the book).
+    fn sign_new(&self, node: &str, how: &str) -> Result<(NodeCreds, Issued), TlsError> {
         let key =
             rcgen::KeyPair::generate_for(KEY_ALG).map_err(|e| TlsError::Make(e.to_string()))?;
-        let cert_pem = self.certify(node, &key, how)?;
-        Ok(NodeCreds {
+        let (cert_pem, issued) = self.sign(node, &key, how)?;
+        let creds = NodeCreds {
             node: node.to_string(),
             ca_pem: self.cert_pem.clone(),
             cert_pem,
             key_pem: key.serialize_pem(),
-        })
+        };
+        Ok((creds, issued))
     }
 
     /// A certificate (PEM) for `node`'s public key `public`, signed by this CA as
-    /// [`ClusterCa::issue`] signs them, and recorded in the book as that node's latest.
-    fn certify(
+    /// [`ClusterCa::issue`] signs them, with its entry for the book (not recorded).
+    fn sign(
         &self,
         node: &str,
         public: &impl rcgen::PublicKeyData,
         how: &str,
-    ) -> Result<String, TlsError> {
+    ) -> Result<(String, Issued), TlsError> {
         let make = |e: rcgen::Error| TlsError::Make(e.to_string());
         let now = now_s();
         let not_after_s = now + CERT_LIFETIME_S;
@@ -459,18 +546,14 @@ impl ClusterCa {
         p.not_after = rcgen::date_time_ymd(y, m, d);
         let cert = p.signed_by(public, &issuer).map_err(make)?;
         let issued = Issued {
-            serial: hex(&serial),
+            serial: hex::encode(serial),
             sha256: cert_hash(cert.der()),
             issued_s: now,
             not_after_s,
             how: how.to_string(),
+            pending: None,
         };
-        Book::update(&self.dir, |b| {
-            b.issued.insert(node.to_string(), issued);
-            Ok(())
-        })?
-        .map_err(TlsError::Make)?;
-        Ok(cert.pem())
+        Ok((cert.pem(), issued))
     }
 }
 
@@ -601,9 +684,16 @@ pub struct PeerTls {
     kept_in: Option<PathBuf>,
     /// When this was made (Unix seconds): on the head, the start of its supervisor.
     started_s: u64,
-    /// Elsewhere: the SHA-256 of the one certificate the head accepts of each node, from
-    /// its last status answer (None before the first).
-    learned: std::sync::RwLock<Option<BTreeMap<String, String>>>,
+    /// Elsewhere: the SHA-256 of the certificates the head accepts of each node (its
+    /// current one, and a renewed one not used yet), from its last status answer (None
+    /// before the first).
+    learned: std::sync::RwLock<Option<BTreeMap<String, Vec<String>>>>,
+    /// Elsewhere: the key (PEM) of a renewal asked whose certificate is not installed
+    /// yet, asked for again with the same key (the head then sends the same certificate).
+    renew_key: std::sync::Mutex<Option<String>>,
+    /// How many renewed certificates this node has installed: a connection kept from
+    /// before one is opened again, so the head sees the new one used and drops the old.
+    installed: std::sync::atomic::AtomicU64,
 }
 
 /// The credentials a node uses now, and the TLS configurations made of them.
@@ -699,6 +789,8 @@ impl PeerTls {
             kept_in: None,
             started_s: now_s(),
             learned: std::sync::RwLock::new(None),
+            renew_key: std::sync::Mutex::new(None),
+            installed: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -723,15 +815,36 @@ impl PeerTls {
     /// has a new one; the old is refused); elsewhere the one the head last said it
     /// accepts (any the CA signed before the head's first answer, and always for the
     /// head's own, which a node must reach to learn anything).
+    /// On the head, a renewed certificate's first use replaces the one before, and a
+    /// join's spends its token ([`Book::confirm`]).
     pub fn is_latest(&self, node: &str, cert: &CertificateDer<'_>) -> bool {
         match &self.authority {
-            Some(ca) => Book::read(ca.dir()).is_ok_and(|b| b.is_latest(node, cert)),
+            Some(ca) => {
+                let Ok(book) = Book::read(ca.dir()) else {
+                    return false;
+                };
+                if !book.is_latest(node, cert) {
+                    return false;
+                }
+                let hash = cert_hash(cert);
+                if book.unconfirmed(node, &hash) {
+                    let confirmed = Book::update(ca.dir(), |b| {
+                        b.confirm(node, &hash, now_s());
+                        Ok(())
+                    });
+                    if let Err(e) = confirmed {
+                        tracing::warn!("recording node {node}'s first use of its certificate: {e}");
+                    }
+                }
+                true
+            }
             None if node == self.head => true,
             None => {
                 let learned = self.learned.read().unwrap_or_else(|e| e.into_inner());
+                let hash = cert_hash(cert);
                 learned
                     .as_ref()
-                    .is_none_or(|m| m.get(node).is_some_and(|h| *h == cert_hash(cert)))
+                    .is_none_or(|m| m.get(node).is_some_and(|h| h.contains(&hash)))
             }
         }
     }
@@ -755,7 +868,10 @@ impl PeerTls {
         }
         let hashes = accepted
             .iter()
-            .map(|(n, a)| (n.clone(), a.sha256.clone()))
+            .map(|(n, a)| {
+                let both = std::iter::once(a.sha256.clone()).chain(a.pending.clone());
+                (n.clone(), both.collect())
+            })
             .collect();
         *self.learned.write().unwrap_or_else(|e| e.into_inner()) = Some(hashes);
         let mine = accepted.get(&self.node)?;
@@ -775,22 +891,34 @@ impl PeerTls {
     /// Elsewhere: a new key, and the request that asks the head to certify it, proven for
     /// the session whose keying material exported under [`RENEW_EXPORTER_LABEL`] is
     /// `binding`.
+    /// A renewal asked before and not installed (its answer lost) asks again with the
+    /// same key.
     pub fn renewal(&self, binding: &[u8]) -> Result<Renewal, TlsError> {
         use rcgen::SigningKey;
         let make = |e: rcgen::Error| TlsError::Make(e.to_string());
-        let key = rcgen::KeyPair::generate_for(KEY_ALG).map_err(make)?;
+        let mut kept = self.renew_key.lock().unwrap_or_else(|e| e.into_inner());
+        let key = match kept.as_deref().map(rcgen::KeyPair::from_pem) {
+            Some(Ok(key)) => key,
+            _ => {
+                let key = rcgen::KeyPair::generate_for(KEY_ALG).map_err(make)?;
+                *kept = Some(key.serialize_pem());
+                key
+            }
+        };
         let proof = key.sign(binding).map_err(make)?;
         let request = RenewRequest {
-            renew: hex(key.public_key_raw()),
-            proof: hex(&proof),
+            renew: hex::encode(key.public_key_raw()),
+            proof: hex::encode(&proof),
         };
         Ok(Renewal { key, request })
     }
 
     /// On the head: a certificate (PEM) for the new key of `req`, for `node` — the node
     /// named by the certificate `cert` that opened this connection (with `binding`, its
-    /// exported keying material), which must still be the latest of that node. The new
-    /// one is the only one accepted of `node` from now on. Why not, otherwise.
+    /// exported keying material), which must still be one the head accepts of that node.
+    /// Two-phase: the new one is accepted besides the old until the node uses it
+    /// ([`Book::confirm`]); asked again for the same key (the answer was lost), the same
+    /// certificate is sent again. Why not, otherwise.
     pub fn answer_renewal(
         &self,
         node: &str,
@@ -812,10 +940,11 @@ impl PeerTls {
                 "this connection's certificate of node {node} is no longer the one the head accepts (renewed, joined again or revoked): it renews nothing"
             ));
         }
-        let public = unhex(&req.renew)
+        let public = hex::decode(&req.renew)
+            .ok()
             .filter(|k| k.len() == 65 && k[0] == 4)
             .ok_or("the new key is not an uncompressed P-256 point in hex")?;
-        let proof = unhex(&req.proof).ok_or("the proof is not hex")?;
+        let proof = hex::decode(&req.proof).map_err(|_| "the proof is not hex")?;
         let verifier = provider()
             .signature_verification_algorithms
             .mapping
@@ -826,8 +955,27 @@ impl PeerTls {
         verifier
             .verify_signature(&public, binding, &proof)
             .map_err(|_| "the proof is not a signature of this session by the new key")?;
-        ca.certify(node, &NewPublicKey(public), RENEWED)
-            .map_err(|e| e.to_string())
+        let answered = Book::update(ca.dir(), |book| {
+            let Some(entry) = book.issued.get_mut(node) else {
+                return Err(format!("the head's book has no certificate of node {node}"));
+            };
+            if let Some(p) = entry.pending.as_ref().filter(|p| p.public == req.renew) {
+                return Ok(p.cert_pem.clone());
+            }
+            let (cert_pem, issued) = ca
+                .sign(node, &NewPublicKey(public), RENEWED)
+                .map_err(|e| e.to_string())?;
+            entry.pending = Some(Pending {
+                serial: issued.serial,
+                sha256: issued.sha256,
+                issued_s: issued.issued_s,
+                not_after_s: issued.not_after_s,
+                public: req.renew.clone(),
+                cert_pem: cert_pem.clone(),
+            });
+            Ok(cert_pem)
+        });
+        answered.map_err(|e| e.to_string())?
     }
 
     /// Elsewhere: takes the certificate the head sent for `renewal`'s key — it must be
@@ -875,7 +1023,16 @@ impl PeerTls {
             creds.write(dir)?;
         }
         *self.current.write().unwrap_or_else(|e| e.into_inner()) = next;
+        *self.renew_key.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.installed
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(creds)
+    }
+
+    /// How many renewed certificates this node has installed since it started: a
+    /// connection opened before the latest carries the old certificate.
+    pub fn installed(&self) -> u64 {
+        self.installed.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Connects to `node`'s supervisor over `stream`, checking its certificate names it.
@@ -943,48 +1100,71 @@ impl PeerTls {
                     .join(", ")
             ));
         }
-        let redeemed = Book::update(ca.dir(), |book| {
-            let now = now_s();
-            let Some(t) = book.tokens.iter_mut().find(|t| t.id == token) else {
-                return Err("wrong join token: this head made none with its id".to_string());
-            };
-            let key = Secret::from_text(&t.hash, "the book").map_err(|e| e.to_string())?;
-            if !key.verify_join(node, binding, proof) {
-                return Err(
-                    "wrong join token: the secret in it is not the one this head made".into(),
-                );
+        Book::update(ca.dir(), |book| {
+            let t = redeemable(book, node, token, proof, binding)?;
+            let id = t.id.clone();
+            // Signed and recorded with the book held: the node's certificate before is
+            // refused from now on; the token is spent once the new one is used.
+            let (creds, issued) = ca.sign_new(node, "join").map_err(|e| e.to_string())?;
+            if let Some(t) = book.tokens.iter_mut().find(|t| t.id == id) {
+                t.handed = Some(issued.sha256.clone());
             }
-            let again = format!("on the head, `pdctl join-token --node {node}` makes a new one");
-            match t.state(now) {
-                "revoked" => return Err(format!("the join token {} was revoked; {again}", t.id)),
-                "used" => {
-                    return Err(format!(
-                        "the join token {} was used already (a token joins once); {again}",
-                        t.id
-                    ));
-                }
-                "expired" => {
-                    return Err(format!(
-                        "the join token {} expired {} s ago; {again}",
-                        t.id,
-                        now - t.expires_s
-                    ));
-                }
-                _ => {}
-            }
-            if t.node != node {
-                return Err(format!(
-                    "the join token {} was made for node {}, not {node}; {again}",
-                    t.id, t.node
-                ));
-            }
-            t.used_s = Some(now);
-            Ok(())
+            book.issued.insert(node.to_string(), issued);
+            Ok(creds)
         })
-        .map_err(|e| e.to_string())?;
-        redeemed?;
-        ca.issue(node, "join").map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?
     }
+}
+
+/// The token `token` of `book` when `proof` proves it for `node` over this session
+/// (`binding`) and it may join that node now: made for it, not used, revoked nor expired
+/// (a join answered whose certificate its node has not used yet may be asked again, the
+/// answer lost on the way); why not, otherwise.
+fn redeemable<'b>(
+    book: &'b Book,
+    node: &str,
+    token: &str,
+    proof: &str,
+    binding: &[u8],
+) -> Result<&'b TokenRecord, String> {
+    let now = now_s();
+    let again = format!("on the head, `pdctl join-token --node {node}` makes a new one");
+    let Some(t) = book.tokens.iter().find(|t| t.id == token) else {
+        return Err("wrong join token: this head made none with its id".to_string());
+    };
+    if t.verifier.is_empty() {
+        return Err(format!(
+            "the join token {} was made by an older pdctl, whose book could redeem it; {again}",
+            t.id
+        ));
+    }
+    if !proof_holds(&t.verifier, node, binding, proof) {
+        return Err("wrong join token: the secret in it is not the one this head made".into());
+    }
+    match t.state(now) {
+        "revoked" => return Err(format!("the join token {} was revoked; {again}", t.id)),
+        "used" => {
+            return Err(format!(
+                "the join token {} was used already (a token joins once); {again}",
+                t.id
+            ));
+        }
+        "expired" => {
+            return Err(format!(
+                "the join token {} expired {} s ago; {again}",
+                t.id,
+                now - t.expires_s
+            ));
+        }
+        _ => {}
+    }
+    if t.node != node {
+        return Err(format!(
+            "the join token {} was made for node {}, not {node}; {again}",
+            t.id, t.node
+        ));
+    }
+    Ok(t)
 }
 
 /// What a node started by hand is given to join: the CA's hash (so it trusts no other
@@ -1013,7 +1193,7 @@ impl JoinToken {
     pub fn new(ca_hash: &str) -> JoinToken {
         JoinToken {
             ca_hash: ca_hash.to_string(),
-            id: hex(&rand::random::<[u8; 8]>()),
+            id: hex::encode(rand::random::<[u8; 8]>()),
             secret: Secret::random(),
         }
     }
@@ -1028,20 +1208,56 @@ impl JoinToken {
         )
     }
 
-    /// SHA-256 (hex) of the token's secret: what the head keeps, and the key of the
-    /// join's proof.
-    pub fn secret_hash(&self) -> String {
-        hex(&sha2::Sha256::digest(self.secret.reveal().as_bytes()))
+    /// The key the token's secret derives (Ed25519, seeded by a labelled SHA-256 of the
+    /// secret): what a join's proof is signed with.
+    fn proof_key(&self) -> ring::signature::Ed25519KeyPair {
+        let seed = sha2::Sha256::new()
+            .chain_update(TOKEN_KEY_LABEL)
+            .chain_update(self.secret.reveal().as_bytes())
+            .finalize();
+        ring::signature::Ed25519KeyPair::from_seed_unchecked(&seed)
+            .expect("any 32 bytes seed an Ed25519 key")
+    }
+
+    /// The public half of the proof key (hex): what the head keeps of the token. It
+    /// checks a proof; neither the secret nor the proof key can be had from it.
+    pub fn verifier(&self) -> String {
+        use ring::signature::KeyPair;
+        hex::encode(self.proof_key().public_key().as_ref())
     }
 
     /// The proof of this token a node joining as `node` sends over the session whose
-    /// exported keying material is `binding`.
+    /// exported keying material is `binding`: a signature of both by the proof key, worth
+    /// nothing for another node or in another session.
     pub fn proof(&self, node: &str, binding: &[u8]) -> String {
-        Secret::from_text(&self.secret_hash(), "a token")
-            .expect("a SHA-256 in hex is long enough")
-            .join_proof(node, binding)
+        hex::encode(self.proof_key().sign(&join_message(node, binding)).as_ref())
     }
+}
 
+/// Labels the seed of a join token's proof key.
+const TOKEN_KEY_LABEL: &[u8] = b"pdctl-join-token-key-v3";
+
+/// What a join's proof signs: a label, the node (its length first) and the session.
+fn join_message(node: &str, binding: &[u8]) -> Vec<u8> {
+    let mut m = b"pdctl-join-v3".to_vec();
+    m.extend_from_slice(&(node.len() as u32).to_be_bytes());
+    m.extend_from_slice(node.as_bytes());
+    m.extend_from_slice(binding);
+    m
+}
+
+/// Whether `proof` (hex) is a signature of `node` and `binding` by the key whose public
+/// half is `verifier` (hex), as [`JoinToken::proof`] makes them.
+pub fn proof_holds(verifier: &str, node: &str, binding: &[u8], proof: &str) -> bool {
+    let (Ok(public), Ok(sig)) = (hex::decode(verifier), hex::decode(proof)) else {
+        return false;
+    };
+    ring::signature::UnparsedPublicKey::new(&ring::signature::ED25519, public)
+        .verify(&join_message(node, binding), &sig)
+        .is_ok()
+}
+
+impl JoinToken {
     /// Reads a token a person gave.
     pub fn parse(text: &str) -> Result<JoinToken, TlsError> {
         let t = text.trim();
@@ -1207,10 +1423,12 @@ mod tests {
         let record = TokenRecord {
             id: t.id.clone(),
             node: node.to_string(),
-            hash: t.secret_hash(),
+            verifier: t.verifier(),
+            hash: None,
             created_s: now,
             expires_s: now.saturating_add_signed(ttl_s),
             used_s: None,
+            handed: None,
             revoked: false,
         };
         Book::update(ca.dir(), |b| {
@@ -1241,7 +1459,20 @@ mod tests {
             .answer_join("a", &t.id, &t.proof("a", b"s2"), b"s1")
             .unwrap_err();
         assert!(e.contains("wrong join token"), "{e}");
-        let first = join(&t, "a").expect("the token joins once");
+        let der = |c: &NodeCreds| CertificateDer::from_pem_slice(c.cert_pem.as_bytes()).unwrap();
+        // The answer to a join lost on the way: the same token joins the same node once
+        // more (never another), and the certificate of the lost answer is replaced.
+        let lost = join(&t, "a").expect("the token joins");
+        let e = join(&t, "b").unwrap_err();
+        assert!(e.contains("made for node a, not b"), "{e}");
+        let first = join(&t, "a").expect("asked again, the join is answered again");
+        assert_eq!(
+            tls.node_of(&der(&lost)),
+            None,
+            "the lost answer's is replaced"
+        );
+        // Spent once the node speaks with the certificate it got.
+        assert_eq!(tls.node_of(&der(&first)).as_deref(), Some("a"));
         let e = join(&t, "a").unwrap_err();
         assert!(e.contains("used already"), "{e}");
 
@@ -1249,8 +1480,6 @@ mod tests {
         let e = join(&expired, "a").unwrap_err();
         assert!(e.contains("expired"), "{e}");
 
-        let der = |c: &NodeCreds| CertificateDer::from_pem_slice(c.cert_pem.as_bytes()).unwrap();
-        assert_eq!(tls.node_of(&der(&first)).as_deref(), Some("a"));
         let again = join(&token_for(&ca, "a", 3600), "a").unwrap();
         assert_eq!(tls.node_of(&der(&again)).as_deref(), Some("a"));
         assert_eq!(
@@ -1311,20 +1540,41 @@ mod tests {
             )
             .unwrap_err();
         assert!(e.contains("its own certificate at its `up`"), "{e}");
-        let cert_pem = head
+        let lost = head
             .answer_renewal("a", &der(&a_old.cert_pem), &renewal.request, b"session-1")
             .expect("renewed");
-        // The old certificate renews nothing more, and is refused.
-        let again = a.renewal(b"session-1").unwrap();
-        let e = head
-            .answer_renewal("a", &der(&a_old.cert_pem), &again.request, b"session-1")
-            .unwrap_err();
-        assert!(e.contains("no longer the one the head accepts"), "{e}");
+        // The answer is lost on the way (the node never installs it): the old certificate
+        // is still accepted, and the node asking again (its same new key, another
+        // session) is sent the same certificate.
+        drop(renewal);
+        assert_eq!(head.node_of(&der(&a_old.cert_pem)).as_deref(), Some("a"));
+        let again = a.renewal(b"session-2").unwrap();
+        let cert_pem = head
+            .answer_renewal("a", &der(&a_old.cert_pem), &again.request, b"session-2")
+            .expect("renewed again");
+        assert_eq!(cert_pem, lost, "the same answer");
+        let book = Book::read(dir.path()).unwrap();
+        assert_eq!(book.issued["a"].sha256, cert_hash(&der(&a_old.cert_pem)));
+        assert!(
+            book.accepted(now_s() + 10)["a"].renew,
+            "still asked to renew"
+        );
+        // Installed and used once, the new one is the only one accepted.
+        let now_used = a.install(again, &cert_pem).unwrap();
+        assert_eq!(a.creds(), now_used);
+        assert_eq!(NodeCreds::read(&kept).unwrap(), Some(now_used.clone()));
+        assert_ne!(now_used.key_pem, a_old.key_pem);
         assert_eq!(head.node_of(&der(&cert_pem)).as_deref(), Some("a"));
         assert_eq!(head.node_of(&der(&a_old.cert_pem)), None);
+        let stale = a.renewal(b"session-1").unwrap();
+        let e = head
+            .answer_renewal("a", &der(&a_old.cert_pem), &stale.request, b"session-1")
+            .unwrap_err();
+        assert!(e.contains("no longer the one the head accepts"), "{e}");
         let book = Book::read(dir.path()).unwrap();
         assert_eq!(book.issued["a"].how, RENEWED);
         assert_eq!(book.issued["a"].sha256, cert_hash(&der(&cert_pem)));
+        assert!(book.issued["a"].pending.is_none());
         assert!(
             !book
                 .accepted(book.issued["a"].issued_s)
@@ -1333,15 +1583,10 @@ mod tests {
                 .renew
         );
 
-        // A certificate for another key is not taken; the one for its own key is kept
-        // and used.
-        let e = a.install(again, &cert_pem).unwrap_err().to_string();
+        // A certificate for another key is not taken.
+        let e = a.install(stale, &lost_other(&dir)).unwrap_err().to_string();
         assert!(e.contains("does not hold the new key"), "{e}");
-        assert_eq!(a.creds(), a_old);
-        let now_used = a.install(renewal, &cert_pem).unwrap();
         assert_eq!(a.creds(), now_used);
-        assert_eq!(NodeCreds::read(&kept).unwrap(), Some(now_used.clone()));
-        assert_ne!(now_used.key_pem, a_old.key_pem);
 
         // A node takes the head's word on the others: b's replaced certificate is refused.
         let b_new = ClusterCa::load(dir.path(), "c1")
@@ -1355,6 +1600,83 @@ mod tests {
         assert_eq!(a.node_of(&der(&b_old.cert_pem)), None, "replaced");
         assert_eq!(a.node_of(&der(&b_new.cert_pem)).as_deref(), Some("b"));
         assert!(a.is_latest("head", &der(&head_creds.cert_pem)));
+    }
+
+    /// A certificate of node `a` for a key no renewal holds.
+    fn lost_other(dir: &tempfile::TempDir) -> String {
+        let ca = ClusterCa::load(dir.path(), "c1").unwrap().unwrap();
+        let key = rcgen::KeyPair::generate_for(KEY_ALG).unwrap();
+        ca.sign("a", &key, "join").unwrap().0
+    }
+
+    #[test]
+    fn a_renewed_certificate_never_used_stops_the_old_one_only_after_the_grace() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = ClusterCa::load_or_make(dir.path(), "c1").unwrap();
+        let old = ca.issue("a", "join").unwrap();
+        let der = CertificateDer::from_pem_slice(old.cert_pem.as_bytes()).unwrap();
+        let pending = |issued_s| Pending {
+            serial: "01".into(),
+            sha256: "ab".repeat(32),
+            issued_s,
+            not_after_s: issued_s + CERT_LIFETIME_S,
+            public: "04".into(),
+            cert_pem: String::new(),
+        };
+        let mut book = Book::read(dir.path()).unwrap();
+        book.issued.get_mut("a").unwrap().pending = Some(pending(now_s()));
+        assert!(book.is_latest("a", &der), "within the grace");
+        let long_ago = now_s() - RENEW_GRACE_S - 1;
+        book.issued.get_mut("a").unwrap().pending = Some(pending(long_ago));
+        assert!(!book.is_latest("a", &der), "past the grace");
+    }
+
+    /// A join proof made as an older pdctl made them, with `key` as the HMAC key.
+    fn keyed_by(key: &str, node: &str, binding: &[u8]) -> String {
+        use hmac::{KeyInit, Mac};
+        let mut m = <hmac::Hmac<sha2::Sha256> as KeyInit>::new_from_slice(key.as_bytes()).unwrap();
+        m.update(b"pdctl-join-v1");
+        m.update(node.as_bytes());
+        m.update(binding);
+        hex::encode(m.finalize().into_bytes())
+    }
+
+    #[test]
+    fn the_book_alone_cannot_redeem_a_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = ClusterCa::load_or_make(dir.path(), "c1").unwrap();
+        let head = ca.issue("head", "head").unwrap();
+        let nodes: Vec<String> = ["head", "a"].map(String::from).to_vec();
+        let ca2 = ClusterCa::load(dir.path(), "c1").unwrap().unwrap();
+        let tls = PeerTls::new("c1", "head", nodes, &head, Some(ca2)).unwrap();
+        let t = token_for(&ca, "a", 3600);
+        let text = std::fs::read_to_string(dir.path().join(BOOK)).unwrap();
+        assert!(!text.contains(t.secret.reveal()));
+        // Whatever the book holds of the token, used as its secret or as its proof's key
+        // (which an older pdctl kept), proves nothing.
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let kept = json["tokens"][0].as_object().unwrap();
+        let mut tried = 0;
+        for value in kept.values().filter_map(|v| v.as_str()) {
+            let Ok(secret) = Secret::from_text(value, "the book") else {
+                continue;
+            };
+            let forged = JoinToken {
+                ca_hash: t.ca_hash.clone(),
+                id: t.id.clone(),
+                secret,
+            };
+            for proof in [forged.proof("a", b"s1"), keyed_by(value, "a", b"s1")] {
+                let e = tls.answer_join("a", &t.id, &proof, b"s1").unwrap_err();
+                assert!(e.contains("wrong join token"), "{value}: {e}");
+            }
+            tried += 1;
+        }
+        assert!(tried >= 1, "the book keeps something of the token: {text}");
+        assert!(
+            tls.answer_join("a", &t.id, &t.proof("a", b"s1"), b"s1")
+                .is_ok()
+        );
     }
 
     #[test]

@@ -77,7 +77,6 @@ mod warmup;
 use crate::child_config::proxy::ProxyArgs;
 use anyhow::Context;
 use arc_swap::ArcSwap;
-use axum::serve::ListenerExt;
 pub use config::ConfigError;
 pub use endpoint::parse_endpoint;
 pub use figures::{
@@ -239,31 +238,23 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
         );
     }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    // Streams are many small writes: without TCP_NODELAY, Nagle holds chunks back.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
     // Routes made into services once, here: served as a plain Router, axum rebuilds the
     // route table (a map and a boxed service per route) for every connection, 3.8 KiB each
     // that 1000 streams kept (docs/proxy.md, "Memory"); this way a connection clones an Arc.
-    let app = server::router(proxy.clone())
-        .with_state(())
-        .into_make_service();
-    let server = tokio::spawn(
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = stop_rx.await;
-            })
-            .into_future(),
-    );
+    let app = server::router(proxy.clone()).with_state(());
+    let limits = server::ClientLimits {
+        header_read_timeout: Duration::from_secs(a.header_read_timeout_s),
+        max_connections: a.max_client_connections,
+    };
+    let server = tokio::spawn(server::serve(listener, app, limits, async {
+        let _ = stop_rx.await;
+    }));
     shutdown_signal().await?;
     // Until the drain ends, connections are still taken: new requests get a 503 saying why.
     proxy.drain.run(drain::grace_from_env()).await;
     let _ = stop_tx.send(());
     match tokio::time::timeout(Duration::from_secs(1), server).await {
-        Ok(joined) => joined
-            .context("the proxy server task failed")?
-            .context("serving")?,
+        Ok(joined) => joined.context("the proxy server task failed")?,
         Err(_) => tracing::warn!("connections still open after the drain; exiting"),
     }
     Ok(())

@@ -1,6 +1,12 @@
-//! The client-facing HTTP routes. Everything a client can send is answered: bad input
-//! with a 4xx JSON error saying what to fix, unknown routes with a 404 JSON, and the
-//! proxy stays up whatever arrives.
+//! The client-facing HTTP routes, and the client port they are served on. Everything a
+//! client can send is answered: bad input with a 4xx JSON error saying what to fix,
+//! unknown routes with a 404 JSON, and the proxy stays up whatever arrives.
+//!
+//! What a client that cannot authenticate may hold is bounded ([`serve`]): a request's
+//! headers must arrive within `--header-read-timeout-s` (also how long a kept-alive
+//! connection may sit idle), at most `--max-client-connections` are open at once (one
+//! more is answered 503 and closed), and the API key is checked on the headers, before
+//! any body is read.
 
 use super::Proxy;
 use super::designate;
@@ -21,7 +27,125 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde_json::{Value, json};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::time::Instant;
+
+/// What bounds the client port's connections (`[proxy]` `header_read_timeout_s`,
+/// `max_client_connections`; docs/security.md says why each default).
+#[derive(Debug, Clone, Copy)]
+pub struct ClientLimits {
+    /// How long a connection may take to send a request's headers, counted from when it
+    /// opened or its last answer ended: the slow half-request and the idle keep-alive
+    /// are both closed after it.
+    pub header_read_timeout: Duration,
+    /// Connections open at once; one more is answered 503 and closed.
+    pub max_connections: usize,
+}
+
+/// Serves `app` on `listener` until `stop` resolves, then lets the open connections end
+/// their requests (each closes after its answer) and returns once all are closed.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    limits: ClientLimits,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let (closing, closed) = tokio::sync::watch::channel(false);
+    let refusals = RefusalLog::default();
+    tokio::pin!(stop);
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            () = &mut stop => break,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of descriptors, most likely: wait rather than spin.
+                refusals.note(&format!("cannot accept a client connection: {e}"));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            refuse(&stream, limits.max_connections);
+            refusals.note(&format!(
+                "refused a client connection: {} are open, the cap (max_client_connections)",
+                limits.max_connections
+            ));
+            continue;
+        };
+        // Streams are many small writes: without TCP_NODELAY, Nagle holds chunks back.
+        let _ = stream.set_nodelay(true);
+        tokio::spawn(connection(
+            stream,
+            app.clone(),
+            limits,
+            slot,
+            closed.clone(),
+        ));
+    }
+    let _ = closing.send(true);
+    let every = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let _ = slots.acquire_many(every).await;
+}
+
+/// One client connection, HTTP/1.1, holding its `slot` until it closes.
+async fn connection(
+    stream: tokio::net::TcpStream,
+    app: Router,
+    limits: ClientLimits,
+    _slot: tokio::sync::OwnedSemaphorePermit,
+    mut closing: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    let conn = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => return,
+        _ = closing.wait_for(|c| *c) => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    let _ = conn.await;
+}
+
+/// Answers a connection past the cap with a 503 saying why (written only if the socket
+/// takes it at once: a refused client is never waited for), then closes it.
+fn refuse(stream: &tokio::net::TcpStream, cap: usize) {
+    let body = json!({"error": {
+        "message": format!("the proxy holds {cap} client connections, its cap ([proxy] max_client_connections, --max-client-connections): try again shortly, reuse a connection, or raise the cap"),
+        "type": "service_unavailable", "param": null, "code": 503,
+    }})
+    .to_string();
+    let reply = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.try_write(reply.as_bytes());
+}
+
+/// Logs a refusal of the client port at most once per 10 s, with how many were not.
+#[derive(Default)]
+struct RefusalLog {
+    state: std::sync::Mutex<(Option<Instant>, u64)>,
+}
+
+impl RefusalLog {
+    fn note(&self, what: &str) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.0.is_some_and(|t| t.elapsed() < Duration::from_secs(10)) {
+            s.1 += 1;
+            return;
+        }
+        let more = std::mem::take(&mut s.1);
+        s.0 = Some(Instant::now());
+        tracing::warn!("{what} (and {more} more since the last line)");
+    }
+}
 
 /// The proxy's routes.
 pub fn router(proxy: Arc<Proxy>) -> Router {

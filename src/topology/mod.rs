@@ -636,6 +636,14 @@ pub struct ProxySection {
     /// Most answer tokens one continuation may carry (default 32768).
     #[serde(default)]
     pub migration_max_tokens: Option<u32>,
+    /// Seconds a client may take over a request's headers, and stay idle between
+    /// requests, before its connection is closed (default 10; docs/security.md).
+    #[serde(default)]
+    pub header_read_timeout_s: Option<u64>,
+    /// Client connections the proxy holds open at once; one more is answered 503
+    /// (default 4096; docs/security.md).
+    #[serde(default)]
+    pub max_client_connections: Option<usize>,
 }
 
 impl ProxySection {

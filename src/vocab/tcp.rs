@@ -20,6 +20,12 @@ pub struct TcpLiveness {
     pub tcp_keepalive_count: u32,
     /// Seconds sent data may stay unacknowledged before the connection ends.
     pub tcp_user_timeout_s: u32,
+    /// Authenticated connections one node may hold open to another's control channel at
+    /// once (it needs one kept for its polls and a few short ones): a node whose key
+    /// leaked, or that misbehaves, cannot hold more (each may hold a 1 MiB request).
+    pub control_connections_per_node: u32,
+    /// Authenticated connections a node's control channel holds open in all.
+    pub control_connections: u32,
 }
 
 impl Default for TcpLiveness {
@@ -29,6 +35,8 @@ impl Default for TcpLiveness {
             tcp_keepalive_interval_s: 2,
             tcp_keepalive_count: 3,
             tcp_user_timeout_s: 10,
+            control_connections_per_node: 16,
+            control_connections: 256,
         }
     }
 }
@@ -47,8 +55,17 @@ impl TcpLiveness {
     /// The first setting that is 0, which cannot work (no keepalive probe, a timeout that
     /// fires at once): the one rule for them, which the topology (`network.NAME`) and the
     /// proxy's flags (`--tcp-...`) both apply.
+    /// The control channel's caps are held to the same rule (0 would refuse every node).
     pub fn first_zero(&self) -> Option<&'static str> {
-        first_zero(&self.named())
+        first_zero(&self.named()).or_else(|| {
+            first_zero(&[
+                (
+                    "control_connections_per_node",
+                    self.control_connections_per_node,
+                ),
+                ("control_connections", self.control_connections),
+            ])
+        })
     }
 
     /// Whether these are the defaults (left out of a plan's JSON then).

@@ -9,6 +9,12 @@
 //! per /64 for IPv6, with a shorter time to finish) can fill theirs, never the nodes'.
 //! Besides [`PeerRequest`]s a node may send the head a [`RenewRequest`], a type of its
 //! own: a new key to certify for the node the connection's certificate names.
+//!
+//! Authenticated connections are capped too, per node and in all (`[network]`
+//! `control_connections_per_node`, `control_connections`), and a connection lasts only as
+//! long as its certificate is accepted: checked before every request and every
+//! [`REVOKED_CHECK_EVERY`] while it waits, so a node revoked or replaced is cut off within
+//! a second, its kept connection too.
 
 use crate::control::frame::{FrameError, PEER_FRAME_MAX, UNAUTHENTICATED_FRAME_MAX, read_frame};
 use crate::control::tls::{PeerTls, RENEW_EXPORTER_LABEL, RenewRequest};
@@ -36,6 +42,58 @@ const MAX_UNAUTHENTICATED_PER_ADDRESS: usize = 8;
 const MAX_PEER_HANDSHAKES_PER_ADDRESS: usize = 16;
 /// Refusals are logged at most this often.
 const LOG_EVERY: Duration = Duration::from_secs(10);
+/// How often a waiting connection's certificate is checked again (revoked, replaced).
+const REVOKED_CHECK_EVERY: Duration = Duration::from_millis(250);
+
+/// Authenticated connections open now, per node and in all.
+#[derive(Default)]
+struct Held {
+    per_node: HashMap<String, usize>,
+    total: usize,
+}
+
+/// A place among the authenticated connections, given back when dropped.
+struct Seat {
+    held: Arc<Mutex<Held>>,
+    node: String,
+}
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        h.total -= 1;
+        if let Some(n) = h.per_node.get_mut(&self.node) {
+            *n -= 1;
+            if *n == 0 {
+                h.per_node.remove(&self.node);
+            }
+        }
+    }
+}
+
+/// A place for one more connection of `node`, or why not: `per_node` of one node and
+/// `total` in all are held already (the topology's `[network]` caps).
+fn seat(held: &Arc<Mutex<Held>>, node: &str, per_node: u32, total: u32) -> Result<Seat, String> {
+    let mut h = held.lock().unwrap_or_else(|e| e.into_inner());
+    let mine = h.per_node.get(node).copied().unwrap_or(0);
+    if mine >= per_node as usize {
+        return Err(format!(
+            "node {node} holds {mine} connections to this control channel already, its cap (network.control_connections_per_node = {per_node}); close one or raise the cap"
+        ));
+    }
+    if h.total >= total as usize {
+        return Err(format!(
+            "this control channel holds {} connections already, its cap (network.control_connections = {total}); close some or raise the cap",
+            h.total
+        ));
+    }
+    h.total += 1;
+    *h.per_node.entry(node.to_string()).or_default() += 1;
+    Ok(Seat {
+        held: held.clone(),
+        node: node.to_string(),
+    })
+}
 
 /// Counts connections not yet authenticated: strangers in all and per source, and the
 /// nodes' own per address.
@@ -192,6 +250,7 @@ pub async fn serve(listener: TcpListener, handlers: Handlers, tls: Arc<PeerTls>)
         ..Gate::default()
     }));
     let log = Arc::new(RefusalLog::default());
+    let held = Arc::new(Mutex::new(Held::default()));
     loop {
         let (stream, from) = match listener.accept().await {
             Ok(c) => c,
@@ -213,9 +272,9 @@ pub async fn serve(listener: TcpListener, handlers: Handlers, tls: Arc<PeerTls>)
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let (h, tls, log) = (handlers.clone(), tls.clone(), log.clone());
+        let (h, tls, log, held) = (handlers.clone(), tls.clone(), log.clone(), held.clone());
         tokio::spawn(async move {
-            if let Err(why) = serve_one(stream, from, ticket, &h, &tls).await {
+            if let Err(why) = serve_one(stream, from, (ticket, held), &h, &tls).await {
                 log.refused(&h, &format!("a connection from {from}: {why}"));
             }
         });
@@ -239,7 +298,7 @@ async fn closed_unheard(stream: &TcpStream) -> bool {
 async fn serve_one(
     stream: TcpStream,
     from: SocketAddr,
-    ticket: Ticket,
+    (ticket, held): (Ticket, Arc<Mutex<Held>>),
     h: &Handlers,
     tls: &PeerTls,
 ) -> Result<(), String> {
@@ -289,6 +348,23 @@ async fn serve_one(
         return Err("its certificate names no node of this cluster".into());
     };
     drop(ticket);
+    let mut stream = stream;
+    let caps = h.ctx.members().plan.tcp;
+    let _seat = match seat(
+        &held,
+        &node,
+        caps.control_connections_per_node,
+        caps.control_connections,
+    ) {
+        Ok(s) => s,
+        Err(message) => {
+            let said = Response::Error {
+                message: message.clone(),
+            };
+            let _ = tokio::time::timeout(HANDSHAKE_WITHIN, answer(&mut stream, &said)).await;
+            return Err(message);
+        }
+    };
     let mut binding = [0u8; 32];
     let exported =
         stream
@@ -411,7 +487,22 @@ async fn requests(
             IDLE_WITHIN,
             read_frame(&mut read, PEER_FRAME_MAX, &mut frame),
         );
-        match next.await {
+        let next = tokio::select! {
+            n = next => n,
+            () = no_longer_accepted(tls, peer) => {
+                cut_off(h, node);
+                return;
+            }
+        };
+        if !tls.is_latest(node, peer.cert) {
+            let message = format!(
+                "node {node}'s certificate on this connection is no longer accepted (revoked or replaced): connect again with the current one"
+            );
+            answer(&mut write, &Response::Error { message }).await;
+            cut_off(h, node);
+            return;
+        }
+        match next {
             Ok(Ok(true)) => {}
             Ok(Ok(false)) | Ok(Err(FrameError::Io(_))) | Err(_) => return,
             Ok(Err(e @ FrameError::TooLong { .. })) => {
@@ -453,6 +544,26 @@ async fn requests(
             return;
         }
     }
+}
+
+/// Returns once the certificate `peer` opened its connection with is no longer accepted
+/// of its node (looked at every [`REVOKED_CHECK_EVERY`]).
+async fn no_longer_accepted(tls: &PeerTls, peer: &Peer<'_>) {
+    loop {
+        tokio::time::sleep(REVOKED_CHECK_EVERY).await;
+        if !tls.is_latest(peer.node, peer.cert) {
+            return;
+        }
+    }
+}
+
+/// Says that `node`'s connection was closed for its certificate.
+fn cut_off(h: &Handlers, node: &str) {
+    let line = format!(
+        "control channel: closed a connection of node {node}: its certificate is no longer accepted (revoked or replaced)"
+    );
+    tracing::warn!("{line}");
+    h.ctx.console.event(&line);
 }
 
 /// Whether `node` may ask `req` of this node: status of anyone; the rest of the head only.

@@ -214,6 +214,9 @@ async fn poll(peer: std::sync::Weak<Peer>, table: Arc<Table>) {
     // One connection (one TLS handshake) kept for every poll, opened again only after
     // it failed: a peer's polls never queue behind strangers' handshakes.
     let mut kept: Option<StatusConn> = None;
+    // Renewals installed when `kept` was opened: after one, it is opened again with the
+    // new certificate, whose first use the head waits for to drop the old one.
+    let mut kept_installed = 0;
     // A renewal that failed is not tried again before this.
     let mut renew_not_before: Option<Instant> = None;
     loop {
@@ -221,6 +224,11 @@ async fn poll(peer: std::sync::Weak<Peer>, table: Arc<Table>) {
         // A peer that does not answer has not answered since it was asked: a silent one
         // takes ANSWER_WITHIN to fail, which is not added to the time it takes to be cut off.
         let asked = (Instant::now(), now_ms());
+        let installed = renewals_installed(&p.endpoint);
+        if installed != kept_installed {
+            kept = None;
+            kept_installed = installed;
+        }
         let answer = ask_kept(&mut kept, &p.endpoint).await;
         let link_up = match &answer {
             Ok(_) => true,
@@ -289,6 +297,14 @@ fn learn(
     match to {
         Endpoint::Tcp { node, tls, .. } if *node == tls.head => tls.learn(accepted),
         _ => None,
+    }
+}
+
+/// How many renewed certificates this node installed (the channel's count; 0 elsewhere).
+fn renewals_installed(to: &Endpoint) -> u64 {
+    match to {
+        Endpoint::Tcp { tls, .. } => tls.installed(),
+        Endpoint::Unix(_) => 0,
     }
 }
 
