@@ -146,6 +146,67 @@ fn every_profile_plan_matches_its_golden_file() {
     );
 }
 
+/// Each prefill/decode pair in tests/topologies/pairs that its connector maps although the
+/// two sides differ (NIXL's and Mooncake's tensor-parallel ratios, NIXL's block-size ratio)
+/// plans (8 GPUs, state root /state, the version the file pins) as
+/// tests/golden/pairs/<name>.json says; PDCTL_UPDATE_GOLDEN=1 rewrites them.
+#[test]
+fn heterogeneous_pairs_the_connector_maps_plan_like_their_golden_files() {
+    let update = std::env::var_os("PDCTL_UPDATE_GOLDEN").is_some();
+    let dir = manifest("tests/topologies/pairs");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    files.sort();
+    assert!(
+        files.len() >= 3,
+        "only {} pairs in {}",
+        files.len(),
+        dir.display()
+    );
+    let mut stale = Vec::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        let t = inline(&text);
+        let version = t.spec.engine.vllm_version.clone();
+        let plan = try_plan_text(&text, &version, 8)
+            .unwrap_or_else(|e| panic!("{} does not plan: {e}", f.display()));
+        let tp = |role: &str| {
+            services(&serde_json::to_value(&plan).unwrap(), role)
+                .iter()
+                .map(|s| {
+                    flag(&argv(s), "--tensor-parallel-size")
+                        .unwrap_or("1")
+                        .to_string()
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            [tp("prefill"), tp("decode")],
+            [
+                vec![t.spec.prefill.gpus_per_instance.to_string()],
+                vec![t.spec.decode.gpus_per_instance.to_string()]
+            ],
+            "{}: each side runs its own tensor-parallel size",
+            f.display()
+        );
+        let json = serde_json::to_string_pretty(&plan).unwrap() + "\n";
+        let name = f.file_stem().unwrap().to_str().unwrap();
+        let path = manifest(&format!("tests/golden/pairs/{name}.json"));
+        if update {
+            std::fs::write(&path, &json).unwrap();
+        } else if std::fs::read_to_string(&path).unwrap_or_default() != json {
+            stale.push(name.to_string());
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "plans differ from tests/golden/pairs for {stale:?}; if intended, rerun with PDCTL_UPDATE_GOLDEN=1 and review the diff"
+    );
+}
+
 fn plan_json(args: &[&str]) -> Value {
     let state = TempDir::new("plan");
     let json = common::stdout_of(
@@ -1202,29 +1263,34 @@ fn one_gpu_engines_start_together_with_their_kv_bytes_where_vllm_has_the_flag() 
     );
 }
 
-/// The weights count in the dtype each role's engines load them in: `--dtype=float32` in
-/// prefill's args (the `=` form too) doubles its weights of a bf16 model, so its KV cache
-/// is that much smaller than decode's.
+/// The weights count in the dtype the engines load them in: `--dtype=float32` (the `=`
+/// form too, after engine.args' bfloat16) doubles the weights of a bf16 model, so each
+/// engine's KV cache is that much smaller than with bfloat16. (A prefill and a decode of
+/// different dtypes are refused: tests/topologies/bad/65-dtype-differs.toml.)
 #[test]
-fn each_role_is_sized_with_the_dtype_its_args_ask_for() {
-    let text =
-        one_gpu_topology("/models/qwen", "0.26.0") + "[prefill]\nargs = [\"--dtype=float32\"]\n";
+fn engines_are_sized_with_the_dtype_their_args_ask_for() {
     let gpu = Gpu::from_declared(&"0:80GiB".parse().unwrap());
-    let plan = plan_one_gpu(&text, "0.26.0", gpu, Ok(half_b_model())).unwrap();
-    let kv = |name: &str| -> u64 {
-        flag_of(plan.service(name).unwrap(), "--kv-cache-memory-bytes")
-            .unwrap()
-            .parse()
-            .unwrap()
+    let bf16 = one_gpu_topology("/models/qwen", "0.26.0");
+    let f32 = bf16.clone()
+        + "[prefill]\nargs = [\"--dtype=float32\"]\n[decode]\nargs = [\"--dtype=float32\"]\n";
+    let kv = |text: &str| -> u64 {
+        let plan = plan_one_gpu(text, "0.26.0", gpu.clone(), Ok(half_b_model())).unwrap();
+        flag_of(
+            plan.service("prefill-0").unwrap(),
+            "--kv-cache-memory-bytes",
+        )
+        .unwrap()
+        .parse()
+        .unwrap()
     };
     let step = 64u64 << 20;
     let extra = 988_065_536u64;
+    let (small, big) = (kv(&f32), kv(&bf16));
     assert!(
-        kv("decode-0") - kv("prefill-0") >= extra / step * step,
-        "prefill {} decode {}",
-        kv("prefill-0"),
-        kv("decode-0")
+        big - small >= extra / step * step,
+        "float32 {small} bfloat16 {big}"
     );
+    let plan = plan_one_gpu(&f32, "0.26.0", gpu, Ok(half_b_model())).unwrap();
     let note = plan
         .service("prefill-0")
         .unwrap()

@@ -16,10 +16,12 @@ mod mooncake;
 mod mooncake_store;
 mod mooncake_te;
 mod nixl;
+pub mod pairing;
 mod ports;
 pub mod transport;
 
 pub use lmcache::server_command as lmcache_server_command;
+pub use pairing::Pairing;
 pub use ports::PortBook;
 
 use crate::topology::{
@@ -199,6 +201,12 @@ pub trait Connector: Sync {
     /// connector says otherwise.
     fn decode_leaves(&self, _c: &ConnectorSection, block_size: u32) -> u32 {
         block_size
+    }
+    /// Which prefill/decode differences (tensor-parallel and pipeline-parallel sizes, KV
+    /// block size) the connector carries KV across on vLLM `v`: `pdctl plan` refuses a
+    /// pair outside them. Everything the same unless the connector's file says more.
+    fn pairing(&self, _c: &ConnectorSection, _v: &Version) -> Pairing {
+        Pairing::same(self.about().classes)
     }
 }
 

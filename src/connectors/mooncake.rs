@@ -6,11 +6,24 @@
 //! 0.13 to 0.15 had the connector with other handshake fields; pdctl's proxy speaks the
 //! transfer_id form only, so those versions get a clear error instead of a silent mismatch.
 
+use super::pairing::{BlockRule, PpRule, TpRule};
 use super::*;
 
 pub struct MooncakeV1;
 
 const BOOTSTRAP: VersionRange = VersionRange::from((0, 16, 0));
+
+/// vLLM whose MooncakeConnector maps different TP sizes: 0.16.0 raises "Mooncake:
+/// Heterogeneous TP is not supported yet." (mooncake/mooncake_connector.py:825 and 1157);
+/// 0.20.0 has `_get_tp_ratio` (mooncake_connector.py:84), either size dividing the other,
+/// as 0.33.0 (mooncake_connector.py:153 to 171). 0.17 to 0.19 were not read: refused.
+const HETERO_TP: VersionRange = VersionRange::from((0, 20, 0));
+
+/// vLLM whose MooncakeConnector takes pipeline parallelism: 0.16.0 and 0.20.0 raise "Mooncake
+/// Transfer Engine does not support pipeline parallelism yet." (mooncake_connector.py:496,
+/// 771); 0.25.0 keeps a pp_rank per worker (mooncake_connector.py:968, 1945); 0.33.0 aligns
+/// equal sizes and refuses some layouts when they differ (mooncake_connector.py:586 to 603).
+const PIPELINE: VersionRange = VersionRange::from((0, 25, 0));
 
 const ABOUT: About = About {
     kind: ConnectorKind::Mooncake,
@@ -73,6 +86,25 @@ impl Connector for MooncakeV1 {
     }
     fn protocol(&self, _: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {
         ProxyProtocol::Mooncake
+    }
+    /// Blocks are copied region by region with the same length on both sides (0.33.0's
+    /// `_validate_asymmetric_region_lengths`, mooncake_connector.py:349 to 355): one block
+    /// size.
+    fn pairing(&self, _: &ConnectorSection, v: &Version) -> Pairing {
+        Pairing {
+            class: "MooncakeConnector",
+            tp: if HETERO_TP.contains(v) {
+                TpRule::EitherDivides
+            } else {
+                TpRule::Equal
+            },
+            pp: if PIPELINE.contains(v) {
+                PpRule::Equal
+            } else {
+                PpRule::OnlyOne
+            },
+            block: BlockRule::Equal,
+        }
     }
     fn launch(&self, at: LaunchCtx) -> Result<Launch, Problem> {
         let LaunchCtx { cx, inst, .. } = at;

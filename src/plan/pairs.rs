@@ -6,6 +6,10 @@
 
 use super::{Plan, Role, Service};
 use crate::child_config::ChildSettings;
+use crate::connectors::Connector;
+use crate::connectors::pairing::sizes_that_work;
+use crate::topology::{Problem, RoleSection, Topology};
+use crate::vocab::Version;
 use std::fmt;
 
 /// vLLM's KV block size when `--block-size` is not given (CUDA).
@@ -108,14 +112,17 @@ impl fmt::Display for Mismatch {
 fn consequence(what: &str, fatal: bool) -> &'static str {
     match what {
         "model" => "decode cannot use KV computed by another model; serve the same model on both",
-        "KV block size" => {
+        "KV block size" if fatal => {
             "the handoff maps blocks one to one, so it fails or decode recomputes; give both the same --block-size"
+        }
+        "KV block size" => {
+            "NixlConnector splits blocks only where one size is a multiple of the other, in the direction its vLLM version reads (`pdctl plan` checked it); `pdctl check` proves the pair"
         }
         "tensor-parallel size" if fatal => {
             "this connector moves KV between equal tensor-parallel layouts only; give both roles the same gpus_per_instance"
         }
         "tensor-parallel size" => {
-            "NixlConnector bridges different sizes only on recent vLLM and dense models (older ones fail with NIXL_ERR_NOT_FOUND); `pdctl check` proves the pair"
+            "NIXL (vLLM 0.9.1 on) and Mooncake (0.20 on) bridge sizes that divide one another, as `pdctl plan` checked for the planned version; `pdctl check` proves the pair"
         }
         _ => "the two ends of a handoff must run the same vLLM; install one version for both",
     }
@@ -140,17 +147,19 @@ pub fn compare(prefill: &EngineFacts, decode: &EngineFacts, connector: &str) -> 
     if prefill.model.is_some() && decode.model.is_some() {
         differ("model", show(&prefill.model), show(&decode.model), true);
     }
+    // What `pdctl plan` checked against the connector's rules for the planned vLLM
+    // ([`check_settings`]) is a warning here: only those connectors map any difference.
     differ(
         "KV block size",
         prefill.block_size.to_string(),
         decode.block_size.to_string(),
-        true,
+        connector != "nixl",
     );
     differ(
         "tensor-parallel size",
         prefill.tensor_parallel.to_string(),
         decode.tensor_parallel.to_string(),
-        connector != "nixl",
+        !matches!(connector, "nixl" | "mooncake"),
     );
     out
 }
@@ -180,6 +189,214 @@ pub fn mismatches(plan: &Plan) -> Vec<Mismatch> {
         }
     }
     out
+}
+
+/// One setting of one role as its vLLM engines get it, and the topology key it comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Setting {
+    /// None where neither the topology nor the args set it (vLLM's default).
+    value: Option<String>,
+    key: String,
+}
+
+/// The last value of one of `flags` in `engine.args` then `role`'s args (vLLM takes the last
+/// one given, and pdctl writes the role's args after the engine's), else `default`.
+fn setting(t: &Topology, role: Role, flags: &[&str], default: Setting) -> Setting {
+    let role_args = &role_section(t, role).args;
+    let mut found = default;
+    for (key, args) in [
+        ("engine.args".to_string(), &t.engine.args),
+        (format!("{role}.args"), role_args),
+    ] {
+        if let Some(v) = flag(args, flags) {
+            found = Setting {
+                value: Some(v),
+                key: key.clone(),
+            };
+        }
+    }
+    found
+}
+
+fn role_section(t: &Topology, role: Role) -> &RoleSection {
+    if role == Role::Prefill {
+        &t.prefill
+    } else {
+        &t.decode
+    }
+}
+
+/// A setting read as a size (TP, PP, block size), `default` when unset or not a number.
+fn size_of(s: &Setting, default: u32) -> u32 {
+    s.value
+        .as_deref()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+/// What no connector maps, compared for equality: (what, vLLM's default when unset, why
+/// a difference breaks the pair).
+const SAME: [(&str, &str, &str); 5] = [
+    (
+        "model",
+        "",
+        "KV computed by one model is meaningless to another",
+    ),
+    (
+        "model revision",
+        "the default branch",
+        "other weights give other KV, which decode would read without noticing",
+    ),
+    (
+        "dtype",
+        "auto",
+        "the KV layouts differ (NIXL refuses the handshake, others copy wrong bytes)",
+    ),
+    (
+        "KV cache dtype",
+        "auto",
+        "the KV layouts differ (NIXL refuses the handshake, others copy wrong bytes)",
+    ),
+    (
+        "context length (max_model_len)",
+        "the model's",
+        "decode refuses prompts prefill accepted, after the prefill work is done",
+    ),
+];
+
+/// The settings of `role` a handoff needs the other role to match or map.
+struct RoleSide {
+    tp: Setting,
+    pp: Setting,
+    block: Setting,
+    /// The settings of [`SAME`], in its order.
+    same: Vec<Setting>,
+}
+
+impl RoleSide {
+    fn of(t: &Topology, role: Role) -> RoleSide {
+        let r = role_section(t, role);
+        let unset = || Setting {
+            value: None,
+            key: format!("{role}.args"),
+        };
+        let tp = setting(
+            t,
+            role,
+            &["--tensor-parallel-size", "-tp"],
+            Setting {
+                value: Some(r.gpus_per_instance.to_string()),
+                key: format!("{role}.gpus_per_instance"),
+            },
+        );
+        let model = Setting {
+            value: Some(t.model.name.clone()),
+            key: "model.name".into(),
+        };
+        let context = Setting {
+            value: t.model.max_model_len.map(|n| n.to_string()),
+            key: "model.max_model_len".into(),
+        };
+        RoleSide {
+            tp,
+            pp: setting(t, role, &["--pipeline-parallel-size", "-pp"], unset()),
+            block: setting(t, role, &["--block-size"], unset()),
+            same: vec![
+                setting(t, role, &["--model"], model),
+                setting(t, role, &["--revision"], unset()),
+                setting(t, role, &["--dtype"], unset()),
+                setting(t, role, &["--kv-cache-dtype"], unset()),
+                setting(t, role, &["--max-model-len"], context),
+            ],
+        }
+    }
+}
+
+/// A refusal naming both roles, the keys that set each side and the setting compared;
+/// located at the decode's key (the prefill's when the file writes only that).
+fn pair_problem(what: &str, default: &str, (p, d): (&Setting, &Setting), why: String) -> Problem {
+    let show = |s: &Setting| match &s.value {
+        Some(v) => format!("{what} {v}, from {}", s.key),
+        None => format!("{what} {default}, vLLM's default"),
+    };
+    let (first, other) = if d.key.starts_with("decode.") || !p.key.starts_with("prefill.") {
+        (&d.key, &p.key)
+    } else {
+        (&p.key, &d.key)
+    };
+    Problem::new(
+        first.clone(),
+        format!(
+            "prefill ({}) and decode ({}) cannot hand KV to each other: {why}",
+            show(p),
+            show(d)
+        ),
+    )
+    .also(other.clone())
+}
+
+/// Refuses a prefill/decode pair that the connector cannot carry KV across on vLLM `v`:
+/// tensor-parallel and pipeline-parallel sizes and KV block sizes outside what
+/// [`Connector::pairing`] maps, and any difference in what no connector maps ([`SAME`]).
+/// Each error names both roles, the keys and what would work.
+pub fn check_settings(t: &Topology, conn: &dyn Connector, v: &Version) -> Result<(), Problem> {
+    let rules = conn.pairing(&t.connector, v);
+    let by = |says: &str| format!("{} on vLLM {v} maps {says}", rules.class);
+    let (p, d) = (
+        RoleSide::of(t, Role::Prefill),
+        RoleSide::of(t, Role::Decode),
+    );
+    let (ptp, dtp) = (size_of(&p.tp, 1), size_of(&d.tp, 1));
+    if !rules.tp.allows(ptp, dtp) {
+        let decodes = sizes_that_work(rules.tp, ptp, 8.max(ptp), false);
+        let prefills = sizes_that_work(rules.tp, dtp, 8.max(dtp), true);
+        return Err(
+            pair_problem("tensor-parallel size", "1", (&p.tp, &d.tp), by(rules.tp.says())).hint(
+                format!(
+                    "give decode a tensor-parallel size of {} (decode.gpus_per_instance), or prefill one of {} (prefill.gpus_per_instance)",
+                    list(&decodes),
+                    list(&prefills)
+                ),
+            ),
+        );
+    }
+    let (ppp, dpp) = (size_of(&p.pp, 1), size_of(&d.pp, 1));
+    if !rules.pp.allows(ppp, dpp) {
+        return Err(
+            pair_problem("pipeline-parallel size", "1", (&p.pp, &d.pp), by(rules.pp.says()))
+                .hint("remove --pipeline-parallel-size from the role's args (give its GPUs to tensor parallelism instead)"),
+        );
+    }
+    let default = VLLM_DEFAULT_BLOCK_SIZE;
+    let (pb, db) = (size_of(&p.block, default), size_of(&d.block, default));
+    if !rules.block.allows(pb, db) {
+        let what = "KV block size";
+        return Err(pair_problem(
+            what,
+            &default.to_string(),
+            (&p.block, &d.block),
+            by(rules.block.says()),
+        )
+        .hint("give both roles the same --block-size, once in engine.args"));
+    }
+    for (i, (what, default, why)) in SAME.iter().enumerate() {
+        let (ps, ds) = (&p.same[i], &d.same[i]);
+        if ps.value != ds.value {
+            return Err(pair_problem(what, default, (ps, ds), format!("no connector maps a different {what}: {why}"))
+                .hint("give both roles the same value: set it once in [model] or engine.args, not in one role's args"));
+        }
+    }
+    Ok(())
+}
+
+/// `1, 2 or 4`.
+fn list(xs: &[u32]) -> String {
+    let s: Vec<String> = xs.iter().map(u32::to_string).collect();
+    match s.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => "none".into(),
+    }
 }
 
 #[cfg(test)]
@@ -247,7 +464,13 @@ mod tests {
         assert!(got[1].fatal && got[1].to_string().contains("gpus_per_instance"));
         // NIXL may bridge different TP sizes: a warning, not a refusal.
         let nixl = compare(&p, &d, "nixl");
-        assert!(!nixl[1].fatal && nixl[1].to_string().contains("NIXL_ERR_NOT_FOUND"));
+        assert!(!nixl[1].fatal && nixl[1].to_string().contains("pdctl check"));
+        assert!(
+            !nixl[0].fatal,
+            "NIXL maps block sizes that are multiples: {nixl:?}"
+        );
+        let mooncake = compare(&p, &d, "mooncake");
+        assert!(mooncake[0].fatal && !mooncake[1].fatal, "{mooncake:?}");
         assert!(compare(&p, &p, "nixl").is_empty());
     }
 }
