@@ -97,6 +97,8 @@ fn fake_python(path: &Path, version: &str) {
 fn version_for(profile: &str, spec: &pdctl::topology::Topology) -> String {
     match spec.engine.vllm_version.as_str() {
         "auto" if profile == "cpu-1p1d" => "0.32.0".into(),
+        // MooncakeConnector V1 with its bootstrap server came with 0.16.0.
+        "auto" if profile == "mooncake-1p1d" => "0.33.0".into(),
         "auto" => "0.13.0".into(),
         v => v.into(),
     }
@@ -950,6 +952,48 @@ fn profiles_lists_every_profile_with_a_line() {
             p.name
         );
     }
+}
+
+/// The seeds' Mooncake transfer engine has two profiles: `mooncake-1p1d`, today's
+/// MooncakeConnector V1 (tcp, bootstrap server, transfer_id: proxy protocol `mooncake`),
+/// and `mooncake-te-1p1d`, the seeds' own V0 form; `pdctl profiles` says which is which.
+#[test]
+fn the_mooncake_profiles_are_told_apart_and_v1_plans_over_tcp_with_its_bootstrap_server() {
+    let out = pdctl(&["profiles"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = |name: &str| {
+        text.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no line for {name}: {text}"))
+            .to_string()
+    };
+    assert!(line("mooncake-1p1d").contains("V1"), "{text}");
+    assert!(line("mooncake-te-1p1d").contains("V0"), "{text}");
+    let plan = pure_plan("mooncake-1p1d");
+    assert_eq!(plan.protocol, "mooncake");
+    let json = serde_json::to_value(&plan).unwrap();
+    let prefill = services(&json, "prefill");
+    let decode = services(&json, "decode");
+    for s in prefill.iter().chain(&decode) {
+        let kv = kv_config(s);
+        assert_eq!(kv["kv_connector"], "MooncakeConnector", "{kv}");
+        assert_eq!(
+            kv["kv_connector_extra_config"]["mooncake_protocol"], "tcp",
+            "{kv}"
+        );
+    }
+    assert_eq!(
+        prefill[0]["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"], "8998",
+        "{}",
+        prefill[0]
+    );
+    assert!(
+        !plan
+            .services
+            .iter()
+            .any(|s| s.name == "etcd" || s.name == "mooncake-master"),
+        "V1 needs no metadata server"
+    );
 }
 
 /// `pdctl gpus` on this machine: with an NVIDIA driver (`/dev/nvidiactl`), a table of its
