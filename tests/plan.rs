@@ -312,6 +312,77 @@ fn cpu_engines_cannot_use_mooncake_connector() {
     .unwrap();
 }
 
+/// A fake vLLM 0.32.0 package under `root` whose MooncakeConnector source is `connector`
+/// (None: no such file), for a real python3 with `PYTHONPATH=root`.
+fn fake_vllm_source(root: &Path, connector: Option<&str>) {
+    let pkg = root.join("vllm");
+    std::fs::create_dir_all(&pkg).unwrap();
+    std::fs::write(
+        pkg.join("__init__.py"),
+        "raise ImportError('not imported')\n",
+    )
+    .unwrap();
+    std::fs::write(
+        pkg.join("_version.py"),
+        "__version__ = version = '0.32.0+cpu'\n",
+    )
+    .unwrap();
+    if let Some(text) = connector {
+        let dir = pkg.join("distributed/kv_transfer/kv_connector/v1/mooncake");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("mooncake_connector.py"), text).unwrap();
+    }
+}
+
+/// `pdctl plan` of MooncakeConnector on vLLM's CPU build reads the installed vLLM's
+/// mooncake_connector.py: refused (exit 2, the CUDA error) while it calls
+/// `torch.accelerator.current_device_index()` unguarded or is not there, planned once the
+/// call is behind `torch.accelerator.is_available()`.
+#[test]
+fn mooncake_on_the_cpu_build_is_refused_only_while_the_installed_source_needs_an_accelerator() {
+    let dir = TempDir::new("cpu-mooncake-source");
+    let file = dir.path().join("t.toml");
+    std::fs::write(
+        &file,
+        "[model]\nname = \"/m\"\n[engine]\nkind = \"vllm\"\ndevice = \"cpu\"\n[connector]\nkind = \"mooncake\"\ntransport = \"tcp\"\n",
+    )
+    .unwrap();
+    let unpatched = "import torch\nclass W:\n    def __init__(self):\n        self.device_id = torch.accelerator.current_device_index()\n";
+    let guarded = "import torch\nclass W:\n    def __init__(self):\n        self.device_id = torch.accelerator.current_device_index() if torch.accelerator.is_available() else 0\n";
+    for (name, source, plans) in [
+        ("unpatched", Some(unpatched), false),
+        ("missing", None, false),
+        ("guarded", Some(guarded), true),
+    ] {
+        let root = dir.path().join(name);
+        fake_vllm_source(&root, source);
+        let out = pdctl(&["plan", "-f", file.to_str().unwrap(), "--json"])
+            .env_remove(pdctl::vllm::IGNORE_INSTALLED_ENV)
+            .env("PYTHONPATH", &root)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env("PDCTL_STATE_DIR", dir.path().join("state"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if plans {
+            assert_eq!(out.status.code(), Some(0), "{name}: {stderr}");
+            let plan: Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(plan["vllm_version"], "0.32.0+cpu", "{name}");
+            assert_eq!(
+                kv_config(services(&plan, "decode")[0])["kv_connector"],
+                "MooncakeConnector"
+            );
+        } else {
+            assert_eq!(out.status.code(), Some(2), "{name}: {stderr}");
+            assert!(
+                stderr.contains("connector.kind: MooncakeConnector needs CUDA")
+                    && stderr.contains("current_device_index()"),
+                "{name}: {stderr}"
+            );
+        }
+    }
+}
+
 /// Real vLLM CPU 0.32, MooncakeStoreConnector alone: 3-6 of 20-30 back-to-back two-step
 /// requests reached decode before prefill's KV was in the store. The plan says so.
 #[test]

@@ -198,12 +198,19 @@ fn a_hub_that_lists_no_blob_ids_is_fetched_with_blobs_named_by_their_etag() {
         // The snapshot links to a blob named by the hub's ETag: the sha256 of an LFS file,
         // the git blob id (40 hex digits) of a small one.
         let target = std::fs::canonicalize(snap.join(f)).unwrap();
-        assert_eq!(target.parent().unwrap(), blobs.canonicalize().unwrap(), "{f}");
+        assert_eq!(
+            target.parent().unwrap(),
+            blobs.canonicalize().unwrap(),
+            "{f}"
+        );
         let name = target.file_name().unwrap().to_str().unwrap().to_string();
         if f.ends_with(".safetensors") {
             assert_eq!(name, sha256_hex(&data), "{f}");
         } else {
-            assert!(name.len() == 40 && name.bytes().all(|b| b.is_ascii_hexdigit()), "{f}: {name}");
+            assert!(
+                name.len() == 40 && name.bytes().all(|b| b.is_ascii_hexdigit()),
+                "{f}: {name}"
+            );
         }
     }
     let asked = hub.requests().len();
