@@ -24,6 +24,11 @@ pub struct EngineFacts {
     pub model: Option<String>,
     pub tensor_parallel: u32,
     pub block_size: u32,
+    /// Its context length (`--max-model-len`; a simulated engine's own), None when vLLM
+    /// takes the model's.
+    pub max_model_len: Option<u32>,
+    /// Its KV cache dtype (`--kv-cache-dtype`, vLLM's `auto` when unset).
+    pub kv_cache_dtype: String,
 }
 
 /// The facts of one engine service (a simulated one's from its typed `settings`); None
@@ -40,6 +45,8 @@ pub fn engine_facts(svc: &Service, settings: Option<&ChildSettings>) -> Option<E
             model: Some(sim.model),
             tensor_parallel: 1,
             block_size: sim.model_params.block_size,
+            max_model_len: Some(sim.model_params.max_model_len),
+            kv_cache_dtype: "auto".into(),
         });
     }
     let argv = &svc.argv;
@@ -61,6 +68,8 @@ pub fn engine_facts(svc: &Service, settings: Option<&ChildSettings>) -> Option<E
         model,
         tensor_parallel: number(&["--tensor-parallel-size", "-tp"], 1),
         block_size: number(&["--block-size"], VLLM_DEFAULT_BLOCK_SIZE),
+        max_model_len: flag(argv, &["--max-model-len"]).and_then(|v| v.parse().ok()),
+        kv_cache_dtype: flag(argv, &["--kv-cache-dtype"]).unwrap_or_else(|| "auto".into()),
     })
 }
 
