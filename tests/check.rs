@@ -122,9 +122,13 @@ fn set_key(v: &mut serde_json::Value, key: &str, to: serde_json::Value) -> bool 
             }
             found
         }
-        serde_json::Value::Array(a) => a
-            .iter_mut()
-            .fold(false, |f, x| set_key(x, key, to.clone()) || f),
+        serde_json::Value::Array(a) => {
+            let mut found = false;
+            for x in a.iter_mut() {
+                found |= set_key(x, key, to.clone());
+            }
+            found
+        }
         _ => false,
     }
 }
