@@ -182,10 +182,16 @@ pub fn mismatches(plan: &Plan) -> Vec<Mismatch> {
             .collect::<Vec<_>>()
     };
     let (prefill, decode) = (facts(Role::Prefill), facts(Role::Decode));
+    // Simulated engines map no difference, whatever connector they stand in for.
+    let connector = if plan.engine == "vllm" {
+        plan.connector.as_str()
+    } else {
+        ""
+    };
     let mut out: Vec<Mismatch> = Vec::new();
     for p in &prefill {
         for d in &decode {
-            for m in compare(p, d, &plan.connector) {
+            for m in compare(p, d, connector) {
                 let seen = out.iter().any(|o| {
                     o.what == m.what
                         && o.prefill_value == m.prefill_value
@@ -449,6 +455,25 @@ mod tests {
         );
         let proxy = Service::new("proxy", Role::Proxy, "local", ["pdctl"]);
         assert_eq!(engine_facts(&proxy, None), None);
+    }
+
+    /// Block sizes NIXL maps on real vLLM (`pdctl plan` checked the ratio) are a warning
+    /// before `up`; between simulated engines, which map nothing, they stay a refusal.
+    #[test]
+    fn only_real_engines_get_what_their_connector_maps() {
+        let services = vec![
+            vllm("prefill-0", Role::Prefill, &[]),
+            vllm("decode-0", Role::Decode, &["--block-size", "32"]),
+        ];
+        let real = Plan::for_tests("local", services);
+        let got = mismatches(&real);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(!got[0].fatal, "{}", got[0]);
+        let sim = Plan {
+            engine: "sim".into(),
+            ..real
+        };
+        assert!(mismatches(&sim)[0].fatal);
     }
 
     #[test]
