@@ -7,8 +7,6 @@
 //! maps (the model, its revision, dtypes, the context length) is refused for all of them.
 //! Where each rule was read in vLLM's source: docs/connectors.md ("Prefill/decode pairs").
 
-use std::fmt;
-
 /// How a connector maps the tensor-parallel sizes of the two sides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TpRule {
@@ -65,6 +63,7 @@ impl PpRule {
         }
     }
 
+    /// What the connector takes, for messages.
     pub fn says(self) -> &'static str {
         match self {
             PpRule::OnlyOne => "no pipeline parallelism (pipeline-parallel size 1 on both sides)",
@@ -86,6 +85,7 @@ pub enum BlockRule {
 }
 
 impl BlockRule {
+    /// Whether KV block sizes `p` (prefill) and `d` (decode) can be paired.
     pub fn allows(self, p: u32, d: u32) -> bool {
         let (p, d) = (p.max(1), d.max(1));
         match self {
@@ -95,6 +95,7 @@ impl BlockRule {
         }
     }
 
+    /// What the connector maps, for messages.
     pub fn says(self) -> &'static str {
         match self {
             BlockRule::Equal => "only the same KV block size on both sides",
@@ -128,18 +129,6 @@ impl Pairing {
             pp: PpRule::OnlyOne,
             block: BlockRule::Equal,
         }
-    }
-}
-
-impl fmt::Display for Pairing {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}; {}; {}",
-            self.tp.says(),
-            self.pp.says(),
-            self.block.says()
-        )
     }
 }
 
