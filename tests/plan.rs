@@ -1278,6 +1278,7 @@ fn half_b_model() -> pdctl::model_files::ModelSize {
         source: "safetensors headers of 1 file".into(),
         kv_elements_per_token: Some(2 * 24 * 2 * 64),
         max_position_embeddings: Some(32768),
+        kv_heads: Some(2),
     }
 }
 
@@ -1426,6 +1427,7 @@ fn a_gpu_share_without_room_for_the_kv_cache_is_refused() {
         source: "safetensors headers of 4 files".into(),
         kv_elements_per_token: Some(2 * 32 * 8 * 128),
         max_position_embeddings: Some(131072),
+        kv_heads: Some(8),
     };
     let gpu = Gpu::from_declared(&"0:24GiB".parse().unwrap());
     let e = plan_one_gpu(&text, "0.26.0", gpu, Ok(big)).unwrap_err();

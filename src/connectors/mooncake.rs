@@ -144,6 +144,9 @@ impl Connector for MooncakeV1 {
                 PpRule::OnlyOne
             },
             block: BlockRule::Equal,
+            // 0.33 counts replicated ranks as one (`min(tp, total_num_kv_heads)`,
+            // mooncake_connector.py:338 to 341).
+            larger_within_kv_heads: None,
         }
     }
     fn launch(&self, at: LaunchCtx) -> Result<Launch, Problem> {

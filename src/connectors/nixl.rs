@@ -61,6 +61,13 @@ const BLOCK_RATIO: VersionRange = VersionRange::from((0, 12, 0));
 /// nixl/base_worker.py:869 to 890 refuses it on the consumer only); not read before it.
 const PUSH_PREFILL_PP: VersionRange = VersionRange::from((0, 33, 0));
 
+/// vLLM that asserts `not (tp_ratio < 0 and is_kv_replicated(remote))` for attention that
+/// is not MLA: a remote side of more ranks than the local one may not replicate KV heads
+/// (0.14.0 nixl_connector.py:1693, 0.16.0 :1750, 0.20.0 nixl/worker.py:1410, 0.25.0
+/// nixl/base_worker.py:1624, 0.33.0 base_worker.py:2728 to 2730). The remote side is the one
+/// read (prefill) in pull mode, the one written (decode) in push mode.
+const HEADS_ASSERT: VersionRange = EITHER_TP;
+
 const ABOUT: About = About {
     kind: ConnectorKind::Nixl,
     classes: "NixlConnector (NixlPushConnector with nixl_mode = \"push\")",
@@ -130,6 +137,7 @@ impl Connector for Nixl {
                 tp,
                 pp,
                 block: BlockRule::PrefillMultiple,
+                larger_within_kv_heads: HEADS_ASSERT.contains(v).then_some(Role::Decode),
             };
         }
         let block = if BLOCK_RATIO.contains(v) {
@@ -142,6 +150,7 @@ impl Connector for Nixl {
             tp,
             pp: PpRule::OnlyOne,
             block,
+            larger_within_kv_heads: HEADS_ASSERT.contains(v).then_some(Role::Prefill),
         }
     }
     fn protocol(&self, c: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {

@@ -7,6 +7,8 @@
 //! maps (the model, its revision, dtypes, the context length) is refused for all of them.
 //! Where each rule was read in vLLM's source: docs/connectors.md ("Prefill/decode pairs").
 
+use crate::vocab::Role;
+
 /// How a connector maps the tensor-parallel sizes of the two sides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TpRule {
@@ -117,6 +119,9 @@ pub struct Pairing {
     pub tp: TpRule,
     pub pp: PpRule,
     pub block: BlockRule,
+    /// The side whose tensor-parallel size, where it is the larger one, may not exceed the
+    /// model's KV heads (vLLM asserts it does not replicate them): NIXL's remote side.
+    pub larger_within_kv_heads: Option<Role>,
 }
 
 impl Pairing {
@@ -128,6 +133,7 @@ impl Pairing {
             tp: TpRule::Equal,
             pp: PpRule::OnlyOne,
             block: BlockRule::Equal,
+            larger_within_kv_heads: None,
         }
     }
 }

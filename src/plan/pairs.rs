@@ -354,7 +354,13 @@ fn pair_problem(what: &str, default: &str, (p, d): (&Setting, &Setting), why: St
 /// tensor-parallel and pipeline-parallel sizes and KV block sizes outside what
 /// [`Connector::pairing`] maps, and any difference in what no connector maps ([`SAME`]).
 /// Each error names both roles, the keys and what would work.
-pub fn check_settings(t: &Topology, conn: &dyn Connector, v: &Version) -> Result<(), Problem> {
+/// `kv_heads`: the model's KV heads, where its config.json was read.
+pub fn check_settings(
+    t: &Topology,
+    conn: &dyn Connector,
+    v: &Version,
+    kv_heads: Option<u64>,
+) -> Result<(), Problem> {
     let rules = conn.pairing(&t.connector, v);
     let by = |says: &str| format!("{} on vLLM {v} maps {says}", rules.class);
     let (p, d) = (
@@ -375,6 +381,7 @@ pub fn check_settings(t: &Topology, conn: &dyn Connector, v: &Version) -> Result
             ),
         );
     }
+    check_kv_heads(&rules, v, (&p.tp, ptp), (&d.tp, dtp), kv_heads)?;
     let (ppp, dpp) = (size_of(&p.pp, 1), size_of(&d.pp, 1));
     if !rules.pp.allows(ppp, dpp) {
         return Err(
@@ -402,6 +409,41 @@ pub fn check_settings(t: &Topology, conn: &dyn Connector, v: &Version) -> Result
         }
     }
     Ok(())
+}
+
+/// Refuses a larger tensor-parallel size on the side whose heads the connector cannot read
+/// replicated ([`crate::connectors::Pairing::larger_within_kv_heads`]) where it exceeds the
+/// model's KV heads.
+fn check_kv_heads(
+    rules: &crate::connectors::Pairing,
+    v: &Version,
+    (p, ptp): (&Setting, u32),
+    (d, dtp): (&Setting, u32),
+    kv_heads: Option<u64>,
+) -> Result<(), Problem> {
+    let (Some(side), Some(heads)) = (rules.larger_within_kv_heads, kv_heads) else {
+        return Ok(());
+    };
+    let (big, small) = if side == Role::Prefill {
+        (ptp, dtp)
+    } else {
+        (dtp, ptp)
+    };
+    if big <= small || u64::from(big) <= heads {
+        return Ok(());
+    }
+    Err(pair_problem(
+        "tensor-parallel size",
+        "1",
+        (p, d),
+        format!(
+            "{} on vLLM {v} takes a larger {side} tensor-parallel size only while it does not replicate the model's {heads} KV heads ({side} has {big} ranks)",
+            rules.class
+        ),
+    )
+    .hint(format!(
+        "give {side} at most {heads} ranks ({side}.gpus_per_instance), or the other role as many as {side}"
+    )))
 }
 
 /// `1, 2 or 4`.
@@ -455,6 +497,44 @@ mod tests {
         );
         let proxy = Service::new("proxy", Role::Proxy, "local", ["pdctl"]);
         assert_eq!(engine_facts(&proxy, None), None);
+    }
+
+    fn nixl(prefill_tp: u32, decode_tp: u32, mode: &str) -> Topology {
+        let text = format!(
+            "[model]\nname = \"m\"\n[engine]\nvllm_version = \"0.33.0\"\n[connector]\nkind = \"nixl\"\nnixl_mode = \"{mode}\"\n[prefill]\ngpus_per_instance = {prefill_tp}\n[decode]\ngpus_per_instance = {decode_tp}\n"
+        );
+        crate::topology::load_str(
+            &text,
+            crate::topology::Source::Profile("t".into()),
+            "t.toml".into(),
+        )
+        .unwrap()
+        .spec
+    }
+
+    /// NIXL reads a larger remote TP (prefill in pull mode, decode in push mode) only
+    /// while it does not replicate the model's KV heads; unknown heads are not refused.
+    #[test]
+    fn a_larger_nixl_side_is_held_to_the_models_kv_heads() {
+        let conn = crate::connectors::for_kind(crate::topology::ConnectorKind::Nixl);
+        let v: Version = "0.33.0".parse().unwrap();
+        let pull = nixl(4, 2, "pull");
+        let e = check_settings(&pull, conn, &v, Some(2)).unwrap_err();
+        assert_eq!(e.key, "decode.gpus_per_instance");
+        assert!(
+            e.message
+                .contains("model's 2 KV heads (prefill has 4 ranks)"),
+            "{}",
+            e.message
+        );
+        assert!(e.hint.unwrap().contains("give prefill at most 2 ranks"));
+        check_settings(&pull, conn, &v, Some(4)).unwrap();
+        check_settings(&pull, conn, &v, None).unwrap();
+        // A larger decode reads its heads from one prefill rank: fine in pull mode.
+        check_settings(&nixl(2, 4, "pull"), conn, &v, Some(2)).unwrap();
+        let push = nixl(2, 4, "push");
+        assert!(check_settings(&push, conn, &v, Some(2)).is_err());
+        check_settings(&nixl(4, 2, "push"), conn, &v, Some(2)).unwrap();
     }
 
     /// Block sizes NIXL maps on real vLLM (`pdctl plan` checked the ratio) are a warning
