@@ -28,6 +28,9 @@ pub struct ModelSize {
     pub kv_elements_per_token: Option<u64>,
     /// The model's own context length (`max_position_embeddings`), when config.json says.
     pub max_position_embeddings: Option<u64>,
+    /// KV heads of its attention (`num_key_value_heads`), when config.json says (None for
+    /// MLA): a connector that cannot read replicated heads limits a side's TP to them.
+    pub kv_heads: Option<u64>,
 }
 
 /// The size of `model` (a local directory, or a Hugging Face id found in the local hub
@@ -72,6 +75,7 @@ pub fn read(model: &str, env: &BTreeMap<String, String>) -> Result<ModelSize, St
         stored_bytes,
         source,
         kv_elements_per_token: config.as_ref().and_then(kv_elements_per_token),
+        kv_heads: config.as_ref().and_then(kv_heads),
         max_position_embeddings: config.as_ref().and_then(|c| {
             first_u64(
                 c,
@@ -162,6 +166,7 @@ pub fn from_hub_list(weights: &[(String, u64)], config: Option<&Value>) -> Model
             if n == 1 { "" } else { "s" }
         ),
         kv_elements_per_token: config.as_ref().and_then(kv_elements_per_token),
+        kv_heads: config.as_ref().and_then(kv_heads),
         max_position_embeddings: config.as_ref().and_then(|c| {
             first_u64(
                 c,
@@ -313,6 +318,15 @@ fn read_config(dir: &Path) -> Result<Value, String> {
 
 fn first_u64(c: &Value, keys: &[&str]) -> Option<u64> {
     keys.iter().find_map(|k| c.get(*k).and_then(Value::as_u64))
+}
+
+/// The KV heads of config.json's attention (None for MLA, which caches one latent).
+fn kv_heads(c: &Value) -> Option<u64> {
+    if c.get("kv_lora_rank").is_some_and(|v| !v.is_null()) {
+        return None;
+    }
+    first_u64(c, &["num_key_value_heads", "multi_query_group_num"])
+        .or_else(|| first_u64(c, &["num_attention_heads", "n_head"]))
 }
 
 /// 2 x layers x KV heads x head size, from config.json (None for MLA, which caches a

@@ -25,6 +25,7 @@ profiles!(
     "4p4d",
     "2node-4p4d",
     "nixl-1p1d",
+    "mooncake-1p1d",
     "mooncake-te-1p1d",
     "mooncake-store-4p4d",
     "lmcache-1p1d",

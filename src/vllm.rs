@@ -180,6 +180,37 @@ fn detect_with_env(python: &str, env: &[(&str, &str)]) -> Result<Version, Detect
     Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
 }
 
+/// Prints the directory of the `vllm` package the interpreter would import, without
+/// importing it.
+const PACKAGE_DIR_SCRIPT: &str = r#"
+import importlib.util, sys
+spec = importlib.util.find_spec("vllm")
+if spec is None or not spec.submodule_search_locations:
+    sys.exit("ModuleNotFoundError: No module named 'vllm'")
+sys.stdout.write(list(spec.submodule_search_locations)[0])
+"#;
+
+/// The directory of the `vllm` package `python` has (where its connectors' source can be
+/// read), or None when it has none or pdctl is told to ignore what this machine has and
+/// `python` is a bare name.
+pub fn package_dir(python: &str) -> Option<std::path::PathBuf> {
+    if !python.contains('/') && ignoring_installed() {
+        return None;
+    }
+    package_dir_with_env(python, &[])
+}
+
+fn package_dir_with_env(python: &str, env: &[(&str, &str)]) -> Option<std::path::PathBuf> {
+    let program = crate::tools::find_program(python)?;
+    let out = std::process::Command::new(program)
+        .args(["-c", PACKAGE_DIR_SCRIPT])
+        .envs(env.iter().copied())
+        .output()
+        .ok()?;
+    let dir = std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    (out.status.success() && dir.is_dir()).then_some(dir)
+}
+
 /// The python that runs vLLM, and its vLLM version. A configured path is used as is; a
 /// bare name (`python3`) is tried on PATH first and then in the pdctl tools venvs, and the
 /// first one that has vllm wins (so an activated venv is found, and so is the venv
@@ -285,6 +316,23 @@ mod tests {
         let v = detect_fake(&root);
         std::fs::remove_dir_all(&root).unwrap();
         assert_eq!(v.unwrap().to_string(), "0.10.1.post1");
+    }
+
+    #[test]
+    fn package_dir_is_found_without_importing_vllm() {
+        let root = fake_vllm("dir", "raise ImportError('imported the package')\n", None);
+        let path = root.display().to_string();
+        let env = [
+            ("PYTHONPATH", path.as_str()),
+            ("PYTHONDONTWRITEBYTECODE", "1"),
+        ];
+        let dir = package_dir_with_env("python3", &env);
+        std::fs::remove_dir_all(&root).unwrap();
+        assert_eq!(
+            dir.unwrap().canonicalize().ok(),
+            root.join("vllm").canonicalize().ok()
+        );
+        assert_eq!(package_dir_with_env("no-such-python-pdctl", &env), None);
     }
 
     #[test]

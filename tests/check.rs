@@ -1,6 +1,7 @@
 //! `pdctl check` on simulated engines: every pair's probe hands its KV over (exit 0); a
 //! decode told to lose its next handoffs makes it exit 1 naming the pair; behind a client
-//! key (`PDCTL_API_KEY`) it still passes and reports the model; and `up`'s pre-flight
+//! key (`PDCTL_API_KEY`) it still passes and reports the model; each pair's sizes are
+//! reported, and an engine running other sizes than its plan fails its pair; `up`'s pre-flight
 //! refuses a pair whose block sizes differ, naming both sides.
 
 use crate::common;
@@ -45,6 +46,13 @@ fn check_proves_each_pair_and_names_the_one_that_lost_its_kv() {
     }
     assert!(all.contains("simulated shared-dir handoff"), "{all}");
     assert!(all.contains("every pair moved its KV (2 of 2)"), "{all}");
+    // Each pair's sizes as the engines answer them (TP as planned: vLLM reports none).
+    assert!(
+        all.contains(
+            "    sizes: prefill-0 TP 1 (planned), KV block 16, context 8192, KV dtype auto; decode-0 TP 1 (planned), KV block 16, context 8192, KV dtype auto"
+        ),
+        "{all}"
+    );
 
     // decode-0 loses its next handoffs: it answers, but computes the prompt itself.
     // The engines answer only the cluster's engine key.
@@ -74,8 +82,55 @@ fn check_proves_each_pair_and_names_the_one_that_lost_its_kv() {
         .find(|l| l.starts_with("prefill-0 -> decode-1"))
         .unwrap();
     assert!(good.contains("moved"), "{all}");
+
+    // The plan now says decode-1 has KV blocks of 32 (as a plan whose engine was started
+    // by hand with other settings would): check fails that pair, naming what differs.
+    let plan_path = cluster.root().join("check-sim/plan.json");
+    let mut plan: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&plan_path).unwrap()).unwrap();
+    let set = set_key(&mut plan["settings"]["decode-1"], "block_size", 32.into());
+    assert!(
+        set,
+        "no block_size in decode-1's settings: {}",
+        plan["settings"]
+    );
+    std::fs::write(&plan_path, serde_json::to_vec_pretty(&plan).unwrap()).unwrap();
+    let out = cluster.run(&["check"]);
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{all}");
+    assert!(
+        all.contains("    not as planned: decode-1 runs with KV block size 16, the plan says 32"),
+        "{all}"
+    );
+    assert!(all.contains("prefill-0 -> decode-1"), "{all}");
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));
+}
+
+/// Sets every `key` inside `v` to `to`; false when there is none.
+fn set_key(v: &mut serde_json::Value, key: &str, to: serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Object(m) => {
+            let mut found = false;
+            for (k, x) in m.iter_mut() {
+                if k == key {
+                    *x = to.clone();
+                    found = true;
+                } else {
+                    found |= set_key(x, key, to.clone());
+                }
+            }
+            found
+        }
+        serde_json::Value::Array(a) => {
+            let mut found = false;
+            for x in a.iter_mut() {
+                found |= set_key(x, key, to.clone());
+            }
+            found
+        }
+        _ => false,
+    }
 }
 
 #[test]

@@ -16,6 +16,8 @@ X-Error-Code RepoNotFound (404 when a token is sent).
       [--cut-once]       the first GET of each file over 64 KiB sends half, then closes
       [--stall-once]     the first GET of each file over 64 KiB sends half, then hangs
       [--rate BYTES_S]   file bodies are sent at about this rate
+      [--no-blob-ids]    file lists carry names and sizes only (no blobId, no lfs), as
+                         some mirrors answer; a file's ETag then names it, as on the hub
 
 Each request is logged to L as one JSON line: method, path, range, authorized.
 """
@@ -59,6 +61,8 @@ def load_repo(repo, path):
 
 
 def sibling(name, f):
+    if ARGS.no_blob_ids:
+        return {"rfilename": name, "size": len(f["data"])}
     s = {"rfilename": name, "size": len(f["data"]), "blobId": f["blob"]}
     if f["sha256"]:
         s["lfs"] = {"sha256": f["sha256"], "size": len(f["data"]), "pointerSize": 134}
@@ -128,8 +132,10 @@ class Handler(BaseHTTPRequestHandler):
             if rest[:1] == ["tree"]:
                 tree = []
                 for n, f in sorted(r["files"].items()):
-                    e = {"type": "file", "path": n, "size": len(f["data"]), "oid": f["blob"]}
-                    if f["sha256"]:
+                    e = {"type": "file", "path": n, "size": len(f["data"])}
+                    if not ARGS.no_blob_ids:
+                        e["oid"] = f["blob"]
+                    if f["sha256"] and not ARGS.no_blob_ids:
                         e["lfs"] = {"oid": f["sha256"], "size": len(f["data"]), "pointerSize": 134}
                     tree.append(e)
                 return self.reply(200, json.dumps(tree).encode(), {"Content-Type": "application/json"})
@@ -230,6 +236,7 @@ def main():
     p.add_argument("--cut-once", action="store_true")
     p.add_argument("--stall-once", action="store_true")
     p.add_argument("--rate", type=float)
+    p.add_argument("--no-blob-ids", action="store_true")
     ARGS = p.parse_args()
     for spec in ARGS.repo:
         repo, path = spec.split("=", 1)

@@ -97,6 +97,8 @@ fn fake_python(path: &Path, version: &str) {
 fn version_for(profile: &str, spec: &pdctl::topology::Topology) -> String {
     match spec.engine.vllm_version.as_str() {
         "auto" if profile == "cpu-1p1d" => "0.32.0".into(),
+        // MooncakeConnector V1 with its bootstrap server came with 0.16.0.
+        "auto" if profile == "mooncake-1p1d" => "0.33.0".into(),
         "auto" => "0.13.0".into(),
         v => v.into(),
     }
@@ -143,6 +145,67 @@ fn every_profile_plan_matches_its_golden_file() {
     assert!(
         stale.is_empty(),
         "plans differ from tests/golden for {stale:?}; if intended, rerun with PDCTL_UPDATE_GOLDEN=1 and review the diff"
+    );
+}
+
+/// Each prefill/decode pair in tests/topologies/pairs that its connector maps although the
+/// two sides differ (NIXL's and Mooncake's tensor-parallel ratios, NIXL's block-size ratio)
+/// plans (8 GPUs, state root /state, the version the file pins) as
+/// tests/golden/pairs/<name>.json says; PDCTL_UPDATE_GOLDEN=1 rewrites them.
+#[test]
+fn heterogeneous_pairs_the_connector_maps_plan_like_their_golden_files() {
+    let update = std::env::var_os("PDCTL_UPDATE_GOLDEN").is_some();
+    let dir = manifest("tests/topologies/pairs");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    files.sort();
+    assert!(
+        files.len() >= 3,
+        "only {} pairs in {}",
+        files.len(),
+        dir.display()
+    );
+    let mut stale = Vec::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        let t = inline(&text);
+        let version = t.spec.engine.vllm_version.clone();
+        let plan = try_plan_text(&text, &version, 8)
+            .unwrap_or_else(|e| panic!("{} does not plan: {e}", f.display()));
+        let tp = |role: &str| {
+            services(&serde_json::to_value(&plan).unwrap(), role)
+                .iter()
+                .map(|s| {
+                    flag(&argv(s), "--tensor-parallel-size")
+                        .unwrap_or("1")
+                        .to_string()
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            [tp("prefill"), tp("decode")],
+            [
+                vec![t.spec.prefill.gpus_per_instance.to_string()],
+                vec![t.spec.decode.gpus_per_instance.to_string()]
+            ],
+            "{}: each side runs its own tensor-parallel size",
+            f.display()
+        );
+        let json = serde_json::to_string_pretty(&plan).unwrap() + "\n";
+        let name = f.file_stem().unwrap().to_str().unwrap();
+        let path = manifest(&format!("tests/golden/pairs/{name}.json"));
+        if update {
+            std::fs::write(&path, &json).unwrap();
+        } else if std::fs::read_to_string(&path).unwrap_or_default() != json {
+            stale.push(name.to_string());
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "plans differ from tests/golden/pairs for {stale:?}; if intended, rerun with PDCTL_UPDATE_GOLDEN=1 and review the diff"
     );
 }
 
@@ -247,6 +310,77 @@ fn cpu_engines_cannot_use_mooncake_connector() {
         2,
     )
     .unwrap();
+}
+
+/// A fake vLLM 0.32.0 package under `root` whose MooncakeConnector source is `connector`
+/// (None: no such file), for a real python3 with `PYTHONPATH=root`.
+fn fake_vllm_source(root: &Path, connector: Option<&str>) {
+    let pkg = root.join("vllm");
+    std::fs::create_dir_all(&pkg).unwrap();
+    std::fs::write(
+        pkg.join("__init__.py"),
+        "raise ImportError('not imported')\n",
+    )
+    .unwrap();
+    std::fs::write(
+        pkg.join("_version.py"),
+        "__version__ = version = '0.32.0+cpu'\n",
+    )
+    .unwrap();
+    if let Some(text) = connector {
+        let dir = pkg.join("distributed/kv_transfer/kv_connector/v1/mooncake");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("mooncake_connector.py"), text).unwrap();
+    }
+}
+
+/// `pdctl plan` of MooncakeConnector on vLLM's CPU build reads the installed vLLM's
+/// mooncake_connector.py: refused (exit 2, the CUDA error) while it calls
+/// `torch.accelerator.current_device_index()` unguarded or is not there, planned once the
+/// call is behind `torch.accelerator.is_available()`.
+#[test]
+fn mooncake_on_the_cpu_build_is_refused_only_while_the_installed_source_needs_an_accelerator() {
+    let dir = TempDir::new("cpu-mooncake-source");
+    let file = dir.path().join("t.toml");
+    std::fs::write(
+        &file,
+        "[model]\nname = \"/m\"\n[engine]\nkind = \"vllm\"\ndevice = \"cpu\"\n[connector]\nkind = \"mooncake\"\ntransport = \"tcp\"\n",
+    )
+    .unwrap();
+    let unpatched = "import torch\nclass W:\n    def __init__(self):\n        self.device_id = torch.accelerator.current_device_index()\n";
+    let guarded = "import torch\nclass W:\n    def __init__(self):\n        self.device_id = torch.accelerator.current_device_index() if torch.accelerator.is_available() else 0\n";
+    for (name, source, plans) in [
+        ("unpatched", Some(unpatched), false),
+        ("missing", None, false),
+        ("guarded", Some(guarded), true),
+    ] {
+        let root = dir.path().join(name);
+        fake_vllm_source(&root, source);
+        let out = pdctl(&["plan", "-f", file.to_str().unwrap(), "--json"])
+            .env_remove(pdctl::vllm::IGNORE_INSTALLED_ENV)
+            .env("PYTHONPATH", &root)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env("PDCTL_STATE_DIR", dir.path().join("state"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if plans {
+            assert_eq!(out.status.code(), Some(0), "{name}: {stderr}");
+            let plan: Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(plan["vllm_version"], "0.32.0+cpu", "{name}");
+            assert_eq!(
+                kv_config(services(&plan, "decode")[0])["kv_connector"],
+                "MooncakeConnector"
+            );
+        } else {
+            assert_eq!(out.status.code(), Some(2), "{name}: {stderr}");
+            assert!(
+                stderr.contains("connector.kind: MooncakeConnector needs CUDA")
+                    && stderr.contains("current_device_index()"),
+                "{name}: {stderr}"
+            );
+        }
+    }
 }
 
 /// Real vLLM CPU 0.32, MooncakeStoreConnector alone: 3-6 of 20-30 back-to-back two-step
@@ -891,6 +1025,48 @@ fn profiles_lists_every_profile_with_a_line() {
     }
 }
 
+/// The seeds' Mooncake transfer engine has two profiles: `mooncake-1p1d`, today's
+/// MooncakeConnector V1 (tcp, bootstrap server, transfer_id: proxy protocol `mooncake`),
+/// and `mooncake-te-1p1d`, the seeds' own V0 form; `pdctl profiles` says which is which.
+#[test]
+fn the_mooncake_profiles_are_told_apart_and_v1_plans_over_tcp_with_its_bootstrap_server() {
+    let out = pdctl(&["profiles"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = |name: &str| {
+        text.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no line for {name}: {text}"))
+            .to_string()
+    };
+    assert!(line("mooncake-1p1d").contains("V1"), "{text}");
+    assert!(line("mooncake-te-1p1d").contains("V0"), "{text}");
+    let plan = pure_plan("mooncake-1p1d");
+    assert_eq!(plan.protocol, "mooncake");
+    let json = serde_json::to_value(&plan).unwrap();
+    let prefill = services(&json, "prefill");
+    let decode = services(&json, "decode");
+    for s in prefill.iter().chain(&decode) {
+        let kv = kv_config(s);
+        assert_eq!(kv["kv_connector"], "MooncakeConnector", "{kv}");
+        assert_eq!(
+            kv["kv_connector_extra_config"]["mooncake_protocol"], "tcp",
+            "{kv}"
+        );
+    }
+    assert_eq!(
+        prefill[0]["env"]["VLLM_MOONCAKE_BOOTSTRAP_PORT"], "8998",
+        "{}",
+        prefill[0]
+    );
+    assert!(
+        !plan
+            .services
+            .iter()
+            .any(|s| s.name == "etcd" || s.name == "mooncake-master"),
+        "V1 needs no metadata server"
+    );
+}
+
 /// `pdctl gpus` on this machine: with an NVIDIA driver (`/dev/nvidiactl`), a table of its
 /// GPUs and the same GPUs in `--json`; without one, one line saying so and how to plan
 /// anyway (`--gpus`), and an empty list with the reason in `--json`. Either way the test
@@ -1102,6 +1278,7 @@ fn half_b_model() -> pdctl::model_files::ModelSize {
         source: "safetensors headers of 1 file".into(),
         kv_elements_per_token: Some(2 * 24 * 2 * 64),
         max_position_embeddings: Some(32768),
+        kv_heads: Some(2),
     }
 }
 
@@ -1202,29 +1379,34 @@ fn one_gpu_engines_start_together_with_their_kv_bytes_where_vllm_has_the_flag() 
     );
 }
 
-/// The weights count in the dtype each role's engines load them in: `--dtype=float32` in
-/// prefill's args (the `=` form too) doubles its weights of a bf16 model, so its KV cache
-/// is that much smaller than decode's.
+/// The weights count in the dtype the engines load them in: `--dtype=float32` (the `=`
+/// form too, after engine.args' bfloat16) doubles the weights of a bf16 model, so each
+/// engine's KV cache is that much smaller than with bfloat16. (A prefill and a decode of
+/// different dtypes are refused: tests/topologies/bad/65-dtype-differs.toml.)
 #[test]
-fn each_role_is_sized_with_the_dtype_its_args_ask_for() {
-    let text =
-        one_gpu_topology("/models/qwen", "0.26.0") + "[prefill]\nargs = [\"--dtype=float32\"]\n";
+fn engines_are_sized_with_the_dtype_their_args_ask_for() {
     let gpu = Gpu::from_declared(&"0:80GiB".parse().unwrap());
-    let plan = plan_one_gpu(&text, "0.26.0", gpu, Ok(half_b_model())).unwrap();
-    let kv = |name: &str| -> u64 {
-        flag_of(plan.service(name).unwrap(), "--kv-cache-memory-bytes")
-            .unwrap()
-            .parse()
-            .unwrap()
+    let bf16 = one_gpu_topology("/models/qwen", "0.26.0");
+    let f32 = bf16.clone()
+        + "[prefill]\nargs = [\"--dtype=float32\"]\n[decode]\nargs = [\"--dtype=float32\"]\n";
+    let kv = |text: &str| -> u64 {
+        let plan = plan_one_gpu(text, "0.26.0", gpu.clone(), Ok(half_b_model())).unwrap();
+        flag_of(
+            plan.service("prefill-0").unwrap(),
+            "--kv-cache-memory-bytes",
+        )
+        .unwrap()
+        .parse()
+        .unwrap()
     };
     let step = 64u64 << 20;
     let extra = 988_065_536u64;
+    let (small, big) = (kv(&f32), kv(&bf16));
     assert!(
-        kv("decode-0") - kv("prefill-0") >= extra / step * step,
-        "prefill {} decode {}",
-        kv("prefill-0"),
-        kv("decode-0")
+        big - small >= extra / step * step,
+        "float32 {small} bfloat16 {big}"
     );
+    let plan = plan_one_gpu(&f32, "0.26.0", gpu, Ok(half_b_model())).unwrap();
     let note = plan
         .service("prefill-0")
         .unwrap()
@@ -1245,6 +1427,7 @@ fn a_gpu_share_without_room_for_the_kv_cache_is_refused() {
         source: "safetensors headers of 4 files".into(),
         kv_elements_per_token: Some(2 * 32 * 8 * 128),
         max_position_embeddings: Some(131072),
+        kv_heads: Some(8),
     };
     let gpu = Gpu::from_declared(&"0:24GiB".parse().unwrap());
     let e = plan_one_gpu(&text, "0.26.0", gpu, Ok(big)).unwrap_err();

@@ -173,6 +173,63 @@ fn pull_fetches_what_vllm_loads_with_progress_resumes_a_cut_download_and_then_fe
     assert_eq!(hub.requests().len(), asked);
 }
 
+/// A hub whose file list has sizes but no blob ids (no `blobId`, no `lfs.sha256`), as
+/// mirrors may answer: the cache's blobs are named by each file's ETag, as huggingface_hub
+/// names them, and a second pull finds them. The reason of a failure is never a traceback.
+#[test]
+fn a_hub_that_lists_no_blob_ids_is_fetched_with_blobs_named_by_their_etag() {
+    let dir = TempDir::new("pull-no-blob-ids");
+    let repo = dir.path().join("repo");
+    hub::tiny_repo(&repo);
+    let hub = Hub::start(dir.path(), &[("org/tiny", &repo)], &["--no-blob-ids"]);
+    let file = topology(dir.path(), "org/tiny", &hub.endpoint(), "");
+    let out = run(dir.path(), &["pull", "-f", file.to_str().unwrap()], &[]);
+    let (stdout, stderr) = text(&out);
+    assert!(
+        !stdout.contains("Traceback") && !stderr.contains("Traceback"),
+        "{stdout}\n{stderr}"
+    );
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    let snap = snapshot(dir.path());
+    let blobs = dir.path().join("hub/models--org--tiny/blobs");
+    for f in ["model.safetensors", "config.json"] {
+        let data = std::fs::read(repo.join(f)).unwrap();
+        assert_eq!(std::fs::read(snap.join(f)).unwrap(), data, "{f}");
+        // The snapshot links to a blob named by the hub's ETag: the sha256 of an LFS file,
+        // the git blob id (40 hex digits) of a small one.
+        let target = std::fs::canonicalize(snap.join(f)).unwrap();
+        assert_eq!(
+            target.parent().unwrap(),
+            blobs.canonicalize().unwrap(),
+            "{f}"
+        );
+        let name = target.file_name().unwrap().to_str().unwrap().to_string();
+        if f.ends_with(".safetensors") {
+            assert_eq!(name, sha256_hex(&data), "{f}");
+        } else {
+            assert!(
+                name.len() == 40 && name.bytes().all(|b| b.is_ascii_hexdigit()),
+                "{f}: {name}"
+            );
+        }
+    }
+    let asked = hub.requests().len();
+    let out = run(dir.path(), &["pull", "-f", file.to_str().unwrap()], &[]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(stdout.contains("nothing to fetch"), "{stdout}");
+    assert_eq!(hub.requests().len(), asked, "a second pull asked the hub");
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    hex(&sha2::Sha256::digest(data))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 #[test]
 fn a_stalled_download_is_killed_and_resumed() {
     let dir = TempDir::new("pull-stall");

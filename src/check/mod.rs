@@ -96,8 +96,85 @@ pub struct Answered {
     /// Why `model` is not known: what its `/v1/models` answered.
     pub model_unknown: Option<String>,
     pub block_size: Option<u32>,
+    /// Its context length, as its `/v1/models` lists it (`max_model_len`).
+    pub max_model_len: Option<u32>,
+    /// Its KV cache dtype, as `vllm:cache_config_info` labels it (`cache_dtype`).
+    pub kv_cache_dtype: Option<String>,
     /// Tokens its handoffs brought so far (the external_kv_transfer counter).
     pub external_tokens: Option<f64>,
+}
+
+/// The sizes one engine of a pair runs with, as it answers (the tensor-parallel size as
+/// planned: vLLM reports it neither in `/v1/models` nor in its metrics).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EngineSizes {
+    pub engine: String,
+    pub tensor_parallel_planned: u32,
+    pub block_size: Option<u32>,
+    pub max_model_len: Option<u32>,
+    pub kv_cache_dtype: Option<String>,
+}
+
+impl EngineSizes {
+    /// What `engine` answered of its sizes.
+    pub fn of(e: &Engine, a: &Answered) -> EngineSizes {
+        EngineSizes {
+            engine: e.planned.name.clone(),
+            tensor_parallel_planned: e.planned.tensor_parallel,
+            block_size: a.block_size,
+            max_model_len: a.max_model_len,
+            kv_cache_dtype: a.kv_cache_dtype.clone(),
+        }
+    }
+}
+
+impl std::fmt::Display for EngineSizes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let said = |v: Option<String>| v.unwrap_or_else(|| "not said".into());
+        write!(
+            f,
+            "{} TP {} (planned), KV block {}, context {}, KV dtype {}",
+            self.engine,
+            self.tensor_parallel_planned,
+            said(self.block_size.map(|b| b.to_string())),
+            said(self.max_model_len.map(|n| n.to_string())),
+            said(self.kv_cache_dtype.clone())
+        )
+    }
+}
+
+/// Where a running engine's answered sizes differ from what the plan started it with,
+/// one line each ("decode-0 runs with KV block size 16, the plan says 32"); what it does
+/// not say is not compared.
+pub fn against_plan(e: &Engine, a: &Answered) -> Vec<String> {
+    let p = &e.planned;
+    let mut out = Vec::new();
+    let mut differ = |what: &str, running: Option<String>, planned: Option<String>| {
+        if let (Some(r), Some(pl)) = (running, planned)
+            && r != pl
+        {
+            out.push(format!(
+                "{} runs with {what} {r}, the plan says {pl}",
+                p.name
+            ));
+        }
+    };
+    differ(
+        "KV block size",
+        a.block_size.map(|b| b.to_string()),
+        Some(p.block_size.to_string()),
+    );
+    differ(
+        "context length",
+        a.max_model_len.map(|n| n.to_string()),
+        p.max_model_len.map(|n| n.to_string()),
+    );
+    differ(
+        "KV cache dtype",
+        a.kv_cache_dtype.clone(),
+        Some(p.kv_cache_dtype.clone()),
+    );
+    out
 }
 
 /// The outcome for one prefill -> decode pair.
@@ -119,6 +196,10 @@ pub struct PairResult {
     pub tokens_per_s: f64,
     /// Mismatches between the two running engines (named with both sides).
     pub mismatches: Vec<String>,
+    /// The sizes each engine of the pair answered.
+    pub sizes: Vec<EngineSizes>,
+    /// Where an engine runs with other sizes than the plan gave it: fails the pair.
+    pub against_plan: Vec<String>,
     /// Why the KV did not move, or what else went wrong.
     pub problem: Option<String>,
 }
@@ -137,6 +218,8 @@ impl PairResult {
             elapsed_ms: 0.0,
             tokens_per_s: 0.0,
             mismatches: Vec::new(),
+            sizes: Vec::new(),
+            against_plan: Vec::new(),
             problem: None,
         }
     }
@@ -169,16 +252,24 @@ pub async fn ask(client: &reqwest::Client, url: &str) -> Result<Answered, CheckE
     let version: Value = serde_json::from_str(&version).unwrap_or_default();
     let (status, models, models_url) = get("/v1/models").await?;
     let (_, metrics, _) = get("/metrics").await?;
-    let block_size = crate::prometheus::samples(&metrics)
-        .find(|s| s.name == "vllm:cache_config_info")
-        .and_then(|s| crate::prometheus::label_value(s.labels, "block_size"))
-        .and_then(|b| b.parse().ok());
+    let cache_label = |name: &str| {
+        crate::prometheus::samples(&metrics)
+            .find(|s| s.name == "vllm:cache_config_info")
+            .and_then(|s| crate::prometheus::label_value(s.labels, name))
+    };
+    let block_size = cache_label("block_size").and_then(|b| b.parse().ok());
+    let listed: Value = serde_json::from_str(&models).unwrap_or_default();
+    let max_model_len = listed["data"][0]["max_model_len"]
+        .as_u64()
+        .and_then(|n| u32::try_from(n).ok());
     let (model, model_unknown) = served_model(status, &models, &models_url);
     Ok(Answered {
         version: version["version"].as_str().map(str::to_string),
         model,
         model_unknown,
         block_size,
+        max_model_len,
+        kv_cache_dtype: cache_label("cache_dtype"),
         external_tokens: external_tokens(&metrics),
     })
 }
@@ -476,6 +567,8 @@ mod tests {
                 model: Some("/models/m".into()),
                 tensor_parallel: 1,
                 block_size: 16,
+                max_model_len: Some(4096),
+                kv_cache_dtype: "auto".into(),
             },
             url: "http://h:1".into(),
         }
@@ -516,6 +609,38 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "cannot compare the models of the pair: decode-0 did not say which model it serves (GET u answered 401)"
+        );
+    }
+
+    #[test]
+    fn an_engine_running_other_sizes_than_planned_is_named_with_both() {
+        let d = engine("decode-0");
+        let same = Answered {
+            block_size: Some(16),
+            max_model_len: Some(4096),
+            kv_cache_dtype: Some("auto".into()),
+            ..Answered::default()
+        };
+        assert!(against_plan(&d, &same).is_empty());
+        assert!(
+            against_plan(&d, &Answered::default()).is_empty(),
+            "nothing said"
+        );
+        let other = Answered {
+            block_size: Some(32),
+            kv_cache_dtype: Some("fp8".into()),
+            ..same.clone()
+        };
+        assert_eq!(
+            against_plan(&d, &other),
+            [
+                "decode-0 runs with KV block size 32, the plan says 16",
+                "decode-0 runs with KV cache dtype fp8, the plan says auto"
+            ]
+        );
+        assert_eq!(
+            EngineSizes::of(&d, &other).to_string(),
+            "decode-0 TP 1 (planned), KV block 32, context 4096, KV dtype fp8"
         );
     }
 

@@ -164,10 +164,13 @@ fn summary(results: &[PairResult]) -> ExitCode {
         );
         ExitCode::SUCCESS
     } else {
-        let what = if results.iter().all(|r| r.model.is_some()) {
+        let what = if results
+            .iter()
+            .all(|r| r.model.is_some() && r.against_plan.is_empty())
+        {
             "did NOT move their KV"
         } else {
-            "did NOT pass (KV not moved, or models not compared)"
+            "did NOT pass (KV not moved, models not compared, or sizes not as planned)"
         };
         println!(
             "{} of {} pairs {what}: {}",
@@ -183,9 +186,10 @@ fn summary(results: &[PairResult]) -> ExitCode {
 /// it from the same variable).
 const CLIENT_KEY_ENV: &str = "PDCTL_API_KEY";
 
-/// Whether a pair passed: its KV moved and its models were compared.
+/// Whether a pair passed: its KV moved, its models were compared, and both engines run
+/// with the sizes the plan gave them.
 fn passed(r: &PairResult) -> bool {
-    r.moved && r.model.is_some()
+    r.moved && r.model.is_some() && r.against_plan.is_empty()
 }
 
 /// Checks one pair that answered: its mismatches, its models (a pair whose models cannot
@@ -203,6 +207,12 @@ async fn check_pair(
     let block = da.block_size.unwrap_or(d.planned.block_size);
     let mut r = probe(clients, proxy, model, p, d, prompt_tokens, block).await;
     r.mismatches = mismatches.iter().map(ToString::to_string).collect();
+    r.sizes = vec![
+        crate::check::EngineSizes::of(p, pa),
+        crate::check::EngineSizes::of(d, da),
+    ];
+    r.against_plan = crate::check::against_plan(p, pa);
+    r.against_plan.extend(crate::check::against_plan(d, da));
     match pair_model(p, pa, d, da) {
         Ok(m) => r.model = m,
         Err(why) => {
@@ -242,8 +252,14 @@ fn table(results: &[PairResult]) -> String {
             format!("{:.0}", r.tokens_per_s),
             r.model.as_deref().unwrap_or("?"),
         );
+        if let [p, d] = r.sizes.as_slice() {
+            let _ = writeln!(o, "    sizes: {p}; {d}");
+        }
         for m in &r.mismatches {
             let _ = writeln!(o, "    mismatch: {m}");
+        }
+        for m in &r.against_plan {
+            let _ = writeln!(o, "    not as planned: {m}");
         }
         if let Some(p) = &r.problem {
             let _ = writeln!(o, "    {p}");

@@ -1,5 +1,10 @@
 //! SharedStorageConnector (vLLM 0.9.0 to 0.12.x) and its rename ExampleConnector (0.13.0 and
 //! later): prefill writes KV files into a directory decode reads. Two-step proxy protocol.
+//!
+//! Pairs: the default (`Pairing::same`). Its files are `<hash of the prompt>/<layer>.safetensors`
+//! with no TP rank in the name, the prompt cut to the saver's block size and looked up cut
+//! to the loader's (0.9.0 shared_storage_connector.py:38, 362, 377; 0.33.0
+//! example_connector.py:50, 435, 452): other TP or block sizes on the two sides do not meet.
 
 use super::*;
 

@@ -16,10 +16,12 @@ mod mooncake;
 mod mooncake_store;
 mod mooncake_te;
 mod nixl;
+pub mod pairing;
 mod ports;
 pub mod transport;
 
 pub use lmcache::server_command as lmcache_server_command;
+pub use pairing::Pairing;
 pub use ports::PortBook;
 
 use crate::topology::{
@@ -135,6 +137,31 @@ impl Launch {
     }
 }
 
+/// Where a connector's code in the installed vLLM says whether it starts on the CPU build.
+#[derive(Clone, Copy)]
+pub struct CpuSource {
+    /// Paths under the `vllm` package directory, newest layout first.
+    pub files: &'static [&'static str],
+    /// True when the file's text starts without an accelerator.
+    pub starts_on_cpu: fn(&str) -> bool,
+}
+
+/// The connectors the vLLM package at `vllm_dir` can start on its CPU build, as their
+/// [`Connector::cpu_source`] reads its files (a connector whose file is absent is not).
+pub fn cpu_ready(vllm_dir: &std::path::Path) -> Vec<ConnectorKind> {
+    all()
+        .iter()
+        .filter_map(|c| {
+            let src = c.cpu_source()?;
+            let text = src
+                .files
+                .iter()
+                .find_map(|f| std::fs::read_to_string(vllm_dir.join(f)).ok())?;
+            (src.starts_on_cpu)(&text).then_some(c.about().kind)
+        })
+        .collect()
+}
+
 /// What is fixed about a connector, for plans and messages.
 #[derive(Debug, Clone, Copy)]
 pub struct About {
@@ -199,6 +226,18 @@ pub trait Connector: Sync {
     /// connector says otherwise.
     fn decode_leaves(&self, _c: &ConnectorSection, block_size: u32) -> u32 {
         block_size
+    }
+    /// Where the installed vLLM's own source tells whether this connector starts on vLLM's
+    /// CPU build: the files to read (under the `vllm` package, the first that exists), and
+    /// whether its text can. None: nothing to read, the connector's `check` decides alone.
+    fn cpu_source(&self) -> Option<CpuSource> {
+        None
+    }
+    /// Which prefill/decode differences (tensor-parallel and pipeline-parallel sizes, KV
+    /// block size) the connector carries KV across on vLLM `v`: `pdctl plan` refuses a
+    /// pair outside them. Everything the same unless the connector's file says more.
+    fn pairing(&self, _c: &ConnectorSection, _v: &Version) -> Pairing {
+        Pairing::same(self.about().classes)
     }
 }
 

@@ -65,11 +65,13 @@ impl Connector for MooncakeStore {
             )
             .hint("set multi = false, or pin engine.vllm_version to 0.21.0 or later"));
         }
-        if t.connector.multi && v.is_some() && t.engine.device == crate::topology::Device::Cpu {
-            return Err(super::mooncake::cpu_problem(
+        if t.connector.multi {
+            super::mooncake::check_cpu(
+                t,
+                v,
                 "connector.multi",
                 "multi = true (MultiConnector with MooncakeConnector)",
-            ));
+            )?;
         }
         Ok(())
     }

@@ -8,6 +8,7 @@
 //! before 0.12 each TP rank opens port + rank, from 0.12 one port per engine. The host must
 //! be the node's address when prefill and decode are on different machines.
 
+use super::pairing::{BlockRule, PpRule, TpRule};
 use super::*;
 use crate::topology::NixlMode;
 
@@ -38,6 +39,34 @@ fn kv_role(c: &ConnectorSection, v: &Version, role: Role) -> &'static str {
         "kv_both"
     }
 }
+
+/// vLLM whose pull connector maps a decode TP that is a multiple of the prefill's: 0.9.1
+/// handshakes each decode rank with prefill rank `tp_rank // tp_ratio` and asserts "Local
+/// TP size must be divisible by remote TP size" (nixl_connector.py:682); 0.9.0 pairs rank
+/// i with rank i only (nixl_connector.py:425, `port + self.rank`).
+const DECODE_MULTIPLE_TP: VersionRange = VersionRange::from((0, 9, 1));
+
+/// vLLM that maps a larger prefill TP too: 0.13.0 still asserts "Decode TP cannot be smaller
+/// than prefill TP" (nixl_connector.py:1577); 0.14.0's `tp_ratio` (kv_connector/utils.py:362
+/// to 370) takes either size dividing the other, as 0.33.0's does (utils.py:529 to 539).
+const EITHER_TP: VersionRange = VersionRange::from((0, 14, 0));
+
+/// vLLM that maps block sizes whose ratio is whole: 0.11.0 asserts the same block size
+/// (nixl_connector.py:1005); 0.12.0's `block_size_ratio` (nixl_connector.py:736 to 747)
+/// takes a local (reading) block size that is a multiple of the remote's, as 0.33.0's
+/// (kv_connector/utils.py:541 to 547).
+const BLOCK_RATIO: VersionRange = VersionRange::from((0, 12, 0));
+
+/// vLLM whose NixlPushConnector takes pipeline parallelism on the prefill (0.33.0's
+/// nixl/base_worker.py:869 to 890 refuses it on the consumer only); not read before it.
+const PUSH_PREFILL_PP: VersionRange = VersionRange::from((0, 33, 0));
+
+/// vLLM that asserts `not (tp_ratio < 0 and is_kv_replicated(remote))` for attention that
+/// is not MLA: a remote side of more ranks than the local one may not replicate KV heads
+/// (0.14.0 nixl_connector.py:1693, 0.16.0 :1750, 0.20.0 nixl/worker.py:1410, 0.25.0
+/// nixl/base_worker.py:1624, 0.33.0 base_worker.py:2728 to 2730). The remote side is the one
+/// read (prefill) in pull mode, the one written (decode) in push mode.
+const HEADS_ASSERT: VersionRange = EITHER_TP;
 
 const ABOUT: About = About {
     kind: ConnectorKind::Nixl,
@@ -83,6 +112,45 @@ impl Connector for Nixl {
                 .into_iter()
                 .map(|m| (m, CPU_WHEELS.to_string()))
                 .collect(),
+        }
+    }
+    /// Pull: decode reads, so it is the "local" side of vLLM's ratios (its block size a
+    /// multiple of the prefill's). Push: the prefill writes (push_worker.py:671, the
+    /// ratio against the decode's block size), so it is the other way round. No version
+    /// reads pipeline-parallel KV in pull mode without refusing some layouts: one stage.
+    fn pairing(&self, c: &ConnectorSection, v: &Version) -> Pairing {
+        let tp = if EITHER_TP.contains(v) {
+            TpRule::EitherDivides
+        } else if DECODE_MULTIPLE_TP.contains(v) {
+            TpRule::DecodeMultiple
+        } else {
+            TpRule::Equal
+        };
+        if push(c) {
+            let pp = if PUSH_PREFILL_PP.contains(v) {
+                PpRule::DecodeOne
+            } else {
+                PpRule::OnlyOne
+            };
+            return Pairing {
+                class: "NixlPushConnector",
+                tp,
+                pp,
+                block: BlockRule::PrefillMultiple,
+                larger_within_kv_heads: HEADS_ASSERT.contains(v).then_some(Role::Decode),
+            };
+        }
+        let block = if BLOCK_RATIO.contains(v) {
+            BlockRule::DecodeMultiple
+        } else {
+            BlockRule::Equal
+        };
+        Pairing {
+            class: "NixlConnector",
+            tp,
+            pp: PpRule::OnlyOne,
+            block,
+            larger_within_kv_heads: HEADS_ASSERT.contains(v).then_some(Role::Prefill),
         }
     }
     fn protocol(&self, c: &ConnectorSection, _: Option<&Version>) -> ProxyProtocol {

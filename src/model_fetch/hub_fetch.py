@@ -3,11 +3,16 @@
 #   python -c SCRIPT list  REPO REVISION [--config]
 #   python -c SCRIPT fetch REPO REVISION CACHE_DIR TIMEOUT_S
 #
-# huggingface_hub gives the endpoint (HF_ENDPOINT), the token (HF_TOKEN), the headers and the
-# file list; the bytes are fetched here so that a partial file (blobs/<etag>.incomplete, the
-# hub cache's layout) is resumed with a Range request whatever the huggingface_hub version
-# does, even after this process was killed. Each line printed is one JSON event; pdctl
-# reads the bytes done from the files themselves.
+# huggingface_hub gives the endpoint (HF_ENDPOINT), the token (HF_TOKEN), the headers, the
+# file list and, where the list names no blob (a mirror that lists sizes only), the file's
+# ETag from its HEAD: blobs are named as hf_hub_download names them (file_download.py of
+# huggingface_hub 2.4.0: `blobs/<etag>`, the etag from get_hf_file_metadata, X-Linked-Etag
+# or ETag normalized). The bytes are fetched here, not by hf_hub_download: 2.4.0 writes each
+# download to a fresh `<etag>.<random>.incomplete` opened "wb" (_download_to_tmp_and_move),
+# so a killed try starts over and its progress is not in the file pdctl watches; here a
+# partial blobs/<etag>.incomplete is resumed with a Range request, even after this process
+# was killed. Each line printed is one JSON event; pdctl reads the bytes done from the files
+# themselves. An unexpected exception is one `internal` error event, never a traceback.
 import json
 import os
 import shutil
@@ -28,8 +33,9 @@ def fail(kind, message, status=None):
 
 try:
     import huggingface_hub
-    from huggingface_hub import HfApi, hf_hub_url
+    from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import (
+        EntryNotFoundError,
         GatedRepoError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -75,24 +81,43 @@ def status_of(e):
     return getattr(r, "status_code", None)
 
 
+def hub_failure(e):
+    """Ends with the error event for an exception huggingface_hub raised asking the hub."""
+    status = status_of(e)
+    first = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, GatedRepoError):
+        fail("gated", first, status)
+    if isinstance(e, RevisionNotFoundError):
+        fail("revision-not-found", first, status)
+    if isinstance(e, (RepositoryNotFoundError, EntryNotFoundError)):
+        fail("unauthorized" if status in (401, 403) else "not-found", first, status)
+    if type(e).__name__ == "OfflineModeIsEnabled":
+        fail("offline", str(e))
+    if status in (401, 403):
+        fail("unauthorized", first, status)
+    fail("network" if status is None else "http", f"{type(e).__name__}: {first}", status)
+
+
+def head_of(repo, name, commit):
+    """The blob name (normalized ETag) and size huggingface_hub reads from the file's HEAD."""
+    try:
+        meta = get_hf_file_metadata(hf_hub_url(repo, name, revision=commit))
+    except Exception as e:  # noqa: BLE001
+        hub_failure(e)
+    if not meta.etag:
+        fail(
+            "hub-answer",
+            f"{name}: the hub lists no blob id for it and its HEAD answers no ETag, so it cannot be named in the cache as huggingface_hub names it",
+        )
+    return meta.etag, meta.size
+
+
 def listing(repo, revision):
     api = HfApi()
     try:
         info = api.model_info(repo, revision=revision, files_metadata=True)
-    except GatedRepoError as e:
-        fail("gated", str(e).splitlines()[0], status_of(e))
-    except RevisionNotFoundError as e:
-        fail("revision-not-found", str(e).splitlines()[0], status_of(e))
-    except RepositoryNotFoundError as e:
-        status = status_of(e)
-        fail("unauthorized" if status in (401, 403) else "not-found", str(e).splitlines()[0], status)
     except Exception as e:  # noqa: BLE001
-        status = status_of(e)
-        if type(e).__name__ == "OfflineModeIsEnabled":
-            fail("offline", str(e))
-        if status in (401, 403):
-            fail("unauthorized", str(e).splitlines()[0], status)
-        fail("network" if status is None else "http", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", status)
+        hub_failure(e)
     by_name = {s.rfilename: s for s in (info.siblings or [])}
     files = []
     for name in chosen(list(by_name)):
@@ -100,6 +125,9 @@ def listing(repo, revision):
         lfs = getattr(s, "lfs", None)
         blob = (getattr(lfs, "sha256", None) if lfs is not None else None) or s.blob_id
         size = s.size if s.size is not None else (getattr(lfs, "size", None) if lfs is not None else None)
+        if not blob:
+            blob, head_size = head_of(repo, name, info.sha)
+            size = size if size is not None else head_size
         files.append({"name": name, "size": size or 0, "blob": blob})
     return info.sha, files
 
@@ -223,7 +251,7 @@ def config_of(repo, commit):
         return None
 
 
-def main():
+def run():
     mode, repo, revision = sys.argv[1], sys.argv[2], sys.argv[3]
     if mode == "list":
         commit, files = listing(repo, revision)
@@ -233,6 +261,16 @@ def main():
         fetch(repo, revision, sys.argv[4], float(sys.argv[5]))
     else:
         fail("usage", f"unknown mode {mode}")
+
+
+def main():
+    try:
+        run()
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - said as one event, never as a traceback
+        first = str(e).splitlines()[0] if str(e) else ""
+        fail("internal", f"pdctl's fetch script stopped on {type(e).__name__}: {first} (a bug in pdctl: please report it, with the hub that answered)")
 
 
 main()

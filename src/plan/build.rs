@@ -77,6 +77,10 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     }
     let conn = connectors::for_kind(t.connector.kind);
     let version = checked_version(input, conn)?;
+    if let (EngineKind::Vllm, Some(v)) = (t.engine.kind, version.as_ref()) {
+        let kv_heads = input.model.as_ref().ok().and_then(|m| m.kv_heads);
+        super::pairs::check_settings(t, conn, v, kv_heads)?;
+    }
     let needs = conn.needs(&t.connector, version.as_ref());
     let protocol = conn.protocol(&t.connector, version.as_ref());
     let state_dir = state_dir_for(t, &input.state_root, local);

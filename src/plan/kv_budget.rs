@@ -205,6 +205,7 @@ mod tests {
             source: "safetensors headers of 1 file".into(),
             kv_elements_per_token: Some(2 * 24 * 2 * 64),
             max_position_embeddings: Some(32768),
+            kv_heads: Some(2),
         }
     }
 

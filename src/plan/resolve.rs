@@ -288,6 +288,14 @@ pub fn plan_programs_unresolved(
         _ => (Vec::new(), None),
     };
     let (version, version_source, version_note) = resolve_version(t, &mut spec);
+    // Which connectors the installed vLLM's own source lets start on its CPU build: read
+    // here, where this machine is looked at, not in the pure planner.
+    if spec.engine.kind == EngineKind::Vllm
+        && spec.engine.device == topology::Device::Cpu
+        && let Some(dir) = crate::vllm::package_dir(&spec.engine.python)
+    {
+        spec.engine.cpu_ready = crate::connectors::cpu_ready(&dir);
+    }
     // Engines sharing a GPU get their KV cache size from the model's weights: read them
     // here (headers only), not in the pure planner.
     let (model, fetch_note) = if needs_gpus {

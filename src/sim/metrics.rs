@@ -459,8 +459,10 @@ impl Collector for CacheConfigInfo {
             None,
             MetricType::Gauge,
         )?;
-        let labels: [(&str, Cow<str>); 4] = [
+        let labels: [(&str, Cow<str>); 5] = [
             ("block_size", self.block_size.to_string().into()),
+            // vLLM's CacheConfig field; the simulator's KV is never quantized.
+            ("cache_dtype", "auto".into()),
             ("enable_prefix_caching", "True".into()),
             ("engine", "0".into()),
             ("num_gpu_blocks", self.num_gpu_blocks.to_string().into()),

@@ -243,6 +243,11 @@ pub struct EngineSection {
     /// The simulated engine's latency and cache model (`kind = "sim"`).
     #[serde(default)]
     pub sim: SimModel,
+    /// Connectors whose code in the installed vLLM was read and can start on its CPU
+    /// build (`Connector::cpu_source`): filled where the plan is made on the machine that
+    /// runs vLLM, never written in a file.
+    #[serde(skip)]
+    pub cpu_ready: Vec<ConnectorKind>,
 }
 
 impl EngineSection {
@@ -277,6 +282,7 @@ impl Default for EngineSection {
             env: BTreeMap::new(),
             startup_timeout_s: None,
             sim: SimModel::default(),
+            cpu_ready: Vec::new(),
         }
     }
 }
