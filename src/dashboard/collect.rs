@@ -81,7 +81,8 @@ pub struct History {
     pairs: BTreeMap<(String, String), PairTotals>,
     errors: VecDeque<Value>,
     events: VecDeque<Value>,
-    states: HashMap<String, ServiceState>,
+    /// Each service's state and restarts at the last look.
+    states: HashMap<String, (ServiceState, u32)>,
     last: Look,
 }
 
@@ -156,19 +157,39 @@ impl History {
         }
     }
 
-    /// Notes each service whose state changed since the last look.
+    /// Notes each service whose state changed since the last look. A restart quicker than
+    /// a look (its restarts count grew, its state shows none) is noted as the two changes
+    /// it was: to `restarting`, then to where it is now.
     fn note_states(&mut self, s: &StatusReport) {
         for svc in &s.services {
-            let before = self.states.insert(svc.name.clone(), svc.state);
-            if let Some(from) = before.filter(|b| *b != svc.state) {
-                self.events.push_front(json!({
-                    "at_ms": now_ms(), "service": svc.name,
-                    "from": from.as_str(), "to": svc.state.as_str(),
-                    "why": svc.last_exit,
-                }));
-                self.events.truncate(EVENTS);
+            let now = (svc.state, svc.restarts);
+            let Some((from, restarts)) = self.states.insert(svc.name.clone(), now) else {
+                continue;
+            };
+            let unseen = svc.restarts > restarts
+                && from != ServiceState::Restarting
+                && svc.state != ServiceState::Restarting;
+            if unseen {
+                self.event(
+                    &svc.name,
+                    from,
+                    ServiceState::Restarting,
+                    svc.last_exit.as_deref(),
+                );
+                self.event(&svc.name, ServiceState::Restarting, svc.state, None);
+            } else if from != svc.state {
+                self.event(&svc.name, from, svc.state, svc.last_exit.as_deref());
             }
         }
+    }
+
+    /// Keeps one change of state, newest first.
+    fn event(&mut self, service: &str, from: ServiceState, to: ServiceState, why: Option<&str>) {
+        self.events.push_front(json!({
+            "at_ms": now_ms(), "service": service,
+            "from": from.as_str(), "to": to.as_str(), "why": why,
+        }));
+        self.events.truncate(EVENTS);
     }
 
     /// The oldest and newest ticks of the window, and the seconds between them.
