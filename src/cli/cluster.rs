@@ -664,7 +664,7 @@ pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
         let _ = write!(
             out,
             "{}",
-            super::dashboard::under_heading(&table, line.as_deref())
+            super::dashboard::after_table(&table, line.as_deref())
         );
         for f in &fetches {
             let _ = writeln!(

@@ -56,6 +56,7 @@ pub fn start(
             .flatten()
             .map(str::to_string)
             .collect(),
+        cluster: plan.cluster.clone(),
         port: d.port,
         objectives: plan
             .rebalance
@@ -82,7 +83,7 @@ pub async fn line(plan: &Plan) -> Option<String> {
         return None;
     }
     let url = d.url();
-    Some(match answers(&url).await {
+    Some(match answers(&url, &plan.cluster).await {
         true => format!("dashboard at {url} (`pdctl dashboard` opens it)"),
         false => format!(
             "dashboard not answering at {url}: the supervisor's log says why (`pdctl logs` lists it)"
@@ -90,8 +91,9 @@ pub async fn line(plan: &Plan) -> Option<String> {
     })
 }
 
-/// Whether the page answers at `url`.
-async fn answers(url: &str) -> bool {
+/// Whether the page of cluster `cluster` answers at `url` (not another program, nor
+/// another cluster's dashboard that took the port first).
+async fn answers(url: &str, cluster: &str) -> bool {
     let Ok(client) = reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_millis(700))
@@ -100,20 +102,27 @@ async fn answers(url: &str) -> bool {
         return false;
     };
     match client.get(url).send().await {
-        Ok(r) if r.status().is_success() => r.text().await.is_ok_and(|t| t.contains(PAGE_MARK)),
+        Ok(r) if r.status().is_success() => {
+            let ours = r
+                .headers()
+                .get(crate::dashboard::CLUSTER_HEADER)
+                .is_some_and(|v| v.as_bytes() == cluster.as_bytes());
+            ours && r.text().await.is_ok_and(|t| t.contains(PAGE_MARK))
+        }
         _ => false,
     }
 }
 
-/// `text` (a status table: its heading line first) with `line` under the heading.
-pub fn under_heading(text: &str, line: Option<&str>) -> String {
-    match (line, text.split_once('\n')) {
-        (Some(l), Some((head, rest))) => format!("{head}\n{l}\n{rest}"),
-        _ => text.to_string(),
+/// `text` (a status table, whose heading names the proxy's address) with `line` after it
+/// (not between the heading and the rows, which scripts read as the table).
+pub fn after_table(text: &str, line: Option<&str>) -> String {
+    match line {
+        Some(l) => format!("{text}{l}\n"),
+        None => text.to_string(),
     }
 }
 
-/// The line `up` in the foreground shows under its status table's heading.
+/// The line `up` in the foreground shows after its status table.
 static FOREGROUND_LINE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// Keeps the line for the foreground `up`'s healthy text.
@@ -152,7 +161,7 @@ pub fn run(a: DashboardArgs) -> anyhow::Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    if !rt.block_on(answers(&url)) {
+    if !rt.block_on(answers(&url, &plan.cluster)) {
         eprintln!(
             "pdctl: the dashboard of cluster {} does not answer at {url}; the supervisor's log ({}) says why",
             found.cluster,

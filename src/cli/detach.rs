@@ -155,7 +155,7 @@ pub async fn wait_for_start(
                     let _ = write!(
                         out,
                         "{}",
-                        super::dashboard::under_heading(&table, line.as_deref())
+                        super::dashboard::after_table(&table, line.as_deref())
                     );
                     let _ = writeln!(
                         out,

@@ -155,7 +155,7 @@ pub fn status_table(report: &StatusReport) -> String {
 pub fn healthy_text(report: StatusReport) -> Pin<Box<dyn Future<Output = String> + Send>> {
     Box::pin(async move {
         let table = status_table(&report);
-        let mut text = super::dashboard::under_heading(&table, super::dashboard::foreground_line());
+        let mut text = super::dashboard::after_table(&table, super::dashboard::foreground_line());
         if let Some(url) = &report.proxy_url {
             if let Some(figures) = scrape_proxy(url).await {
                 text.push_str(&figures);

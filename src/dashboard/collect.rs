@@ -372,6 +372,14 @@ impl History {
     }
 }
 
+/// A family of the supervisor's figures: name, type, help, the value of a service.
+type Family = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&crate::control::ServiceStatus) -> Option<f64>,
+);
+
 impl History {
     /// The supervisor's figures as Prometheus text (the `pdctl-supervisor` job of
     /// `pdctl export grafana`): each service's health, restarts, CPU and memory.
@@ -381,12 +389,7 @@ impl History {
         let Some(status) = &self.last.status else {
             return out;
         };
-        let families: [(
-            &str,
-            &str,
-            &str,
-            fn(&crate::control::ServiceStatus) -> Option<f64>,
-        ); 4] = [
+        let families: [Family; 4] = [
             (
                 "pdctl_service_healthy",
                 "gauge",

@@ -16,7 +16,7 @@ pub mod grafana;
 mod pages;
 mod server;
 
-pub use server::serve;
+pub use server::{CLUSTER_HEADER, serve};
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -34,6 +34,9 @@ pub struct Watch {
     pub key: Option<String>,
     /// Texts never shown (the cluster's keys), blanked out of served log lines.
     pub hidden: Vec<String>,
+    /// The cluster's name, in a header of the page (`x-pdctl-cluster`), so `pdctl status`
+    /// tells its own dashboard from another cluster's on the same port.
+    pub cluster: String,
     /// The port it listens on (in its messages).
     pub port: u16,
     /// The rebalancer's objectives (`[rebalance]`'s `ttft_p90_ms`, `itl_p90_ms`), shown

@@ -18,6 +18,9 @@ use std::time::{Duration, Instant};
 /// The page: HTML, CSS and JS in one file, nothing fetched from elsewhere.
 const PAGE: &str = include_str!("page.html");
 
+/// The header of the page naming the cluster it shows.
+pub const CLUSTER_HEADER: &str = "x-pdctl-cluster";
+
 /// How often the picture is taken (the page polls as often).
 const EVERY: Duration = Duration::from_secs(1);
 /// One scrape or status question may take this long before the look goes without it.
@@ -146,30 +149,15 @@ async fn scrape(
     (proxy, engines)
 }
 
-/// Whether a request may read the cluster: the right Host (no page of another site
-/// rebinding its name to this address), and the client key where one is asked for.
-fn allowed(watch: &Watch, headers: &HeaderMap) -> Result<(), Response> {
-    let host = headers
-        .get(header::HOST)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    let name = host.rsplit_once(':').map_or(host, |(h, _)| h);
-    let by_address = name
-        .trim_matches(['[', ']'])
-        .parse::<std::net::IpAddr>()
-        .is_ok();
-    if !(by_address || name == "localhost") {
-        return Err((
-            StatusCode::FORBIDDEN,
-            format!(
-                "the dashboard answers at an IP address or localhost (port {}), not at `{host}`",
-                watch.port
-            ),
-        )
-            .into_response());
-    }
+/// Why a request is refused: the status and the text said.
+type Refused = (StatusCode, String);
+
+/// Whether a request may read the cluster: on loopback, when its Host is an IP address or
+/// `localhost` (no page of another site that points a name of its own at 127.0.0.1);
+/// bound beyond, when it carries the client key.
+fn allowed(watch: &Watch, headers: &HeaderMap) -> Result<(), Refused> {
     let Some(key) = &watch.key else {
-        return Ok(());
+        return local_host(watch, headers);
     };
     let sent = headers
         .get(header::AUTHORIZATION)
@@ -185,9 +173,31 @@ fn allowed(watch: &Watch, headers: &HeaderMap) -> Result<(), Response> {
                 "missing or wrong key: the dashboard is bound beyond this machine and shows the cluster only with its client key ({}), sent as `Authorization: Bearer <key>` (the page asks for it)",
                 crate::vocab::PROXY_CLIENT_KEY_VAR
             ),
-        )
-            .into_response())
+        ))
     }
+}
+
+/// Refuses a Host that is neither an IP address nor `localhost`.
+fn local_host(watch: &Watch, headers: &HeaderMap) -> Result<(), Refused> {
+    let host = headers
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let name = host.rsplit_once(':').map_or(host, |(h, _)| h);
+    let by_address = name
+        .trim_matches(['[', ']'])
+        .parse::<std::net::IpAddr>()
+        .is_ok();
+    if by_address || name == "localhost" {
+        return Ok(());
+    }
+    Err((
+        StatusCode::FORBIDDEN,
+        format!(
+            "the dashboard answers at an IP address or localhost (port {}), not at `{host}`",
+            watch.port
+        ),
+    ))
 }
 
 /// Headers every answer carries: not cached, not sniffed, nothing loaded from elsewhere.
@@ -208,20 +218,23 @@ fn guarded(mut r: Response) -> Response {
 }
 
 async fn page(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
-    // The page holds no data (the data needs the key): only the Host is checked.
-    let host_only = Watch {
-        key: None,
-        ..s.watch.clone()
-    };
-    if let Err(r) = allowed(&host_only, &headers) {
-        return guarded(r);
+    // The page holds no data: bound beyond loopback it is served to all (it asks for the
+    // key the data needs), on loopback to a local Host only.
+    if s.watch.key.is_none()
+        && let Err(r) = local_host(&s.watch, &headers)
+    {
+        return guarded(r.into_response());
     }
-    guarded(([(header::CONTENT_TYPE, "text/html; charset=utf-8")], PAGE).into_response())
+    let mut r = ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], PAGE).into_response();
+    if let Ok(name) = HeaderValue::from_str(&s.watch.cluster) {
+        r.headers_mut().insert(CLUSTER_HEADER, name);
+    }
+    guarded(r)
 }
 
 async fn state(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     if let Err(r) = allowed(&s.watch, &headers) {
-        return guarded(r);
+        return guarded(r.into_response());
     }
     let doc = s.doc.read().unwrap_or_else(|e| e.into_inner()).clone();
     guarded(
@@ -235,7 +248,7 @@ async fn state(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
 
 async fn metrics(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     if let Err(r) = allowed(&s.watch, &headers) {
-        return guarded(r);
+        return guarded(r.into_response());
     }
     let text = s.metrics.read().unwrap_or_else(|e| e.into_inner()).clone();
     let kind = "text/plain; version=0.0.4; charset=utf-8";
@@ -251,7 +264,7 @@ struct LogsQuery {
 
 async fn logs(State(s): State<Arc<Shared>>, headers: HeaderMap, q: Query<LogsQuery>) -> Response {
     if let Err(r) = allowed(&s.watch, &headers) {
-        return guarded(r);
+        return guarded(r.into_response());
     }
     let n = q.lines.unwrap_or(100).clamp(1, MAX_LOG_LINES);
     let to = Endpoint::Unix(s.watch.socket.clone());
@@ -290,6 +303,7 @@ mod tests {
             nodes: Default::default(),
             key: key.map(str::to_string),
             hidden: vec![],
+            cluster: "c".into(),
             port: 8265,
             objectives: serde_json::Value::Null,
         }
@@ -311,10 +325,10 @@ mod tests {
         assert!(allowed(&open, &headers("localhost:8265", None)).is_ok());
         assert!(allowed(&open, &headers("[::1]:8265", None)).is_ok());
         let r = allowed(&open, &headers("evil.example:8265", None)).unwrap_err();
-        assert_eq!(r.status(), StatusCode::FORBIDDEN);
+        assert_eq!(r.0, StatusCode::FORBIDDEN);
         let keyed = watch(Some("k-123456789"));
         let r = allowed(&keyed, &headers("10.0.0.5:8265", None)).unwrap_err();
-        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(r.0, StatusCode::UNAUTHORIZED);
         assert!(allowed(&keyed, &headers("10.0.0.5:8265", Some("Bearer wrong"))).is_err());
         assert!(
             allowed(
