@@ -124,6 +124,10 @@ async fn the_page_shows_a_1p2d_at_work_and_a_killed_decode_coming_back() {
         printed.contains(&format!("dashboard at {url}")),
         "up did not print the dashboard's address:\n{printed}"
     );
+    let shown = tokio::task::block_in_place(|| c.run(&["dashboard", "--no-open"]));
+    assert!(shown.status.success(), "{}", text(&shown));
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert_eq!(shown.trim(), url, "pdctl dashboard prints its address");
 
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..4)

@@ -65,3 +65,24 @@ pub fn refusal(dashboard: &crate::vocab::Dashboard, has_key: bool) -> Option<Str
         )
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vocab::Dashboard;
+
+    #[test]
+    fn beyond_loopback_the_page_needs_a_key_to_ask_for() {
+        let open = Dashboard {
+            bind: "0.0.0.0".into(),
+            ..Dashboard::default()
+        };
+        let why = refusal(&open, false).expect("refused without a key");
+        assert!(
+            why.contains("PDCTL_API_KEY") && why.contains("127.0.0.1"),
+            "{why}"
+        );
+        assert_eq!(refusal(&open, true), None);
+        assert_eq!(refusal(&Dashboard::default(), false), None);
+    }
+}
