@@ -236,8 +236,15 @@ pub fn export_grafana(a: GrafanaArgs) -> anyhow::Result<ExitCode> {
     let yml_path = a.output.join("prometheus-scrape.yml");
     let key_file = match (&a.key_file, plan.dashboard.loopback_only()) {
         (Some(f), _) => Some(f.as_str()),
-        (None, false) => Some("CLIENT_KEY_FILE"),
-        (None, true) => None,
+        (None, false) if plan.dashboard.enabled => {
+            return Err(super::ExitError::usage(format!(
+                "cluster {}'s dashboard is bound beyond loopback ({}), so its /metrics asks for the client key: give --key-file FILE, a file Prometheus can read holding the key ({})",
+                plan.cluster,
+                plan.dashboard.bind,
+                crate::vocab::PROXY_CLIENT_KEY_VAR
+            )));
+        }
+        (None, _) => None,
     };
     std::fs::write(
         &yml_path,
