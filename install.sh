@@ -9,7 +9,7 @@
 #   ./install.sh --deps-only      runtime parts only, no pdctl build (what the tests need)
 #   ./install.sh --with-test-deps also what only the tests need: the `openai` Python client they drive
 #                                 the simulator with, huggingface_hub (the model fetch's tests), iproute2, openssh-server (an sshd the two-machine
-#                                 test starts itself; not left enabled as a service) and tcpdump
+#                                 test starts itself; not left enabled as a service), tcpdump and chromium (the dashboard's browser test)
 #   ./install.sh --keep-system-etcd  leave Debian's etcd service running (it holds port 2379)
 #
 # Works as root or as a user with sudo. Nothing asks a question.
@@ -63,6 +63,8 @@ command -v cc >/dev/null || PKGS+=(gcc libc6-dev)
 # tests/two_machines.rs starts an sshd of its own in the worker's namespace (pdctl up reaches
 # the other nodes with the system's OpenSSH client) and captures the control port with tcpdump.
 [ "$TEST_DEPS" -eq 0 ] || PKGS+=(openssh-client openssh-server tcpdump)
+# tests/dashboard.rs opens the dashboard page in Debian's headless Chromium.
+[ "$TEST_DEPS" -eq 0 ] || PKGS+=(chromium)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

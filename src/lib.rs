@@ -17,6 +17,7 @@ pub mod cli;
 pub mod connectors;
 pub mod constant_time;
 pub mod control;
+pub mod dashboard;
 pub mod error_text;
 pub mod export;
 pub mod gpu;

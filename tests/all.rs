@@ -16,6 +16,7 @@ mod common;
 mod bench;
 mod check;
 mod cluster;
+mod dashboard;
 mod export;
 mod faults;
 mod hub_token;

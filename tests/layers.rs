@@ -53,6 +53,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         &["ops", "tune", "check"],
     ),
     (
+        "the live page of a running cluster (reads what the running parts serve)",
+        &["dashboard"],
+    ),
+    (
         "pictures of what the layers below measured and kept (above ops: it never draws)",
         &["pictures"],
     ),

@@ -460,6 +460,10 @@ fn launch(
         client_key: creds.client_key,
     };
     let rt = runtime()?;
+    let key = (opts.client_key.as_ref(), opts.engine_key.as_ref());
+    if let Some(line) = super::dashboard::start(&rt, &plan, &opts.node, &state, key.0, key.1) {
+        super::dashboard::keep_foreground_line(line);
+    }
     let code = rt.block_on(supervisor::run(plan, state, lock, opts))?;
     // The nodes this `up` started go down with it.
     if let (false, Some(ops)) = (remote.is_empty(), ops) {
@@ -651,7 +655,17 @@ pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
             serde_json::to_string_pretty(&doc).expect("reports serialize")
         );
     } else {
-        let _ = write!(out, "{}", view::status_table(&report));
+        let plan = read_plan(&found.state.plan_path()).ok();
+        let line = match &plan {
+            Some(p) if report.node == p.head_node => rt.block_on(super::dashboard::line(p)),
+            _ => None,
+        };
+        let table = view::status_table(&report);
+        let _ = write!(
+            out,
+            "{}",
+            super::dashboard::after_table(&table, line.as_deref())
+        );
         for f in &fetches {
             let _ = writeln!(
                 out,
@@ -873,6 +887,12 @@ pub fn supervise(a: SuperviseArgs) -> anyhow::Result<ExitCode> {
         engine_key,
         client_key,
     };
-    let code = runtime()?.block_on(supervisor::run(plan, state, lock, opts))?;
+    let rt = runtime()?;
+    let keys = (opts.client_key.as_ref(), opts.engine_key.as_ref());
+    if let Some(line) = super::dashboard::start(&rt, &plan, &opts.node, &state, keys.0, keys.1) {
+        // The detached supervisor's output is its log: the line says where, or why not.
+        println!("pdctl: {line}");
+    }
+    let code = rt.block_on(supervisor::run(plan, state, lock, opts))?;
     Ok(ExitCode::from(code))
 }

@@ -147,7 +147,16 @@ pub async fn wait_for_start(
             match supervisor::startup_verdict(&report) {
                 Some(StartupEnd::AllHealthy) => {
                     let mut out = std::io::stdout().lock();
-                    let _ = write!(out, "{}", status_table(&report));
+                    let line = match report.node == plan.head_node {
+                        true => super::dashboard::line(plan).await,
+                        false => None,
+                    };
+                    let table = status_table(&report);
+                    let _ = write!(
+                        out,
+                        "{}",
+                        super::dashboard::after_table(&table, line.as_deref())
+                    );
                     let _ = writeln!(
                         out,
                         "cluster {} is up; the supervisor (pid {}) keeps it running: \

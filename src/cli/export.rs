@@ -27,6 +27,9 @@ pub enum ExportTarget {
     /// Kubernetes manifests: a RoleBasedGroup (or LeaderWorkerSets, or a DisaggregatedSet),
     /// Services, ConfigMaps.
     K8s(K8sArgs),
+    /// A Grafana dashboard (JSON) and a Prometheus scrape configuration for the running
+    /// cluster's targets (docs/observability.md).
+    Grafana(super::dashboard::GrafanaArgs),
 }
 
 /// Arguments of `pdctl export k8s`.
@@ -78,6 +81,7 @@ pub struct K8sArgs {
 pub fn export(a: ExportArgs) -> anyhow::Result<ExitCode> {
     match a.target {
         ExportTarget::K8s(k) => k8s(k),
+        ExportTarget::Grafana(g) => super::dashboard::export_grafana(g),
     }
 }
 

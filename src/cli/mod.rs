@@ -8,6 +8,7 @@
 mod check;
 pub mod cluster;
 pub mod common;
+mod dashboard;
 mod detach;
 mod down;
 pub mod exit;
@@ -78,6 +79,9 @@ pub enum Command {
     /// Prove the KV path: one probe per prefill -> decode pair, the decode's own counters
     /// say whether the KV moved (exit 1 when a pair did not), plus transport and pair checks.
     Check(check::CheckArgs),
+    /// Print the address of the running cluster's live page and open it in a browser
+    /// where one is at hand (`[dashboard]`; `pdctl up` prints it too).
+    Dashboard(dashboard::DashboardArgs),
     /// Show the logs of a role (`prefill`) or one service (`prefill-2`).
     Logs(cluster::LogsArgs),
     /// List the GPUs this machine has (NVML), or say why none can be read.
@@ -178,6 +182,7 @@ pub fn run(cmd: Command) -> anyhow::Result<ExitCode> {
         Command::Down(a) => cluster::down(a),
         Command::Status(a) => cluster::status(a),
         Command::Logs(a) => cluster::logs(a),
+        Command::Dashboard(a) => dashboard::run(a),
         Command::Restart(a) => cluster::restart(a),
         Command::Scale(a) => live::scale(&a, runtime()?),
         Command::Rebalance(a) => rebalance::rebalance(&a, runtime()?),

@@ -154,7 +154,8 @@ pub fn status_table(report: &StatusReport) -> String {
 /// [`crate::supervisor::RunOptions::healthy_text`].
 pub fn healthy_text(report: StatusReport) -> Pin<Box<dyn Future<Output = String> + Send>> {
     Box::pin(async move {
-        let mut text = status_table(&report);
+        let table = status_table(&report);
+        let mut text = super::dashboard::after_table(&table, super::dashboard::foreground_line());
         if let Some(url) = &report.proxy_url {
             if let Some(figures) = scrape_proxy(url).await {
                 text.push_str(&figures);

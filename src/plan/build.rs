@@ -189,6 +189,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
                 decode_gpus: t.decode.gpus_per_instance,
             }),
         model_fetch: None,
+        dashboard: t.dashboard.clone(),
     })
 }
 

@@ -95,6 +95,9 @@ pub struct Plan {
     /// token (`Service::hidden_env`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_fetch: Option<crate::model_fetch::Source>,
+    /// The topology's `[dashboard]`: where the head serves the cluster's live page.
+    #[serde(default, skip_serializing_if = "crate::vocab::Dashboard::is_default")]
+    pub dashboard: crate::vocab::Dashboard,
 }
 
 impl Plan {
@@ -149,6 +152,7 @@ impl Plan {
             settings: BTreeMap::new(),
             rebalance: None,
             model_fetch: None,
+            dashboard: Default::default(),
         }
     }
 }

@@ -311,4 +311,34 @@ mod tests {
         let e = err("[model]\nname = \"m\"\n[rebalance]\nitl_p90_ms = -3\n");
         assert_eq!((e.key.as_str(), e.line), ("rebalance.itl_p90_ms", 4), "{e}");
     }
+
+    #[test]
+    fn the_dashboard_table_is_read_and_its_mistakes_are_located() {
+        let t = load_str(
+            "[model]\nname = \"m\"\n",
+            Source::Profile("t".into()),
+            "t".into(),
+        )
+        .unwrap();
+        assert_eq!(t.spec.dashboard, crate::vocab::Dashboard::default());
+        let t = load_str(
+            "[model]\nname = \"m\"\n[dashboard]\nbind = \"0.0.0.0\"\nport = 9100\n",
+            Source::Profile("t".into()),
+            "t".into(),
+        )
+        .unwrap();
+        assert_eq!(
+            (t.spec.dashboard.bind.as_str(), t.spec.dashboard.port),
+            ("0.0.0.0", 9100)
+        );
+        let e = err("[model]\nname = \"m\"\n[dashboard]\nprot = 9100\n");
+        assert_eq!((e.key.as_str(), e.line), ("dashboard.prot", 4), "{e}");
+        assert_eq!(e.hint.as_deref(), Some("did you mean `port`?"));
+        let e = err("[model]\nname = \"m\"\n[dashboard]\nbind = \"localhost\"\n");
+        assert_eq!((e.key.as_str(), e.line), ("dashboard.bind", 4), "{e}");
+        assert!(e.message.contains("not an IP address"), "{e}");
+        let e = err("[model]\nname = \"m\"\n[dashboard]\nport = 8000\n");
+        assert_eq!((e.key.as_str(), e.line), ("dashboard.port", 4), "{e}");
+        assert!(e.message.contains("also proxy.port"), "{e}");
+    }
 }

@@ -124,6 +124,10 @@ pub struct Topology {
     /// see docs/rebalance.md); absent: the split stays as written.
     #[serde(default)]
     pub rebalance: Option<crate::vocab::Rebalance>,
+    /// The cluster's live page, served by the head's supervisor (`[dashboard]`; on
+    /// loopback port 8265 unless it says otherwise, `enabled = false` for none).
+    #[serde(default)]
+    pub dashboard: crate::vocab::Dashboard,
 }
 
 /// The supervisors' TCP control channel, over which the head's supervisor carries a

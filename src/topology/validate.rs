@@ -16,6 +16,43 @@ pub fn check(t: &Topology, head: &str) -> Result<(), Problem> {
     check_connector(t, head)?;
     check_proxy(t)?;
     check_rebalance(t)?;
+    check_dashboard(t)?;
+    Ok(())
+}
+
+/// `[dashboard]`: an IP address to bind, a real port, and not a port the head's proxy or
+/// control channel listens on.
+fn check_dashboard(t: &Topology) -> Result<(), Problem> {
+    let d = &t.dashboard;
+    if !d.enabled {
+        return Ok(());
+    }
+    if let Some((key, message)) = d.problem() {
+        return Err(Problem::new(format!("dashboard.{key}"), message));
+    }
+    let taken = [
+        ("proxy.port", t.proxy.enabled.then_some(t.proxy.port)),
+        (
+            "control.port",
+            (t.nodes.len() > 1).then_some(t.control.port),
+        ),
+    ];
+    for (key, port) in taken {
+        if port == Some(d.port) {
+            return Err(Problem::new(
+                "dashboard.port",
+                format!(
+                    "port {} is also {key}: the head cannot listen on it twice",
+                    d.port
+                ),
+            )
+            .also(key)
+            .hint(format!(
+                "leave dashboard.port out for its own default ({}) or choose a free port",
+                crate::vocab::DEFAULT_DASHBOARD_PORT
+            )));
+        }
+    }
     Ok(())
 }
 

@@ -6,6 +6,7 @@
 //! here does I/O or depends on anything of this crate.
 
 mod control_socket;
+mod dashboard;
 mod health;
 mod proxy;
 mod rebalance;
@@ -17,6 +18,7 @@ mod tcp;
 mod vllm_version;
 
 pub use control_socket::SOCKET_NAME;
+pub use dashboard::{DEFAULT_DASHBOARD_PORT, Dashboard};
 pub use health::HealthSettings;
 pub use proxy::{AdmissionError, PolicyName, ProxyProtocol, WARMED_WITHIN_S, check_admission};
 pub use rebalance::{

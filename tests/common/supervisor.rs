@@ -278,6 +278,7 @@ pub fn plan(cluster: &str, nodes: &[(&str, &str)]) -> Plan {
         settings: Default::default(),
         rebalance: None,
         model_fetch: None,
+        dashboard: Default::default(),
     }
 }
 
