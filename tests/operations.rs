@@ -342,11 +342,11 @@ fn scale_and_apply_under_load_fail_no_request() {
 }
 
 /// A decode instance killed with SIGKILL while `scale` drains it: the streams it carried
-/// end with the proxy's error naming the decode leg, the whole answers it carried (nothing
-/// sent yet) are redone on the decode left, nothing hangs, `scale` says what happened and
-/// finishes, and `status` shows the one decode instance left.
+/// go on on the decode left, the whole answers it carried (nothing sent yet) are redone
+/// there, nothing hangs, `scale` says what happened and finishes, and `status` shows the
+/// one decode instance left.
 #[test]
-fn an_instance_killed_while_draining_fails_only_its_requests_and_scale_finishes() {
+fn an_instance_killed_while_draining_loses_none_of_its_requests_and_scale_finishes() {
     let (cluster, dir, _, port) = up_sim(
         "okill",
         sim_topology("o-kill", "nixl", 1, 2, "[engine.sim]\nitl_ms = 40.0\n"),
@@ -389,7 +389,7 @@ fn an_instance_killed_while_draining_fails_only_its_requests_and_scale_finishes(
         text(&out)
     );
     assert_eq!(completed + failed, 8);
-    assert!(failed >= 1, "the killed instance carried streams: {v}");
+    assert_eq!(failed, 0, "the killed instance's streams went on elsewhere: {v}");
     let (whole_completed, whole_failed) = finished(whole, &whole_json);
     let w: Value = serde_json::from_str(&std::fs::read_to_string(&whole_json).unwrap()).unwrap();
     assert_eq!(whole_completed + whole_failed, 8);

@@ -278,7 +278,12 @@ pub fn plan(cluster: &str, nodes: &[(&str, &str)]) -> Plan {
         settings: Default::default(),
         rebalance: None,
         model_fetch: None,
-        dashboard: Default::default(),
+        // The supervisor's own tests need no page (and its scrapes of the engines would
+        // meet the probes these tests watch); tests/dashboard.rs brings one up.
+        dashboard: pdctl::vocab::Dashboard {
+            enabled: false,
+            ..Default::default()
+        },
     }
 }
 
@@ -464,6 +469,13 @@ pub fn sim_topology(cluster: &str, connector: &str, p: u16, d: u16, extra: &str)
     let run = free_port_run(5 + 2 * p + d);
     let (bootstrap, prefill, decode) = (run + 5, run + 5 + p, run + 5 + 2 * p);
     let proxy = run + 4;
+    // Each cluster's dashboard on a port of its own (the default, 8265, is one for all
+    // the clusters that tests run side by side), unless the test places it itself.
+    let dashboard = if extra.contains("[dashboard]") {
+        String::new()
+    } else {
+        format!("[dashboard]\nport = {}\n", crate::common::free_port())
+    };
     let text = format!(
         "cluster = \"{cluster}\"\n\
          [model]\nname = \"sim-model\"\n\
@@ -474,6 +486,7 @@ pub fn sim_topology(cluster: &str, connector: &str, p: u16, d: u16, extra: &str)
          [prefill]\ninstances = {p}\nbase_port = {prefill}\n\
          [decode]\ninstances = {d}\nbase_port = {decode}\n\
          {extra}\n\
+         {dashboard}\
          [proxy]\nport = {proxy}\n",
         run,
         run + 1,
