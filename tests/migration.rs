@@ -281,3 +281,66 @@ async fn a_stream_that_cannot_be_continued_says_why() {
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));
 }
+
+/// `scale decode=1` while long streams run on both decodes: the drained decode's streams
+/// move to the decode left once `drain_grace_s` (2 s) has passed, instead of holding the
+/// drain until they end (15 s) or being cut: the scale is over within the grace plus
+/// 5 s, and every stream equals its unkilled answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drain_hands_its_streams_over_after_the_grace_and_loses_none() {
+    let sim = "[engine.sim]\nitl_ms = 25.0\n";
+    let (t, port) = sim_topology("m-drain", "nixl", 1, 2, sim);
+    let t = format!("{t}drain_grace_s = 2\n");
+    let cluster = Cluster::new("mdrain");
+    let dir = TempDir::new("mdrain-topo");
+    cluster.up_topology(dir.path(), &t);
+    let url = format!("http://127.0.0.1:{port}/v1/completions");
+    let long = json!({"max_tokens": 600});
+    let want = unkilled(&url, 8, &long).await;
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(90))
+        .build()
+        .unwrap();
+    let progress: Vec<Arc<AtomicU32>> = (0..8).map(|_| Arc::new(AtomicU32::new(0))).collect();
+    let mut running = Vec::new();
+    for (i, p) in progress.iter().enumerate() {
+        let body = body_of("/completions", i, &long);
+        running.push(tokio::spawn(stream(
+            client.clone(),
+            url.clone(),
+            body,
+            p.clone(),
+        )));
+    }
+    let going = common::wait_until(Duration::from_secs(60), || {
+        progress.iter().all(|p| p.load(Ordering::Relaxed) >= 20)
+    });
+    assert!(going, "the streams did not get going");
+    let started = std::time::Instant::now();
+    let out = cluster.run(&["scale", "decode=1"]);
+    let took = started.elapsed();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        took < Duration::from_secs(2 + 5),
+        "the drain took {took:?}:\n{}",
+        text(&out)
+    );
+    for (i, (r, w)) in running.into_iter().zip(&want).enumerate() {
+        let got = r.await.unwrap();
+        assert!(got.error.is_none(), "stream {i}: {:?}", got.error);
+        assert!(got.done, "stream {i} has no [DONE]");
+        assert_eq!(got.text, w.text, "stream {i}");
+    }
+    let page = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        page.contains("pdctl_proxy_migrations_total{reason=\"drained\"}"),
+        "no stream moved for the drain"
+    );
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}

@@ -389,7 +389,10 @@ fn an_instance_killed_while_draining_loses_none_of_its_requests_and_scale_finish
         text(&out)
     );
     assert_eq!(completed + failed, 8);
-    assert_eq!(failed, 0, "the killed instance's streams went on elsewhere: {v}");
+    assert_eq!(
+        failed, 0,
+        "the killed instance's streams went on elsewhere: {v}"
+    );
     let (whole_completed, whole_failed) = finished(whole, &whole_json);
     let w: Value = serde_json::from_str(&std::fs::read_to_string(&whole_json).unwrap()).unwrap();
     assert_eq!(whole_completed + whole_failed, 8);

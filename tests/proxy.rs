@@ -98,7 +98,10 @@ async fn two_step_prefills_a_one_token_copy_then_streams_the_original_from_decod
     // is continued elsewhere from the ids it sent (the client does not get them).
     let mut asked = original.clone();
     asked["return_token_ids"] = json!(true);
-    assert_eq!(dr[0].body, asked, "decode gets the original request, ids asked");
+    assert_eq!(
+        dr[0].body, asked,
+        "decode gets the original request, ids asked"
+    );
     assert!(
         dr[0].at >= pr[0].at + prefill_time,
         "decode was asked {:?} after prefill, before prefill answered",

@@ -562,7 +562,9 @@ async fn a_failing_prefill_sim_is_a_json_error_and_a_killed_decode_sim_an_error_
     assert_eq!(event["error"]["leg"], "decode", "{rest}");
     assert_eq!(event["error"]["instance"], d.base);
     assert!(
-        event["error"]["not_migrated"].as_str().is_some_and(|w| w.contains("continuation failed")),
+        event["error"]["not_migrated"]
+            .as_str()
+            .is_some_and(|w| w.contains("continuation failed")),
         "{rest}"
     );
     let _ = d.wait_exit(WAIT);

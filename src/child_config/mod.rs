@@ -400,6 +400,7 @@ mod tests {
             restart_wait_s: 3,
             migration_limit: 5,
             migration_max_tokens: 1_000,
+            drain_grace_s: 4,
             max_body_bytes: 1024,
             tcp_keepalive_idle_s: 5,
             tcp_keepalive_interval_s: 3,

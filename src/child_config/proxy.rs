@@ -21,6 +21,9 @@ fn is_recompute(p: &KvLoadFailurePolicy) -> bool {
 fn is_default_migration_limit(v: &u32) -> bool {
     *v == ProxyArgs::default().migration_limit
 }
+fn is_default_drain_grace_s(v: &u64) -> bool {
+    *v == ProxyArgs::default().drain_grace_s
+}
 fn is_default_migration_max_tokens(v: &u32) -> bool {
     *v == ProxyArgs::default().migration_max_tokens
 }
@@ -149,6 +152,11 @@ pub struct ProxyArgs {
     #[arg(long, default_value_t = ProxyArgs::default().migration_max_tokens)]
     #[serde(skip_serializing_if = "is_default_migration_max_tokens")]
     pub migration_max_tokens: u32,
+    /// How long a stream may go on on a draining decode (`scale` down, `restart --drain`,
+    /// a rebalance move) before it is continued on another decode.
+    #[arg(long, default_value_t = ProxyArgs::default().drain_grace_s)]
+    #[serde(skip_serializing_if = "is_default_drain_grace_s")]
+    pub drain_grace_s: u64,
     /// Largest accepted request body.
     #[arg(long, default_value_t = ProxyArgs::default().max_body_bytes)]
     pub max_body_bytes: usize,
@@ -228,6 +236,7 @@ impl Default for ProxyArgs {
             restart_wait_s: 30,
             migration_limit: 3,
             migration_max_tokens: 32_768,
+            drain_grace_s: 10,
             max_body_bytes: 32 * 1024 * 1024,
             api_key: None,
             engine_api_key: None,
@@ -356,6 +365,9 @@ impl ProxyArgs {
         if !is_default_migration_limit(&self.migration_limit) {
             v.extend(["--migration-limit".into(), self.migration_limit.to_string()]);
         }
+        if !is_default_drain_grace_s(&self.drain_grace_s) {
+            v.extend(["--drain-grace-s".into(), self.drain_grace_s.to_string()]);
+        }
         if !is_default_migration_max_tokens(&self.migration_max_tokens) {
             let n = self.migration_max_tokens.to_string();
             v.extend(["--migration-max-tokens".into(), n]);
@@ -406,7 +418,8 @@ impl ProxyArgs {
 }
 
 /// Flags a running proxy takes in place (besides the policies, compared as resolved).
-const LIVE: [&str; 11] = [
+const LIVE: [&str; 12] = [
+    "--drain-grace-s",
     "--migration-limit",
     "--migration-max-tokens",
     "--rate-limit",

@@ -420,6 +420,7 @@ fn proxy_args(
         restart_wait_s: p.restart_wait_s.unwrap_or(d.restart_wait_s),
         migration_limit: p.migration_limit.unwrap_or(d.migration_limit),
         migration_max_tokens: p.migration_max_tokens.unwrap_or(d.migration_max_tokens),
+        drain_grace_s: p.drain_grace_s.unwrap_or(d.drain_grace_s),
         header_read_timeout_s: p.header_read_timeout_s.unwrap_or(d.header_read_timeout_s),
         max_client_connections: p.max_client_connections.unwrap_or(d.max_client_connections),
         supervisor_socket: Some(socket.to_path_buf()),

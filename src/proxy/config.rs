@@ -66,6 +66,8 @@ pub struct Settings {
     pub migration_limit: u32,
     /// Most tokens one continuation may carry (`--migration-max-tokens`).
     pub migration_max_tokens: u32,
+    /// How long a stream stays on a draining decode before it moves (`--drain-grace-s`).
+    pub drain_grace: Duration,
     pub max_body_bytes: usize,
     pub api_key: Option<String>,
     pub health_interval: Duration,
@@ -155,6 +157,7 @@ pub fn settings(args: &ProxyArgs) -> Result<Settings, ConfigError> {
         restart_wait: Duration::from_secs(args.restart_wait_s),
         migration_limit: args.migration_limit,
         migration_max_tokens: args.migration_max_tokens,
+        drain_grace: Duration::from_secs(args.drain_grace_s),
         max_body_bytes: args.max_body_bytes,
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         health_interval: Duration::from_millis(args.health_interval_ms),

@@ -194,6 +194,7 @@ pub fn apply_report(p: &Proxy, report: &StatusReport) {
                         | ServiceState::Restarting
                         | ServiceState::Draining
                 ));
+                inst.drained.set(s.state == ServiceState::Draining);
                 let unreachable = (s.state == ServiceState::Unreachable)
                     .then(|| format!("supervisor says service {} is unreachable", s.name));
                 if inst.reach.set(unreachable) && inst.reach.is_unreachable() {

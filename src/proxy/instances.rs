@@ -42,6 +42,8 @@ pub struct Instance {
     pub ledger: super::recompute::ledger::HandoffLedger,
     /// Whether it can be reached at all: the legs on it end when it cannot (reach.rs).
     pub reach: super::reach::Reach,
+    /// Whether (since when) its supervisor says it drains: streams past the grace move.
+    pub drained: super::reach::Drained,
     /// Which run of its engine this is: pairs warmed with another run are warmed again.
     pub run: super::engine_run::EngineRun,
 }
@@ -70,6 +72,7 @@ impl Instance {
             out_reason: std::sync::Mutex::new(String::new()),
             ledger: Default::default(),
             reach: Default::default(),
+            drained: Default::default(),
             run: Default::default(),
         }
     }

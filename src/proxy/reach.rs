@@ -57,6 +57,59 @@ impl Reach {
     }
 }
 
+/// Since when an instance's supervisor says it is draining (a `scale` down, `restart
+/// --drain`, a rebalance move, `down -t`): streams still on it once `drain_grace_s` has
+/// passed are handed over to other decodes instead of holding the drain up.
+#[derive(Debug)]
+pub struct Drained {
+    tx: watch::Sender<Option<tokio::time::Instant>>,
+}
+
+impl Default for Drained {
+    fn default() -> Self {
+        Drained {
+            tx: watch::Sender::new(None),
+        }
+    }
+}
+
+impl Drained {
+    /// Records whether the instance is draining now (its start is kept while it lasts).
+    pub fn set(&self, draining: bool) {
+        self.tx
+            .send_if_modified(|now| match (now.is_some(), draining) {
+                (false, true) => {
+                    *now = Some(tokio::time::Instant::now());
+                    true
+                }
+                (true, false) => {
+                    *now = None;
+                    true
+                }
+                _ => false,
+            });
+    }
+
+    /// Resolves once the instance has been draining for `grace` (a drain that ends before
+    /// starts the wait again at the next one).
+    pub fn past(&self, grace: std::time::Duration) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.tx.subscribe();
+        async move {
+            loop {
+                let since = rx.wait_for(Option::is_some).await.ok().and_then(|v| *v);
+                let Some(since) = since else {
+                    // The instance is gone, and with it every leg on it.
+                    return std::future::pending().await;
+                };
+                tokio::select! {
+                    () = tokio::time::sleep_until(since + grace) => return,
+                    _ = rx.wait_for(Option::is_none) => {}
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -77,5 +130,24 @@ mod tests {
         assert_eq!(why, "node worker cut off");
         assert_eq!(reach.lost().await, "node worker cut off");
         assert!(reach.set(None) && !reach.is_unreachable());
+    }
+
+    #[tokio::test]
+    async fn a_drain_is_past_its_grace_only_while_it_lasts() {
+        let ms = Duration::from_millis;
+        let d = Drained::default();
+        let mut past = Box::pin(d.past(ms(500)));
+        d.set(true);
+        tokio::time::sleep(ms(300)).await;
+        d.set(false);
+        assert!(
+            tokio::time::timeout(ms(1_000), &mut past).await.is_err(),
+            "a drain that ended is not past its grace"
+        );
+        d.set(true);
+        assert!(
+            tokio::time::timeout(ms(5_000), &mut past).await.is_ok(),
+            "the next drain is, after its grace"
+        );
     }
 }

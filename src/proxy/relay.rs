@@ -58,18 +58,23 @@ struct Carry {
     events: crate::sse::Events,
     /// The decode the current leg is on.
     decode: String,
+    /// Resolves once that decode has been draining for `--drain-grace-s`.
+    drained: Pin<Box<dyn Future<Output = ()> + Send>>,
     pending: Option<Continuing>,
 }
 
 /// A continuation on its way: its request through the protocol's flow, up to its first
 /// chunk; what broke the leg before it; the form its events come in.
 struct Continuing {
-    answer: Pin<Box<dyn Future<Output = (Result<Answer, ProxyError>, RequestRecord)> + Send>>,
+    answer: Pin<Box<dyn Future<Output = Continued> + Send>>,
     broke: ProxyError,
     form: Form,
     carried: u32,
     exact: bool,
 }
+
+/// What a continuation's request came to, and its own account (retries, instances).
+type Continued = (Result<Answer, ProxyError>, RequestRecord);
 
 /// The item type of the client's stream.
 type Item = Poll<Option<Result<Bytes, std::convert::Infallible>>>;
@@ -108,6 +113,12 @@ pub fn stream_response(
             tracker: Tracker::new(req),
             events: crate::sse::Events::default(),
             decode: keep.decode.instance().url.clone(),
+            drained: Box::pin(
+                keep.decode
+                    .instance()
+                    .drained
+                    .past(proxy.settings().drain_grace),
+            ),
             pending: None,
         })
     });
@@ -325,7 +336,10 @@ impl Relay {
             LegFailure::Unreachable(_) => FailureKind::Timeout,
             _ => FailureKind::Body,
         };
-        inst.record_failure(kind);
+        // A drain's hand-over is no fault of the instance.
+        if reason != migration::BROKE_DRAINED {
+            inst.record_failure(kind);
+        }
         let err: ProxyError = LegError {
             leg: Leg::Decode,
             instance: inst.url.clone(),
@@ -429,6 +443,8 @@ impl Relay {
             carry.tracker.hops,
         );
         carry.decode = new.clone();
+        let grace = carry.proxy.settings().drain_grace;
+        carry.drained = Box::pin(keep.decode.instance().drained.past(grace));
         carry.tracker.form = pending.form;
         self.rec.decode = Some(new);
         self.rec.migrations += 1;
@@ -487,6 +503,16 @@ impl Relay {
             return Some(Poll::Ready(Some(Ok(with_done(&event)))));
         }
         let continuing = self.carry.as_ref().is_some_and(|c| c.pending.is_some());
+        if !continuing
+            && let Some(carry) = self.carry.as_mut()
+            && carry.drained.as_mut().poll(cx).is_ready()
+        {
+            let grace = carry.proxy.settings().drain_grace;
+            let f = LegFailure::Body(format!(
+                "its instance was drained and the stream still ran after {grace:?} (--drain-grace-s)"
+            ));
+            return self.broke(f, migration::BROKE_DRAINED);
+        }
         if !continuing && let Poll::Ready(why) = self.keep.unreachable.as_mut().poll(cx) {
             if self.carry.is_some() {
                 return self.broke(LegFailure::Unreachable(why), migration::BROKE_UNREACHABLE);

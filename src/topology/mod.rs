@@ -646,6 +646,10 @@ pub struct ProxySection {
     /// Most answer tokens one continuation may carry (default 32768).
     #[serde(default)]
     pub migration_max_tokens: Option<u32>,
+    /// Seconds a stream may go on on a draining decode before it is continued on another
+    /// (default 10).
+    #[serde(default)]
+    pub drain_grace_s: Option<u64>,
     /// Seconds a client may take over a request's headers, and stay idle between
     /// requests, before its connection is closed (default 10; docs/security.md).
     #[serde(default)]

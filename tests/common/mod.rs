@@ -77,6 +77,9 @@ fn ephemeral_low() -> u16 {
         .unwrap_or(32_768)
 }
 
+/// Ports left unhanded after each run ([`own_port_run`]).
+const SPARE_AFTER_RUN: u16 = 8;
+
 /// `n` consecutive ports below the ephemeral range that no one holds now and that no other
 /// test of this binary was given; where a run starts is spread by the process id, so two
 /// test binaries running at once rarely meet.
@@ -94,7 +97,9 @@ pub fn own_port_run(n: u16) -> u16 {
         }
         let free = (at..at + n).all(|p| TcpListener::bind(("127.0.0.1", p)).is_ok());
         if free {
-            *next = Some(at + n);
+            // The ports right after a run stay unhanded: a cluster's `scale` adds its
+            // instances there (base port + index), after the run was handed out.
+            *next = Some(at + n + SPARE_AFTER_RUN);
             return at;
         }
         at += 1;

@@ -466,16 +466,17 @@ pub fn free_port_run(n: u16) -> u16 {
 /// ports so no two can collide; `extra` (more tables or keys) goes before `[proxy]`, which
 /// comes last. Returns it and the proxy port.
 pub fn sim_topology(cluster: &str, connector: &str, p: u16, d: u16, extra: &str) -> (String, u16) {
-    let run = free_port_run(5 + 2 * p + d);
-    let (bootstrap, prefill, decode) = (run + 5, run + 5 + p, run + 5 + 2 * p);
-    let proxy = run + 4;
     // Each cluster's dashboard on a port of its own (the default, 8265, is one for all
-    // the clusters that tests run side by side), unless the test places it itself.
+    // the clusters that tests run side by side), unless the test places it itself; taken
+    // before the run, whose end is where a scale adds instances.
     let dashboard = if extra.contains("[dashboard]") {
         String::new()
     } else {
         format!("[dashboard]\nport = {}\n", crate::common::free_port())
     };
+    let run = free_port_run(5 + 2 * p + d);
+    let (bootstrap, prefill, decode) = (run + 5, run + 5 + p, run + 5 + 2 * p);
+    let proxy = run + 4;
     let text = format!(
         "cluster = \"{cluster}\"\n\
          [model]\nname = \"sim-model\"\n\
