@@ -1065,12 +1065,13 @@ fn http_status(port: u16, path: &str) -> Option<u16> {
 }
 
 #[test]
-fn the_proxy_pod_is_ready_only_when_a_prefill_and_a_decode_are_usable() {
+fn the_proxy_pod_is_ready_only_when_a_prefill_and_a_decode_are_usable_and_warmed() {
     for format in FORMATS {
         let (docs, _) = exported("nixl-1p1d", format);
         let proxy = &templates(&docs)["proxy"].0["spec"]["containers"][0];
+        // The plan's own readiness: a pair usable and its KV path warmed.
         assert_eq!(
-            proxy["readinessProbe"]["httpGet"]["path"], "/health?ready",
+            proxy["readinessProbe"]["httpGet"]["path"], "/health?warmed",
             "{format}"
         );
         assert_eq!(proxy["livenessProbe"]["httpGet"]["path"], "/health");

@@ -264,6 +264,15 @@ fn cut_under_load(tag: &str, how: Cut) {
             .all(|e| format!("{e:?}").contains(&cut_off_url)),
         "every error names the instance cut off: {errors:?}"
     );
+    // A stream on the cut-off node's decode goes on on the other node's decode.
+    let broken: Vec<&&Outcome> = errors
+        .iter()
+        .filter(|o| matches!(o, Outcome::SseError(_)))
+        .collect();
+    assert!(
+        broken.is_empty(),
+        "streams that ended with an error instead of going on elsewhere: {broken:?}"
+    );
     assert!(
         slowest <= Duration::from_secs(15),
         "a request took {slowest:?} (none may take over 15 s): {:#?}",

@@ -247,13 +247,18 @@ fn format_figures(proxy_url: &str, f: &crate::proxy::ProxyFigures) -> String {
     } else {
         String::new()
     };
+    let continued = if f.migrations > 0.0 {
+        format!(", {:.0} streams continued on another decode", f.migrations)
+    } else {
+        String::new()
+    };
     let failures = if f.kv_handoff_failures > 0.0 {
         format!(", {:.0} KV handoff failures", f.kv_handoff_failures)
     } else {
         String::new()
     };
     format!(
-        "proxy {proxy_url}: {:.0} requests ({:.0} failed), {:.0} in flight, {:.0} retries, {:.0} KV handoff misses{recomputed}{estimated}{failures}",
+        "proxy {proxy_url}: {:.0} requests ({:.0} failed), {:.0} in flight, {:.0} retries{continued}, {:.0} KV handoff misses{recomputed}{estimated}{failures}",
         f.requests, f.failed, f.in_flight, f.retries, f.kv_handoff_misses
     )
 }
@@ -271,6 +276,7 @@ mod tests {
             failed: 3.0,
             in_flight: 2.0,
             retries: 5.0,
+            migrations: 0.0,
             kv_handoff_misses: 0.0,
             kv_handoff_failures: 0.0,
             recomputed_tokens: 0.0,
@@ -280,6 +286,12 @@ mod tests {
             format_figures("http://p:8000", &f),
             "proxy http://p:8000: 1200 requests (3 failed), 2 in flight, 5 retries, 0 KV handoff misses"
         );
+        f.migrations = 7.0;
+        assert!(
+            format_figures("http://p:8000", &f)
+                .contains("5 retries, 7 streams continued on another decode, 0 KV")
+        );
+        f.migrations = 0.0;
         f.kv_handoff_misses = 2.0;
         f.recomputed_tokens = 900.0;
         assert!(

@@ -54,8 +54,10 @@ pub const LWS_API_VERSION: &str = "leaderworkerset.x-k8s.io/v1";
 /// The API version of the DisaggregatedSet written (served by LWS v0.10.0).
 pub const DISAGGREGATED_SET_API_VERSION: &str = "disaggregatedset.x-k8s.io/v1";
 
-/// The proxy's readiness path: 503 until at least one prefill and one decode are usable
-/// (`/health` alone says only that the process answers).
+/// The proxy's readiness path where the plan's probe names none: 503 until at least one
+/// prefill and one decode are usable (`/health` alone says only that the process answers).
+/// A plan's proxy is probed on `/health?warmed` (its pairs' KV path warmed too), and the
+/// export keeps that.
 pub const PROXY_READY_PATH: &str = "/health?ready";
 
 /// Everything `export k8s` takes besides the plan.
@@ -215,14 +217,26 @@ fn http_target(url: &str) -> Option<(u16, String)> {
     Some((u.port_or_known_default()?, u.path().to_string()))
 }
 
+/// The proxy's readiness path: the plan's probe's path and query when it has a query.
+fn proxy_readiness(probe: &Probe) -> String {
+    let Probe::Http { url, .. } = probe else {
+        return PROXY_READY_PATH.into();
+    };
+    match reqwest::Url::parse(url) {
+        Ok(u) if u.query().is_some() => format!("{}?{}", u.path(), u.query().unwrap_or("")),
+        _ => PROXY_READY_PATH.into(),
+    }
+}
+
 /// Seconds between startup probes.
 const STARTUP_PERIOD_S: u64 = 10;
 
 /// Readiness, liveness and startup probes from the plan's probe: readiness every 5 s,
 /// liveness after the plan's liveness failures, startup as long as the plan's start-up
 /// timeout (vLLM loads for minutes before /health answers).
-/// The proxy's readiness is [`PROXY_READY_PATH`] (engines usable), its liveness and startup
-/// the plan's `/health`.
+/// The proxy's readiness is the plan's own probe with its query (`/health?warmed`: a pair
+/// usable and its KV path warmed; [`PROXY_READY_PATH`] where it has none), its liveness and
+/// startup the plain `/health`.
 fn probes(svc: &Service, warnings: &mut Vec<String>) -> Map<String, Value> {
     let action = match &svc.probe {
         Probe::Http {
@@ -259,7 +273,7 @@ fn probes(svc: &Service, warnings: &mut Vec<String>) -> Map<String, Value> {
     let mut readiness =
         with(json!({"periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5}));
     if svc.role == Role::Proxy && readiness.get("httpGet").is_some() {
-        readiness["httpGet"]["path"] = PROXY_READY_PATH.into();
+        readiness["httpGet"]["path"] = proxy_readiness(&svc.probe).into();
     }
     m.insert("readinessProbe".into(), readiness);
     m.insert(

@@ -10,6 +10,8 @@ pub struct ProxyFigures {
     pub failed: f64,
     pub in_flight: f64,
     pub retries: f64,
+    /// Streams whose decode broke off mid-answer, continued on another decode.
+    pub migrations: f64,
     /// Decode had to recompute because the KV handoff did not happen: those the proxy
     /// caused or saw coming, and those found in decode's own vLLM counters and usage.
     pub kv_handoff_misses: f64,
@@ -45,6 +47,7 @@ pub fn read(metrics_text: &str) -> Option<ProxyFigures> {
             }
             "pdctl_proxy_requests_in_flight" => f.in_flight += value,
             "pdctl_proxy_retries_total" => f.retries += value,
+            "pdctl_proxy_migrations_total" => f.migrations += value,
             "pdctl_proxy_kv_handoff_misses_total" => f.kv_handoff_misses += value,
             // A request failed for its KV load is most often also a failed transfer its
             // decode reports: the larger of the two views, not their sum.
@@ -120,6 +123,8 @@ mod tests {
                     pdctl_proxy_requests_in_flight 3\n\
                     pdctl_proxy_retries_total{leg=\"prefill\"} 1\n\
                     pdctl_proxy_retries_total{leg=\"decode\"} 2\n\
+                    pdctl_proxy_migrations_total{reason=\"connection\"} 1\n\
+                    pdctl_proxy_migrations_total{reason=\"drained\"} 1\n\
                     pdctl_proxy_kv_handoff_misses_total{reason=\"no_kv_transfer_params\"} 4\n\
                     pdctl_proxy_kv_handoff_misses_total{reason=\"decode_cached_tokens_low\"} 2\n\
                     pdctl_proxy_kv_handoff_misses_estimated_total 5\n\
@@ -133,6 +138,7 @@ mod tests {
                 failed: 3.0,
                 in_flight: 3.0,
                 retries: 3.0,
+                migrations: 2.0,
                 kv_handoff_misses: 6.0,
                 kv_handoff_failures: 1.0,
                 recomputed_tokens: 900.0,
