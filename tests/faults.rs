@@ -37,9 +37,10 @@ struct Tally {
     other: AtomicU64,
 }
 
-/// The decode engine killed with SIGKILL every 5 s for 60 s under load, on 1P1D (the
-/// shape of most workstation demos): the supervisor restarts it every time, requests wait
-/// for it instead of failing, and the cluster ends healthy.
+/// The decode engine killed with SIGKILL every 5 s for 60 s under 16 clients, half of them
+/// streaming, on 1P1D (the shape of most workstation demos): the supervisor restarts it
+/// every time, requests wait for it instead of failing, streams cut by a kill go on once
+/// it is back, and the cluster ends healthy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_decode_engine_killed_every_5_s_costs_seconds_not_the_cluster() {
     let (cluster, _topology, url) = up_1p1d("kill", "");
@@ -50,14 +51,24 @@ async fn a_decode_engine_killed_every_5_s_costs_seconds_not_the_cluster() {
         .build()
         .unwrap();
     let mut workers = Vec::new();
-    for w in 0..4 {
+    for w in 0..16 {
         let (tally, stop, client, url) = (tally.clone(), stop.clone(), client.clone(), url.clone());
         workers.push(tokio::spawn(async move {
             let mut i = 0;
+            // Half the clients stream: a stream whose decode is killed goes on.
+            let stream = w % 2 == 0;
             while !stop.load(Ordering::Relaxed) {
                 i += 1;
-                let body = json!({"model": "sim-model", "prompt": format!("worker {w} request {i}"), "max_tokens": 8});
+                let body = json!({"model": "sim-model", "prompt": format!("worker {w} request {i}"), "max_tokens": 8, "stream": stream});
                 match client.post(&url).json(&body).send().await {
+                    Ok(r) if r.status() == 200 && stream => {
+                        let text = r.text().await.unwrap_or_default();
+                        if text.trim_end().ends_with("data: [DONE]") && !text.contains("\"error\"") {
+                            tally.ok.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            tally.json_errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
                     Ok(r) if r.status() == 200 => {
                         let v: Value = r.json().await.unwrap_or(Value::Null);
                         if v["choices"][0]["text"].is_string() {
@@ -122,8 +133,11 @@ async fn a_decode_engine_killed_every_5_s_costs_seconds_not_the_cluster() {
     );
     assert!(total > 100, "too little load to judge: {total}");
     assert_eq!((hung, other), (0, 0), "every failure must be a JSON error");
+    // Measured: 7,207 of 7,207 answered over 12 kills (a stream on the killed decode goes
+    // on once it is back, a whole answer is redone); a machine shared with five other
+    // tests gets a margin of 1 in 200.
     assert!(
-        ok * 100 >= total * 80,
+        ok * 200 >= total * 199,
         "{ok} of {total} answered ({errors} JSON errors) over {kills} kills"
     );
     // `status` says why the last run ended.
