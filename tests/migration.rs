@@ -126,29 +126,34 @@ fn body_of(route: &str, i: usize, extra: &Value) -> Value {
     b
 }
 
-/// Sends `n` streams to `route` and, once every one has 20 events or more, kills
-/// decode-0 with SIGKILL; what each client read.
-async fn streams_with_a_kill(cluster: &Cluster, url: &str, n: usize, extra: &Value) -> Vec<Read> {
+/// Sends `n` streams to `url` and waits until every one has 20 events or more; the
+/// clients, each giving what it read.
+async fn streams_going(url: &str, n: usize, extra: &Value) -> Vec<tokio::task::JoinHandle<Read>> {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(90))
         .build()
         .unwrap();
     let progress: Vec<Arc<AtomicU32>> = (0..n).map(|_| Arc::new(AtomicU32::new(0))).collect();
-    let mut running = Vec::new();
-    for (i, p) in progress.iter().enumerate() {
-        let route = url.rsplit("/v1").next().unwrap_or_default();
-        let body = body_of(route, i, extra);
-        running.push(tokio::spawn(stream(
-            client.clone(),
-            url.to_string(),
-            body,
-            p.clone(),
-        )));
-    }
+    let route = url.rsplit("/v1").next().unwrap_or_default();
+    let running = progress
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let body = body_of(route, i, extra);
+            tokio::spawn(stream(client.clone(), url.to_string(), body, p.clone()))
+        })
+        .collect();
     let all_going = common::wait_until(Duration::from_secs(60), || {
         progress.iter().all(|p| p.load(Ordering::Relaxed) >= 20)
     });
     assert!(all_going, "the streams did not get going");
+    running
+}
+
+/// Sends `n` streams to `url` and, once every one has 20 events or more, kills
+/// decode-0 with SIGKILL; what each client read.
+async fn streams_with_a_kill(cluster: &Cluster, url: &str, n: usize, extra: &Value) -> Vec<Read> {
+    let running = streams_going(url, n, extra).await;
     let report = cluster.status(&[]).expect("the cluster is up");
     let pid = suph::svc(&report, "decode-0").pid.expect("decode-0 runs");
     nix::sys::signal::kill(
@@ -297,25 +302,7 @@ async fn a_drain_hands_its_streams_over_after_the_grace_and_loses_none() {
     let url = format!("http://127.0.0.1:{port}/v1/completions");
     let long = json!({"max_tokens": 600});
     let want = unkilled(&url, 8, &long).await;
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(90))
-        .build()
-        .unwrap();
-    let progress: Vec<Arc<AtomicU32>> = (0..8).map(|_| Arc::new(AtomicU32::new(0))).collect();
-    let mut running = Vec::new();
-    for (i, p) in progress.iter().enumerate() {
-        let body = body_of("/completions", i, &long);
-        running.push(tokio::spawn(stream(
-            client.clone(),
-            url.clone(),
-            body,
-            p.clone(),
-        )));
-    }
-    let going = common::wait_until(Duration::from_secs(60), || {
-        progress.iter().all(|p| p.load(Ordering::Relaxed) >= 20)
-    });
-    assert!(going, "the streams did not get going");
+    let running = streams_going(&url, 8, &long).await;
     let started = std::time::Instant::now();
     let out = cluster.run(&["scale", "decode=1"]);
     let took = started.elapsed();
