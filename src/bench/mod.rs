@@ -108,6 +108,7 @@ pub async fn run(a: BenchArgs, draw: Draw) -> anyhow::Result<ExitCode> {
     let mut engines = target.prefill.clone();
     engines.extend(target.decode.iter().cloned());
     let before = engines::snapshot(&plain, &engines).await;
+    let proxy_before = proxy_figures(&plain, &target.url).await;
 
     let load = runner::Load::of(&a.workload, target.url.clone(), model.clone(), !a.no_stream);
     let total = reqs.len();
@@ -125,6 +126,7 @@ pub async fn run(a: BenchArgs, draw: Draw) -> anyhow::Result<ExitCode> {
     }
     let after = engines::snapshot(&plain, &engines).await;
     let cache = engines::deltas(&engines, &before, &after);
+    let proxy_after = proxy_figures(&plain, &target.url).await;
     let info = RunInfo {
         label: a.label.clone().unwrap_or_else(|| default_label(&a)),
         url: target.url,
@@ -136,7 +138,13 @@ pub async fn run(a: BenchArgs, draw: Draw) -> anyhow::Result<ExitCode> {
         request_rate: a.workload.request_rate,
         max_concurrency: a.workload.max_concurrency,
     };
-    let report = Report::from_outcomes(info, &outcomes, duration, cache);
+    let mut report = Report::from_outcomes(info, &outcomes, duration, cache);
+    report.proxy = proxy_before
+        .zip(proxy_after)
+        .map(|(b, a)| report::ProxyWork {
+            retries: a.retries - b.retries,
+            migrations: a.migrations - b.migrations,
+        });
     print!("{}", report.table());
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
@@ -156,6 +164,13 @@ pub async fn run(a: BenchArgs, draw: Draw) -> anyhow::Result<ExitCode> {
 }
 
 use crate::spelling::value_name;
+
+/// The figures of the pdctl proxy at `url` (`None`: not one, or its /metrics did not answer).
+async fn proxy_figures(client: &reqwest::Client, url: &str) -> Option<crate::proxy::ProxyFigures> {
+    let page = format!("{}/metrics", url.trim_end_matches('/'));
+    let text = client.get(&page).send().await.ok()?.text().await.ok()?;
+    crate::proxy::read_figures(&text)
+}
 
 /// Runs that share a label get their position among the files after it (`x (#1)`,
 /// `x (#3)`), so every column and plot line can be told apart.
@@ -332,6 +347,28 @@ mod tests {
             ..RunInfo::default()
         };
         Report::from_outcomes(info, &[], 1.0, Vec::new())
+    }
+
+    #[test]
+    fn the_report_says_what_the_proxy_did_when_the_target_is_one() {
+        let mut r = run("x");
+        assert!(!r.table().contains("Proxy"));
+        assert!(serde_json::to_value(&r).unwrap().get("proxy").is_none());
+        r.proxy = Some(report::ProxyWork {
+            retries: 2.0,
+            migrations: 5.0,
+        });
+        let table = r.table();
+        assert!(table.contains("Streams continued elsewhere:"), "{table}");
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with("Streams continued") && l.ends_with(" 5"))
+        );
+        assert_eq!(
+            serde_json::to_value(&r).unwrap()["proxy"]["migrations"],
+            5.0
+        );
     }
 
     #[test]

@@ -53,9 +53,21 @@ pub struct Report {
     pub prefix_cache: Vec<CacheFigures>,
     /// Hits / queries over every engine, when known.
     pub prefix_cache_hit_rate: Option<f64>,
+    /// What the pdctl proxy in front did for the run's requests (deltas of its /metrics),
+    /// when the target is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<ProxyWork>,
     /// Per successful request, seconds (as vLLM's result JSON).
     pub ttfts: Vec<f64>,
     pub e2els: Vec<f64>,
+}
+
+/// The proxy's own work over a run: legs retried before a first byte, and streams whose
+/// decode broke off and that went on on another decode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProxyWork {
+    pub retries: f64,
+    pub migrations: f64,
 }
 
 /// Describes the run for the report header.
@@ -147,6 +159,7 @@ impl Report {
             e2el_ms: e2el,
             prefix_cache_hit_rate: (q > 0.0).then(|| h / q),
             prefix_cache: cache,
+            proxy: None,
             ttfts: ttfts.iter().map(|x| x / 1e3).collect(),
             e2els: e2els.iter().map(|x| x / 1e3).collect(),
         }
@@ -173,6 +186,15 @@ impl Report {
             if let Some(r) = self.prefix_cache_hit_rate {
                 table_line(&mut o, "All instances:", format!("{:.1} %", r * 100.0));
             }
+        }
+        if let Some(w) = self.proxy {
+            let _ = writeln!(o, "{:-^52}", " Proxy (its /metrics, this run) ");
+            table_line(&mut o, "Legs retried:", format!("{:.0}", w.retries));
+            table_line(
+                &mut o,
+                "Streams continued elsewhere:",
+                format!("{:.0}", w.migrations),
+            );
         }
         if !self.errors.is_empty() {
             let _ = writeln!(o, "{:-^52}", " Errors ");
