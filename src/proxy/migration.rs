@@ -233,10 +233,15 @@ impl Tracker {
         };
         if self.form == Form::Original {
             self.sent.note(&v, self.chat, self.form);
-            if self.client_ids || !strip_ids(&mut v) {
+            if self.client_ids {
                 return Out::Same;
             }
-            return Out::Rewritten(Value::Object(v).to_string());
+            // Cut out of the text as it came, so the rest of the event stays byte for
+            // byte the engine's (its keys in the engine's order).
+            return match without_ids(data) {
+                Some(cut) => Out::Rewritten(cut),
+                None => Out::Same,
+            };
         }
         if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
             *usage = Some(u.clone());
@@ -323,6 +328,51 @@ fn total_usage(u: &mut Map<String, Value>, carried: u32, prompt_len: Option<usiz
     {
         d.insert("cached_tokens".into(), json!(c.min(prompt)));
     }
+}
+
+/// `data` (one event's JSON) without its `token_ids` and `prompt_token_ids` members (a
+/// flat array of numbers, or null), each with the comma that joined it; `None` when it
+/// has none. The rest is left as the engine wrote it.
+fn without_ids(data: &str) -> Option<String> {
+    let mut out = data.to_string();
+    let mut cut_any = false;
+    for key in ["\"prompt_token_ids\":", "\"token_ids\":"] {
+        while let Some(at) = find_member(&out, key) {
+            let value_from = at + key.len();
+            let rest = &out[value_from..];
+            let lead = rest.len() - rest.trim_start().len();
+            let value_len = match rest.trim_start().as_bytes().first() {
+                Some(b'[') => rest.trim_start().find(']')? + 1,
+                Some(b'n') if rest.trim_start().starts_with("null") => 4,
+                _ => return None,
+            };
+            let mut end = value_from + lead + value_len;
+            let mut start = at;
+            let before = out[..start].trim_end();
+            if before.ends_with(',') {
+                start = before.len() - 1;
+            } else if out[end..].trim_start().starts_with(',') {
+                end += out[end..].find(',')? + 1;
+            }
+            out.replace_range(start..end, "");
+            cut_any = true;
+        }
+    }
+    cut_any.then_some(out)
+}
+
+/// Where `key` (a quoted member name with its colon) stands as a member, not inside a
+/// string (a quote inside a JSON string is escaped).
+fn find_member(text: &str, key: &str) -> Option<usize> {
+    let mut from = 0;
+    while let Some(i) = text[from..].find(key) {
+        let at = from + i;
+        if at == 0 || text.as_bytes()[at - 1] != b'\\' {
+            return Some(at);
+        }
+        from = at + 1;
+    }
+    None
 }
 
 /// Takes out the token id fields the proxy asked for; whether there were any.
@@ -507,6 +557,19 @@ mod tests {
         );
         let plain = json!({"messages": [], "response_format": {"type": "text"}});
         assert_eq!(refusal(&body(plain)), None);
+    }
+
+    #[test]
+    fn the_ids_are_cut_out_and_the_rest_stays_as_the_engine_wrote_it() {
+        let ev = r#"{"id":"c","object":"text_completion","choices":[{"index":0,"text":" \"token_ids\": x","logprobs":null,"finish_reason":null,"prompt_token_ids":[1,2],"token_ids":[5, 6]}],"model":"m"}"#;
+        let want = r#"{"id":"c","object":"text_completion","choices":[{"index":0,"text":" \"token_ids\": x","logprobs":null,"finish_reason":null}],"model":"m"}"#;
+        assert_eq!(without_ids(ev).as_deref(), Some(want));
+        let first = r#"{"choices":[{"token_ids":[],"index":0}],"prompt_token_ids":null}"#;
+        assert_eq!(
+            without_ids(first).as_deref(),
+            Some(r#"{"choices":[{"index":0}]}"#)
+        );
+        assert_eq!(without_ids(r#"{"choices":[]}"#), None);
     }
 
     #[test]
