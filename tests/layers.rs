@@ -406,6 +406,29 @@ fn every_module_sits_in_a_layer_and_imports_only_downward() {
     assert!(wrong.is_empty(), "\n{}\n", wrong.join("\n"));
 }
 
+/// docs/ARCHITECTURE.md is the map of `src/`: every top-level module the source has is
+/// named there as `src/NAME`, so a new one cannot be added without its place on the map.
+#[test]
+fn every_top_level_module_is_on_the_architecture_map() {
+    let map =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/ARCHITECTURE.md"))
+            .expect("docs/ARCHITECTURE.md is readable");
+    let missing: Vec<String> = import_graph()
+        .keys()
+        .filter(|m| {
+            !(map.contains(&format!("src/{m}/"))
+                || map.contains(&format!("src/{m}.rs"))
+                || map.contains(&format!("src/{m}`")))
+        })
+        .map(|m| format!("src/{m}"))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "not on the map in docs/ARCHITECTURE.md (name each as `src/NAME/` or `src/NAME.rs`): {}",
+        missing.join(", ")
+    );
+}
+
 #[test]
 fn no_import_cycle_spans_two_top_level_modules() {
     let graph = import_graph();
