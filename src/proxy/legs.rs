@@ -59,13 +59,13 @@ pub struct Keep {
 pub fn decode_bytes(body: Option<Body>, req: &ClientRequest, expect: Expect) -> Bytes {
     let adds = usage_chunk::adds_usage(req.stream, &req.body, expect);
     match body {
-        None if !adds && !req.migrate => req.raw.clone(),
+        None if !adds && !req.migrates() => req.raw.clone(),
         body => {
             let mut b = body.unwrap_or_else(|| req.body.clone());
             if adds {
                 usage_chunk::ask_usage(&mut b);
             }
-            if req.migrate {
+            if req.migrates() {
                 super::migration::ask_ids(&mut b);
             }
             Bytes::from(serde_json::to_vec(&b).expect("JSON values serialize"))

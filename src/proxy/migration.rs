@@ -535,7 +535,7 @@ mod tests {
             facts: Default::default(),
             deadline: tokio::time::Instant::now(),
             avoid: Vec::new(),
-            migrate: true,
+            migration: crate::proxy::request::Migration::On,
         }
     }
 

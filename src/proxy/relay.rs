@@ -13,7 +13,7 @@ use super::limits::Admission;
 use super::migration::{self, Form, Out, Tracker};
 use super::recompute::judgment::{UsageSeen, usage_in};
 use super::record::{Outcome, RequestRecord};
-use super::request::ClientRequest;
+use super::request::{ClientRequest, Migration};
 use super::usage_chunk::UsageStrip;
 use crate::sse::DoneTail;
 use axum::http::{HeaderValue, header};
@@ -44,7 +44,7 @@ pub struct Relay {
     /// Set when the answer may be continued on another decode ([`super::migration`]).
     carry: Option<Box<Carry>>,
     /// Why it may not, when the request is the reason, for the error a broken-off
-    /// stream ends with (and the counter of refusals).
+    /// stream ends with, and the counter of refusals.
     refused: Option<(&'static str, Arc<dyn super::recorder::Recorder>)>,
 }
 
@@ -102,11 +102,11 @@ pub fn stream_response(
     let deadline = req.deadline;
     let total_limit = proxy.settings().total_timeout;
     rec.status = 200;
-    let refused = (!req.migrate && req.stream && proxy.settings().migration_limit > 0)
-        .then(|| migration::refusal(&req.body))
-        .flatten()
-        .map(|why| (why, proxy.recorder.clone()));
-    let carry = req.migrate.then(|| {
+    let refused = match req.migration {
+        Migration::Refused(why) => Some((why, proxy.recorder.clone())),
+        Migration::On | Migration::Off => None,
+    };
+    let carry = req.migrates().then(|| {
         Box::new(Carry {
             proxy: proxy.clone(),
             req: req.clone(),
@@ -347,7 +347,7 @@ impl Relay {
         }
         .into();
         let Some(carry) = self.carry.as_mut() else {
-            return Some(self.fail_after(err, reason));
+            return Some(self.fail_after(err));
         };
         if carry.tracker.sent.finished {
             return Some(self.finish_locally());
@@ -480,7 +480,7 @@ impl Relay {
 
     /// A leg that broke off in a stream that is not continued: the error says why not
     /// when the request itself is the reason (n > 1, guided decoding...).
-    fn fail_after(&mut self, err: ProxyError, _reason: &'static str) -> Item {
+    fn fail_after(&mut self, err: ProxyError) -> Item {
         if let Some((why, recorder)) = &self.refused {
             recorder.migration_refused("not_migratable");
             let why = why.to_string();

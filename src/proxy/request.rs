@@ -25,7 +25,25 @@ pub struct ClientRequest {
     /// first attempt, when the request is redone once ([`super::pipeline::run`]).
     pub avoid: Vec<String>,
     /// Whether its answer may be continued on another decode if its decode breaks off
-    /// mid-stream ([`super::migration`]): a stream, `--migration-limit` above 0, and
-    /// nothing in it that cannot be carried. Its decode legs then ask for token ids.
-    pub migrate: bool,
+    /// mid-stream ([`super::migration`]), decided once when it comes in.
+    pub migration: Migration,
+}
+
+/// Whether a request's stream may be continued on another decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Migration {
+    /// Not a stream, or `--migration-limit 0`: nothing to say if its decode breaks off.
+    Off,
+    /// It may: its decode legs ask for token ids.
+    On,
+    /// The request itself cannot be carried (n > 1, guided decoding...): why, for the
+    /// error its stream ends with if its decode breaks off.
+    Refused(&'static str),
+}
+
+impl ClientRequest {
+    /// Whether its stream may be continued elsewhere (its decode legs then ask for ids).
+    pub fn migrates(&self) -> bool {
+        self.migration == Migration::On
+    }
 }

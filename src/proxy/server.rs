@@ -17,6 +17,7 @@ use super::pipeline::{self, ClientRequest};
 use super::policy::{RouteFacts, prefix_hash};
 use super::record::{Outcome, RequestRecord};
 use super::relay;
+use super::request::Migration;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -345,10 +346,13 @@ async fn prepare(
             Vec::new()
         },
     };
-    let migrate =
-        stream && p.settings().migration_limit > 0 && super::migration::refusal(&body).is_none();
+    let migration = if !stream || p.settings().migration_limit == 0 {
+        Migration::Off
+    } else {
+        super::migration::refusal(&body).map_or(Migration::On, Migration::Refused)
+    };
     let req = ClientRequest {
-        migrate,
+        migration,
         path: route,
         body,
         raw: bytes,
