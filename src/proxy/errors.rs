@@ -186,7 +186,9 @@ pub enum ProxyError {
     #[error("the request took longer than the total limit of {0:?} (--total-timeout-s)")]
     TotalTimeout(Duration),
     /// A stream whose decode broke off and that could not be continued on another decode.
-    #[error("{failed}; the answer was not continued on another decode: {why}")]
+    #[error(
+        "{failed}; the answer was not continued on another decode: {why}; send the request again (its answer so far is incomplete)"
+    )]
     NotContinued {
         failed: Box<ProxyError>,
         why: String,
