@@ -235,33 +235,29 @@ async fn check_every_stream_goes_on(cluster: &Cluster, base: &str, route: &str) 
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_decode_killed_mid_stream_costs_its_completions_streams_a_pause_never_an_error() {
-    let (cluster, _t, base) = up_1p2d("nixl", "nixl", "");
-    check_every_stream_goes_on(&cluster, &base, "/v1/completions").await;
+/// A 1P2D cluster over `connector` in which decode-0 is killed under 16 streams to
+/// `route`: every stream goes on ([`check_every_stream_goes_on`]); then down.
+async fn goes_on(tag: &str, connector: &str, connector_extra: &str, route: &str) {
+    let (cluster, _t, base) = up_1p2d(tag, connector, connector_extra);
+    check_every_stream_goes_on(&cluster, &base, route).await;
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_decode_killed_mid_stream_costs_its_completions_streams_a_pause_never_an_error() {
+    goes_on("nixl", "nixl", "", "/v1/completions").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_decode_killed_mid_stream_costs_its_chat_streams_a_pause_never_an_error() {
-    let (cluster, _t, base) = up_1p2d("chat", "nixl", "");
-    check_every_stream_goes_on(&cluster, &base, "/v1/chat/completions").await;
-    let out = cluster.run(&["down"]);
-    assert!(out.status.success(), "{}", text(&out));
+    goes_on("chat", "nixl", "", "/v1/chat/completions").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn streams_go_on_under_the_push_and_mooncake_protocols_too() {
-    for (tag, connector, extra) in [
-        ("push", "nixl", "nixl_mode = \"push\"\n"),
-        ("mc", "mooncake", ""),
-    ] {
-        let (cluster, _t, base) = up_1p2d(tag, connector, extra);
-        check_every_stream_goes_on(&cluster, &base, "/v1/completions").await;
-        let out = cluster.run(&["down"]);
-        assert!(out.status.success(), "{}", text(&out));
-    }
+    goes_on("push", "nixl", "nixl_mode = \"push\"\n", "/v1/completions").await;
+    goes_on("mc", "mooncake", "", "/v1/completions").await;
 }
 
 /// A stream that cannot be continued (n = 2: two answers share one prompt) ends with a
