@@ -108,7 +108,8 @@ pub async fn run(a: BenchArgs, draw: Draw) -> anyhow::Result<ExitCode> {
     let mut engines = target.prefill.clone();
     engines.extend(target.decode.iter().cloned());
     let before = engines::snapshot(&plain, &engines).await;
-    let proxy_before = proxy_figures(&plain, &target.url).await;
+    // On the load's own client: its kept connection, not new ones the target would count.
+    let proxy_before = proxy_figures(&client, &target.url).await;
 
     let load = runner::Load::of(&a.workload, target.url.clone(), model.clone(), !a.no_stream);
     let total = reqs.len();
@@ -126,7 +127,7 @@ pub async fn run(a: BenchArgs, draw: Draw) -> anyhow::Result<ExitCode> {
     }
     let after = engines::snapshot(&plain, &engines).await;
     let cache = engines::deltas(&engines, &before, &after);
-    let proxy_after = proxy_figures(&plain, &target.url).await;
+    let proxy_after = proxy_figures(&client, &target.url).await;
     let info = RunInfo {
         label: a.label.clone().unwrap_or_else(|| default_label(&a)),
         url: target.url,
