@@ -67,6 +67,7 @@ pub struct Metrics {
     restart_waits: FixedFamily<Counter, 2>,
     prefix_routing: Sparse<[(&'static str, &'static str); 2]>,
     client_disconnects: Counter,
+    warmups: Sparse<[(&'static str, String); 1]>,
     settings_revision: Gauge,
     rebalance: RebalanceSeen,
 }
@@ -99,6 +100,7 @@ impl Default for Metrics {
             restart_waits: FixedFamily::new("leg", LEGS),
             prefix_routing: Sparse::default(),
             client_disconnects: Counter::default(),
+            warmups: Sparse::default(),
             settings_revision: Gauge::default(),
             rebalance: RebalanceSeen::default(),
         };
@@ -279,6 +281,11 @@ impl Metrics {
             self.client_disconnects.clone(),
         );
         r.register(
+            "warmups",
+            "Warm-up requests sent to each decode instance (one per pair warmed); the engine's own counters count them as requests",
+            self.warmups.clone(),
+        );
+        r.register(
             "settings_revision",
             "Revision of this proxy's spec in the supervisor whose settings are in effect (0: as started; pdctl apply raises it)",
             self.settings_revision.clone(),
@@ -383,6 +390,12 @@ impl Metrics {
     /// Counts a client that went away before its answer was complete.
     pub fn client_disconnect(&self) {
         self.client_disconnects.inc();
+    }
+
+    /// Counts one warm-up request sent to the decode instance at `url` (the rebalancer
+    /// takes it out of that engine's requests).
+    pub fn warmup_sent(&self, url: &str) {
+        self.warmups.add([("instance", url.to_string())], 1);
     }
 
     /// The Prometheus text exposition of everything, per-instance series of `pools`

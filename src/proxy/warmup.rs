@@ -11,7 +11,8 @@
 //! as long as the two processes. A pair whose warm-up fails stays out of routing with the
 //! reason (`/health?ready`, `pdctl status`) and is tried again with a growing backoff.
 //! The warm-up goes straight to the engines: it never reaches a client and no counter of
-//! the proxy's traffic sees it.
+//! the proxy's traffic sees it; `pdctl_proxy_warmups_total{instance=DECODE}` counts them,
+//! so that the rebalancer can take them out of the decode engines' own counters.
 
 use super::Proxy;
 use super::instances::{Instance, Leg};
@@ -454,6 +455,7 @@ async fn warm(p: &Proxy, prefill: &Arc<Instance>, decode: &Arc<Instance>) -> Res
     let silent: Arc<dyn Recorder> = Arc::new(super::recorder::Silent);
     let account = leg_sent(&silent, decode, expect, false, p.handoff, &id);
     let dbody = dbody.body.unwrap_or(original);
+    p.metrics.warmup_sent(&decode.url);
     let sent = post(p, &decode.url, &dbody, &id).await;
     drop(account);
     sent.map_err(|e| format!("decode {} could not take the KV: {e}", decode.url))?;
