@@ -69,7 +69,7 @@ impl RebalanceSeen {
             ),
             (
                 "rebalance_moves_by_outcome",
-                "Moves of the head's rebalancer since its supervisor started, by how their change ended: done (the split moved), failed (refused or failed), refused_as_stale (another change had moved the split since the figures were judged)",
+                "Moves of the head's rebalancer since its supervisor started, by how their change ended: done (the split moved), failed (refused or failed), refused_as_stale (another change had moved the split since the figures were judged), not_started (the change was refused before it began)",
                 f(MetricType::Counter, by_outcome),
             ),
         ]
@@ -136,6 +136,7 @@ fn by_outcome(s: &Seen, mut e: MetricEncoder) -> fmt::Result {
         ("done", MoveOutcome::Done),
         ("failed", MoveOutcome::Failed),
         ("refused_as_stale", MoveOutcome::Stale),
+        ("not_started", MoveOutcome::NotStarted),
     ] {
         let n = s.counted.ended(outcome);
         ConstCounter::new(n).encode(e.encode_family(&[("outcome", label)])?)?;
@@ -171,6 +172,7 @@ mod tests {
         counted.count(Toward::Prefill, MoveOutcome::Failed);
         counted.count(Toward::Decode, MoveOutcome::Done);
         counted.count(Toward::Decode, MoveOutcome::Stale);
+        counted.count(Toward::Decode, MoveOutcome::NotStarted);
         seen.set(Some(&RebalanceReport {
             mode: RebalanceMode::Act,
             split: Split {
@@ -181,7 +183,7 @@ mod tests {
             measured_s: 30,
             figures: Figures::default(),
             verdict: String::new(),
-            moves_total: 4,
+            moves_total: 5,
             moves: vec![],
             moves_counted: counted,
         }));
@@ -192,11 +194,12 @@ mod tests {
             "pdctl_proxy_rebalance_mode{mode=\"act\"} 1",
             "pdctl_proxy_rebalance_mode{mode=\"advise\"} 0",
             "pdctl_proxy_rebalance_moves_total{toward=\"prefill\"} 2",
-            "pdctl_proxy_rebalance_moves_total{toward=\"decode\"} 2",
-            "pdctl_proxy_rebalance_moves_failed_total 2",
+            "pdctl_proxy_rebalance_moves_total{toward=\"decode\"} 3",
+            "pdctl_proxy_rebalance_moves_failed_total 3",
             "pdctl_proxy_rebalance_moves_by_outcome_total{outcome=\"done\"} 2",
             "pdctl_proxy_rebalance_moves_by_outcome_total{outcome=\"failed\"} 1",
             "pdctl_proxy_rebalance_moves_by_outcome_total{outcome=\"refused_as_stale\"} 1",
+            "pdctl_proxy_rebalance_moves_by_outcome_total{outcome=\"not_started\"} 1",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

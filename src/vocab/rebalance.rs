@@ -212,6 +212,9 @@ pub struct MoveCounts {
     /// figures were judged (nothing moved).
     #[serde(default)]
     pub stale: u64,
+    /// Of those, the moves whose change never started (refused by the operations engine).
+    #[serde(default)]
+    pub not_started: u64,
 }
 
 /// How the change carrying a move out ended.
@@ -223,6 +226,9 @@ pub enum MoveOutcome {
     Failed,
     /// Refused because the split had changed since the figures were judged.
     Stale,
+    /// Never started: the operations engine refused the change (another one runs, the
+    /// journal could not be read): nothing moved.
+    NotStarted,
 }
 
 impl MoveOutcome {
@@ -232,6 +238,7 @@ impl MoveOutcome {
             MoveOutcome::Done => "done",
             MoveOutcome::Failed => "failed",
             MoveOutcome::Stale => "refused as stale",
+            MoveOutcome::NotStarted => "not started",
         }
     }
 
@@ -241,6 +248,8 @@ impl MoveOutcome {
             MoveOutcome::Done
         } else if outcome.contains("refused as stale") {
             MoveOutcome::Stale
+        } else if outcome.starts_with("not started") {
+            MoveOutcome::NotStarted
         } else {
             MoveOutcome::Failed
         }
@@ -256,6 +265,7 @@ impl MoveCounts {
         }
         self.failed += u64::from(outcome != MoveOutcome::Done);
         self.stale += u64::from(outcome == MoveOutcome::Stale);
+        self.not_started += u64::from(outcome == MoveOutcome::NotStarted);
     }
 
     /// Moves that ended `outcome`.
@@ -263,8 +273,9 @@ impl MoveCounts {
         let all = self.toward_prefill + self.toward_decode;
         match outcome {
             MoveOutcome::Done => all - self.failed,
-            MoveOutcome::Failed => self.failed - self.stale,
+            MoveOutcome::Failed => self.failed - self.stale - self.not_started,
             MoveOutcome::Stale => self.stale,
+            MoveOutcome::NotStarted => self.not_started,
         }
     }
 }
