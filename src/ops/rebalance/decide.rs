@@ -27,11 +27,12 @@ pub struct State {
     pub change_running: bool,
     /// Some prefill or decode instance is not healthy.
     pub unhealthy: bool,
-    /// The last move.
+    /// The last move that moved the split.
     pub last_move: Option<LastMove>,
-    /// How long ago (ms) someone else (`pdctl scale`, `apply`) changed the split, when
-    /// they did since the rebalancer started.
-    pub changed_by_other_ms: Option<u64>,
+    /// How long ago (ms) another change (`pdctl scale`, `apply`) set the split that runs,
+    /// while that split is the user's baseline: nothing moves it until `pdctl rebalance
+    /// act` is said again.
+    pub user_baseline_ago_ms: Option<u64>,
 }
 
 /// The last move as the moves' records tell it.
@@ -52,28 +53,24 @@ impl LastMove {
     }
 }
 
-/// The last move of `records` (oldest first; a change refused as stale moved nothing and
-/// is skipped) at Unix time `now_ms`, with the moves back in a row up to it: a gap of
-/// `backoff_reset_s` without a move starts the count again.
+/// The last move of `records` (oldest first) that moved the split, at Unix time
+/// `now_ms`, with the moves back in a row up to it: a gap of `backoff_reset_s` without a
+/// move starts the count again. A move whose change failed, never started or was refused
+/// as stale moved nothing: it is neither a move to hold after nor a move back.
 pub fn last_move_of(records: &[MoveRecord], now_ms: u64, plan: &RebalancePlan) -> Option<LastMove> {
     let reset_ms = plan.table.backoff_reset_s() * 1000;
     let mut last: Option<(u64, Toward, u32)> = None;
-    for r in records {
-        if r.outcome
+    let done = |r: &&MoveRecord| {
+        r.outcome
             .as_deref()
-            .is_some_and(|o| MoveOutcome::of(o) == MoveOutcome::Stale)
-        {
-            continue;
-        }
+            .is_some_and(|o| MoveOutcome::of(o) == MoveOutcome::Done)
+    };
+    for r in records.iter().filter(done) {
         let toward = r.toward();
         let ended = r.ended_ms.unwrap_or(r.at_ms);
         let reversals = match last {
             Some((end, way, n)) if r.at_ms.saturating_sub(end) <= reset_ms => {
-                if way != toward {
-                    n + 1
-                } else {
-                    n
-                }
+                n + u32::from(way != toward)
             }
             _ => 0,
         };
@@ -102,9 +99,58 @@ fn ratios(plan: &RebalancePlan, f: &Figures) -> (Option<f64>, Option<f64>) {
     )
 }
 
+/// Why the window cannot judge a move: an objective whose figure it has none of while
+/// there was traffic (no first token, no gap between tokens on decode). None: every
+/// objective has its figure, or the window saw no request at all (nothing to judge).
+fn blind(plan: &RebalancePlan, f: &Figures) -> Option<String> {
+    let t = &plan.table;
+    if f.requests == 0 && f.itl_requests == 0 {
+        return None;
+    }
+    let mut unknown = Vec::new();
+    if t.ttft_p90_ms.is_some() && f.ttft_p90_ms.is_none() {
+        unknown.push("no TTFT (no first token in the window)".to_string());
+    }
+    if t.itl_p90_ms.is_some() && f.itl_p90_ms.is_none() {
+        unknown.push(format!(
+            "no ITL (no gap between tokens read on decode, {})",
+            requests(f.itl_requests)
+        ));
+    }
+    (!unknown.is_empty()).then(|| {
+        format!(
+            "blind: {}; no move on a figure not read",
+            unknown.join(", ")
+        )
+    })
+}
+
+/// The role the figures ask for (None: both objectives met or not judged): the one whose
+/// objective is missed past the hysteresis margin; both missed, the one missed by more
+/// (the busier role on a tie).
+fn wanted(
+    plan: &RebalancePlan,
+    f: &Figures,
+    ttft: Option<f64>,
+    itl: Option<f64>,
+) -> Option<Toward> {
+    let margin = 1.0 + plan.table.hysteresis_pct / 100.0;
+    let missed = |r: Option<f64>| r.filter(|r| *r > margin);
+    Some(match (missed(ttft), missed(itl)) {
+        (None, None) => return None,
+        (Some(_), None) => Toward::Prefill,
+        (None, Some(_)) => Toward::Decode,
+        (Some(a), Some(b)) if a > b => Toward::Prefill,
+        (Some(a), Some(b)) if b > a => Toward::Decode,
+        _ if f.prefill_busy >= f.decode_busy => Toward::Prefill,
+        _ => Toward::Decode,
+    })
+}
+
 /// The judgement: Ok(Some(move)), Ok(None) when the objectives are met or not judged,
-/// Err(verdict) when a rule holds a wanted move back (`held: ...`) or no move can help
-/// (`overloaded: ...`); the verdict is shown as it is.
+/// Err(verdict) when the figures are blind (`blind: ...`), a rule holds a wanted move
+/// back (`held: ...`) or no move can help (`overloaded: ...`); the verdict is shown as it
+/// is.
 pub fn decide(
     plan: &RebalancePlan,
     split: Split,
@@ -112,82 +158,36 @@ pub fn decide(
     figures: &Figures,
     state: State,
 ) -> Result<Option<Move>, String> {
-    let t = &plan.table;
+    if let Some(blind) = blind(plan, figures) {
+        return Err(blind);
+    }
     let (ttft, itl) = ratios(plan, figures);
-    let margin = 1.0 + t.hysteresis_pct / 100.0;
-    let missed = |r: Option<f64>| r.filter(|r| *r > margin);
-    let toward = match (missed(ttft), missed(itl)) {
-        (None, None) => return Ok(None),
-        (Some(_), None) => Toward::Prefill,
-        (None, Some(_)) => Toward::Decode,
-        // Both missed: help the one missed by more; the busier role breaks a tie.
-        (Some(a), Some(b)) if a > b => Toward::Prefill,
-        (Some(a), Some(b)) if b > a => Toward::Decode,
-        _ if figures.prefill_busy >= figures.decode_busy => Toward::Prefill,
-        _ => Toward::Decode,
+    let Some(toward) = wanted(plan, figures, ttft, itl) else {
+        return Ok(None);
     };
-    let both = missed(ttft).is_some() && missed(itl).is_some();
+    let margin = 1.0 + plan.table.hysteresis_pct / 100.0;
+    let both = ttft.is_some_and(|r| r > margin) && itl.is_some_and(|r| r > margin);
     let why = reason(toward, figures, plan);
     let back = state.last_move.is_some_and(|l| l.toward != toward);
     let to = target(split, toward, budget, plan);
-    let cost = to.and_then(|to| costs_more(split, to, toward, ttft, itl));
+    let cost = to.map_or(Cost::Mends, |to| {
+        cost_of(split, to, toward, figures, (ttft, itl), plan)
+    });
     // Both missed: a move back, a move with no instance to give, or one that costs the
     // other role more than it mends only shifts the miss; more instances would help.
-    if both && (back || to.is_none() || cost.is_some()) {
+    if both && (back || to.is_none() || cost != Cost::Mends) {
         return Err(overloaded(split, toward, budget, figures, plan));
     }
     let Some(to) = to else {
         return Err(format!("held: {why}, but {}", no_room(toward, split, plan)));
     };
-    if state.change_running {
+    if let Cost::Unknown(unknown) = &cost {
         return Err(format!(
-            "held: {why}, but a change runs: no move until it ends"
+            "blind: {why}, but {unknown}; no move on a figure not read"
         ));
     }
-    if state.unhealthy {
-        return Err(format!(
-            "held: {why}, but an instance is not healthy: no move until every one is"
-        ));
-    }
-    if let Some(cost) = cost {
-        return Err(format!("held: {why}, but {cost}"));
-    }
-    if let Some(ago) = state.changed_by_other_ms
-        && ago < t.cooldown_s * 1000
-    {
-        return Err(format!(
-            "held: {why}, but the split was changed to {split} by another change {} s ago: it is left alone for the cool-down (cooldown_s = {})",
-            ago / 1000,
-            t.cooldown_s
-        ));
-    }
-    if let Some(last) = state.last_move {
-        let hold_ms = last.hold_ms(plan);
-        if back && last.ago_ms < hold_ms {
-            let doubled = if last.reversals > 0 {
-                format!(
-                    "; {} s after {} move{} back in a row",
-                    hold_ms / 1000,
-                    last.reversals,
-                    if last.reversals == 1 { "" } else { "s" }
-                )
-            } else {
-                String::new()
-            };
-            return Err(format!(
-                "held: {why}, but the last move went the other way {} s ago (cooldown_s = {}{doubled})",
-                last.ago_ms / 1000,
-                t.cooldown_s
-            ));
-        }
-        let window_ms = t.window_s * 1000;
-        if last.ago_ms < window_ms {
-            return Err(format!(
-                "held: {why}, but the last move was {} s ago: its effect is judged over a whole window first (window_s = {})",
-                last.ago_ms / 1000,
-                t.window_s
-            ));
-        }
+    if let Some(rule) = held_by(plan, split, cost, state, back) {
+        return Err(format!("held: {why}, but {rule}"));
     }
     Ok(Some(Move {
         from: split,
@@ -197,31 +197,120 @@ pub fn decide(
     }))
 }
 
-/// Why moving from `split` to `to` would cost the role it takes an instance from more
-/// than it mends (None: it takes none, or costs less). That role's figure rises about in
-/// proportion to its instances (its load on one fewer); the move helps only when the miss
-/// it mends is larger than the miss it would cause.
-fn costs_more(
+/// The rule that holds a wanted move from `split` back, in words (None: none does).
+fn held_by(
+    plan: &RebalancePlan,
+    split: Split,
+    cost: Cost,
+    state: State,
+    back: bool,
+) -> Option<String> {
+    let t = &plan.table;
+    if state.change_running {
+        return Some("a change runs: no move until it ends".into());
+    }
+    if state.unhealthy {
+        return Some("an instance is not healthy: no move until every one is".into());
+    }
+    if let Cost::More(why) | Cost::Unknown(why) = cost {
+        return Some(why);
+    }
+    if let Some(ago) = state.user_baseline_ago_ms {
+        return Some(format!(
+            "the split {split} was set by another change {} s ago (`pdctl scale`, `apply`): it is the user's baseline, not moved until `pdctl rebalance act` is said again",
+            ago / 1000
+        ));
+    }
+    let last = state.last_move?;
+    let hold_ms = last.hold_ms(plan);
+    if back && last.ago_ms < hold_ms {
+        let doubled = if last.reversals > 0 {
+            format!(
+                "; {} s after {} move{} back in a row",
+                hold_ms / 1000,
+                last.reversals,
+                if last.reversals == 1 { "" } else { "s" }
+            )
+        } else {
+            String::new()
+        };
+        return Some(format!(
+            "the last move went the other way {} s ago (cooldown_s = {}{doubled})",
+            last.ago_ms / 1000,
+            t.cooldown_s
+        ));
+    }
+    (last.ago_ms < t.window_s * 1000).then(|| {
+        format!(
+            "the last move was {} s ago: its effect is judged over a whole window first (window_s = {})",
+            last.ago_ms / 1000,
+            t.window_s
+        )
+    })
+}
+
+/// What a move costs the role it takes an instance from.
+#[derive(Debug, Clone, PartialEq)]
+enum Cost {
+    /// Less than it mends, or nothing (it takes no instance, or that role has no
+    /// objective).
+    Mends,
+    /// More than it mends: why, in words.
+    More(String),
+    /// Not known: that role's figure is not judged (too few requests); the look is blind
+    /// to it.
+    Unknown(String),
+}
+
+/// What moving from `split` to `to` costs the role it takes an instance from. That
+/// role's figure rises about in proportion to its instances (its load on one fewer); the
+/// move helps only when the miss it mends is larger than the miss it would cause, and is
+/// not made when that role's figure is not judged (its cost unknown).
+fn cost_of(
     split: Split,
     to: Split,
     toward: Toward,
-    ttft: Option<f64>,
-    itl: Option<f64>,
-) -> Option<String> {
-    let (mine, theirs, (had, left), role, what) = match toward {
-        Toward::Prefill => (ttft, itl, (split.decode, to.decode), "decode", "ITL"),
-        Toward::Decode => (itl, ttft, (split.prefill, to.prefill), "prefill", "TTFT"),
+    f: &Figures,
+    (ttft, itl): (Option<f64>, Option<f64>),
+    plan: &RebalancePlan,
+) -> Cost {
+    let t = &plan.table;
+    let (mended, donor, (had, left), role, what, goal, n) = match toward {
+        Toward::Prefill => (
+            ttft,
+            itl,
+            (split.decode, to.decode),
+            "decode",
+            "ITL",
+            t.itl_p90_ms,
+            format!("{} on decode", requests(f.itl_requests)),
+        ),
+        Toward::Decode => (
+            itl,
+            ttft,
+            (split.prefill, to.prefill),
+            "prefill",
+            "TTFT",
+            t.ttft_p90_ms,
+            requests(f.requests),
+        ),
     };
-    if left >= had || left == 0 {
-        return None;
+    if left >= had || left == 0 || goal.is_none() {
+        return Cost::Mends;
     }
-    let cost = theirs? * f64::from(had) / f64::from(left);
-    let mends = mine.unwrap_or(0.0);
-    (cost > 1.0 && cost >= mends).then(|| {
-        format!(
+    let Some(donor) = donor else {
+        return Cost::Unknown(format!(
+            "what one {role} fewer would cost is not known: {what} p90 is not judged ({n} in the window, {MIN_FIRST_TOKENS} needed)"
+        ));
+    };
+    let cost = donor * f64::from(had) / f64::from(left);
+    let mends = mended.unwrap_or(0.0);
+    if cost > 1.0 && cost >= mends {
+        return Cost::More(format!(
             "one {role} fewer would put {what} p90 at about {cost:.1}× its objective, more than the {mends:.1}× it would mend"
-        )
-    })
+        ));
+    }
+    Cost::Mends
 }
 
 /// The verdict when both objectives are missed and no move helps: which budget would.
@@ -454,7 +543,9 @@ mod tests {
     }
 
     #[test]
-    fn gaps_are_judged_in_a_window_without_a_first_token() {
+    fn a_window_without_a_first_token_is_blind_and_holds() {
+        // Long answers: gaps on decode, no first token. The TTFT a move toward decode
+        // would cost is not known: before, it read as costing nothing and moved.
         let long_answers = Figures {
             requests: 0,
             ttft_p90_ms: None,
@@ -462,10 +553,48 @@ mod tests {
             itl_requests: 9,
             ..Figures::default()
         };
-        let m = run(&plan(P), s(3, 1), &long_answers, State::default())
-            .unwrap()
-            .unwrap();
-        assert_eq!((m.to, m.toward), (s(2, 2), Toward::Decode));
+        let e = run(&plan(P), s(3, 1), &long_answers, State::default()).unwrap_err();
+        assert_eq!(
+            e,
+            "blind: no TTFT (no first token in the window); no move on a figure not read"
+        );
+    }
+
+    #[test]
+    fn a_missing_itl_figure_is_blind_never_a_free_move() {
+        // TTFT missed, no gap read on decode (an engine without the histogram, requests
+        // of one token): before, `costs_more` read the unknown ITL as a move costing
+        // nothing, and decodes went to prefill one window at a time.
+        let mut f = slow_first_token();
+        f.itl_p90_ms = None;
+        let e = run(&plan(P), s(2, 2), &f, State::default()).unwrap_err();
+        assert_eq!(
+            e,
+            "blind: no ITL (no gap between tokens read on decode, 40 requests); no move on a figure not read"
+        );
+        // A table without an ITL objective has nothing to be blind to.
+        let ttft_only = plan("ttft_p90_ms = 1000\nwindow_s = 30\n");
+        assert!(
+            run(&ttft_only, s(2, 2), &f, State::default())
+                .unwrap()
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn a_donor_figure_of_too_few_requests_is_blind_to_the_moves_cost() {
+        let mut f = slow_first_token();
+        f.itl_requests = 2;
+        let e = run(&plan(P), s(2, 2), &f, State::default()).unwrap_err();
+        assert!(
+            e.starts_with("blind: TTFT p90 3000 ms over the 1000 ms objective")
+                && e.ends_with("but what one decode fewer would cost is not known: ITL p90 is not judged (2 requests on decode in the window, 5 needed); no move on a figure not read"),
+            "{e}"
+        );
+        // A move that takes no instance (the budget has room) costs decode nothing.
+        let roomy = plan(&format!("{P}budget = 5\n"));
+        let m = run(&roomy, s(2, 2), &f, State::default()).unwrap().unwrap();
+        assert_eq!(m.to, s(3, 2));
     }
 
     #[test]
@@ -576,7 +705,8 @@ mod tests {
     #[test]
     fn an_itl_of_too_few_requests_is_not_judged() {
         let f = Figures {
-            requests: 0,
+            requests: 9,
+            ttft_p90_ms: Some(100.0),
             itl_p90_ms: Some(195.0),
             itl_requests: MIN_FIRST_TOKENS - 1,
             ..Figures::default()
@@ -681,25 +811,24 @@ mod tests {
     }
 
     #[test]
-    fn a_split_changed_by_another_change_is_left_alone_for_the_cooldown() {
-        let st = State {
-            changed_by_other_ms: Some(30_000),
-            ..State::default()
-        };
-        let e = run(&plan(P), s(2, 3), &slow_first_token(), st).unwrap_err();
-        assert!(
-            e.contains("but the split was changed to 2P3D by another change 30 s ago"),
-            "{e}"
-        );
-        let st = State {
-            changed_by_other_ms: Some(121_000),
-            ..State::default()
-        };
-        assert!(
-            run(&plan(P), s(2, 3), &slow_first_token(), st)
-                .unwrap()
-                .is_some()
-        );
+    fn a_split_set_by_the_user_is_not_moved_however_long_ago() {
+        // Before, it was left alone for `cooldown_s` only, then reverted.
+        for ago_ms in [30_000, 121_000, 10 * 3_600_000] {
+            let st = State {
+                user_baseline_ago_ms: Some(ago_ms),
+                ..State::default()
+            };
+            let e = run(&plan(P), s(2, 3), &slow_first_token(), st).unwrap_err();
+            assert!(
+                e.contains(&format!(
+                    "but the split 2P3D was set by another change {} s ago",
+                    ago_ms / 1000
+                )) && e.ends_with(
+                    "it is the user's baseline, not moved until `pdctl rebalance act` is said again"
+                ),
+                "{e}"
+            );
+        }
     }
 
     fn record(at_s: u64, from: Split, to: Split, outcome: &str) -> MoveRecord {
@@ -722,9 +851,7 @@ mod tests {
         let recs = vec![
             record(0, a, b, "done (0): ok"),
             record(200, b, a, "done (0): ok"),
-            record(300, a, b, "failed (1): no"),
-            // Refused as stale: nothing moved, not counted.
-            record(350, b, a, "not started: refused as stale: ..."),
+            record(300, a, b, "done (0): ok"),
         ];
         let l = last_move_of(&recs, 302_000 + 5_000, &p).unwrap();
         assert_eq!(l, last(5_000, Toward::Prefill, 2));
@@ -737,5 +864,23 @@ mod tests {
         let l = last_move_of(&later, 2_010_000, &p).unwrap();
         assert_eq!(l, last(8_000, Toward::Decode, 0));
         assert_eq!(last_move_of(&[], 1, &p), None);
+    }
+
+    #[test]
+    fn moves_that_moved_nothing_are_no_move_and_no_reversal() {
+        // Failed, never started, refused as stale: the split stayed, so none is a move
+        // back nor a move to hold after (before, a failed one doubled the next hold).
+        let p = plan(P);
+        let (a, b) = (s(2, 2), s(3, 1));
+        let recs = vec![
+            record(0, a, b, "done (0): ok"),
+            record(200, b, a, "failed (1): decode-2 did not start"),
+            record(250, b, a, "not started: another change runs"),
+            record(300, b, a, "not started: refused as stale: ..."),
+        ];
+        let l = last_move_of(&recs, 310_000, &p).unwrap();
+        assert_eq!(l, last(308_000, Toward::Prefill, 0));
+        assert_eq!(l.hold_ms(&p), 120_000);
+        assert_eq!(last_move_of(&recs[1..], 310_000, &p), None);
     }
 }

@@ -5,15 +5,18 @@
 //! engine — the path `pdctl scale` takes, journaled, draining what it stops — waits for
 //! its end and appends the move's record to `rebalance.jsonl` in the state dir. The
 //! change carries the split the move was judged on: the head refuses it as stale when
-//! another change moved the split meanwhile. A split changed by another change (`pdctl
-//! scale`, `apply`) empties the window, re-reads the budget and is left alone for the
-//! cool-down; the moves' records, read back at start, keep the cool-down and its doubling
-//! across a restart of the supervisor.
+//! another change moved the split meanwhile. Whose split runs is the state machine's
+//! ([`super::machine`]): a split another change (`pdctl scale`, `apply`) set empties the
+//! window, re-reads the budget and is the user's baseline, never moved until `pdctl
+//! rebalance act` is said again; the machine's state and the moves' records, read back
+//! at start, keep that baseline, the cool-down and its doubling across a restart of the
+//! supervisor.
 
 use super::super::drain::metrics_page;
 use super::decide::{Budget, State, decide, last_move_of};
 use super::history;
-use super::window::{Sample, Window, decode_urls, from_engine, from_proxy};
+use super::machine::{Effect, Event, Machine};
+use super::window::{Sample, Unread, Window, decode_urls, from_proxy};
 use crate::control::Response;
 use crate::control::operation::{ChangeOptions, ChangeRequest, now_ms};
 use crate::supervisor::Operations;
@@ -33,29 +36,24 @@ pub const MOVES_FILE: &str = "rebalance.jsonl";
 const SHOWN_MOVES: usize = 10;
 
 /// Moves kept in memory to judge the cool-down and its doubling by (the last ones).
-const KEPT_MOVES: usize = 100;
+const RECENT_MOVES: usize = 100;
 
 /// The rebalancer's state, shared by its loop, `status` and `pdctl rebalance`.
 pub struct Rebalancer {
     state_dir: PathBuf,
-    shared: Mutex<Shared>,
+    state: Mutex<RebalancerState>,
 }
 
-struct Shared {
+/// What the loop, `status` and `pdctl rebalance` share, under one lock.
+struct RebalancerState {
     /// The table judged by: the plan's, then the kept topology's (`apply` changes, adds
     /// or removes it); None: the cluster has no `[rebalance]` table now.
     plan: Option<RebalancePlan>,
     report: RebalanceReport,
     /// The last moves' records, oldest first (the file's at start, then each move's).
     records: Vec<MoveRecord>,
-    /// The split the rebalancer last saw or left (None: not read yet): another split at
-    /// the next look was made by another change.
-    known_split: Option<Split>,
-    /// The split the budget is taken from when the table names none: the first one read,
-    /// then each one another change made.
-    budget_split: Option<Split>,
-    /// When (Unix ms) another change last changed the split.
-    changed_by_other_ms: Option<u64>,
+    /// Whose split runs, and the split the budget is taken from.
+    machine: Machine,
 }
 
 impl Rebalancer {
@@ -75,47 +73,66 @@ impl Rebalancer {
             moves_counted: MoveCounts::default(),
         };
         Rebalancer {
-            state_dir,
-            shared: Mutex::new(Shared {
+            state: Mutex::new(RebalancerState {
                 plan,
                 report,
-                records: moves[moves.len().saturating_sub(KEPT_MOVES)..].to_vec(),
-                known_split: None,
-                budget_split: None,
-                changed_by_other_ms: None,
+                records: moves[moves.len().saturating_sub(RECENT_MOVES)..].to_vec(),
+                machine: Machine::read(&state_dir),
             }),
+            state_dir,
         }
     }
 
-    /// Takes the split read at a look: another one than the rebalancer last saw or left
-    /// was made by another change, which empties `window`, re-reads the budget (a table
-    /// without one takes this split's size) and starts the cool-down. Returns whether it
-    /// was so.
-    fn see_split(&self, split: Split, window: &mut Window) -> bool {
+    /// Feeds `event` to the state machine, keeps its new state in the state dir when it
+    /// changed, and returns what the loop is to do.
+    fn on(&self, event: Event) -> Effect {
         let mut s = self.shared();
-        s.report.split = split;
-        let changed = s.known_split.is_some_and(|k| k != split);
-        if changed {
-            tracing::info!(
-                "rebalance: the split is {split} now (was {}), changed by another change: the window starts again, the budget is re-read",
-                s.known_split.unwrap_or(split)
-            );
-            window.clear();
-            s.budget_split = Some(split);
-            s.changed_by_other_ms = Some(now_ms());
+        let (next, effect) = s.machine.on(event);
+        if let Event::Seen { split, .. } = event {
+            s.report.split = split;
         }
-        s.known_split = Some(split);
+        if next == s.machine {
+            return effect;
+        }
+        match effect {
+            Effect::UserSplit { was } => tracing::info!(
+                "rebalance: the split is {} now (was {}), set by another change: the window starts again, the budget is re-read, and the split is the user's baseline until `pdctl rebalance act`",
+                next.split().map_or("-".into(), |s| s.to_string()),
+                was.map_or("-".into(), |s| s.to_string()),
+            ),
+            Effect::Released => {
+                tracing::info!("rebalance: `act` said: the user's split is judged again")
+            }
+            Effect::None => {}
+        }
+        s.machine = next;
+        if let Err(e) = next.write(&self.state_dir) {
+            tracing::warn!("rebalance: cannot keep its state in the state dir: {e}");
+        }
+        effect
+    }
+
+    /// Takes the split read at a look; one another change set empties `window`. Returns
+    /// whether it was so.
+    fn see_split(&self, split: Split, window: &mut Window) -> bool {
+        let effect = self.on(Event::Seen {
+            split,
+            at_ms: now_ms(),
+        });
+        let changed = matches!(effect, Effect::UserSplit { .. });
+        if changed {
+            window.clear();
+        }
         changed
     }
 
     /// The budget to judge by.
     fn budget(&self, plan: &RebalancePlan, split: Split) -> Budget {
-        let mut s = self.shared();
-        Budget::of(plan, *s.budget_split.get_or_insert(split))
+        Budget::of(plan, self.shared().machine.budget_split.unwrap_or(split))
     }
 
-    fn shared(&self) -> std::sync::MutexGuard<'_, Shared> {
-        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    fn shared(&self) -> std::sync::MutexGuard<'_, RebalancerState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// What `status` shows; None while the cluster has no `[rebalance]` table.
@@ -136,10 +153,18 @@ impl Rebalancer {
         let was = s.report.mode;
         s.report.mode = mode;
         tracing::info!("rebalance: mode {} (was {})", mode.as_str(), was.as_str());
+        drop(s);
+        // `act` said again gives a user's split back to the rebalancer.
+        let released = mode == RebalanceMode::Act && self.on(Event::ActSaid) == Effect::Released;
         Ok(format!(
-            "rebalance: mode {} (was {})",
+            "rebalance: mode {} (was {}){}",
             mode.as_str(),
-            was.as_str()
+            was.as_str(),
+            if released {
+                "; the split another change set is judged again"
+            } else {
+                ""
+            }
         ))
     }
 
@@ -235,95 +260,145 @@ pub async fn run(engine: Arc<dyn Operations>, r: Arc<Rebalancer>) {
             window.clear();
             continue;
         };
-        let window_ms = plan.table.window_s * 1000;
-        // The split is followed in every mode (status and the proxy's series show it).
-        let (split, proxy) = match running_split(&r.state_dir) {
-            Ok(x) => x,
-            Err(e) => {
-                r.set_verdict(format!("cannot read the running plan: {e:#}"), None, 0);
-                continue;
-            }
-        };
-        r.see_split(split, &mut window);
-        if r.shared().report.mode == RebalanceMode::Off {
-            window.clear();
-            r.set_verdict("off: nothing judged".into(), None, 0);
-            continue;
-        }
-        let budget = r.budget(&plan, split);
-        let Some(proxy) = proxy else {
-            r.set_verdict("the cluster has no proxy to measure".into(), None, 0);
-            continue;
-        };
-        let at = started.elapsed().as_millis() as u64;
-        let sample = match look(&http, &proxy, at).await {
-            Ok(sample) => sample,
-            Err(e) => {
-                r.set_verdict(format!("cannot read the figures: {e}"), None, 0);
-                continue;
-            }
-        };
-        // The split may have changed while the pages were read: those figures judge
-        // another split.
-        match running_split(&r.state_dir) {
-            Ok((now, _)) if r.see_split(now, &mut window) => continue,
-            _ => window.push(sample, window_ms),
-        }
-        let measured_s = window.span_ms() / 1000;
-        let missing = window.missing();
-        if !missing.is_empty() {
-            let v = not_judged(&missing, window.looks());
-            r.set_verdict(v, Some(window.figures()), measured_s);
-            continue;
-        }
-        if window.span_ms() < window_ms {
-            let v = format!("measuring: {measured_s} of {} s", plan.table.window_s);
-            r.set_verdict(v, Some(window.figures()), measured_s);
-            continue;
-        }
-        let figures = window.figures();
-        let state = {
-            let s = r.shared();
-            let now = now_ms();
-            State {
-                change_running: engine.report().is_some_and(|o| o.running()),
-                unhealthy: window.unhealthy(),
-                last_move: last_move_of(&s.records, now, &plan),
-                changed_by_other_ms: s.changed_by_other_ms.map(|at| now.saturating_sub(at)),
-            }
-        };
-        match decide(&plan, split, budget, &figures, state) {
-            Ok(None) => r.set_verdict(met(&figures), Some(figures), measured_s),
-            Err(held) => r.set_verdict(held, Some(figures), measured_s),
-            Ok(Some(m)) if r.shared().report.mode == RebalanceMode::Advise => {
-                let v = format!("would move {} -> {}: {}", m.from, m.to, m.reason);
-                r.set_verdict(v, Some(figures), measured_s);
-            }
-            Ok(Some(m)) => {
-                let v = format!("moving {} -> {}: {}", m.from, m.to, m.reason);
-                r.set_verdict(v, Some(figures), measured_s);
-                let to = m.to;
-                if act(engine.as_ref(), &r, m, figures).await == MoveOutcome::Done {
-                    // The split the move left is the rebalancer's own, not another
-                    // change's (a stale or failed move left the split as it found it).
-                    r.shared().known_split = Some(to);
-                }
-                window.clear();
-            }
+        let at_ms = started.elapsed().as_millis() as u64;
+        if let Some(judged) = measure(&http, &r, &plan, &mut window, at_ms).await {
+            judge(engine.as_ref(), &r, &plan, judged, &mut window).await;
         }
     }
 }
 
-/// The verdict of a window some decode engine's figures are missing from.
-fn not_judged(missing: &std::collections::BTreeMap<String, usize>, looks: usize) -> String {
+/// A whole window's figures, read from every engine, on the split that ran throughout.
+struct Measured {
+    split: Split,
+    figures: Figures,
+    measured_s: u64,
+}
+
+/// One look: the split (followed in every mode: status and the proxy's series show it),
+/// then, unless the mode is off, the pages added to `window`. Returns the window's
+/// figures once it is whole and nothing in it is blind; else sets the verdict saying
+/// why not.
+async fn measure(
+    http: &reqwest::Client,
+    r: &Rebalancer,
+    plan: &RebalancePlan,
+    window: &mut Window,
+    at_ms: u64,
+) -> Option<Measured> {
+    let (split, proxy) = match running_split(&r.state_dir) {
+        Ok(x) => x,
+        Err(e) => {
+            r.set_verdict(format!("cannot read the running plan: {e:#}"), None, 0);
+            return None;
+        }
+    };
+    r.see_split(split, window);
+    if r.shared().report.mode == RebalanceMode::Off {
+        window.clear();
+        r.set_verdict("off: nothing judged".into(), None, 0);
+        return None;
+    }
+    let Some(proxy) = proxy else {
+        r.set_verdict("the cluster has no proxy to measure".into(), None, 0);
+        return None;
+    };
+    let sample = match look(http, &proxy, at_ms).await {
+        Ok(sample) => sample,
+        Err(e) => {
+            r.set_verdict(format!("cannot read the figures: {e}"), None, 0);
+            return None;
+        }
+    };
+    // The split may have changed while the pages were read: those figures judge
+    // another split.
+    match running_split(&r.state_dir) {
+        Ok((now, _)) if r.see_split(now, window) => return None,
+        _ => window.push(sample, plan.table.window_s * 1000),
+    }
+    let measured_s = window.span_ms() / 1000;
+    let missing = window.missing();
+    let verdict = if !missing.is_empty() {
+        blind(&missing, window.looks())
+    } else if window.span_ms() < plan.table.window_s * 1000 {
+        format!("measuring: {measured_s} of {} s", plan.table.window_s)
+    } else {
+        let figures = window.figures();
+        return Some(Measured {
+            split,
+            figures,
+            measured_s,
+        });
+    };
+    r.set_verdict(verdict, Some(window.figures()), measured_s);
+    None
+}
+
+/// Judges a whole window and does what the mode asks of the verdict.
+async fn judge(
+    engine: &dyn Operations,
+    r: &Rebalancer,
+    plan: &RebalancePlan,
+    m: Measured,
+    window: &mut Window,
+) {
+    let Measured {
+        split,
+        figures,
+        measured_s,
+    } = m;
+    let budget = r.budget(plan, split);
+    let state = {
+        let s = r.shared();
+        let now = now_ms();
+        State {
+            change_running: engine.report().is_some_and(|o| o.running()),
+            unhealthy: window.unhealthy(),
+            last_move: last_move_of(&s.records, now, plan),
+            user_baseline_ago_ms: s
+                .machine
+                .user_baseline()
+                .map(|(_, since)| now.saturating_sub(since)),
+        }
+    };
+    match decide(plan, split, budget, &figures, state) {
+        Ok(None) => r.set_verdict(met(&figures), Some(figures), measured_s),
+        Err(held) => r.set_verdict(held, Some(figures), measured_s),
+        Ok(Some(m)) if r.shared().report.mode == RebalanceMode::Advise => {
+            let v = format!("would move {} -> {}: {}", m.from, m.to, m.reason);
+            r.set_verdict(v, Some(figures), measured_s);
+        }
+        Ok(Some(m)) => {
+            let v = format!("moving {} -> {}: {}", m.from, m.to, m.reason);
+            r.set_verdict(v, Some(figures), measured_s);
+            let (from, to) = (m.from, m.to);
+            r.on(Event::MoveBegun { from, to });
+            let ended = act(engine, r, m, figures).await;
+            // The split that runs after the move: either of its own is the rebalancer's,
+            // another one was set by another change meanwhile (refused as stale).
+            let fallback = if ended == MoveOutcome::Done { to } else { from };
+            let split = running_split(&r.state_dir).map_or(fallback, |(s, _)| s);
+            r.on(Event::MoveEnded {
+                split,
+                at_ms: now_ms(),
+            });
+            window.clear();
+        }
+    }
+}
+
+/// The verdict of a window some decode engine's figures could not be read in.
+fn blind(missing: &std::collections::BTreeMap<(String, Unread), usize>, looks: usize) -> String {
     let which: Vec<String> = missing
         .iter()
-        .map(|(url, n)| format!("{url} at {n} of {looks} looks"))
+        .map(|((url, why), n)| {
+            let why = match why {
+                Unread::NoAnswer => "did not answer in time",
+                Unread::NoHistogram => "answered without an inter-token histogram",
+            };
+            format!("the /metrics of {url} {why} at {n} of {looks} looks")
+        })
         .collect();
-    format!(
-        "not judged: the /metrics of {} did not answer in time; no move on figures not read",
-        which.join(", ")
-    )
+    format!("blind: {}; no move on figures not read", which.join(", "))
 }
 
 fn met(f: &Figures) -> String {
@@ -384,15 +459,10 @@ async fn look(http: &reqwest::Client, proxy: &str, at_ms: u64) -> Result<Sample,
     }))
     .await;
     for (url, page) in urls.into_iter().zip(pages) {
-        match page {
-            Ok(page) => {
-                sample.engines.insert(url, from_engine(&page));
-            }
-            Err(e) => {
-                tracing::debug!("rebalance: {e}");
-                sample.missing.push(url);
-            }
+        if let Err(e) = &page {
+            tracing::debug!("rebalance: {e}");
         }
+        sample.add_engine(url, page.as_deref().ok());
     }
     Ok(sample)
 }
@@ -468,7 +538,7 @@ async fn act(engine: &dyn Operations, r: &Rebalancer, m: Move, figures: Figures)
     s.report.moves_total += 1;
     s.report.moves_counted.count(m.toward, ended);
     s.records.push(record.clone());
-    let excess = s.records.len().saturating_sub(KEPT_MOVES);
+    let excess = s.records.len().saturating_sub(RECENT_MOVES);
     s.records.drain(..excess);
     s.report.moves.push(record);
     let excess = s.report.moves.len().saturating_sub(SHOWN_MOVES);

@@ -8,7 +8,11 @@
 //! bucket as Prometheus' `histogram_quantile` does. Each engine's difference is taken on
 //! its own, keyed by its URL: an engine restarted within the window (its counters lower)
 //! counts from its first page after the restart, never from zero; an engine that did not
-//! answer at some look makes the window not judged ([`Window::missing`]).
+//! answer at some look, or answered without an inter-token histogram, makes the window
+//! blind ([`Window::missing`]). The proxy's own warm-up requests
+//! (`pdctl_proxy_warmups_total{instance=...}`, one per pair it warms) reach the decode
+//! engines' counters as if they were traffic: each engine's finished requests in the
+//! window are counted without the warm-ups the proxy sent it in that window.
 
 use super::decide::Figures;
 use crate::prometheus::{label_value, samples};
@@ -26,6 +30,8 @@ pub const ITL: [&str; 2] = [
 pub const FINISHED: &str = "vllm:e2e_request_latency_seconds";
 /// The gauge of requests an engine runs now.
 pub const RUNNING: &str = "vllm:num_requests_running";
+/// The proxy's counter of warm-up requests it sent each decode engine (by `instance`).
+pub const WARMUPS: &str = "pdctl_proxy_warmups_total";
 
 /// Cumulative bucket counts of one histogram: (upper bound in seconds, count), ascending,
 /// `+Inf` last.
@@ -50,13 +56,25 @@ pub struct Sample {
     pub ttft: Buckets,
     /// Each decode engine that answered, by its URL.
     pub engines: BTreeMap<String, EngineSample>,
-    /// The decode engines the proxy routes to that did not answer in time.
-    pub missing: Vec<String>,
+    /// The decode engines the proxy routes to whose figures this look could not read,
+    /// and why.
+    pub missing: Vec<(String, Unread)>,
+    /// Warm-up requests the proxy sent each decode engine since it started, by its URL.
+    pub warmups: BTreeMap<String, f64>,
     /// Requests in flight on each prefill instance, and on each decode instance.
     pub prefill_in_flight: Vec<f64>,
     pub decode_in_flight: Vec<f64>,
     /// Some instance the proxy routes to is marked unhealthy.
     pub unhealthy: bool,
+}
+
+/// Why a decode engine's figures were not read at a look.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Unread {
+    /// Its `/metrics` did not answer in time.
+    NoAnswer,
+    /// Its `/metrics` answered without an inter-token histogram.
+    NoHistogram,
 }
 
 /// The cumulative buckets of histogram `name` on a page, summed over its label sets.
@@ -99,6 +117,11 @@ pub fn from_proxy(page: &str, at_ms: u64) -> Sample {
                 _ => {}
             },
             "pdctl_proxy_instance_healthy" if m.value < 0.5 => s.unhealthy = true,
+            WARMUPS => {
+                if let Some(url) = label_value(m.labels, "instance") {
+                    *s.warmups.entry(url).or_default() += m.value;
+                }
+            }
             _ => {}
         }
     }
@@ -128,6 +151,23 @@ pub fn from_engine(page: &str) -> EngineSample {
             .filter(|m| m.name == RUNNING)
             .map(|m| m.value)
             .sum(),
+    }
+}
+
+impl Sample {
+    /// Takes a decode engine's page as one look read it (None: it did not answer in
+    /// time): a page without an inter-token histogram is no figure, like no page.
+    pub fn add_engine(&mut self, url: String, page: Option<&str>) {
+        let Some(page) = page else {
+            self.missing.push((url, Unread::NoAnswer));
+            return;
+        };
+        let engine = from_engine(page);
+        if engine.itl.is_empty() {
+            self.missing.push((url, Unread::NoHistogram));
+        } else {
+            self.engines.insert(url, engine);
+        }
     }
 }
 
@@ -265,8 +305,12 @@ impl Window {
             // Requests with a gap in the window: those finished in it, and those running
             // at its end.
             let finished = |s: &Sample| engine(s).map(|e| vec![(f64::INFINITY, e.finished)]);
+            let warmed = |s: &Sample| s.warmups.get(url).map(|n| vec![(f64::INFINITY, *n)]);
+            let warmups = self
+                .base_of(warmed)
+                .map_or(0.0, |(b, l)| (total(&l) - total(&b)).max(0.0));
             if let Some((b, l)) = self.base_of(finished) {
-                itl_requests += (total(&l) - total(&b)).max(0.0);
+                itl_requests += (total(&l) - total(&b) - warmups).max(0.0);
             }
             itl_requests += now.running;
         }
@@ -292,13 +336,13 @@ impl Window {
         }
     }
 
-    /// The decode engines that did not answer at some look of the window, with how many
-    /// looks each missed (empty: every figure of the window was read).
-    pub fn missing(&self) -> BTreeMap<String, usize> {
+    /// The decode engines whose figures some look of the window could not read, and why,
+    /// with how many looks each missed (empty: every figure of the window was read).
+    pub fn missing(&self) -> BTreeMap<(String, Unread), usize> {
         let mut out = BTreeMap::new();
         for s in &self.samples {
-            for url in &s.missing {
-                *out.entry(url.clone()).or_insert(0) += 1;
+            for key in &s.missing {
+                *out.entry(key.clone()).or_insert(0) += 1;
             }
         }
         out
@@ -410,7 +454,10 @@ mod tests {
                 .iter()
                 .map(|(u, e)| (u.to_string(), e.clone()))
                 .collect(),
-            missing: missing.iter().map(|u| u.to_string()).collect(),
+            missing: missing
+                .iter()
+                .map(|u| (u.to_string(), Unread::NoAnswer))
+                .collect(),
             ..from_proxy(&page([0, 0, 0, 0], 0, 1), at_ms)
         }
     }
@@ -470,10 +517,54 @@ mod tests {
             20_000,
         );
         w.push(both(10_000, 4), 20_000);
-        assert_eq!(w.missing(), BTreeMap::from([("d1".to_string(), 1)]));
+        assert_eq!(
+            w.missing(),
+            BTreeMap::from([(("d1".to_string(), Unread::NoAnswer), 1)])
+        );
         // Its figures stay each engine's own difference: 4 slow gaps, none of d0's old.
         let p90 = w.figures().itl_p90_ms.unwrap();
         assert!(p90 > 50.0, "{p90}");
+    }
+
+    #[test]
+    fn an_engine_page_without_the_histogram_is_missing_not_an_engine_with_no_gaps() {
+        // Before, such an engine counted as one with no gaps: the window was judged on
+        // the others', or with no ITL at all, as if a move cost decode nothing.
+        let mut s = look(0, &[], &[]);
+        s.add_engine("d0".into(), Some("vllm:num_requests_running 3\n"));
+        s.add_engine("d1".into(), None);
+        let full = "vllm:inter_token_latency_seconds_bucket{le=\"+Inf\"} 0\n";
+        s.add_engine("d2".into(), Some(full));
+        let mut w = Window::default();
+        w.push(s, 10_000);
+        assert_eq!(
+            w.missing(),
+            BTreeMap::from([
+                (("d0".to_string(), Unread::NoHistogram), 1),
+                (("d1".to_string(), Unread::NoAnswer), 1),
+            ])
+        );
+        assert_eq!(w.looks(), 1);
+    }
+
+    #[test]
+    fn the_proxys_warmups_are_not_counted_as_requests_on_decode() {
+        // d0 finished 10 requests in the window, 3 of them the proxy's warm-ups (a pair
+        // warmed for each instance that joined): 7 requests of traffic (before: 10).
+        let warmed = |at, finished: u64, warmups: u64| {
+            let page = format!(
+                "{}{WARMUPS}{{instance=\"d0\"}} {warmups}\n",
+                page([0, 0, 0, 0], 0, 1)
+            );
+            let mut s = from_proxy(&page, at);
+            s.engines
+                .insert("d0".into(), engine(0, finished, finished, 0));
+            s
+        };
+        let mut w = Window::default();
+        w.push(warmed(0, 10, 2), 10_000);
+        w.push(warmed(10_000, 20, 5), 10_000);
+        assert_eq!(w.figures().itl_requests, 7);
     }
 
     #[test]
