@@ -100,11 +100,11 @@ fn ratios(plan: &RebalancePlan, f: &Figures) -> (Option<f64>, Option<f64>) {
 }
 
 /// Why the window cannot judge a move: an objective whose figure it has none of while
-/// there was traffic (no first token, no gap between tokens on decode). None: every
-/// objective has its figure, or the window saw no request at all (nothing to judge).
+/// the other figure shows traffic (no first token, or no gap between tokens on decode).
+/// None: every objective has its figure, or the window has neither (nothing to judge).
 fn blind(plan: &RebalancePlan, f: &Figures) -> Option<String> {
     let t = &plan.table;
-    if f.requests == 0 && f.itl_requests == 0 {
+    if f.ttft_p90_ms.is_none() && f.itl_p90_ms.is_none() {
         return None;
     }
     let mut unknown = Vec::new();

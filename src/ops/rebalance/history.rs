@@ -88,8 +88,8 @@ mod tests {
             append_bounded(&path, &point(at), limit).unwrap();
         }
         // Two lines a file: 0,1 set aside then dropped, 2,3 set aside, 4 current.
-        let kept: Vec<u64> = read(dir.path()).iter().map(|p| p.at_ms).collect();
-        assert_eq!(kept, vec![2, 3, 4]);
+        let read_back: Vec<u64> = read(dir.path()).iter().map(|p| p.at_ms).collect();
+        assert_eq!(read_back, vec![2, 3, 4]);
         std::fs::write(&path, "not json\n").unwrap();
         assert_eq!(read(dir.path()).len(), 2, "a bad line is skipped");
     }

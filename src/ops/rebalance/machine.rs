@@ -154,14 +154,14 @@ impl Machine {
     /// baseline stays one; any other state becomes [`Phase::Starting`] with the split it
     /// knew (a file that is not there or does not read: as on a first start).
     pub fn read(state_dir: &Path) -> Machine {
-        let kept: Option<Machine> = std::fs::read_to_string(state_dir.join(STATE_FILE))
+        let previous: Option<Machine> = std::fs::read_to_string(state_dir.join(STATE_FILE))
             .ok()
             .and_then(|text| serde_json::from_str(&text).ok());
-        let Some(kept) = kept else {
+        let Some(previous) = previous else {
             return Machine::default();
         };
-        let phase = match kept.phase {
-            Phase::UserBaseline { .. } => kept.phase,
+        let phase = match previous.phase {
+            Phase::UserBaseline { .. } => previous.phase,
             Phase::Starting { left, moving_to } => Phase::Starting { left, moving_to },
             Phase::Watching { split } => Phase::Starting {
                 left: Some(split),
@@ -172,7 +172,7 @@ impl Machine {
                 moving_to: Some(to),
             },
         };
-        Machine { phase, ..kept }
+        Machine { phase, ..previous }
     }
 
     /// Keeps the state in `state_dir` (written aside, then renamed over the old one).

@@ -176,15 +176,15 @@ impl Rebalancer {
     /// Takes the `[rebalance]` table of the topology the cluster keeps (`apply` writes
     /// it), when it differs: its mode too when the file's mode changed (or the table is
     /// new); none left there leaves the cluster without a rebalancer.
-    fn follow_kept_topology(&self) {
+    fn follow_cluster_topology(&self) {
         let Ok(Some(source)) = crate::plan::source::ClusterSource::read(&self.state_dir) else {
             return;
         };
-        let Ok(kept) = source.rebalance() else {
+        let Ok(table) = source.rebalance() else {
             return;
         };
         let mut s = self.shared();
-        match (kept, &s.plan) {
+        match (table, &s.plan) {
             (Some(p), Some(old)) if p != *old => {
                 tracing::info!("rebalance: the topology's [rebalance] table changed; taken");
                 if p.table.mode != old.table.mode {
@@ -255,7 +255,7 @@ pub async fn run(engine: Arc<dyn Operations>, r: Arc<Rebalancer>) {
     loop {
         let window_s = r.table().map_or(IDLE_WINDOW_S, |p| p.table.window_s);
         tokio::time::sleep(tick(window_s)).await;
-        r.follow_kept_topology();
+        r.follow_cluster_topology();
         let Some(plan) = r.table() else {
             window.clear();
             continue;
