@@ -5,7 +5,7 @@
 //! function of the kept points and moves: no I/O, so it is tested on made-up histories.
 
 use super::{PictureError, axis, drawn, rgb, trim};
-use crate::vocab::{HistoryPoint, MoveRecord};
+use crate::vocab::{HistoryPoint, MoveOutcome, MoveRecord};
 use plotters::coord::Shift;
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
@@ -373,11 +373,11 @@ fn move_marker(
     x: i32,
     m: &MoveRecord,
 ) -> Result<(), PictureError> {
-    let outcome = m.outcome.as_deref().unwrap_or("done");
-    let ended = if outcome.starts_with("done") {
+    let outcome = MoveOutcome::of(m.outcome.as_deref().unwrap_or("done"));
+    let ended = if outcome == MoveOutcome::Done {
         String::new()
     } else {
-        format!(" ({})", outcome.split([' ', ':']).next().unwrap_or(outcome))
+        format!(" ({})", outcome.as_str())
     };
     let color = rgb(if ended.is_empty() {
         MOVE
@@ -549,6 +549,7 @@ mod tests {
     fn a_move_is_a_labelled_line_at_its_time() {
         let (points, mut moves) = history();
         moves.push(a_move(4, split(3, 1), split(2, 2), "failed (1): refused"));
+        let mut never = moves.clone();
         let svg = svg("demo", &points, &moves).unwrap();
         let done = markers(&svg, MOVE);
         let failed = markers(&svg, MOVE_NOT_DONE);
@@ -558,6 +559,13 @@ mod tests {
         assert!(
             texts.contains(&"3P1D -&gt; 2P2D (failed)".to_string()),
             "{texts:?}"
+        );
+        // A move whose change never started says so (before: "(not)").
+        never.last_mut().unwrap().outcome = Some("not started: another change runs".into());
+        let never = self::texts(&self::svg("demo", &points, &never).unwrap());
+        assert!(
+            never.contains(&"3P1D -&gt; 2P2D (not started)".to_string()),
+            "{never:?}"
         );
         // At the third look's x (2 s in), the fifth's (4 s in): the TTFT line's vertices.
         let ttft = &lines_in(&svg, TTFT, 2, 0)[0];

@@ -86,7 +86,7 @@ impl Rebalancer {
     /// Feeds `event` to the state machine, keeps its new state in the state dir when it
     /// changed, and returns what the loop is to do.
     fn on(&self, event: Event) -> Effect {
-        let mut s = self.shared();
+        let mut s = self.lock();
         let (next, effect) = s.machine.on(event);
         if let Event::Seen { split, .. } = event {
             s.report.split = split;
@@ -128,22 +128,22 @@ impl Rebalancer {
 
     /// The budget to judge by.
     fn budget(&self, plan: &RebalancePlan, split: Split) -> Budget {
-        Budget::of(plan, self.shared().machine.budget_split.unwrap_or(split))
+        Budget::of(plan, self.lock().machine.budget_split.unwrap_or(split))
     }
 
-    fn shared(&self) -> std::sync::MutexGuard<'_, RebalancerState> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, RebalancerState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// What `status` shows; None while the cluster has no `[rebalance]` table.
     pub fn report(&self) -> Option<RebalanceReport> {
-        let s = self.shared();
+        let s = self.lock();
         s.plan.as_ref().map(|_| s.report.clone())
     }
 
     /// `pdctl rebalance MODE`. (Err stays text: the refusal the client is sent as it is.)
     pub fn set_mode(&self, mode: RebalanceMode) -> Result<String, String> {
-        let mut s = self.shared();
+        let mut s = self.lock();
         if s.plan.is_none() {
             return Err(format!(
                 "this cluster has no rebalancer: its topology has no [rebalance] table (add one and `pdctl apply -f FILE`, taken in place, to use mode {})",
@@ -170,7 +170,7 @@ impl Rebalancer {
 
     /// The table as it stands.
     fn table(&self) -> Option<RebalancePlan> {
-        self.shared().plan.clone()
+        self.lock().plan.clone()
     }
 
     /// Takes the `[rebalance]` table of the topology the cluster keeps (`apply` writes
@@ -183,7 +183,7 @@ impl Rebalancer {
         let Ok(table) = source.rebalance() else {
             return;
         };
-        let mut s = self.shared();
+        let mut s = self.lock();
         match (table, &s.plan) {
             (Some(p), Some(old)) if p != *old => {
                 tracing::info!("rebalance: the topology's [rebalance] table changed; taken");
@@ -211,7 +211,7 @@ impl Rebalancer {
 
     /// The verdict of a look; with figures, the look is kept in the history too.
     fn set_verdict(&self, verdict: String, figures: Option<Figures>, measured_s: u64) {
-        let mut s = self.shared();
+        let mut s = self.lock();
         if s.report.verdict != verdict {
             tracing::info!("rebalance: {verdict}");
         }
@@ -293,7 +293,7 @@ async fn measure(
         }
     };
     r.see_split(split, window);
-    if r.shared().report.mode == RebalanceMode::Off {
+    if r.lock().report.mode == RebalanceMode::Off {
         window.clear();
         r.set_verdict("off: nothing judged".into(), None, 0);
         return None;
@@ -348,7 +348,7 @@ async fn judge(
     } = m;
     let budget = r.budget(plan, split);
     let state = {
-        let s = r.shared();
+        let s = r.lock();
         let now = now_ms();
         State {
             change_running: engine.report().is_some_and(|o| o.running()),
@@ -363,7 +363,7 @@ async fn judge(
     match decide(plan, split, budget, &figures, state) {
         Ok(None) => r.set_verdict(met(&figures), Some(figures), measured_s),
         Err(held) => r.set_verdict(held, Some(figures), measured_s),
-        Ok(Some(m)) if r.shared().report.mode == RebalanceMode::Advise => {
+        Ok(Some(m)) if r.lock().report.mode == RebalanceMode::Advise => {
             let v = format!("would move {} -> {}: {}", m.from, m.to, m.reason);
             r.set_verdict(v, Some(figures), measured_s);
         }
@@ -534,7 +534,7 @@ async fn act(engine: &dyn Operations, r: &Rebalancer, m: Move, figures: Figures)
     if let Err(e) = history::append_line(&r.state_dir.join(MOVES_FILE), &record) {
         tracing::warn!("rebalance: cannot keep the move's record: {e}");
     }
-    let mut s = r.shared();
+    let mut s = r.lock();
     s.report.moves_total += 1;
     s.report.moves_counted.count(m.toward, ended);
     s.records.push(record.clone());
@@ -580,6 +580,44 @@ mod tests {
         history::append_line(&path, &rec).unwrap();
         assert_eq!(read_moves(&path), vec![rec.clone(), rec]);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn act_said_again_gives_a_kept_user_baseline_back_and_keeps_that() {
+        use super::super::machine::Phase;
+        let dir = tempfile::tempdir().unwrap();
+        let split = Split {
+            prefill: 2,
+            decode: 3,
+        };
+        let kept = Machine {
+            phase: Phase::UserBaseline { split, since_ms: 1 },
+            budget_split: Some(split),
+        };
+        kept.write(dir.path()).unwrap();
+        let plan = RebalancePlan {
+            table: toml::from_str("ttft_p90_ms = 200\nmode = \"act\"\n").unwrap(),
+            prefill_gpus: 1,
+            decode_gpus: 1,
+        };
+        let r = Rebalancer::new(Some(plan), split, dir.path().to_path_buf());
+        assert_eq!(r.lock().machine, kept, "read back at start");
+        let said = r.set_mode(RebalanceMode::Advise).unwrap();
+        assert_eq!(said, "rebalance: mode advise (was act)");
+        assert_eq!(Machine::read(dir.path()), kept, "advise gives nothing back");
+        let said = r.set_mode(RebalanceMode::Act).unwrap();
+        assert_eq!(
+            said,
+            "rebalance: mode act (was advise); the split another change set is judged again"
+        );
+        assert_eq!(
+            Machine::read(dir.path()).phase,
+            Phase::Starting {
+                left: Some(split),
+                moving_to: None
+            },
+            "kept as the rebalancer's (watched) split"
+        );
     }
 
     #[test]
