@@ -8,7 +8,10 @@
 //! is larger than the miss it would cause there; a move back waits `cooldown_s`, doubled
 //! for each move back in a row; and with both objectives missed, a move back (or a move
 //! with no instance to give) is no help: the verdict says the cluster is overloaded and
-//! which budget would help, and nothing moves.
+//! which budget would help, and nothing moves. Never blind: an objective without its
+//! figure, or a move whose cost to the other role is not known (its figure not judged),
+//! moves nothing (`blind: ...`); a split the user set moves only once `pdctl rebalance
+//! act` is said again.
 
 pub use crate::vocab::{Figures, Move, Split, Toward};
 use crate::vocab::{MoveOutcome, MoveRecord, RebalancePlan};
