@@ -216,7 +216,8 @@ impl Tracker {
             sent: Sent::default(),
             chat: req.path == "/v1/chat/completions",
             client_ids: req.body.get("return_token_ids") == Some(&json!(true)),
-            client_usage: super::usage_chunk::asks_usage(&req.body),
+            // A whole answer's body always has its usage.
+            client_usage: !req.stream || super::usage_chunk::asks_usage(&req.body),
             form: Form::Original,
             hops: 0,
         }
