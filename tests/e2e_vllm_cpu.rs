@@ -928,10 +928,9 @@ const GUARDED_LINE: &str = "self.device_id = (torch.accelerator.current_device_i
 /// the CPU build only because this copy guards the call.
 fn patched_vllm_python(dir: &Path) -> PathBuf {
     let (python, _) = pdctl::vllm::find_python("python3").expect("a python with vLLM");
-    let python = pdctl::tools::find_program(&python)
-        .unwrap_or_else(|| PathBuf::from(&python))
-        .canonicalize()
-        .expect("the python's path");
+    // Not canonicalized: a venv's python is a link out of the venv, and only the link's
+    // own path makes it the venv's.
+    let python = pdctl::tools::find_program(&python).unwrap_or_else(|| PathBuf::from(&python));
     let package = pdctl::vllm::package_dir(&python.display().to_string())
         .expect("the installed vllm package's directory");
     let overlay = dir.join("vllm-mooncake-cpu");
@@ -999,7 +998,8 @@ fn topology(case: &Case, cluster: &str, model: &Path, ports: &[u16]) -> String {
     t.insert("connector".into(), connector.into());
     if case.patched {
         let python = patched_vllm_python(Path::new(env!("CARGO_TARGET_TMPDIR")));
-        t["engine"]["python"] = python.display().to_string().into();
+        let engine = t["engine"].as_table_mut().unwrap();
+        engine.insert("python".into(), python.display().to_string().into());
     }
     if case.real_misses > 0 {
         // Decode runs one request at a time, so a proxied request's decode leg can be
@@ -2797,7 +2797,8 @@ fn two_nodes(case: &Case, name: &str) {
     t.insert("connector".into(), connector.into());
     if case.patched {
         let python = patched_vllm_python(Path::new(env!("CARGO_TARGET_TMPDIR")));
-        t["engine"]["python"] = python.display().to_string().into();
+        let engine = t["engine"].as_table_mut().unwrap();
+        engine.insert("python".into(), python.display().to_string().into());
     }
     let topo = root.path().join("topology.toml");
     std::fs::write(&topo, toml::to_string(&t).unwrap()).unwrap();

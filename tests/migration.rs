@@ -150,17 +150,61 @@ async fn streams_going(url: &str, n: usize, extra: &Value) -> Vec<tokio::task::J
     running
 }
 
+/// How decode-0 dies under the streams.
+#[derive(Clone, Copy)]
+enum Death {
+    /// SIGKILL: its connections reset.
+    Killed,
+    /// Its engine core dies: each stream gets vLLM's EngineDeadError as an error event and
+    /// `[DONE]`, then the server exits (the sim's `engine_dead` fault).
+    EngineCore,
+}
+
+/// Makes decode-0 of `cluster` die as `how` says.
+async fn kill_decode0(cluster: &Cluster, how: Death) {
+    let report = cluster.status(&[]).expect("the cluster is up");
+    let decode0 = suph::svc(&report, "decode-0");
+    match how {
+        Death::Killed => {
+            let pid = decode0.pid.expect("decode-0 runs");
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            )
+            .unwrap();
+        }
+        Death::EngineCore => {
+            let url = decode0.url.clone().expect("decode-0's URL");
+            let key = cluster.engine_key();
+            let r = reqwest::Client::new()
+                .post(format!("{url}/sim/fault"))
+                .bearer_auth(key)
+                .json(&json!({"engine_dead": true}))
+                .send()
+                .await
+                .expect("the fault request");
+            assert!(r.status().is_success(), "{:?}", r.text().await);
+        }
+    }
+}
+
 /// Sends `n` streams to `url` and, once every one has 20 events or more, kills
 /// decode-0 with SIGKILL; what each client read.
 async fn streams_with_a_kill(cluster: &Cluster, url: &str, n: usize, extra: &Value) -> Vec<Read> {
+    streams_with_a_death(cluster, url, n, extra, Death::Killed).await
+}
+
+/// Sends `n` streams to `url` and, once every one has 20 events or more, makes decode-0
+/// die as `how` says; what each client read.
+async fn streams_with_a_death(
+    cluster: &Cluster,
+    url: &str,
+    n: usize,
+    extra: &Value,
+    how: Death,
+) -> Vec<Read> {
     let running = streams_going(url, n, extra).await;
-    let report = cluster.status(&[]).expect("the cluster is up");
-    let pid = suph::svc(&report, "decode-0").pid.expect("decode-0 runs");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    kill_decode0(cluster, how).await;
     let mut reads = Vec::new();
     for r in running {
         reads.push(r.await.unwrap());
@@ -196,11 +240,11 @@ async fn migrations(base: &str) -> f64 {
 
 /// Every stream complete and equal to its unkilled answer, as one stream, with the usage
 /// of the whole answer; the migrations counted.
-async fn check_every_stream_goes_on(cluster: &Cluster, base: &str, route: &str) {
+async fn check_every_stream_goes_on(cluster: &Cluster, base: &str, route: &str, how: Death) {
     let url = format!("{base}{route}");
     let none = json!({});
     let want = unkilled(&url, STREAMS, &none).await;
-    let got = streams_with_a_kill(cluster, &url, STREAMS, &none).await;
+    let got = streams_with_a_death(cluster, &url, STREAMS, &none, how).await;
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert!(
             g.error.is_none(),
@@ -238,8 +282,13 @@ async fn check_every_stream_goes_on(cluster: &Cluster, base: &str, route: &str) 
 /// A 1P2D cluster over `connector` in which decode-0 is killed under 16 streams to
 /// `route`: every stream goes on ([`check_every_stream_goes_on`]); then down.
 async fn goes_on(tag: &str, connector: &str, connector_extra: &str, route: &str) {
-    let (cluster, _t, base) = up_1p2d(tag, connector, connector_extra);
-    check_every_stream_goes_on(&cluster, &base, route).await;
+    goes_on_after(tag, connector, connector_extra, route, Death::Killed).await;
+}
+
+/// [`goes_on`] with decode-0 dying as `how` says.
+async fn goes_on_after(tag: &str, connector: &str, extra: &str, route: &str, how: Death) {
+    let (cluster, _t, base) = up_1p2d(tag, connector, extra);
+    check_every_stream_goes_on(&cluster, &base, route, how).await;
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));
 }
@@ -252,6 +301,13 @@ async fn a_decode_killed_mid_stream_costs_its_completions_streams_a_pause_never_
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_decode_killed_mid_stream_costs_its_chat_streams_a_pause_never_an_error() {
     goes_on("chat", "nixl", "", "/v1/chat/completions").await;
+}
+
+/// vLLM's API server whose engine core dies writes `EngineDeadError` into each stream as
+/// an error event, then `[DONE]`, and exits: the streams go on all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_decode_whose_engine_core_dies_mid_stream_costs_its_streams_a_pause_never_an_error() {
+    goes_on_after("core", "nixl", "", "/v1/completions", Death::EngineCore).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

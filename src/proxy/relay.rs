@@ -49,6 +49,9 @@ pub struct Relay {
     /// Set when the client asked for one body ([`whole_response`]): the stream is read by
     /// the proxy, and the error it ended with is kept for the client's error response.
     whole: Option<Option<ProxyError>>,
+    /// Set when decode sent a server error as an event mid-stream (vLLM's engine core
+    /// died): the leg is treated as broken off, what came after it is dropped.
+    engine_error: Option<String>,
 }
 
 /// What continuing a stream on another decode needs: the client's request, what it was
@@ -213,6 +216,7 @@ impl Relay {
             carry,
             refused,
             whole: None,
+            engine_error: None,
         }
     }
 }
@@ -331,6 +335,13 @@ impl Stream for Relay {
                     None => continue,
                 }
             }
+            if let Some(why) = this.engine_error.take() {
+                let f = LegFailure::Body(format!("it sent an error event mid-stream ({why})"));
+                if let Some(end) = this.broke(f, migration::BROKE_ENGINE_ERROR) {
+                    return end;
+                }
+                continue;
+            }
             if let Some(end) = this.interrupted(cx) {
                 return end;
             }
@@ -375,6 +386,12 @@ impl Relay {
         carry.events.push(&chunk);
         let mut out = Vec::with_capacity(chunk.len() + 64);
         while let Some(ev) = carry.events.next_event() {
+            if let Some(why) = migration::engine_error(&ev.data) {
+                // The leg is over: what it sends after the error ([DONE]) is its own end.
+                carry.events = crate::sse::Events::default();
+                self.engine_error = Some(why);
+                break;
+            }
             let mut usage = None;
             match carry.tracker.event(&ev.data, &mut usage) {
                 Out::Same => sse_event(&mut out, &ev.data),
