@@ -8,6 +8,10 @@
 #   --only CASE  run one case: example (ExampleConnector, shared directory),
 #                nixl (NixlConnector, decode pulls over UCX),
 #                nixl-push (NixlPushConnector, prefill writes into decode's blocks),
+#                mooncake (MooncakeConnector V1, the seeds' transfer engine, over TCP: on one
+#                machine, then across the two network namespaces of two-nodes),
+#                migration (1P2D: decode-0's process killed while 8 answers stream and 4
+#                are written whole; every one completes, equal to the unkilled answer),
 #                mooncake-store (MooncakeStoreConnector, etcd + mooncake_master),
 #                mooncake-store-http (the same, mooncake_master's HTTP metadata, no etcd),
 #                misses-load (ExampleConnector behind a client key: pdctl check, and real
@@ -42,11 +46,11 @@ MODEL=""
 VENV=""
 while (($#)); do
   case "$1" in
-    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance, fetch, two-nodes, gpu-script}"; shift 2 ;;
+    --only) ONLY="${2:?--only needs a case: example, nixl, nixl-push, mooncake, migration, mooncake-store, mooncake-store-http, misses-load, rebalance, fetch, two-nodes, gpu-script}"; shift 2 ;;
     --no-gpu-script) NO_GPU_SCRIPT=1; shift ;;
     --model) MODEL="${2:?--model needs a directory}"; shift 2 ;;
     --venv) VENV="${2:?--venv needs a directory}"; shift 2 ;;
-    -h|--help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e-vllm-cpu.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -58,6 +62,8 @@ case "$ONLY" in
   example) FILTER="vllm_cpu_example_connector_1p1d" ;;
   nixl) FILTER="vllm_cpu_nixl_1p1d" ;;
   nixl-push) FILTER="vllm_cpu_nixl_push_1p1d" ;;
+  mooncake) FILTER="vllm_cpu_mooncake_te_1p1d vllm_cpu_two_nodes_mooncake_te" ;;
+  migration) FILTER="vllm_cpu_streams_go_on_1p2d" ;;
   mooncake-store) FILTER="vllm_cpu_mooncake_store_1p1d" ;;
   mooncake-store-http) FILTER="vllm_cpu_mooncake_store_http_metadata_1p1d" ;;
   misses-load) FILTER="vllm_cpu_misses_under_load_1p1d" ;;
@@ -65,7 +71,7 @@ case "$ONLY" in
   fetch) FILTER="vllm_cpu_fetches_the_model_first_1p1d" ;;
   two-nodes) FILTER="vllm_cpu_two_nodes_nixl" ;;
   gpu-script) FILTER="" ;;
-  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, nixl-push, mooncake-store, mooncake-store-http, misses-load, rebalance, fetch, two-nodes or gpu-script, not '$ONLY'" >&2; exit 2 ;;
+  *) echo "e2e-vllm-cpu.sh: --only takes example, nixl, nixl-push, mooncake, migration, mooncake-store, mooncake-store-http, misses-load, rebalance, fetch, two-nodes or gpu-script, not '$ONLY'" >&2; exit 2 ;;
 esac
 
 step() { printf '\n==> %s\n' "$*"; }
@@ -102,7 +108,8 @@ FIGS="${CARGO_TARGET_DIR:-$REPO/target}/tmp"
 rm -f "$FIGS"/e2e-vllm-cpu-*.json
 status=0
 if [ -n "$FILTER" ]; then
-  cargo test --test e2e_vllm_cpu -- --ignored --test-threads 1 --nocapture "$FILTER" || status=$?
+  # shellcheck disable=SC2086 # a case may name several tests
+  cargo test --test e2e_vllm_cpu -- --ignored --test-threads 1 --nocapture $FILTER || status=$?
 fi
 
 gpu_status=0

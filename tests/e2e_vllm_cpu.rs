@@ -50,6 +50,9 @@ struct Case {
     /// request at a time. Only the ExampleConnector's stored files can be taken away
     /// between prefill's answer and decode's load.
     real_misses: usize,
+    /// Whether the engines run a vLLM with MooncakeConnector's one CUDA-only line guarded
+    /// ([`patched_vllm_python`]); pdctl refuses the connector on the unpatched CPU build.
+    patched: bool,
 }
 
 const EXAMPLE: Case = Case {
@@ -61,6 +64,7 @@ const EXAMPLE: Case = Case {
     log_of: "decode-0",
     log_proof: "Inject KV cache of N tokens",
     real_misses: 2,
+    patched: false,
 };
 
 /// NixlConnector, pdctl's default: decode pulls the blocks from prefill over UCX (NIXL's
@@ -75,6 +79,7 @@ const NIXL: Case = Case {
     log_of: "decode-0",
     log_proof: "KV Transfer metrics: Num successful transfers>0, Num failed transfers=0",
     real_misses: 0,
+    patched: false,
 };
 
 /// NixlPushConnector (vLLM 0.24.0 on): the proxy sends both legs at once (protocol
@@ -90,6 +95,7 @@ const NIXL_PUSH: Case = Case {
     log_of: "prefill-0",
     log_proof: "KV Transfer metrics: Num successful transfers>0, Num failed transfers=0",
     real_misses: 0,
+    patched: false,
 };
 
 const MOONCAKE_STORE: Case = Case {
@@ -103,6 +109,7 @@ const MOONCAKE_STORE: Case = Case {
     log_of: "decode-0",
     log_proof: "KV Transfer metrics: load_get_count>0, load_get_failed_keys=0",
     real_misses: 0,
+    patched: false,
 };
 
 /// The same store with mooncake_master's built-in HTTP metadata server instead of etcd.
@@ -115,7 +122,31 @@ const MOONCAKE_STORE_HTTP: Case = Case {
     log_of: "decode-0",
     log_proof: "KV Transfer metrics: load_get_count>0, load_get_failed_keys=0",
     real_misses: 0,
+    patched: false,
 };
+
+/// MooncakeConnector V1, today's form of the seeds' Mooncake transfer engine, over TCP:
+/// decode registers with prefill's bootstrap server and prefill writes the blocks into
+/// decode's (`batch_transfer_sync_write`), counting them as transfers in its own log, as
+/// NIXL's push mode does. No etcd or mooncake_master. vLLM 0.32's connector asks torch
+/// for a CUDA device when it starts, so the engines run a vLLM with that line guarded.
+const MOONCAKE: Case = Case {
+    name: "mooncake",
+    connector: "kind = \"mooncake\"\ntransport = \"tcp\"\n",
+    programs: &[],
+    support: &[],
+    handoff_guaranteed: true,
+    log_of: "prefill-0",
+    log_proof: "KV Transfer metrics: Num successful transfers>0, Num failed transfers=0",
+    real_misses: 0,
+    patched: true,
+};
+
+#[test]
+#[ignore = "needs vLLM's CPU build with mooncake-transfer-engine and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
+fn vllm_cpu_mooncake_te_1p1d() {
+    run_case(&MOONCAKE);
+}
 
 #[test]
 #[ignore = "needs vLLM's CPU build and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
@@ -882,6 +913,61 @@ fn prerequisites(case: &Case) -> PathBuf {
     model
 }
 
+/// MooncakeConnector's CUDA-only line, as vLLM 0.32 writes it (mooncake_connector.py,
+/// `MooncakeConnectorWorker.__init__`): `torch.accelerator.current_device_index()` raises
+/// "Found no NVIDIA driver" on the CPU build. Guarded, the CPU build's platform gets device
+/// 0 (its `set_device` is torch.cpu's, which does nothing).
+const CUDA_ONLY_LINE: &str = "self.device_id = torch.accelerator.current_device_index()";
+const GUARDED_LINE: &str = "self.device_id = (torch.accelerator.current_device_index() if torch.accelerator.is_available() else 0)";
+
+/// A python that runs the installed vLLM with MooncakeConnector's CUDA-only line guarded,
+/// made afresh under `dir`: a tree of links to the installed `vllm` package
+/// with that one file a patched copy, put first on the path by a wrapper script. Only the
+/// end-to-end harness patches: the installed vLLM is left as it is, and pdctl, which reads
+/// the connector's source where the engines' python finds it, plans MooncakeConnector on
+/// the CPU build only because this copy guards the call.
+fn patched_vllm_python(dir: &Path) -> PathBuf {
+    let (python, _) = pdctl::vllm::find_python("python3").expect("a python with vLLM");
+    // Not canonicalized: a venv's python is a link out of the venv, and only the link's
+    // own path makes it the venv's.
+    let python = pdctl::tools::find_program(&python).unwrap_or_else(|| PathBuf::from(&python));
+    let package = pdctl::vllm::package_dir(&python.display().to_string())
+        .expect("the installed vllm package's directory");
+    let overlay = dir.join("vllm-mooncake-cpu");
+    let wrapper = overlay.join("python");
+    let file =
+        overlay.join("vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py");
+    let _ = std::fs::remove_dir_all(&overlay);
+    std::fs::create_dir_all(&overlay).unwrap();
+    let linked = Command::new("cp")
+        .arg("-rs")
+        .arg(&package)
+        .arg(overlay.join("vllm"))
+        .status()
+        .expect("cp runs");
+    assert!(
+        linked.success(),
+        "could not link the vllm package into {}",
+        overlay.display()
+    );
+    let source = std::fs::read_to_string(&file).expect("MooncakeConnector's source");
+    assert!(
+        source.contains(CUDA_ONLY_LINE),
+        "the installed MooncakeConnector no longer has the line this harness guards ({CUDA_ONLY_LINE}):          if it starts on the CPU build as it is, drop `patched` from the mooncake case"
+    );
+    std::fs::remove_file(&file).unwrap();
+    std::fs::write(&file, source.replacen(CUDA_ONLY_LINE, GUARDED_LINE, 1)).unwrap();
+    let script = format!(
+        "#!/bin/sh\n# vLLM with MooncakeConnector's CUDA-only line guarded (pdctl's end-to-end harness)\nPYTHONPATH=\"{}${{PYTHONPATH:+:$PYTHONPATH}}\" exec \"{}\" \"$@\"\n",
+        overlay.display(),
+        python.display()
+    );
+    std::fs::write(&wrapper, script).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    wrapper
+}
+
 fn default_model_dir() -> PathBuf {
     PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
         .join(".local/share/pdctl/models/tiny-llama")
@@ -910,6 +996,11 @@ fn topology(case: &Case, cluster: &str, model: &Path, ports: &[u16]) -> String {
     t["proxy"]["port"] = i64::from(ports[2]).into();
     let connector: toml::Table = toml::from_str(case.connector).unwrap();
     t.insert("connector".into(), connector.into());
+    if case.patched {
+        let python = patched_vllm_python(Path::new(env!("CARGO_TARGET_TMPDIR")));
+        let engine = t["engine"].as_table_mut().unwrap();
+        engine.insert("python".into(), python.display().to_string().into());
+    }
     if case.real_misses > 0 {
         // Decode runs one request at a time, so a proxied request's decode leg can be
         // held waiting behind another (see real_misses).
@@ -1156,8 +1247,9 @@ fn handoff_line(case: &Case, log: &str) -> Option<String> {
         .find(|l| {
             if case.name == "example" {
                 l.contains("Inject KV cache of")
-            } else if case.name.starts_with("nixl") {
-                // NixlConnector (pull or push) logs its transfer counters every few seconds.
+            } else if !case.name.starts_with("mooncake-store") {
+                // NixlConnector (pull or push) and MooncakeConnector log their transfer
+                // counters every few seconds.
                 l.contains("KV Transfer metrics")
                     && count_after(l, "Num successful transfers=").is_some_and(|n| n > 0)
                     && count_after(l, "Num failed transfers=") == Some(0)
@@ -2644,14 +2736,27 @@ fn vllm_cpu_fetches_the_model_first_1p1d() {
 #[test]
 #[ignore = "needs vLLM's CPU build, root, iproute2 and openssh-server; run scripts/e2e-vllm-cpu.sh --only two-nodes"]
 fn vllm_cpu_two_nodes_nixl() {
-    let model = prerequisites(&NIXL);
+    two_nodes(&NIXL, "two-nodes");
+}
+
+/// The same two machines with MooncakeConnector (TCP) across the link: prefill on the
+/// head writes the KV into the worker's decode through the transfer engine.
+#[test]
+#[ignore = "needs vLLM's CPU build with mooncake-transfer-engine, root, iproute2 and openssh-server; run scripts/e2e-vllm-cpu.sh --only mooncake"]
+fn vllm_cpu_two_nodes_mooncake_te() {
+    two_nodes(&MOONCAKE, "two-nodes-mooncake");
+}
+
+/// The two-machine run over `case`'s connector; `name` names its figures and prompts.
+fn two_nodes(case: &Case, name: &str) {
+    let model = prerequisites(case);
     let pair = netns::NetnsPair::create("e2n").unwrap_or_else(|why| {
         panic!("this case needs two network namespaces (root and iproute2): {why}")
     });
     let root = TempDir::new("e2e2n");
     let ports = free_ports(8);
     let (prefill_port, decode_port, proxy_port, control) = (ports[0], ports[1], ports[2], ports[3]);
-    let tag = format!("two-nodes-{}-{}", std::process::id(), ports[7]);
+    let tag = format!("{name}-{}-{}", std::process::id(), ports[7]);
     let worker_root = root.path().join("worker-state");
     let home = root.path().join("worker-home");
     std::fs::create_dir_all(&home).unwrap();
@@ -2688,8 +2793,13 @@ fn vllm_cpu_two_nodes_nixl() {
     t["proxy"]["port"] = i64::from(proxy_port).into();
     let control_table: toml::Table = toml::from_str(&format!("port = {control}\n")).unwrap();
     t.insert("control".into(), control_table.into());
-    let connector: toml::Table = toml::from_str(NIXL.connector).unwrap();
+    let connector: toml::Table = toml::from_str(case.connector).unwrap();
     t.insert("connector".into(), connector.into());
+    if case.patched {
+        let python = patched_vllm_python(Path::new(env!("CARGO_TARGET_TMPDIR")));
+        let engine = t["engine"].as_table_mut().unwrap();
+        engine.insert("python".into(), python.display().to_string().into());
+    }
     let topo = root.path().join("topology.toml");
     std::fs::write(&topo, toml::to_string(&t).unwrap()).unwrap();
 
@@ -2795,12 +2905,12 @@ fn vllm_cpu_two_nodes_nixl() {
     );
 
     let figures = json!({
-        "case": "two-nodes",
+        "case": name,
         "startup_to_healthy_s": round1(startup_s),
         "first_8_after_up": first8,
         "streaming_60_s": streamed,
     });
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2e-two-nodes.json");
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("e2e-{name}.json"));
     std::fs::write(&out, serde_json::to_string_pretty(&figures).unwrap() + "\n").unwrap();
 
     let down = run(on_head(&["down"]), 180);
@@ -3014,4 +3124,261 @@ fn two_nodes_ssh_command(dir: &Path) -> String {
         "ssh -i {}/id -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes -o LogLevel=ERROR -o ConnectTimeout=10",
         dir.display()
     )
+}
+
+// --- streams that go on: decode-0 killed while it answers (issue 57) -----------------------
+
+/// Streams and whole answers in flight on the 1P2D when decode-0 is killed.
+const MIGRATION_STREAMS: usize = 8;
+const MIGRATION_WHOLE: usize = 4;
+/// Tokens each answer asks for (ignore_eos): long enough to be cut on this CPU.
+const MIGRATION_TOKENS: u32 = 160;
+
+/// A 1P2D of vLLM's CPU build over NIXL: 8 streamed and 4 whole (non-streamed) greedy
+/// completions run, decode-0's API server is killed (SIGKILL) once every stream has 8
+/// events or more, and every answer completes without an error, equal to the same
+/// request's answer before the kill (token ids carried, so the continuation is the greedy
+/// answer the dead decode would have given); the proxy counts the migrations and logs each
+/// hop naming both decodes; `down` leaves nothing.
+#[test]
+#[ignore = "needs vLLM's CPU build with NIXL and ~13 GB of RAM (three engines): run scripts/e2e-vllm-cpu.sh --only migration"]
+fn vllm_cpu_streams_go_on_1p2d() {
+    let model = prerequisites(&NIXL);
+    let avail_gib = mem_available_gib();
+    assert!(
+        avail_gib >= 13.0,
+        "three vLLM CPU instances need about 13 GiB of memory; {avail_gib:.1} GiB is available"
+    );
+    let (ports, decode_base) = ports_with_a_pair();
+    let root = TempDir::new("e2emig");
+    let mut t: toml::Table = toml::from_str(&topology(&NIXL, "e2e-mig", &model, &ports)).unwrap();
+    t["decode"]["instances"] = 2.into();
+    t["decode"]["base_port"] = i64::from(decode_base).into();
+    let topo = root.path().join("topology.toml");
+    std::fs::write(&topo, toml::to_string(&t).unwrap()).unwrap();
+    let tag = format!("migration-{}-{}", std::process::id(), ports[7]);
+    let mut guard = Running {
+        state: root.path().to_path_buf(),
+        tag: tag.clone(),
+        up: true,
+        worker_state: None,
+    };
+    let up = run(pdctl_in(&guard, &["up", "-d", "-f", path(&topo)]), 900);
+    assert!(up.status.success(), "pdctl up -d failed:\n{}", text(&up));
+    let key = run(pdctl_in(&guard, &["secret", "--engine-key"]), 30);
+    let key = String::from_utf8(key.stdout).unwrap().trim().to_string();
+    let http = reqwest::Client::builder()
+        .pool_idle_timeout(ENGINE_IDLE)
+        .timeout(Duration::from_secs(600))
+        .default_headers(
+            [(
+                reqwest::header::AUTHORIZATION,
+                format!("Bearer {key}").parse().unwrap(),
+            )]
+            .into_iter()
+            .collect(),
+        )
+        .build()
+        .unwrap();
+    let proxy = format!("http://127.0.0.1:{}/v1/completions", ports[2]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let bodies: Vec<Value> = (0..MIGRATION_STREAMS + MIGRATION_WHOLE)
+        .map(|i| {
+            let mut b = request_body(
+                "/v1/completions",
+                &prompt("migration", "go-on", i),
+                MIGRATION_TOKENS,
+                i < MIGRATION_STREAMS,
+            );
+            b["ignore_eos"] = json!(true);
+            b
+        })
+        .collect();
+    let want: Vec<String> = bodies
+        .iter()
+        .map(|b| rt.block_on(send(&http, &proxy, b)).text)
+        .collect();
+    let decode0 = service_row(&guard, "decode-0");
+    let pid = decode0["pid"].as_u64().expect("decode-0's pid") as i32;
+    let (got, waited) = rt.block_on(answers_with_a_kill(&http, &proxy, &bodies, pid));
+    let mut equal = 0;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let g = g
+            .as_ref()
+            .unwrap_or_else(|e| panic!("answer {i} failed: {e}"));
+        if g == w {
+            equal += 1;
+        } else {
+            eprintln!(
+                "[migration] answer {i} differs from its unkilled run:\n  got  {g:?}\n  want {w:?}"
+            );
+        }
+    }
+    let metrics = rt.block_on(proxy_metrics(&format!("http://127.0.0.1:{}", ports[2])));
+    let moved = metric_sum(&metrics, "pdctl_proxy_migrations_total", "").unwrap_or(0.0);
+    let log = text(&run(pdctl_in(&guard, &["logs", "proxy"]), 30));
+    let hops: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("stream continued: decode"))
+        .collect();
+    println!(
+        "[migration] decode-0 killed after {waited:.1} s of load: {} of {} answers complete, {equal} equal to the unkilled answers; {moved} migrations counted; hops:\n{}",
+        got.len(),
+        got.len(),
+        hops.join("\n")
+    );
+    assert!(moved >= 1.0, "no migration counted: the kill hit no answer");
+    assert!(!hops.is_empty(), "no hop logged");
+    assert!(
+        hops.iter().all(|l| l.contains("token ids")),
+        "a hop carried text, not token ids:\n{}",
+        hops.join("\n")
+    );
+    assert_eq!(
+        equal,
+        got.len(),
+        "answers differ from their unkilled runs (above)"
+    );
+    let figures = json!({
+        "case": "migration",
+        "answers": got.len(),
+        "equal_to_unkilled": equal,
+        "migrations": moved,
+        "killed_after_s": round1(waited),
+    });
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2e-vllm-cpu-migration.json");
+    std::fs::write(&out, serde_json::to_string_pretty(&figures).unwrap() + "\n").unwrap();
+    let down = run(pdctl_in(&guard, &["down"]), 120);
+    assert!(down.status.success(), "pdctl down failed:\n{}", text(&down));
+    let gone = common::wait_until(Duration::from_secs(30), || {
+        tagged_processes(&tag).is_empty()
+    });
+    assert!(gone, "processes left: {:?}", tagged_processes(&tag));
+    guard.up = false;
+}
+
+/// Eight free ports, and a base port whose next one is free too (two decode instances).
+fn ports_with_a_pair() -> (Vec<u16>, u16) {
+    loop {
+        let ports = free_ports(8);
+        let base = free_ports(1)[0];
+        let pair_free = base < u16::MAX
+            && !ports.contains(&base)
+            && !ports.contains(&(base + 1))
+            && std::net::TcpListener::bind(("127.0.0.1", base + 1)).is_ok();
+        if pair_free {
+            return (ports, base);
+        }
+    }
+}
+
+/// `name`'s row in `pdctl status --json`.
+fn service_row(guard: &Running, name: &str) -> Value {
+    let out = run(pdctl_in(guard, &["status", "--json"]), 30);
+    let status: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    status["services"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["name"] == name).cloned())
+        .unwrap_or_else(|| panic!("no {name} in pdctl status: {}", text(&out)))
+}
+
+/// Sends `bodies` at once (streamed or not, as each says), kills `pid` with SIGKILL once
+/// every stream has 8 events or more, and gives each answer's text (or why it failed) and
+/// the seconds waited before the kill.
+async fn answers_with_a_kill(
+    http: &reqwest::Client,
+    url: &str,
+    bodies: &[Value],
+    pid: i32,
+) -> (Vec<Result<String, String>>, f64) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let progress: Vec<Arc<AtomicU32>> = bodies.iter().map(|_| Arc::default()).collect();
+    let running: Vec<_> = bodies
+        .iter()
+        .zip(&progress)
+        .map(|(b, p)| {
+            tokio::spawn(answer_counting(
+                http.clone(),
+                url.to_string(),
+                b.clone(),
+                p.clone(),
+            ))
+        })
+        .collect();
+    let started = Instant::now();
+    let streams = bodies
+        .iter()
+        .zip(&progress)
+        .filter(|(b, _)| b["stream"] == json!(true));
+    let streams: Vec<&Arc<AtomicU32>> = streams.map(|(_, p)| p).collect();
+    while !streams.iter().all(|p| p.load(Ordering::Relaxed) >= 8) {
+        assert!(
+            started.elapsed() < PAGE_WITHIN,
+            "the streams did not get going"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let waited = started.elapsed().as_secs_f64();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let mut out = Vec::new();
+    for r in running {
+        out.push(r.await.unwrap_or_else(|e| Err(e.to_string())));
+    }
+    (out, waited)
+}
+
+/// One answer's text, its events counted into `progress` as they come (a whole answer
+/// counts nothing); Err: a non-200, an error event or a stream without `[DONE]`.
+async fn answer_counting(
+    http: reqwest::Client,
+    url: String,
+    body: Value,
+    progress: std::sync::Arc<std::sync::atomic::AtomicU32>,
+) -> Result<String, String> {
+    let mut r = http
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    if r.status() != 200 {
+        return Err(format!(
+            "{}: {}",
+            r.status(),
+            r.text().await.unwrap_or_default()
+        ));
+    }
+    if body["stream"] != json!(true) {
+        let v: Value = r.json().await.map_err(|e| e.to_string())?;
+        return Ok(v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string());
+    }
+    let (mut events, mut text, mut done) = (pdctl::sse::Events::default(), String::new(), false);
+    while let Some(chunk) = r.chunk().await.map_err(|e| e.to_string())? {
+        events.push(&chunk);
+        while let Some(ev) = events.next_event() {
+            if ev.data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: Value =
+                serde_json::from_str(&ev.data).map_err(|e| format!("{e}: {}", ev.data))?;
+            if v.get("error").is_some() {
+                return Err(format!("error event: {}", ev.data));
+            }
+            text.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
+            progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    if !done {
+        return Err("the stream ended without [DONE]".into());
+    }
+    Ok(text)
 }

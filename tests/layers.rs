@@ -725,6 +725,7 @@ const PROXY_LAYERS: &[(&str, &[&str])] = &[
             "recompute/judgment",
             "relay",
             "migration",
+            "whole",
             "record",
             "drain",
             "models",

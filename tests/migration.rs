@@ -150,17 +150,61 @@ async fn streams_going(url: &str, n: usize, extra: &Value) -> Vec<tokio::task::J
     running
 }
 
+/// How decode-0 dies under the streams.
+#[derive(Clone, Copy)]
+enum Death {
+    /// SIGKILL: its connections reset.
+    Killed,
+    /// Its engine core dies: each stream gets vLLM's EngineDeadError as an error event and
+    /// `[DONE]`, then the server exits (the sim's `engine_dead` fault).
+    EngineCore,
+}
+
+/// Makes decode-0 of `cluster` die as `how` says.
+async fn kill_decode0(cluster: &Cluster, how: Death) {
+    let report = cluster.status(&[]).expect("the cluster is up");
+    let decode0 = suph::svc(&report, "decode-0");
+    match how {
+        Death::Killed => {
+            let pid = decode0.pid.expect("decode-0 runs");
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            )
+            .unwrap();
+        }
+        Death::EngineCore => {
+            let url = decode0.url.clone().expect("decode-0's URL");
+            let key = cluster.engine_key();
+            let r = reqwest::Client::new()
+                .post(format!("{url}/sim/fault"))
+                .bearer_auth(key)
+                .json(&json!({"engine_dead": true}))
+                .send()
+                .await
+                .expect("the fault request");
+            assert!(r.status().is_success(), "{:?}", r.text().await);
+        }
+    }
+}
+
 /// Sends `n` streams to `url` and, once every one has 20 events or more, kills
 /// decode-0 with SIGKILL; what each client read.
 async fn streams_with_a_kill(cluster: &Cluster, url: &str, n: usize, extra: &Value) -> Vec<Read> {
+    streams_with_a_death(cluster, url, n, extra, Death::Killed).await
+}
+
+/// Sends `n` streams to `url` and, once every one has 20 events or more, makes decode-0
+/// die as `how` says; what each client read.
+async fn streams_with_a_death(
+    cluster: &Cluster,
+    url: &str,
+    n: usize,
+    extra: &Value,
+    how: Death,
+) -> Vec<Read> {
     let running = streams_going(url, n, extra).await;
-    let report = cluster.status(&[]).expect("the cluster is up");
-    let pid = suph::svc(&report, "decode-0").pid.expect("decode-0 runs");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    kill_decode0(cluster, how).await;
     let mut reads = Vec::new();
     for r in running {
         reads.push(r.await.unwrap());
@@ -196,11 +240,11 @@ async fn migrations(base: &str) -> f64 {
 
 /// Every stream complete and equal to its unkilled answer, as one stream, with the usage
 /// of the whole answer; the migrations counted.
-async fn check_every_stream_goes_on(cluster: &Cluster, base: &str, route: &str) {
+async fn check_every_stream_goes_on(cluster: &Cluster, base: &str, route: &str, how: Death) {
     let url = format!("{base}{route}");
     let none = json!({});
     let want = unkilled(&url, STREAMS, &none).await;
-    let got = streams_with_a_kill(cluster, &url, STREAMS, &none).await;
+    let got = streams_with_a_death(cluster, &url, STREAMS, &none, how).await;
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert!(
             g.error.is_none(),
@@ -238,8 +282,13 @@ async fn check_every_stream_goes_on(cluster: &Cluster, base: &str, route: &str) 
 /// A 1P2D cluster over `connector` in which decode-0 is killed under 16 streams to
 /// `route`: every stream goes on ([`check_every_stream_goes_on`]); then down.
 async fn goes_on(tag: &str, connector: &str, connector_extra: &str, route: &str) {
-    let (cluster, _t, base) = up_1p2d(tag, connector, connector_extra);
-    check_every_stream_goes_on(&cluster, &base, route).await;
+    goes_on_after(tag, connector, connector_extra, route, Death::Killed).await;
+}
+
+/// [`goes_on`] with decode-0 dying as `how` says.
+async fn goes_on_after(tag: &str, connector: &str, extra: &str, route: &str, how: Death) {
+    let (cluster, _t, base) = up_1p2d(tag, connector, extra);
+    check_every_stream_goes_on(&cluster, &base, route, how).await;
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));
 }
@@ -252,6 +301,13 @@ async fn a_decode_killed_mid_stream_costs_its_completions_streams_a_pause_never_
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_decode_killed_mid_stream_costs_its_chat_streams_a_pause_never_an_error() {
     goes_on("chat", "nixl", "", "/v1/chat/completions").await;
+}
+
+/// vLLM's API server whose engine core dies writes `EngineDeadError` into each stream as
+/// an error event, then `[DONE]`, and exits: the streams go on all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_decode_whose_engine_core_dies_mid_stream_costs_its_streams_a_pause_never_an_error() {
+    goes_on_after("core", "nixl", "", "/v1/completions", Death::EngineCore).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -326,4 +382,127 @@ async fn a_drain_hands_its_streams_over_after_the_grace_and_loses_none() {
     );
     let out = cluster.run(&["down"]);
     assert!(out.status.success(), "{}", text(&out));
+}
+
+/// A sum over the lines of `name` (its every label set) on the `/metrics` page at `base`.
+async fn metric_sum(base: &str, name: &str) -> f64 {
+    let Ok(r) = reqwest::get(format!("{base}/metrics")).await else {
+        return 0.0;
+    };
+    let page = r.text().await.unwrap_or_default();
+    page.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Sends `n` requests for whole (non-streamed) answers to `url` and, once decode-0 runs
+/// some of them and has generated 20 tokens or more for each, kills it with SIGKILL; each
+/// answer's status and body.
+async fn whole_answers_with_a_kill(cluster: &Cluster, url: &str, n: usize) -> Vec<(u16, Value)> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(90))
+        .build()
+        .unwrap();
+    let route = url.rsplit("/v1").next().unwrap_or_default().to_string();
+    let running: Vec<_> = (0..n)
+        .map(|i| {
+            let body = whole_body(&route, i);
+            let (client, url) = (client.clone(), url.to_string());
+            tokio::spawn(async move {
+                let r = client.post(&url).json(&body).send().await.expect("sent");
+                let status = r.status().as_u16();
+                (status, r.json::<Value>().await.expect("a JSON body"))
+            })
+        })
+        .collect();
+    let report = cluster.status(&[]).expect("the cluster is up");
+    let decode0 = suph::svc(&report, "decode-0");
+    let base0 = decode0.url.clone().expect("decode-0 has its URL");
+    let going = async {
+        for _ in 0..600 {
+            let on0 = metric_sum(&base0, "vllm:num_requests_running").await;
+            let made = metric_sum(&base0, "vllm:generation_tokens_total").await;
+            if on0 >= 1.0 && made >= 20.0 * on0 {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    };
+    assert!(going.await, "decode-0 never ran the requests");
+    let pid = decode0.pid.expect("decode-0 runs");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let mut out = Vec::new();
+    for r in running {
+        out.push(r.await.unwrap());
+    }
+    out
+}
+
+/// The body of whole answer `i` to `route`.
+fn whole_body(route: &str, i: usize) -> Value {
+    let mut b = body_of(route, i, &json!({}));
+    let b = b.as_object_mut().unwrap();
+    b.remove("stream");
+    b.remove("stream_options");
+    Value::Object(b.clone())
+}
+
+/// The text of a whole answer (a completion's, or a chat's message).
+fn whole_text(v: &Value) -> String {
+    let c = &v["choices"][0];
+    c["text"]
+        .as_str()
+        .or(c["message"]["content"].as_str())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Whole answers whose decode was killed while it generated them are continued, not
+/// started over: each equals the answer of the same request on a cluster where nothing
+/// was killed, in its own form, with the usage of the whole answer.
+async fn whole_answers_go_on(tag: &str, route: &str) {
+    let (cluster, _t, base) = up_1p2d(tag, "nixl", "");
+    let url = format!("{base}{route}");
+    let client = reqwest::Client::new();
+    let mut want = Vec::new();
+    for i in 0..8 {
+        let r = client.post(&url).json(&whole_body(route, i)).send();
+        want.push(r.await.unwrap().json::<Value>().await.unwrap());
+    }
+    let got = whole_answers_with_a_kill(&cluster, &url, 8).await;
+    let object = if route.contains("chat") {
+        "chat.completion"
+    } else {
+        "text_completion"
+    };
+    for (i, ((status, g), w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(*status, 200, "answer {i}: {g}");
+        assert_eq!(g["object"], object, "answer {i}: {g}");
+        assert_eq!(whole_text(g), whole_text(w), "answer {i}: the text differs");
+        assert_eq!(g["choices"][0]["finish_reason"], "length", "answer {i}");
+        assert_eq!(g["usage"]["completion_tokens"], TOKENS, "answer {i}: {g}");
+        assert_eq!(
+            g["usage"]["prompt_tokens"], w["usage"]["prompt_tokens"],
+            "answer {i}"
+        );
+        assert!(
+            g["choices"][0].get("token_ids").is_none(),
+            "ids not asked for: {g}"
+        );
+    }
+    assert!(migrations(&base).await >= 1.0, "no migration counted");
+    let out = cluster.run(&["down"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_decode_killed_while_it_writes_whole_answers_costs_them_a_pause_never_an_error() {
+    whole_answers_go_on("whole", "/v1/completions").await;
+    whole_answers_go_on("wchat", "/v1/chat/completions").await;
 }

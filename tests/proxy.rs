@@ -761,10 +761,12 @@ async fn load_is_counted_until_the_stream_ends_so_least_loaded_avoids_a_long_str
     let release = Arc::new(Notify::new());
     d1.behave(Behavior::Hold(release.clone()));
     d2.behave(Behavior::Hold(release.clone()));
+    // The fake holds every stream it writes; whole answers are read whole when they may
+    // not be continued (`--migration-limit 0`), so only the client's stream is held.
     let proxy = ProxyProcess::start(&proxy_args(
         &[&p],
         &[&d1, &d2],
-        &["--decode-policy", "least-loaded"],
+        &["--decode-policy", "least-loaded", "--migration-limit", "0"],
     ))
     .await;
     let mut body = completion("x");
@@ -1049,10 +1051,19 @@ async fn max_concurrent_queues_a_bounded_number_then_refuses() {
     let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
     let release = Arc::new(Notify::new());
     d.behave(Behavior::Hold(release.clone()));
+    // The fake holds every stream it writes; with `--migration-limit 0` the queued whole
+    // answer is read whole, so only the client's stream is held.
     let proxy = ProxyProcess::start(&proxy_args(
         &[&p],
         &[&d],
-        &["--max-concurrent", "1", "--queue-size", "1"],
+        &[
+            "--max-concurrent",
+            "1",
+            "--queue-size",
+            "1",
+            "--migration-limit",
+            "0",
+        ],
     ))
     .await;
     let mut streaming = completion("x");

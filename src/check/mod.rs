@@ -162,7 +162,7 @@ pub fn against_plan(e: &Engine, a: &Answered) -> Vec<String> {
     differ(
         "KV block size",
         a.block_size.map(|b| b.to_string()),
-        Some(p.block_size.to_string()),
+        p.block_size_set.then(|| p.block_size.to_string()),
     );
     differ(
         "context length",
@@ -567,6 +567,7 @@ mod tests {
                 model: Some("/models/m".into()),
                 tensor_parallel: 1,
                 block_size: 16,
+                block_size_set: true,
                 max_model_len: Some(4096),
                 kv_cache_dtype: "auto".into(),
             },
@@ -641,6 +642,18 @@ mod tests {
         assert_eq!(
             EngineSizes::of(&d, &other).to_string(),
             "decode-0 TP 1 (planned), KV block 32, context 4096, KV dtype fp8"
+        );
+        // Without --block-size the platform picks it (vLLM's CPU build: 128): not compared.
+        let mut unset = engine("decode-0");
+        unset.planned.block_size_set = false;
+        let cpu = Answered {
+            block_size: Some(128),
+            ..same.clone()
+        };
+        assert!(
+            against_plan(&unset, &cpu).is_empty(),
+            "{:?}",
+            against_plan(&unset, &cpu)
         );
     }
 

@@ -24,6 +24,10 @@ pub struct EngineFacts {
     pub model: Option<String>,
     pub tensor_parallel: u32,
     pub block_size: u32,
+    /// Whether the plan sets the block size (`--block-size`; a simulated engine's own):
+    /// when it does not, vLLM's platform picks it (16 on CUDA, 128 on the CPU build), so a
+    /// running engine's is not compared with `block_size`.
+    pub block_size_set: bool,
     /// Its context length (`--max-model-len`; a simulated engine's own), None when vLLM
     /// takes the model's.
     pub max_model_len: Option<u32>,
@@ -45,6 +49,7 @@ pub fn engine_facts(svc: &Service, settings: Option<&ChildSettings>) -> Option<E
             model: Some(sim.model),
             tensor_parallel: 1,
             block_size: sim.model_params.block_size,
+            block_size_set: true,
             max_model_len: Some(sim.model_params.max_model_len),
             kv_cache_dtype: "auto".into(),
         });
@@ -68,6 +73,7 @@ pub fn engine_facts(svc: &Service, settings: Option<&ChildSettings>) -> Option<E
         model,
         tensor_parallel: number(&["--tensor-parallel-size", "-tp"], 1),
         block_size: number(&["--block-size"], VLLM_DEFAULT_BLOCK_SIZE),
+        block_size_set: flag(argv, &["--block-size"]).is_some(),
         max_model_len: flag(argv, &["--max-model-len"]).and_then(|v| v.parse().ok()),
         kv_cache_dtype: flag(argv, &["--kv-cache-dtype"]).unwrap_or_else(|| "auto".into()),
     })

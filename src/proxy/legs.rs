@@ -58,11 +58,16 @@ pub struct Keep {
 /// The client's bytes go as they are when nothing is added.
 pub fn decode_bytes(body: Option<Body>, req: &ClientRequest, expect: Expect) -> Bytes {
     let adds = usage_chunk::adds_usage(req.stream, &req.body, expect);
+    // A whole answer read as a stream by the proxy ([`super::whole`]) needs its usage.
+    let streamed_for_proxy = !req.stream && req.decode_streams();
     match body {
         None if !adds && !req.migrates() => req.raw.clone(),
         body => {
             let mut b = body.unwrap_or_else(|| req.body.clone());
-            if adds {
+            if streamed_for_proxy {
+                b.insert("stream".into(), serde_json::Value::Bool(true));
+            }
+            if adds || streamed_for_proxy {
                 usage_chunk::ask_usage(&mut b);
             }
             if req.migrates() {
@@ -204,7 +209,7 @@ async fn decode_attempt(
             f => f,
         });
     }
-    if !req.stream {
+    if !req.decode_streams() {
         let body = tokio::time::timeout_at(deadline, resp.body.read_all(MAX_ANSWER_BYTES))
             .await
             .map_err(timed_out)??;
@@ -228,7 +233,9 @@ async fn decode_attempt(
         return Err(kv_load_failed(proxy, &inst, &req.id, 500, message));
     }
     let took = sent.elapsed();
-    proxy.recorder.decode_first_byte(took);
+    if req.stream {
+        proxy.recorder.decode_first_byte(took);
+    }
     Ok((
         Answer::Stream {
             first,

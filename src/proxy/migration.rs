@@ -35,6 +35,26 @@ pub const BROKE_ENDED_EARLY: &str = "ended_early";
 pub const BROKE_UNREACHABLE: &str = "unreachable";
 /// The decode's instance was drained and its grace ran out.
 pub const BROKE_DRAINED: &str = "drained";
+/// The decode sent a server error as an event mid-stream (vLLM's engine core died).
+pub const BROKE_ENGINE_ERROR: &str = "engine_error";
+
+/// The message of a server error decode sent as an event in place of the answer's next
+/// chunk (`{"error": {..., "code": 5xx}}`: vLLM's `EngineDeadError` when its engine core
+/// died, or a generation error); `None` for any other event, a client error (4xx) too.
+pub fn engine_error(data: &str) -> Option<String> {
+    if !data.trim_start().starts_with("{\"error\"") {
+        return None;
+    }
+    let v: Value = serde_json::from_str(data).ok()?;
+    let e = v.get("error")?;
+    let code = e.get("code").and_then(Value::as_u64).unwrap_or(500);
+    (code >= 500).then(|| {
+        e.get("message")
+            .and_then(Value::as_str)
+            .unwrap_or("no message")
+            .to_string()
+    })
+}
 
 /// Why a request's answer cannot be continued on another decode, decided from its body
 /// once, when it comes in (`None`: it can be).
@@ -216,7 +236,8 @@ impl Tracker {
             sent: Sent::default(),
             chat: req.path == "/v1/chat/completions",
             client_ids: req.body.get("return_token_ids") == Some(&json!(true)),
-            client_usage: super::usage_chunk::asks_usage(&req.body),
+            // A whole answer's body always has its usage.
+            client_usage: !req.stream || super::usage_chunk::asks_usage(&req.body),
             form: Form::Original,
             hops: 0,
         }
@@ -537,6 +558,22 @@ mod tests {
             avoid: Vec::new(),
             migration: crate::proxy::request::Migration::On,
         }
+    }
+
+    #[test]
+    fn a_server_error_event_breaks_the_leg_and_a_client_error_or_a_token_does_not() {
+        let dead = r#"{"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError", "param": null, "code": 500}}"#;
+        assert_eq!(
+            engine_error(dead).as_deref(),
+            Some("EngineCore encountered an issue.")
+        );
+        let client = r#"{"error": {"message": "bad", "type": "BadRequestError", "code": 400}}"#;
+        assert_eq!(engine_error(client), None);
+        assert_eq!(
+            engine_error(r#"{"id": "c", "choices": [{"text": "error"}]}"#),
+            None
+        );
+        assert_eq!(engine_error("[DONE]"), None);
     }
 
     #[test]

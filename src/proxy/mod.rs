@@ -27,6 +27,7 @@
 //!    streamed decode leg asks for and the client gets only if it asked),
 //!    `recompute/judgment` (a decode leg judged by its own usage); `relay` (streams),
 //!    `migration` (a stream whose decode broke off, continued on another decode),
+//!    `whole` (a whole answer put together from the stream its decode leg was read as),
 //!    `record` (the request's log line), `drain` (shutdown), `models`, `warmup` (one
 //!    request through each new prefill/decode pair whose connector handshakes lazily).
 //! 4. The figures, reading from below: `metrics` (the counters and `/metrics`, a
@@ -73,6 +74,7 @@ mod tuning;
 mod upstream;
 mod usage_chunk;
 mod warmup;
+mod whole;
 
 use crate::child_config::proxy::ProxyArgs;
 use anyhow::Context;

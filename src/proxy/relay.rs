@@ -46,6 +46,12 @@ pub struct Relay {
     /// Why it may not, when the request is the reason, for the error a broken-off
     /// stream ends with, and the counter of refusals.
     refused: Option<(&'static str, Arc<dyn super::recorder::Recorder>)>,
+    /// Set when the client asked for one body ([`whole_response`]): the stream is read by
+    /// the proxy, and the error it ended with is kept for the client's error response.
+    whole: Option<Option<ProxyError>>,
+    /// Set when decode sent a server error as an event mid-stream (vLLM's engine core
+    /// died): the leg is treated as broken off, what came after it is dropped.
+    engine_error: Option<String>,
 }
 
 /// What continuing a stream on another decode needs: the client's request, what it was
@@ -94,51 +100,13 @@ pub struct Ties {
 
 /// The response for a decode stream whose first chunk has arrived.
 pub fn stream_response(
-    (first, rest, keep): (Bytes, h1::Body, Keep),
-    mut rec: RequestRecord,
+    parts: (Bytes, h1::Body, Keep),
+    rec: RequestRecord,
     (proxy, req): (&Arc<Proxy>, &ClientRequest),
     ties: Ties,
 ) -> Response {
-    let deadline = req.deadline;
-    let total_limit = proxy.settings().total_timeout;
-    rec.status = 200;
-    let refused = match req.migration {
-        Migration::Refused(why) => Some((why, proxy.recorder.clone())),
-        Migration::On | Migration::Off => None,
-    };
-    let carry = req.migrates().then(|| {
-        Box::new(Carry {
-            proxy: proxy.clone(),
-            req: req.clone(),
-            tracker: Tracker::new(req),
-            events: crate::sse::Events::default(),
-            decode: keep.decode.instance().url.clone(),
-            drained: Box::pin(
-                keep.decode
-                    .instance()
-                    .drained
-                    .past(proxy.settings().drain_grace),
-            ),
-            pending: None,
-        })
-    });
-    let request_id = rec.id.clone();
-    let strip = keep.strip_usage.then(UsageStrip::default);
-    let relay = Relay {
-        first: Some(first),
-        rest,
-        keep,
-        rec,
-        deadline: Box::pin(tokio::time::sleep_until(deadline)),
-        total_limit,
-        end: DoneTail::default(),
-        usage: None,
-        strip,
-        finished: false,
-        ties,
-        carry,
-        refused,
-    };
+    let relay = Relay::new(parts, rec, (proxy, req), ties);
+    let request_id = relay.rec.id.clone();
     let mut r = Response::new(axum::body::Body::from_stream(relay));
     let h = r.headers_mut();
     h.insert(
@@ -147,10 +115,110 @@ pub fn stream_response(
     );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    if let Ok(v) = HeaderValue::from_str(&request_id) {
-        h.insert("x-request-id", v);
+    with_request_id(r, &request_id)
+}
+
+/// The response for a client that asked for one body and whose decode leg was streamed so
+/// that its answer could be continued elsewhere ([`super::whole`]): the stream is read to
+/// its end here (continued where it broke off) and the client gets the whole answer, or
+/// the error the stream ended with, as an error response.
+pub async fn whole_response(
+    parts: (Bytes, h1::Body, Keep),
+    rec: RequestRecord,
+    (proxy, req): (&Arc<Proxy>, &ClientRequest),
+    ties: Ties,
+) -> Response {
+    let mut relay = Relay::new(parts, rec, (proxy, req), ties);
+    relay.whole = Some(None);
+    let mut events = Vec::new();
+    while let Some(Ok(chunk)) = std::future::poll_fn(|cx| Pin::new(&mut relay).poll_next(cx)).await
+    {
+        events.extend_from_slice(&chunk);
+    }
+    let id = relay.rec.id.clone();
+    if let Some(Some(err)) = relay.whole.take() {
+        relay.rec.fail(err.status().as_u16(), err.to_string());
+        return with_request_id(axum::response::IntoResponse::into_response(err), &id);
+    }
+    let chat = req.path == "/v1/chat/completions";
+    match super::whole::assemble(&events, chat) {
+        Ok(body) => {
+            relay.rec.first_byte_sent();
+            let mut r = Response::new(axum::body::Body::from(body));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            with_request_id(r, &id)
+        }
+        Err(e) => {
+            let err: ProxyError = LegError {
+                leg: Leg::Decode,
+                instance: relay.keep.decode.instance().url.clone(),
+                failure: LegFailure::BadAnswer(e.to_string()),
+            }
+            .into();
+            relay.rec.fail(err.status().as_u16(), err.to_string());
+            with_request_id(axum::response::IntoResponse::into_response(err), &id)
+        }
+    }
+}
+
+fn with_request_id(mut r: Response, id: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(id) {
+        r.headers_mut().insert("x-request-id", v);
     }
     r
+}
+
+impl Relay {
+    /// The relay of a decode stream whose first chunk has arrived.
+    fn new(
+        (first, rest, keep): (Bytes, h1::Body, Keep),
+        mut rec: RequestRecord,
+        (proxy, req): (&Arc<Proxy>, &ClientRequest),
+        ties: Ties,
+    ) -> Relay {
+        rec.status = 200;
+        let refused = match req.migration {
+            Migration::Refused(why) => Some((why, proxy.recorder.clone())),
+            Migration::On | Migration::Off => None,
+        };
+        let carry = req.migrates().then(|| {
+            Box::new(Carry {
+                proxy: proxy.clone(),
+                req: req.clone(),
+                tracker: Tracker::new(req),
+                events: crate::sse::Events::default(),
+                decode: keep.decode.instance().url.clone(),
+                drained: Box::pin(
+                    keep.decode
+                        .instance()
+                        .drained
+                        .past(proxy.settings().drain_grace),
+                ),
+                pending: None,
+            })
+        });
+        let strip = keep.strip_usage.then(UsageStrip::default);
+        Relay {
+            first: Some(first),
+            rest,
+            keep,
+            rec,
+            deadline: Box::pin(tokio::time::sleep_until(req.deadline)),
+            total_limit: proxy.settings().total_timeout,
+            end: DoneTail::default(),
+            usage: None,
+            strip,
+            finished: false,
+            ties,
+            carry,
+            refused,
+            whole: None,
+            engine_error: None,
+        }
+    }
 }
 
 /// An error event followed by `data: [DONE]`, so a client reading to `[DONE]` stops there
@@ -178,6 +246,9 @@ impl Relay {
     fn last_event(&mut self, err: ProxyError) -> Bytes {
         tracing::warn!(request_id = %self.rec.id, "stream to the client ends with an error: {err}");
         self.finished = true;
+        if let Some(kept) = self.whole.as_mut() {
+            *kept = Some(err.clone());
+        }
         self.rec.outcome = Outcome::Failed(err.to_string());
         match self.strip.as_mut().map(UsageStrip::finish) {
             Some(held) if !held.is_empty() => Bytes::from([&held[..], &error_event(&err)].concat()),
@@ -256,11 +327,20 @@ impl Stream for Relay {
                 return Poll::Ready(None);
             }
             if let Some(first) = this.first.take() {
-                this.rec.first_byte_sent();
+                if this.whole.is_none() {
+                    this.rec.first_byte_sent();
+                }
                 match this.relay_chunk(first) {
                     Some(out) => return Poll::Ready(Some(Ok(out))),
                     None => continue,
                 }
+            }
+            if let Some(why) = this.engine_error.take() {
+                let f = LegFailure::Body(format!("it sent an error event mid-stream ({why})"));
+                if let Some(end) = this.broke(f, migration::BROKE_ENGINE_ERROR) {
+                    return end;
+                }
+                continue;
             }
             if let Some(end) = this.interrupted(cx) {
                 return end;
@@ -306,6 +386,12 @@ impl Relay {
         carry.events.push(&chunk);
         let mut out = Vec::with_capacity(chunk.len() + 64);
         while let Some(ev) = carry.events.next_event() {
+            if let Some(why) = migration::engine_error(&ev.data) {
+                // The leg is over: what it sends after the error ([DONE]) is its own end.
+                carry.events = crate::sse::Events::default();
+                self.engine_error = Some(why);
+                break;
+            }
             let mut usage = None;
             match carry.tracker.event(&ev.data, &mut usage) {
                 Out::Same => sse_event(&mut out, &ev.data),

@@ -32,7 +32,7 @@ pub struct ClientRequest {
 /// Whether a request's stream may be continued on another decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Migration {
-    /// Not a stream, or `--migration-limit 0`: nothing to say if its decode breaks off.
+    /// `--migration-limit 0`: nothing to say if its decode breaks off.
     Off,
     /// It may: its decode legs ask for token ids.
     On,
@@ -42,8 +42,15 @@ pub enum Migration {
 }
 
 impl ClientRequest {
-    /// Whether its stream may be continued elsewhere (its decode legs then ask for ids).
+    /// Whether its answer may be continued elsewhere (its decode legs then ask for ids,
+    /// and are streamed even when the client asked for one body: [`super::whole`]).
     pub fn migrates(&self) -> bool {
         self.migration == Migration::On
+    }
+
+    /// Whether its decode legs are streamed: the client asked for a stream, or its whole
+    /// answer may have to be continued (the proxy then reads the stream itself).
+    pub fn decode_streams(&self) -> bool {
+        self.stream || self.migrates()
     }
 }

@@ -277,16 +277,19 @@ async fn generate(p: Arc<Proxy>, route: &'static str, body: Body) -> Response {
             r.headers_mut().insert(header::CONTENT_TYPE, ct);
             with_request_id(r, &rec.id)
         }
-        Answer::Stream { first, rest, keep } => relay::stream_response(
-            (first, rest, keep),
-            rec,
-            (&p, &req),
-            relay::Ties {
+        Answer::Stream { first, rest, keep } => {
+            let ties = relay::Ties {
                 admission,
                 in_flight,
                 cut,
-            },
-        ),
+            };
+            let parts = (first, rest, keep);
+            if req.stream {
+                relay::stream_response(parts, rec, (&p, &req), ties)
+            } else {
+                relay::whole_response(parts, rec, (&p, &req), ties).await
+            }
+        }
     }
 }
 
@@ -346,7 +349,7 @@ async fn prepare(
             Vec::new()
         },
     };
-    let migration = if !stream || p.settings().migration_limit == 0 {
+    let migration = if p.settings().migration_limit == 0 {
         Migration::Off
     } else {
         super::migration::refusal(&body).map_or(Migration::On, Migration::Refused)

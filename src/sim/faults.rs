@@ -37,6 +37,11 @@ pub struct FaultRequest {
     /// From now on `/health` answers 200 only after this many milliseconds (0: at once),
     /// as a saturated vLLM's API server does, while requests are served as before.
     pub health_delay_ms: Option<u64>,
+    /// The engine core dies now, as vLLM's does: every stream in flight gets vLLM's
+    /// `EngineDeadError` as an error event at its next token, then `[DONE]`, and the API
+    /// server exits (status 1) half a second later, as vLLM's watchdog makes it.
+    #[serde(default)]
+    pub engine_dead: bool,
     /// Forget every pending fault first.
     #[serde(default)]
     pub clear: bool,
@@ -61,6 +66,7 @@ pub struct Faults {
     health_delay_ms: AtomicU64,
     exit_after: Option<u64>,
     served: AtomicU64,
+    engine_dead: std::sync::atomic::AtomicBool,
 }
 
 /// Takes one from `a` if it is above zero.
@@ -83,6 +89,7 @@ impl Faults {
             health_delay_ms: AtomicU64::new(0),
             exit_after,
             served: AtomicU64::new(0),
+            engine_dead: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -120,7 +127,15 @@ impl Faults {
         if let Some(k) = req.stall_stream_after {
             self.stall_stream_after.store(k.min(NONE - 1), Relaxed);
         }
+        if req.engine_dead {
+            self.engine_dead.store(true, Relaxed);
+        }
         req.exit.map(i32::from).or(req.crash.then_some(1))
+    }
+
+    /// Whether an `engine_dead` fault killed the (simulated) engine core.
+    pub fn engine_dead(&self) -> bool {
+        self.engine_dead.load(Relaxed)
     }
 
     /// The fault, if any, the next completion request gets (fail before hang).

@@ -196,7 +196,7 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Result<Bytes, BytesRejection>)
         Err(e) => {
             return ApiError::bad_request(
                 None,
-                format!("bad fault request: {e}; fields: crash, exit, fail_next, hang_next, unhealthy_ms, stall_stream_after, clear"),
+                format!("bad fault request: {e}; fields: crash, exit, engine_dead, fail_next, hang_next, unhealthy_ms, stall_stream_after, fail_handoff_next, slow_metrics_ms, health_delay_ms, clear"),
             )
             .into_response();
         }
@@ -215,6 +215,14 @@ async fn fault(State(sim): State<Arc<Sim>>, body: Result<Bytes, BytesRejection>)
             tracing::error!("fault injection: crash requested, exiting with status {status}");
         }
         exit_soon(status);
+    } else if req.engine_dead {
+        tracing::error!(
+            "fault injection: EngineDeadError: EngineCore encountered an issue; streams in flight end with it, the server exits in 0.5 s"
+        );
+        tokio::spawn(async {
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            std::process::exit(1);
+        });
     }
     axum::Json(json!({ "applied": req, "pending": sim.faults.pending(now) })).into_response()
 }

@@ -68,6 +68,10 @@ pub fn response(job: Job) -> Response {
                         st.phase = Phase::Done;
                         continue;
                     }
+                    if st.job.sim.faults.engine_dead() {
+                        st.phase = Phase::End;
+                        return Some((Ok(engine_dead_event()), st));
+                    }
                     let first = st.steps == 0;
                     st.steps += 1;
                     let out = render_step(&mut st.job, first);
@@ -100,6 +104,20 @@ pub fn response(job: Job) -> Response {
         Body::from_stream(events),
     )
         .into_response()
+}
+
+/// What vLLM's stream sends once its engine core died: `EngineDeadError` as one error
+/// event (vLLM's `create_streaming_error_response`: a 500 InternalServerError), then
+/// `[DONE]`.
+fn engine_dead_event() -> Bytes {
+    let err = super::openai::ApiError::status(
+        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+    );
+    let mut out = Vec::with_capacity(200);
+    event(&mut out, &err.body());
+    out.extend_from_slice(b"data: [DONE]\n\n");
+    Bytes::from(out)
 }
 
 fn object(e: Endpoint) -> &'static str {
