@@ -415,7 +415,8 @@ impl History {
             "kv_handoff_failures": p.map(|p| p.handoff_failures),
             "kv_handoffs": handoffs,
             "kv_handoffs_per_s": handoffs_recent as f64 / WINDOW.as_secs_f64(),
-            "kv_tokens_moved": engines(|e| e.kv_tokens_in),
+            // Since the page's server started, across engine restarts: the pairs' sum.
+            "kv_tokens_moved": self.kv_in_moved.values().sum::<f64>().round(),
             "kv_tokens_moved_per_s": engine_rate(|e| e.kv_tokens_in),
             "prefix_hit_rate": ratio(engine_rate(|e| e.prefix_hits), engine_rate(|e| e.prefix_queries))
                 .or(ratio(Some(engines(|e| e.prefix_hits)), Some(engines(|e| e.prefix_queries)))),
@@ -756,6 +757,10 @@ mod tests {
         );
         let v = h.view(&BTreeMap::new(), true);
         assert_eq!(pair(&v, "prefill-0", "decode-0")["kv_tokens_moved"], 704.0);
+        assert_eq!(
+            v["totals"]["kv_tokens_moved"], 1004.0,
+            "the cluster's total is its pairs' sum, and does not drop with a restart"
+        );
     }
 
     #[test]
