@@ -1,7 +1,7 @@
 //! The dashboard as a person sees it: a sim 1P2D under load, its page opened in Debian's
 //! headless Chromium, read from the DOM the page's own script drew (every instance with its
-//! state, the request and KV handoff counts rising, a decode killed shown restarting, then
-//! healthy); and `pdctl export grafana`'s queries checked against what the running
+//! state, the request and KV handoff counts rising, a pair's KV tokens moved rising, a decode
+//! killed shown restarting, then healthy, and its streams' hops shown in their pair); and `pdctl export grafana`'s queries checked against what the running
 //! cluster's `/metrics` pages export.
 
 use crate::common;
@@ -25,6 +25,13 @@ fn chromium() -> PathBuf {
 
 /// The page's DOM once its script ran for 2.5 s of virtual time (its first polls).
 fn dump_dom(url: &str) -> String {
+    let out = headless(url, &["--dump-dom"]);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Headless Chromium on `url` for 2.5 s of virtual time, doing `what` (`--dump-dom`,
+/// `--screenshot=FILE`).
+fn headless(url: &str, what: &[&str]) -> std::process::Output {
     let profile = common::TempDir::new("chromium-profile");
     let mut cmd = std::process::Command::new(chromium());
     cmd.args([
@@ -37,19 +44,37 @@ fn dump_dom(url: &str) -> String {
         "--disable-component-update",
         "--disable-sync",
         "--virtual-time-budget=2500",
-        "--dump-dom",
     ])
+    .args(what)
     .arg(format!("--user-data-dir={}", profile.path().display()))
     .arg(url);
     let out = suph::run_bounded(cmd, Duration::from_secs(60));
     assert!(out.status.success(), "chromium failed: {}", text(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    out
 }
 
-/// The value of `attr="..."` in the element text starting at `at`.
+/// With `PDCTL_DASHBOARD_SCREENSHOT=FILE`, the page under load, a decode just killed and
+/// back, as a PNG (the picture in the README and docs/observability.md).
+fn screenshot(url: &str) {
+    let Some(file) = std::env::var_os("PDCTL_DASHBOARD_SCREENSHOT") else {
+        return;
+    };
+    let shot = format!("--screenshot={}", std::path::Path::new(&file).display());
+    headless(
+        url,
+        &[&shot, "--window-size=1400,1450", "--hide-scrollbars"],
+    );
+}
+
+/// The value of `attr="..."` in the element text starting at `at` (a `>` inside a quoted
+/// value does not end the tag: the serializer may leave it unescaped).
 fn attr<'a>(dom: &'a str, at: usize, attr: &str) -> Option<&'a str> {
-    let tag_end = dom[at..].find('>')? + at;
-    let tag = &dom[at..tag_end];
+    let mut quoted = false;
+    let tag_len = dom[at..].find(|c| {
+        quoted ^= c == '"';
+        c == '>' && !quoted
+    })?;
+    let tag = &dom[at..at + tag_len];
     let key = format!("{attr}=\"");
     let start = tag.find(&key)? + key.len();
     let len = tag[start..].find('"')?;
@@ -83,22 +108,49 @@ fn tile(dom: &str, id: &str) -> f64 {
         .unwrap_or_else(|| panic!("the `{id}` tile shows no number"))
 }
 
-/// Streams completions with long prompts (whole KV blocks to hand over) until `stop`.
-async fn load(proxy: u16, stop: Arc<AtomicBool>) {
-    let client = common::http();
+/// A pair row's figure (`data-FIGURE`) as the page shows it; `pair` is `prefill>decode`.
+fn pair_figure<'a>(dom: &'a str, pair: &str, figure: &str) -> Option<&'a str> {
+    elements(dom, "data-pair", figure)
+        .into_iter()
+        .find(|(p, _)| p.replace("&gt;", ">") == pair)
+        .map(|(_, v)| v)
+}
+
+/// A pair's KV tokens moved, as a number (it fails saying what the page showed).
+fn pair_kv_tokens(dom: &str, pair: &str) -> f64 {
+    pair_figure(dom, pair, "data-kv-tokens")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "the page shows no KV tokens moved for {pair}: {:?}",
+                elements(dom, "data-pair", "data-kv-tokens")
+            )
+        })
+}
+
+/// One streamed completion: a shared context (the decodes' prefix cache has its KV) and a
+/// question of its own, whole KV blocks only prefill has: its decode receives them.
+async fn complete(client: &reqwest::Client, proxy: u16, i: u32, max_tokens: u32) {
     let url = format!("http://127.0.0.1:{proxy}/v1/completions");
     let context: String = (0..120).map(|i| format!(" word{i}")).collect();
+    let own: String = (0..40).map(|j| format!(" q{i}w{j}")).collect();
+    let body = serde_json::json!({
+        "model": "sim-model",
+        "prompt": format!("shared context{context} question{own}"),
+        "max_tokens": max_tokens, "stream": true,
+    });
+    if let Ok(r) = client.post(&url).json(&body).send().await {
+        let _ = r.bytes().await;
+    }
+}
+
+/// Streams completions until `stop`; worker `w`'s prompts are its own.
+async fn load(proxy: u16, w: u32, stop: Arc<AtomicBool>) {
+    let client = common::http();
     let mut i = 0u32;
     while !stop.load(Ordering::Relaxed) {
         i += 1;
-        let body = serde_json::json!({
-            "model": "sim-model",
-            "prompt": format!("shared context{context} question {}", i % 7),
-            "max_tokens": 16, "stream": true,
-        });
-        if let Ok(r) = client.post(&url).json(&body).send().await {
-            let _ = r.bytes().await;
-        }
+        complete(&client, proxy, w * 1_000_000 + i, 16).await;
     }
 }
 
@@ -131,7 +183,7 @@ async fn the_page_shows_a_1p2d_at_work_and_a_killed_decode_coming_back() {
 
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..4)
-        .map(|_| tokio::spawn(load(proxy, stop.clone())))
+        .map(|w| tokio::spawn(load(proxy, w, stop.clone())))
         .collect();
     tokio::time::sleep(Duration::from_secs(3)).await;
     let first = tokio::task::block_in_place(|| dump_dom(&url));
@@ -143,9 +195,18 @@ async fn the_page_shows_a_1p2d_at_work_and_a_killed_decode_coming_back() {
         );
     }
     let (requests, handoffs) = (tile(&first, "t-requests"), tile(&first, "t-handoffs"));
+    // None yet if no request of the pair has ended: nothing moved shown.
+    let pair_tokens = pair_figure(&first, "prefill-0>decode-0", "data-kv-tokens")
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let second = tokio::task::block_in_place(|| dump_dom(&url));
     let (requests2, handoffs2) = (tile(&second, "t-requests"), tile(&second, "t-handoffs"));
+    let pair_tokens2 = pair_kv_tokens(&second, "prefill-0>decode-0");
+    assert!(
+        pair_tokens2 > pair_tokens,
+        "prefill-0 -> decode-0's KV tokens moved did not rise between two reads: {pair_tokens} then {pair_tokens2}"
+    );
     assert!(
         requests2 > requests,
         "requests did not rise between two reads: {requests} then {requests2}"
@@ -163,7 +224,19 @@ async fn the_page_shows_a_1p2d_at_work_and_a_killed_decode_coming_back() {
         "the page shows no pair flow"
     );
 
+    // Long streams on both decodes, so that decode-1 is killed in the middle of some.
+    let long: Vec<_> = (0..8)
+        .map(|i| {
+            tokio::spawn(async move { complete(&common::http(), proxy, 9_000_000 + i, 200).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     kill_decode_and_watch(&c, &url).await;
+    for s in long {
+        let _ = s.await;
+    }
+    hops_shown_in_their_pair(&url).await;
+    tokio::task::block_in_place(|| screenshot(&url));
     stop.store(true, Ordering::Relaxed);
     for w in workers {
         let _ = w.await;
@@ -203,6 +276,31 @@ async fn kill_decode_and_watch(c: &Cluster, url: &str) {
         "within 40 s the page did not show decode-1 restarting and then healthy; its changes of state: {:?}, services: {:?}",
         elements(&dom, "data-event-service", "data-to"),
         services(&dom)
+    );
+}
+
+/// Reads the page until the pair prefill-0 -> decode-1 shows streams continued from
+/// decode-1 on decode-0 (logged when each ends).
+async fn hops_shown_in_their_pair(url: &str) {
+    let end = Instant::now() + Duration::from_secs(20);
+    let mut dom = String::new();
+    while Instant::now() < end {
+        dom = tokio::task::block_in_place(|| dump_dom(url));
+        let migrations: f64 = pair_figure(&dom, "prefill-0>decode-1", "data-migrations")
+            .and_then(|m| m.parse().ok())
+            .unwrap_or(0.0);
+        let hops = pair_figure(&dom, "prefill-0>decode-1", "data-hops").unwrap_or("");
+        if migrations >= 1.0 && hops.contains("decode-1 → decode-0") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    panic!(
+        "within 20 s of decode-1's kill the page shows no stream of prefill-0 -> decode-1 continued on decode-0; the pairs' migrations: {:?}, hops: {:?}, the proxy's migrations tile: {:?}",
+        elements(&dom, "data-pair", "data-migrations"),
+        elements(&dom, "data-pair", "data-hops"),
+        dom.find("id=\"t-migrations\"")
+            .map(|_| tile(&dom, "t-migrations"))
     );
 }
 

@@ -1,8 +1,10 @@
 //! The proxy's access log read as it grows: the one line per request the proxy writes
 //! anyway (`request ok request_id=... prefill=... decode=... status=... kv_handoff=...`),
 //! which says what no counter does: which prefill -> decode pair served a request, how its
-//! KV handoff went, its whole time, and the request id of a failure. Reading the file the
-//! supervisor already writes adds nothing to the proxy's request path.
+//! KV handoff went, its whole time, and the request id of a failure; and the line the relay
+//! writes when it continues a stream on another decode (`stream continued: decode A ->
+//! decode B`), which says from which decode to which each hop of a migrated stream went.
+//! Reading the file the supervisor already writes adds nothing to the proxy's request path.
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -10,6 +12,9 @@ use std::path::{Path, PathBuf};
 /// The text before the fields of an access line: the proxy's record target and the
 /// message's first word.
 const MARK: &str = "pdctl::proxy::record: request ";
+
+/// The text before a hop's two decodes: the relay's target and its message's first words.
+const HOP_MARK: &str = "pdctl::proxy::relay: stream continued: decode ";
 
 /// Bytes read at most per look: a burst beyond this is skipped, not read late.
 const MAX_READ: u64 = 4 * 1024 * 1024;
@@ -27,8 +32,52 @@ pub struct Access {
     pub ttft_ms: Option<f64>,
     pub total_ms: Option<f64>,
     pub retries: u32,
+    /// Times its stream was continued on another decode (`decode` is the last one).
+    pub migrations: u32,
     /// `ok` (the KV was handed over), a miss reason, or None (no handoff was made).
     pub kv_handoff: Option<String>,
+}
+
+/// One hop of a migrated stream: its decode broke off and the stream went on on another.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Hop {
+    pub request_id: String,
+    /// The decodes' URLs, as the access line names instances.
+    pub from: String,
+    pub to: String,
+}
+
+/// A line of the proxy's log the dashboard reads.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Line {
+    /// A request ended.
+    Access(Access),
+    /// A stream was continued on another decode (logged when it was, before its end).
+    Hop(Hop),
+}
+
+/// Reads one line of the proxy's log; None for a line that is neither a request's end nor
+/// a stream's hop.
+pub fn parse_line(line: &str) -> Option<Line> {
+    match parse_hop(line) {
+        Some(h) => Some(Line::Hop(h)),
+        None => parse(line).map(Line::Access),
+    }
+}
+
+/// Reads a hop line: `... stream continued: decode FROM -> decode TO, ... request_id=ID`.
+fn parse_hop(line: &str) -> Option<Hop> {
+    let at = line.find(HOP_MARK)?;
+    let rest = &line[at + HOP_MARK.len()..];
+    let (from, rest) = rest.split_once(" -> decode ")?;
+    let to = rest.split([',', ' ']).next()?;
+    let id_at = rest.rfind(" request_id=")? + " request_id=".len();
+    let request_id = rest[id_at..].split_whitespace().next()?;
+    Some(Hop {
+        request_id: request_id.to_string(),
+        from: from.to_string(),
+        to: to.to_string(),
+    })
 }
 
 impl Access {
@@ -39,7 +88,7 @@ impl Access {
 }
 
 /// Reads one access line; None for any other line.
-pub fn parse(line: &str) -> Option<Access> {
+fn parse(line: &str) -> Option<Access> {
     let at = line.find(MARK)?;
     let rest = &line[at + MARK.len()..];
     let fields_at = rest.find(" request_id=")?;
@@ -53,6 +102,7 @@ pub fn parse(line: &str) -> Option<Access> {
         ttft_ms: None,
         total_ms: None,
         retries: 0,
+        migrations: 0,
         kv_handoff: None,
     };
     for pair in rest[fields_at..].split_whitespace() {
@@ -68,6 +118,7 @@ pub fn parse(line: &str) -> Option<Access> {
             "ttft_ms" => a.ttft_ms = v.parse().ok(),
             "total_ms" => a.total_ms = v.parse().ok(),
             "retries" => a.retries = v.parse().unwrap_or(0),
+            "migrations" => a.migrations = v.parse().unwrap_or(0),
             "kv_handoff" => a.kv_handoff = given,
             _ => {}
         }
@@ -125,7 +176,7 @@ impl Tail {
 mod tests {
     use super::*;
 
-    const OK: &str = "2026-12-03T14:00:00.123456Z  INFO pdctl::proxy::record: request ok request_id=ab-12 route=/v1/completions stream=true prefill=http://127.0.0.1:8100 decode=http://127.0.0.1:8201 status=200 prefill_ms=12.5 decode_first_byte_ms=3.0 ttft_ms=16.1 total_ms=120.4 retries=1 kv_handoff=ok";
+    const OK: &str = "2026-12-03T14:00:00.123456Z  INFO pdctl::proxy::record: request ok request_id=ab-12 route=/v1/completions stream=true prefill=http://127.0.0.1:8100 decode=http://127.0.0.1:8201 status=200 prefill_ms=12.5 decode_first_byte_ms=3.0 ttft_ms=16.1 total_ms=120.4 retries=1 migrations=2 kv_handoff=ok";
 
     #[test]
     fn an_access_line_gives_its_pair_handoff_and_times() {
@@ -134,7 +185,7 @@ mod tests {
         assert_eq!(a.outcome, "ok");
         assert_eq!(a.prefill.as_deref(), Some("http://127.0.0.1:8100"));
         assert_eq!(a.decode.as_deref(), Some("http://127.0.0.1:8201"));
-        assert_eq!((a.status, a.retries), (200, 1));
+        assert_eq!((a.status, a.retries, a.migrations), (200, 1, 2));
         assert_eq!((a.ttft_ms, a.total_ms), (Some(16.1), Some(120.4)));
         assert_eq!(a.kv_handoff.as_deref(), Some("ok"));
         assert!(!a.failed());
@@ -152,6 +203,22 @@ mod tests {
             parse("2026-12-03T14:00:01Z  WARN pdctl::proxy::health: decode-1 down"),
             None
         );
+    }
+
+    #[test]
+    fn a_hop_line_gives_its_request_and_both_decodes() {
+        let line = "2026-12-03T14:00:00.5Z  INFO pdctl::proxy::relay: stream continued: decode http://127.0.0.1:8201 -> decode http://127.0.0.1:8202, 7 tokens carried as token ids (continuation 1) request_id=ab-12";
+        assert_eq!(
+            parse_line(line),
+            Some(Line::Hop(Hop {
+                request_id: "ab-12".into(),
+                from: "http://127.0.0.1:8201".into(),
+                to: "http://127.0.0.1:8202".into(),
+            }))
+        );
+        assert!(matches!(parse_line(OK), Some(Line::Access(a)) if a.request_id == "ab-12"));
+        let other = "2026-12-03T14:00:00Z  INFO pdctl::proxy::relay: decode broke off after the answer's last token; the proxy ends the stream request_id=ab-12";
+        assert_eq!(parse_line(other), None);
     }
 
     #[test]

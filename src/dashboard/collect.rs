@@ -4,7 +4,7 @@
 //! histograms p50/p99 points kept for the last minutes, state changes events; the whole
 //! is one JSON document the page polls ([`History::view`]).
 
-use super::access::Access;
+use super::access::{Access, Hop};
 use super::pages::{Buckets, EnginePage, ProxyPage};
 use crate::control::{ServiceState, StatusReport};
 use serde::Serialize;
@@ -19,6 +19,8 @@ const POINTS: usize = 600;
 /// Failed requests and state changes shown, newest first.
 const ERRORS: usize = 20;
 const EVENTS: usize = 40;
+/// A migrated stream's hops wait this long for its access line (written when it ends).
+const HOPS_KEPT: Duration = Duration::from_secs(600);
 
 /// What one look found.
 #[derive(Debug, Clone, Default)]
@@ -31,6 +33,8 @@ pub struct Look {
     pub engines: BTreeMap<String, EnginePage>,
     /// Access lines since the last look.
     pub accesses: Vec<Access>,
+    /// Streams continued on another decode since the last look.
+    pub hops: Vec<Hop>,
 }
 
 /// The counters of one look, kept for rates.
@@ -53,7 +57,9 @@ struct Point {
     e2e_p99: Option<f64>,
 }
 
-/// What one prefill -> decode pair carried since the page's server started.
+/// What one prefill -> decode pair carried since the page's server started. A request
+/// counts in the pair it started on: its prefill and its first decode, where its KV went
+/// (a migrated stream ends on another decode).
 #[derive(Debug, Clone, Default, Serialize)]
 struct PairTotals {
     requests: u64,
@@ -61,6 +67,18 @@ struct PairTotals {
     kv_handoffs: u64,
     retries: u64,
     misses: BTreeMap<String, u64>,
+    /// Times the pair's streams were continued on another decode.
+    migrations: u64,
+    /// Those hops, `decode-1 → decode-0` (`?` for a hop whose line was not read).
+    hops: BTreeMap<String, u64>,
+}
+
+/// A migrated stream's hops seen before its access line: when the first came, and each
+/// hop's decodes (URLs).
+#[derive(Debug)]
+struct PendingHops {
+    since: Instant,
+    hops: Vec<(String, String)>,
 }
 
 /// A request of the window.
@@ -79,6 +97,12 @@ pub struct History {
     /// The requests of the window, with their pair's service names.
     recent: VecDeque<Recent>,
     pairs: BTreeMap<(String, String), PairTotals>,
+    /// Hops of streams still going (or whose access line is still to come), by request id.
+    hops: HashMap<String, PendingHops>,
+    /// Each engine's KV tokens received (`kv_tokens_in`) at its last scrape.
+    kv_in_seen: HashMap<String, f64>,
+    /// KV tokens each engine received since the page's server first saw it.
+    kv_in_moved: HashMap<String, f64>,
     errors: VecDeque<Value>,
     events: VecDeque<Value>,
     /// Each service's state and restarts at the last look.
@@ -97,21 +121,21 @@ impl History {
     /// Takes in a look made at `at`.
     pub fn add(&mut self, at: Instant, mut look: Look) {
         let names = look.status.as_ref().map(url_names).unwrap_or_default();
-        let name = |url: &Option<String>| -> String {
-            url.as_deref()
-                .map(|u| u.trim_end_matches('/'))
-                .map(|u| names.get(u).cloned().unwrap_or_else(|| u.to_string()))
-                .unwrap_or_else(|| "-".into())
-        };
-        for a in std::mem::take(&mut look.accesses) {
-            let pair = (name(&a.prefill), name(&a.decode));
-            self.count_access(&a, pair.0.clone(), pair.1.clone());
-            self.recent.push_back(Recent {
-                at,
-                access: a,
-                pair,
-            });
+        for h in std::mem::take(&mut look.hops) {
+            self.hops
+                .entry(h.request_id)
+                .or_insert_with(|| PendingHops {
+                    since: at,
+                    hops: Vec::new(),
+                })
+                .hops
+                .push((h.from, h.to));
         }
+        for a in std::mem::take(&mut look.accesses) {
+            self.take_access(at, a, &names);
+        }
+        self.hops.retain(|_, p| at - p.since < HOPS_KEPT);
+        self.count_kv_in(&look.engines);
         while self.recent.front().is_some_and(|r| at - r.at > WINDOW) {
             self.recent.pop_front();
         }
@@ -134,19 +158,51 @@ impl History {
         self.last = look;
     }
 
-    /// Counts one request in its pair, and keeps it when it failed.
-    fn count_access(&mut self, a: &Access, prefill: String, decode: String) {
+    /// Takes in one request's access line with the hops its stream made: counted in the
+    /// pair it started on, kept for the window's rates.
+    fn take_access(&mut self, at: Instant, a: Access, names: &HashMap<String, String>) {
+        let hops = match a.migrations {
+            0 => Vec::new(),
+            _ => self
+                .hops
+                .remove(&a.request_id)
+                .map(|p| p.hops)
+                .unwrap_or_default(),
+        };
+        let first_decode = hops.first().map(|h| h.0.as_str()).or(a.decode.as_deref());
+        let pair = (name(names, a.prefill.as_deref()), name(names, first_decode));
+        let hops: Vec<String> = hops
+            .iter()
+            .map(|(from, to)| format!("{} → {}", name(names, Some(from)), name(names, Some(to))))
+            .collect();
+        self.count_access(&a, &pair, &hops, name(names, a.decode.as_deref()));
+        self.recent.push_back(Recent {
+            at,
+            access: a,
+            pair,
+        });
+    }
+
+    /// Counts one request in its pair, and keeps it when it failed (with the decode it
+    /// ended on).
+    fn count_access(
+        &mut self,
+        a: &Access,
+        pair: &(String, String),
+        hops: &[String],
+        last_decode: String,
+    ) {
         if a.failed() {
             self.errors.push_front(json!({
                 "at_ms": now_ms(), "request_id": a.request_id, "status": a.status,
-                "message": a.outcome, "prefill": prefill, "decode": decode,
+                "message": a.outcome, "prefill": pair.0, "decode": last_decode,
             }));
             self.errors.truncate(ERRORS);
         }
-        if decode == "-" {
+        if pair.1 == "-" {
             return;
         }
-        let p = self.pairs.entry((prefill, decode)).or_default();
+        let p = self.pairs.entry(pair.clone()).or_default();
         p.requests += 1;
         p.failed += u64::from(a.failed());
         p.retries += u64::from(a.retries);
@@ -154,6 +210,24 @@ impl History {
             Some("ok") => p.kv_handoffs += 1,
             Some(reason) => *p.misses.entry(reason.to_string()).or_default() += 1,
             None => {}
+        }
+        p.migrations += u64::from(a.migrations);
+        for hop in hops {
+            *p.hops.entry(hop.clone()).or_default() += 1;
+        }
+        let unread = (a.migrations as usize).saturating_sub(hops.len());
+        if unread > 0 {
+            *p.hops.entry(format!("? → {last_decode}")).or_default() += unread as u64;
+        }
+    }
+
+    /// Adds what each engine's KV-tokens-received counter grew by since its last scrape
+    /// (all of it after a restart; nothing at its first scrape: the page counts from now).
+    fn count_kv_in(&mut self, engines: &BTreeMap<String, EnginePage>) {
+        for (name, e) in engines {
+            if let Some(before) = self.kv_in_seen.insert(name.clone(), e.kv_tokens_in) {
+                *self.kv_in_moved.entry(name.clone()).or_default() += grown(before, e.kv_tokens_in);
+            }
         }
     }
 
@@ -286,17 +360,20 @@ impl History {
             .collect()
     }
 
+    /// How fast a figure of the engine `name` grew over the window, per second.
+    fn engine_rate(&self, name: &str, f: fn(&EnginePage) -> f64) -> Option<f64> {
+        self.span().and_then(|(a, b, secs)| {
+            let (x, y) = (a.engines.get(name)?, b.engines.get(name)?);
+            Some(grown(f(x), f(y)) / secs)
+        })
+    }
+
     /// An engine's load, cache and KV figures (Null for other services).
     fn engine_row(&self, name: &str) -> Value {
         let Some(e) = self.last.engines.get(name) else {
             return Value::Null;
         };
-        let delta = |f: fn(&EnginePage) -> f64| {
-            self.span().and_then(|(a, b, secs)| {
-                let (x, y) = (a.engines.get(name)?, b.engines.get(name)?);
-                Some(grown(f(x), f(y)) / secs)
-            })
-        };
+        let delta = |f: fn(&EnginePage) -> f64| self.engine_rate(name, f);
         let hits = delta(|e| e.prefix_hits);
         let queries = delta(|e| e.prefix_queries);
         json!({
@@ -338,7 +415,8 @@ impl History {
             "kv_handoff_failures": p.map(|p| p.handoff_failures),
             "kv_handoffs": handoffs,
             "kv_handoffs_per_s": handoffs_recent as f64 / WINDOW.as_secs_f64(),
-            "kv_tokens_moved": engines(|e| e.kv_tokens_in),
+            // Since the page's server started, across engine restarts: the pairs' sum.
+            "kv_tokens_moved": self.kv_in_moved.values().sum::<f64>().round(),
             "kv_tokens_moved_per_s": engine_rate(|e| e.kv_tokens_in),
             "prefix_hit_rate": ratio(engine_rate(|e| e.prefix_hits), engine_rate(|e| e.prefix_queries))
                 .or(ratio(Some(engines(|e| e.prefix_hits)), Some(engines(|e| e.prefix_queries)))),
@@ -366,9 +444,31 @@ impl History {
                 v["decode"] = json!(pair.1);
                 v["requests_per_s"] = json!(recent.len() as f64 / secs);
                 v["kv_handoffs_per_s"] = json!(ok as f64 / secs);
+                let (share, split) = self.kv_share(pair);
+                let moved = self.kv_in_moved.get(&pair.1).map(|m| m * share);
+                let rate = self.engine_rate(&pair.1, |e| e.kv_tokens_in);
+                v["kv_tokens_moved"] = json!(moved.map(f64::round));
+                v["kv_tokens_moved_per_s"] = json!(rate.map(|r| r * share));
+                v["kv_tokens_split"] = json!(split);
                 v
             })
             .collect()
+    }
+
+    /// The pair's part of its decode's KV tokens received: its share of the KV handoffs
+    /// that decode took (1 when they all came from this prefill), and whether several
+    /// prefills shared it (then the part is an estimate: it assumes like prompts).
+    fn kv_share(&self, pair: &(String, String)) -> (f64, bool) {
+        let (from_all, prefills) = self
+            .pairs
+            .iter()
+            .filter(|(k, t)| k.1 == pair.1 && t.kv_handoffs > 0)
+            .fold((0u64, 0u32), |(n, c), (_, t)| (n + t.kv_handoffs, c + 1));
+        let mine = self.pairs.get(pair).map_or(0, |t| t.kv_handoffs);
+        if from_all == 0 {
+            return (0.0, false);
+        }
+        (mine as f64 / from_all as f64, prefills > 1)
     }
 }
 
@@ -429,6 +529,14 @@ impl History {
         }
         out
     }
+}
+
+/// The service name of an instance's URL (the URL itself when no service has it; `-` for
+/// none).
+fn name(names: &HashMap<String, String>, url: Option<&str>) -> String {
+    url.map(|u| u.trim_end_matches('/'))
+        .map(|u| names.get(u).cloned().unwrap_or_else(|| u.to_string()))
+        .unwrap_or_else(|| "-".into())
 }
 
 /// Service URL (no trailing `/`) -> service name.
@@ -507,8 +615,214 @@ mod tests {
             ttft_ms: Some(10.0),
             total_ms: Some(100.0),
             retries: 0,
+            migrations: 0,
             kv_handoff: handoff.map(str::to_string),
         }
+    }
+
+    /// A service of the status report, `healthy` unless said.
+    fn service(
+        name: &str,
+        url: Option<&str>,
+        state: ServiceState,
+    ) -> crate::control::ServiceStatus {
+        let role = if name.starts_with("prefill") {
+            crate::vocab::Role::Prefill
+        } else {
+            crate::vocab::Role::Decode
+        };
+        crate::control::ServiceStatus {
+            name: name.into(),
+            role,
+            node: "n".into(),
+            pid: None,
+            state,
+            gpus: vec![],
+            port: None,
+            url: url.map(str::to_string),
+            restarts: 0,
+            revision: 0,
+            ports: Default::default(),
+            uptime_s: None,
+            last_exit: Some("signal 9 (SIGKILL)".into()),
+            last_error: Some("secret-ish text".into()),
+            remote: false,
+            unreachable_since_ms: None,
+            cpu_percent: None,
+            rss_bytes: None,
+            gpu_memory_bytes: None,
+        }
+    }
+
+    fn report(services: Vec<crate::control::ServiceStatus>) -> StatusReport {
+        StatusReport {
+            cluster: "c".into(),
+            node: "n".into(),
+            proxy_url: None,
+            services,
+            operation: None,
+            rebalance: None,
+            certificates: None,
+        }
+    }
+
+    /// A 2P2D's report: prefill-N at http://pN:1, decode-N at http://dN:2.
+    fn two_by_two() -> StatusReport {
+        let healthy = ServiceState::Healthy;
+        report(vec![
+            service("prefill-0", Some("http://p0:1"), healthy),
+            service("prefill-1", Some("http://p1:1"), healthy),
+            service("decode-0", Some("http://d0:2/"), healthy),
+            service("decode-1", Some("http://d1:2"), healthy),
+        ])
+    }
+
+    /// A request from prefill `p` to decode `d` (service numbers) that went well.
+    fn served(id: &str, p: u8, d: u8) -> Access {
+        Access {
+            prefill: Some(format!("http://p{p}:1")),
+            decode: Some(format!("http://d{d}:2")),
+            ..access(id, 200, Some("ok"))
+        }
+    }
+
+    /// Decodes' pages whose KV-tokens-received counters say `kv`.
+    fn decodes(kv: [f64; 2]) -> BTreeMap<String, EnginePage> {
+        (0..2)
+            .map(|i| {
+                let page = EnginePage {
+                    kv_tokens_in: kv[i],
+                    ..EnginePage::default()
+                };
+                (format!("decode-{i}"), page)
+            })
+            .collect()
+    }
+
+    /// The pair `prefill -> decode` of a view.
+    fn pair<'a>(v: &'a Value, prefill: &str, decode: &str) -> &'a Value {
+        v["pairs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["prefill"] == prefill && p["decode"] == decode)
+            .unwrap_or_else(|| panic!("no pair {prefill} -> {decode}: {}", v["pairs"]))
+    }
+
+    #[test]
+    fn each_pair_shows_the_kv_tokens_its_decode_received_from_its_prefill() {
+        let mut h = History::default();
+        let t0 = Instant::now();
+        let look = |engines, accesses| Look {
+            status: Some(two_by_two()),
+            engines,
+            accesses,
+            ..Look::default()
+        };
+        // Before: what the counters held when the page's server started is not counted.
+        h.add(t0, look(decodes([1000.0, 500.0]), vec![]));
+        let accesses = vec![
+            served("a", 0, 0),
+            access("miss", 200, Some("decode_cached_tokens_low")),
+            served("b", 0, 1),
+            served("c", 1, 1),
+            served("d", 1, 1),
+        ];
+        h.add(
+            t0 + Duration::from_secs(1),
+            look(decodes([1640.0, 800.0]), accesses),
+        );
+        let v = h.view(&BTreeMap::new(), true);
+        let only = pair(&v, "prefill-0", "decode-0");
+        assert_eq!(only["kv_tokens_moved"], 640.0);
+        assert_eq!(only["kv_tokens_moved_per_s"], 640.0);
+        assert_eq!(only["kv_tokens_split"], false);
+        // decode-1's 300 tokens came from two prefills: split by their handoffs, 1 to 2.
+        let (a, b) = (
+            pair(&v, "prefill-0", "decode-1"),
+            pair(&v, "prefill-1", "decode-1"),
+        );
+        assert_eq!(
+            (&a["kv_tokens_moved"], &b["kv_tokens_moved"]),
+            (&json!(100.0), &json!(200.0))
+        );
+        assert_eq!(
+            (&a["kv_tokens_split"], &b["kv_tokens_split"]),
+            (&json!(true), &json!(true))
+        );
+        // decode-0 restarted (its counter began again): what it received since counts.
+        h.add(
+            t0 + Duration::from_secs(2),
+            look(decodes([64.0, 800.0]), vec![]),
+        );
+        let v = h.view(&BTreeMap::new(), true);
+        assert_eq!(pair(&v, "prefill-0", "decode-0")["kv_tokens_moved"], 704.0);
+        assert_eq!(
+            v["totals"]["kv_tokens_moved"], 1004.0,
+            "the cluster's total is its pairs' sum, and does not drop with a restart"
+        );
+    }
+
+    #[test]
+    fn a_migrated_stream_counts_in_the_pair_it_started_on_with_its_hops() {
+        let mut h = History::default();
+        let t0 = Instant::now();
+        let hop = |id: &str, from: u8, to: u8| Hop {
+            request_id: id.into(),
+            from: format!("http://d{from}:2"),
+            to: format!("http://d{to}:2"),
+        };
+        // Its hop is logged while it streams; its access line at its end, with its last decode.
+        h.add(
+            t0,
+            Look {
+                status: Some(two_by_two()),
+                hops: vec![hop("m", 1, 0)],
+                ..Look::default()
+            },
+        );
+        let moved = Access {
+            migrations: 1,
+            retries: 2,
+            ..served("m", 0, 0)
+        };
+        // One whose hop line was not read (the page's server started after it).
+        let unread = Access {
+            migrations: 1,
+            ..served("u", 1, 0)
+        };
+        h.add(
+            t0 + Duration::from_secs(1),
+            Look {
+                status: Some(two_by_two()),
+                accesses: vec![moved, unread],
+                ..Look::default()
+            },
+        );
+        let v = h.view(&BTreeMap::new(), true);
+        let started = pair(&v, "prefill-0", "decode-1");
+        assert_eq!(
+            (&started["requests"], &started["kv_handoffs"]),
+            (&json!(1), &json!(1))
+        );
+        assert_eq!(
+            (&started["migrations"], &started["retries"]),
+            (&json!(1), &json!(2))
+        );
+        assert_eq!(started["hops"], json!({"decode-1 → decode-0": 1}));
+        assert_eq!(
+            pair(&v, "prefill-1", "decode-0")["hops"],
+            json!({"? → decode-0": 1})
+        );
+        assert!(
+            v["pairs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|p| p["prefill"] != "prefill-0" || p["decode"] != "decode-0"),
+            "the stream is counted where it started, not where it ended: {}",
+            v["pairs"]
+        );
     }
 
     #[test]
@@ -580,35 +894,7 @@ mod tests {
     #[test]
     fn a_state_change_is_an_event() {
         let mut h = History::default();
-        let report = |state| StatusReport {
-            cluster: "c".into(),
-            node: "n".into(),
-            proxy_url: None,
-            services: vec![crate::control::ServiceStatus {
-                name: "decode-1".into(),
-                role: crate::vocab::Role::Decode,
-                node: "n".into(),
-                pid: None,
-                state,
-                gpus: vec![],
-                port: None,
-                url: None,
-                restarts: 0,
-                revision: 0,
-                ports: Default::default(),
-                uptime_s: None,
-                last_exit: Some("signal 9 (SIGKILL)".into()),
-                last_error: Some("secret-ish text".into()),
-                remote: false,
-                unreachable_since_ms: None,
-                cpu_percent: None,
-                rss_bytes: None,
-                gpu_memory_bytes: None,
-            }],
-            operation: None,
-            rebalance: None,
-            certificates: None,
-        };
+        let report = |state| report(vec![service("decode-1", None, state)]);
         let t0 = Instant::now();
         h.add(
             t0,

@@ -60,6 +60,10 @@ fn panels() -> Vec<Panel> {
             ("retry {{leg}}", "sum by (leg) (rate(pdctl_proxy_retries_total{job=\"pdctl-proxy\"}[1m]))".into()),
             ("redone {{reason}}", "sum by (reason) (rate(pdctl_proxy_requests_redone_total{job=\"pdctl-proxy\"}[1m]))".into()),
         ]),
+        p("Streams continued on another decode / s", "short", vec![
+            ("migrated {{reason}}", "sum by (reason) (rate(pdctl_proxy_migrations_total{job=\"pdctl-proxy\"}[1m]))".into()),
+            ("not continued {{reason}}", "sum by (reason) (rate(pdctl_proxy_migrations_refused_total{job=\"pdctl-proxy\"}[1m]))".into()),
+        ]),
         p("Prefix-cache hit rate", "percentunit", one("{{job}}", "sum by (job) (rate(vllm:prefix_cache_hits_total[1m])) / sum by (job) (rate(vllm:prefix_cache_queries_total[1m]))")),
         p("Engine queue", "short", vec![
             ("running {{job}} {{instance}}", "sum by (job, instance) (vllm:num_requests_running)".into()),

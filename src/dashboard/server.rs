@@ -3,7 +3,7 @@
 //! keeps the document fresh.
 
 use super::Watch;
-use super::access::{Tail, parse};
+use super::access::{Line, Tail, parse_line};
 use super::collect::{History, Look};
 use super::pages::{read_engine, read_proxy};
 use crate::control::client::{self, Endpoint, StatusConn};
@@ -80,7 +80,12 @@ async fn look_every_second(shared: Arc<Shared>) {
             look.engines = engines;
         }
         if let Some(t) = tail.as_mut() {
-            look.accesses = t.new_lines().iter().filter_map(|l| parse(l)).collect();
+            for line in t.new_lines().iter().filter_map(|l| parse_line(l)) {
+                match line {
+                    Line::Access(a) => look.accesses.push(a),
+                    Line::Hop(h) => look.hops.push(h),
+                }
+            }
         }
         history.add(Instant::now(), look);
         let mut doc = history.view(&shared.watch.nodes, tail.is_some());
