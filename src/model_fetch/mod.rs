@@ -34,6 +34,10 @@ pub const STALL_ENV: &str = "PDCTL_FETCH_STALL_S";
 /// Tries in a row that move no byte (stalled or cut) before the fetch gives up.
 pub const TRIES: u32 = 5;
 
+/// The pause before a try after failed ones: 1 s, doubling (at most 32 s).
+const RESUME_AFTER: crate::backoff::Backoff =
+    crate::backoff::Backoff::new(Duration::from_secs(1), Duration::from_secs(32));
+
 /// How long the hub's file list is waited for.
 const LIST_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -593,7 +597,7 @@ impl Source {
                             cache: self.cache().display().to_string(),
                         });
                     }
-                    let pause = Duration::from_secs(1 << (failed_in_a_row - 1).min(5));
+                    let pause = RESUME_AFTER.after(failed_in_a_row);
                     report(Report::Retry { why: &why, pause });
                     std::thread::sleep(pause);
                 }
