@@ -406,33 +406,8 @@ fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Resu
     .into_iter()
     .flatten()
     .map(|r| {
-        let output = output.clone();
-        let node = node.to_string();
-        let kept = h.state_dir.join(super::pull::node_fetch_file(&node));
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(r).lines().map_while(Result::ok) {
-                let line = crate::supervisor::strip_ansi(&line);
-                // The node's model fetch is shown as it goes (it can take minutes), and kept
-                // for the head's `status` while this process relays it.
-                if let Some(json) = line.strip_prefix(super::pull::TO_HEAD_PREFIX) {
-                    if let Ok(mut state) = serde_json::from_str::<super::pull::FetchState>(json) {
-                        state.pid = std::process::id();
-                        let json = serde_json::to_vec(&state).expect("fetch states serialize");
-                        let _ = crate::supervisor::write_atomic(&kept, &json);
-                    }
-                    continue;
-                }
-                if let Some(fetch) = line.strip_prefix("pdctl: fetch") {
-                    println!("pdctl: node {node}: fetch{fetch}");
-                    if fetch.starts_with("ed ") {
-                        let _ = std::fs::remove_file(&kept);
-                    }
-                }
-                if !line.trim().is_empty() {
-                    output.lock().unwrap_or_else(|e| e.into_inner()).push(line);
-                }
-            }
-        })
+        let kept = h.state_dir.join(super::pull::node_fetch_file(node));
+        relay(node.to_string(), r, output.clone(), kept)
     })
     .collect();
     let done = exit.clone();
@@ -453,6 +428,40 @@ fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Resu
         program: program.to_string(),
         output,
         exit,
+    })
+}
+
+/// Reads one of `node`'s `node-up` outputs line by line on a thread of its own: the
+/// node's model fetch shown as it goes (it can take minutes) and its state kept in
+/// `kept` for the head's `status` while this process relays it; every other line kept
+/// in `output`.
+fn relay(
+    node: String,
+    r: Box<dyn Read + Send>,
+    output: Arc<Mutex<Vec<String>>>,
+    kept: std::path::PathBuf,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(r).lines().map_while(Result::ok) {
+            let line = crate::supervisor::strip_ansi(&line);
+            if let Some(json) = line.strip_prefix(super::pull::TO_HEAD_PREFIX) {
+                if let Ok(mut state) = serde_json::from_str::<super::pull::FetchState>(json) {
+                    state.pid = std::process::id();
+                    let json = serde_json::to_vec(&state).expect("fetch states serialize");
+                    let _ = crate::supervisor::write_atomic(&kept, &json);
+                }
+                continue;
+            }
+            if let Some(fetch) = line.strip_prefix("pdctl: fetch") {
+                println!("pdctl: node {node}: fetch{fetch}");
+                if fetch.starts_with("ed ") {
+                    let _ = std::fs::remove_file(&kept);
+                }
+            }
+            if !line.trim().is_empty() {
+                output.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+            }
+        }
     })
 }
 

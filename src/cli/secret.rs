@@ -412,49 +412,9 @@ pub fn join_token(a: JoinTokenArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     if let Some(what) = &a.revoke {
-        let what = what.clone();
-        let said = Book::update(&dir, move |b| {
-            if let Some(t) = b.tokens.iter_mut().find(|t| t.id == what) {
-                t.revoked = true;
-                return Ok(format!("join token {what} (node {}) revoked", t.node));
-            }
-            match b.issued.remove(&what) {
-                Some(i) => Ok(format!(
-                    "the certificate of node {what} (serial {}) revoked: the head refuses it from now on",
-                    i.serial
-                )),
-                None => Err(format!(
-                    "no join token and no node certificate is named `{what}` (`pdctl join-token --list` shows them)"
-                )),
-            }
-        })?
-        .map_err(ExitError::usage)?;
-        println!("pdctl: {said}");
-        return Ok(ExitCode::SUCCESS);
+        return revoke(&dir, what);
     }
-    let others: Vec<&String> = plan
-        .nodes
-        .keys()
-        .filter(|n| **n != plan.head_node)
-        .collect();
-    let node = match (&a.node, others.as_slice()) {
-        (Some(n), _) if others.contains(&n) => n.clone(),
-        (None, [only]) => (*only).clone(),
-        (given, _) => {
-            let names: Vec<&str> = others.iter().map(|n| n.as_str()).collect();
-            return Err(ExitError::usage(format!(
-                "{}; name the node the token is for with --node ({})",
-                match given {
-                    Some(n) => format!("`{n}` is no node of cluster {} but the head", plan.cluster),
-                    None => format!(
-                        "cluster {} has several nodes besides the head",
-                        plan.cluster
-                    ),
-                },
-                names.join(", ")
-            )));
-        }
-    };
+    let node = token_node(a.node.as_ref(), &plan)?;
     let token = JoinToken::new(&ca.hash());
     let now = now_s();
     let record = TokenRecord {
@@ -477,6 +437,57 @@ pub fn join_token(a: JoinTokenArgs) -> anyhow::Result<ExitCode> {
     .map_err(ExitError::usage)?;
     println!("{}", token.reveal());
     Ok(ExitCode::SUCCESS)
+}
+
+/// `pdctl join-token --revoke WHAT`: a join token (by its id) or a node's certificate
+/// (by the node's name) withdrawn.
+fn revoke(dir: &Path, what: &str) -> anyhow::Result<ExitCode> {
+    let what = what.to_string();
+    let said = Book::update(dir, move |b| {
+        if let Some(t) = b.tokens.iter_mut().find(|t| t.id == what) {
+            t.revoked = true;
+            return Ok(format!("join token {what} (node {}) revoked", t.node));
+        }
+        match b.issued.remove(&what) {
+            Some(i) => Ok(format!(
+                "the certificate of node {what} (serial {}) revoked: the head refuses it from now on",
+                i.serial
+            )),
+            None => Err(format!(
+                "no join token and no node certificate is named `{what}` (`pdctl join-token --list` shows them)"
+            )),
+        }
+    })?
+    .map_err(ExitError::usage)?;
+    println!("pdctl: {said}");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The node a new join token is for: `--node`, or the one node besides the head.
+fn token_node(given: Option<&String>, plan: &Plan) -> anyhow::Result<String> {
+    let others: Vec<&String> = plan
+        .nodes
+        .keys()
+        .filter(|n| **n != plan.head_node)
+        .collect();
+    match (given, others.as_slice()) {
+        (Some(n), _) if others.contains(&n) => Ok(n.clone()),
+        (None, [only]) => Ok((*only).clone()),
+        (given, _) => {
+            let names: Vec<&str> = others.iter().map(|n| n.as_str()).collect();
+            Err(ExitError::usage(format!(
+                "{}; name the node the token is for with --node ({})",
+                match given {
+                    Some(n) => format!("`{n}` is no node of cluster {} but the head", plan.cluster),
+                    None => format!(
+                        "cluster {} has several nodes besides the head",
+                        plan.cluster
+                    ),
+                },
+                names.join(", ")
+            )))
+        }
+    }
 }
 
 /// `pdctl join-token --list`.
