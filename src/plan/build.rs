@@ -134,13 +134,19 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
 /// The node this machine plans for (`--node`, else the head), when the topology has it.
 fn local_node<'a>(input: &PlanInput<'a>) -> Result<&'a str, PlanError> {
     let local = input.local_node.unwrap_or(input.head);
-    if input.topology.nodes.contains_key(local) {
-        return Ok(local);
+    check_node(input.topology, local)?;
+    Ok(local)
+}
+
+/// Fails unless `node` (`--node`) is a node of the topology.
+pub fn check_node(t: &Topology, node: &str) -> Result<(), PlanError> {
+    if t.nodes.contains_key(node) {
+        return Ok(());
     }
-    let known: Vec<&str> = input.topology.nodes.keys().map(String::as_str).collect();
+    let known: Vec<&str> = t.nodes.keys().map(String::as_str).collect();
     Err(Problem::new(
         "nodes",
-        format!("--node {local} is not a node of this topology"),
+        format!("--node {node} is not a node of this topology"),
     )
     .hint(format!("nodes are: {}", known.join(", "))))
 }
