@@ -290,7 +290,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
             crate::ops::up::Up::Ready(mut ready) => {
                 refuse_assumed(&ready.loaded.plan)?;
                 runs_here(&a, &mut ready.loaded.plan, &ready.loaded.node)?;
-                ready
+                *ready
             }
         },
     };

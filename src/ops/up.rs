@@ -40,8 +40,8 @@ pub struct Ready {
 
 /// How `up` of a topology went before anything starts.
 pub enum Up {
-    /// Ready to start.
-    Ready(Ready),
+    /// Ready to start (boxed: a plan is large, an exit code is not).
+    Ready(Box<Ready>),
     /// The cluster ran already and the topology was applied to it, with this exit code.
     Applied(ExitCode),
 }
@@ -67,11 +67,11 @@ pub fn prepare(req: &Request, steps: &mut dyn UpSteps) -> anyhow::Result<Up> {
         steps.fetch(&source, &resolved.node, resolved.cluster(), &state)?;
     }
     let loaded = as_it_ran(resolved, req, &state)?;
-    Ok(Up::Ready(Ready {
+    Ok(Up::Ready(Box::new(Ready {
         loaded,
         state,
         lock,
-    }))
+    })))
 }
 
 /// The plan, built once: after a supervisor that died without `pdctl down` (a crash, a
