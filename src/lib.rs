@@ -9,10 +9,10 @@
 //! types several of them share, below all of them (the layers: `tests/layers.rs`).
 
 pub mod allocator;
+pub mod backoff;
 pub mod bench;
 pub mod check;
 pub mod child_config;
-pub mod civil_date;
 pub mod cli;
 pub mod connectors;
 pub mod constant_time;

@@ -320,6 +320,14 @@ impl ProxyArgs {
             "--port".into(),
             self.port.to_string(),
         ];
+        self.engines_argv(&mut v);
+        self.protocol_argv(&mut v);
+        self.limits_argv(&mut v);
+        v
+    }
+
+    /// The engines' flags: the instances, the names that list them, bootstrap ports.
+    fn engines_argv(&self, v: &mut Vec<String>) {
         for p in &self.prefill {
             v.extend(["--prefill".into(), p.clone()]);
         }
@@ -335,6 +343,11 @@ impl ProxyArgs {
         for b in &self.bootstrap_ports {
             v.extend(["--bootstrap-port".into(), b.to_string()]);
         }
+    }
+
+    /// How requests go: the protocol, the handoff, the policies, the figures, warm-up,
+    /// migration and drain.
+    fn protocol_argv(&self, v: &mut Vec<String>) {
         v.extend(["--protocol".into(), value_name(self.protocol)]);
         if !is_recompute(&self.kv_load_failure_policy) {
             v.extend([
@@ -375,6 +388,11 @@ impl ProxyArgs {
         if !is_default_warmed_within_s(&self.warmed_within_s) {
             v.extend(["--warmed-within-s".into(), self.warmed_within_s.to_string()]);
         }
+    }
+
+    /// The limits and timeouts (the TCP ones and the last few only where they differ
+    /// from the defaults), and the supervisor's socket.
+    fn limits_argv(&self, v: &mut Vec<String>) {
         let nums: [(&str, String); 11] = [
             ("--rate-limit", self.rate_limit.to_string()),
             ("--max-concurrent", self.max_concurrent.to_string()),
@@ -413,7 +431,6 @@ impl ProxyArgs {
             let n = self.max_client_connections.to_string();
             v.extend(["--max-client-connections".into(), n]);
         }
-        v
     }
 }
 

@@ -8,6 +8,7 @@ use super::{logs_cmd, view};
 use crate::control::client;
 use crate::plan::Plan;
 use crate::plan::resolve::{LoadedPlan, Machine};
+use crate::plan::source::ClusterSource;
 use crate::supervisor::{self, ClusterLock, DEFAULT_KEEP, DEFAULT_MAX_BYTES, RunOptions, StateDir};
 use crate::supervisor::{SupervisorError, select};
 use crate::vocab::VersionSource;
@@ -145,40 +146,94 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-/// The plan `up` runs: read from `--plan FILE` (its programs found here), or made from
-/// the topology; a plan for an assumed vLLM can be read, not run, so nothing starts.
-fn plan_to_run(a: &UpArgs) -> anyhow::Result<LoadedPlan> {
-    match &a.plan {
-        Some(path) => {
-            let mut plan = read_plan(path)?;
-            let missing = crate::plan::resolve::resolve_programs(&mut plan);
-            let node = a
-                .topology
-                .node
-                .clone()
-                .unwrap_or_else(|| plan.head_node.clone());
-            Ok(LoadedPlan {
-                plan,
-                source_note: format!("using plan file {}", path.display()),
-                missing,
-                node,
-                version_note: None,
-                machine: Machine::new(a.topology.gpus.clone()),
-                source: None,
-                hidden_env: Default::default(),
-            })
-        }
-        None => {
-            // Programs it could not find are reported by pre-flight, with the others.
-            let loaded = as_it_ran(
-                crate::plan::resolve::resolve(&a.topology.request())?,
-                &a.topology,
-            )?;
-            match loaded.version_note {
-                Some(v) => Err(anyhow::Error::new(v.refusal)),
-                None => Ok(loaded),
-            }
-        }
+/// `up --plan FILE` (a node run from a plan: over SSH from the head, or by hand): the plan
+/// read with its programs found here, its state dir locked, then the model it names
+/// fetched where this node's engines lack it (the token comes with what the head handed,
+/// else from an earlier `up`). A plan for an assumed vLLM can be read, not run.
+fn from_plan_file(a: &UpArgs, path: &std::path::Path) -> anyhow::Result<crate::ops::up::Ready> {
+    let mut plan = read_plan(path)?;
+    let missing = crate::plan::resolve::resolve_programs(&mut plan);
+    let node = a
+        .topology
+        .node
+        .clone()
+        .unwrap_or_else(|| plan.head_node.clone());
+    refuse_assumed(&plan)?;
+    runs_here(a, &mut plan, &node)?;
+    let state = StateDir::new(&plan.state_dir);
+    state.create()?;
+    let lock = state.lock()?;
+    let hidden = match &a.handed {
+        Some(h) => h.hidden_env.clone(),
+        None => crate::control::hidden_env::kept(&state.dir)?,
+    };
+    super::pull::fetch_planned(&plan, &node, &hidden, Some(shown(a, &plan.cluster, &state)))?;
+    let loaded = LoadedPlan {
+        plan,
+        source_note: format!("using plan file {}", path.display()),
+        missing,
+        node,
+        version_note: None,
+        machine: Machine::new(a.topology.gpus.clone()),
+        source: None,
+        hidden_env: Default::default(),
+    };
+    Ok(crate::ops::up::Ready {
+        loaded,
+        state,
+        lock,
+    })
+}
+
+/// Refuses a plan made for a vLLM assumed because none was found.
+fn refuse_assumed(plan: &Plan) -> anyhow::Result<()> {
+    if plan.vllm_version_source == Some(VersionSource::Assumed) {
+        return Err(ExitError::usage(format!(
+            "the plan assumes vLLM {} because none was found when it was made; make it again where vLLM is installed, or with engine.vllm_version pinned",
+            plan.vllm_version.as_deref().unwrap_or("?")
+        )));
+    }
+    Ok(())
+}
+
+/// Where `up` keeps the model fetch's progress for `status` (and whether it hands it to
+/// the head: a node the head started over SSH).
+fn shown<'a>(a: &UpArgs, cluster: &'a str, state: &'a StateDir) -> super::pull::Shown<'a> {
+    super::pull::Shown {
+        cluster,
+        state_dir: &state.dir,
+        to_head: a.handed.is_some(),
+    }
+}
+
+/// What `up` of a topology prints on its way, and its `apply` of a cluster running
+/// already.
+struct UpShell<'a>(&'a UpArgs);
+
+impl crate::ops::up::UpSteps for UpShell<'_> {
+    fn apply_to_running(&mut self, cluster: &str) -> anyhow::Result<ExitCode> {
+        println!("pdctl: cluster {cluster} is running already: applying the topology to it");
+        let apply = super::live::ApplyArgs {
+            topology: self.0.topology.clone(),
+            cluster: Some(cluster.to_string()),
+            dry_run: false,
+            timeout: super::live::DEFAULT_DRAIN_TIMEOUT_S,
+            recreate: false,
+        };
+        Ok(match super::live::apply(&apply, &runtime()?)? {
+            super::live::Applied::Code(code) => code,
+            super::live::Applied::NeedsRecreate(_) => ExitCode::from(2),
+        })
+    }
+
+    fn fetch(
+        &mut self,
+        source: &crate::model_fetch::Source,
+        node: &str,
+        cluster: &str,
+        state: &StateDir,
+    ) -> anyhow::Result<()> {
+        super::pull::run_fetch(source, node, Some(shown(self.0, cluster, state)))
     }
 }
 
@@ -224,75 +279,32 @@ fn runs_here(a: &UpArgs, plan: &mut Plan, node: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `up` of a topology whose cluster runs already (from the same state dir) applies the
-/// topology to it instead: the exit code of that, or None to start the cluster.
-fn apply_if_running(a: &UpArgs, plan: &Plan, state: &StateDir) -> anyhow::Result<Option<ExitCode>> {
-    if a.plan.is_none()
-        && select::running(
-            state.dir.parent().unwrap_or(&state.dir),
-            Some(&plan.cluster),
-        )?
-        .is_some_and(|f| f.state.dir == state.dir)
-    {
-        println!(
-            "pdctl: cluster {} is running already: applying the topology to it",
-            plan.cluster
-        );
-        let apply = super::live::ApplyArgs {
-            topology: a.topology.clone(),
-            cluster: Some(plan.cluster.clone()),
-            dry_run: false,
-            timeout: super::live::DEFAULT_DRAIN_TIMEOUT_S,
-            recreate: false,
-        };
-        return Ok(Some(match super::live::apply(&apply, &runtime()?)? {
-            super::live::Applied::Code(code) => code,
-            super::live::Applied::NeedsRecreate(_) => ExitCode::from(2),
-        }));
-    }
-    Ok(None)
-}
-
-/// `pdctl up`: plan, pre-flight, then supervise in the foreground or detached.
+/// `pdctl up`: the plan (a topology's made in one pass by [`crate::ops::up`], or a plan
+/// file's), pre-flight, then supervise in the foreground or detached.
 pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     supervisor::private_umask();
-    let mut loaded = plan_to_run(&a)?;
-    if loaded.plan.vllm_version_source == Some(VersionSource::Assumed) {
-        return Err(ExitError::usage(format!(
-            "the plan assumes vLLM {} because none was found when it was made; make it again where vLLM is installed, or with engine.vllm_version pinned",
-            loaded.plan.vllm_version.as_deref().unwrap_or("?")
-        )));
-    }
-    runs_here(&a, &mut loaded.plan, &loaded.node)?;
-    let state = StateDir::new(&loaded.plan.state_dir);
-    if let Some(code) = apply_if_running(&a, &loaded.plan, &state)? {
-        return Ok(code);
-    }
-    state.create()?;
-    let lock = state.lock()?;
-    // The model first, where this node's engines lack it: fetched with its progress shown
-    // (and kept in the state dir for `status`), then planned again, now sized from its
-    // files (engines sharing a GPU start together), and no second of the download counted
-    // in an engine's startup_timeout_s. The lock keeps a second `up` out meanwhile.
-    let shown = super::pull::Shown {
-        cluster: &loaded.plan.cluster,
-        state_dir: &state.dir,
-        to_head: a.handed.is_some(),
+    let ready = match &a.plan {
+        Some(path) => from_plan_file(&a, path)?,
+        None => match crate::ops::up::prepare(&a.topology.request(), &mut UpShell(&a))? {
+            crate::ops::up::Up::Applied(code) => return Ok(code),
+            crate::ops::up::Up::Ready(mut ready) => {
+                refuse_assumed(&ready.loaded.plan)?;
+                runs_here(&a, &mut ready.loaded.plan, &ready.loaded.node)?;
+                *ready
+            }
+        },
     };
-    if a.plan.is_none() {
-        if super::pull::fetch_step(&a.topology, false, Some(shown))? {
-            loaded = plan_to_run(&a)?;
-            runs_here(&a, &mut loaded.plan, &loaded.node)?;
-        }
-    } else {
-        // A node run from a plan (over SSH from the head, or by hand): the plan names the
-        // model, the token comes with what the head handed, else from an earlier `up`.
-        let hidden = match &a.handed {
-            Some(h) => h.hidden_env.clone(),
-            None => crate::control::hidden_env::kept(&state.dir)?,
-        };
-        super::pull::fetch_planned(&loaded.plan, &loaded.node, &hidden, Some(shown))?;
-    }
+    start(&a, ready)
+}
+
+/// `up` of a plan ready to run: its secret values kept, pre-flight, the plan written, the
+/// nodes the head starts over SSH started, then this node's supervisor.
+fn start(a: &UpArgs, ready: crate::ops::up::Ready) -> anyhow::Result<ExitCode> {
+    let crate::ops::up::Ready {
+        loaded,
+        state,
+        lock,
+    } = ready;
     let LoadedPlan {
         plan,
         source_note: note,
@@ -319,7 +331,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         return Err(anyhow::Error::from(SupervisorError::Preflight(problems)));
     }
     // The head makes what others join with; a token means something elsewhere only.
-    let creds = credentials(&a, &plan, &node, &state)?;
+    let creds = credentials(a, &plan, &node, &state)?;
     let ssh_of = match (&source, node == plan.head_node && a.handed.is_none()) {
         (Some(src), true) => src.topology()?.spec.ssh,
         _ => Default::default(),
@@ -335,15 +347,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
     for w in &plan.warnings {
         let _ = writeln!(out, "pdctl: warning: {w}");
     }
-    let json = serde_json::to_vec_pretty(&plan).expect("plans serialize");
-    supervisor::write_atomic(&state.plan_path(), &json)
-        .with_context(|| format!("writing {}", state.plan_path().display()))?;
-    // What `scale` plans again from; a cluster started from a plan file has none.
-    let source_path = state.dir.join(crate::plan::source::SOURCE_FILE);
-    let _ = std::fs::remove_file(&source_path);
-    if let Some(source) = source {
-        source.write(&state.dir)?;
-    }
+    write_plan(&state, &plan, source)?;
     let logs = LogSettings {
         max_bytes: a.log_max_bytes,
         keep: a.log_keep,
@@ -357,7 +361,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         logs,
     )?);
     let kept = (!remote.is_empty()).then(|| plan.clone());
-    let code = launch(&a, plan, node, state, lock, logs, creds, remote.clone());
+    let code = launch(a, plan, node, state, lock, logs, creds, remote.clone());
     // A failed `up` leaves nothing running: the nodes it started over ssh go down too.
     if let Some(plan) = kept
         && !matches!(code, Ok(0))
@@ -367,6 +371,20 @@ pub fn up(a: UpArgs) -> anyhow::Result<ExitCode> {
         }
     }
     code.map(ExitCode::from)
+}
+
+/// Writes the plan `up` runs into the state dir, and the topology it came from beside it
+/// (what `scale` plans again from; a cluster started from a plan file has none).
+fn write_plan(state: &StateDir, plan: &Plan, source: Option<ClusterSource>) -> anyhow::Result<()> {
+    let json = serde_json::to_vec_pretty(plan).expect("plans serialize");
+    supervisor::write_atomic(&state.plan_path(), &json)
+        .with_context(|| format!("writing {}", state.plan_path().display()))?;
+    let source_path = state.dir.join(crate::plan::source::SOURCE_FILE);
+    let _ = std::fs::remove_file(&source_path);
+    if let Some(source) = source {
+        source.write(&state.dir)?;
+    }
+    Ok(())
 }
 
 /// What a node runs its cluster with (the secret stays in its state dir, where there is
@@ -605,36 +623,7 @@ pub fn down(a: super::down::DownArgs) -> anyhow::Result<ExitCode> {
 pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
     let root = state_root(a.which.state_dir.as_deref())?;
     let Some(found) = select::running(&root, a.which.cluster.as_deref())? else {
-        // No supervisor yet: an `up` may be fetching the model before starting one.
-        if let Some(f) = super::pull::fetching(&root, a.which.cluster.as_deref()) {
-            let mut out = std::io::stdout();
-            if a.json {
-                let doc = serde_json::json!({
-                    "cluster": f.cluster,
-                    "step": f,
-                    "services": [],
-                });
-                let _ = writeln!(out, "{}", serde_json::to_string_pretty(&doc).expect("json"));
-            } else {
-                let _ = writeln!(
-                    out,
-                    "cluster {} (node {}): {} ({}); no service started yet (pdctl up, pid {})",
-                    f.cluster, f.node, f.text, f.model, f.pid
-                );
-            }
-            return Ok(ExitCode::from(1));
-        }
-        let mut msg = match a.which.cluster.as_deref() {
-            Some(c) => format!("cluster {c} is not running under {}", root.display()),
-            None => format!("no cluster is running under {}", root.display()),
-        };
-        for f in select::stale(&root, a.which.cluster.as_deref()) {
-            msg.push_str(&format!(
-                "\n  {} was left behind by a supervisor that died; `pdctl down` or `pdctl up` cleans it up",
-                f.label()
-            ));
-        }
-        return Err(ExitError::nothing_running(msg));
+        return nothing_running(&a, &root);
     };
     let rt = runtime()?;
     let socket = found.state.socket_path();
@@ -684,6 +673,41 @@ pub fn status(a: StatusArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// `status` where no supervisor runs: the fetch an `up` is making before it starts one
+/// (exit code 1), else what is not running and what a dead supervisor left behind.
+fn nothing_running(a: &StatusArgs, root: &std::path::Path) -> anyhow::Result<ExitCode> {
+    // No supervisor yet: an `up` may be fetching the model before starting one.
+    if let Some(f) = super::pull::fetching(root, a.which.cluster.as_deref()) {
+        let mut out = std::io::stdout();
+        if a.json {
+            let doc = serde_json::json!({
+                "cluster": f.cluster,
+                "step": f,
+                "services": [],
+            });
+            let _ = writeln!(out, "{}", serde_json::to_string_pretty(&doc).expect("json"));
+        } else {
+            let _ = writeln!(
+                out,
+                "cluster {} (node {}): {} ({}); no service started yet (pdctl up, pid {})",
+                f.cluster, f.node, f.text, f.model, f.pid
+            );
+        }
+        return Ok(ExitCode::from(1));
+    }
+    let mut msg = match a.which.cluster.as_deref() {
+        Some(c) => format!("cluster {c} is not running under {}", root.display()),
+        None => format!("no cluster is running under {}", root.display()),
+    };
+    for f in select::stale(root, a.which.cluster.as_deref()) {
+        msg.push_str(&format!(
+            "\n  {} was left behind by a supervisor that died; `pdctl down` or `pdctl up` cleans it up",
+            f.label()
+        ));
+    }
+    Err(ExitError::nothing_running(msg))
 }
 
 /// The services of other nodes whose logs can be read here: on the head of a running
@@ -778,59 +802,6 @@ pub fn logs(a: LogsArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// After a supervisor that died without `pdctl down` (a crash, a reboot, `kill -9`):
-/// given the topology it was started from, `up` starts the cluster as it ran, with the
-/// instance counts `pdctl scale` set since (kept in topology.json), so the node comes back
-/// to what its peers run rather than shrinking the cluster; and each instance on the GPUs
-/// it ran on (plan.json), as a change planned it, so the plan matches the one a journaled
-/// change started from or was making (GPUs planned afresh would differ after a change, and
-/// the change would be set aside). Otherwise `loaded` as it is.
-fn as_it_ran(
-    loaded: crate::plan::resolve::LoadedPlan,
-    topology: &super::common::TopologyArgs,
-) -> anyhow::Result<crate::plan::resolve::LoadedPlan> {
-    let Some(given) = &loaded.source else {
-        return Ok(loaded);
-    };
-    let state = StateDir::new(&loaded.plan.state_dir);
-    let died = matches!(supervisor::read_record(&state), Ok(Some(r)) if !r.supervisor_alive());
-    if !died {
-        return Ok(loaded);
-    }
-    let held = std::fs::read_to_string(state.plan_path())
-        .ok()
-        .and_then(|text| serde_json::from_str::<Plan>(&text).ok())
-        .map(|ran| crate::plan::Holdings::of(&ran))
-        .unwrap_or_default();
-    let kept = match crate::plan::source::ClusterSource::read(&state.dir) {
-        Ok(Some(k)) => Some(k),
-        _ => None,
-    };
-    let same = kept.as_ref().is_some_and(|k| {
-        k.text == given.text && k.profile == given.profile && k.gpus == given.gpus
-    });
-    let root = super::common::state_root(topology.state_dir.as_deref())?;
-    let (source, scaled) = match kept {
-        Some(k) if same && !k.scaled.is_empty() => {
-            let counts: Vec<String> = k.scaled.iter().map(|(r, n)| format!("{r}={n}")).collect();
-            (k, Some(counts.join(" ")))
-        }
-        _ if held.is_empty() => return Ok(loaded),
-        _ => (given.clone(), None),
-    };
-    let mut again = source.plan(&loaded.node, &root, &held)?;
-    again.source_note = match scaled {
-        Some(counts) => format!(
-            "{}, with the counts `pdctl scale` set ({counts}) as it ran before its supervisor died",
-            loaded.source_note
-        ),
-        None => loaded.source_note.clone(),
-    };
-    again.node = loaded.node.clone();
-    again.source = Some(source);
-    Ok(again)
 }
 
 /// Lines of a service on another node shown when `-n` is not given.

@@ -146,24 +146,7 @@ pub async fn wait_for_start(
             renderer.draw(&mut std::io::stdout().lock(), &rows);
             match supervisor::startup_verdict(&report) {
                 Some(StartupEnd::AllHealthy) => {
-                    let mut out = std::io::stdout().lock();
-                    let line = match report.node == plan.head_node {
-                        true => super::dashboard::line(plan).await,
-                        false => None,
-                    };
-                    let table = status_table(&report);
-                    let _ = write!(
-                        out,
-                        "{}",
-                        super::dashboard::after_table(&table, line.as_deref())
-                    );
-                    let _ = writeln!(
-                        out,
-                        "cluster {} is up; the supervisor (pid {}) keeps it running: \
-                         `pdctl status`, `pdctl logs ROLE`, `pdctl down`",
-                        plan.cluster,
-                        child.id()
-                    );
+                    say_up(&report, plan, child.id()).await;
                     return 0;
                 }
                 Some(StartupEnd::Failed(failed)) => {
@@ -182,6 +165,28 @@ pub async fn wait_for_start(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// The cluster is up: its status table (with the dashboard's line on the head) and what
+/// keeps it running (the detached supervisor, pid `pid`).
+async fn say_up(report: &crate::control::StatusReport, plan: &Plan, pid: u32) {
+    let line = match report.node == plan.head_node {
+        true => super::dashboard::line(plan).await,
+        false => None,
+    };
+    let mut out = std::io::stdout().lock();
+    let table = status_table(report);
+    let _ = write!(
+        out,
+        "{}",
+        super::dashboard::after_table(&table, line.as_deref())
+    );
+    let _ = writeln!(
+        out,
+        "cluster {} is up; the supervisor (pid {pid}) keeps it running: \
+         `pdctl status`, `pdctl logs ROLE`, `pdctl down`",
+        plan.cluster,
+    );
 }
 
 /// What a service that failed to start is shown with: why, its last error line, and the

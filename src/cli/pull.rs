@@ -1,12 +1,12 @@
 //! `pdctl pull [-f FILE | -p PROFILE]`: the model fetch step alone (as `docker compose
-//! pull` fetches images), and the same step `pdctl up` runs before it plans, so the
-//! engines find the model in their cache, are planned with its size, and start together
-//! with nothing of the download counted in their `startup_timeout_s`.
+//! pull` fetches images), and how `pdctl up` shows the same step ([`run_fetch`]), which
+//! it makes before it plans (`crate::ops::up`), so the engines find the model in their
+//! cache, are planned with its size, and start together with nothing of the download
+//! counted in their `startup_timeout_s`.
 
 use super::common::TopologyArgs;
-use crate::model_fetch::{self, Progress, Source};
-use crate::plan::resolve::{Machine, load_topology};
-use crate::topology::{EngineKind, LoadedTopology, RoleSection};
+use crate::model_fetch::{Progress, Source};
+use crate::plan::resolve::{Machine, load_topology, model_to_fetch};
 use clap::Args;
 use std::io::Write;
 use std::process::ExitCode;
@@ -22,7 +22,7 @@ pub struct PullArgs {
 /// `pdctl pull`: fetches the model the topology's engines serve into their cache, with
 /// progress; says so when it is there already.
 pub fn pull(a: &PullArgs) -> anyhow::Result<ExitCode> {
-    fetch_step(&a.topology, true, None)?;
+    fetch_step(&a.topology)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -96,21 +96,21 @@ pub fn fetching(root: &std::path::Path, cluster: Option<&str>) -> Option<FetchSt
 /// Seconds between two progress lines.
 const EVERY: Duration = crate::ops::fetch::EVERY;
 
-/// The fetch step of `pull` and `up`: when this node's engines serve a Hugging Face model
-/// their cache lacks, fetches it, printing where from and its progress (bytes done / total,
-/// rate, time left) every [`EVERY`]. `chatty` also says why nothing was fetched (`pull`);
-/// `up` is silent then. A refusal (gated, unknown model, offline, no room) is an error
-/// before anything starts.
-pub fn fetch_step(args: &TopologyArgs, chatty: bool, shown: Option<Shown>) -> anyhow::Result<bool> {
+/// The fetch step of `pull`: when this node's engines serve a Hugging Face model their
+/// cache lacks, fetches it, printing where from and its progress (bytes done / total,
+/// rate, time left) every [`EVERY`]; else says why nothing was fetched. A refusal (gated,
+/// unknown model, offline, no room) is an error.
+pub fn fetch_step(args: &TopologyArgs) -> anyhow::Result<()> {
     let machine = Machine::new(args.gpus.clone());
     let (t, _) = load_topology(&args.request(), &machine)?;
     let node = args.node.clone().unwrap_or_else(|| t.head.clone());
-    let mut out = std::io::stdout();
-    let Some(source) = to_fetch(&t, &node, chatty, &mut out) else {
-        return Ok(false);
-    };
-    run_fetch(&source, &node, shown)?;
-    Ok(true)
+    match model_to_fetch(&t, &node) {
+        Ok(source) => run_fetch(&source, &node, None),
+        Err(why) => {
+            println!("pdctl: {why}");
+            Ok(())
+        }
+    }
 }
 
 /// The fetch step of a node run from a plan (`pdctl node-up`, `up --plan FILE`): the
@@ -166,62 +166,4 @@ pub fn run_fetch(source: &Source, node: &str, shown: Option<Shown>) -> anyhow::R
     }
     fetched?;
     Ok(())
-}
-
-/// The model this node's engines need fetched, or None (saying why when `chatty`).
-fn to_fetch(t: &LoadedTopology, node: &str, chatty: bool, out: &mut dyn Write) -> Option<Source> {
-    let spec = &t.spec;
-    let mut say = |line: String| {
-        if chatty {
-            let _ = writeln!(out, "pdctl: {line}");
-        }
-    };
-    if spec.engine.kind != EngineKind::Vllm {
-        say("the engines are simulated (engine.kind = \"sim\"): no model to fetch".into());
-        return None;
-    }
-    let mut model = spec.model.name.clone();
-    if let Some(rest) = model.strip_prefix("~/")
-        && let Some(home) = std::env::var_os("HOME")
-    {
-        model = std::path::PathBuf::from(home)
-            .join(rest)
-            .display()
-            .to_string();
-    }
-    if !crate::model_files::is_hub_id(&model) {
-        say(format!("{model} is a local directory: nothing to fetch"));
-        return None;
-    }
-    if !runs_engines(spec, &t.head, node) {
-        say(format!(
-            "node {node} runs no engine: nothing to fetch there"
-        ));
-        return None;
-    }
-    if let Ok(dir) = crate::model_files::cached(&model, &spec.engine.env) {
-        say(format!(
-            "{model} is in the Hugging Face cache ({}): nothing to fetch",
-            dir.display()
-        ));
-        return None;
-    }
-    Some(Source {
-        model,
-        python: model_fetch::engine_python(&spec.engine.python),
-        env: spec.engine.env.clone(),
-    })
-}
-
-/// Whether `node` runs a prefill or decode instance of this topology.
-fn runs_engines(spec: &crate::topology::Topology, head: &str, node: &str) -> bool {
-    let on = |r: &RoleSection| {
-        r.instances > 0
-            && match (&r.node, &r.nodes) {
-                (Some(n), _) => n == node,
-                (None, Some(list)) => list.iter().any(|n| n == node),
-                (None, None) => head == node,
-            }
-    };
-    on(&spec.prefill) || on(&spec.decode)
 }

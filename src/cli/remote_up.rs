@@ -22,19 +22,31 @@ use std::time::{Duration, Instant};
 /// destination and the remote command appended).
 pub const SSH_COMMAND_ENV: &str = "PDCTL_SSH_COMMAND";
 
-/// Where pdctl is put on a node (in the SSH user's home, as its shell expands it): one
-/// folder per SHA-256, `~/.pdctl/bin/<sha256>/pdctl`, so a binary is only ever found
-/// under the hash it was checked to have.
-const REMOTE_ROOT: &str = "$HOME/.pdctl/bin";
+/// Where pdctl is put on a node, under the SSH user's home: one folder per SHA-256,
+/// `~/.pdctl/bin/<sha256>/pdctl`, so a binary is only ever found under the hash it was
+/// checked to have.
+const REMOTE_ROOT: &str = ".pdctl/bin";
 
-/// The folder of the binary whose SHA-256 is `hash` (hex, so safe in a shell word).
-fn remote_dir(hash: &str) -> String {
-    format!("\"{REMOTE_ROOT}/{hash}\"")
+/// `word` as one word of the node's shell, quoted where it needs it.
+fn sh_word(word: &str) -> anyhow::Result<String> {
+    shlex::try_quote(word)
+        .map(|w| w.into_owned())
+        .map_err(|e| anyhow::anyhow!("`{}` cannot be given to a shell: {e}", word.escape_debug()))
+}
+
+/// `rest` under the SSH user's home, as one word the node's shell expands `$HOME` in.
+fn in_home(rest: &str) -> anyhow::Result<String> {
+    Ok(format!("\"$HOME\"/{}", sh_word(rest)?))
+}
+
+/// The folder of the binary whose SHA-256 is `hash`, as the node's shell reads it.
+fn remote_dir(hash: &str) -> anyhow::Result<String> {
+    in_home(&format!("{REMOTE_ROOT}/{hash}"))
 }
 
 /// The binary whose SHA-256 is `hash`, as the node's shell reads it.
-fn remote_bin(hash: &str) -> String {
-    format!("\"{REMOTE_ROOT}/{hash}/pdctl\"")
+fn remote_bin(hash: &str) -> anyhow::Result<String> {
+    in_home(&format!("{REMOTE_ROOT}/{hash}/pdctl"))
 }
 
 /// Everything a node started over SSH is handed on its standard input. No `Debug`: it
@@ -147,7 +159,7 @@ fn ensure_pdctl(
     exe: &std::path::Path,
     hash: &str,
 ) -> anyhow::Result<(String, &'static str)> {
-    let (dir, bin) = (remote_dir(hash), remote_bin(hash));
+    let (dir, bin) = (remote_dir(hash)?, remote_bin(hash)?);
     let probe = format!(
         "uname -m; sha256sum {bin} 2>/dev/null | cut -c1-64 | grep . || echo none; pdctl --version 2>/dev/null || echo none"
     );
@@ -173,8 +185,9 @@ fn ensure_pdctl(
     let copy = format!(
         "umask 077 && mkdir -p {dir} && t=$(mktemp {dir}/.pdctl.XXXXXXXX) && \
          {{ cat > \"$t\" && chmod 700 \"$t\" && h=$(sha256sum \"$t\" | cut -c1-64) && \
-         if [ \"$h\" = {hash} ]; then mv -f \"$t\" {bin}; else echo \"the copy has SHA-256 $h, not {hash}\" >&2; false; fi; }} \
-         || {{ rm -f \"$t\"; exit 1; }}"
+         if [ \"$h\" = {quoted} ]; then mv -f \"$t\" {bin}; else echo \"the copy has SHA-256 $h, not \"{quoted} >&2; false; fi; }} \
+         || {{ rm -f \"$t\"; exit 1; }}",
+        quoted = sh_word(hash)?
     );
     let mut file = std::fs::File::open(exe)?;
     run(
@@ -189,7 +202,8 @@ fn ensure_pdctl(
 struct Started {
     node: String,
     dest: String,
-    /// The pdctl that runs there (for `pdctl down` there when `up` fails).
+    /// The pdctl that runs there, as one word of its shell (for `pdctl down` there when
+    /// `up` fails).
     program: String,
     output: Arc<Mutex<Vec<String>>>,
     exit: Arc<Mutex<Option<ExitStatus>>>,
@@ -301,11 +315,15 @@ impl RemoteNodes {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            // Node and cluster names are checked at `plan` (a DNS label; letters, digits,
-            // `-`, `_`, `.`): nothing in them a shell would read.
-            let remote = format!("{} down --cluster {name}", s.program);
             let what = format!("node {} ({})", s.node, s.dest);
-            lines.push(match run(ssh(&s.dest, &remote), None, &what) {
+            let ran = sh_word(&name).and_then(|name| {
+                run(
+                    ssh(&s.dest, &format!("{} down --cluster {name}", s.program)),
+                    None,
+                    &what,
+                )
+            });
+            lines.push(match ran {
                 Ok(out) => format!(
                     "{what}: taken down ({})",
                     out.lines().last().unwrap_or("done").trim()
@@ -388,33 +406,8 @@ fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Resu
     .into_iter()
     .flatten()
     .map(|r| {
-        let output = output.clone();
-        let node = node.to_string();
-        let kept = h.state_dir.join(super::pull::node_fetch_file(&node));
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(r).lines().map_while(Result::ok) {
-                let line = crate::supervisor::strip_ansi(&line);
-                // The node's model fetch is shown as it goes (it can take minutes), and kept
-                // for the head's `status` while this process relays it.
-                if let Some(json) = line.strip_prefix(super::pull::TO_HEAD_PREFIX) {
-                    if let Ok(mut state) = serde_json::from_str::<super::pull::FetchState>(json) {
-                        state.pid = std::process::id();
-                        let json = serde_json::to_vec(&state).expect("fetch states serialize");
-                        let _ = crate::supervisor::write_atomic(&kept, &json);
-                    }
-                    continue;
-                }
-                if let Some(fetch) = line.strip_prefix("pdctl: fetch") {
-                    println!("pdctl: node {node}: fetch{fetch}");
-                    if fetch.starts_with("ed ") {
-                        let _ = std::fs::remove_file(&kept);
-                    }
-                }
-                if !line.trim().is_empty() {
-                    output.lock().unwrap_or_else(|e| e.into_inner()).push(line);
-                }
-            }
-        })
+        let kept = h.state_dir.join(super::pull::node_fetch_file(node));
+        relay(node.to_string(), r, output.clone(), kept)
     })
     .collect();
     let done = exit.clone();
@@ -438,6 +431,40 @@ fn start_one(node: &str, dest: &str, program: &str, h: &Handout) -> anyhow::Resu
     })
 }
 
+/// Reads one of `node`'s `node-up` outputs line by line on a thread of its own: the
+/// node's model fetch shown as it goes (it can take minutes) and its state kept in
+/// `kept` for the head's `status` while this process relays it; every other line kept
+/// in `output`.
+fn relay(
+    node: String,
+    r: Box<dyn Read + Send>,
+    output: Arc<Mutex<Vec<String>>>,
+    kept: std::path::PathBuf,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(r).lines().map_while(Result::ok) {
+            let line = crate::supervisor::strip_ansi(&line);
+            if let Some(json) = line.strip_prefix(super::pull::TO_HEAD_PREFIX) {
+                if let Ok(mut state) = serde_json::from_str::<super::pull::FetchState>(json) {
+                    state.pid = std::process::id();
+                    let json = serde_json::to_vec(&state).expect("fetch states serialize");
+                    let _ = crate::supervisor::write_atomic(&kept, &json);
+                }
+                continue;
+            }
+            if let Some(fetch) = line.strip_prefix("pdctl: fetch") {
+                println!("pdctl: node {node}: fetch{fetch}");
+                if fetch.starts_with("ed ") {
+                    let _ = std::fs::remove_file(&kept);
+                }
+            }
+            if !line.trim().is_empty() {
+                output.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+            }
+        }
+    })
+}
+
 /// Reads the bundle `node-up` is handed on its stdin.
 pub fn read_bundle(input: impl Read) -> anyhow::Result<NodeBundle> {
     let mut text = Vec::new();
@@ -447,4 +474,48 @@ pub fn read_bundle(input: impl Read) -> anyhow::Result<NodeBundle> {
             "node-up reads what `pdctl up` on the head hands it over ssh, not this ({e})"
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `sh` makes of `words`, each printed on a line of its own.
+    fn sh_reads(words: &str, home: &str) -> String {
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(format!("printf '%s\\n' {words}"))
+            .env("HOME", home)
+            .output()
+            .unwrap();
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    #[test]
+    fn words_reach_the_nodes_shell_as_they_were_written() {
+        for word in [
+            "plain-name_1.x",
+            "two words",
+            "it's",
+            "$HOME",
+            "a\"b`c`",
+            "*",
+        ] {
+            assert_eq!(sh_reads(&sh_word(word).unwrap(), "/h"), format!("{word}\n"));
+        }
+        assert!(sh_word("nul\0").is_err());
+    }
+
+    #[test]
+    fn the_binary_lies_under_the_home_of_the_ssh_user() {
+        let hash = "ab".repeat(32);
+        assert_eq!(
+            sh_reads(&remote_bin(&hash).unwrap(), "/home/a b"),
+            format!("/home/a b/.pdctl/bin/{hash}/pdctl\n")
+        );
+        assert_eq!(
+            sh_reads(&remote_dir(&hash).unwrap(), "/h"),
+            format!("/h/.pdctl/bin/{hash}\n")
+        );
+    }
 }

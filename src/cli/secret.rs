@@ -353,27 +353,35 @@ pub struct JoinTokenArgs {
     pub revoke: Option<String>,
 }
 
-/// A token's lifetime in seconds from `90s`, `30m`, `1h`, `2d` or a bare number of seconds.
-fn parse_ttl(text: &str) -> Result<u64, String> {
+/// Why a `--ttl` was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TtlError {
+    #[error("`{text}` is no duration ({why}): write 90s, 30m, 1h, 2d or 1h30m")]
+    NoDuration { text: String, why: String },
+    #[error("`{0}` is under a second: a token good for 0 s joins nothing")]
+    Zero(String),
+}
+
+/// A token's lifetime in whole seconds from `90s`, `30m`, `1h`, `2d`, `1h30m` (any span
+/// humantime reads) or a bare number of seconds.
+fn parse_ttl(text: &str) -> Result<u64, TtlError> {
     let t = text.trim();
-    let (digits, unit) = match t.find(|c: char| !c.is_ascii_digit()) {
-        Some(i) => t.split_at(i),
-        None => (t, "s"),
+    let secs = if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) {
+        t.parse::<u64>().map_err(|e| TtlError::NoDuration {
+            text: text.into(),
+            why: e.to_string(),
+        })?
+    } else {
+        humantime::parse_duration(t)
+            .map_err(|e| TtlError::NoDuration {
+                text: text.into(),
+                why: e.to_string(),
+            })?
+            .as_secs()
     };
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("`{text}` is no duration: write 90s, 30m, 1h or 2d"))?;
-    let scale = match unit {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        _ => return Err(format!("`{text}`: the unit is s, m, h or d")),
-    };
-    match n.checked_mul(scale) {
-        Some(0) => Err("a token good for 0 s joins nothing".into()),
-        Some(s) => Ok(s),
-        None => Err(format!("`{text}` is too long")),
+    match secs {
+        0 => Err(TtlError::Zero(text.into())),
+        s => Ok(s),
     }
 }
 
@@ -404,49 +412,9 @@ pub fn join_token(a: JoinTokenArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     if let Some(what) = &a.revoke {
-        let what = what.clone();
-        let said = Book::update(&dir, move |b| {
-            if let Some(t) = b.tokens.iter_mut().find(|t| t.id == what) {
-                t.revoked = true;
-                return Ok(format!("join token {what} (node {}) revoked", t.node));
-            }
-            match b.issued.remove(&what) {
-                Some(i) => Ok(format!(
-                    "the certificate of node {what} (serial {}) revoked: the head refuses it from now on",
-                    i.serial
-                )),
-                None => Err(format!(
-                    "no join token and no node certificate is named `{what}` (`pdctl join-token --list` shows them)"
-                )),
-            }
-        })?
-        .map_err(ExitError::usage)?;
-        println!("pdctl: {said}");
-        return Ok(ExitCode::SUCCESS);
+        return revoke(&dir, what);
     }
-    let others: Vec<&String> = plan
-        .nodes
-        .keys()
-        .filter(|n| **n != plan.head_node)
-        .collect();
-    let node = match (&a.node, others.as_slice()) {
-        (Some(n), _) if others.contains(&n) => n.clone(),
-        (None, [only]) => (*only).clone(),
-        (given, _) => {
-            let names: Vec<&str> = others.iter().map(|n| n.as_str()).collect();
-            return Err(ExitError::usage(format!(
-                "{}; name the node the token is for with --node ({})",
-                match given {
-                    Some(n) => format!("`{n}` is no node of cluster {} but the head", plan.cluster),
-                    None => format!(
-                        "cluster {} has several nodes besides the head",
-                        plan.cluster
-                    ),
-                },
-                names.join(", ")
-            )));
-        }
-    };
+    let node = token_node(a.node.as_ref(), &plan)?;
     let token = JoinToken::new(&ca.hash());
     let now = now_s();
     let record = TokenRecord {
@@ -469,6 +437,57 @@ pub fn join_token(a: JoinTokenArgs) -> anyhow::Result<ExitCode> {
     .map_err(ExitError::usage)?;
     println!("{}", token.reveal());
     Ok(ExitCode::SUCCESS)
+}
+
+/// `pdctl join-token --revoke WHAT`: a join token (by its id) or a node's certificate
+/// (by the node's name) withdrawn.
+fn revoke(dir: &Path, what: &str) -> anyhow::Result<ExitCode> {
+    let what = what.to_string();
+    let said = Book::update(dir, move |b| {
+        if let Some(t) = b.tokens.iter_mut().find(|t| t.id == what) {
+            t.revoked = true;
+            return Ok(format!("join token {what} (node {}) revoked", t.node));
+        }
+        match b.issued.remove(&what) {
+            Some(i) => Ok(format!(
+                "the certificate of node {what} (serial {}) revoked: the head refuses it from now on",
+                i.serial
+            )),
+            None => Err(format!(
+                "no join token and no node certificate is named `{what}` (`pdctl join-token --list` shows them)"
+            )),
+        }
+    })?
+    .map_err(ExitError::usage)?;
+    println!("pdctl: {said}");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The node a new join token is for: `--node`, or the one node besides the head.
+fn token_node(given: Option<&String>, plan: &Plan) -> anyhow::Result<String> {
+    let others: Vec<&String> = plan
+        .nodes
+        .keys()
+        .filter(|n| **n != plan.head_node)
+        .collect();
+    match (given, others.as_slice()) {
+        (Some(n), _) if others.contains(&n) => Ok(n.clone()),
+        (None, [only]) => Ok((*only).clone()),
+        (given, _) => {
+            let names: Vec<&str> = others.iter().map(|n| n.as_str()).collect();
+            Err(ExitError::usage(format!(
+                "{}; name the node the token is for with --node ({})",
+                match given {
+                    Some(n) => format!("`{n}` is no node of cluster {} but the head", plan.cluster),
+                    None => format!(
+                        "cluster {} has several nodes besides the head",
+                        plan.cluster
+                    ),
+                },
+                names.join(", ")
+            )))
+        }
+    }
 }
 
 /// `pdctl join-token --list`.
@@ -549,5 +568,31 @@ pub fn show(a: SecretArgs) -> anyhow::Result<ExitCode> {
             found.cluster,
             found.dir.display()
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ttl_reads_units_spans_and_bare_seconds() {
+        assert_eq!(parse_ttl("90s"), Ok(90));
+        assert_eq!(parse_ttl("30m"), Ok(1800));
+        assert_eq!(parse_ttl("1h"), Ok(3600));
+        assert_eq!(parse_ttl("2d"), Ok(172_800));
+        assert_eq!(parse_ttl("1h30m"), Ok(5400));
+        assert_eq!(parse_ttl(" 600 "), Ok(600));
+    }
+
+    #[test]
+    fn a_bad_ttl_says_what_to_write() {
+        for bad in ["", "soon", "5x", "-3s", "99999999999999999999999"] {
+            let e = parse_ttl(bad).unwrap_err();
+            assert!(matches!(e, TtlError::NoDuration { .. }), "{bad}: {e:?}");
+            assert!(e.to_string().contains("write 90s, 30m, 1h"), "{e}");
+        }
+        assert_eq!(parse_ttl("0"), Err(TtlError::Zero("0".into())));
+        assert_eq!(parse_ttl("500ms"), Err(TtlError::Zero("500ms".into())));
     }
 }

@@ -575,8 +575,11 @@ impl rcgen::PublicKeyData for NewPublicKey {
 
 /// Year, month and day (UTC) of Unix time `s`, for a certificate's dates.
 pub fn ymd(s: u64) -> (i32, u8, u8) {
-    let (year, month, day) = crate::civil_date::from_days((s / 86_400) as i64);
-    (year as i32, month, day)
+    let t = i64::try_from(s)
+        .ok()
+        .and_then(|s| time::OffsetDateTime::from_unix_timestamp(s).ok())
+        .unwrap_or(time::PrimitiveDateTime::MAX.assume_utc());
+    (t.year(), t.month().into(), t.day())
 }
 
 /// A node's credentials on the channel: the cluster's CA certificate, and the node's own

@@ -34,6 +34,10 @@ pub const STALL_ENV: &str = "PDCTL_FETCH_STALL_S";
 /// Tries in a row that move no byte (stalled or cut) before the fetch gives up.
 pub const TRIES: u32 = 5;
 
+/// The pause before a try after failed ones: 1 s, doubling (at most 32 s).
+const RESUME_AFTER: crate::backoff::Backoff =
+    crate::backoff::Backoff::new(Duration::from_secs(1), Duration::from_secs(32));
+
 /// How long the hub's file list is waited for.
 const LIST_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -593,7 +597,7 @@ impl Source {
                             cache: self.cache().display().to_string(),
                         });
                     }
-                    let pause = Duration::from_secs(1 << (failed_in_a_row - 1).min(5));
+                    let pause = RESUME_AFTER.after(failed_in_a_row);
                     report(Report::Retry { why: &why, pause });
                     std::thread::sleep(pause);
                 }
@@ -628,7 +632,8 @@ impl Source {
         }
     }
 
-    /// One run of the script, watched.
+    /// One run of the script, watched: its progress reported every 250 ms, killed when
+    /// no byte moved for `stall`.
     fn one_try(
         &self,
         stall: Duration,
@@ -637,8 +642,7 @@ impl Source {
         report: &mut dyn FnMut(Report),
     ) -> Result<PathBuf, Try> {
         let timeout = (stall.as_secs() + 30).to_string();
-        let cache = self.cache();
-        let cache_arg = cache.display().to_string();
+        let cache_arg = self.cache().display().to_string();
         let mut child = self
             .command(&["fetch", &self.model, "main", &cache_arg, &timeout])
             .spawn()
@@ -650,86 +654,54 @@ impl Source {
                     cache: cache_arg.clone(),
                 })
             })?;
-        let events: Arc<Mutex<Vec<Event>>> = Arc::default();
-        let stdout = child.stdout.take().expect("piped");
-        let sink = events.clone();
-        let reader = std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if let Ok(e) = serde_json::from_str::<Event>(&line) {
-                    sink.lock().expect("events lock").push(e);
-                }
-            }
-        });
-        let mut stderr = child.stderr.take().expect("piped");
-        let err_reader = std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
-            s
-        });
+        let output = ScriptOutput::read(&mut child);
         let mut files: Option<Vec<HubFile>> = None;
         let mut present = None;
-        let mut last = (Instant::now(), 0u64);
-        let mut samples: std::collections::VecDeque<(Instant, u64)> = Default::default();
+        let mut last_moved = (Instant::now(), 0u64);
+        let mut rate = Rate::default();
         let status = loop {
             if files.is_none() {
-                (files, present) = events
-                    .lock()
-                    .expect("events lock")
-                    .iter()
-                    .find_map(|e| match e {
-                        Event::Files { listing, present } => {
-                            Some((Some(listing.files.clone()), *present))
-                        }
-                        _ => None,
-                    })
-                    .unwrap_or((None, None));
+                (files, present) = output.listing();
             }
             if let Some(f) = &files {
                 let done = self.bytes_on_disk(Some(f));
-                let total: u64 = f.iter().map(|x| x.size).sum();
-                let had = *had.get_or_insert(present.unwrap_or(done));
                 let now = Instant::now();
-                if done != last.1 {
-                    last = (now, done);
+                if done != last_moved.1 {
+                    last_moved = (now, done);
                 }
-                samples.push_back((now, done));
-                while samples
-                    .front()
-                    .is_some_and(|(t, _)| now.duration_since(*t) > Duration::from_secs(10))
-                {
-                    samples.pop_front();
-                }
-                let rate = match (samples.front(), samples.back()) {
-                    (Some((t0, b0)), Some((t1, b1))) if t1 > t0 => {
-                        b1.saturating_sub(*b0) as f64 / t1.duration_since(*t0).as_secs_f64()
-                    }
-                    _ => 0.0,
-                };
                 report(Report::Progress(&Progress {
                     done,
-                    total,
-                    had,
-                    rate,
+                    total: f.iter().map(|x| x.size).sum(),
+                    had: *had.get_or_insert(present.unwrap_or(done)),
+                    rate: rate.add(now, done),
                     elapsed: started.elapsed(),
                 }));
             }
             if let Some(status) = child.try_wait().ok().flatten() {
                 break Some(status);
             }
-            if last.0.elapsed() > stall {
+            if last_moved.0.elapsed() > stall {
                 let _ = child.kill();
                 let _ = child.wait();
                 break None;
             }
             std::thread::sleep(Duration::from_millis(250));
         };
-        let _ = reader.join();
-        let stderr = err_reader.join().unwrap_or_default();
-        let events = std::mem::take(&mut *events.lock().expect("events lock"));
+        let (events, stderr) = output.finish();
         let Some(status) = status else {
             return Err(Try::Again(format!("no byte for {} s", stall.as_secs())));
         };
+        self.outcome(events, status, &stderr)
+    }
+
+    /// How a run of the script that ended went, from its last word: its snapshot, an
+    /// error worth another try or one that is not, or an end without a word.
+    fn outcome(
+        &self,
+        events: Vec<Event>,
+        status: std::process::ExitStatus,
+        stderr: &str,
+    ) -> Result<PathBuf, Try> {
         for e in events.into_iter().rev() {
             match e {
                 Event::Done { snapshot } => return Ok(snapshot),
@@ -752,8 +724,92 @@ impl Source {
         Err(Try::Again(format!(
             "`{}` ended ({status}) without finishing: {}",
             self.python,
-            last_line(&stderr)
+            last_line(stderr)
         )))
+    }
+}
+
+/// The fetch script's output as it runs: its events (one JSON object a line on stdout)
+/// gathered by one thread, its stderr by another.
+struct ScriptOutput {
+    events: Arc<Mutex<Vec<Event>>>,
+    reader: std::thread::JoinHandle<()>,
+    err_reader: std::thread::JoinHandle<String>,
+}
+
+impl ScriptOutput {
+    /// Starts reading `child`'s stdout and stderr (both piped).
+    fn read(child: &mut std::process::Child) -> ScriptOutput {
+        let events: Arc<Mutex<Vec<Event>>> = Arc::default();
+        let stdout = child.stdout.take().expect("piped");
+        let sink = events.clone();
+        let reader = std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Ok(e) = serde_json::from_str::<Event>(&line) {
+                    sink.lock().expect("events lock").push(e);
+                }
+            }
+        });
+        let mut stderr = child.stderr.take().expect("piped");
+        let err_reader = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
+            s
+        });
+        ScriptOutput {
+            events,
+            reader,
+            err_reader,
+        }
+    }
+
+    /// The hub's file list and the bytes already present, once the script said them.
+    fn listing(&self) -> (Option<Vec<HubFile>>, Option<u64>) {
+        self.events
+            .lock()
+            .expect("events lock")
+            .iter()
+            .find_map(|e| match e {
+                Event::Files { listing, present } => Some((Some(listing.files.clone()), *present)),
+                _ => None,
+            })
+            .unwrap_or((None, None))
+    }
+
+    /// Every event and the whole stderr, once the script has ended.
+    fn finish(self) -> (Vec<Event>, String) {
+        let _ = self.reader.join();
+        let stderr = self.err_reader.join().unwrap_or_default();
+        let events = std::mem::take(&mut *self.events.lock().expect("events lock"));
+        (events, stderr)
+    }
+}
+
+/// The download's rate over the last 10 s, from the bytes on disk sampled as it goes.
+#[derive(Default)]
+struct Rate {
+    /// When each sample was taken and the bytes on disk then, oldest first.
+    samples: std::collections::VecDeque<(Instant, u64)>,
+}
+
+impl Rate {
+    /// Adds the sample of `bytes` at `now`; bytes a second over the samples of the last 10 s.
+    fn add(&mut self, now: Instant, bytes: u64) -> f64 {
+        self.samples.push_back((now, bytes));
+        while self
+            .samples
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > Duration::from_secs(10))
+        {
+            self.samples.pop_front();
+        }
+        match (self.samples.front(), self.samples.back()) {
+            (Some((t0, b0)), Some((t1, b1))) if t1 > t0 => {
+                b1.saturating_sub(*b0) as f64 / t1.duration_since(*t0).as_secs_f64()
+            }
+            _ => 0.0,
+        }
     }
 }
 

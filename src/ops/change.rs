@@ -60,35 +60,12 @@ pub async fn carry_out(
             if let Some(refusal) = stale(&running, expect) {
                 return refused(refusal);
             }
-            let from_source = ClusterSource::read(&inner.state_dir)?;
-            let Some(mut source) = from_source.clone() else {
-                return refused(format!(
-                    "cluster {} was started from a plan file, not a topology: scale needs its topology (use `pdctl apply -f FILE`)",
-                    running.cluster
-                ));
+            let scale = Scale {
+                counts: &counts,
+                how: &how,
+                what: &what,
             };
-            let asked: Vec<String> = counts.iter().map(|(r, n)| format!("{r}={n}")).collect();
-            for (role, n) in &counts {
-                if scalable_role(role).is_none() {
-                    return refused(format!(
-                        "`{role}={n}`: only prefill and decode can be scaled"
-                    ));
-                }
-                source.scaled.insert(role.clone(), *n);
-            }
-            // A count the topology's rules refuse is the scale's fault, not the file's.
-            let wanted = match source.plan(&inner.nodes.here, &how.state_root, &held) {
-                Ok(w) => w,
-                Err(e) => {
-                    return refused(format!(
-                        "`pdctl scale {}` makes a topology pdctl cannot run; nothing was changed:\n{e}",
-                        asked.join(" ")
-                    ));
-                }
-            };
-            let sources = (from_source, Some(source));
-            let change = Change::new(inner, running, wanted, sources, &how, progress);
-            change.run(&what).await
+            scale.carry_out(inner, running, &held, progress).await
         }
         ChangeRequest::Apply { source, how } => {
             let wanted = match source.plan(&inner.nodes.here, &how.state_root, &held) {
@@ -123,6 +100,60 @@ pub async fn carry_out(
             )
             .await
         }
+    }
+}
+
+/// A `pdctl scale` (or a rebalancer's move) not refused as stale.
+struct Scale<'a> {
+    counts: &'a [(String, u32)],
+    how: &'a ChangeOptions,
+    what: &'a str,
+}
+
+impl Scale<'_> {
+    /// The topology the cluster runs with the new counts, planned and carried out; refused
+    /// when the cluster was started from a plan file, a role cannot be scaled, or the
+    /// topology's rules refuse a count.
+    async fn carry_out(
+        &self,
+        inner: &Inner,
+        running: Plan,
+        held: &Holdings,
+        progress: &Progress,
+    ) -> anyhow::Result<End> {
+        let from_source = ClusterSource::read(&inner.state_dir)?;
+        let Some(mut source) = from_source.clone() else {
+            return refused(format!(
+                "cluster {} was started from a plan file, not a topology: scale needs its topology (use `pdctl apply -f FILE`)",
+                running.cluster
+            ));
+        };
+        let asked: Vec<String> = self
+            .counts
+            .iter()
+            .map(|(r, n)| format!("{r}={n}"))
+            .collect();
+        for (role, n) in self.counts {
+            if scalable_role(role).is_none() {
+                return refused(format!(
+                    "`{role}={n}`: only prefill and decode can be scaled"
+                ));
+            }
+            source.scaled.insert(role.clone(), *n);
+        }
+        // A count the topology's rules refuse is the scale's fault, not the file's.
+        let wanted = match source.plan(&inner.nodes.here, &self.how.state_root, held) {
+            Ok(w) => w,
+            Err(e) => {
+                return refused(format!(
+                    "`pdctl scale {}` makes a topology pdctl cannot run; nothing was changed:\n{e}",
+                    asked.join(" ")
+                ));
+            }
+        };
+        let sources = (from_source, Some(source));
+        let change = Change::new(inner, running, wanted, sources, self.how, progress);
+        change.run(self.what).await
     }
 }
 

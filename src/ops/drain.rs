@@ -417,14 +417,15 @@ impl Drainer<'_> {
         within: Duration,
     ) -> anyhow::Result<crate::control::client::StatusConn> {
         let end = Instant::now() + within;
-        let mut delay = Duration::from_millis(200);
+        let mut failures = 0;
         loop {
+            failures += 1;
+            let delay = super::nodes::ASK_AGAIN.after(failures);
             match self.nodes.status_conn(node).await {
                 Ok(c) => return Ok(c),
                 Err(e) if Instant::now() + delay < end => {
                     tracing::warn!("{e:#}; trying again in {delay:?}");
                     tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(2));
                 }
                 Err(e) => return Err(e),
             }

@@ -136,35 +136,10 @@ impl crate::supervisor::Operations for Engine {
     fn recover(&self) {
         let ops: Arc<dyn crate::supervisor::Operations> = Arc::new(self.clone());
         tokio::spawn(super::rebalance::run(ops, self.rebalancer.clone()));
-        let dir = &self.inner.state_dir;
-        let read: Result<Option<Journal>, super::journal::JournalError> = Journal::read(dir)
-            .or_else(|e| {
-                // Moved aside, not skipped: the nodes are still reconciled with the plan,
-                // `status` says so, and changes wait for `pdctl ack-journal`.
-                let aside = super::journal::set_aside(dir, &e)?;
-                tracing::error!("{}", aside.notice);
-                Ok(None)
-            });
-        let aside = super::journal::unacknowledged(dir);
-        let journal = match read {
-            Ok(j) => j,
-            Err(e) => {
-                // Nothing can be taken up from it; `status` says so until it is moved.
-                tracing::error!("{e}");
-                *self.inner.current() = Some(OperationReport {
-                    what: "take up the change journal".into(),
-                    started_ms: now_ms(),
-                    step: "reading it".into(),
-                    outcome: Some(Outcome {
-                        code: 1,
-                        message: e.to_string(),
-                        ended_ms: now_ms(),
-                    }),
-                    interrupted: None,
-                });
-                return;
-            }
+        let Some(journal) = self.read_journal() else {
+            return;
         };
+        let aside = super::journal::unacknowledged(&self.inner.state_dir);
         if journal.is_none() && aside.is_none() && self.inner.nodes.others().next().is_none() {
             return;
         }
@@ -183,38 +158,7 @@ impl crate::supervisor::Operations for Engine {
                 recovered: None,
             }),
         });
-        let inner = self.inner.clone();
-        tokio::spawn(async move {
-            // Nobody listens: the lines go to the supervisor's log and `status`.
-            let (out, _) = mpsc::unbounded_channel();
-            let progress = Progress {
-                out,
-                inner: inner.clone(),
-            };
-            let had_journal = journal.is_some();
-            let (mut end, recovered, lines) = recover_all(&inner, journal, &progress).await;
-            tracing::info!("start-up recovery ended ({}): {}", end.code, end.message);
-            if let Some(notice) = aside {
-                end.code = end.code.max(1);
-                end.message = format!("{notice} ({})", end.message);
-            }
-            let mut current = inner.current();
-            if !had_journal && lines == 0 && end.code == 0 {
-                // Nothing was cut short, nothing was out of line: no change to show.
-                *current = None;
-                return;
-            }
-            if let Some(r) = current.as_mut() {
-                if let (Some(i), Some(v)) = (r.interrupted.as_mut(), recovered) {
-                    i.recovered = Some(v);
-                }
-                r.outcome = Some(Outcome {
-                    code: end.code,
-                    message: end.message.lines().next().unwrap_or_default().to_string(),
-                    ended_ms: now_ms(),
-                });
-            }
-        });
+        tokio::spawn(recover_in_background(self.inner.clone(), journal, aside));
     }
 
     fn report(&self) -> Option<OperationReport> {
@@ -304,4 +248,72 @@ async fn recover_all(
         end.message = format!("{}; {}", end.message, lines.join("; "));
     }
     (end, recovered, lines.len())
+}
+
+impl Engine {
+    /// The change journal a start-up takes up (None inside when there is none); one that
+    /// cannot be read is moved aside (the nodes are still reconciled with the plan,
+    /// `status` says so, and changes wait for `pdctl ack-journal`). None when it can be
+    /// neither read nor moved: `status` says why until it is.
+    fn read_journal(&self) -> Option<Option<Journal>> {
+        let dir = &self.inner.state_dir;
+        let read: Result<Option<Journal>, super::journal::JournalError> = Journal::read(dir)
+            .or_else(|e| {
+                let aside = super::journal::set_aside(dir, &e)?;
+                tracing::error!("{}", aside.notice);
+                Ok(None)
+            });
+        match read {
+            Ok(j) => Some(j),
+            Err(e) => {
+                tracing::error!("{e}");
+                *self.inner.current() = Some(OperationReport {
+                    what: "take up the change journal".into(),
+                    started_ms: now_ms(),
+                    step: "reading it".into(),
+                    outcome: Some(Outcome {
+                        code: 1,
+                        message: e.to_string(),
+                        ended_ms: now_ms(),
+                    }),
+                    interrupted: None,
+                });
+                None
+            }
+        }
+    }
+}
+
+/// The start-up recovery (the `journal`'s change taken up, the nodes reconciled with the
+/// plan), its end kept as the current report; a journal set `aside` makes it fail.
+async fn recover_in_background(inner: Arc<Inner>, journal: Option<Journal>, aside: Option<String>) {
+    // Nobody listens: the lines go to the supervisor's log and `status`.
+    let (out, _) = mpsc::unbounded_channel();
+    let progress = Progress {
+        out,
+        inner: inner.clone(),
+    };
+    let had_journal = journal.is_some();
+    let (mut end, recovered, lines) = recover_all(&inner, journal, &progress).await;
+    tracing::info!("start-up recovery ended ({}): {}", end.code, end.message);
+    if let Some(notice) = aside {
+        end.code = end.code.max(1);
+        end.message = format!("{notice} ({})", end.message);
+    }
+    let mut current = inner.current();
+    if !had_journal && lines == 0 && end.code == 0 {
+        // Nothing was cut short, nothing was out of line: no change to show.
+        *current = None;
+        return;
+    }
+    if let Some(r) = current.as_mut() {
+        if let (Some(i), Some(v)) = (r.interrupted.as_mut(), recovered) {
+            i.recovered = Some(v);
+        }
+        r.outcome = Some(Outcome {
+            code: end.code,
+            message: end.message.lines().next().unwrap_or_default().to_string(),
+            ended_ms: now_ms(),
+        });
+    }
 }

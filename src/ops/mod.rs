@@ -22,6 +22,7 @@ mod journal;
 mod nodes;
 pub mod rebalance;
 mod recover;
+pub mod up;
 
 pub use engine::Engine;
 pub use journal::{ACK_COMMAND, acknowledge as acknowledge_journal};

@@ -2,6 +2,7 @@
 //! the TCP control channel (mutually authenticated TLS, requests as `PeerRequest`). A step names the node whose
 //! supervisor must take it; the rest is the same request either way.
 
+use crate::backoff::Backoff;
 use crate::control::client::{self, ControlError, Endpoint};
 use crate::control::{Request, Response, StatusReport};
 use std::collections::BTreeMap;
@@ -115,6 +116,9 @@ pub fn transient(e: &ControlError) -> bool {
     )
 }
 
+/// The wait before asking a node's supervisor again: 200 ms, doubling, at most 2 s.
+pub const ASK_AGAIN: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
+
 /// `attempt` until it succeeds, fails for good, or `within` has passed (backoff from
 /// 200 ms doubling to 2 s between tries); the error names `node`.
 async fn retrying<T, F, Fut>(node: &str, within: Duration, mut attempt: F) -> anyhow::Result<T>
@@ -123,16 +127,15 @@ where
     Fut: std::future::Future<Output = Result<T, ControlError>>,
 {
     let end = Instant::now() + within;
-    let mut delay = Duration::from_millis(200);
     let mut tries = 0u32;
     loop {
         tries += 1;
+        let delay = ASK_AGAIN.after(tries);
         match attempt().await {
             Ok(t) => return Ok(t),
             Err(e) if transient(&e) && Instant::now() + delay < end => {
                 tracing::warn!("node {node}: {e}; asking again in {delay:?}");
                 tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(2));
             }
             Err(e) if tries > 1 => anyhow::bail!("node {node}: {e} (tried {tries} times)"),
             Err(e) => anyhow::bail!("node {node}: {e}"),

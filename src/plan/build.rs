@@ -58,23 +58,12 @@ pub fn state_dir_of(cluster: &str, several_nodes: bool, root: &Path, node: &str)
     }
 }
 
-/// Builds the plan, or names the first key that makes it impossible.
-///
-/// LONG: the planning stages in their order (the version the connector accepts, where the
-/// engines go, the shared services, the engines, the proxy, the GPU fit, the warnings),
-/// each a function of its own; what is left is handing each stage what the earlier ones
-/// made, which a split would only move into structs of those values.
+/// Builds the plan, or names the first key that makes it impossible: the planning stages
+/// in their order (the version the connector accepts, where the engines go, the shared
+/// services, the engines, the proxy, the GPU fit, the warnings).
 pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let t = input.topology;
-    let local = input.local_node.unwrap_or(input.head);
-    if !t.nodes.contains_key(local) {
-        let known: Vec<&str> = t.nodes.keys().map(String::as_str).collect();
-        return Err(Problem::new(
-            "nodes",
-            format!("--node {local} is not a node of this topology"),
-        )
-        .hint(format!("nodes are: {}", known.join(", "))));
-    }
+    let local = local_node(input)?;
     let conn = connectors::for_kind(t.connector.kind);
     let version = checked_version(input, conn)?;
     if let (EngineKind::Vllm, Some(v)) = (t.engine.kind, version.as_ref()) {
@@ -83,29 +72,94 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
     }
     let needs = conn.needs(&t.connector, version.as_ref());
     let protocol = conn.protocol(&t.connector, version.as_ref());
-    let state_dir = state_dir_for(t, &input.state_root, local);
-    let files_dir = state_dir.join("files");
+    let mut plan = topology_part(input, version.as_ref(), protocol, local);
     let mut ports = PortBook::default();
-    let mut warnings = Vec::new();
 
     let (placements, reach) = place_engines(t, input.head, protocol);
+    let for_support = support::SupportFor {
+        needs: &needs,
+        version: version.as_ref(),
+        reach: &reach,
+    };
     let sup = support::plan_support(
         t,
         input.head,
-        &state_dir,
-        support::SupportFor {
-            needs: &needs,
-            version: version.as_ref(),
-            reach: &reach,
-        },
+        &plan.state_dir,
+        for_support,
         &mut ports,
-        &mut warnings,
+        &mut plan.warnings,
     )?;
-    let shared_dir = t
-        .connector
-        .shared_storage_path
-        .clone()
-        .unwrap_or_else(|| state_dir.join("kv"));
+    let cx = cluster_ctx(t, version.as_ref(), &sup, &plan.state_dir, &placements);
+    let pool = engines::GpuPool::new(input.gpus, input.gpu_note.clone(), input.model.clone())
+        .holding(input.held.clone());
+    let engine_services = engines::plan_engines(
+        &cx,
+        conn,
+        protocol,
+        &placements,
+        &pool,
+        local,
+        &sup.names,
+        &mut ports,
+        &mut plan.warnings,
+        &mut plan.settings,
+    )?;
+
+    let mut services: Vec<Service> = sup.services;
+    services.extend(engine_services);
+    let proxy = if t.proxy.enabled {
+        let leaves = support::handoff_leaves_tokens(t, conn, &services, &plan.settings);
+        let for_proxy = (protocol, version.as_ref(), leaves);
+        Some(plan_the_proxy(input, for_proxy, &services, &mut ports)?)
+    } else {
+        None
+    };
+    check_gpu_fit(&services, local, input.gpus)?;
+    if let Some((svc, args)) = proxy {
+        plan.settings
+            .insert(svc.name.clone(), ChildSettings::Proxy(Box::new(args)));
+        plan.proxy_url = svc.url.clone();
+        services.push(svc);
+    }
+    if t.nodes.len() > 1 {
+        plan.warnings
+            .extend(super::listen::open_by_design(&services, &reach));
+    }
+    plan.warnings
+        .extend(super::listen::binds_every_address(&services));
+    plan.services = services;
+    Ok(plan)
+}
+
+/// The node this machine plans for (`--node`, else the head), when the topology has it.
+fn local_node<'a>(input: &PlanInput<'a>) -> Result<&'a str, PlanError> {
+    let local = input.local_node.unwrap_or(input.head);
+    check_node(input.topology, local)?;
+    Ok(local)
+}
+
+/// Fails unless `node` (`--node`) is a node of the topology.
+pub fn check_node(t: &Topology, node: &str) -> Result<(), PlanError> {
+    if t.nodes.contains_key(node) {
+        return Ok(());
+    }
+    let known: Vec<&str> = t.nodes.keys().map(String::as_str).collect();
+    Err(Problem::new(
+        "nodes",
+        format!("--node {node} is not a node of this topology"),
+    )
+    .hint(format!("nodes are: {}", known.join(", "))))
+}
+
+/// What the connectors are told of the cluster: its shared services' endpoints, the
+/// directories, and where each role's engines listen for KV.
+fn cluster_ctx<'a>(
+    t: &'a Topology,
+    version: Option<&'a Version>,
+    sup: &support::SupportPlan,
+    state_dir: &Path,
+    placements: &[engines::Placement],
+) -> ClusterCtx<'a> {
     let kv_hosts = |role: Role| {
         placements
             .iter()
@@ -113,73 +167,53 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
             .map(|p| p.kv_listen.clone())
             .collect()
     };
-    let cx = ClusterCtx {
+    ClusterCtx {
         topology: t,
-        version: version.as_ref(),
+        version,
         etcd: sup.etcd.clone(),
         master: sup.master.clone(),
         master_http_metadata: sup.master_http_metadata.clone(),
         lmcache: sup.lmcache.clone(),
-        shared_dir,
-        files_dir,
+        shared_dir: t
+            .connector
+            .shared_storage_path
+            .clone()
+            .unwrap_or_else(|| state_dir.join("kv")),
+        files_dir: state_dir.join("files"),
         prefill_hosts: kv_hosts(Role::Prefill),
         decode_hosts: kv_hosts(Role::Decode),
-    };
-    let mut settings = BTreeMap::new();
-    let engine_services = engines::plan_engines(
-        &cx,
-        conn,
-        protocol,
-        &placements,
-        &engines::GpuPool::new(input.gpus, input.gpu_note.clone(), input.model.clone())
-            .holding(input.held.clone()),
-        local,
-        &sup.names,
-        &mut ports,
-        &mut warnings,
-        &mut settings,
-    )?;
-
-    let mut services: Vec<Service> = sup.services;
-    services.extend(engine_services);
-    let proxy = if t.proxy.enabled {
-        let leaves = support::handoff_leaves_tokens(t, conn, &services, &settings);
-        let for_proxy = (protocol, version.as_ref(), leaves);
-        Some(plan_the_proxy(input, for_proxy, &services, &mut ports)?)
-    } else {
-        None
-    };
-    check_gpu_fit(&services, local, input.gpus)?;
-    let proxy = proxy.map(|(svc, args)| {
-        settings.insert(svc.name.clone(), ChildSettings::Proxy(Box::new(args)));
-        svc
-    });
-    let proxy_url = proxy.as_ref().and_then(|p| p.url.clone());
-    services.extend(proxy);
-    if t.nodes.len() > 1 {
-        warnings.extend(super::listen::open_by_design(&services, &reach));
     }
-    warnings.extend(super::listen::binds_every_address(&services));
-    Ok(Plan {
+}
+
+/// The plan's part that comes straight from the topology and the chosen version, with no
+/// services, settings or warnings yet.
+fn topology_part(
+    input: &PlanInput,
+    version: Option<&Version>,
+    protocol: crate::vocab::ProxyProtocol,
+    local: &str,
+) -> Plan {
+    let t = input.topology;
+    Plan {
         cluster: t.cluster.clone(),
-        state_dir,
+        state_dir: state_dir_for(t, &input.state_root, local),
         head_node: input.head.to_string(),
         nodes: t.nodes.clone(),
-        proxy_url,
+        proxy_url: None,
         engine: match t.engine.kind {
             EngineKind::Vllm => "vllm".into(),
             EngineKind::Sim => "sim".into(),
         },
-        vllm_version_source: version.as_ref().map(|_| input.version_source),
+        vllm_version_source: version.map(|_| input.version_source),
         vllm_version: version.map(|v| v.to_string()),
         connector: connectors::kind_name(t.connector.kind),
         protocol: protocol_name(protocol),
-        services,
-        warnings,
+        services: Vec::new(),
+        warnings: Vec::new(),
         control_port: (t.nodes.len() > 1).then_some(t.control.port),
         tcp: t.network,
         health: t.health,
-        settings,
+        settings: BTreeMap::new(),
         rebalance: t
             .rebalance
             .clone()
@@ -190,7 +224,7 @@ pub fn build_plan(input: &PlanInput) -> Result<Plan, PlanError> {
             }),
         model_fetch: None,
         dashboard: t.dashboard.clone(),
-    })
+    }
 }
 
 /// Where each engine runs, which node reaches which, and the address each engine's KV

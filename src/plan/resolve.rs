@@ -1,10 +1,11 @@
 //! Resolve: what stands between a topology and a plan on this machine. It reads the topology
 //! a request points at (a file, a profile, or the default chosen by the GPUs found), asks
 //! NVML once and vLLM its version, reads the model's size from its files (for engines that
-//! share a GPU), builds the plan and finds its programs. `cli/` is a thin
-//! shell over it: it parses arguments into a [`Request`], prints, and maps errors to exit
-//! codes; pre-flight reuses the [`Machine`] and missing programs found here instead of asking
-//! again.
+//! share a GPU), builds the plan and finds its programs. [`Resolved`] is that walk stopped
+//! after the machine's facts, for `up` to fetch the model before it builds the plan.
+//! `cli/` is a thin shell over it: it parses arguments into a [`Request`], prints, and maps
+//! errors to exit codes; pre-flight reuses the [`Machine`] and missing programs found here
+//! instead of asking again.
 
 use crate::gpu::{self, Gpu, GpuError};
 use crate::plan::source::ClusterSource;
@@ -176,15 +177,237 @@ pub struct VersionNote {
 /// Request -> topology -> GPU inventory and vLLM version -> plan, programs resolved:
 /// the one walk `plan` and `up` make. Every error is bad input (exit code 2).
 pub fn resolve(req: &Request) -> Result<LoadedPlan, ResolveError> {
-    let machine = Machine::new(req.gpus.clone());
-    let (topology, source_note) = load_topology(req, &machine)?;
-    let mut loaded = plan_programs_unresolved(&topology, req, machine)?;
-    check_client_key_reach(&topology, &loaded.plan)?;
-    loaded.missing = resolve_programs(&mut loaded.plan);
-    loaded.source_note = source_note;
-    loaded.source = Some(ClusterSource::of(&topology, req.gpus.clone()));
-    loaded.hidden_env = crate::plan::source::hidden_env_of(&topology.spec);
-    Ok(loaded)
+    Resolved::read(req)?.plan()
+}
+
+/// A topology read and this machine's facts about it asked (its GPUs, the vLLM version
+/// and python, what that vLLM's CPU build can start, the state root), not yet planned:
+/// what `up` knows before it fetches the model, and builds the plan from after, once.
+#[derive(Debug)]
+pub struct Resolved {
+    /// The topology as read (as written: `~/` and `engine.python` as the user wrote them).
+    pub topology: LoadedTopology,
+    /// e.g. "using profile sim-1p1d: no ./pdctl.toml and no GPU found".
+    pub source_note: String,
+    /// The node this machine runs (`--node`, else the head).
+    pub node: String,
+    /// Set when `vllm_version = "auto"` found no vLLM and the version was assumed.
+    pub version_note: Option<VersionNote>,
+    /// The state dir of this node's supervisor.
+    pub state_dir: PathBuf,
+    /// The topology with the facts written in (`~/` expanded, the python found, the
+    /// connectors the CPU build can start).
+    spec: topology::Topology,
+    machine: Machine,
+    needs_gpus: bool,
+    version: Option<crate::vocab::Version>,
+    version_source: VersionSource,
+    state_root: PathBuf,
+    request: Request,
+}
+
+impl Resolved {
+    /// Reads the topology `req` points at and asks this machine about it.
+    pub fn read(req: &Request) -> Result<Resolved, ResolveError> {
+        let machine = Machine::new(req.gpus.clone());
+        let (topology, source_note) = load_topology(req, &machine)?;
+        let mut resolved = Resolved::of(topology, req, machine)?;
+        resolved.source_note = source_note;
+        Ok(resolved)
+    }
+
+    /// Asks this machine about the loaded topology `t`.
+    pub fn of(
+        t: LoadedTopology,
+        req: &Request,
+        machine: Machine,
+    ) -> Result<Resolved, ResolveError> {
+        let mut spec = t.spec.clone();
+        // A model path written `~/...` is the user's home, as a shell would read it.
+        if let Some(rest) = spec.model.name.strip_prefix("~/")
+            && let Some(home) = std::env::var_os("HOME")
+        {
+            spec.model.name = PathBuf::from(home).join(rest).display().to_string();
+        }
+        let needs_gpus =
+            spec.engine.kind == EngineKind::Vllm && spec.engine.device == topology::Device::Cuda;
+        let (version, version_source, version_note) = resolve_version(&t, &mut spec);
+        // Which connectors the installed vLLM's own source lets start on its CPU build: read
+        // here, where this machine is looked at, not in the pure planner.
+        if spec.engine.kind == EngineKind::Vllm
+            && spec.engine.device == topology::Device::Cpu
+            && let Some(dir) = crate::vllm::package_dir(&spec.engine.python)
+        {
+            spec.engine.cpu_ready = crate::connectors::cpu_ready(&dir);
+        }
+        let node = req.node.clone().unwrap_or_else(|| t.head.clone());
+        crate::plan::build::check_node(&spec, &node)
+            .map_err(|p| ResolveError::Topology(Box::new(t.locate(p))))?;
+        let state_root = state_root(req.state_dir.as_deref())?;
+        let state_dir = crate::plan::build::state_dir_for(&spec, &state_root, &node);
+        Ok(Resolved {
+            topology: t,
+            source_note: String::new(),
+            node,
+            version_note,
+            state_dir,
+            spec,
+            machine,
+            needs_gpus,
+            version,
+            version_source,
+            state_root,
+            request: req.clone(),
+        })
+    }
+
+    /// The cluster's name.
+    pub fn cluster(&self) -> &str {
+        &self.spec.cluster
+    }
+
+    /// The root of the per-cluster state dirs.
+    pub fn state_root(&self) -> &Path {
+        &self.state_root
+    }
+
+    /// The model this node's engines need fetched, or why none is.
+    pub fn model_to_fetch(&self) -> Result<crate::model_fetch::Source, NothingToFetch> {
+        model_to_fetch(&self.topology, &self.node)
+    }
+
+    /// The plan, programs resolved, with the topology it came from and its secret values
+    /// for `up` to keep beside it.
+    pub fn plan(self) -> Result<LoadedPlan, ResolveError> {
+        let topology = self.topology.clone();
+        let gpus = self.request.gpus.clone();
+        let source_note = self.source_note.clone();
+        let mut loaded = self.plan_programs_unresolved()?;
+        check_client_key_reach(&topology, &loaded.plan)?;
+        loaded.missing = resolve_programs(&mut loaded.plan);
+        loaded.source_note = source_note;
+        loaded.source = Some(ClusterSource::of(&topology, gpus));
+        loaded.hidden_env = crate::plan::source::hidden_env_of(&topology.spec);
+        Ok(loaded)
+    }
+
+    /// The plan with every program the bare name the planner wrote; the model's size read
+    /// from its files now (engines sharing a GPU get their KV cache size from it).
+    pub fn plan_programs_unresolved(self) -> Result<LoadedPlan, ResolveError> {
+        let spec = &self.spec;
+        let t = &self.topology;
+        let (gpus, gpu_note) = match self.machine.gpus() {
+            Ok(g) if self.needs_gpus => (g.to_vec(), None),
+            Err(e) if self.needs_gpus => (Vec::new(), Some(e.reason.clone())),
+            _ => (Vec::new(), None),
+        };
+        // Read here (headers only), not in the pure planner.
+        let (model, fetch_note) = if self.needs_gpus {
+            model_size(spec)
+        } else {
+            (Err("not needed: no engine runs on a GPU".to_string()), None)
+        };
+        let mut plan = build_plan(&PlanInput {
+            topology: spec,
+            head: &t.head,
+            gpus: &gpus,
+            gpu_note,
+            model,
+            version: self.version.clone(),
+            version_source: self.version_source,
+            state_root: self.state_root.clone(),
+            local_node: Some(&self.node),
+            held: self.request.held.clone(),
+        })
+        .map_err(|p| ResolveError::Topology(Box::new(t.locate(p))))?;
+        plan.warnings.extend(fetch_note);
+        plan.warnings.extend(self.pinned_note());
+        plan.model_fetch = model_fetch_of(spec);
+        Ok(LoadedPlan {
+            plan,
+            source_note: String::new(),
+            missing: Vec::new(),
+            node: self.node,
+            version_note: self.version_note,
+            machine: self.machine,
+            source: None,
+            hidden_env: Default::default(),
+        })
+    }
+
+    /// The warning when `engine.vllm_version` pins a version the installed vLLM is not.
+    fn pinned_note(&self) -> Option<String> {
+        let spec = &self.spec;
+        if self.version_source == VersionSource::Pinned
+            && spec.engine.kind == EngineKind::Vllm
+            && let Ok((python, installed)) = crate::vllm::find_python(&spec.engine.python)
+            && Some(&installed) != self.version.as_ref()
+        {
+            return Some(format!(
+                "engine.vllm_version pins {} but `{python}` has vLLM {installed}: the commands are planned for {}",
+                spec.engine.vllm_version, spec.engine.vllm_version
+            ));
+        }
+        None
+    }
+}
+
+/// Why a node has no model to fetch (`pdctl pull` says it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NothingToFetch {
+    #[error("the engines are simulated (engine.kind = \"sim\"): no model to fetch")]
+    Simulated,
+    #[error("{0} is a local directory: nothing to fetch")]
+    LocalDirectory(String),
+    #[error("node {0} runs no engine: nothing to fetch there")]
+    NoEngineOn(String),
+    #[error("{model} is in the Hugging Face cache ({}): nothing to fetch", dir.display())]
+    Cached { model: String, dir: PathBuf },
+}
+
+/// The model `node`'s engines of topology `t` need fetched: a Hugging Face model their
+/// cache lacks; or why there is none to fetch.
+pub fn model_to_fetch(
+    t: &LoadedTopology,
+    node: &str,
+) -> Result<crate::model_fetch::Source, NothingToFetch> {
+    let spec = &t.spec;
+    if spec.engine.kind != EngineKind::Vllm {
+        return Err(NothingToFetch::Simulated);
+    }
+    let mut model = spec.model.name.clone();
+    if let Some(rest) = model.strip_prefix("~/")
+        && let Some(home) = std::env::var_os("HOME")
+    {
+        model = PathBuf::from(home).join(rest).display().to_string();
+    }
+    if !crate::model_files::is_hub_id(&model) {
+        return Err(NothingToFetch::LocalDirectory(model));
+    }
+    if !runs_engines(spec, &t.head, node) {
+        return Err(NothingToFetch::NoEngineOn(node.to_string()));
+    }
+    if let Ok(dir) = crate::model_files::cached(&model, &spec.engine.env) {
+        return Err(NothingToFetch::Cached { model, dir });
+    }
+    Ok(crate::model_fetch::Source {
+        model,
+        python: crate::model_fetch::engine_python(&spec.engine.python),
+        env: spec.engine.env.clone(),
+    })
+}
+
+/// Whether `node` runs a prefill or decode instance of this topology.
+fn runs_engines(spec: &topology::Topology, head: &str, node: &str) -> bool {
+    let on = |r: &topology::RoleSection| {
+        r.instances > 0
+            && match (&r.node, &r.nodes) {
+                (Some(n), _) => n == node,
+                (None, Some(list)) => list.iter().any(|n| n == node),
+                (None, None) => head == node,
+            }
+    };
+    on(&spec.prefill) || on(&spec.decode)
 }
 
 /// Planning again from what a running cluster was made from: here, above `source.rs`,
@@ -206,7 +429,8 @@ impl ClusterSource {
             held: held.clone(),
             ..Request::default()
         };
-        let mut loaded = plan_programs_unresolved(&t, &req, Machine::new(self.gpus.clone()))?;
+        let mut loaded =
+            Resolved::of(t, &req, Machine::new(self.gpus.clone()))?.plan_programs_unresolved()?;
         loaded.missing = resolve_programs(&mut loaded.plan);
         loaded.source_note = format!("using {}", self.label);
         Ok(loaded)
@@ -273,73 +497,7 @@ pub fn plan_programs_unresolved(
     args: &Request,
     machine: Machine,
 ) -> Result<LoadedPlan, ResolveError> {
-    let mut spec = t.spec.clone();
-    // A model path written `~/...` is the user's home, as a shell would read it.
-    if let Some(rest) = spec.model.name.strip_prefix("~/")
-        && let Some(home) = std::env::var_os("HOME")
-    {
-        spec.model.name = PathBuf::from(home).join(rest).display().to_string();
-    }
-    let needs_gpus =
-        spec.engine.kind == EngineKind::Vllm && spec.engine.device == topology::Device::Cuda;
-    let (gpus, gpu_note) = match machine.gpus() {
-        Ok(g) if needs_gpus => (g.to_vec(), None),
-        Err(e) if needs_gpus => (Vec::new(), Some(e.reason.clone())),
-        _ => (Vec::new(), None),
-    };
-    let (version, version_source, version_note) = resolve_version(t, &mut spec);
-    // Which connectors the installed vLLM's own source lets start on its CPU build: read
-    // here, where this machine is looked at, not in the pure planner.
-    if spec.engine.kind == EngineKind::Vllm
-        && spec.engine.device == topology::Device::Cpu
-        && let Some(dir) = crate::vllm::package_dir(&spec.engine.python)
-    {
-        spec.engine.cpu_ready = crate::connectors::cpu_ready(&dir);
-    }
-    // Engines sharing a GPU get their KV cache size from the model's weights: read them
-    // here (headers only), not in the pure planner.
-    let (model, fetch_note) = if needs_gpus {
-        model_size(&spec)
-    } else {
-        (Err("not needed: no engine runs on a GPU".to_string()), None)
-    };
-    let node = args.node.clone().unwrap_or_else(|| t.head.clone());
-    let root = state_root(args.state_dir.as_deref())?;
-    let mut plan = build_plan(&PlanInput {
-        topology: &spec,
-        head: &t.head,
-        gpus: &gpus,
-        gpu_note,
-        model,
-        version: version.clone(),
-        version_source,
-        state_root: root,
-        local_node: Some(&node),
-        held: args.held.clone(),
-    })
-    .map_err(|p| ResolveError::Topology(Box::new(t.locate(p))))?;
-    plan.warnings.extend(fetch_note);
-    if version_source == VersionSource::Pinned
-        && spec.engine.kind == EngineKind::Vllm
-        && let Ok((python, installed)) = crate::vllm::find_python(&spec.engine.python)
-        && Some(&installed) != version.as_ref()
-    {
-        plan.warnings.push(format!(
-            "engine.vllm_version pins {} but `{python}` has vLLM {installed}: the commands are planned for {}",
-            spec.engine.vllm_version, spec.engine.vllm_version
-        ));
-    }
-    plan.model_fetch = model_fetch_of(&spec);
-    Ok(LoadedPlan {
-        plan,
-        source_note: String::new(),
-        missing: Vec::new(),
-        node,
-        version_note,
-        machine,
-        source: None,
-        hidden_env: Default::default(),
-    })
+    Resolved::of(t.clone(), args, machine)?.plan_programs_unresolved()
 }
 
 /// What the engines' nodes fetch (`Plan::model_fetch`): a Hugging Face model served by

@@ -208,17 +208,7 @@ async fn chat_completions(State(p): State<Arc<Proxy>>, request: Request) -> Resp
 
 /// A fresh request id in UUID v4 form (shared by both legs as X-Request-Id).
 fn new_request_id() -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let v: u128 =
-        rand::random::<u128>() & !(0xF000 << 64) & !(0xC << 60) | (0x4000 << 64) | (0x8 << 60);
-    let mut id = String::with_capacity(36);
-    for i in 0..32 {
-        if matches!(i, 8 | 12 | 16 | 20) {
-            id.push('-');
-        }
-        id.push(HEX[(v >> (124 - 4 * i)) as usize & 0xF] as char);
-    }
-    id
+    uuid::Uuid::new_v4().to_string()
 }
 
 /// Whether the client sent the proxy's API key (always true when none is configured).

@@ -85,15 +85,14 @@ impl RestartTracker {
                 ),
             };
         }
-        let factor = 2u64.saturating_pow(self.consecutive.min(32));
-        let delay_ms = p
-            .backoff_initial_ms
-            .saturating_mul(factor)
-            .min(p.backoff_max_ms.max(p.backoff_initial_ms));
+        let backoff = crate::backoff::Backoff::new(
+            Duration::from_millis(p.backoff_initial_ms),
+            Duration::from_millis(p.backoff_max_ms),
+        );
         self.consecutive += 1;
         self.recent.push_back(now);
         Verdict::Restart {
-            delay: Duration::from_millis(delay_ms),
+            delay: backoff.after(self.consecutive),
         }
     }
 

@@ -345,25 +345,27 @@ pub fn strip_ansi(text: &str) -> String {
     out
 }
 
-/// Now as `YYYY-MM-DDTHH:MM:SSZ` (UTC), without a date crate.
+/// Now as `YYYY-MM-DDTHH:MM:SSZ` (UTC).
 pub fn utc_timestamp() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
-    format_utc(secs)
+    format_utc(time::OffsetDateTime::now_utc().unix_timestamp())
 }
 
-/// Formats seconds since the epoch as `YYYY-MM-DDTHH:MM:SSZ`.
+/// Formats seconds since the epoch as `YYYY-MM-DDTHH:MM:SSZ` (UTC); a time past what a
+/// calendar date holds (year 9999) reads as that end.
 pub fn format_utc(secs: i64) -> String {
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    let (year, month, day) = crate::civil_date::from_days(days);
+    let t = time::OffsetDateTime::from_unix_timestamp(secs).unwrap_or(if secs < 0 {
+        time::PrimitiveDateTime::MIN.assume_utc()
+    } else {
+        time::PrimitiveDateTime::MAX.assume_utc()
+    });
     format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second()
     )
 }
 
@@ -517,5 +519,7 @@ mod tests {
         assert_eq!(format_utc(0), "1970-01-01T00:00:00Z");
         assert_eq!(format_utc(951_782_400), "2000-02-29T00:00:00Z");
         assert_eq!(format_utc(1_700_000_000), "2023-11-14T22:13:20Z");
+        assert_eq!(format_utc(-1), "1969-12-31T23:59:59Z");
+        assert_eq!(format_utc(20_784 * 86_400), "2026-11-27T00:00:00Z");
     }
 }
