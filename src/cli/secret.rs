@@ -7,8 +7,8 @@
 use super::ExitError;
 use super::common::{ClusterArgs, running};
 use crate::control::auth::{
-    CLIENT_KEY_ENV, CLIENT_KEY_FILE, ClientKey, ENGINE_KEY_ENV, ENGINE_KEY_FILE, EngineKey,
-    JOIN_TOKEN_ENV, SECRET_ENV, SECRET_FILE, Secret,
+    CLIENT_KEY_ENV, CLIENT_KEY_FILE, ClientKey, ClusterSecret, ENGINE_KEY_ENV, ENGINE_KEY_FILE,
+    EngineKey, JOIN_TOKEN_ENV, SECRET_ENV, SECRET_FILE,
 };
 use crate::control::tls::{
     Book, CERT_LIFETIME_S, ClusterCa, DEFAULT_TOKEN_TTL_S, JoinToken, NodeCreds, PeerTls,
@@ -45,7 +45,7 @@ pub fn for_up(
     node: &str,
     state: &StateDir,
     file: Option<&Path>,
-) -> anyhow::Result<Option<Secret>> {
+) -> anyhow::Result<Option<ClusterSecret>> {
     let kept = state.dir.join(SECRET_FILE);
     let given_env = std::env::var(SECRET_ENV)
         .ok()
@@ -72,21 +72,21 @@ pub fn for_up(
         (Some(f), _) => {
             let text = std::fs::read_to_string(f)
                 .map_err(|e| ExitError::usage(format!("--secret-file {}: {e}", f.display())))?;
-            Some(Secret::chosen(&text, &format!("in {}", f.display())).map_err(weak)?)
+            Some(ClusterSecret::chosen(&text, &format!("in {}", f.display())).map_err(weak)?)
         }
         (None, Some(text)) => {
-            Some(Secret::chosen(&text, &format!("in {SECRET_ENV}")).map_err(weak)?)
+            Some(ClusterSecret::chosen(&text, &format!("in {SECRET_ENV}")).map_err(weak)?)
         }
         (None, None) => None,
     };
     let secret = match given {
         Some(s) => s,
-        None => match Secret::read(&kept)? {
+        None => match ClusterSecret::read(&kept)? {
             Some(s) => s,
-            None => Secret::random(),
+            None => ClusterSecret::random(),
         },
     };
-    if Secret::read(&kept)?.as_ref() != Some(&secret) {
+    if ClusterSecret::read(&kept)?.as_ref() != Some(&secret) {
         secret.write(&kept)?;
     }
     Ok(Some(secret))
@@ -99,7 +99,7 @@ pub fn for_up(
 /// (kept in the state dir; None before it joined).
 pub fn engine_key_for_up(
     state: &StateDir,
-    secret: Option<&Secret>,
+    secret: Option<&ClusterSecret>,
     head: bool,
 ) -> anyhow::Result<Option<EngineKey>> {
     let file = state.dir.join(ENGINE_KEY_FILE);
@@ -124,7 +124,7 @@ pub fn engine_key_for_up(
                     ));
                 }
             }
-            Ok(secret.map(Secret::engine_key))
+            Ok(secret.map(ClusterSecret::engine_key))
         }
     }
 }
@@ -212,7 +212,7 @@ pub fn channel(
     plan: &Plan,
     node: &str,
     state: &StateDir,
-    secret: Option<&Secret>,
+    secret: Option<&ClusterSecret>,
     join: Join,
 ) -> anyhow::Result<Option<Arc<PeerTls>>> {
     let Some(port) = plan.control_port else {
@@ -277,7 +277,7 @@ fn fresh(book: &Book, c: &NodeCreds) -> bool {
     let Ok(der) = rustls::pki_types::CertificateDer::from_pem_slice(c.cert_pem.as_bytes()) else {
         return false;
     };
-    book.is_latest(&c.node, &der)
+    book.accepts(&c.node, &der)
         && book
             .issued
             .get(&c.node)
@@ -506,8 +506,8 @@ fn print_book(book: &Book) {
 }
 
 /// The secret a detached supervisor reads from its state dir.
-pub fn kept(state: &StateDir) -> anyhow::Result<Option<Secret>> {
-    Ok(Secret::read(&state.dir.join(SECRET_FILE))?)
+pub fn kept(state: &StateDir) -> anyhow::Result<Option<ClusterSecret>> {
+    Ok(ClusterSecret::read(&state.dir.join(SECRET_FILE))?)
 }
 
 /// The engine key of the cluster whose state dir this is (see

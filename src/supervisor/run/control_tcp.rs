@@ -391,19 +391,19 @@ struct Peer<'a> {
 }
 
 /// What an authenticated node may send: a request of [`PeerRequest`], or a renewal.
-enum Asked {
+enum NodeMessage {
     Peer(PeerRequest),
     Renew(RenewRequest),
 }
 
-impl Asked {
+impl NodeMessage {
     /// Reads a frame; the error of reading it as a [`PeerRequest`] when it is neither.
-    fn read(frame: &[u8]) -> Result<Asked, serde_json::Error> {
+    fn read(frame: &[u8]) -> Result<NodeMessage, serde_json::Error> {
         serde_json::from_slice::<PeerRequest>(frame)
-            .map(Asked::Peer)
+            .map(NodeMessage::Peer)
             .or_else(|e| {
                 serde_json::from_slice::<RenewRequest>(frame)
-                    .map(Asked::Renew)
+                    .map(NodeMessage::Renew)
                     .map_err(|_| e)
             })
     }
@@ -494,7 +494,7 @@ async fn requests(
                 return;
             }
         };
-        if !tls.is_latest(node, peer.cert) {
+        if !tls.accepts(node, peer.cert) {
             let message = format!(
                 "node {node}'s certificate on this connection is no longer accepted (revoked or replaced): connect again with the current one"
             );
@@ -513,14 +513,14 @@ async fn requests(
             }
         }
         let mut ack = None;
-        let response = match Asked::read(&frame) {
-            Ok(Asked::Peer(PeerRequest::Down { timeout_s })) if node == tls.head => {
+        let response = match NodeMessage::read(&frame) {
+            Ok(NodeMessage::Peer(PeerRequest::Down { timeout_s })) if node == tls.head => {
                 let (resp, a) = cs::down(h, timeout_s, Origin::Peer).await;
                 ack = a;
                 resp
             }
-            Ok(Asked::Renew(req)) => renew(h, tls, peer, &req),
-            Ok(Asked::Peer(req)) => match permitted(tls, node, &req) {
+            Ok(NodeMessage::Renew(req)) => renew(h, tls, peer, &req),
+            Ok(NodeMessage::Peer(req)) => match permitted(tls, node, &req) {
                 Ok(()) => carry_out(h, tls, req).await,
                 Err(message) => {
                     tracing::warn!("control channel: {message}");
@@ -551,7 +551,7 @@ async fn requests(
 async fn no_longer_accepted(tls: &PeerTls, peer: &Peer<'_>) {
     loop {
         tokio::time::sleep(REVOKED_CHECK_EVERY).await;
-        if !tls.is_latest(peer.node, peer.cert) {
+        if !tls.accepts(peer.node, peer.cert) {
             return;
         }
     }
