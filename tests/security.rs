@@ -553,6 +553,34 @@ impl JoinPair {
             .expect("the worker's certificate")
     }
 
+    /// The credentials the head keeps of its own.
+    fn head_creds(&self) -> NodeCreds {
+        NodeCreds::read(&self.head_state().join(TLS_DIR))
+            .unwrap()
+            .expect("the head's certificate")
+    }
+
+    /// The head's `up` again, its supervisor killed first (the worker still running),
+    /// with `env` set for it and the supervisor it starts.
+    fn up_head_again(&self, env: &[(&str, &str)]) {
+        let state = pdctl::supervisor::StateDir::new(self.head_state());
+        suph::kill_supervisor_and_wait(&state);
+        let mut up = self.on_head(&["up", "-d", "-f", &self.file, "--node", "head"]);
+        for (k, v) in env {
+            up.env(k, v);
+        }
+        let up = suph::run_bounded(up, Duration::from_secs(90));
+        assert!(up.status.success(), "head up again: {}", text(&up));
+    }
+
+    /// Waits until every service of the cluster is healthy, as the head reports them.
+    fn wait_healthy(&self) {
+        let r = self
+            .head
+            .wait_status(Duration::from_secs(60), &[], suph::all_healthy);
+        assert!(suph::all_healthy(&r), "{r:?}");
+    }
+
     /// The head's book of certificates and tokens.
     fn book(&self) -> pdctl::control::tls::Book {
         pdctl::control::tls::Book::read(&self.head_state().join(TLS_DIR)).unwrap()
@@ -852,5 +880,68 @@ fn a_revoked_node_that_is_still_connected_is_cut_off_within_a_second() {
     );
     let again = c.ask_head(&other);
     assert!(!taken(&again), "a revoked certificate was taken: {again}");
+    c.down();
+}
+
+/// A joined cluster of the head and the worker, every service healthy.
+fn joined(tag: &str) -> JoinPair {
+    let c = JoinPair::new(tag);
+    let up_head = c.start_head();
+    c.up_worker(Some(&c.token_for("worker", "1h")));
+    let up = up_head.wait_with_output().unwrap();
+    assert!(up.status.success(), "head: {}", text(&up));
+    c.wait_healthy();
+    c
+}
+
+#[test]
+fn a_worker_refuses_the_heads_old_certificate_once_a_rotation_the_old_one_signed_is_in_use() {
+    let c = joined("pdh");
+    let old = c.head_creds();
+    assert_eq!(
+        c.worker_creds().head_pem.as_deref(),
+        Some(old.cert_pem.as_str()),
+        "the worker learned the head's certificate at its join"
+    );
+    let before = c.ask_worker(&old);
+    assert!(taken(&before), "{before}");
+
+    // Staged on the head, announced in its status answers, taken by the worker.
+    let rotate = suph::run_bounded(
+        c.on_head(&["join-token", "--rotate-head"]),
+        Duration::from_secs(30),
+    );
+    assert!(rotate.status.success(), "{}", text(&rotate));
+    assert!(text(&rotate).contains("staged"), "{}", text(&rotate));
+    let next = c.worker_state().join(TLS_DIR).join("head-next.pem");
+    let took = common::wait_until(Duration::from_secs(15), || next.exists());
+    assert!(
+        took,
+        "the worker did not take the head's announced rotation"
+    );
+    let still = c.ask_worker(&old);
+    assert!(
+        taken(&still),
+        "the old one until the head's next up: {still}"
+    );
+
+    // The head's next `up` puts it to use: the worker follows, and refuses the old one.
+    c.up_head_again(&[]);
+    let new = c.head_creds();
+    assert_ne!(new.cert_pem, old.cert_pem);
+    assert_ne!(new.key_pem, old.key_pem);
+    let switched = common::wait_until(Duration::from_secs(30), || {
+        c.worker_creds().head_pem.as_deref() == Some(new.cert_pem.as_str())
+    });
+    assert!(switched, "the worker kept the head's old certificate");
+    assert!(!next.exists());
+    let refused = c.ask_worker(&old);
+    assert!(
+        !taken(&refused),
+        "the worker took the head's old certificate: {refused}"
+    );
+    let now = c.ask_worker(&new);
+    assert!(taken(&now), "{now}");
+    c.wait_healthy();
     c.down();
 }

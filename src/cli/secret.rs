@@ -11,13 +11,12 @@ use crate::control::auth::{
     EngineKey, JOIN_TOKEN_ENV, SECRET_ENV, SECRET_FILE,
 };
 use crate::control::tls::{
-    Book, CERT_LIFETIME_S, ClusterCa, DEFAULT_TOKEN_TTL_S, JoinToken, NodeCreds, PeerTls,
-    RENEW_WITHIN_S, TLS_DIR, TokenRecord, now_s,
+    Book, CERT_LIFETIME_S, ClusterCa, DEFAULT_TOKEN_TTL_S, JoinToken, NodeCreds, PeerTls, TLS_DIR,
+    TokenRecord, now_s,
 };
 use crate::plan::Plan;
 use crate::supervisor::StateDir;
 use clap::Args;
-use rustls::pki_types::pem::PemObject;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -225,17 +224,17 @@ pub fn channel(
             anyhow::bail!("the head has no cluster secret in {}", state.dir.display());
         }
         let ca = ClusterCa::load_or_make(&dir, &plan.cluster)?;
-        let book = Book::read(&dir)?;
-        let creds = match NodeCreds::read(&dir)? {
-            Some(c) if c.node == node && c.ca_hash() == ca.hash() && fresh(&book, &c) => c,
-            // None yet, of another CA, not in the book, or near its end: a new one.
-            _ => {
-                let c = ca.issue(node, "head")?;
-                c.write(&dir)?;
-                c
-            }
-        };
-        let tls = PeerTls::new(&plan.cluster, &plan.head_node, nodes, &creds, Some(ca))?;
+        let at_up = crate::control::tls::head_creds_at_up(&ca, node)?;
+        if let Some(note) = &at_up.note {
+            println!("pdctl: {note}");
+        }
+        let tls = PeerTls::new(
+            &plan.cluster,
+            &plan.head_node,
+            nodes,
+            &at_up.creds,
+            Some(ca),
+        )?;
         return Ok(Some(Arc::new(tls)));
     }
     let kept = NodeCreds::read(&dir)?.filter(|c| c.node == node);
@@ -269,19 +268,6 @@ pub fn channel(
     // A renewed certificate is kept where this one came from.
     let tls = PeerTls::new(&plan.cluster, &plan.head_node, nodes, &creds, None)?.keeping_in(&dir);
     Ok(Some(Arc::new(tls)))
-}
-
-/// Whether the head's own certificate `c` is the latest in its book with more than
-/// [`RENEW_WITHIN_S`] left.
-fn fresh(book: &Book, c: &NodeCreds) -> bool {
-    let Ok(der) = rustls::pki_types::CertificateDer::from_pem_slice(c.cert_pem.as_bytes()) else {
-        return false;
-    };
-    book.accepts(&c.node, &der)
-        && book
-            .issued
-            .get(&c.node)
-            .is_some_and(|i| i.not_after_s > now_s() + RENEW_WITHIN_S)
 }
 
 /// How long a node started by hand keeps trying to reach the head to join.
@@ -351,6 +337,11 @@ pub struct JoinTokenArgs {
     /// token, or the head's `up` starts it again over ssh).
     #[arg(long, value_name = "ID|NODE", conflicts_with = "list")]
     pub revoke: Option<String>,
+    /// Rotate the head's certificate: a new one is staged, signed by the one of now, taken
+    /// by every node at its next poll, and put to use at the head's next `up`; from then
+    /// on the nodes refuse the old one and its key (docs/security.md).
+    #[arg(long, conflicts_with_all = ["node", "ttl", "list", "revoke"])]
+    pub rotate_head: bool,
 }
 
 /// A token's lifetime in seconds from `90s`, `30m`, `1h`, `2d` or a bare number of seconds.
@@ -402,6 +393,9 @@ pub fn join_token(a: JoinTokenArgs) -> anyhow::Result<ExitCode> {
     if a.list {
         print_book(&Book::read(&dir)?);
         return Ok(ExitCode::SUCCESS);
+    }
+    if a.rotate_head {
+        return super::rotate_head::rotate(&dir, &ca, &plan.head_node);
     }
     if let Some(what) = &a.revoke {
         let what = what.clone();
@@ -501,6 +495,13 @@ fn print_book(book: &Book) {
             i.how,
             date(i.issued_s),
             date(i.not_after_s)
+        );
+    }
+    if let Some(next) = &book.head_next {
+        println!(
+            "the head's next certificate (staged, put to use at the head's next `up`): serial {}  expires {} (UTC)",
+            next.serial,
+            date(next.not_after_s)
         );
     }
 }

@@ -119,6 +119,30 @@ pub struct Accepted {
     /// before the head's supervisor started, i.e. before the head's latest `up`.
     #[serde(default)]
     pub renew: bool,
+    /// Of the head only: the rotation of its certificate staged, which the other nodes
+    /// take when the head's certificate of now signed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotation: Option<HeadRotation>,
+}
+
+/// A rotation of the head's certificate, staged by `pdctl join-token --rotate-head` (or
+/// by the head's `up` when its certificate nears its end) and put to use at the head's
+/// next `up`: the next certificate, and the signature by which the head's certificate of
+/// now vouches for it. The other nodes, which take no other certificate for the head's,
+/// learn it from the head's status answers and take the next one from then on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeadRotation {
+    /// The next certificate's serial number and SHA-256 (hex).
+    pub serial: String,
+    pub sha256: String,
+    pub issued_s: u64,
+    pub not_after_s: u64,
+    /// SHA-256 of the head's certificate whose key signed it.
+    pub signed_by: String,
+    /// ECDSA P-256 SHA-256 signature (DER, hex) of the rotation's message by that key.
+    pub signature: String,
+    /// The next certificate itself (public), which the nodes keep.
+    pub cert_pem: String,
 }
 
 /// The head's book (`tls/book.json`): each node's latest certificate and the join tokens.
@@ -128,6 +152,10 @@ pub struct Book {
     pub issued: BTreeMap<String, Issued>,
     #[serde(default)]
     pub tokens: Vec<TokenRecord>,
+    /// The rotation of the head's certificate staged, if any (its key and certificate wait
+    /// in `tls/next.key`, `tls/next.pem`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_next: Option<HeadRotation>,
 }
 
 impl Book {
@@ -238,6 +266,7 @@ impl Book {
                     not_after_s: i.not_after_s,
                     pending: i.pending.as_ref().map(|p| p.sha256.clone()),
                     renew: renewable && i.issued_s < started_s,
+                    rotation: self.head_next.clone().filter(|_| i.how == "head"),
                 };
                 (node.clone(), accepted)
             })

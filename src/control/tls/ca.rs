@@ -4,8 +4,8 @@
 use super::book::{Book, Issued};
 use super::creds::NodeCreds;
 use super::{
-    CA_CERT, CA_KEY, CERT_LIFETIME_S, TlsError, cert_hash, make_dir, node_dns, now_s, read_text,
-    write_private, ymd,
+    CA_CERT, CA_KEY, CERT_LIFETIME_S, NODE_CERT, TlsError, cert_hash, make_dir, node_dns, now_s,
+    read_text, write_private, ymd,
 };
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
@@ -94,6 +94,11 @@ impl ClusterCa {
         cert_hash(&der)
     }
 
+    /// The CA's certificate (PEM).
+    pub(super) fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
     /// The folder of the CA and its book (a state dir's `tls/`).
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -102,9 +107,13 @@ impl ClusterCa {
     /// A new certificate and key for `node`, signed by this CA; good as a server and as
     /// a client, for that node's name only, for [`CERT_LIFETIME_S`]. Recorded in the book
     /// as the node's latest (`how`: `head`, `ssh`, `join`): the one before is refused from
-    /// now on.
+    /// now on. A node other than the head (`how` other than `head`) is given the head's
+    /// own certificate, kept in this same folder, as the only one it takes for the head's.
     pub fn issue(&self, node: &str, how: &str) -> Result<NodeCreds, TlsError> {
-        let (creds, issued) = self.sign_new(node, how)?;
+        let (mut creds, issued) = self.sign_new(node, how)?;
+        if how != "head" {
+            creds.head_pem = read_text(&self.dir.join(NODE_CERT))?;
+        }
         Book::update(&self.dir, |b| {
             b.issued.insert(node.to_string(), issued);
             Ok(())
@@ -124,6 +133,7 @@ impl ClusterCa {
             ca_pem: self.cert_pem.clone(),
             cert_pem,
             key_pem: key.serialize_pem(),
+            head_pem: None,
         };
         Ok((creds, issued))
     }

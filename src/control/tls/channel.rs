@@ -1,10 +1,14 @@
 //! A node's side of the channel: the TLS configurations made of its credentials, and which
 //! certificate of each node it accepts.
 
-use super::book::{Accepted, Book};
+use super::book::{Accepted, Book, HeadRotation};
 use super::ca::ClusterCa;
 use super::creds::NodeCreds;
-use super::{RENEW_WITHIN_S, TlsError, cert_hash, now_s, provider, server_name};
+use super::rotation::{hash_of, rotation_holds};
+use super::{
+    HEAD_CERT, HEAD_NEXT, RENEW_WITHIN_S, TlsError, cert_hash, now_s, provider, read_text, remove,
+    server_name, write_private,
+};
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
@@ -39,6 +43,9 @@ pub struct PeerTls {
     /// current one, and a renewed one not used yet), from its last status answer (None
     /// before the first).
     vouched: std::sync::RwLock<Option<BTreeMap<String, Vec<String>>>>,
+    /// Elsewhere: the head's next certificate (PEM), from a rotation its certificate of
+    /// now signed: taken for the head's as well, and instead of it once the head shows it.
+    head_next: std::sync::RwLock<Option<String>>,
     /// Elsewhere: the key (PEM) of a renewal asked whose certificate is not installed
     /// yet, asked for again with the same key (the head then sends the same certificate).
     pub(super) renew_key: std::sync::Mutex<Option<String>>,
@@ -49,7 +56,7 @@ pub struct PeerTls {
 
 /// The credentials a node uses now, and the TLS configurations made of them.
 pub(super) struct Current {
-    creds: NodeCreds,
+    pub(super) creds: NodeCreds,
     client: Arc<ClientConfig>,
     server: Arc<ServerConfig>,
 }
@@ -113,14 +120,20 @@ impl PeerTls {
             creds_dir: None,
             started_s: now_s(),
             vouched: std::sync::RwLock::new(None),
+            head_next: std::sync::RwLock::new(None),
             renew_key: std::sync::Mutex::new(None),
             installed: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
     /// The same, keeping a renewed certificate and key in `dir` (a state dir's `tls/`,
-    /// where `creds` came from).
+    /// where `creds` came from), and the head's next certificate once it announces one
+    /// (read back from there: a rotation taken before a restart holds).
     pub fn keeping_in(mut self, dir: &Path) -> PeerTls {
+        match read_text(&dir.join(HEAD_NEXT)) {
+            Ok(next) => self.head_next = std::sync::RwLock::new(next),
+            Err(e) => tracing::warn!("the head's next certificate: {e}"),
+        }
         self.creds_dir = Some(dir.to_path_buf());
         self
     }
@@ -170,10 +183,72 @@ impl PeerTls {
         true
     }
 
-    /// Elsewhere: whether `cert` passes for the head's (any the CA signed for the head's
-    /// name: a node must reach the head to learn anything).
-    fn accepts_as_head(&self, _cert: &CertificateDer<'_>) -> bool {
+    /// Elsewhere: whether `cert` is the head's certificate this node takes: the one it
+    /// learned at its join (or was handed over SSH), or the next one of a rotation that
+    /// one signed ([`PeerTls::learn`]). The head showing the next one makes it the only
+    /// one from then on (kept first), so the one before, and its key, are refused.
+    fn accepts_as_head(&self, cert: &CertificateDer<'_>) -> bool {
+        let hash = cert_hash(cert);
+        if self.current().creds.head_hash().as_ref() == Some(&hash) {
+            return true;
+        }
+        let next = self
+            .head_next
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let Some(next) = next.filter(|pem| hash_of(pem).as_ref() == Some(&hash)) else {
+            return false;
+        };
+        if let Some(dir) = &self.creds_dir {
+            let kept = write_private(&dir.join(HEAD_CERT), &next)
+                .and_then(|()| remove(&dir.join(HEAD_NEXT)));
+            if let Err(e) = kept {
+                tracing::warn!("keeping the head's rotated certificate: {e}");
+            }
+        }
+        let mut current = self.current.write().unwrap_or_else(|e| e.into_inner());
+        current.creds.head_pem = Some(next);
+        *self.head_next.write().unwrap_or_else(|e| e.into_inner()) = None;
+        tracing::info!(
+            "the head uses its rotated certificate: the one before is refused from now on"
+        );
         true
+    }
+
+    /// Elsewhere: takes the head's rotation of its certificate when the certificate this
+    /// node takes for the head's signed it: the next one is kept (before it is taken), and
+    /// taken for the head's as well from now on.
+    fn take_rotation(&self, rotation: &HeadRotation) {
+        let Some(head_pem) = self.current().creds.head_pem.clone() else {
+            return;
+        };
+        let next = self
+            .head_next
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if next.as_deref() == Some(rotation.cert_pem.as_str()) {
+            return;
+        }
+        if !rotation_holds(&head_pem, &self.head, rotation) {
+            tracing::warn!(
+                "the head announced a rotation of its certificate that the one this node takes did not sign: ignored"
+            );
+            return;
+        }
+        if let Some(dir) = &self.creds_dir
+            && let Err(e) = write_private(&dir.join(HEAD_NEXT), &rotation.cert_pem)
+        {
+            tracing::warn!("keeping the head's next certificate: {e}; not taken");
+            return;
+        }
+        *self.head_next.write().unwrap_or_else(|e| e.into_inner()) =
+            Some(rotation.cert_pem.clone());
+        tracing::info!(
+            "the head's certificate is rotating (next SHA-256 {}): taken, used at the head's next `up`",
+            &rotation.sha256[..16.min(rotation.sha256.len())]
+        );
     }
 
     /// Elsewhere: whether `cert` is one the head last said it accepts of `node` (any the
@@ -202,6 +277,9 @@ impl PeerTls {
     pub fn learn(&self, accepted: &BTreeMap<String, Accepted>) -> Option<&'static str> {
         if self.authority.is_some() {
             return None;
+        }
+        if let Some(rotation) = accepted.get(&self.head).and_then(|a| a.rotation.as_ref()) {
+            self.take_rotation(rotation);
         }
         let hashes = accepted
             .iter()
@@ -240,11 +318,28 @@ impl PeerTls {
             .await?;
         let cert = tls.get_ref().1.peer_certificates().and_then(|c| c.first());
         if !cert.is_some_and(|c| self.accepts(node, c)) {
-            return Err(std::io::Error::other(format!(
-                "node {node} showed a certificate that is not the one the head accepts of it (replaced: it renewed, joined again or was started again; or revoked)"
-            )));
+            return Err(std::io::Error::other(self.refusal(node)));
         }
         Ok(tls)
+    }
+
+    /// Why `node`'s certificate was refused, for the error of a connection to it.
+    fn refusal(&self, node: &str) -> String {
+        if self.authority.is_some() || node != self.head {
+            return format!(
+                "node {node} showed a certificate that is not the one the head accepts of it (replaced: it renewed, joined again or was started again; or revoked)"
+            );
+        }
+        match self.current().creds.head_pem {
+            Some(_) => format!(
+                "node {node} (the head) showed a certificate that is not the one this node takes for the head's (learned at its join, changed only by a rotation the head signs): an old or stolen head key, or a head made anew; if the head was made anew, on it run `pdctl join-token --node {}` and join again",
+                self.node
+            ),
+            None => format!(
+                "this node knows no certificate of the head (its credentials were kept by an older pdctl): on the head run `pdctl join-token --node {}` and join again",
+                self.node
+            ),
+        }
     }
 
     /// The acceptor for connections from other nodes.
@@ -290,5 +385,101 @@ mod tests {
             .permissions()
             .mode();
         assert_eq!(mode & 0o777, 0o600);
+    }
+
+    fn der(pem: &str) -> CertificateDer<'static> {
+        CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn a_node_takes_for_the_heads_only_the_certificate_it_learned_or_one_that_one_rotated_to() {
+        use crate::control::tls::rotation::{head_creds_at_up, stage_head_rotation};
+        let dir = tempfile::tempdir().unwrap();
+        let ca = ClusterCa::load_or_make(dir.path(), "c1").unwrap();
+        let head = ca.issue("head", "head").unwrap();
+        head.write(dir.path()).unwrap();
+        let nodes: Vec<String> = ["head", "a"].map(String::from).to_vec();
+        let a_creds = ca.issue("a", "ssh").unwrap();
+        assert_eq!(a_creds.head_pem.as_deref(), Some(head.cert_pem.as_str()));
+        let kept = dir.path().join("a");
+        a_creds.write(&kept).unwrap();
+        let a = PeerTls::new("c1", "head", nodes.clone(), &a_creds, None)
+            .unwrap()
+            .keeping_in(&kept);
+        // Another certificate the CA signed for the head's name (an old one, a stolen key's):
+        // refused from the first contact on.
+        let (other_head, _) = ca.sign_new("head", "head").unwrap();
+        assert!(a.accepts("head", &der(&head.cert_pem)));
+        assert!(!a.accepts("head", &der(&other_head.cert_pem)));
+
+        let head_tls = PeerTls::new(
+            "c1",
+            "head",
+            nodes.clone(),
+            &head,
+            ClusterCa::load(dir.path(), "c1").unwrap(),
+        )
+        .unwrap();
+        let staged = stage_head_rotation(&ca, &head).unwrap();
+        // A rotation to a certificate the head's did not sign is not taken.
+        let mut forged = staged.clone();
+        forged.cert_pem = other_head.cert_pem.clone();
+        forged.sha256 = cert_hash(&der(&other_head.cert_pem));
+        let mut said = head_tls.accepted().unwrap();
+        let real = said.clone();
+        said.get_mut("head").unwrap().rotation = Some(forged);
+        a.learn(&said);
+        assert!(!a.accepts("head", &der(&other_head.cert_pem)), "forged");
+        // The head's status answers announce the real one: taken, and kept.
+        assert_eq!(real["head"].rotation.as_ref(), Some(&staged));
+        a.learn(&real);
+        assert!(kept.join(HEAD_NEXT).exists());
+        // A restart of the node keeps it; the head's next `up` puts it to use.
+        let a = PeerTls::new(
+            "c1",
+            "head",
+            nodes,
+            &NodeCreds::read(&kept).unwrap().unwrap(),
+            None,
+        )
+        .unwrap()
+        .keeping_in(&kept);
+        let at_up = head_creds_at_up(&ca, "head").unwrap();
+        assert_eq!(at_up.creds.cert_pem, staged.cert_pem);
+        assert!(at_up.note.unwrap().contains("rotated"));
+        let book = Book::read(dir.path()).unwrap();
+        assert!(book.head_next.is_none());
+        assert_eq!(book.issued["head"].sha256, staged.sha256);
+        assert!(a.accepts("head", &der(&at_up.creds.cert_pem)));
+        // From then on the old certificate (and its key) is refused, also after a restart.
+        assert!(!a.accepts("head", &der(&head.cert_pem)), "the old one");
+        let kept_creds = NodeCreds::read(&kept).unwrap().unwrap();
+        assert_eq!(
+            kept_creds.head_pem.as_deref(),
+            Some(staged.cert_pem.as_str())
+        );
+        assert!(!kept.join(HEAD_NEXT).exists());
+        let again = head_creds_at_up(&ca, "head").unwrap();
+        assert_eq!(again.creds, at_up.creds);
+        assert!(again.note.is_none(), "{:?}", again.note);
+    }
+
+    #[test]
+    fn a_head_certificate_near_its_end_is_kept_and_its_rotation_staged_at_up() {
+        use crate::control::tls::rotation::head_creds_at_up;
+        let dir = tempfile::tempdir().unwrap();
+        let ca = ClusterCa::load_or_make(dir.path(), "c1").unwrap();
+        let first = head_creds_at_up(&ca, "head").unwrap();
+        assert!(first.note.is_none(), "the first `up` says nothing");
+        Book::update(dir.path(), |b| {
+            b.issued.get_mut("head").unwrap().not_after_s = now_s() + 86_400;
+            Ok(())
+        })
+        .unwrap()
+        .unwrap();
+        let at_up = head_creds_at_up(&ca, "head").unwrap();
+        assert_eq!(at_up.creds, first.creds, "kept until its rotation is used");
+        assert!(at_up.note.unwrap().contains("staged"));
+        assert!(Book::read(dir.path()).unwrap().head_next.is_some());
     }
 }

@@ -1,21 +1,27 @@
 //! A node's credentials on the channel as its state dir keeps them.
 
 use super::{
-    CA_CERT, NODE_CERT, NODE_KEY, NODE_NAME, TlsError, cert_hash, make_dir, read_text,
+    CA_CERT, HEAD_CERT, NODE_CERT, NODE_KEY, NODE_NAME, TlsError, cert_hash, make_dir, read_text,
     write_private,
 };
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use std::path::Path;
 
-/// A node's credentials on the channel: the cluster's CA certificate, and the node's own
-/// certificate and key. `Debug` never shows the key.
+/// A node's credentials on the channel: the cluster's CA certificate, the node's own
+/// certificate and key, and (on a node other than the head) the head's certificate, the
+/// only one it takes for the head's. `Debug` never shows the key.
 #[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NodeCreds {
     pub node: String,
     pub ca_pem: String,
     pub cert_pem: String,
     pub key_pem: String,
+    /// The head's certificate as this node learned it (at its join, or handed over SSH);
+    /// replaced only through a rotation the head signs with it ([`super::Accepted`]).
+    /// None on the head, and in what an older pdctl kept (such a node joins again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_pem: Option<String>,
 }
 
 impl std::fmt::Debug for NodeCreds {
@@ -41,6 +47,7 @@ impl NodeCreds {
             ca_pem,
             cert_pem,
             key_pem,
+            head_pem: read_text(&dir.join(HEAD_CERT))?,
         };
         creds.check().map_err(|why| TlsError::Bad {
             path: dir.to_path_buf(),
@@ -55,7 +62,18 @@ impl NodeCreds {
         write_private(&dir.join(CA_CERT), &self.ca_pem)?;
         write_private(&dir.join(NODE_CERT), &self.cert_pem)?;
         write_private(&dir.join(NODE_KEY), &self.key_pem)?;
+        if let Some(head) = &self.head_pem {
+            write_private(&dir.join(HEAD_CERT), head)?;
+        }
         write_private(&dir.join(NODE_NAME), &format!("{}\n", self.node))
+    }
+
+    /// SHA-256 of the head's certificate these credentials take for the head's.
+    pub fn head_hash(&self) -> Option<String> {
+        let pem = self.head_pem.as_ref()?;
+        CertificateDer::from_pem_slice(pem.as_bytes())
+            .ok()
+            .map(|d| cert_hash(&d))
     }
 
     /// SHA-256 of the CA certificate these credentials trust.
@@ -67,6 +85,10 @@ impl NodeCreds {
 
     /// Whether every part parses.
     fn check(&self) -> Result<(), String> {
+        if let Some(head) = &self.head_pem {
+            CertificateDer::from_pem_slice(head.as_bytes())
+                .map_err(|e| format!("the head's certificate: {e}"))?;
+        }
         self.parts().map(|_| ())
     }
 

@@ -43,7 +43,10 @@ impl PeerTls {
             let id = t.id.clone();
             // Signed and recorded with the book held: the node's certificate before is
             // refused from now on; the token is spent once the new one is used.
-            let (creds, issued) = ca.sign_new(node, "join").map_err(|e| e.to_string())?;
+            let (mut creds, issued) = ca.sign_new(node, "join").map_err(|e| e.to_string())?;
+            // The head's certificate this session showed: the only one the node takes
+            // for the head's from now on.
+            creds.head_pem = Some(self.creds().cert_pem);
             if let Some(t) = book.tokens.iter_mut().find(|t| t.id == id) {
                 t.handed = Some(issued.sha256.clone());
             }
@@ -165,6 +168,11 @@ mod tests {
         let e = join(&t, "b").unwrap_err();
         assert!(e.contains("made for node a, not b"), "{e}");
         let first = join(&t, "a").expect("asked again, the join is answered again");
+        assert_eq!(
+            first.head_pem.as_deref(),
+            Some(head.cert_pem.as_str()),
+            "a node joining learns the head's certificate"
+        );
         assert_eq!(
             tls.node_of(&der(&lost)),
             None,

@@ -31,7 +31,9 @@
 //! answer to its status poll says so ([`Accepted::renew`]: a certificate that joined,
 //! or was renewed, before the head's supervisor started, i.e. at every `up` of the head)
 //! or when less than [`RENEW_WITHIN_S`] is left. The same answer tells the nodes which
-//! certificate the head accepts of each node, so a node refuses a replaced one too.
+//! certificate the head accepts of each node, so a node refuses a replaced one too. The
+//! head's own certificate is the exception: a node takes only the one it learned at its
+//! join, or one a rotation signed by it names (`rotation.rs`).
 //!
 //! # Rooms
 //!
@@ -43,6 +45,7 @@
 //! - `ca.rs`: the cluster's CA ([`ClusterCa`]), which signs node certificates.
 //! - `pinned.rs`: the verifier a joining node trusts the head with (the pinned CA).
 //! - `token.rs`: join tokens ([`JoinToken`], [`TokenSecret`]) and their proofs.
+//! - `rotation.rs`: the head's certificate rotated, signed by the one before.
 //! - `channel.rs`: a node's side of the channel ([`PeerTls`]): its configurations and
 //!   which certificate of each node it accepts.
 //! - `join.rs`: the head answering a join.
@@ -55,13 +58,15 @@ mod creds;
 mod join;
 mod pinned;
 mod renewal;
+mod rotation;
 mod token;
 
-pub use book::{Accepted, Book, Issued, Pending, RENEW_GRACE_S, TokenRecord};
+pub use book::{Accepted, Book, HeadRotation, Issued, Pending, RENEW_GRACE_S, TokenRecord};
 pub use ca::ClusterCa;
 pub use channel::PeerTls;
 pub use creds::NodeCreds;
 pub use renewal::{RENEW_EXPORTER_LABEL, RenewRequest, Renewal};
+pub use rotation::{HeadAtUp, head_creds_at_up, stage_head_rotation};
 pub use token::{JOIN_EXPORTER_LABEL, JoinToken, TokenSecret, proof_holds};
 
 use rustls::pki_types::ServerName;
@@ -76,6 +81,15 @@ const CA_KEY: &str = "ca.key";
 const NODE_CERT: &str = "node.pem";
 const NODE_KEY: &str = "node.key";
 const NODE_NAME: &str = "node.name";
+/// On a node other than the head: the head's certificate it takes for the head's.
+const HEAD_CERT: &str = "head.pem";
+/// On a node other than the head: the head's next certificate, once the head announced a
+/// rotation signed with the one before.
+const HEAD_NEXT: &str = "head-next.pem";
+/// On the head: the key and certificate of a rotation staged (`pdctl join-token
+/// --rotate-head`), put to use at the head's next `up`.
+const NEXT_CERT: &str = "next.pem";
+const NEXT_KEY: &str = "next.key";
 
 /// How long a node certificate is good for. The head's own is made again at its `up`
 /// when less than [`RENEW_WITHIN_S`] is left, a node's started over SSH at every `up` of
@@ -155,6 +169,18 @@ fn read_text(path: &Path) -> Result<Option<String>, TlsError> {
         path: path.to_path_buf(),
         source,
     })
+}
+
+/// Removes the file `path` if it is there.
+fn remove(path: &Path) -> Result<(), TlsError> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(TlsError::Io {
+            what: "remove",
+            path: path.to_path_buf(),
+            source: e,
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Writes `text` to `path` (atomically), readable by its owner only.

@@ -144,6 +144,7 @@ impl PeerTls {
             ca_pem: old.ca_pem.clone(),
             cert_pem: cert_pem.to_string(),
             key_pem: renewal.key.serialize_pem(),
+            head_pem: old.head_pem.clone(),
         };
         let bad = |why: String| TlsError::Config(format!("the renewed certificate: {why}"));
         let (ca, chain, key) = creds.parts().map_err(bad)?;
@@ -203,6 +204,7 @@ mod tests {
         let ca = ClusterCa::load_or_make(dir.path(), "c1").unwrap();
         let nodes: Vec<String> = ["head", "a", "b"].map(String::from).to_vec();
         let head_creds = ca.issue("head", "head").unwrap();
+        head_creds.write(dir.path()).unwrap();
         let a_old = ca.issue("a", "join").unwrap();
         let b_old = ca.issue("b", "join").unwrap();
         let head = PeerTls::new("c1", "head", nodes.clone(), &head_creds, Some(ca)).unwrap();
