@@ -945,3 +945,61 @@ fn a_worker_refuses_the_heads_old_certificate_once_a_rotation_the_old_one_signed
     c.wait_healthy();
     c.down();
 }
+
+#[test]
+fn a_renewal_whose_answer_is_lost_is_asked_again_and_the_node_stays_in_the_cluster() {
+    let c = joined("pdl");
+    let old = c.worker_creds();
+    // The head's `up` again marks the worker for renewal; its first answer is lost (the
+    // head records it, then closes the connection unanswered: a debug build's test hook,
+    // `PDCTL_TEST_LOSE_RENEWAL_ANSWERS`).
+    c.up_head_again(&[("PDCTL_TEST_LOSE_RENEWAL_ANSWERS", "1")]);
+    let answered = common::wait_until(Duration::from_secs(30), || {
+        c.book().issued["worker"].pending.is_some()
+    });
+    assert!(answered, "the head answered no renewal");
+    let lost_at = std::time::Instant::now();
+    let pending = c.book().issued["worker"].pending.clone().unwrap();
+    // A lost answer, not a slow one: nothing installed, nothing confirmed, seconds later
+    // (an answer that arrives is installed and used within a second).
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(
+        c.worker_creds(),
+        old,
+        "the answer was lost: nothing installed"
+    );
+    assert_eq!(c.book().issued["worker"].pending.as_ref(), Some(&pending));
+    let kept = c.ask_head(&old);
+    assert!(
+        taken(&kept),
+        "the head refused the certificate it still holds: {kept}"
+    );
+    c.wait_healthy();
+
+    // Its next try (60 s later) is sent the same certificate and uses it.
+    let renewed = common::wait_until(Duration::from_secs(150), || {
+        c.book().issued["worker"].how == "renew"
+    });
+    assert!(renewed, "the worker never renewed after the lost answer");
+    eprintln!(
+        "the worker renewed {:.1} s after its first answer was lost",
+        lost_at.elapsed().as_secs_f64()
+    );
+    let issued = c.book().issued["worker"].clone();
+    assert_eq!(
+        issued.sha256, pending.sha256,
+        "the same answer, asked again"
+    );
+    let der = |pem: &str| {
+        use rustls::pki_types::pem::PemObject;
+        rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
+    };
+    assert_eq!(
+        pdctl::control::tls::cert_hash(&der(&c.worker_creds().cert_pem)),
+        issued.sha256
+    );
+    let refused = c.ask_head(&old);
+    assert!(!taken(&refused), "the old certificate after: {refused}");
+    c.wait_healthy();
+    c.down();
+}

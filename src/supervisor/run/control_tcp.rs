@@ -433,6 +433,29 @@ fn renew(h: &Handlers, tls: &PeerTls, peer: &Peer<'_>, req: &RenewRequest) -> Re
     }
 }
 
+/// The environment variable that makes a debug build's head lose that many answers to
+/// renewals (it records them, then closes the connection unanswered): how the tests show
+/// a lost answer locks no node out. Release builds do not read it.
+pub const LOSE_RENEWAL_ANSWERS: &str = "PDCTL_TEST_LOSE_RENEWAL_ANSWERS";
+
+/// Whether this answer to a renewal is to be lost ([`LOSE_RENEWAL_ANSWERS`]).
+fn lose_renewal_answer() -> bool {
+    if !cfg!(debug_assertions) {
+        return false;
+    }
+    static LEFT: std::sync::OnceLock<std::sync::atomic::AtomicU32> = std::sync::OnceLock::new();
+    let left = LEFT.get_or_init(|| {
+        let n = std::env::var(LOSE_RENEWAL_ANSWERS).ok();
+        std::sync::atomic::AtomicU32::new(n.and_then(|n| n.parse().ok()).unwrap_or(0))
+    });
+    left.fetch_update(
+        std::sync::atomic::Ordering::SeqCst,
+        std::sync::atomic::Ordering::SeqCst,
+        |n| n.checked_sub(1),
+    )
+    .is_ok()
+}
+
 /// A node started by hand asks for its credentials: one request, one answer. The node
 /// that joined, or why it was refused.
 /// (Err stays text: the refusal the joining node is sent and the log says.)
@@ -519,7 +542,15 @@ async fn requests(
                 ack = a;
                 resp
             }
-            Ok(NodeMessage::Renew(req)) => renew(h, tls, peer, &req),
+            Ok(NodeMessage::Renew(req)) => match renew(h, tls, peer, &req) {
+                Response::Renewed { .. } if lose_renewal_answer() => {
+                    tracing::warn!(
+                        "control channel: the answer to node {node}'s renewal is lost on purpose ({LOSE_RENEWAL_ANSWERS})"
+                    );
+                    return;
+                }
+                other => other,
+            },
             Ok(NodeMessage::Peer(req)) => match permitted(tls, node, &req) {
                 Ok(()) => carry_out(h, tls, req).await,
                 Err(message) => {
@@ -647,6 +678,38 @@ mod tests {
         drop(all);
         assert_eq!(gate.lock().unwrap().total, 0);
         assert!(gate.lock().unwrap().per_address.is_empty());
+    }
+
+    #[test]
+    fn authenticated_connections_are_capped_per_node_and_in_all_and_places_come_back() {
+        let held = Arc::new(Mutex::new(Held::default()));
+        let (per_node, total) = (3, 5);
+        let mut a: Vec<Seat> = (0..per_node)
+            .map(|_| seat(&held, "a", per_node, total).expect("a place"))
+            .collect();
+        let e = seat(&held, "a", per_node, total)
+            .err()
+            .expect("past a's cap");
+        assert!(
+            e.contains("network.control_connections_per_node = 3"),
+            "{e}"
+        );
+        let b: Vec<Seat> = (0..2)
+            .map(|_| seat(&held, "b", per_node, total).expect("b's own places"))
+            .collect();
+        let e = seat(&held, "c", per_node, total)
+            .err()
+            .expect("past the cap in all");
+        assert!(e.contains("network.control_connections = 5"), "{e}");
+        a.pop();
+        assert!(
+            seat(&held, "c", per_node, total).is_ok(),
+            "a place given back is free again"
+        );
+        drop((a, b));
+        let h = held.lock().unwrap();
+        assert_eq!(h.total, 0);
+        assert!(h.per_node.is_empty());
     }
 
     #[test]
