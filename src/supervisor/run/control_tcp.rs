@@ -409,9 +409,10 @@ impl NodeMessage {
     }
 }
 
-/// The head's answer to a node's renewal: its new certificate, recorded as the only one
-/// accepted of it, or why not.
-fn renew(h: &Handlers, tls: &PeerTls, peer: &Peer<'_>, req: &RenewRequest) -> Response {
+/// The head's answer to a node's renewal: its new certificate (recorded as pending: the
+/// old one stays accepted until the node uses it), or why not; None when the answer is to
+/// be lost ([`LOSE_RENEWAL_ANSWERS`]).
+fn renew(h: &Handlers, tls: &PeerTls, peer: &Peer<'_>, req: &RenewRequest) -> Option<Response> {
     match tls.answer_renewal(peer.node, peer.cert, req, peer.binding) {
         Ok(cert_pem) => {
             let line = format!(
@@ -420,7 +421,14 @@ fn renew(h: &Handlers, tls: &PeerTls, peer: &Peer<'_>, req: &RenewRequest) -> Re
             );
             tracing::info!("{line}");
             h.ctx.console.event(&line);
-            Response::Renewed { cert_pem }
+            if lose_renewal_answer() {
+                tracing::warn!(
+                    "control channel: the answer to node {}'s renewal is lost on purpose ({LOSE_RENEWAL_ANSWERS})",
+                    peer.node
+                );
+                return None;
+            }
+            Some(Response::Renewed { cert_pem })
         }
         Err(why) => {
             let message = format!(
@@ -428,7 +436,7 @@ fn renew(h: &Handlers, tls: &PeerTls, peer: &Peer<'_>, req: &RenewRequest) -> Re
                 peer.node, tls.node
             );
             tracing::warn!("control channel: {message}");
-            Response::Error { message }
+            Some(Response::Error { message })
         }
     }
 }
@@ -542,14 +550,10 @@ async fn requests(
                 ack = a;
                 resp
             }
+            // None: the answer is lost on purpose (a test hook), the connection closed.
             Ok(NodeMessage::Renew(req)) => match renew(h, tls, peer, &req) {
-                Response::Renewed { .. } if lose_renewal_answer() => {
-                    tracing::warn!(
-                        "control channel: the answer to node {node}'s renewal is lost on purpose ({LOSE_RENEWAL_ANSWERS})"
-                    );
-                    return;
-                }
-                other => other,
+                Some(answer) => answer,
+                None => return,
             },
             Ok(NodeMessage::Peer(req)) => match permitted(tls, node, &req) {
                 Ok(()) => carry_out(h, tls, req).await,
