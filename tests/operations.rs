@@ -628,7 +628,7 @@ fn one_scale_on_the_head_changes_every_node() {
     let wrong = pdctl::control::tls::JoinToken {
         ca_hash: token.ca_hash.clone(),
         id: token.id.clone(),
-        secret: pdctl::control::auth::Secret::random(),
+        secret: pdctl::control::tls::TokenSecret::random(),
     };
     let refused = in_netns(nw, move || {
         let rt = tokio::runtime::Builder::new_current_thread()

@@ -553,6 +553,34 @@ impl JoinPair {
             .expect("the worker's certificate")
     }
 
+    /// The credentials the head keeps of its own.
+    fn head_creds(&self) -> NodeCreds {
+        NodeCreds::read(&self.head_state().join(TLS_DIR))
+            .unwrap()
+            .expect("the head's certificate")
+    }
+
+    /// The head's `up` again, its supervisor killed first (the worker still running),
+    /// with `env` set for it and the supervisor it starts.
+    fn up_head_again(&self, env: &[(&str, &str)]) {
+        let state = pdctl::supervisor::StateDir::new(self.head_state());
+        suph::kill_supervisor_and_wait(&state);
+        let mut up = self.on_head(&["up", "-d", "-f", &self.file, "--node", "head"]);
+        for (k, v) in env {
+            up.env(k, v);
+        }
+        let up = suph::run_bounded(up, Duration::from_secs(90));
+        assert!(up.status.success(), "head up again: {}", text(&up));
+    }
+
+    /// Waits until every service of the cluster is healthy, as the head reports them.
+    fn wait_healthy(&self) {
+        let r = self
+            .head
+            .wait_status(Duration::from_secs(60), &[], suph::all_healthy);
+        assert!(suph::all_healthy(&r), "{r:?}");
+    }
+
     /// The head's book of certificates and tokens.
     fn book(&self) -> pdctl::control::tls::Book {
         pdctl::control::tls::Book::read(&self.head_state().join(TLS_DIR)).unwrap()
@@ -852,5 +880,126 @@ fn a_revoked_node_that_is_still_connected_is_cut_off_within_a_second() {
     );
     let again = c.ask_head(&other);
     assert!(!taken(&again), "a revoked certificate was taken: {again}");
+    c.down();
+}
+
+/// A joined cluster of the head and the worker, every service healthy.
+fn joined(tag: &str) -> JoinPair {
+    let c = JoinPair::new(tag);
+    let up_head = c.start_head();
+    c.up_worker(Some(&c.token_for("worker", "1h")));
+    let up = up_head.wait_with_output().unwrap();
+    assert!(up.status.success(), "head: {}", text(&up));
+    c.wait_healthy();
+    c
+}
+
+#[test]
+fn a_worker_refuses_the_heads_old_certificate_once_a_rotation_the_old_one_signed_is_in_use() {
+    let c = joined("pdh");
+    let old = c.head_creds();
+    assert_eq!(
+        c.worker_creds().head_pem.as_deref(),
+        Some(old.cert_pem.as_str()),
+        "the worker learned the head's certificate at its join"
+    );
+    let before = c.ask_worker(&old);
+    assert!(taken(&before), "{before}");
+
+    // Staged on the head, announced in its status answers, taken by the worker.
+    let rotate = suph::run_bounded(
+        c.on_head(&["join-token", "--rotate-head"]),
+        Duration::from_secs(30),
+    );
+    assert!(rotate.status.success(), "{}", text(&rotate));
+    assert!(text(&rotate).contains("staged"), "{}", text(&rotate));
+    let next = c.worker_state().join(TLS_DIR).join("head-next.pem");
+    let took = common::wait_until(Duration::from_secs(15), || next.exists());
+    assert!(
+        took,
+        "the worker did not take the head's announced rotation"
+    );
+    let still = c.ask_worker(&old);
+    assert!(
+        taken(&still),
+        "the old one until the head's next up: {still}"
+    );
+
+    // The head's next `up` puts it to use: the worker follows, and refuses the old one.
+    c.up_head_again(&[]);
+    let new = c.head_creds();
+    assert_ne!(new.cert_pem, old.cert_pem);
+    assert_ne!(new.key_pem, old.key_pem);
+    let switched = common::wait_until(Duration::from_secs(30), || {
+        c.worker_creds().head_pem.as_deref() == Some(new.cert_pem.as_str())
+    });
+    assert!(switched, "the worker kept the head's old certificate");
+    assert!(!next.exists());
+    let refused = c.ask_worker(&old);
+    assert!(
+        !taken(&refused),
+        "the worker took the head's old certificate: {refused}"
+    );
+    let now = c.ask_worker(&new);
+    assert!(taken(&now), "{now}");
+    c.wait_healthy();
+    c.down();
+}
+
+#[test]
+fn a_renewal_whose_answer_is_lost_is_asked_again_and_the_node_stays_in_the_cluster() {
+    let c = joined("pdl");
+    let old = c.worker_creds();
+    // The head's `up` again marks the worker for renewal; its first answer is lost (the
+    // head records it, then closes the connection unanswered: a debug build's test hook,
+    // `PDCTL_TEST_LOSE_RENEWAL_ANSWERS`).
+    c.up_head_again(&[("PDCTL_TEST_LOSE_RENEWAL_ANSWERS", "1")]);
+    let answered = common::wait_until(Duration::from_secs(30), || {
+        c.book().issued["worker"].pending.is_some()
+    });
+    assert!(answered, "the head answered no renewal");
+    let lost_at = std::time::Instant::now();
+    let pending = c.book().issued["worker"].pending.clone().unwrap();
+    // A lost answer, not a slow one: nothing installed, nothing confirmed, seconds later
+    // (an answer that arrives is installed and used within a second).
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(
+        c.worker_creds(),
+        old,
+        "the answer was lost: nothing installed"
+    );
+    assert_eq!(c.book().issued["worker"].pending.as_ref(), Some(&pending));
+    let kept = c.ask_head(&old);
+    assert!(
+        taken(&kept),
+        "the head refused the certificate it still holds: {kept}"
+    );
+    c.wait_healthy();
+
+    // Its next try (60 s later) is sent the same certificate and uses it.
+    let renewed = common::wait_until(Duration::from_secs(150), || {
+        c.book().issued["worker"].how == "renew"
+    });
+    assert!(renewed, "the worker never renewed after the lost answer");
+    eprintln!(
+        "the worker renewed {:.1} s after its first answer was lost",
+        lost_at.elapsed().as_secs_f64()
+    );
+    let issued = c.book().issued["worker"].clone();
+    assert_eq!(
+        issued.sha256, pending.sha256,
+        "the same answer, asked again"
+    );
+    let der = |pem: &str| {
+        use rustls::pki_types::pem::PemObject;
+        rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
+    };
+    assert_eq!(
+        pdctl::control::tls::cert_hash(&der(&c.worker_creds().cert_pem)),
+        issued.sha256
+    );
+    let refused = c.ask_head(&old);
+    assert!(!taken(&refused), "the old certificate after: {refused}");
+    c.wait_healthy();
     c.down();
 }

@@ -435,7 +435,7 @@ fn a_join_trusts_only_the_pinned_ca(pair: &NetnsPair, head: &Cluster, control: u
         secret: token.secret.clone(),
     };
     let pinned_right = JoinToken {
-        secret: pdctl::control::auth::Secret::random(),
+        secret: pdctl::control::tls::TokenSecret::random(),
         ..token.clone()
     };
     let to = format!("{}:{control}", pair.addr_a);

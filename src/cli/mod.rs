@@ -22,6 +22,7 @@ mod rebalance;
 mod rebalance_history;
 mod remote_up;
 mod restart;
+mod rotate_head;
 mod secret;
 mod tune;
 mod view;

@@ -7,17 +7,16 @@
 use super::ExitError;
 use super::common::{ClusterArgs, running};
 use crate::control::auth::{
-    CLIENT_KEY_ENV, CLIENT_KEY_FILE, ClientKey, ENGINE_KEY_ENV, ENGINE_KEY_FILE, EngineKey,
-    JOIN_TOKEN_ENV, SECRET_ENV, SECRET_FILE, Secret,
+    CLIENT_KEY_ENV, CLIENT_KEY_FILE, ClientKey, ClusterSecret, ENGINE_KEY_ENV, ENGINE_KEY_FILE,
+    EngineKey, JOIN_TOKEN_ENV, SECRET_ENV, SECRET_FILE,
 };
 use crate::control::tls::{
-    Book, CERT_LIFETIME_S, ClusterCa, DEFAULT_TOKEN_TTL_S, JoinToken, NodeCreds, PeerTls,
-    RENEW_WITHIN_S, TLS_DIR, TokenRecord, now_s,
+    Book, CERT_LIFETIME_S, ClusterCa, DEFAULT_TOKEN_TTL_S, JoinToken, NodeCreds, PeerTls, TLS_DIR,
+    TokenRecord, now_s,
 };
 use crate::plan::Plan;
 use crate::supervisor::StateDir;
 use clap::Args;
-use rustls::pki_types::pem::PemObject;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -45,7 +44,7 @@ pub fn for_up(
     node: &str,
     state: &StateDir,
     file: Option<&Path>,
-) -> anyhow::Result<Option<Secret>> {
+) -> anyhow::Result<Option<ClusterSecret>> {
     let kept = state.dir.join(SECRET_FILE);
     let given_env = std::env::var(SECRET_ENV)
         .ok()
@@ -72,21 +71,21 @@ pub fn for_up(
         (Some(f), _) => {
             let text = std::fs::read_to_string(f)
                 .map_err(|e| ExitError::usage(format!("--secret-file {}: {e}", f.display())))?;
-            Some(Secret::chosen(&text, &format!("in {}", f.display())).map_err(weak)?)
+            Some(ClusterSecret::chosen(&text, &format!("in {}", f.display())).map_err(weak)?)
         }
         (None, Some(text)) => {
-            Some(Secret::chosen(&text, &format!("in {SECRET_ENV}")).map_err(weak)?)
+            Some(ClusterSecret::chosen(&text, &format!("in {SECRET_ENV}")).map_err(weak)?)
         }
         (None, None) => None,
     };
     let secret = match given {
         Some(s) => s,
-        None => match Secret::read(&kept)? {
+        None => match ClusterSecret::read(&kept)? {
             Some(s) => s,
-            None => Secret::random(),
+            None => ClusterSecret::random(),
         },
     };
-    if Secret::read(&kept)?.as_ref() != Some(&secret) {
+    if ClusterSecret::read(&kept)?.as_ref() != Some(&secret) {
         secret.write(&kept)?;
     }
     Ok(Some(secret))
@@ -99,7 +98,7 @@ pub fn for_up(
 /// (kept in the state dir; None before it joined).
 pub fn engine_key_for_up(
     state: &StateDir,
-    secret: Option<&Secret>,
+    secret: Option<&ClusterSecret>,
     head: bool,
 ) -> anyhow::Result<Option<EngineKey>> {
     let file = state.dir.join(ENGINE_KEY_FILE);
@@ -124,7 +123,7 @@ pub fn engine_key_for_up(
                     ));
                 }
             }
-            Ok(secret.map(Secret::engine_key))
+            Ok(secret.map(ClusterSecret::engine_key))
         }
     }
 }
@@ -212,7 +211,7 @@ pub fn channel(
     plan: &Plan,
     node: &str,
     state: &StateDir,
-    secret: Option<&Secret>,
+    secret: Option<&ClusterSecret>,
     join: Join,
 ) -> anyhow::Result<Option<Arc<PeerTls>>> {
     let Some(port) = plan.control_port else {
@@ -225,17 +224,17 @@ pub fn channel(
             anyhow::bail!("the head has no cluster secret in {}", state.dir.display());
         }
         let ca = ClusterCa::load_or_make(&dir, &plan.cluster)?;
-        let book = Book::read(&dir)?;
-        let creds = match NodeCreds::read(&dir)? {
-            Some(c) if c.node == node && c.ca_hash() == ca.hash() && fresh(&book, &c) => c,
-            // None yet, of another CA, not in the book, or near its end: a new one.
-            _ => {
-                let c = ca.issue(node, "head")?;
-                c.write(&dir)?;
-                c
-            }
-        };
-        let tls = PeerTls::new(&plan.cluster, &plan.head_node, nodes, &creds, Some(ca))?;
+        let at_up = crate::control::tls::head_creds_at_up(&ca, node)?;
+        if let Some(note) = &at_up.note {
+            println!("pdctl: {note}");
+        }
+        let tls = PeerTls::new(
+            &plan.cluster,
+            &plan.head_node,
+            nodes,
+            &at_up.creds,
+            Some(ca),
+        )?;
         return Ok(Some(Arc::new(tls)));
     }
     let kept = NodeCreds::read(&dir)?.filter(|c| c.node == node);
@@ -269,19 +268,6 @@ pub fn channel(
     // A renewed certificate is kept where this one came from.
     let tls = PeerTls::new(&plan.cluster, &plan.head_node, nodes, &creds, None)?.keeping_in(&dir);
     Ok(Some(Arc::new(tls)))
-}
-
-/// Whether the head's own certificate `c` is the latest in its book with more than
-/// [`RENEW_WITHIN_S`] left.
-fn fresh(book: &Book, c: &NodeCreds) -> bool {
-    let Ok(der) = rustls::pki_types::CertificateDer::from_pem_slice(c.cert_pem.as_bytes()) else {
-        return false;
-    };
-    book.is_latest(&c.node, &der)
-        && book
-            .issued
-            .get(&c.node)
-            .is_some_and(|i| i.not_after_s > now_s() + RENEW_WITHIN_S)
 }
 
 /// How long a node started by hand keeps trying to reach the head to join.
@@ -351,6 +337,11 @@ pub struct JoinTokenArgs {
     /// token, or the head's `up` starts it again over ssh).
     #[arg(long, value_name = "ID|NODE", conflicts_with = "list")]
     pub revoke: Option<String>,
+    /// Rotate the head's certificate: a new one is staged, signed by the one of now, taken
+    /// by every node at its next poll, and put to use at the head's next `up`; from then
+    /// on the nodes refuse the old one and its key (docs/security.md).
+    #[arg(long, conflicts_with_all = ["node", "ttl", "list", "revoke"])]
+    pub rotate_head: bool,
 }
 
 /// Why a `--ttl` was refused.
@@ -410,6 +401,9 @@ pub fn join_token(a: JoinTokenArgs) -> anyhow::Result<ExitCode> {
     if a.list {
         print_book(&Book::read(&dir)?);
         return Ok(ExitCode::SUCCESS);
+    }
+    if a.rotate_head {
+        return super::rotate_head::rotate(&dir, &ca, &plan.head_node);
     }
     if let Some(what) = &a.revoke {
         return revoke(&dir, what);
@@ -522,11 +516,18 @@ fn print_book(book: &Book) {
             date(i.not_after_s)
         );
     }
+    if let Some(next) = &book.head_next {
+        println!(
+            "the head's next certificate (staged, put to use at the head's next `up`): serial {}  expires {} (UTC)",
+            next.serial,
+            date(next.not_after_s)
+        );
+    }
 }
 
 /// The secret a detached supervisor reads from its state dir.
-pub fn kept(state: &StateDir) -> anyhow::Result<Option<Secret>> {
-    Ok(Secret::read(&state.dir.join(SECRET_FILE))?)
+pub fn kept(state: &StateDir) -> anyhow::Result<Option<ClusterSecret>> {
+    Ok(ClusterSecret::read(&state.dir.join(SECRET_FILE))?)
 }
 
 /// The engine key of the cluster whose state dir this is (see

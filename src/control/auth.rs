@@ -15,7 +15,7 @@ pub const SECRET_ENV: &str = "PDCTL_CLUSTER_SECRET";
 /// join-token` on the head prints it; `up --join-token-file FILE` is the other way).
 pub const JOIN_TOKEN_ENV: &str = "PDCTL_JOIN_TOKEN";
 
-/// Secret file name inside a cluster's state dir (mode 0600, kept across `down`/`up`).
+/// The cluster secret's file name inside a cluster's state dir (mode 0600, kept across `down`/`up`).
 pub const SECRET_FILE: &str = "cluster.secret";
 
 /// The environment variable that sets the engines' key for `up` (every node of the cluster
@@ -33,13 +33,33 @@ const ENGINE_KEY_LABEL: &[u8] = b"pdctl-engine-key-v1";
 /// Bytes of randomness in a secret pdctl makes, and in each nonce.
 const RANDOM_BYTES: usize = 32;
 
+/// The text of `file` (trimmed), if it exists: a secret or a key pdctl wrote whole, so
+/// one shorter than 16 characters was damaged or edited.
+fn read_long_enough(file: &Path) -> Result<Option<String>, SecretError> {
+    read_kept(file)?
+        .map(|text| long_enough(&text, &file.display().to_string()))
+        .transpose()
+}
+
+/// `text` trimmed, when it has at least 16 characters.
+fn long_enough(text: &str, origin: &str) -> Result<String, SecretError> {
+    let t = text.trim();
+    if t.len() < 16 {
+        return Err(SecretError::TooShort {
+            origin: origin.to_string(),
+            hint: "pdctl wrote that file whole, so it was damaged or edited: put back a copy of it, or remove it and run `pdctl up` on the head again (it makes a new one; nodes that joined with the old one join again)",
+        });
+    }
+    Ok(t.to_string())
+}
+
 /// A per-cluster secret. Its `Debug` never shows it, so it cannot reach a log by accident.
 #[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
+pub struct ClusterSecret(String);
 
-impl std::fmt::Debug for Secret {
+impl std::fmt::Debug for ClusterSecret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Secret(..)")
+        f.write_str("ClusterSecret(..)")
     }
 }
 
@@ -122,24 +142,17 @@ pub fn estimated_bits(text: &str) -> u32 {
     (per_char * n) as u32
 }
 
-impl Secret {
+impl ClusterSecret {
     /// A secret from text (a file pdctl keeps, a key it derives): at least 16 characters.
-    pub fn from_text(text: &str, origin: &str) -> Result<Secret, SecretError> {
-        let t = text.trim();
-        if t.len() < 16 {
-            return Err(SecretError::TooShort {
-                origin: origin.to_string(),
-                hint: "pdctl wrote that file whole, so it was damaged or edited: put back a copy of it, or remove it and run `pdctl up` on the head again (it makes a new one; nodes that joined with the old one join again)",
-            });
-        }
-        Ok(Secret(t.to_string()))
+    pub fn from_text(text: &str, origin: &str) -> Result<ClusterSecret, SecretError> {
+        long_enough(text, origin).map(ClusterSecret)
     }
 
     /// A cluster secret the user chose (`PDCTL_CLUSTER_SECRET`, `--secret-file`): refused
     /// below [`MIN_SECRET_BITS`] of estimated randomness.
     /// A short one is refused as weak too, with the same advice (not the advice for a
     /// kept file, which a person does not choose).
-    pub fn chosen(text: &str, origin: &str) -> Result<Secret, SecretError> {
+    pub fn chosen(text: &str, origin: &str) -> Result<ClusterSecret, SecretError> {
         let bits = estimated_bits(text.trim());
         if bits < MIN_SECRET_BITS {
             return Err(SecretError::Weak {
@@ -147,12 +160,12 @@ impl Secret {
                 bits,
             });
         }
-        Secret::from_text(text, origin)
+        ClusterSecret::from_text(text, origin)
     }
 
     /// A new random secret (64 hex digits).
-    pub fn random() -> Secret {
-        Secret(hex::encode(rand::random::<[u8; RANDOM_BYTES]>()))
+    pub fn random() -> ClusterSecret {
+        ClusterSecret(hex::encode(rand::random::<[u8; RANDOM_BYTES]>()))
     }
 
     /// The secret as written in its file; for `pdctl secret`, which a person asks for.
@@ -161,10 +174,8 @@ impl Secret {
     }
 
     /// Reads `file`, if it exists.
-    pub fn read(file: &Path) -> Result<Option<Secret>, SecretError> {
-        read_kept(file)?
-            .map(|text| Secret::from_text(&text, &file.display().to_string()))
-            .transpose()
+    pub fn read(file: &Path) -> Result<Option<ClusterSecret>, SecretError> {
+        Ok(read_long_enough(file)?.map(ClusterSecret))
     }
 
     /// Writes the secret to `file` with mode 0600 (created so, never readable by others).
@@ -299,15 +310,12 @@ impl EngineKey {
 
     /// Reads a key the user set from `file` (kept by `up`), if it exists.
     pub fn read(file: &Path) -> Result<Option<EngineKey>, SecretError> {
-        match Secret::read(file)? {
-            Some(s) => Ok(Some(EngineKey(s.0))),
-            None => Ok(None),
-        }
+        Ok(read_long_enough(file)?.map(EngineKey))
     }
 
     /// Writes the key to `file` with mode 0600.
     pub fn write(&self, file: &Path) -> Result<(), SecretError> {
-        Secret(self.0.clone()).write(file)
+        write_kept(file, &self.0)
     }
 }
 
@@ -318,7 +326,7 @@ pub fn kept_engine_key(dir: &Path) -> Result<Option<EngineKey>, SecretError> {
     if let Some(k) = EngineKey::read(&dir.join(ENGINE_KEY_FILE))? {
         return Ok(Some(k));
     }
-    Ok(Secret::read(&dir.join(SECRET_FILE))?.map(|s| s.engine_key()))
+    Ok(ClusterSecret::read(&dir.join(SECRET_FILE))?.map(|s| s.engine_key()))
 }
 
 /// Writes `bytes` to `path` through a temporary file created with mode 0600 and renamed
@@ -374,9 +382,9 @@ mod tests {
 
     #[test]
     fn chosen_secrets_below_128_bits_of_randomness_are_refused() {
-        let random = Secret::random();
+        let random = ClusterSecret::random();
         assert!(estimated_bits(random.reveal()) > 200);
-        assert!(Secret::chosen(random.reveal(), "env").is_ok());
+        assert!(ClusterSecret::chosen(random.reveal(), "env").is_ok());
         for weak in [
             "0123456789abcdef0123",
             "password1234password1234password1234",
@@ -384,25 +392,25 @@ mod tests {
             "correct-horse-battery",
             "pass1234",
         ] {
-            let e = Secret::chosen(weak, "PDCTL_CLUSTER_SECRET").unwrap_err();
+            let e = ClusterSecret::chosen(weak, "PDCTL_CLUSTER_SECRET").unwrap_err();
             assert!(e.to_string().contains("fewer than 128"), "{weak}: {e}");
         }
     }
 
     #[test]
     fn secrets_are_long_enough_and_never_shown_by_debug() {
-        assert!(Secret::from_text("short", "env").is_err());
-        let s = Secret::from_text("0123456789abcdef0123", "env").unwrap();
-        assert_eq!(format!("{s:?}"), "Secret(..)");
-        assert_eq!(Secret::random().reveal().len(), 64);
+        assert!(ClusterSecret::from_text("short", "env").is_err());
+        let s = ClusterSecret::from_text("0123456789abcdef0123", "env").unwrap();
+        assert_eq!(format!("{s:?}"), "ClusterSecret(..)");
+        assert_eq!(ClusterSecret::random().reveal().len(), 64);
     }
 
     #[test]
     fn the_engine_key_is_the_same_from_the_same_secret_and_reveals_nothing_of_it() {
-        let s = Secret::from_text("0123456789abcdef0123", "env").unwrap();
+        let s = ClusterSecret::from_text("0123456789abcdef0123", "env").unwrap();
         let k = s.engine_key();
         assert_eq!(k, s.engine_key());
-        assert_ne!(k, Secret::random().engine_key());
+        assert_ne!(k, ClusterSecret::random().engine_key());
         assert_eq!(k.reveal().len(), 64);
         assert!(!k.reveal().contains(s.reveal()));
         assert_eq!(format!("{k:?}"), "EngineKey(..)");
@@ -423,12 +431,12 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join(SECRET_FILE);
-        let s = Secret::random();
+        let s = ClusterSecret::random();
         s.write(&f).unwrap();
         assert_eq!(
             std::fs::metadata(&f).unwrap().permissions().mode() & 0o777,
             0o600
         );
-        assert_eq!(Secret::read(&f).unwrap(), Some(s));
+        assert_eq!(ClusterSecret::read(&f).unwrap(), Some(s));
     }
 }

@@ -451,6 +451,14 @@ pub async fn join(
                 path: path.clone(),
                 reason: e.to_string(),
             })?;
+        // The head's certificate this session showed (chained to the pinned CA): the only
+        // one this node will take for the head's.
+        let head_cert = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(|c| super::tls::cert_hash(c));
         let (r, w) = tokio::io::split(tls);
         let mut conn = Conn {
             read: BufReader::new(Box::new(r)),
@@ -466,9 +474,9 @@ pub async fn join(
         let mut line = serde_json::to_string(&req).expect("joins serialize");
         line.push('\n');
         conn.write_line(&line).await?;
-        conn.receive().await
+        Ok::<_, ControlError>((head_cert, conn.receive().await?))
     };
-    let answer = match tokio::time::timeout(timeout, work).await {
+    let (head_cert, answer) = match tokio::time::timeout(timeout, work).await {
         Ok(a) => a?,
         Err(_) => {
             return Err(ControlError::Timeout {
@@ -479,7 +487,10 @@ pub async fn join(
     };
     match answer {
         Response::Joined { creds, engine_key }
-            if creds.ca_hash() == token.ca_hash && creds.node == node =>
+            if creds.ca_hash() == token.ca_hash
+                && creds.node == node
+                && head_cert.is_some()
+                && creds.head_hash() == head_cert =>
         {
             Ok(Joined {
                 creds: *creds,
@@ -488,7 +499,7 @@ pub async fn join(
         }
         Response::Joined { .. } => Err(ControlError::Auth {
             path,
-            reason: "the head sent credentials of another CA or node".into(),
+            reason: "the head sent credentials of another CA or node, or a head certificate other than the one this session showed".into(),
         }),
         Response::Error { message } => Err(ControlError::Refused { path, message }),
         other => Err(ControlError::Unexpected {

@@ -391,27 +391,28 @@ struct Peer<'a> {
 }
 
 /// What an authenticated node may send: a request of [`PeerRequest`], or a renewal.
-enum Asked {
+enum NodeMessage {
     Peer(PeerRequest),
     Renew(RenewRequest),
 }
 
-impl Asked {
+impl NodeMessage {
     /// Reads a frame; the error of reading it as a [`PeerRequest`] when it is neither.
-    fn read(frame: &[u8]) -> Result<Asked, serde_json::Error> {
+    fn read(frame: &[u8]) -> Result<NodeMessage, serde_json::Error> {
         serde_json::from_slice::<PeerRequest>(frame)
-            .map(Asked::Peer)
+            .map(NodeMessage::Peer)
             .or_else(|e| {
                 serde_json::from_slice::<RenewRequest>(frame)
-                    .map(Asked::Renew)
+                    .map(NodeMessage::Renew)
                     .map_err(|_| e)
             })
     }
 }
 
-/// The head's answer to a node's renewal: its new certificate, recorded as the only one
-/// accepted of it, or why not.
-fn renew(h: &Handlers, tls: &PeerTls, peer: &Peer<'_>, req: &RenewRequest) -> Response {
+/// The head's answer to a node's renewal: its new certificate (recorded as pending: the
+/// old one stays accepted until the node uses it), or why not; None when the answer is to
+/// be lost ([`LOSE_RENEWAL_ANSWERS`]).
+fn renew(h: &Handlers, tls: &PeerTls, peer: &Peer<'_>, req: &RenewRequest) -> Option<Response> {
     match tls.answer_renewal(peer.node, peer.cert, req, peer.binding) {
         Ok(cert_pem) => {
             let line = format!(
@@ -420,7 +421,14 @@ fn renew(h: &Handlers, tls: &PeerTls, peer: &Peer<'_>, req: &RenewRequest) -> Re
             );
             tracing::info!("{line}");
             h.ctx.console.event(&line);
-            Response::Renewed { cert_pem }
+            if lose_renewal_answer() {
+                tracing::warn!(
+                    "control channel: the answer to node {}'s renewal is lost on purpose ({LOSE_RENEWAL_ANSWERS})",
+                    peer.node
+                );
+                return None;
+            }
+            Some(Response::Renewed { cert_pem })
         }
         Err(why) => {
             let message = format!(
@@ -428,9 +436,32 @@ fn renew(h: &Handlers, tls: &PeerTls, peer: &Peer<'_>, req: &RenewRequest) -> Re
                 peer.node, tls.node
             );
             tracing::warn!("control channel: {message}");
-            Response::Error { message }
+            Some(Response::Error { message })
         }
     }
+}
+
+/// The environment variable that makes a debug build's head lose that many answers to
+/// renewals (it records them, then closes the connection unanswered): how the tests show
+/// a lost answer locks no node out. Release builds do not read it.
+pub const LOSE_RENEWAL_ANSWERS: &str = "PDCTL_TEST_LOSE_RENEWAL_ANSWERS";
+
+/// Whether this answer to a renewal is to be lost ([`LOSE_RENEWAL_ANSWERS`]).
+fn lose_renewal_answer() -> bool {
+    if !cfg!(debug_assertions) {
+        return false;
+    }
+    static LEFT: std::sync::OnceLock<std::sync::atomic::AtomicU32> = std::sync::OnceLock::new();
+    let left = LEFT.get_or_init(|| {
+        let n = std::env::var(LOSE_RENEWAL_ANSWERS).ok();
+        std::sync::atomic::AtomicU32::new(n.and_then(|n| n.parse().ok()).unwrap_or(0))
+    });
+    left.fetch_update(
+        std::sync::atomic::Ordering::SeqCst,
+        std::sync::atomic::Ordering::SeqCst,
+        |n| n.checked_sub(1),
+    )
+    .is_ok()
 }
 
 /// A node started by hand asks for its credentials: one request, one answer. The node
@@ -494,7 +525,7 @@ async fn requests(
                 return;
             }
         };
-        if !tls.is_latest(node, peer.cert) {
+        if !tls.accepts(node, peer.cert) {
             let message = format!(
                 "node {node}'s certificate on this connection is no longer accepted (revoked or replaced): connect again with the current one"
             );
@@ -513,14 +544,18 @@ async fn requests(
             }
         }
         let mut ack = None;
-        let response = match Asked::read(&frame) {
-            Ok(Asked::Peer(PeerRequest::Down { timeout_s })) if node == tls.head => {
+        let response = match NodeMessage::read(&frame) {
+            Ok(NodeMessage::Peer(PeerRequest::Down { timeout_s })) if node == tls.head => {
                 let (resp, a) = cs::down(h, timeout_s, Origin::Peer).await;
                 ack = a;
                 resp
             }
-            Ok(Asked::Renew(req)) => renew(h, tls, peer, &req),
-            Ok(Asked::Peer(req)) => match permitted(tls, node, &req) {
+            // None: the answer is lost on purpose (a test hook), the connection closed.
+            Ok(NodeMessage::Renew(req)) => match renew(h, tls, peer, &req) {
+                Some(answer) => answer,
+                None => return,
+            },
+            Ok(NodeMessage::Peer(req)) => match permitted(tls, node, &req) {
                 Ok(()) => carry_out(h, tls, req).await,
                 Err(message) => {
                     tracing::warn!("control channel: {message}");
@@ -551,7 +586,7 @@ async fn requests(
 async fn no_longer_accepted(tls: &PeerTls, peer: &Peer<'_>) {
     loop {
         tokio::time::sleep(REVOKED_CHECK_EVERY).await;
-        if !tls.is_latest(peer.node, peer.cert) {
+        if !tls.accepts(peer.node, peer.cert) {
             return;
         }
     }
@@ -647,6 +682,38 @@ mod tests {
         drop(all);
         assert_eq!(gate.lock().unwrap().total, 0);
         assert!(gate.lock().unwrap().per_address.is_empty());
+    }
+
+    #[test]
+    fn authenticated_connections_are_capped_per_node_and_in_all_and_places_come_back() {
+        let held = Arc::new(Mutex::new(Held::default()));
+        let (per_node, total) = (3, 5);
+        let mut a: Vec<Seat> = (0..per_node)
+            .map(|_| seat(&held, "a", per_node, total).expect("a place"))
+            .collect();
+        let e = seat(&held, "a", per_node, total)
+            .err()
+            .expect("past a's cap");
+        assert!(
+            e.contains("network.control_connections_per_node = 3"),
+            "{e}"
+        );
+        let b: Vec<Seat> = (0..2)
+            .map(|_| seat(&held, "b", per_node, total).expect("b's own places"))
+            .collect();
+        let e = seat(&held, "c", per_node, total)
+            .err()
+            .expect("past the cap in all");
+        assert!(e.contains("network.control_connections = 5"), "{e}");
+        a.pop();
+        assert!(
+            seat(&held, "c", per_node, total).is_ok(),
+            "a place given back is free again"
+        );
+        drop((a, b));
+        let h = held.lock().unwrap();
+        assert_eq!(h.total, 0);
+        assert!(h.per_node.is_empty());
     }
 
     #[test]

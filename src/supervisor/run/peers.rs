@@ -28,14 +28,31 @@ const CONNECT_WITHIN: Duration = Duration::from_secs(2);
 const RENEW_WITHIN: Duration = Duration::from_secs(10);
 const RENEW_AGAIN_AFTER: Duration = Duration::from_secs(60);
 
-/// What is known of one other node's supervisor.
+/// A moment read on both clocks: the monotonic one to measure how long since, and Unix
+/// time (ms) to report it.
+#[derive(Debug, Clone, Copy)]
+struct Moment {
+    at: Instant,
+    unix_ms: u64,
+}
+
+impl Moment {
+    fn now() -> Moment {
+        Moment {
+            at: Instant::now(),
+            unix_ms: now_ms(),
+        }
+    }
+}
+
+/// What this supervisor last heard from one other node's supervisor.
 #[derive(Debug, Default)]
-struct Seen {
+struct LastHeard {
     report: Option<StatusReport>,
-    /// Since when it has not answered (monotonic, and Unix ms for the report).
-    failing_since: Option<(Instant, u64)>,
+    /// Since when it has not answered.
+    failing_since: Option<Moment>,
     /// Since when, besides, none of its ports took a TCP connection: its link is gone.
-    link_down_since: Option<(Instant, u64)>,
+    link_down_since: Option<Moment>,
     error: Option<String>,
 }
 
@@ -45,7 +62,7 @@ struct Peer {
     /// The node's address, as the topology gives it.
     address: String,
     endpoint: Endpoint,
-    seen: Mutex<Seen>,
+    heard: Mutex<LastHeard>,
 }
 
 /// Every other node of the cluster, polled in the background.
@@ -66,7 +83,7 @@ impl Peers {
         cut_off_after: Duration,
         table: Arc<Table>,
     ) -> Arc<Peers> {
-        let now = (Instant::now(), now_ms());
+        let now = Moment::now();
         let peers: Vec<Arc<Peer>> = nodes
             .into_iter()
             .map(|(node, address, endpoint)| {
@@ -74,11 +91,11 @@ impl Peers {
                     node,
                     address,
                     endpoint,
-                    seen: Mutex::new(Seen {
+                    heard: Mutex::new(LastHeard {
                         failing_since: Some(now),
                         link_down_since: Some(now),
                         error: Some("not asked yet".into()),
-                        ..Seen::default()
+                        ..LastHeard::default()
                     }),
                 })
             })
@@ -115,11 +132,11 @@ impl Peers {
     /// node other than the head runs none, and its proxy exports the head's series.
     pub fn rebalance(&self) -> Option<crate::vocab::RebalanceReport> {
         self.peers.iter().find_map(|p| {
-            let seen = p.seen.lock().unwrap_or_else(|e| e.into_inner());
-            if seen.failing_since.is_some() {
+            let heard = p.heard.lock().unwrap_or_else(|e| e.into_inner());
+            if heard.failing_since.is_some() {
                 return None;
             }
-            seen.report.as_ref()?.rebalance.as_deref().cloned()
+            heard.report.as_ref()?.rebalance.as_deref().cloned()
         })
     }
 
@@ -127,17 +144,20 @@ impl Peers {
     /// say, or marks them unreachable.
     pub fn merge_into(&self, report: &mut StatusReport) {
         for peer in &self.peers {
-            let seen = peer.seen.lock().unwrap_or_else(|e| e.into_inner());
-            let cut_off = seen
+            let heard = peer.heard.lock().unwrap_or_else(|e| e.into_inner());
+            let cut_off = heard
                 .link_down_since
-                .filter(|(t, _)| t.elapsed() >= self.cut_off_after);
+                .filter(|since| since.at.elapsed() >= self.cut_off_after);
             for row in report
                 .services
                 .iter_mut()
                 .filter(|s| s.remote && s.node == peer.node)
             {
-                if let Some((_, since_ms)) = cut_off {
-                    let why = seen.error.clone().unwrap_or_default();
+                if let Some(Moment {
+                    unix_ms: since_ms, ..
+                }) = cut_off
+                {
+                    let why = heard.error.clone().unwrap_or_default();
                     row.state = ServiceState::Unreachable;
                     row.unreachable_since_ms = Some(since_ms);
                     row.pid = None;
@@ -149,7 +169,7 @@ impl Peers {
                     ));
                     continue;
                 }
-                let Some(theirs) = seen
+                let Some(reported) = heard
                     .report
                     .as_ref()
                     .and_then(|r| r.services.iter().find(|s| s.name == row.name && !s.remote))
@@ -161,14 +181,14 @@ impl Peers {
                 let unprobed = row.url.as_deref().and_then(url_host).is_some_and(|h| {
                     crate::supervisor::run::probe::only_on_its_node(h, Some(&peer.address))
                 });
-                if theirs.state != ServiceState::Healthy || unprobed {
-                    row.state = theirs.state;
+                if reported.state != ServiceState::Healthy || unprobed {
+                    row.state = reported.state;
                 }
-                row.pid = theirs.pid;
-                row.restarts = theirs.restarts;
-                row.uptime_s = theirs.uptime_s;
-                row.last_exit = theirs.last_exit.clone();
-                row.last_error = theirs.last_error.clone();
+                row.pid = reported.pid;
+                row.restarts = reported.restarts;
+                row.uptime_s = reported.uptime_s;
+                row.last_exit = reported.last_exit.clone();
+                row.last_error = reported.last_error.clone();
             }
         }
     }
@@ -183,26 +203,26 @@ fn url_host(url: &str) -> Option<&str> {
 
 /// The peer's status over the kept connection (opened when there is none); a kept one
 /// that fails at once (the peer closed it: it restarted) is opened again for one more try.
-async fn ask_kept(
-    kept: &mut Option<StatusConn>,
+async fn ask_on_status_conn(
+    status_conn: &mut Option<StatusConn>,
     to: &Endpoint,
 ) -> Result<StatusReport, crate::control::client::ControlError> {
     let started = Instant::now();
-    if let Some(conn) = kept.as_mut() {
+    if let Some(conn) = status_conn.as_mut() {
         match conn.status().await {
             Ok(r) => return Ok(r),
             Err(e) if started.elapsed() >= ANSWER_WITHIN / 2 => {
-                *kept = None;
+                *status_conn = None;
                 return Err(e);
             }
-            Err(_) => *kept = None,
+            Err(_) => *status_conn = None,
         }
     }
     let left = ANSWER_WITHIN.saturating_sub(started.elapsed());
     let mut conn = StatusConn::open(to, left.max(Duration::from_secs(1))).await?;
     let answer = conn.status().await;
     if answer.is_ok() {
-        *kept = Some(conn);
+        *status_conn = Some(conn);
     }
     answer
 }
@@ -213,29 +233,29 @@ async fn ask_kept(
 async fn poll(peer: std::sync::Weak<Peer>, table: Arc<Table>) {
     // One connection (one TLS handshake) kept for every poll, opened again only after
     // it failed: a peer's polls never queue behind strangers' handshakes.
-    let mut kept: Option<StatusConn> = None;
-    // Renewals installed when `kept` was opened: after one, it is opened again with the
+    let mut status_conn: Option<StatusConn> = None;
+    // Renewals installed when `status_conn` was opened: after one, it is opened again with the
     // new certificate, whose first use the head waits for to drop the old one.
-    let mut kept_installed = 0;
+    let mut renewals_at_open = 0;
     // A renewal that failed is not tried again before this.
     let mut renew_not_before: Option<Instant> = None;
     loop {
         let Some(p) = peer.upgrade() else { return };
         // A peer that does not answer has not answered since it was asked: a silent one
         // takes ANSWER_WITHIN to fail, which is not added to the time it takes to be cut off.
-        let asked = (Instant::now(), now_ms());
+        let asked = Moment::now();
         let installed = renewals_installed(&p.endpoint);
-        if installed != kept_installed {
-            kept = None;
-            kept_installed = installed;
+        if installed != renewals_at_open {
+            status_conn = None;
+            renewals_at_open = installed;
         }
-        let answer = ask_kept(&mut kept, &p.endpoint).await;
+        let answer = ask_on_status_conn(&mut status_conn, &p.endpoint).await;
         let link_up = match &answer {
             Ok(_) => true,
             Err(_) => any_port_connects(&p.ports()).await,
         };
         {
-            let mut seen = p.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let mut heard = p.heard.lock().unwrap_or_else(|e| e.into_inner());
             match answer {
                 Ok(mut report) => {
                     if let Some(accepted) = report.certificates.take() {
@@ -245,22 +265,22 @@ async fn poll(peer: std::sync::Weak<Peer>, table: Arc<Table>) {
                             tokio::spawn(renew_own(p.endpoint.clone(), why));
                         }
                     }
-                    if seen.failing_since.is_some() && seen.report.is_some() {
+                    if heard.failing_since.is_some() && heard.report.is_some() {
                         tracing::info!("node {} answers again", p.node);
                     }
-                    let own: Vec<(String, ServiceState)> = report
+                    let services_there: Vec<(String, ServiceState)> = report
                         .services
                         .iter()
                         .filter(|s| !s.remote)
                         .map(|s| (s.name.clone(), s.state))
                         .collect();
-                    table.set_reported(&p.node, &own);
-                    seen.report = Some(report);
-                    seen.failing_since = None;
-                    seen.error = None;
+                    table.set_reported(&p.node, &services_there);
+                    heard.report = Some(report);
+                    heard.failing_since = None;
+                    heard.error = None;
                 }
                 Err(e) => {
-                    if seen.failing_since.is_none() {
+                    if heard.failing_since.is_none() {
                         tracing::warn!(
                             "node {}'s supervisor does not answer: {e}{}",
                             p.node,
@@ -270,17 +290,17 @@ async fn poll(peer: std::sync::Weak<Peer>, table: Arc<Table>) {
                                 ""
                             }
                         );
-                        seen.failing_since = Some(asked);
+                        heard.failing_since = Some(asked);
                     }
-                    seen.error = Some(e.to_string());
+                    heard.error = Some(e.to_string());
                 }
             }
             if link_up {
-                seen.link_down_since = None;
-            } else if seen.link_down_since.is_none() {
+                heard.link_down_since = None;
+            } else if heard.link_down_since.is_none() {
                 // From this round on: a node busy (silent supervisor, ports open) for a
                 // while before its link went is not cut off any sooner for it.
-                seen.link_down_since = Some(asked);
+                heard.link_down_since = Some(asked);
             }
         }
         drop(p);
@@ -330,8 +350,8 @@ impl Peer {
         if let Endpoint::Tcp { addr, .. } = &self.endpoint {
             out.push(addr.clone());
         }
-        let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(report) = &seen.report {
+        let heard = self.heard.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(report) = &heard.report {
             for s in report.services.iter().filter(|s| !s.remote) {
                 let host = s
                     .url
@@ -387,7 +407,7 @@ mod rebalance_tests {
             moves: vec![],
             moves_counted: MoveCounts::default(),
         };
-        let seen = |failing: bool| Seen {
+        let heard = |failing: bool| LastHeard {
             report: Some(StatusReport {
                 cluster: "c".into(),
                 node: "head".into(),
@@ -397,7 +417,7 @@ mod rebalance_tests {
                 rebalance: Some(Box::new(head.clone())),
                 certificates: None,
             }),
-            failing_since: failing.then(|| (Instant::now(), 0)),
+            failing_since: failing.then(Moment::now),
             link_down_since: None,
             error: None,
         };
@@ -407,7 +427,7 @@ mod rebalance_tests {
                 node: "head".into(),
                 address: "127.0.0.1".into(),
                 endpoint: Endpoint::Unix("/nonexistent".into()),
-                seen: Mutex::new(seen(failing)),
+                heard: Mutex::new(heard(failing)),
             })],
         };
         assert_eq!(peers(false).rebalance().map(|r| r.split), Some(head.split));
