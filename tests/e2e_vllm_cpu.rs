@@ -3254,7 +3254,7 @@ fn vllm_cpu_streams_go_on_1p2d() {
         "migrations": moved,
         "killed_after_s": round1(waited),
     });
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2e-vllm-cpu-migration.json");
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2e-migration.json");
     std::fs::write(&out, serde_json::to_string_pretty(&figures).unwrap() + "\n").unwrap();
     let down = run(pdctl_in(&guard, &["down"]), 120);
     assert!(down.status.success(), "pdctl down failed:\n{}", text(&down));
