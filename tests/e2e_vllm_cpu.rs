@@ -3200,17 +3200,24 @@ fn vllm_cpu_streams_go_on_1p2d() {
         .collect();
     let decode0 = service_row(&guard, "decode-0");
     let pid = decode0["pid"].as_u64().expect("decode-0's pid") as i32;
-    let (got, waited) = rt.block_on(answers_with_a_kill(&http, &proxy, &bodies, pid));
+    let (got, at_kill, waited) = rt.block_on(answers_with_a_kill(&http, &proxy, &bodies, pid));
     let mut equal = 0;
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+    for (i, ((g, w), before)) in got.iter().zip(&want).zip(&at_kill).enumerate() {
         let g = g
             .as_ref()
             .unwrap_or_else(|e| panic!("answer {i} failed: {e}"));
+        assert!(
+            g.starts_with(before.as_str()),
+            "answer {i}: what the client had before the kill changed:\n  before {before:?}\n  got    {g:?}"
+        );
         if g == w {
             equal += 1;
         } else {
+            // A greedy continuation recomputes the sequence in one prefill, where the dead
+            // decode went token by token: in float32 on a CPU a near tie can fall the other
+            // way at the first new token. Said, counted, and bounded below.
             eprintln!(
-                "[migration] answer {i} differs from its unkilled run:\n  got  {g:?}\n  want {w:?}"
+                "[migration] answer {i} differs from its unkilled run after the kill:\n  got  {g:?}\n  want {w:?}"
             );
         }
     }
@@ -3243,10 +3250,11 @@ fn vllm_cpu_streams_go_on_1p2d() {
         "case": "migration",
         "answers": got.len(),
         "equal_to_unkilled": equal,
+        "text_before_the_kill_kept": got.len(),
         "migrations": moved,
         "killed_after_s": round1(waited),
     });
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2e-vllm-cpu-migration.json");
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2e-migration.json");
     std::fs::write(&out, serde_json::to_string_pretty(&figures).unwrap() + "\n").unwrap();
     let down = run(pdctl_in(&guard, &["down"]), 120);
     assert!(down.status.success(), "pdctl down failed:\n{}", text(&down));
@@ -3283,36 +3291,33 @@ fn service_row(guard: &Running, name: &str) -> Value {
 }
 
 /// Sends `bodies` at once (streamed or not, as each says), kills `pid` with SIGKILL once
-/// every stream has 8 events or more, and gives each answer's text (or why it failed) and
-/// the seconds waited before the kill.
+/// every stream has 8 events or more, and gives each answer's text (or why it failed),
+/// the text each client had when the kill came, and the seconds waited before it.
 async fn answers_with_a_kill(
     http: &reqwest::Client,
     url: &str,
     bodies: &[Value],
     pid: i32,
-) -> (Vec<Result<String, String>>, f64) {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicU32, Ordering};
-    let progress: Vec<Arc<AtomicU32>> = bodies.iter().map(|_| Arc::default()).collect();
+) -> (Vec<Result<String, String>>, Vec<String>, f64) {
+    use std::sync::{Arc, Mutex};
+    let so_far: Vec<Arc<Mutex<String>>> = bodies.iter().map(|_| Arc::default()).collect();
     let running: Vec<_> = bodies
         .iter()
-        .zip(&progress)
-        .map(|(b, p)| {
-            tokio::spawn(answer_counting(
-                http.clone(),
-                url.to_string(),
-                b.clone(),
-                p.clone(),
-            ))
+        .zip(&so_far)
+        .map(|(b, t)| {
+            let (http, url, b, t) = (http.clone(), url.to_string(), b.clone(), t.clone());
+            tokio::spawn(answer_counting(http, url, b, t))
         })
         .collect();
     let started = Instant::now();
-    let streams = bodies
+    let events = |t: &Arc<Mutex<String>>| t.lock().unwrap().matches('\u{1}').count();
+    let streams: Vec<&Arc<Mutex<String>>> = bodies
         .iter()
-        .zip(&progress)
-        .filter(|(b, _)| b["stream"] == json!(true));
-    let streams: Vec<&Arc<AtomicU32>> = streams.map(|(_, p)| p).collect();
-    while !streams.iter().all(|p| p.load(Ordering::Relaxed) >= 8) {
+        .zip(&so_far)
+        .filter(|(b, _)| b["stream"] == json!(true))
+        .map(|(_, t)| t)
+        .collect();
+    while !streams.iter().all(|t| events(t) >= 8) {
         assert!(
             started.elapsed() < PAGE_WITHIN,
             "the streams did not get going"
@@ -3325,20 +3330,25 @@ async fn answers_with_a_kill(
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
+    let at_kill = so_far
+        .iter()
+        .map(|t| t.lock().unwrap().replace('\u{1}', ""))
+        .collect();
     let mut out = Vec::new();
     for r in running {
         out.push(r.await.unwrap_or_else(|e| Err(e.to_string())));
     }
-    (out, waited)
+    (out, at_kill, waited)
 }
 
-/// One answer's text, its events counted into `progress` as they come (a whole answer
-/// counts nothing); Err: a non-200, an error event or a stream without `[DONE]`.
+/// One answer's text; a stream's text so far is kept in `so_far` as it comes, each event
+/// marked by a U+0001 (a whole answer keeps nothing there). Err: a non-200, an error event
+/// or a stream without `[DONE]`.
 async fn answer_counting(
     http: reqwest::Client,
     url: String,
     body: Value,
-    progress: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    so_far: std::sync::Arc<std::sync::Mutex<String>>,
 ) -> Result<String, String> {
     let mut r = http
         .post(&url)
@@ -3373,8 +3383,11 @@ async fn answer_counting(
             if v.get("error").is_some() {
                 return Err(format!("error event: {}", ev.data));
             }
-            text.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
-            progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let piece = v["choices"][0]["text"].as_str().unwrap_or_default();
+            text.push_str(piece);
+            let mut kept = so_far.lock().unwrap();
+            kept.push_str(piece);
+            kept.push('\u{1}');
         }
     }
     if !done {
