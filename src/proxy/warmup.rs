@@ -150,6 +150,8 @@ pub struct Warmup {
     settle_within: Duration,
     /// Tells warm-up request ids apart.
     next_id: AtomicU64,
+    /// When the warm-ups started (the proxy's start), for the first round's progress.
+    began: std::sync::OnceLock<Instant>,
 }
 
 impl Default for Warmup {
@@ -162,6 +164,7 @@ impl Default for Warmup {
             settled: AtomicBool::default(),
             settle_within: Duration::ZERO,
             next_id: AtomicU64::default(),
+            began: std::sync::OnceLock::new(),
         }
     }
 }
@@ -290,6 +293,23 @@ impl Warmup {
                 .any(|pair| !matches!(pair.state, PairState::Ready { .. }))
     }
 
+    /// How far the first round is, for the log line `pdctl up` shows as the proxy's
+    /// progress while it waits for `/health?warmed`: None once it settled.
+    fn progress(&self, pairs: &HashMap<Key, Pair>) -> Option<String> {
+        if self.settled() {
+            return None;
+        }
+        let ready = pairs
+            .values()
+            .filter(|pair| matches!(pair.state, PairState::Ready { .. }))
+            .count();
+        let secs = self.began.get().map_or(0.0, |t| t.elapsed().as_secs_f64());
+        Some(format!(
+            "{ready} of {} pair(s) warmed, {secs:.1} s since the start, at most {WARM_AT_ONCE} at once",
+            pairs.len()
+        ))
+    }
+
     /// Whether the pairs usable at start are all warmed (or the wait for them is over).
     pub fn settled(&self) -> bool {
         self.settled.load(Ordering::Relaxed)
@@ -360,7 +380,7 @@ pub fn start(p: Arc<Proxy>) {
         return;
     }
     tokio::spawn(async move {
-        let began = Instant::now();
+        let began = *p.warmup.began.get_or_init(Instant::now);
         let mut round: Vec<Key> = Vec::new();
         // The epoch of the last look and when a failed pair is due next: pairs are looked
         // over again only when either says so (an idle proxy of 64P64D does not go over
@@ -387,7 +407,12 @@ pub fn start(p: Arc<Proxy>) {
                 round = started;
             }
             if !p.warmup.settled() && settle(&p.warmup, &round, began.elapsed()) {
+                let said = p.warmup.progress(&p.warmup.lock());
                 p.warmup.settled.store(true, Ordering::Relaxed);
+                tracing::info!(
+                    "the first round of KV path warm-ups is over: {}",
+                    said.unwrap_or_default()
+                );
             }
             tokio::time::sleep(TICK).await;
         }
@@ -569,11 +594,14 @@ fn record(
     }
     let state = match result {
         Ok(()) => {
+            pairs.insert(key.clone(), Pair { state: PairState::Ready { took }, runs });
+            let progress = w.progress(&pairs).map(|s| format!(" ({s})"));
             tracing::info!(
-                "KV path of pair {} -> {} warmed in {:.1} s: the pair enters routing",
+                "KV path of pair {} -> {} warmed in {:.1} s: the pair enters routing{}",
                 pf.url,
                 d.url,
-                took.as_secs_f64()
+                took.as_secs_f64(),
+                progress.unwrap_or_default()
             );
             PairState::Ready { took }
         }
