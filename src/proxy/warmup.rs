@@ -594,7 +594,13 @@ fn record(
     }
     let state = match result {
         Ok(()) => {
-            pairs.insert(key.clone(), Pair { state: PairState::Ready { took }, runs });
+            pairs.insert(
+                key.clone(),
+                Pair {
+                    state: PairState::Ready { took },
+                    runs,
+                },
+            );
             let progress = w.progress(&pairs).map(|s| format!(" ({s})"));
             tracing::info!(
                 "KV path of pair {} -> {} warmed in {:.1} s: the pair enters routing{}",
