@@ -15,6 +15,10 @@
 #       adds that build's proxies (sizes SCALE_COST_BASELINE_SIZES, "1 16" unless said)
 #       in front of the same sims, taking turns with the others, so a change is judged
 #       against its predecessor in one run
+#   SCALE_COST_FLOOR=0 bench/scale-cost.sh              # without the floor's rows
+#       (by default the floor, bench/floor, runs at the smallest and the largest size,
+#       taking its engines in turn: what spreading the legs over more engines costs on
+#       this machine, apart from what pdctl's routing costs)
 #
 # CPU is the proxy process's user + system time over its load window (/proc), divided by
 # the requests answered 200: the health probes it sends meanwhile (one per instance per
@@ -62,6 +66,15 @@ start_proxy() { # BINARY LABEL N
   TARGETS+=("$2 http://127.0.0.1:$port $!")
 }
 for n in $SIZES; do start_proxy "$PDCTL" "${n}P${n}D" "$n"; done
+if [ "${SCALE_COST_FLOOR:-1}" = 1 ]; then
+  floor_build
+  for n in $(printf '%s\n' $SIZES | sort -n | sed -n '1p;$p' | uniq); do
+    port=$(free_port); ps=() ds=()
+    for i in $(seq 0 $((n - 1))); do ps+=("http://127.0.0.1:$((PBASE + i))"); ds+=("http://127.0.0.1:$((DBASE + i))"); done
+    "$FLOOR" "$port" "$(IFS=,; echo "${ps[*]}")" "$(IFS=,; echo "${ds[*]}")" 2>"$OUT/floor-${n}.log" & PIDS+=($!)
+    TARGETS+=("floor-${n}P${n}D http://127.0.0.1:$port $!")
+  done
+fi
 if [ -n "${SCALE_COST_BASELINE:-}" ]; then
   for n in ${SCALE_COST_BASELINE_SIZES:-1 16}; do start_proxy "$SCALE_COST_BASELINE" "baseline-${n}P${n}D" "$n"; done
 fi
@@ -69,6 +82,7 @@ for t in "${TARGETS[@]}"; do
   read -r label url _ <<<"$t"
   started=$(date +%s.%N)
   wait_http "$url/health"
+  # (the floor answers any GET: it warms nothing)
   for _ in $(seq 1 1200); do curl -fsS "$url/health?warmed" >/dev/null 2>&1 && break; sleep 0.1; done
   curl -fsS "$url/health?warmed" >/dev/null || { say "$label: pairs not warmed; see $OUT/proxy-$label.log"; exit 1; }
   say "$label: pairs warmed ($(python3 -c "import time; print(f'{time.time() - $started:.1f}')") s after its health)"
@@ -117,18 +131,21 @@ for n, _, rps, ticks, ok, sent, user in rows:
     by.setdefault(n, []).append((float(rps), per(ticks), int(sent) - int(ok), per(user)))
 def size(label):
     return int(label.split("-")[-1].split("P")[0])
-def first(prefix, column=1):
-    labels = sorted((l for l in by if l.startswith("baseline-") == (prefix == "baseline-")), key=size)
-    return med(x[column] for x in by[labels[0]]) if labels else None
-base = {"": first(""), "baseline-": first("baseline-")}
-ubase = {"": first("", 3), "baseline-": first("baseline-", 3)}
+def build(label):
+    return label.rsplit("-", 1)[0] if "-" in label else ""
+def first(b, column):
+    labels = sorted((l for l in by if build(l) == b), key=size)
+    return med(x[column] for x in by[labels[0]])
+builds = {build(l) for l in by}
+base = {b: first(b, 1) for b in builds}
+ubase = {b: first(b, 3) for b in builds}
 print("| proxy | offered | answered req/s | CPU per request | vs the smallest of its build | of it user space | user vs the smallest | failed | idle CPU-s per 20 s |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-for label, runs in sorted(by.items(), key=lambda kv: (kv[0].startswith("baseline-"), size(kv[0]))):
+for label, runs in sorted(by.items(), key=lambda kv: (build(kv[0]), size(kv[0]))):
     cpu = med(x[1] for x in runs)
     user = med(x[3] for x in runs)
-    build = "baseline-" if label.startswith("baseline-") else ""
+    b = build(label)
     idle_cpu = int(idle[label]) / tck * 20 / idle_s
-    print(f"| {label} | {rate} req/s | {med(x[0] for x in runs):.0f} | {cpu:.1f} us | {cpu / base[build]:.2f}x | {user:.1f} us | {user / ubase[build]:.2f}x | {sum(x[2] for x in runs)} | {idle_cpu:.2f} |")
+    print(f"| {label} | {rate} req/s | {med(x[0] for x in runs):.0f} | {cpu:.1f} us | {cpu / base[b]:.2f}x | {user:.1f} us | {user / ubase[b]:.2f}x | {sum(x[2] for x in runs)} | {idle_cpu:.2f} |")
 PY
 say "raw results: $OUT"

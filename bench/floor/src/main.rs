@@ -6,6 +6,9 @@
 //!
 //! `pdctl-floor PORT PREFILL_URL DECODE_URL` (URLs as `http://HOST:PORT`). Any GET is
 //! answered 200 (what the bench scripts wait on); any POST is proxied to the same path.
+//! Several engines of a leg, comma-separated, are taken in turn (one counter): the least
+//! routing there is, so that bench/scale-cost.sh can tell what spreading the legs over many
+//! engines costs on the machine from what pdctl's routing costs.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
@@ -16,17 +19,25 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{Map, Value, json};
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 type Answer = Response<BoxBody<Bytes, hyper::Error>>;
 
-/// The two engines and the pooled client that reaches them.
+/// The engines and the pooled client that reaches them.
 struct Floor {
     client: Client<HttpConnector, Full<Bytes>>,
-    prefill: String,
-    decode: String,
+    prefill: Vec<String>,
+    decode: Vec<String>,
+    turn: AtomicUsize,
+}
+
+fn urls(list: &str) -> Vec<String> {
+    list.split(',')
+        .map(|u| u.trim_end_matches('/').to_string())
+        .collect()
 }
 
 #[tokio::main]
@@ -40,8 +51,9 @@ async fn main() {
     connector.set_nodelay(true);
     let floor = Arc::new(Floor {
         client: Client::builder(TokioExecutor::new()).build(connector),
-        prefill: prefill.trim_end_matches('/').to_string(),
-        decode: decode.trim_end_matches('/').to_string(),
+        prefill: urls(prefill),
+        decode: urls(decode),
+        turn: AtomicUsize::new(0),
     });
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port.parse::<u16>().unwrap()))
         .await
@@ -85,13 +97,20 @@ async fn two_legs(f: &Floor, req: Request<Incoming>) -> Result<Answer, String> {
         "kv_transfer_params".into(),
         json!({"do_remote_decode": true, "do_remote_prefill": false}),
     );
-    let answer = post(f, &f.prefill, &path, &first).await?;
-    let bytes = answer.into_body().collect().await.map_err(|e| e.to_string())?;
+    let turn = f.turn.fetch_add(1, Ordering::Relaxed);
+    let prefill = &f.prefill[turn % f.prefill.len()];
+    let decode = &f.decode[turn % f.decode.len()];
+    let answer = post(f, prefill, &path, &first).await?;
+    let bytes = answer
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?;
     let answer: Value = serde_json::from_slice(&bytes.to_bytes()).map_err(|e| e.to_string())?;
     if let Some(params) = answer.get("kv_transfer_params") {
         original.insert("kv_transfer_params".into(), params.clone());
     }
-    let decoded = post(f, &f.decode, &path, &original).await?;
+    let decoded = post(f, decode, &path, &original).await?;
     Ok(decoded.map(BodyExt::boxed))
 }
 
