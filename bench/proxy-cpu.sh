@@ -18,7 +18,8 @@
 # divided by the requests answered 200; "direct" has no proxy, so its column is the engine's.
 # The proxy runs at its default log level, as `pdctl up` runs it. PROXY_CPU_STREAM=1 asks for
 # streamed answers (SSE) instead of one JSON body.
-# Output: a markdown table with the median over rounds of each figure and the ratio to direct.
+# Output: a markdown table with the median over rounds of each figure, the rate's ratio to
+# direct and the CPU's to the floor's.
 # vllm-router comes from PyPI into a venv ($PROXY_CPU_VENV); without it, it is left out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,20 +31,6 @@ VENV=${PROXY_CPU_VENV:-$HOME/.cache/pdctl/peers-venv}
 OUT=$(mktemp -d -t pdctl-proxy-cpu.XXXXXX)
 command -v hey >/dev/null || { echo "hey is not installed (apt-get install hey)" >&2; exit 2; }
 . bench/common.sh
-# user+system clock ticks of a process and all its descendants
-tree_ticks() {
-  local pids=("$1") all=() p
-  while [ ${#pids[@]} -gt 0 ]; do
-    p=${pids[0]}; pids=("${pids[@]:1}"); all+=("$p")
-    for c in $(cat /proc/"$p"/task/*/children 2>/dev/null); do pids+=("$c"); done
-  done
-  local t=0
-  for p in "${all[@]}"; do
-    t=$((t + $(awk '{print $14+$15}' /proc/"$p"/stat 2>/dev/null || echo 0)))
-  done
-  echo "$t"
-}
-
 
 pp=$(free_port); dp=$(free_port); px=$(free_port)
 z=(--prefill-ms-per-token 0 --overhead-ms 0 --batch-slowdown 0 --log-stats-interval-ms 0 --itl-ms 0)
@@ -55,6 +42,11 @@ TARGETS=("direct http://127.0.0.1:$dp $DECODE_PID")
   --prefill "127.0.0.1:$pp" --decode "127.0.0.1:$dp" 2>"$OUT/pdctl-proxy.log" & PIDS+=($!)
 TARGETS+=("pdctl-proxy http://127.0.0.1:$px $!")
 wait_http "http://127.0.0.1:$px/health"
+floor_build
+fp=$(free_port)
+"$FLOOR" "$fp" "http://127.0.0.1:$pp" "http://127.0.0.1:$dp" 2>"$OUT/floor.log" & PIDS+=($!)
+TARGETS+=("floor http://127.0.0.1:$fp $!")
+wait_http "http://127.0.0.1:$fp/health"
 OTHERS=${PROXY_CPU_BUILDS:-}
 [ -n "${PROXY_CPU_BASELINE:-}" ] && OTHERS="pdctl-baseline=$PROXY_CPU_BASELINE $OTHERS"
 for other in $OTHERS; do
@@ -100,18 +92,20 @@ import statistics, sys
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])]
 tck = int(sys.argv[2])
 med = statistics.median
-print("| connections | path | requests/s | vs direct | CPU per request | failed |")
-print("|---:|---|---:|---:|---:|---:|")
+print("| connections | path | requests/s | vs direct | CPU per request | CPU vs floor | failed |")
+print("|---:|---|---:|---:|---:|---:|---:|")
 for c in dict.fromkeys(r[0] for r in rows):
     by = {}
     for cc, name, _, rps, ticks, ok, sent in rows:
         if cc == c:
             by.setdefault(name, []).append((float(rps), int(ticks) * 1e6 / tck / max(int(ok), 1), int(sent) - int(ok)))
     d = med(x[0] for x in by["direct"])
+    floor = med(x[1] for x in by["floor"])
     for name, runs in sorted(by.items(), key=lambda kv: kv[0] != "direct"):
         rps = med(x[0] for x in runs)
         cpu = med(x[1] for x in runs)
         label = "engine" if name == "direct" else "proxy"
-        print(f"| {c} | {name} | {rps:.0f} | {rps / d:.2f} | {cpu:.0f} us ({label}) | {sum(x[2] for x in runs)} |")
+        vs = "-" if name == "direct" else f"{cpu / floor:.2f}x"
+        print(f"| {c} | {name} | {rps:.0f} | {rps / d:.2f} | {cpu:.0f} us ({label}) | {vs} | {sum(x[2] for x in runs)} |")
 EOF
 say "raw results: $OUT"

@@ -9,6 +9,24 @@
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// Counts the changes to what routing chooses from: an engine's new run, an instance
+/// going in or out of rotation, an instance joining or leaving, a pair's warm-up state.
+/// The ready-pair index (`warmup::ReadyIndex`) is rebuilt when it moves, so a request
+/// reads a prepared list instead of looking every pair over. One count for the process:
+/// a change anywhere only costs the other proxies of the process a rebuild.
+static ROUTING_EPOCH: AtomicU64 = AtomicU64::new(0);
+
+/// Says that what routing chooses from changed (after the change is stored).
+pub fn routing_changed() {
+    ROUTING_EPOCH.fetch_add(1, Ordering::Release);
+}
+
+/// The current count of [`routing_changed`] calls: a list built after reading it holds
+/// at least every change counted so far.
+pub fn routing_epoch() -> u64 {
+    ROUTING_EPOCH.load(Ordering::Acquire)
+}
+
 /// An instance's engine run, as a number that changes with each new run seen.
 #[derive(Debug, Default)]
 pub struct EngineRun {
@@ -35,6 +53,7 @@ impl EngineRun {
         *last = Some((pid, restarts));
         if changed {
             self.generation.fetch_add(1, Ordering::Relaxed);
+            routing_changed();
         }
         changed
     }
@@ -43,6 +62,7 @@ impl EngineRun {
     /// answers there next is a new run.
     pub fn ended(&self) {
         self.generation.fetch_add(1, Ordering::Relaxed);
+        routing_changed();
     }
 }
 

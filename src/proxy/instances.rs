@@ -2,6 +2,7 @@
 //! each: usable or not, requests in flight, engine-reported load, and error counts.
 
 pub use super::endpoint::{Endpoint, EndpointError, parse_endpoint};
+use super::engine_run::routing_changed;
 pub use super::leg::{FailureKind, Leg};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -123,7 +124,11 @@ impl Instance {
     pub fn set_usable(&self, usable: bool) -> bool {
         self.consecutive_failures.store(0, Ordering::Relaxed);
         self.consecutive_successes.store(0, Ordering::Relaxed);
-        self.usable.swap(usable, Ordering::Relaxed) != usable
+        let changed = self.usable.swap(usable, Ordering::Relaxed) != usable;
+        if changed {
+            routing_changed();
+        }
+        changed
     }
 
     /// Records one health probe result; the instance goes down after `down_after`
@@ -135,6 +140,7 @@ impl Instance {
             let n = self.consecutive_successes.fetch_add(1, Ordering::Relaxed) + 1;
             if !self.is_usable() && n >= up_after {
                 self.usable.store(true, Ordering::Relaxed);
+                routing_changed();
                 return true;
             }
         } else {
@@ -142,6 +148,7 @@ impl Instance {
             let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
             if self.is_usable() && n >= down_after {
                 self.usable.store(false, Ordering::Relaxed);
+                routing_changed();
                 return true;
             }
         }
@@ -293,6 +300,8 @@ impl LivePools {
             Leg::Decode => next.decode = f(&guard.decode),
         }
         *guard = Arc::new(next);
+        drop(guard);
+        routing_changed();
     }
 }
 

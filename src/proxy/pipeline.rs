@@ -550,7 +550,10 @@ async fn choose(
 const RESTART_POLL: Duration = Duration::from_millis(25);
 
 /// Picks the instance for a leg: the designated one, or the policy's choice among usable
-/// instances not tried yet (all usable ones once every one was tried).
+/// instances not tried yet (all usable ones once every one was tried). The lists come
+/// prepared from the ready-pair index ([`super::warmup::ReadyIndex`]): a first attempt
+/// costs the same at 64P64D as at 1P1D and allocates nothing by the pool's size; only a
+/// retry or a redone request filters a list.
 fn choose_now(
     proxy: &Proxy,
     req: &ClientRequest,
@@ -561,11 +564,11 @@ fn choose_now(
     if let Some(pinned) = req.designation.of(leg) {
         return Ok(pinned.clone());
     }
-    let pools = proxy.pools.snapshot();
-    let pool = pools.of(leg);
-    let usable: Vec<Arc<Instance>> = pool.iter().filter(|i| i.is_usable()).cloned().collect();
-    if usable.is_empty() {
-        let states: Vec<String> = pool
+    let index = proxy.warmup.ready(&proxy.pools);
+    if index.usable(leg).is_empty() {
+        let pools = proxy.pools.snapshot();
+        let states: Vec<String> = pools
+            .of(leg)
             .iter()
             .map(|i| format!("{} ({})", i.url, i.out_reason()))
             .collect();
@@ -574,12 +577,16 @@ fn choose_now(
             detail: states.join(", "),
         });
     }
-    let usable = warmed(proxy, &pools, leg, usable, partner);
+    let usable = warmed(proxy, &index, leg, partner);
     if usable.is_empty() {
         return Err(ProxyError::NoInstance {
             leg,
             detail: proxy.warmup.why_not(leg),
         });
+    }
+    let policy = proxy.policy(leg);
+    if tried.is_empty() && req.avoid.is_empty() {
+        return Ok(policy.pick(usable, &req.facts));
     }
     let fresh: Vec<Arc<Instance>> = usable
         .iter()
@@ -593,53 +600,31 @@ fn choose_now(
         .cloned()
         .collect();
     let candidates = if !elsewhere.is_empty() {
-        elsewhere
+        &elsewhere
     } else if fresh.is_empty() {
         usable
     } else {
-        fresh
+        &fresh
     };
-    Ok(proxy.policy(leg).pick(&candidates, &req.facts))
+    Ok(policy.pick(candidates, &req.facts))
 }
 
-/// The instances of `usable` that make a warmed pair: with `partner` when it is chosen,
-/// with any usable instance of the other leg while it is not; all of them when the
-/// protocol needs no warm-up or the request no handoff.
-fn warmed(
+/// The usable instances of `leg` that make a warmed pair: with `partner` when it is
+/// chosen, with any usable instance of the other leg while it is not; all of them when
+/// the protocol needs no warm-up or the request no handoff.
+fn warmed<'a>(
     proxy: &Proxy,
-    pools: &super::instances::Pools,
+    index: &'a super::warmup::ReadyIndex,
     leg: Leg,
-    usable: Vec<Arc<Instance>>,
     partner: Partner<'_>,
-) -> Vec<Arc<Instance>> {
+) -> &'a [Arc<Instance>] {
     if !proxy.warmup.needed() {
-        return usable;
+        return index.usable(leg);
     }
-    let other = match leg {
-        Leg::Prefill => Leg::Decode,
-        Leg::Decode => Leg::Prefill,
-    };
     match partner {
-        Partner::None => usable,
-        Partner::Of(p) => usable
-            .into_iter()
-            .filter(|i| match leg {
-                Leg::Decode => proxy.warmup.pair_ready(p, i),
-                Leg::Prefill => proxy.warmup.pair_ready(i, p),
-            })
-            .collect(),
-        Partner::Any => {
-            let others: Vec<Arc<Instance>> = pools
-                .of(other)
-                .iter()
-                .filter(|i| i.is_usable())
-                .cloned()
-                .collect();
-            usable
-                .into_iter()
-                .filter(|i| proxy.warmup.in_a_ready_pair(i, &others))
-                .collect()
-        }
+        Partner::None => index.usable(leg),
+        Partner::Of(p) => index.partners_of(p),
+        Partner::Any => index.paired(leg),
     }
 }
 
@@ -679,5 +664,91 @@ fn note_failure(inst: &Instance, f: &LegFailure) {
             inst.leg,
             inst.url
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::child_config::proxy::test_args;
+
+    fn request() -> ClientRequest {
+        ClientRequest {
+            path: "/v1/completions",
+            body: Body::new(),
+            raw: Bytes::from_static(b"{}"),
+            stream: false,
+            id: "r".into(),
+            designation: Default::default(),
+            facts: Default::default(),
+            deadline: Instant::now() + Duration::from_secs(30),
+            avoid: Vec::new(),
+            migration: super::super::request::Migration::Off,
+        }
+    }
+
+    /// Two prefills and two decodes under nixl (pairs warmed before routing uses them).
+    fn proxy() -> Proxy {
+        let more = [
+            "--prefill",
+            "127.0.0.1:3",
+            "--decode",
+            "127.0.0.1:4",
+            "--protocol",
+            "nixl",
+            "--policy",
+            "round-robin",
+        ];
+        Proxy::new(&test_args(&more)).unwrap()
+    }
+
+    fn pick(p: &Proxy, leg: Leg, partner: Partner<'_>) -> String {
+        choose_now(p, &request(), leg, &[], partner)
+            .unwrap()
+            .url
+            .clone()
+    }
+
+    #[test]
+    fn routing_picks_only_warmed_pairs_while_one_is_ready() {
+        let p = proxy();
+        let pools = p.pools.snapshot();
+        let (p0, p1) = (&pools.prefill[0], &pools.prefill[1]);
+        let (d0, d1) = (&pools.decode[0], &pools.decode[1]);
+        let none = choose_now(&p, &request(), Leg::Prefill, &[], Partner::Any);
+        assert!(
+            matches!(none, Err(ProxyError::NoInstance { .. })),
+            "no pair warmed: no prefill"
+        );
+        p.warmup.mark_ready(p1, d0);
+        for _ in 0..4 {
+            assert_eq!(pick(&p, Leg::Prefill, Partner::Any), p1.url);
+            assert_eq!(pick(&p, Leg::Decode, Partner::Of(p1)), d0.url);
+        }
+        assert!(
+            choose_now(&p, &request(), Leg::Decode, &[], Partner::Of(p0)).is_err(),
+            "p0 makes no warmed pair"
+        );
+        // Without a handoff any usable decode goes.
+        let both: std::collections::BTreeSet<String> = (0..4)
+            .map(|_| pick(&p, Leg::Decode, Partner::None))
+            .collect();
+        assert_eq!(both.len(), 2);
+        // A second warmed pair shares the prefills; the decode out of rotation drops out.
+        p.warmup.mark_ready(p0, d1);
+        let prefills: std::collections::BTreeSet<String> = (0..4)
+            .map(|_| pick(&p, Leg::Prefill, Partner::Any))
+            .collect();
+        assert_eq!(prefills.len(), 2);
+        d1.set_usable(false);
+        for _ in 0..4 {
+            assert_eq!(pick(&p, Leg::Prefill, Partner::Any), p1.url);
+        }
+        // A retry goes to an untried instance where one is left, else to a tried one.
+        d1.set_usable(true);
+        let retry = choose_now(&p, &request(), Leg::Prefill, &[p0.index], Partner::Any);
+        assert_eq!(retry.unwrap().url, p1.url);
+        let all = [p0.index, p1.index];
+        assert!(choose_now(&p, &request(), Leg::Prefill, &all, Partner::Any).is_ok());
     }
 }

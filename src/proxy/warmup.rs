@@ -15,16 +15,19 @@
 //! so that the rebalancer can take them out of the decode engines' own counters.
 
 use super::Proxy;
-use super::instances::{Instance, Leg};
+use super::engine_run::{routing_changed, routing_epoch};
+use super::instances::{Instance, Leg, LivePools, Pools};
 use super::protocol::{Body, PrefillAnswer};
 use super::recompute::judgment::{Expect, leg_sent};
 use super::recorder::Recorder;
 use super::upstream::MAX_ANSWER_BYTES;
+use arc_swap::{ArcSwap, Guard};
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 /// How often the pairs are looked over.
@@ -39,9 +42,14 @@ const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// that failed is tried again (a NIXL handshake that timed out on a busy machine works the
 /// next time), a pair whose KV path fails every time does not hold `up` further.
 const SETTLE_ATTEMPTS: u32 = 3;
-/// Words of the warm-up prompt: more than one KV block on every engine (vLLM's CPU
-/// build uses blocks of 128 tokens), so decode really loads KV from the prefill.
-const PROMPT_WORDS: usize = 300;
+/// Words of the warm-up prompt (the one setting of its size): more than one KV block on
+/// every engine (vLLM's CPU build uses blocks of 128 tokens), so decode really loads KV
+/// from the prefill. Whether a shorter prompt (one token) makes the connector's handshake
+/// as well is to be measured on vLLM; this is the number to change then.
+pub const PROMPT_WORDS: usize = 300;
+/// Warm-ups on their way at once: 16P16D makes 256 pairs at start, and each warm-up is a
+/// prefill and a decode on engines that also start; the rest wait their turn.
+pub const WARM_AT_ONCE: usize = 8;
 
 /// Where one pair stands.
 #[derive(Debug, Clone)]
@@ -91,17 +99,75 @@ fn runs_of(prefill: &Instance, decode: &Instance) -> Runs {
     (prefill.run.generation(), decode.run.generation())
 }
 
-/// The warm-up state of every prefill/decode pair (by the instances' URLs).
+/// What routing chooses from, prepared when it changes (an engine's new run, an instance
+/// in or out of rotation, joining or leaving, a pair warmed or forgotten: what moves
+/// [`routing_epoch`]) instead of looking every pair over per request. Lists are in the
+/// pools' order.
 #[derive(Debug, Default)]
+pub struct ReadyIndex {
+    /// The [`routing_epoch`] it was built at (None: never built).
+    epoch: Option<u64>,
+    /// The usable instances of each leg (by `Leg as usize`).
+    usable: [Vec<Arc<Instance>>; 2],
+    /// The usable instances of each leg in a warmed pair with a usable one of the other.
+    paired: [Vec<Arc<Instance>>; 2],
+    /// By an instance's (`Leg as usize`, index): the usable instances of the other leg
+    /// whose pair with it is warmed with the engine runs they have.
+    partners: HashMap<(usize, usize), Vec<Arc<Instance>>>,
+}
+
+impl ReadyIndex {
+    /// The usable instances of `leg`.
+    pub fn usable(&self, leg: Leg) -> &[Arc<Instance>] {
+        &self.usable[leg as usize]
+    }
+
+    /// The usable instances of `leg` that make a warmed pair with a usable instance of
+    /// the other leg (all usable ones where pairs need no warm-up).
+    pub fn paired(&self, leg: Leg) -> &[Arc<Instance>] {
+        &self.paired[leg as usize]
+    }
+
+    /// The usable instances of the other leg warmed with `inst` (usable or not itself).
+    pub fn partners_of(&self, inst: &Instance) -> &[Arc<Instance>] {
+        self.partners
+            .get(&(inst.leg as usize, inst.index))
+            .map_or(&[], Vec::as_slice)
+    }
+}
+
+/// The warm-up state of every prefill/decode pair (by the instances' URLs).
+#[derive(Debug)]
 pub struct Warmup {
     needed: bool,
     pairs: Mutex<HashMap<Key, Pair>>,
+    /// What routing chooses from, rebuilt when [`routing_epoch`] moved.
+    index: ArcSwap<ReadyIndex>,
+    /// Bounds the warm-ups on their way at once ([`WARM_AT_ONCE`]).
+    at_once: Semaphore,
     /// Every pair usable when the proxy started is warmed, or `settle_within` has passed.
     settled: AtomicBool,
     /// How long `/health?warmed` waits for that (`--warmed-within-s`).
     settle_within: Duration,
     /// Tells warm-up request ids apart.
     next_id: AtomicU64,
+    /// When the warm-ups started (the proxy's start), for the first round's progress.
+    began: std::sync::OnceLock<Instant>,
+}
+
+impl Default for Warmup {
+    fn default() -> Self {
+        Warmup {
+            needed: false,
+            pairs: Mutex::default(),
+            index: ArcSwap::default(),
+            at_once: Semaphore::new(WARM_AT_ONCE),
+            settled: AtomicBool::default(),
+            settle_within: Duration::ZERO,
+            next_id: AtomicU64::default(),
+            began: std::sync::OnceLock::new(),
+        }
+    }
 }
 
 impl Warmup {
@@ -138,12 +204,85 @@ impl Warmup {
                 })
     }
 
-    /// Whether `inst` makes a ready pair with one of `others` (the other leg's instances).
-    pub fn in_a_ready_pair(&self, inst: &Instance, others: &[Arc<Instance>]) -> bool {
-        others.iter().any(|o| {
-            let (p, d) = ordered(inst, o);
-            self.pair_ready(p, d)
-        })
+    /// What routing chooses from now: the index built at the current [`routing_epoch`],
+    /// built first when that moved (once per change, not per request).
+    pub fn ready(&self, pools: &LivePools) -> Guard<Arc<ReadyIndex>> {
+        let epoch = routing_epoch();
+        let index = self.index.load();
+        if index.epoch == Some(epoch) {
+            return index;
+        }
+        drop(index);
+        self.index
+            .store(Arc::new(self.build(&pools.snapshot(), epoch)));
+        self.index.load()
+    }
+
+    /// The index of `pools` as they and the pairs are now, marked with `epoch` (read
+    /// before: a change while it is built moves the epoch, and the next read builds anew).
+    fn build(&self, pools: &Pools, epoch: u64) -> ReadyIndex {
+        let usable_of = |leg| -> Vec<Arc<Instance>> {
+            let all = pools.of(leg).iter();
+            all.filter(|i| i.is_usable()).cloned().collect()
+        };
+        let usable = [usable_of(Leg::Prefill), usable_of(Leg::Decode)];
+        if !self.needed {
+            let paired = usable.clone();
+            let partners = HashMap::new();
+            let epoch = Some(epoch);
+            return ReadyIndex {
+                epoch,
+                usable,
+                paired,
+                partners,
+            };
+        }
+        let by_url = |leg| -> HashMap<&str, &Arc<Instance>> {
+            pools.of(leg).iter().map(|i| (i.url.as_str(), i)).collect()
+        };
+        let (prefills, decodes) = (by_url(Leg::Prefill), by_url(Leg::Decode));
+        let mut partners: HashMap<(usize, usize), Vec<Arc<Instance>>> = HashMap::new();
+        for ((pu, du), pair) in self.lock().iter() {
+            let (Some(p), Some(d)) = (prefills.get(pu.as_str()), decodes.get(du.as_str())) else {
+                continue;
+            };
+            if !matches!(pair.state, PairState::Ready { .. }) || pair.runs != runs_of(p, d) {
+                continue;
+            }
+            for (a, b) in [(p, d), (d, p)] {
+                if b.is_usable() {
+                    let key = (a.leg as usize, a.index);
+                    partners.entry(key).or_default().push(Arc::clone(b));
+                }
+            }
+        }
+        for list in partners.values_mut() {
+            list.sort_by_key(|i| i.index);
+        }
+        let paired = usable.clone().map(|leg| {
+            let warmed = |i: &Arc<Instance>| partners.contains_key(&(i.leg as usize, i.index));
+            leg.into_iter().filter(warmed).collect()
+        });
+        let epoch = Some(epoch);
+        ReadyIndex {
+            epoch,
+            usable,
+            paired,
+            partners,
+        }
+    }
+
+    /// Marks the pair of `prefill` and `decode` warmed with their engines' runs now, as a
+    /// warm-up that went through would (for the tests of what routing does with it).
+    #[cfg(test)]
+    pub(crate) fn mark_ready(&self, prefill: &Instance, decode: &Instance) {
+        let key = (prefill.url.clone(), decode.url.clone());
+        let state = PairState::Ready {
+            took: Duration::ZERO,
+        };
+        let runs = runs_of(prefill, decode);
+        self.lock().insert(key, Pair { state, runs });
+        routing_changed();
     }
 
     /// Whether a warm-up is on its way or due again (a request may wait for it).
@@ -153,6 +292,23 @@ impl Warmup {
                 .lock()
                 .values()
                 .any(|pair| !matches!(pair.state, PairState::Ready { .. }))
+    }
+
+    /// How far the first round is, for the log line `pdctl up` shows as the proxy's
+    /// progress while it waits for `/health?warmed`: None once it settled.
+    fn progress(&self, pairs: &HashMap<Key, Pair>) -> Option<String> {
+        if self.settled() {
+            return None;
+        }
+        let ready = pairs
+            .values()
+            .filter(|pair| matches!(pair.state, PairState::Ready { .. }))
+            .count();
+        let secs = self.began.get().map_or(0.0, |t| t.elapsed().as_secs_f64());
+        Some(format!(
+            "{ready} of {} pair(s) warmed, {secs:.1} s since the start, at most {WARM_AT_ONCE} at once",
+            pairs.len()
+        ))
     }
 
     /// Whether the pairs usable at start are all warmed (or the wait for them is over).
@@ -219,25 +375,30 @@ impl Warmup {
     }
 }
 
-/// `(prefill, decode)` of a pair given its two instances in any order.
-fn ordered<'a>(a: &'a Instance, b: &'a Instance) -> (&'a Instance, &'a Instance) {
-    if a.leg == Leg::Prefill {
-        (a, b)
-    } else {
-        (b, a)
-    }
-}
-
 /// Starts warming pairs (nothing when the protocol's handshake is not lazy).
 pub fn start(p: Arc<Proxy>) {
     if !p.warmup.needed() {
         return;
     }
     tokio::spawn(async move {
-        let began = Instant::now();
+        let began = *p.warmup.began.get_or_init(Instant::now);
         let mut round: Vec<Key> = Vec::new();
+        // The epoch of the last look and when a failed pair is due next: pairs are looked
+        // over again only when either says so (an idle proxy of 64P64D does not go over
+        // 4,096 pairs five times a second).
+        let mut looked: Option<(u64, Option<Instant>)> = None;
         loop {
-            let started = tick(&p);
+            let epoch = routing_epoch();
+            let again = looked.is_none_or(|(seen, next)| {
+                seen != epoch || next.is_some_and(|t| t <= Instant::now())
+            });
+            let started = if again {
+                let (started, next) = tick(&p);
+                looked = Some((epoch, next));
+                started
+            } else {
+                Vec::new()
+            };
             // The first round is the first tick that could pair anything: at the proxy's
             // start an engine the supervisor has not reported usable yet (a remote one its
             // node still calls starting) leaves no pair, and an empty round is not a warm-up
@@ -247,7 +408,12 @@ pub fn start(p: Arc<Proxy>) {
                 round = started;
             }
             if !p.warmup.settled() && settle(&p.warmup, &round, began.elapsed()) {
+                let said = p.warmup.progress(&p.warmup.lock());
                 p.warmup.settled.store(true, Ordering::Relaxed);
+                tracing::info!(
+                    "the first round of KV path warm-ups is over: {}",
+                    said.unwrap_or_default()
+                );
             }
             tokio::time::sleep(TICK).await;
         }
@@ -305,112 +471,167 @@ fn settle(w: &Warmup, round: &[Key], elapsed: Duration) -> bool {
     true
 }
 
+/// A pair due for a warm-up: its prefill, its decode, the attempt and the runs it is for.
+type Due = (Arc<Instance>, Arc<Instance>, u32, Runs);
+
 /// Forgets pairs an instance of which left routing or runs anew (a restarted engine has
 /// no handshake; one that was only out of rotation, busy, keeps it), and starts the
-/// warm-ups that are due for pairs of usable instances. Returns the pairs it started.
-fn tick(p: &Arc<Proxy>) -> Vec<Key> {
+/// warm-ups that are due for pairs of usable instances. Returns the pairs it started and
+/// when the next failed one is due again (the loop looks again then, or on a change).
+fn tick(p: &Arc<Proxy>) -> (Vec<Key>, Option<Instant>) {
     let pools = p.pools.snapshot();
-    let usable = |leg| -> Vec<Arc<Instance>> {
-        pools
-            .of(leg)
-            .iter()
-            .filter(|i| i.is_usable())
-            .cloned()
-            .collect()
-    };
-    let (prefills, decodes) = (usable(Leg::Prefill), usable(Leg::Decode));
-    let mut due = Vec::new();
-    {
+    let (due, next) = {
         let mut pairs = p.warmup.lock();
-        pairs.retain(|(pu, du), pair| {
-            let prefill = pools.of(Leg::Prefill).iter().find(|i| &i.url == pu);
-            let decode = pools.of(Leg::Decode).iter().find(|i| &i.url == du);
-            let Some((pf, d)) = prefill.zip(decode) else {
-                return false;
-            };
-            let same = pair.runs == runs_of(pf, d);
-            if !same && matches!(pair.state, PairState::Ready { .. }) {
-                tracing::info!(
-                    "pair {pu} -> {du} leaves routing until warmed again: an engine of it runs anew (restarted), and its KV handshake went with the old run"
-                );
-            }
-            same
-        });
-        let now = Instant::now();
-        for pf in &prefills {
-            for d in &decodes {
-                let key = (pf.url.clone(), d.url.clone());
-                let attempt = match pairs.get(&key).map(|pair| &pair.state) {
-                    None => 1,
-                    Some(PairState::Failed {
-                        attempt, next_try, ..
-                    }) if *next_try <= now => attempt + 1,
-                    Some(_) => continue,
-                };
-                let runs = runs_of(pf, d);
-                let state = PairState::Warming { attempt };
-                pairs.insert(key.clone(), Pair { state, runs });
-                due.push((pf.clone(), d.clone(), attempt, runs));
-            }
+        if forget_stale(&mut pairs, &pools) {
+            routing_changed();
         }
-    }
+        let due = due_pairs(&mut pairs, &pools);
+        (due, next_due(&pairs))
+    };
     let started = due
         .iter()
         .map(|(pf, d, _, _)| (pf.url.clone(), d.url.clone()))
         .collect();
-    for (pf, d, attempt, runs) in due {
-        let p = p.clone();
-        tokio::spawn(async move {
-            tracing::info!(
-                "warming up the KV path of pair {} -> {} (attempt {attempt}): one small request through both legs before routing uses it",
-                pf.url,
-                d.url
-            );
-            let t0 = Instant::now();
-            let result = tokio::time::timeout(WARM_TIMEOUT, warm(&p, &pf, &d))
-                .await
-                .unwrap_or_else(|_| Err(format!("no answer within {} s", WARM_TIMEOUT.as_secs())));
-            let took = t0.elapsed();
-            let key = (pf.url.clone(), d.url.clone());
-            let mut pairs = p.warmup.lock();
-            // Forgotten meanwhile (an instance left or ran anew): nothing to record.
-            if !pairs.get(&key).is_some_and(|pair| {
-                matches!(pair.state, PairState::Warming { .. }) && pair.runs == runs
-            }) {
-                return;
-            }
-            match result {
-                Ok(()) => {
-                    tracing::info!(
-                        "KV path of pair {} -> {} warmed in {:.1} s: the pair enters routing",
-                        pf.url,
-                        d.url,
-                        took.as_secs_f64()
-                    );
-                    let state = PairState::Ready { took };
-                    pairs.insert(key, Pair { state, runs });
-                }
-                Err(why) => {
-                    let wait = backoff(attempt);
-                    tracing::warn!(
-                        "warm-up of pair {} -> {} failed after {:.1} s ({why}): the pair stays out of routing; next try in {:.0} s",
-                        pf.url,
-                        d.url,
-                        took.as_secs_f64(),
-                        wait.as_secs_f64()
-                    );
-                    let next_try = Instant::now() + wait;
-                    let state = PairState::Failed {
-                        why,
-                        attempt,
-                        next_try,
-                    };
-                    pairs.insert(key, Pair { state, runs });
-                }
-            }
-        });
+    for pair in due {
+        tokio::spawn(warm_pair(p.clone(), pair));
     }
-    started
+    (started, next)
+}
+
+/// Drops the pairs of which an instance left or runs anew; true when one was dropped.
+fn forget_stale(pairs: &mut HashMap<Key, Pair>, pools: &Pools) -> bool {
+    let by_url = |leg| -> HashMap<&str, &Arc<Instance>> {
+        pools.of(leg).iter().map(|i| (i.url.as_str(), i)).collect()
+    };
+    let (prefills, decodes) = (by_url(Leg::Prefill), by_url(Leg::Decode));
+    let before = pairs.len();
+    pairs.retain(|(pu, du), pair| {
+        let (Some(pf), Some(d)) = (prefills.get(pu.as_str()), decodes.get(du.as_str())) else {
+            return false;
+        };
+        let same = pair.runs == runs_of(pf, d);
+        if !same && matches!(pair.state, PairState::Ready { .. }) {
+            tracing::info!(
+                "pair {pu} -> {du} leaves routing until warmed again: an engine of it runs anew (restarted), and its KV handshake went with the old run"
+            );
+        }
+        same
+    });
+    pairs.len() != before
+}
+
+/// Marks warming, and returns, the pairs of usable instances that have no state yet or
+/// whose failed warm-up is due again.
+fn due_pairs(pairs: &mut HashMap<Key, Pair>, pools: &Pools) -> Vec<Due> {
+    let usable = |leg| pools.of(leg).iter().filter(|i| i.is_usable());
+    let now = Instant::now();
+    let mut due = Vec::new();
+    for pf in usable(Leg::Prefill) {
+        for d in usable(Leg::Decode) {
+            let key = (pf.url.clone(), d.url.clone());
+            let attempt = match pairs.get(&key).map(|pair| &pair.state) {
+                None => 1,
+                Some(PairState::Failed {
+                    attempt, next_try, ..
+                }) if *next_try <= now => attempt + 1,
+                Some(_) => continue,
+            };
+            let runs = runs_of(pf, d);
+            let state = PairState::Warming { attempt };
+            pairs.insert(key, Pair { state, runs });
+            due.push((pf.clone(), d.clone(), attempt, runs));
+        }
+    }
+    due
+}
+
+/// When the first failed pair is due for its next warm-up.
+fn next_due(pairs: &HashMap<Key, Pair>) -> Option<Instant> {
+    pairs
+        .values()
+        .filter_map(|pair| match pair.state {
+            PairState::Failed { next_try, .. } => Some(next_try),
+            _ => None,
+        })
+        .min()
+}
+
+/// Warms one pair once its turn comes ([`WARM_AT_ONCE`] at once) and records the result.
+async fn warm_pair(p: Arc<Proxy>, (pf, d, attempt, runs): Due) {
+    let Ok(_turn) = p.warmup.at_once.acquire().await else {
+        return;
+    };
+    tracing::info!(
+        "warming up the KV path of pair {} -> {} (attempt {attempt}): one small request through both legs before routing uses it",
+        pf.url,
+        d.url
+    );
+    let t0 = Instant::now();
+    let result = tokio::time::timeout(WARM_TIMEOUT, warm(&p, &pf, &d))
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {} s", WARM_TIMEOUT.as_secs())));
+    record(&p.warmup, &pf, &d, attempt, runs, result, t0.elapsed());
+}
+
+/// Stores a warm-up's result as its pair's state (unless the pair was forgotten or
+/// warmed anew meanwhile) and tells routing.
+fn record(
+    w: &Warmup,
+    pf: &Instance,
+    d: &Instance,
+    attempt: u32,
+    runs: Runs,
+    result: Result<(), String>,
+    took: Duration,
+) {
+    let key = (pf.url.clone(), d.url.clone());
+    let mut pairs = w.lock();
+    // Forgotten meanwhile (an instance left or ran anew): nothing to record.
+    if !pairs
+        .get(&key)
+        .is_some_and(|pair| matches!(pair.state, PairState::Warming { .. }) && pair.runs == runs)
+    {
+        return;
+    }
+    let state = match result {
+        Ok(()) => {
+            pairs.insert(
+                key.clone(),
+                Pair {
+                    state: PairState::Ready { took },
+                    runs,
+                },
+            );
+            let progress = w.progress(&pairs).map(|s| format!(" ({s})"));
+            tracing::info!(
+                "KV path of pair {} -> {} warmed in {:.1} s: the pair enters routing{}",
+                pf.url,
+                d.url,
+                took.as_secs_f64(),
+                progress.unwrap_or_default()
+            );
+            PairState::Ready { took }
+        }
+        Err(why) => {
+            let wait = backoff(attempt);
+            tracing::warn!(
+                "warm-up of pair {} -> {} failed after {:.1} s ({why}): the pair stays out of routing; next try in {:.0} s",
+                pf.url,
+                d.url,
+                took.as_secs_f64(),
+                wait.as_secs_f64()
+            );
+            let next_try = Instant::now() + wait;
+            PairState::Failed {
+                why,
+                attempt,
+                next_try,
+            }
+        }
+    };
+    pairs.insert(key, Pair { state, runs });
+    drop(pairs);
+    routing_changed();
 }
 
 /// The wait after the `attempt`-th failed warm-up.
@@ -527,6 +748,121 @@ mod tests {
         Arc::new(Instance::new(leg, 0, parse_endpoint(addr).unwrap(), None))
     }
 
+    fn inst_at(leg: Leg, index: usize, addr: &str) -> Arc<Instance> {
+        Arc::new(Instance::new(
+            leg,
+            index,
+            parse_endpoint(addr).unwrap(),
+            None,
+        ))
+    }
+
+    fn pools_of(prefill: &[&Arc<Instance>], decode: &[&Arc<Instance>]) -> LivePools {
+        let own = |v: &[&Arc<Instance>]| v.iter().map(|i| Arc::clone(i)).collect();
+        LivePools::new(Pools {
+            prefill: own(prefill),
+            decode: own(decode),
+        })
+    }
+
+    fn urls(list: &[Arc<Instance>]) -> Vec<&str> {
+        list.iter().map(|i| i.url.as_str()).collect()
+    }
+
+    #[test]
+    fn the_ready_index_follows_warm_ups_usability_and_new_runs() {
+        let w = Warmup::new(true, Duration::from_secs(180));
+        let (p0, p1) = (
+            inst_at(Leg::Prefill, 0, "p:1"),
+            inst_at(Leg::Prefill, 1, "p:2"),
+        );
+        let (d0, d1) = (
+            inst_at(Leg::Decode, 0, "d:1"),
+            inst_at(Leg::Decode, 1, "d:2"),
+        );
+        let pools = pools_of(&[&p0, &p1], &[&d0, &d1]);
+        assert_eq!(urls(w.ready(&pools).usable(Leg::Decode)).len(), 2);
+        assert!(
+            w.ready(&pools).paired(Leg::Prefill).is_empty(),
+            "none warmed"
+        );
+        w.mark_ready(&p0, &d0);
+        let index = w.ready(&pools);
+        assert_eq!(urls(index.paired(Leg::Prefill)), ["http://p:1"]);
+        assert_eq!(urls(index.paired(Leg::Decode)), ["http://d:1"]);
+        assert_eq!(urls(index.partners_of(&p0)), ["http://d:1"]);
+        assert!(index.partners_of(&p1).is_empty());
+        drop(index);
+        w.mark_ready(&p0, &d1);
+        w.mark_ready(&p1, &d0);
+        let index = w.ready(&pools);
+        assert_eq!(urls(index.partners_of(&p0)), ["http://d:1", "http://d:2"]);
+        assert_eq!(
+            urls(index.paired(Leg::Prefill)),
+            ["http://p:1", "http://p:2"]
+        );
+        drop(index);
+        // A drained (out of rotation) decode drops out, and so does a prefill whose only
+        // warmed partner it was.
+        d0.set_usable(false);
+        let index = w.ready(&pools);
+        assert_eq!(urls(index.usable(Leg::Decode)), ["http://d:2"]);
+        assert_eq!(urls(index.paired(Leg::Prefill)), ["http://p:1"]);
+        assert!(index.partners_of(&p1).is_empty());
+        assert_eq!(urls(index.partners_of(&p0)), ["http://d:2"]);
+        drop(index);
+        d0.set_usable(true);
+        assert_eq!(urls(w.ready(&pools).partners_of(&p1)), ["http://d:1"]);
+        // A restarted prefill has no handshake left: its pairs are not ready.
+        p0.run.ended();
+        let index = w.ready(&pools);
+        assert_eq!(urls(index.paired(Leg::Prefill)), ["http://p:2"]);
+        assert_eq!(urls(index.paired(Leg::Decode)), ["http://d:1"]);
+        assert!(index.partners_of(&d1).is_empty());
+        drop(index);
+        // A pair whose warm-up failed is out too.
+        put(
+            &w,
+            &(p1.url.clone(), d0.url.clone()),
+            PairState::Failed {
+                why: "handshake timed out".into(),
+                attempt: 1,
+                next_try: Instant::now(),
+            },
+        );
+        assert!(w.ready(&pools).paired(Leg::Decode).is_empty());
+        // Without warm-ups every usable instance is paired.
+        let none = Warmup::new(false, Duration::ZERO);
+        assert_eq!(urls(none.ready(&pools).paired(Leg::Decode)).len(), 2);
+    }
+
+    #[test]
+    fn a_pair_of_an_instance_that_left_is_forgotten() {
+        let (p0, d0) = (
+            inst_at(Leg::Prefill, 0, "p:1"),
+            inst_at(Leg::Decode, 0, "d:1"),
+        );
+        let d1 = inst_at(Leg::Decode, 1, "d:2");
+        let pools = pools_of(&[&p0], &[&d0, &d1]);
+        let w = Warmup::new(true, Duration::from_secs(180));
+        w.mark_ready(&p0, &d0);
+        w.mark_ready(&p0, &d1);
+        pools.update(Leg::Decode, |now| now[1..].to_vec());
+        assert!(forget_stale(&mut w.lock(), &pools.snapshot()));
+        assert_eq!(urls(w.ready(&pools).partners_of(&p0)), ["http://d:2"]);
+        assert!(
+            !forget_stale(&mut w.lock(), &pools.snapshot()),
+            "nothing more"
+        );
+        // Due: the usable pairs with no state, once each.
+        let due = due_pairs(&mut w.lock(), &pools.snapshot());
+        assert!(due.is_empty(), "both pairs are known");
+        let pools = pools_of(&[&p0], &[&d0, &d1]);
+        let due = due_pairs(&mut w.lock(), &pools.snapshot());
+        assert_eq!(due.len(), 1);
+        assert_eq!(due[0].1.url, "http://d:1");
+    }
+
     /// Sets a pair's state as warmed with the engines' first runs.
     fn put(w: &Warmup, key: &Key, state: PairState) {
         w.lock().insert(
@@ -536,6 +872,7 @@ mod tests {
                 runs: (0, 0),
             },
         );
+        routing_changed();
     }
 
     #[test]
@@ -594,8 +931,9 @@ mod tests {
         let w = Warmup::new(true, Duration::from_secs(180));
         let p = inst(Leg::Prefill, "10.0.0.1:1");
         let d = inst(Leg::Decode, "10.0.0.2:2");
+        let pools = pools_of(&[&p], &[&d]);
         assert!(!w.pair_ready(&p, &d), "unknown: not ready");
-        assert!(!w.in_a_ready_pair(&d, std::slice::from_ref(&p)));
+        assert!(w.ready(&pools).paired(Leg::Decode).is_empty());
         put(
             &w,
             &(p.url.clone(), d.url.clone()),
@@ -619,8 +957,8 @@ mod tests {
             },
         );
         assert!(w.pair_ready(&p, &d));
-        assert!(w.in_a_ready_pair(&d, std::slice::from_ref(&p)));
-        assert!(w.in_a_ready_pair(&p, std::slice::from_ref(&d)));
+        assert_eq!(urls(w.ready(&pools).paired(Leg::Decode)), [d.url.as_str()]);
+        assert_eq!(urls(w.ready(&pools).paired(Leg::Prefill)), [p.url.as_str()]);
         assert!(!w.pending());
         assert_eq!(w.views()[0].state, "ready");
         d.set_usable(false);
