@@ -153,6 +153,31 @@ fn event(out: &mut Vec<u8>, value: &impl Serialize) {
 }
 
 /// The events of one step: a chunk per choice that has new text or just finished.
+/// A chat stream's opening chunk for choice `index`: the assistant's role, no text (with
+/// the prompt's ids when they are asked for).
+fn role_chunk(
+    out: &mut Vec<u8>,
+    job: &Job,
+    index: u32,
+    with_ids: bool,
+    prompt_ids: Option<&[u32]>,
+) {
+    let role = ChatChunkChoice {
+        index,
+        delta: ChatDelta {
+            role: Some("assistant"),
+            content: Some(""),
+        },
+        logprobs: None,
+        finish_reason: None,
+        stop_reason: None,
+        token_ids: with_ids.then_some(&[][..]),
+    };
+    let mut env = envelope(job, object(Endpoint::Chat), vec![role], None);
+    env.prompt_token_ids = prompt_ids;
+    event(out, &env);
+}
+
 fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
     let mut out = Vec::with_capacity(256 * job.seqs.len());
     let endpoint = job.req.endpoint;
@@ -171,20 +196,7 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
             .then(|| job.req.prompts.get((index / n) as usize).map(Vec::as_slice))
             .flatten();
         if endpoint == Endpoint::Chat && first {
-            let role = ChatChunkChoice {
-                index,
-                delta: ChatDelta {
-                    role: Some("assistant"),
-                    content: Some(""),
-                },
-                logprobs: None,
-                finish_reason: None,
-                stop_reason: None,
-                token_ids: with_ids.then_some(&[][..]),
-            };
-            let mut env = envelope(job, object(endpoint), vec![role], no_usage);
-            env.prompt_token_ids = prompt_ids;
-            event(&mut out, &env);
+            role_chunk(&mut out, job, index, with_ids, prompt_ids);
         }
         let range = s.take_delta(hold);
         if range.is_empty() && finish_reason.is_none() {
