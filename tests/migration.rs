@@ -405,6 +405,12 @@ async fn whole_answers_with_a_kill(cluster: &Cluster, url: &str, n: usize) -> Ve
         .build()
         .unwrap();
     let route = url.rsplit("/v1").next().unwrap_or_default().to_string();
+    let report = cluster.status(&[]).expect("the cluster is up");
+    let decode0 = suph::svc(&report, "decode-0");
+    let base0 = decode0.url.clone().expect("decode-0 has its URL");
+    // The counter is cumulative: what decode-0 made before (the reference answers) is not
+    // these answers being written, and a kill before their first byte is no migration.
+    let before = metric_sum(&base0, "vllm:generation_tokens_total").await;
     let running: Vec<_> = (0..n)
         .map(|i| {
             let body = whole_body(&route, i);
@@ -416,13 +422,10 @@ async fn whole_answers_with_a_kill(cluster: &Cluster, url: &str, n: usize) -> Ve
             })
         })
         .collect();
-    let report = cluster.status(&[]).expect("the cluster is up");
-    let decode0 = suph::svc(&report, "decode-0");
-    let base0 = decode0.url.clone().expect("decode-0 has its URL");
     let going = async {
         for _ in 0..600 {
             let on0 = metric_sum(&base0, "vllm:num_requests_running").await;
-            let made = metric_sum(&base0, "vllm:generation_tokens_total").await;
+            let made = metric_sum(&base0, "vllm:generation_tokens_total").await - before;
             if on0 >= 1.0 && made >= 20.0 * on0 {
                 return true;
             }

@@ -272,13 +272,18 @@ impl Job {
             pause(self.sim.step_time()).await;
         }
         let bs = self.sim.args.model_params.block_size.max(1);
-        let mut new_blocks = 0;
+        let (mut new_blocks, mut made) = (0, 0u64);
         for s in self.seqs.iter_mut().filter(|s| s.finish.is_none()) {
+            let before = s.generated;
             s.advance(&self.req, self.max_stop_len);
+            made += u64::from(s.generated - before);
             if (s.prompt_len + s.generated) % bs == 1 {
                 new_blocks += 1;
             }
         }
+        // As vLLM, whose counter grows with every step, not once a request ends: a watcher
+        // sees a long answer being written.
+        self.sim.metrics.generation_tokens.fetch_add(made, Relaxed);
         if let Some(g) = &mut self.guard {
             g.add_blocks(new_blocks);
         }
@@ -295,8 +300,6 @@ impl Job {
     pub fn finish(&mut self) -> Option<serde_json::Value> {
         let sim = self.sim.clone();
         let m = &sim.metrics;
-        let generated: u64 = self.seqs.iter().map(|s| u64::from(s.generated)).sum();
-        m.generation_tokens.fetch_add(generated, Relaxed);
         for s in &self.seqs {
             m.finished(s.finish.unwrap_or(Finish::Length));
         }
