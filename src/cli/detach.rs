@@ -112,6 +112,8 @@ pub async fn wait_for_start(
     let last_line = |name: &str| last_line(&state.log_path(name));
     let clock = crate::stall_clock::clock();
     let mut silence = Silence::new(Instant::now());
+    // The start-up change last said to be waited for (each is said once).
+    let mut waited_for: Option<String> = None;
     loop {
         if let Ok(Some(status)) = child.try_wait() {
             let tail = history(&state.supervisor_log_path(), Some(15)).join("\n    ");
@@ -145,10 +147,21 @@ pub async fn wait_for_start(
             let rows = supervisor::progress_rows(&report, plan, &last_line);
             renderer.draw(&mut std::io::stdout().lock(), &rows);
             match supervisor::startup_verdict(&report) {
-                Some(StartupEnd::AllHealthy) => {
-                    say_up(&report, plan, child.id()).await;
-                    return 0;
-                }
+                Some(StartupEnd::AllHealthy) => match startup_change(&report) {
+                    Some(change) => {
+                        if waited_for.as_deref() != Some(change.what.as_str()) {
+                            eprintln!(
+                                "waiting for the start-up change: {} ({})",
+                                change.what, change.step
+                            );
+                            waited_for = Some(change.what.clone());
+                        }
+                    }
+                    None => {
+                        say_up(&report, plan, child.id()).await;
+                        return 0;
+                    }
+                },
                 Some(StartupEnd::Failed(failed)) => {
                     for f in failed {
                         eprintln!("{}", failure_of(state, &f.name, &f.why, f.error.as_deref()));
@@ -169,6 +182,15 @@ pub async fn wait_for_start(
 
 /// The cluster is up: its status table (with the dashboard's line on the head) and what
 /// keeps it running (the detached supervisor, pid `pid`).
+/// The change the new supervisor is doing at its start (on the head: reconciling the other
+/// nodes with the plan, or taking up one its predecessor left half done), if one runs.
+/// `up` returns after it: a `scale` or `restart` typed next would be refused while it runs.
+fn startup_change(
+    report: &crate::control::StatusReport,
+) -> Option<&crate::control::operation::OperationReport> {
+    report.operation.as_deref().filter(|op| op.running())
+}
+
 async fn say_up(report: &crate::control::StatusReport, plan: &Plan, pid: u32) {
     let line = match report.node == plan.head_node {
         true => super::dashboard::line(plan).await,
@@ -220,6 +242,39 @@ pub fn last_line(path: &Path) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn up_waits_for_a_start_up_change_that_runs_and_not_for_one_that_ended() {
+        use crate::control::operation::{OperationReport, Outcome};
+        let mut report: crate::control::StatusReport = serde_json::from_value(
+            serde_json::json!({"cluster": "c", "node": "head", "services": []}),
+        )
+        .unwrap();
+        assert!(
+            startup_change(&report).is_none(),
+            "no change: nothing to wait for"
+        );
+        let mut op = OperationReport {
+            what: "reconcile the other nodes with the plan".into(),
+            started_ms: 1,
+            step: "node worker".into(),
+            outcome: None,
+            interrupted: None,
+        };
+        report.operation = Some(Box::new(op.clone()));
+        let running = startup_change(&report).map(|o| o.what.clone());
+        assert_eq!(running.as_deref(), Some(op.what.as_str()));
+        op.outcome = Some(Outcome {
+            code: 0,
+            message: "done".into(),
+            ended_ms: 2,
+        });
+        report.operation = Some(Box::new(op));
+        assert!(
+            startup_change(&report).is_none(),
+            "an ended change is not waited for"
+        );
+    }
 
     #[test]
     fn a_silence_that_was_a_freeze_of_this_process_too_is_not_counted() {

@@ -31,6 +31,18 @@ impl Nodes {
         self.others.keys()
     }
 
+    /// Whether `node` has never joined the cluster: its channel is mutually authenticated
+    /// and the head's book holds no certificate of it. Nothing of the cluster can run
+    /// there, and no supervisor there could answer: a change has nothing to ask it.
+    pub fn never_joined(&self, node: &str) -> bool {
+        match self.others.get(node) {
+            Some(Endpoint::Tcp { tls, .. }) => {
+                tls.accepted().is_some_and(|a| !a.contains_key(node))
+            }
+            _ => false,
+        }
+    }
+
     fn endpoint(&self, node: &str) -> anyhow::Result<&Endpoint> {
         if node == self.here {
             return Ok(&self.local);

@@ -163,6 +163,12 @@ pub async fn reconcile(inner: &Inner, progress: &Progress) -> anyhow::Result<Vec
     let mut lines = Vec::new();
     let others: Vec<String> = inner.nodes.others().cloned().collect();
     for node in others {
+        if inner.nodes.never_joined(&node) {
+            // It takes the plan from the head when it joins: nothing to bring in line, and
+            // nothing done to show.
+            tracing::info!("node {node} has not joined the cluster: nothing to reconcile there");
+            continue;
+        }
         progress.step(&format!("reconciling node {node}"));
         let report = match inner.nodes.status(&node, NODE_PATIENCE).await {
             Ok(r) => r,
