@@ -581,6 +581,25 @@ impl JoinPair {
         assert!(suph::all_healthy(&r), "{r:?}");
     }
 
+    /// What both supervisors logged of renewals, with the time of each line: how a failed
+    /// wait for one shows where it went.
+    fn renewal_log(&self) -> String {
+        let lines = |dir: std::path::PathBuf| {
+            let log = pdctl::supervisor::StateDir::new(dir).supervisor_log_path();
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let picked: Vec<&str> = text
+                .lines()
+                .filter(|l| l.contains("renew") || l.contains("answer"))
+                .collect();
+            picked.join("\n")
+        };
+        format!(
+            "head:\n{}\nworker:\n{}",
+            lines(self.head_state()),
+            lines(self.worker_state())
+        )
+    }
+
     /// The head's book of certificates and tokens.
     fn book(&self) -> pdctl::control::tls::Book {
         pdctl::control::tls::Book::read(&self.head_state().join(TLS_DIR)).unwrap()
@@ -957,7 +976,11 @@ fn a_renewal_whose_answer_is_lost_is_asked_again_and_the_node_stays_in_the_clust
     let answered = common::wait_until(Duration::from_secs(30), || {
         c.book().issued["worker"].pending.is_some()
     });
-    assert!(answered, "the head answered no renewal");
+    assert!(
+        answered,
+        "the head answered no renewal:\n{}",
+        c.renewal_log()
+    );
     let lost_at = std::time::Instant::now();
     let pending = c.book().issued["worker"].pending.clone().unwrap();
     // A lost answer, not a slow one: nothing installed, nothing confirmed, seconds later
@@ -982,8 +1005,9 @@ fn a_renewal_whose_answer_is_lost_is_asked_again_and_the_node_stays_in_the_clust
     });
     assert!(renewed, "the worker never renewed after the lost answer");
     eprintln!(
-        "the worker renewed {:.1} s after its first answer was lost",
-        lost_at.elapsed().as_secs_f64()
+        "the worker renewed {:.1} s after its first answer was lost\n{}",
+        lost_at.elapsed().as_secs_f64(),
+        c.renewal_log()
     );
     let issued = c.book().issued["worker"].clone();
     assert_eq!(
