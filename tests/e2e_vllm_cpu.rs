@@ -130,17 +130,28 @@ const MOONCAKE_STORE_HTTP: Case = Case {
 /// decode's (`batch_transfer_sync_write`), counting them as transfers in its own log, as
 /// NIXL's push mode does. No etcd or mooncake_master. vLLM 0.32's connector asks torch
 /// for a CUDA device when it starts, so the engines run a vLLM with that line guarded.
+/// Its misses are made by holding a decode leg past prefill's hold on the blocks
+/// ([`MOONCAKE_EXPIRY_S`]); decode then recomputes (`kv_load_failure_policy`, whose
+/// default in vLLM 0.32 fails the request instead).
 const MOONCAKE: Case = Case {
     name: "mooncake",
-    connector: "kind = \"mooncake\"\ntransport = \"tcp\"\n",
+    connector: "kind = \"mooncake\"\ntransport = \"tcp\"\nkv_load_failure_policy = \"recompute\"\n",
     programs: &[],
     support: &[],
     handoff_guaranteed: true,
     log_of: "prefill-0",
     log_proof: "KV Transfer metrics: Num successful transfers>0, Num failed transfers=0",
-    real_misses: 0,
+    real_misses: 2,
     patched: true,
 };
+
+/// How long the mooncake case's prefill holds a request's blocks for its decode
+/// (`VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`, 480 s by default): a decode leg held longer
+/// finds them freed (mooncake_connector.py frees them in `get_finished`, "timed out after
+/// N seconds without being sent"), and prefill answers its pull, after as long again,
+/// "Timeout waiting for P side ready". Short, so a miss costs the test seconds; long
+/// enough for every healthy leg, which the case sends one at a time.
+const MOONCAKE_EXPIRY_S: u64 = 5;
 
 #[test]
 #[ignore = "needs vLLM's CPU build with mooncake-transfer-engine and ~9 GB of RAM: run scripts/e2e-vllm-cpu.sh"]
@@ -629,13 +640,23 @@ async fn decode_gauge(http: &reqwest::Client, base: &str, name: &str) -> f64 {
     metric_sum(&text, name, "").unwrap_or(0.0)
 }
 
+/// How the test takes a waiting decode leg's KV away.
+enum Spoil {
+    /// The ExampleConnector's: deletes the prompt's KV files prefill stored in this
+    /// directory.
+    Files(PathBuf),
+    /// MooncakeConnector's: waits until prefill has freed the blocks it held for decode.
+    Expiry(Duration),
+}
+
 /// Makes `case.real_misses` KV handoffs truly fail and checks the proxy names and counts
 /// exactly those. For each: a long request sent straight to decode keeps it busy (it runs
-/// one request at a time in this case); a proxied request's prefill answers, having stored
-/// the prompt's KV files, and its decode leg waits behind the long one; the test deletes
-/// those files, then cancels the long request; decode finds nothing to load and computes
-/// the whole prompt. The long request itself reached decode without the proxy and must not
-/// count. `counted_before`: the proxy's misses before. Returns what the proxy said.
+/// one request at a time in this case); a proxied request's prefill answers, holding the
+/// prompt's KV, and its decode leg waits behind the long one; the test takes that KV
+/// away ([`Spoil`]), then cancels the long request; decode finds nothing to load and
+/// computes the whole prompt. The long request itself reached decode without the proxy
+/// and must not count. `counted_before`: the proxy's misses before. Returns what the proxy
+/// said.
 #[allow(clippy::too_many_arguments)]
 async fn real_misses(
     guard: &Running,
@@ -647,12 +668,20 @@ async fn real_misses(
     decode: &str,
     counted_before: f64,
 ) -> Value {
-    let dir = shared_dir(plan).expect("the ExampleConnector's shared_storage_path in the plan");
+    let spoil = match shared_dir(plan) {
+        Some(dir) => Spoil::Files(dir),
+        None if case.name == MOONCAKE.name => {
+            Spoil::Expiry(Duration::from_secs(MOONCAKE_EXPIRY_S + 2))
+        }
+        None => panic!("{}: the test cannot take a handoff's KV away", case.name),
+    };
     let mut made = Vec::new();
     for i in 0..case.real_misses {
         // Busy: a long stream straight to decode, first chunk in hand.
+        // Long enough to outlast MOONCAKE_EXPIRY_S and the wait after it at the decode's
+        // pace here (30-200 tokens/s): the tiny model's EOS would end it at any moment.
         let blocker = json!({"model": "tiny-llama", "prompt": format!("hold decode {i}"),
-            "max_tokens": 1500, "temperature": 0, "stream": true});
+            "max_tokens": 2000, "ignore_eos": true, "temperature": 0, "stream": true});
         let mut long = http
             .post(format!("{decode}/v1/completions"))
             .json(&blocker)
@@ -661,7 +690,10 @@ async fn real_misses(
             .unwrap_or_else(|e| panic!("POST {decode}: {e}"));
         assert_eq!(long.status(), 200, "the long request to decode failed");
         long.chunk().await.expect("the long request's first chunk");
-        let stored_before = subdirs(&dir);
+        let stored_before = match &spoil {
+            Spoil::Files(dir) => subdirs(dir),
+            Spoil::Expiry(_) => Default::default(),
+        };
         let body = request_body("/v1/completions", &prompt(case.name, "miss", i), 16, false);
         let external_before = external_kv_tokens(http, decode).await;
         let sent = {
@@ -686,14 +718,27 @@ async fn real_misses(
             1.0,
             "miss {i}: the long request no longer runs on decode"
         );
-        let stored: Vec<PathBuf> = subdirs(&dir).difference(&stored_before).cloned().collect();
-        assert_eq!(
-            stored.len(),
-            1,
-            "miss {i}: prefill should have stored one prompt's KV in {}: {stored:?}",
-            dir.display()
-        );
-        std::fs::remove_dir_all(&stored[0]).unwrap();
+        match &spoil {
+            Spoil::Files(dir) => {
+                let stored: Vec<PathBuf> =
+                    subdirs(dir).difference(&stored_before).cloned().collect();
+                assert_eq!(
+                    stored.len(),
+                    1,
+                    "miss {i}: prefill should have stored one prompt's KV in {}: {stored:?}",
+                    dir.display()
+                );
+                std::fs::remove_dir_all(&stored[0]).unwrap();
+            }
+            Spoil::Expiry(hold) => {
+                tokio::time::sleep(*hold).await;
+                assert_eq!(
+                    decode_gauge(http, decode, "vllm:num_requests_running").await,
+                    1.0,
+                    "miss {i}: the long request ended before prefill freed the blocks"
+                );
+            }
+        }
         drop(long); // cancels the long request: decode takes the proxied leg now
         let resp = sent.await.unwrap().expect("the proxied request");
         assert_eq!(resp.status(), 200, "miss {i}: the proxied request failed");
@@ -706,11 +751,29 @@ async fn real_misses(
         let answer: Value = resp.json().await.unwrap();
         let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap();
         let text = answer["choices"][0]["text"].as_str().unwrap().to_string();
-        assert_eq!(
-            external_kv_tokens(http, decode).await - external_before,
-            0.0,
-            "miss {i}: decode still loaded KV: the handoff did not fail"
-        );
+        match &spoil {
+            Spoil::Files(_) => assert_eq!(
+                external_kv_tokens(http, decode).await - external_before,
+                0.0,
+                "miss {i}: decode still loaded KV: the handoff did not fail"
+            ),
+            // vLLM 0.32 counts the tokens a connector promised as external_kv_transfer
+            // when it schedules the load (scheduler.py), and its recovery from a failed
+            // load does not take them back: decode's own log says it recomputed.
+            Spoil::Expiry(_) => {
+                let recovered = || log_count(guard, "decode-0", "Recovered from KV load failure");
+                // The supervisor copies the engine's output into its log a moment later.
+                let end = Instant::now() + Duration::from_secs(30);
+                while recovered() <= i && Instant::now() < end {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                let said = recovered();
+                assert!(
+                    said > i,
+                    "miss {i}: decode's log says {said} loads failed and were recomputed"
+                );
+            }
+        }
         let direct = send(http, &format!("{prefill}/v1/completions"), &body).await;
         assert_eq!(
             text, direct.text,
@@ -759,6 +822,15 @@ async fn real_misses(
             .map(|(id, n)| json!({"request_id": id, "prompt_tokens": n}))
             .collect::<Vec<_>>()
     )
+}
+
+/// How many lines of `service`'s log (its last 5,000) hold `needle`.
+fn log_count(guard: &Running, service: &str, needle: &str) -> usize {
+    let out = run(pdctl_in(guard, &["logs", service, "-n", "5000"]), 30);
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains(needle))
+        .count()
 }
 
 /// The proxy's log once it has a `KV handoff missed` line for each of `ids` (the proxy
@@ -1009,6 +1081,17 @@ fn topology(case: &Case, cluster: &str, model: &Path, ports: &[u16]) -> String {
             "args".into(),
             toml::Value::Array(vec!["--max-num-seqs".into(), "1".into()]),
         );
+    }
+    if case.name == MOONCAKE.name {
+        let mut env = toml::Table::new();
+        env.insert(
+            "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT".into(),
+            MOONCAKE_EXPIRY_S.to_string().into(),
+        );
+        t["prefill"]
+            .as_table_mut()
+            .unwrap()
+            .insert("env".into(), env.into());
     }
     let table = |pairs: &[(&str, u16)]| -> toml::Value {
         let mut m = toml::Table::new();
