@@ -3,7 +3,7 @@
 
 use super::{TlsError, cert_hash, make_dir, now_s, read_text, write_private};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 /// The head's book of certificates issued and join tokens made (mode 0600).
@@ -251,25 +251,37 @@ impl Book {
         }
     }
 
-    /// The certificate accepted of each node, as the head tells the nodes; one that a
-    /// node came by with a join token or a renewal before `started_s` (the start of the
-    /// head's supervisor) is marked for renewal. Nodes started over SSH are given a new
-    /// one at every `up` of the head instead, and the head makes its own again.
-    pub fn accepted(&self, started_s: u64) -> BTreeMap<String, Accepted> {
+    /// The certificate accepted of each node, as the head tells the nodes; one of
+    /// `marked` (the certificates a node came by with a join token or a renewal that the
+    /// book held when the head's supervisor started, [`Book::renewable`]) is marked for
+    /// renewal. Nodes started over SSH are given a new one at every `up` of the head
+    /// instead, and the head makes its own again.
+    pub fn accepted(&self, marked: &BTreeSet<String>) -> BTreeMap<String, Accepted> {
         self.issued
             .iter()
             .map(|(node, i)| {
-                let renewable = i.how == "join" || i.how == RENEWED;
                 let accepted = Accepted {
                     sha256: i.sha256.clone(),
                     serial: i.serial.clone(),
                     not_after_s: i.not_after_s,
                     pending: i.pending.as_ref().map(|p| p.sha256.clone()),
-                    renew: renewable && i.issued_s < started_s,
+                    renew: marked.contains(&i.sha256),
                     rotation: self.head_next.clone().filter(|_| i.how == "head"),
                 };
                 (node.clone(), accepted)
             })
+            .collect()
+    }
+
+    /// The certificates (SHA-256) a node came by with a join token or a renewal: what the
+    /// head's supervisor marks for renewal when it finds them in the book at its start. A
+    /// set, not a time: a node that joined in the same second the supervisor started is
+    /// told to renew exactly when it joined before it.
+    pub fn renewable(&self) -> BTreeSet<String> {
+        self.issued
+            .values()
+            .filter(|i| i.how == "join" || i.how == RENEWED)
+            .map(|i| i.sha256.clone())
             .collect()
     }
 }

@@ -37,8 +37,9 @@ pub struct PeerTls {
     /// Where this node keeps its credentials (a state dir's `tls/`): a renewed
     /// certificate and key are written there before they are used.
     pub(super) creds_dir: Option<PathBuf>,
-    /// When this was made (Unix seconds): on the head, the start of its supervisor.
-    started_s: u64,
+    /// On the head: the certificates of nodes that joined or renewed that its book held
+    /// when this was made (the start of its supervisor), each marked for renewal.
+    renew_at_start: std::collections::BTreeSet<String>,
     /// Elsewhere: the SHA-256 of the certificates the head accepts of each node (its
     /// current one, and a renewed one not used yet), from its last status answer (None
     /// before the first).
@@ -110,6 +111,11 @@ impl PeerTls {
         creds: &NodeCreds,
         authority: Option<ClusterCa>,
     ) -> Result<PeerTls, TlsError> {
+        let renew_at_start = authority
+            .as_ref()
+            .and_then(|ca| Book::read(ca.dir()).ok())
+            .map(|b| b.renewable())
+            .unwrap_or_default();
         Ok(PeerTls {
             cluster: cluster.to_string(),
             node: creds.node.clone(),
@@ -118,7 +124,7 @@ impl PeerTls {
             current: std::sync::RwLock::new(configs(creds)?),
             authority,
             creds_dir: None,
-            started_s: now_s(),
+            renew_at_start,
             vouched: std::sync::RwLock::new(None),
             head_next: std::sync::RwLock::new(None),
             renew_key: std::sync::Mutex::new(None),
@@ -267,7 +273,7 @@ impl PeerTls {
         let ca = self.authority.as_ref()?;
         Book::read(ca.dir())
             .ok()
-            .map(|b| b.accepted(self.started_s))
+            .map(|b| b.accepted(&self.renew_at_start))
     }
 
     /// Elsewhere: takes what the head said it accepts of each node, refusing every other
