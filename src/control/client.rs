@@ -485,6 +485,19 @@ pub async fn join(
             });
         }
     };
+    joined_from(answer, path, token, node, head_cert)
+}
+
+/// The credentials in the head's `answer` to a join, taken only if they are of the CA
+/// `token` pins, for `node`, and name the head certificate the session showed
+/// (`head_cert`); else why not.
+fn joined_from(
+    answer: Response,
+    path: String,
+    token: &JoinToken,
+    node: &str,
+    head_cert: Option<String>,
+) -> Result<Joined, ControlError> {
     match answer {
         Response::Joined { creds, engine_key }
             if creds.ca_hash() == token.ca_hash

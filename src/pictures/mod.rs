@@ -30,9 +30,10 @@ fn drawn(e: impl std::fmt::Display) -> PictureError {
 
 /// `#RRGGBB` as plotters' color (the colors are kept as text so tests and readers can
 /// name the lines by the stroke the SVG gives them).
-fn rgb(hex: &str) -> RGBColor {
-    let byte = |i: usize| u8::from_str_radix(&hex[i..i + 2], 16).unwrap_or(0);
-    RGBColor(byte(1), byte(3), byte(5))
+fn rgb(color: &str) -> RGBColor {
+    let mut bytes = [0u8; 3];
+    let _ = hex::decode_to_slice(color.trim_start_matches('#'), &mut bytes);
+    RGBColor(bytes[0], bytes[1], bytes[2])
 }
 
 /// A "nice" axis end and tick step covering `max`.

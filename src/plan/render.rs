@@ -6,16 +6,12 @@ use super::Plan;
 use crate::vocab::{Probe, RestartMode, Service};
 use std::fmt::Write;
 
-/// Quotes `s` for a POSIX shell when it needs it.
+/// Quotes `s` for a POSIX shell when it needs it (shlex's quoting; a word holding a NUL,
+/// which no shell word can, is shown escaped).
 pub fn shell_quote(s: &str) -> String {
-    let safe = !s.is_empty()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "_@%+=:,./-".contains(c));
-    if safe {
-        s.to_string()
-    } else {
-        format!("'{}'", s.replace('\'', "'\\''"))
-    }
+    shlex::try_quote(s)
+        .map(|q| q.into_owned())
+        .unwrap_or_else(|_| s.escape_debug().to_string())
 }
 
 /// How the printed command sets a variable the supervisor fills with the cluster's
@@ -214,11 +210,22 @@ mod tests {
     fn quotes_only_what_a_shell_would_split() {
         assert_eq!(shell_quote("--port"), "--port");
         assert_eq!(shell_quote("/a/b.json"), "/a/b.json");
-        assert_eq!(
-            shell_quote(r#"{"kv_role":"kv_producer"}"#),
-            r#"'{"kv_role":"kv_producer"}'"#
-        );
-        assert_eq!(shell_quote("it's"), r#"'it'\''s'"#);
-        assert_eq!(shell_quote(""), "''");
+        // What a shell reads back is the word itself, one word.
+        for word in [
+            r#"{"kv_role":"kv_producer"}"#,
+            "it's",
+            "",
+            "a b",
+            "$HOME",
+            "x;y",
+        ] {
+            let quoted = shell_quote(word);
+            assert_ne!(quoted, word, "{word:?} needs quotes");
+            assert_eq!(
+                shlex::split(&quoted),
+                Some(vec![word.to_string()]),
+                "{quoted}"
+            );
+        }
     }
 }

@@ -210,20 +210,7 @@ async fn decode_attempt(
         });
     }
     if !req.decode_streams() {
-        let body = tokio::time::timeout_at(deadline, resp.body.read_all(MAX_ANSWER_BYTES))
-            .await
-            .map_err(timed_out)??;
-        let took = sent.elapsed();
-        let recompute = judgment.judge(usage_in(&body));
-        return Ok((
-            Answer::Full {
-                status: resp.status,
-                content_type: resp.content_type,
-                body,
-                recompute,
-            },
-            Some(took),
-        ));
+        return whole_answer(resp, (limit, raise, deadline), judgment, sent).await;
     }
     let mut rest = resp.body;
     let first = tokio::time::timeout_at(deadline, first_chunk(&mut rest))
@@ -247,6 +234,30 @@ async fn decode_attempt(
                 judgment: Some(judgment),
                 strip_usage,
             },
+        },
+        Some(took),
+    ))
+}
+
+/// A decode leg's answer read whole (nothing of it goes to the client before its end)
+/// by the leg's `deadline`, judged for a silent recompute from its usage.
+async fn whole_answer(
+    resp: h1::Response,
+    (limit, raise, deadline): (Duration, &'static str, Instant),
+    judgment: Judgment,
+    sent: Instant,
+) -> Result<(Answer, Option<Duration>), LegFailure> {
+    let body = tokio::time::timeout_at(deadline, resp.body.read_all(MAX_ANSWER_BYTES))
+        .await
+        .map_err(|_| LegFailure::Timeout { limit, raise })??;
+    let took = sent.elapsed();
+    let recompute = judgment.judge(usage_in(&body));
+    Ok((
+        Answer::Full {
+            status: resp.status,
+            content_type: resp.content_type,
+            body,
+            recompute,
         },
         Some(took),
     ))

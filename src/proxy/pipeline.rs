@@ -444,7 +444,11 @@ fn may_retry(proxy: &Proxy, req: &ClientRequest, rec: &RequestRecord, f: &LegFai
     f.is_retryable() && budget_left(proxy, rec) && Instant::now() < req.deadline
 }
 
-/// Counts and logs a retry, then waits a short, growing backoff.
+/// The wait before a leg is tried again: 25 ms after its first failure, doubling, at most
+/// 400 ms (a request's whole budget is seconds, and another instance is usually at hand).
+const RETRY_BACKOFF: crate::backoff::Backoff =
+    crate::backoff::Backoff::new(Duration::from_millis(25), Duration::from_millis(400));
+
 /// After a leg failed on `inst`: blames the instance, then either waits out the backoff
 /// before the next attempt (Ok) or gives the failure up as the request's error.
 async fn retry_or_give_up(
@@ -478,6 +482,7 @@ fn blame(proxy: &Proxy, leg: Leg, inst: &Instance, f: &LegFailure) {
     }
 }
 
+/// Counts and logs a retry, then waits a short, growing backoff ([`RETRY_BACKOFF`]).
 async fn retrying(
     proxy: &Proxy,
     req: &ClientRequest,
@@ -489,7 +494,7 @@ async fn retrying(
 ) {
     proxy.recorder.retry(leg);
     rec.retries += 1;
-    let backoff = Duration::from_millis(25 << attempt.min(4));
+    let backoff = RETRY_BACKOFF.after(attempt.saturating_add(1));
     tracing::warn!(request_id = %req.id, "{leg} leg failed on {}: {f}; retrying in {backoff:?}", inst.url);
     tokio::time::sleep_until((Instant::now() + backoff).min(req.deadline)).await;
 }

@@ -21,6 +21,7 @@ use super::protocol::{Body, PrefillAnswer};
 use super::recompute::judgment::{Expect, leg_sent};
 use super::recorder::Recorder;
 use super::upstream::MAX_ANSWER_BYTES;
+use crate::backoff::Backoff;
 use arc_swap::{ArcSwap, Guard};
 use serde_json::{Value, json};
 use std::collections::HashMap;
@@ -36,8 +37,7 @@ const TICK: Duration = Duration::from_millis(200);
 /// takes seconds, vLLM gives up on it after its own timeout.
 const WARM_TIMEOUT: Duration = Duration::from_secs(60);
 /// Backoff after a failed warm-up: 1 s, doubling, at most 30 s.
-const BACKOFF_FIRST: Duration = Duration::from_secs(1);
-const BACKOFF_MAX: Duration = Duration::from_secs(30);
+const BACKOFF: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
 /// `/health?warmed` waits for a pair of the first round through this many warm-ups: one
 /// that failed is tried again (a NIXL handshake that timed out on a busy machine works the
 /// next time), a pair whose KV path fails every time does not hold `up` further.
@@ -636,7 +636,7 @@ fn record(
 
 /// The wait after the `attempt`-th failed warm-up.
 fn backoff(attempt: u32) -> Duration {
-    (BACKOFF_FIRST * 2u32.saturating_pow(attempt.saturating_sub(1).min(10))).min(BACKOFF_MAX)
+    BACKOFF.after(attempt)
 }
 
 /// One warm-up of the pair: the protocol's prefill leg, then its decode leg with what the

@@ -325,24 +325,9 @@ async fn serve_one(
         .and_then(|c| c.first())
         .cloned();
     let Some(cert) = peer_cert else {
-        let mut binding = [0u8; 32];
-        let exported = stream.get_ref().1.export_keying_material(
-            &mut binding,
-            crate::control::tls::JOIN_EXPORTER_LABEL,
-            None,
-        );
-        exported.map_err(|e| e.to_string())?;
-        let (read, mut write) = tokio::io::split(stream);
-        let work = join(BufReader::new(read), &mut write, h, tls, &binding);
-        let outcome = tokio::time::timeout(within, work)
-            .await
-            .unwrap_or_else(|_| Err(format!("no join request within {within:?}")));
+        let joined = serve_join(stream, from, h, tls, within).await;
         drop(ticket);
-        return outcome.map(|node| {
-            let line = format!("control channel: node {node} joined from {from}");
-            tracing::info!("{line}");
-            h.ctx.console.event(&line);
-        });
+        return joined;
     };
     let Some(node) = tls.node_of(&cert) else {
         return Err("its certificate names no node of this cluster".into());
@@ -379,6 +364,33 @@ async fn serve_one(
     };
     let (read, write) = tokio::io::split(stream);
     requests(BufReader::new(read), write, h, tls, &peer).await;
+    Ok(())
+}
+
+/// A connection from a client without a certificate, after its handshake: one join,
+/// within `within`, said on the console once done.
+async fn serve_join(
+    stream: tokio_rustls::server::TlsStream<TcpStream>,
+    from: SocketAddr,
+    h: &Handlers,
+    tls: &PeerTls,
+    within: Duration,
+) -> Result<(), String> {
+    let mut binding = [0u8; 32];
+    let exported = stream.get_ref().1.export_keying_material(
+        &mut binding,
+        crate::control::tls::JOIN_EXPORTER_LABEL,
+        None,
+    );
+    exported.map_err(|e| e.to_string())?;
+    let (read, mut write) = tokio::io::split(stream);
+    let work = join(BufReader::new(read), &mut write, h, tls, &binding);
+    let node = tokio::time::timeout(within, work)
+        .await
+        .unwrap_or_else(|_| Err(format!("no join request within {within:?}")))?;
+    let line = format!("control channel: node {node} joined from {from}");
+    tracing::info!("{line}");
+    h.ctx.console.event(&line);
     Ok(())
 }
 
