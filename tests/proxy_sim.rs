@@ -898,3 +898,79 @@ async fn a_restarted_decode_is_warmed_again_before_it_is_routed_to() {
         "no KV handed over"
     );
 }
+
+/// `raw` (an answer's text) with the values of its `id` and `created` members blanked:
+/// what differs between two runs of the same request.
+fn without_run_stamps(raw: &str) -> String {
+    let mut out = raw.to_string();
+    for key in ["\"id\":", "\"created\":"] {
+        let mut from = 0;
+        while let Some(at) = out[from..].find(key).map(|i| from + i + key.len()) {
+            let end = at + out[at..].find([',', '}']).unwrap_or(out.len() - at);
+            out.replace_range(at..end, "_");
+            from = at + 1;
+        }
+    }
+    out
+}
+
+/// The proxy asks decode for token ids and a usage chunk, for itself (to continue a
+/// broken-off stream elsewhere, to judge the KV handoff). A client that asked for neither
+/// gets decode's own stream all the same: every event byte for byte but for its id and
+/// creation time, with the `null` ids decode writes when nobody asked (dropping those
+/// members is a change a strict client sees). A whole answer, which the proxy puts
+/// together from a stream, has decode's text, ends and id members.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_proxy_asks_of_decode_for_itself_is_not_in_the_clients_answer() {
+    let p = start_sim("prefill", "nixl", &[]).await;
+    let d = start_sim("decode", "nixl", &[]).await;
+    let proxy = ProxyProcess::start(&args(&[&p], &[&d], &["--protocol", "nixl"])).await;
+    let chat = |stream: bool| {
+        json!({"model": "sim-model", "max_completion_tokens": 8, "stream": stream,
+            "messages": [{"role": "user", "content": prompt_of(40, "form-chat")}]})
+    };
+    let cases = [
+        ("/v1/completions", completion(&prompt_of(48, "form"), true)),
+        ("/v1/chat/completions", chat(true)),
+        ("/v1/completions", completion(&prompt_of(48, "form"), false)),
+        ("/v1/chat/completions", chat(false)),
+    ];
+    for (path, body) in cases {
+        let through = post(&proxy, path, &body).await.text().await.unwrap();
+        let direct = sim::client()
+            .post(format!("{}{path}", d.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let case = format!("{path}, stream {}", body["stream"]);
+        if body["stream"] == true {
+            assert!(direct.contains("\"token_ids\":null"), "{case}: {direct}");
+            assert_eq!(
+                without_run_stamps(&through),
+                without_run_stamps(&direct),
+                "{case}: through the proxy, then from decode"
+            );
+            continue;
+        }
+        // The members the proxy reads or asks for, whether there and their values.
+        let answer = |raw: &str| {
+            let v: Value = serde_json::from_str(raw).unwrap_or_else(|e| panic!("{e}: {raw}"));
+            let c = &v["choices"][0];
+            let member = |v: &Value, k: &str| v.get(k).cloned();
+            [
+                member(&v, "prompt_token_ids"),
+                member(c, "prompt_token_ids"),
+                member(c, "token_ids"),
+                member(c, "text"),
+                c.get("message").and_then(|m| member(m, "content")),
+                member(c, "finish_reason"),
+                member(c, "stop_reason"),
+            ]
+        };
+        assert_eq!(answer(&through), answer(&direct), "{case}");
+    }
+}

@@ -304,11 +304,15 @@ impl Tracker {
                 v.insert(k.into(), val.clone());
             }
         }
-        v.remove("prompt_token_ids");
+        // The client had the prompt's ids (when it asked) in the first leg's first chunk;
+        // the continuation's prompt is not the client's.
+        null_member(v, "prompt_token_ids");
         if let Some(Value::Array(choices)) = v.get_mut("choices") {
             for c in choices.iter_mut().filter_map(Value::as_object_mut) {
-                c.remove("prompt_token_ids");
+                null_member(c, "prompt_token_ids");
                 if matches!(self.form, Form::ChatViaCompletions { .. }) {
+                    // A chat chunk's choice has no such member.
+                    c.remove("prompt_token_ids");
                     let text = c.remove("text").unwrap_or(json!(""));
                     c.insert("delta".into(), json!({ "content": text }));
                 }
@@ -351,32 +355,31 @@ fn total_usage(u: &mut Map<String, Value>, carried: u32, prompt_len: Option<usiz
     }
 }
 
-/// `data` (one event's JSON) without its `token_ids` and `prompt_token_ids` members (a
-/// flat array of numbers, or null), each with the comma that joined it; `None` when it
-/// has none. The rest is left as the engine wrote it.
+/// `data` (one event's JSON) with the ids of its `token_ids` and `prompt_token_ids`
+/// members (flat arrays of numbers) replaced by `null`, which is how the engine writes
+/// them when they were not asked for (vLLM 0.32 sets both fields on every completion
+/// chunk); `None` when it has no ids. The rest is left as the engine wrote it.
 fn without_ids(data: &str) -> Option<String> {
     let mut out = data.to_string();
     let mut cut_any = false;
     for key in ["\"prompt_token_ids\":", "\"token_ids\":"] {
-        while let Some(at) = find_member(&out, key) {
+        let mut from = 0;
+        while let Some(at) = find_member(&out[from..], key).map(|i| from + i) {
             let value_from = at + key.len();
             let rest = &out[value_from..];
             let lead = rest.len() - rest.trim_start().len();
-            let value_len = match rest.trim_start().as_bytes().first() {
-                Some(b'[') => rest.trim_start().find(']')? + 1,
-                Some(b'n') if rest.trim_start().starts_with("null") => 4,
+            let value = &rest[lead..];
+            let value_len = match value.as_bytes().first() {
+                Some(b'[') => value.find(']')? + 1,
+                Some(b'n') if value.starts_with("null") => 0,
                 _ => return None,
             };
-            let mut end = value_from + lead + value_len;
-            let mut start = at;
-            let before = out[..start].trim_end();
-            if before.ends_with(',') {
-                start = before.len() - 1;
-            } else if out[end..].trim_start().starts_with(',') {
-                end += out[end..].find(',')? + 1;
+            let start = value_from + lead;
+            if value_len > 0 {
+                out.replace_range(start..start + value_len, "null");
+                cut_any = true;
             }
-            out.replace_range(start..end, "");
-            cut_any = true;
+            from = start + 4;
         }
     }
     cut_any.then_some(out)
@@ -396,16 +399,28 @@ fn find_member(text: &str, key: &str) -> Option<usize> {
     None
 }
 
-/// Takes out the token id fields the proxy asked for; whether there were any.
+/// Sets the token id fields the proxy asked for to `null`, as the engine writes them
+/// unasked; whether there were any.
 fn strip_ids(v: &mut Map<String, Value>) -> bool {
-    let mut any = v.remove("prompt_token_ids").is_some();
+    let mut any = null_member(v, "prompt_token_ids");
     if let Some(Value::Array(choices)) = v.get_mut("choices") {
         for c in choices.iter_mut().filter_map(Value::as_object_mut) {
-            any |= c.remove("token_ids").is_some();
-            any |= c.remove("prompt_token_ids").is_some();
+            any |= null_member(c, "token_ids");
+            any |= null_member(c, "prompt_token_ids");
         }
     }
     any
+}
+
+/// Sets member `key` of `v` to `null` if it is there and not null already.
+fn null_member(v: &mut Map<String, Value>, key: &str) -> bool {
+    match v.get_mut(key) {
+        Some(val) if !val.is_null() => {
+            *val = Value::Null;
+            true
+        }
+        _ => false,
+    }
 }
 
 /// Asks decode for the token ids of what it sends (vLLM's `return_token_ids`; an engine
@@ -597,15 +612,17 @@ mod tests {
     }
 
     #[test]
-    fn the_ids_are_cut_out_and_the_rest_stays_as_the_engine_wrote_it() {
+    fn the_ids_are_nulled_as_the_engine_writes_them_unasked_and_the_rest_stays_as_it_was() {
         let ev = r#"{"id":"c","object":"text_completion","choices":[{"index":0,"text":" \"token_ids\": x","logprobs":null,"finish_reason":null,"prompt_token_ids":[1,2],"token_ids":[5, 6]}],"model":"m"}"#;
-        let want = r#"{"id":"c","object":"text_completion","choices":[{"index":0,"text":" \"token_ids\": x","logprobs":null,"finish_reason":null}],"model":"m"}"#;
+        let want = r#"{"id":"c","object":"text_completion","choices":[{"index":0,"text":" \"token_ids\": x","logprobs":null,"finish_reason":null,"prompt_token_ids":null,"token_ids":null}],"model":"m"}"#;
         assert_eq!(without_ids(ev).as_deref(), Some(want));
-        let first = r#"{"choices":[{"token_ids":[],"index":0}],"prompt_token_ids":null}"#;
+        let first = r#"{"choices":[{"token_ids": [],"index":0}],"prompt_token_ids":null}"#;
         assert_eq!(
             without_ids(first).as_deref(),
-            Some(r#"{"choices":[{"index":0}]}"#)
+            Some(r#"{"choices":[{"token_ids": null,"index":0}],"prompt_token_ids":null}"#)
         );
+        let unasked = r#"{"choices":[{"prompt_token_ids":null,"token_ids":null}]}"#;
+        assert_eq!(without_ids(unasked), None);
         assert_eq!(without_ids(r#"{"choices":[]}"#), None);
     }
 
@@ -631,7 +648,10 @@ mod tests {
         let Out::Rewritten(out) = t.event(first, &mut usage) else {
             panic!("ids not taken out")
         };
-        assert!(!out.contains("token_ids"), "{out}");
+        assert!(
+            out.contains(r#""token_ids":null,"prompt_token_ids":null"#),
+            "{out}"
+        );
         assert_eq!(t.sent.prompt_ids, Some(vec![1, 2]));
         assert_eq!(t.sent.ids, vec![5]);
         assert_eq!(t.sent.tokens(), 1);
@@ -648,7 +668,7 @@ mod tests {
         );
         let mut t = Tracker::new(&req);
         let mut usage = None;
-        let role = r#"{"id":"chatcmpl-1","created":7,"model":"m","prompt_token_ids":[1,2],"choices":[{"index":0,"delta":{"role":"assistant","content":""},"token_ids":[]}]}"#;
+        let role = r#"{"id":"chatcmpl-1","created":7,"model":"m","prompt_token_ids":[1,2],"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#;
         let tok = r#"{"id":"chatcmpl-1","created":7,"model":"m","choices":[{"index":0,"delta":{"content":" x"},"token_ids":[9]}]}"#;
         t.event(role, &mut usage);
         t.event(tok, &mut usage);
@@ -658,7 +678,7 @@ mod tests {
         assert_eq!(next.body["max_tokens"], 9);
         assert!(next.body.get("messages").is_none());
         t.form = form;
-        let cont = r#"{"id":"cmpl-9","object":"text_completion","created":9,"model":"m","choices":[{"index":0,"text":" y","token_ids":[4],"finish_reason":"length"}]}"#;
+        let cont = r#"{"id":"cmpl-9","object":"text_completion","created":9,"model":"m","choices":[{"index":0,"text":" y","prompt_token_ids":null,"token_ids":[4],"finish_reason":"length"}]}"#;
         let Out::Rewritten(out) = t.event(cont, &mut usage) else {
             panic!()
         };
@@ -666,7 +686,8 @@ mod tests {
         assert_eq!(v["id"], "chatcmpl-1");
         assert_eq!(v["object"], "chat.completion.chunk");
         assert_eq!(v["choices"][0]["delta"]["content"], " y");
-        assert!(v["choices"][0].get("token_ids").is_none());
+        assert_eq!(v["choices"][0]["token_ids"], Value::Null, "{v}");
+        assert!(v["choices"][0].get("prompt_token_ids").is_none(), "{v}");
         assert_eq!(t.sent.text, " x y");
     }
 

@@ -25,7 +25,8 @@ struct Choice {
     /// A chat's reasoning text, when the engine streamed any.
     reasoning: Option<String>,
     role: Option<Value>,
-    token_ids: Option<Vec<Value>>,
+    /// The ids put together (an array), `null` while the stream wrote them as null.
+    token_ids: Option<Value>,
     finish_reason: Value,
     stop_reason: Value,
     /// Members of the choice other than those above, as first seen (logprobs, ...).
@@ -101,8 +102,11 @@ fn add(into: &mut Choice, mut c: Map<String, Value>, chat: bool) {
     if let Some(Value::String(s)) = piece {
         into.text.push_str(&s);
     }
-    if let Some(Value::Array(ids)) = c.remove("token_ids") {
-        into.token_ids.get_or_insert_with(Vec::new).extend(ids);
+    match (c.remove("token_ids"), &mut into.token_ids) {
+        (Some(Value::Array(ids)), Some(Value::Array(have))) => have.extend(ids),
+        (Some(ids @ Value::Array(_)), slot) => *slot = Some(ids),
+        (Some(Value::Null), slot @ None) => *slot = Some(Value::Null),
+        _ => {}
     }
     for (key, slot) in [
         ("finish_reason", &mut into.finish_reason),
@@ -144,7 +148,11 @@ fn finish(index: u64, c: Choice, chat: bool) -> Value {
         out.entry(k).or_insert(v);
     }
     if let Some(ids) = c.token_ids {
-        out.insert("token_ids".into(), Value::Array(ids));
+        out.insert("token_ids".into(), ids);
+    }
+    if !chat {
+        // Set on every whole completion choice by vLLM, not on its stream chunks.
+        out.entry("prompt_logprobs").or_insert(Value::Null);
     }
     Value::Object(out)
 }
@@ -218,6 +226,15 @@ mod tests {
         let v = parsed(assemble(&sse(&events), false).unwrap());
         assert_eq!(v["choices"][0]["token_ids"], json!([1, 2, 3]));
         assert_eq!(v["choices"][0]["text"], "xx");
+        let unasked = [ev(Value::Null), ev(Value::Null)];
+        let v = parsed(assemble(&sse(&unasked), false).unwrap());
+        assert_eq!(v["choices"][0]["token_ids"], Value::Null);
+        assert!(
+            v["choices"][0]
+                .as_object()
+                .unwrap()
+                .contains_key("token_ids")
+        );
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use super::engine::Sim;
 use super::faults::RequestFault;
 use super::job::Job;
-use super::openai::response::{ChatChoice, ChatMessage, CompletionChoice, Envelope};
+use super::openai::response::{ChatChoice, ChatMessage, CompletionChoice, Envelope, ids_if};
 use super::openai::{ApiError, Endpoint, Limits, request};
 use super::stream;
 use axum::body::Bytes;
@@ -101,9 +101,12 @@ async fn whole(mut job: Job) -> Response {
     let model = job.sim.args.model.as_str();
     let ids = job.req.return_token_ids;
     let n = job.req.n.max(1);
+    // Set, null unless asked, as vLLM 0.32 sets them on whole answers.
     let prompt_ids = |index: u32| {
-        ids.then(|| job.req.prompts.get((index / n) as usize).map(Vec::as_slice))
-            .flatten()
+        Some(
+            ids.then(|| job.req.prompts.get((index / n) as usize).map(Vec::as_slice))
+                .flatten(),
+        )
     };
     let body = match job.req.endpoint {
         Endpoint::Completions => serde_json::to_vec(&Envelope {
@@ -120,8 +123,8 @@ async fn whole(mut job: Job) -> Response {
                     logprobs: None,
                     finish_reason: s.finish_reason(),
                     stop_reason: s.stop_reason.as_deref(),
+                    token_ids: ids_if(ids, &s.ids[..]),
                     prompt_logprobs: Some(None),
-                    token_ids: ids.then_some(&s.ids[..]),
                     prompt_token_ids: prompt_ids(s.index),
                 })
                 .collect(),
@@ -148,7 +151,7 @@ async fn whole(mut job: Job) -> Response {
                     logprobs: None,
                     finish_reason: s.finish_reason(),
                     stop_reason: s.stop_reason.as_deref(),
-                    token_ids: ids.then_some(&s.ids[..]),
+                    token_ids: ids_if(ids, &s.ids[..]),
                 })
                 .collect(),
             usage,

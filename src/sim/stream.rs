@@ -6,7 +6,9 @@
 
 use super::job::Job;
 use super::openai::Endpoint;
-use super::openai::response::{ChatChunkChoice, ChatDelta, CompletionChoice, Envelope};
+use super::openai::response::{
+    ChatChunkChoice, ChatDelta, CompletionChunkChoice, Envelope, ids_if,
+};
 use axum::body::{Body, Bytes};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
@@ -85,7 +87,7 @@ pub fn response(job: Job) -> Response {
                     if st.job.req.include_usage {
                         let usage = Some(Some(st.job.usage()));
                         let obj = object(st.job.req.endpoint);
-                        let choices: Vec<CompletionChoice> = Vec::new();
+                        let choices: Vec<CompletionChunkChoice> = Vec::new();
                         event(&mut out, &envelope(&st.job, obj, choices, usage));
                     }
                     out.extend_from_slice(b"data: [DONE]\n\n");
@@ -155,13 +157,7 @@ fn event(out: &mut Vec<u8>, value: &impl Serialize) {
 /// The events of one step: a chunk per choice that has new text or just finished.
 /// A chat stream's opening chunk for choice `index`: the assistant's role, no text (with
 /// the prompt's ids when they are asked for).
-fn role_chunk(
-    out: &mut Vec<u8>,
-    job: &Job,
-    index: u32,
-    with_ids: bool,
-    prompt_ids: Option<&[u32]>,
-) {
+fn role_chunk(out: &mut Vec<u8>, job: &Job, index: u32, prompt_ids: Option<&[u32]>) {
     let role = ChatChunkChoice {
         index,
         delta: ChatDelta {
@@ -171,10 +167,10 @@ fn role_chunk(
         logprobs: None,
         finish_reason: None,
         stop_reason: None,
-        token_ids: with_ids.then_some(&[][..]),
+        token_ids: None,
     };
     let mut env = envelope(job, object(Endpoint::Chat), vec![role], None);
-    env.prompt_token_ids = prompt_ids;
+    env.prompt_token_ids = Some(prompt_ids);
     event(out, &env);
 }
 
@@ -196,7 +192,7 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
             .then(|| job.req.prompts.get((index / n) as usize).map(Vec::as_slice))
             .flatten();
         if endpoint == Endpoint::Chat && first {
-            role_chunk(&mut out, job, index, with_ids, prompt_ids);
+            role_chunk(&mut out, job, index, prompt_ids);
         }
         let range = s.take_delta(hold);
         if range.is_empty() && finish_reason.is_none() {
@@ -205,18 +201,17 @@ fn render_step(job: &mut Job, first: bool) -> Vec<u8> {
         let id_range = s.take_ids();
         let stop_reason = s.stop_reason.as_deref();
         let delta = &s.text[range];
-        let ids = with_ids.then(|| &s.ids[id_range]);
+        let ids = ids_if(with_ids, &s.ids[id_range]);
         match endpoint {
             Endpoint::Completions => {
-                let c = CompletionChoice {
+                let c = CompletionChunkChoice {
                     index,
                     text: delta,
                     logprobs: None,
                     finish_reason,
                     stop_reason,
-                    prompt_logprobs: None,
+                    prompt_token_ids: Some(prompt_ids),
                     token_ids: ids,
-                    prompt_token_ids: prompt_ids,
                 };
                 event(
                     &mut out,

@@ -35,7 +35,18 @@ impl Usage {
     }
 }
 
-/// One choice of a `/v1/completions` answer (or stream chunk).
+/// A token id member as vLLM 0.32 writes it: left out (`None`) where its server leaves the
+/// field unset, `null` (`Some(None)`) where it sets the field without `return_token_ids`,
+/// the ids where they were asked for. A proxy that drops the member, or leaves `null` out,
+/// changes the engine's form; the sim writes it the same way so tests see that.
+pub type Ids<'a> = Option<Option<&'a [u32]>>;
+
+/// The member of a field vLLM sets on every such event: the ids when `asked`, else null.
+pub fn ids_if(asked: bool, ids: &[u32]) -> Ids<'_> {
+    Some(asked.then_some(ids))
+}
+
+/// One choice of a whole `/v1/completions` answer, its members in vLLM's order.
 #[derive(Debug, Serialize)]
 pub struct CompletionChoice<'a> {
     pub index: u32,
@@ -43,15 +54,31 @@ pub struct CompletionChoice<'a> {
     pub logprobs: Option<()>,
     pub finish_reason: Option<&'static str>,
     pub stop_reason: Option<&'a str>,
+    /// `return_token_ids`: the output tokens' ids.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Ids<'a>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<Option<()>>,
-    /// `return_token_ids`: the output tokens' ids (in a stream chunk, the chunk's own).
+    /// `return_token_ids`: the prompt's ids, on the choice as vLLM puts them for completions.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub token_ids: Option<&'a [u32]>,
-    /// `return_token_ids`: the prompt's ids (a stream's first chunk only), on the choice
-    /// as vLLM puts them for completions.
+    pub prompt_token_ids: Ids<'a>,
+}
+
+/// One choice of a `/v1/completions` stream chunk, its members in vLLM's order (not the
+/// whole answer's).
+#[derive(Debug, Serialize)]
+pub struct CompletionChunkChoice<'a> {
+    pub index: u32,
+    pub text: &'a str,
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+    pub stop_reason: Option<&'a str>,
+    /// `return_token_ids`: the prompt's ids (a stream's first chunk only, null after).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompt_token_ids: Option<&'a [u32]>,
+    pub prompt_token_ids: Ids<'a>,
+    /// `return_token_ids`: the chunk's own output tokens' ids.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Ids<'a>,
 }
 
 /// The assistant's message in a chat answer.
@@ -73,7 +100,7 @@ pub struct ChatChoice<'a> {
     pub stop_reason: Option<&'a str>,
     /// `return_token_ids`: the output tokens' ids (in a stream chunk, the chunk's own).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub token_ids: Option<&'a [u32]>,
+    pub token_ids: Ids<'a>,
 }
 
 /// The change a chat stream chunk brings to one choice.
@@ -95,7 +122,7 @@ pub struct ChatChunkChoice<'a> {
     pub stop_reason: Option<&'a str>,
     /// `return_token_ids`: the output tokens' ids (in a stream chunk, the chunk's own).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub token_ids: Option<&'a [u32]>,
+    pub token_ids: Ids<'a>,
 }
 
 /// A whole answer or a stream chunk: the envelope shared by both endpoints.
@@ -112,7 +139,7 @@ pub struct Envelope<'a, C: Serialize> {
     /// `return_token_ids` on a chat answer: the rendered prompt's ids (a stream's first
     /// chunk only), beside the choices as vLLM puts them for chat.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompt_token_ids: Option<&'a [u32]>,
+    pub prompt_token_ids: Ids<'a>,
     /// The KV handoff a prefill offers its decode (nixl), absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_transfer_params: Option<Value>,
