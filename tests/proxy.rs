@@ -1285,6 +1285,53 @@ async fn models_are_merged_and_an_unreachable_instance_does_not_fail_the_list() 
     assert_eq!(ids, ["fake-model", "lora-a"]);
 }
 
+/// An instance whose legs are answered needs no probe as well: each answer is as good as
+/// a probe that passed, so under load the proxy sends no probes (their cost would grow with
+/// the cluster). Once the requests stop, the probes come back at their interval, and an
+/// instance that fails them is still taken out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_that_answer_requests_are_not_probed_until_the_requests_stop() {
+    let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);
+    let proxy =
+        ProxyProcess::start(&proxy_args(&[&p], &[&d], &["--health-interval-ms", "100"])).await;
+    let probes = |e: &FakeEngine| e.state.health_auth.lock().unwrap().len();
+    // Requests for 1.5 s (15 rounds): each round finds both instances answered since
+    // the last, but for the round that may run before the first answer.
+    let (p0, d0) = (probes(&p), probes(&d));
+    let until = std::time::Instant::now() + Duration::from_millis(1500);
+    let mut answered = 0;
+    while std::time::Instant::now() < until {
+        let resp = post(&proxy, "/v1/completions", &completion("x")).await;
+        assert_eq!(resp.status(), 200);
+        answered += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (p_load, d_load) = (probes(&p) - p0, probes(&d) - d0);
+    assert!(answered >= 20, "only {answered} requests in 1.5 s");
+    assert!(
+        p_load <= 1 && d_load <= 1,
+        "probed under load: prefill {p_load}, decode {d_load} times in 15 rounds"
+    );
+    // Idle: probed again.
+    let (p1, d1) = (probes(&p), probes(&d));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let (p_idle, d_idle) = (probes(&p) - p1, probes(&d) - d1);
+    assert!(
+        p_idle >= 5 && d_idle >= 5,
+        "idle for 10 rounds, probed only {p_idle} (prefill), {d_idle} (decode) times"
+    );
+    d.set_health(503);
+    let healthy = format!(
+        "pdctl_proxy_instance_healthy{{leg=\"decode\",instance=\"{}\"}}",
+        d.url
+    );
+    assert_eq!(proxy.metric(&healthy).await, 1.0);
+    assert!(
+        eventually(WAIT, || async { proxy.metric(&healthy).await == 0.0 }).await,
+        "a decode failing its probes stayed in rotation"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_follows_own_probes_and_names_the_missing_leg() {
     let (p, d) = (FakeEngine::start("P").await, FakeEngine::start("D").await);

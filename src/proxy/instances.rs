@@ -35,6 +35,8 @@ pub struct Instance {
     consecutive_failures: AtomicU32,
     consecutive_successes: AtomicU32,
     supervised: AtomicBool,
+    /// A leg on it was answered 2xx since the last probe round (health.rs).
+    answered: AtomicBool,
     /// The supervisor says it is starting or restarting: worth waiting for.
     coming_back: AtomicBool,
     /// Why it was last taken out of rotation, for the error when no instance is left.
@@ -69,6 +71,7 @@ impl Instance {
             consecutive_failures: AtomicU32::new(0),
             consecutive_successes: AtomicU32::new(0),
             supervised: AtomicBool::new(false),
+            answered: AtomicBool::new(false),
             coming_back: AtomicBool::new(false),
             out_reason: std::sync::Mutex::new(String::new()),
             ledger: Default::default(),
@@ -153,6 +156,21 @@ impl Instance {
             }
         }
         false
+    }
+
+    /// Notes that a leg on it was answered 2xx: as good as a health probe that passed, so
+    /// an instance that serves requests is not probed as well (at 64P64D the probes were
+    /// a sixth of the proxy's CPU per request). Read first: a request that finds it set
+    /// writes nothing.
+    pub fn note_answered(&self) {
+        if !self.answered.load(Ordering::Relaxed) {
+            self.answered.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a leg on it was answered 2xx since the last call (health.rs, once a round).
+    pub fn take_answered(&self) -> bool {
+        self.answered.load(Ordering::Relaxed) && self.answered.swap(false, Ordering::Relaxed)
     }
 
     /// Requests this proxy has on this instance right now (until their responses end).

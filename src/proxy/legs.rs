@@ -123,6 +123,7 @@ pub async fn prefill_once(
         if !(200..300).contains(&resp.status) {
             return Err(status_failure(resp, deadline).await);
         }
+        inst.note_answered();
         resp.body.read_all(MAX_ANSWER_BYTES).await
     };
     let answer = tokio::time::timeout_at(deadline, unless_unreachable(&inst, work))
@@ -209,6 +210,7 @@ async fn decode_attempt(
             f => f,
         });
     }
+    inst.note_answered();
     if !req.decode_streams() {
         return whole_answer(resp, (limit, raise, deadline), judgment, sent).await;
     }
