@@ -15,6 +15,10 @@
 #       adds that build's proxies (sizes SCALE_COST_BASELINE_SIZES, "1 16" unless said)
 #       in front of the same sims, taking turns with the others, so a change is judged
 #       against its predecessor in one run
+#   SCALE_COST_SIMS=per-engine bench/scale-cost.sh      # a sim process per engine (128 at
+#       64P64D) instead of all prefills in one process and all decodes in another
+#       (`pdctl sim --instances`): on a small machine 128 processes spend it waking each
+#       other, a cost that grows with the size whatever the proxy does
 #   SCALE_COST_FLOOR=0 bench/scale-cost.sh              # without the floor's rows
 #       (by default the floor, bench/floor, runs at the smallest and the largest size,
 #       taking its engines in turn: what spreading the legs over more engines costs on
@@ -38,6 +42,7 @@ RATE=${SCALE_COST_RATE:-640}
 CONNS=${SCALE_COST_CONNS:-32}
 SECS=${SCALE_COST_SECONDS:-15}
 IDLE_S=${SCALE_COST_IDLE_S:-20}
+SIMS=${SCALE_COST_SIMS:-two-processes}
 EXTRA=${SCALE_COST_PROXY_ARGS:-}
 OUT=$(mktemp -d -t pdctl-scale-cost.XXXXXX)
 command -v hey >/dev/null || { echo "hey is not installed (apt-get install hey)" >&2; exit 2; }
@@ -47,11 +52,17 @@ NO_ROUTER=1 VENV=/nonexistent
 MAX=$(printf '%s\n' $SIZES | sort -n | tail -1)
 read -r PBASE DBASE <<<"$(python3 bench/free_ports.py "$MAX" "$MAX")"
 z=(--prefill-ms-per-token 0 --overhead-ms 0 --batch-slowdown 0 --log-stats-interval-ms 0 --itl-ms 0)
-say "starting $MAX prefill and $MAX decode sims"
-for i in $(seq 0 $((MAX - 1))); do
-  RUST_LOG=warn "$PDCTL" sim --port $((PBASE + i)) --role prefill --handoff nixl "${z[@]}" 2>>"$OUT/sims.log" & PIDS+=($!)
-  RUST_LOG=warn "$PDCTL" sim --port $((DBASE + i)) --role decode --handoff nixl "${z[@]}" 2>>"$OUT/sims.log" & PIDS+=($!)
-done
+if [ "$SIMS" = per-engine ]; then
+  say "starting $MAX prefill and $MAX decode sims, a process each"
+  for i in $(seq 0 $((MAX - 1))); do
+    RUST_LOG=warn "$PDCTL" sim --port $((PBASE + i)) --role prefill --handoff nixl "${z[@]}" 2>>"$OUT/sims.log" & PIDS+=($!)
+    RUST_LOG=warn "$PDCTL" sim --port $((DBASE + i)) --role decode --handoff nixl "${z[@]}" 2>>"$OUT/sims.log" & PIDS+=($!)
+  done
+else
+  say "starting $MAX prefill and $MAX decode sims in two processes (sim --instances)"
+  RUST_LOG=warn "$PDCTL" sim --port "$PBASE" --instances "$MAX" --role prefill --handoff nixl "${z[@]}" 2>>"$OUT/sims.log" & PIDS+=($!)
+  RUST_LOG=warn "$PDCTL" sim --port "$DBASE" --instances "$MAX" --role decode --handoff nixl "${z[@]}" 2>>"$OUT/sims.log" & PIDS+=($!)
+fi
 for i in $(seq 0 $((MAX - 1))); do
   wait_http "http://127.0.0.1:$((PBASE + i))/health"; wait_http "http://127.0.0.1:$((DBASE + i))/health"
 done

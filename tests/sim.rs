@@ -1305,10 +1305,40 @@ async fn client_disconnect_aborts_the_request() {
     assert_eq!(sim.metric("vllm:request_success_total").await, 0.0);
 }
 
+/// `--instances 3`: three engines in one process on consecutive ports, each with its own
+/// state: a request to one counts on that one only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_in_one_process_serve_consecutive_ports_each_with_its_own_state() {
+    let port = common::own_port_run(3);
+    let first = SimProc::start_on(port, &["--instances", "3", "--role", "decode"]).await;
+    let base = |i: u16| format!("http://127.0.0.1:{}", port + i);
+    let body = json!({"model": "sim-model", "prompt": "hello there", "max_tokens": 2});
+    for _ in 0..2 {
+        let r = client()
+            .post(format!("{}/v1/completions", base(1)))
+            .json(&body)
+            .send();
+        assert_eq!(r.await.unwrap().status(), 200);
+    }
+    let mut done = Vec::new();
+    for i in 0..3 {
+        let text = client()
+            .get(format!("{}/metrics", base(i)))
+            .send()
+            .await
+            .unwrap();
+        let text = text.text().await.unwrap();
+        done.push(simh::metric_in(&text, "vllm:request_success_total").unwrap_or(-1.0));
+    }
+    assert_eq!(done, [0.0, 2.0, 0.0], "{}", first.log());
+    let log = first.log();
+    assert_eq!(log.matches("a SIMULATED engine").count(), 3, "{log}");
+}
+
 #[test]
 fn bad_command_lines_exit_2_with_a_reason() {
     let port = free_port().to_string();
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 6] = [
         (
             &["--handoff", "shared-dir"],
             "--handoff shared-dir needs --kv-dir",
@@ -1322,6 +1352,11 @@ fn bad_command_lines_exit_2_with_a_reason() {
             "only used with --handoff mooncake",
         ),
         (&["--itl-ms=-1"], "--itl-ms must be a finite number"),
+        (
+            &["--instances", "2", "--instance", "prefill-0"],
+            "--instances 2 takes neither --bootstrap-port nor --instance",
+        ),
+        (&["--instances", "0"], "--instances must be at least 1"),
     ];
     for (extra, needle) in cases {
         let out = pdctl(&["sim", "--port", &port])

@@ -76,6 +76,17 @@ pub struct SimArgs {
     #[arg(long, env = "VLLM_API_KEY", hide_env_values = true)]
     #[serde(skip)]
     pub api_key: Option<String>,
+    /// Simulate this many engines in one process, on --port, --port + 1, ..., each with
+    /// its own state and metrics: for benchmarks of large clusters on a small machine,
+    /// where as many processes would spend the machine waking each other
+    /// (bench/scale-cost.sh). Not with --bootstrap-port or --instance.
+    #[arg(long, default_value_t = SimArgs::default().instances)]
+    #[serde(skip_serializing_if = "is_one")]
+    pub instances: u16,
+}
+
+fn is_one(n: &u16) -> bool {
+    *n == 1
 }
 
 /// The defaults of `pdctl sim`; `port` has none on the command line (`--port` or a config
@@ -98,6 +109,7 @@ impl Default for SimArgs {
             kv_host: None,
             log_stats_interval_ms: 10_000,
             api_key: None,
+            instances: 1,
         }
     }
 }
@@ -151,6 +163,9 @@ impl SimArgs {
         if let Some(h) = &self.kv_host {
             v.extend(["--kv-host".into(), h.clone()]);
         }
+        if !is_one(&self.instances) {
+            v.extend(["--instances".into(), self.instances.to_string()]);
+        }
         v.extend([
             "--log-stats-interval-ms".into(),
             self.log_stats_interval_ms.to_string(),
@@ -192,6 +207,7 @@ pub(crate) fn every_setting() -> SimArgs {
         kv_host: Some("10.0.0.2".into()),
         log_stats_interval_ms: 0,
         api_key: None,
+        instances: 4,
     }
 }
 

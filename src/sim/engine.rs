@@ -301,6 +301,7 @@ mod tests {
             kv_host: None,
             log_stats_interval_ms: 0,
             api_key: None,
+            instances: 1,
         }))
     }
 

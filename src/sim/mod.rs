@@ -50,6 +50,12 @@ pub enum SimConfigError {
     NoBootstrapPort,
     #[error("--bootstrap-port is only used with --handoff mooncake (this sim runs --handoff {0})")]
     StrayBootstrapPort(String),
+    #[error(
+        "--instances {0} takes neither --bootstrap-port nor --instance: run one sim per prefill with its own bootstrap port and name"
+    )]
+    InstancesWith(u16),
+    #[error("--instances {n} from --port {port} runs past port 65535")]
+    InstancesPastPorts { n: u16, port: u16 },
 }
 
 /// Checks a command line before anything starts.
@@ -84,6 +90,20 @@ pub fn check(args: &SimArgs) -> Result<(), SimConfigError> {
         }
         _ => {}
     }
+    if args.instances == 0 {
+        return Err(SimConfigError::Zero { flag: "instances" });
+    }
+    if args.instances > 1 {
+        if args.bootstrap_port.is_some() || args.instance.is_some() {
+            return Err(SimConfigError::InstancesWith(args.instances));
+        }
+        if args.port != 0 && args.port.checked_add(args.instances - 1).is_none() {
+            return Err(SimConfigError::InstancesPastPorts {
+                n: args.instances,
+                port: args.port,
+            });
+        }
+    }
     if args.handoff == SimHandoff::SharedDir {
         let dir = args.kv_dir.as_ref().ok_or(SimConfigError::NoKvDir)?;
         std::fs::create_dir_all(dir).map_err(|source| SimConfigError::KvDir {
@@ -100,9 +120,31 @@ async fn bind(host: &str, port: u16, what: &str) -> anyhow::Result<tokio::net::T
         .with_context(|| format!("cannot listen on {host}:{port} for the {what} (is the port in use? pick another with --port / --bootstrap-port)"))
 }
 
-/// Runs the simulator until SIGINT or SIGTERM.
+/// Runs the simulator (`--instances` of it) until SIGINT or SIGTERM.
 pub async fn run(args: SimArgs) -> anyhow::Result<()> {
     check(&args)?;
+    if args.instances == 1 {
+        return serve(args).await;
+    }
+    let mut all = tokio::task::JoinSet::new();
+    for i in 0..args.instances {
+        let port = if args.port == 0 { 0 } else { args.port + i };
+        all.spawn(serve(SimArgs {
+            port,
+            instances: 1,
+            ..args.clone()
+        }));
+    }
+    // One that stops (a port taken, a signal) stops the process.
+    match all.join_next().await {
+        Some(Ok(r)) => r,
+        Some(Err(e)) => Err(anyhow::anyhow!("a simulated instance failed: {e}")),
+        None => Ok(()),
+    }
+}
+
+/// Serves one simulated instance until SIGINT or SIGTERM.
+async fn serve(args: SimArgs) -> anyhow::Result<()> {
     let listener = bind(&args.host, args.port, "OpenAI API").await?;
     let port = listener.local_addr()?.port();
     let bootstrap = match args.bootstrap_port {
