@@ -175,7 +175,7 @@ impl UsageSeen {
 pub fn usage_in(bytes: &[u8]) -> Option<UsageSeen> {
     const KEY: &[u8] = b"\"usage\"";
     let mut end = bytes.len();
-    while let Some(at) = bytes[..end].windows(KEY.len()).rposition(|w| w == KEY) {
+    while let Some(at) = memchr::memmem::rfind(&bytes[..end], KEY) {
         let rest = bytes[at + KEY.len()..].trim_ascii_start();
         if let Some(value) = rest.strip_prefix(b":") {
             let mut de = serde_json::Deserializer::from_slice(value);
