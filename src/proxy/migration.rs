@@ -25,7 +25,10 @@
 use super::errors::ProxyError;
 use super::protocol::Body;
 use super::request::ClientRequest;
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
+use std::borrow::Cow;
 
 /// Metrics reasons of a migration: what broke the decode leg.
 pub const BROKE_CONNECTION: &str = "connection";
@@ -155,34 +158,36 @@ impl Sent {
         (self.ids_whole || self.text.is_empty()) && self.prompt_ids.is_some()
     }
 
-    fn note(&mut self, v: &Map<String, Value>, chat: bool, form: Form) {
+    fn note(&mut self, v: &ChunkView, chat: bool, form: Form) {
         if !self.seen_any {
             self.seen_any = true;
             self.ids_whole = true;
-            self.id = v.get("id").cloned();
-            self.model = v.get("model").cloned();
-            self.created = v.get("created").cloned();
+            let value =
+                |raw: Option<&RawValue>| raw.and_then(|r| serde_json::from_str(r.get()).ok());
+            self.id = value(v.id);
+            self.model = value(v.model);
+            self.created = value(v.created);
         }
-        let Some(choice) = v.get("choices").and_then(|c| c.get(0)) else {
+        let Some(choice) = v.choices.as_ref().and_then(|c| c.first()) else {
             return;
         };
         if form == Form::Original && self.prompt_ids.is_none() {
             let at = if chat {
-                v.get("prompt_token_ids")
+                &v.prompt_token_ids
             } else {
-                choice.get("prompt_token_ids")
+                &choice.prompt_token_ids
             };
             self.prompt_ids = at.and_then(ids_of);
         }
         let text = if chat && !matches!(form, Form::ChatViaCompletions { .. }) {
-            choice.pointer("/delta/content")
+            choice.delta.as_ref().and_then(|d| d.content)
         } else {
-            choice.get("text")
+            choice.text
         };
-        let text = text.and_then(Value::as_str).unwrap_or("");
-        let ids = choice.get("token_ids").and_then(ids_of);
+        let text = text.and_then(text_of).unwrap_or_default();
+        let ids = choice.token_ids.and_then(ids_of);
         if !text.is_empty() {
-            self.text.push_str(text);
+            self.text.push_str(&text);
             self.text_chunks += 1;
             if ids.as_ref().is_none_or(Vec::is_empty) {
                 self.ids_whole = false;
@@ -191,27 +196,85 @@ impl Sent {
         if let Some(ids) = ids {
             self.ids.extend(ids);
         }
-        if choice.get("finish_reason").is_some_and(|f| !f.is_null()) {
+        if choice.finish_reason.is_some() {
             self.finished = true;
         }
     }
 }
 
-fn ids_of(v: &Value) -> Option<Vec<u32>> {
-    v.as_array()?
-        .iter()
-        .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
-        .collect()
+/// The members of a streamed chunk that [`Sent`] notes, borrowed from the event's text:
+/// read once per event without building a [`Value`] of it (for each token of every
+/// answer that may be continued, which is every answer by default).
+#[derive(Deserialize)]
+struct ChunkView<'a> {
+    #[serde(borrow, default)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    created: Option<&'a RawValue>,
+    /// A chat chunk's (at the top).
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    choices: Option<Vec<ChoiceView<'a>>>,
+}
+
+/// What [`ChunkView`] reads of a choice. Members that may hold anything are left raw, so
+/// that an unexpected form is read as nothing, as it was when events were values.
+#[derive(Deserialize)]
+struct ChoiceView<'a> {
+    #[serde(borrow, default)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    delta: Option<DeltaView<'a>>,
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    token_ids: Option<&'a RawValue>,
+    /// Present only when not null.
+    #[serde(borrow, default)]
+    finish_reason: Option<&'a RawValue>,
+}
+
+/// A chat chunk's delta, as far as [`Sent`] reads it.
+#[derive(Deserialize)]
+struct DeltaView<'a> {
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+}
+
+/// A string member, borrowed unless it has escapes; `None` for any other value.
+fn text_of(raw: &RawValue) -> Option<Cow<'_, str>> {
+    match serde_json::from_str::<&str>(raw.get()) {
+        Ok(t) => Some(Cow::Borrowed(t)),
+        Err(_) => serde_json::from_str::<String>(raw.get())
+            .ok()
+            .map(Cow::Owned),
+    }
+}
+
+fn ids_of(raw: &RawValue) -> Option<Vec<u32>> {
+    serde_json::from_str(raw.get()).ok()
 }
 
 /// Reads and rewrites the events of a stream that may be continued: every complete event
 /// of the current decode leg goes through [`Tracker::event`].
 #[derive(Debug)]
 pub struct Tracker {
-    pub sent: Sent,
+    /// Read through [`Tracker::sent`], which notes the events held back first.
+    sent: Sent,
+    /// The first leg's events of a whole answer, not noted yet: they are noted only if
+    /// the leg breaks off (the answer is put together from them anyway, at its end), which
+    /// spares parsing every token twice.
+    unnoted: Vec<String>,
     chat: bool,
     /// The client asked for `return_token_ids` itself: the ids stay in its events.
-    client_ids: bool,
+    pub client_ids: bool,
+    /// The client asked for one body: its events are put together by
+    /// [`super::whole::assemble`], which writes the ids it did not ask for as `null` once,
+    /// so the first leg's events pass as they came.
+    whole: bool,
     /// The client asked for the usage chunk.
     client_usage: bool,
     pub form: Form,
@@ -234,8 +297,10 @@ impl Tracker {
     pub fn new(req: &ClientRequest) -> Tracker {
         Tracker {
             sent: Sent::default(),
+            unnoted: Vec::new(),
             chat: req.path == "/v1/chat/completions",
-            client_ids: req.body.get("return_token_ids") == Some(&json!(true)),
+            client_ids: asked_ids(&req.body),
+            whole: !req.stream,
             // A whole answer's body always has its usage.
             client_usage: !req.stream || super::usage_chunk::asks_usage(&req.body),
             form: Form::Original,
@@ -249,12 +314,17 @@ impl Tracker {
         if data.trim() == crate::sse::DONE {
             return Out::Same;
         }
-        let Ok(Value::Object(mut v)) = serde_json::from_str::<Value>(data) else {
+        if self.form == Form::Original && self.whole {
+            self.unnoted.push(data.to_owned());
             return Out::Same;
-        };
+        }
+        self.note_held_back();
         if self.form == Form::Original {
-            self.sent.note(&v, self.chat, self.form);
-            if self.client_ids {
+            let Ok(view) = serde_json::from_str::<ChunkView>(data) else {
+                return Out::Same;
+            };
+            self.sent.note(&view, self.chat, self.form);
+            if self.client_ids || self.whole {
                 return Out::Same;
             }
             // Cut out of the text as it came, so the rest of the event stays byte for
@@ -264,13 +334,19 @@ impl Tracker {
                 None => Out::Same,
             };
         }
+        let Ok(Value::Object(mut v)) = serde_json::from_str::<Value>(data) else {
+            return Out::Same;
+        };
+        let Ok(view) = serde_json::from_str::<ChunkView>(data) else {
+            return Out::Same;
+        };
         if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
             *usage = Some(u.clone());
         }
         if self.is_role_chunk(&v) {
             return Out::Dropped;
         }
-        self.sent.note(&v, self.chat, self.form);
+        self.sent.note(&view, self.chat, self.form);
         let is_usage_chunk = v
             .get("choices")
             .and_then(Value::as_array)
@@ -281,6 +357,20 @@ impl Tracker {
         }
         self.rewrite(&mut v);
         Out::Rewritten(Value::Object(v).to_string())
+    }
+
+    /// What the client has been sent so far.
+    pub fn sent(&mut self) -> &Sent {
+        self.note_held_back();
+        &self.sent
+    }
+
+    fn note_held_back(&mut self) {
+        for data in std::mem::take(&mut self.unnoted) {
+            if let Ok(view) = serde_json::from_str::<ChunkView>(&data) {
+                self.sent.note(&view, self.chat, Form::Original);
+            }
+        }
     }
 
     /// A chat continuation's opening chunk (the role, no text): the client had it.
@@ -389,7 +479,7 @@ fn without_ids(data: &str) -> Option<String> {
 /// string (a quote inside a JSON string is escaped).
 fn find_member(text: &str, key: &str) -> Option<usize> {
     let mut from = 0;
-    while let Some(i) = text[from..].find(key) {
+    while let Some(i) = memchr::memmem::find(&text.as_bytes()[from..], key.as_bytes()) {
         let at = from + i;
         if at == 0 || text.as_bytes()[at - 1] != b'\\' {
             return Some(at);
@@ -421,6 +511,11 @@ fn null_member(v: &mut Map<String, Value>, key: &str) -> bool {
         }
         _ => false,
     }
+}
+
+/// Whether the client asked for the token ids itself (`return_token_ids`).
+pub fn asked_ids(body: &Body) -> bool {
+    body.get("return_token_ids") == Some(&Value::Bool(true))
 }
 
 /// Asks decode for the token ids of what it sends (vLLM's `return_token_ids`; an engine
@@ -652,10 +747,10 @@ mod tests {
             out.contains(r#""token_ids":null,"prompt_token_ids":null"#),
             "{out}"
         );
-        assert_eq!(t.sent.prompt_ids, Some(vec![1, 2]));
-        assert_eq!(t.sent.ids, vec![5]);
-        assert_eq!(t.sent.tokens(), 1);
-        let (next, form) = continuation(&req, &t.sent, 1, 100).unwrap();
+        assert_eq!(t.sent().prompt_ids, Some(vec![1, 2]));
+        assert_eq!(t.sent().ids, vec![5]);
+        assert_eq!(t.sent().tokens(), 1);
+        let (next, form) = continuation(&req, t.sent(), 1, 100).unwrap();
         assert_eq!(next.body["prompt"], json!([1, 2, 5]));
         assert_eq!(form, Form::Same { carried: 1 });
     }
@@ -672,7 +767,7 @@ mod tests {
         let tok = r#"{"id":"chatcmpl-1","created":7,"model":"m","choices":[{"index":0,"delta":{"content":" x"},"token_ids":[9]}]}"#;
         t.event(role, &mut usage);
         t.event(tok, &mut usage);
-        let (next, form) = continuation(&req, &t.sent, 1, 100).unwrap();
+        let (next, form) = continuation(&req, t.sent(), 1, 100).unwrap();
         assert_eq!(next.path, "/v1/completions");
         assert_eq!(next.body["prompt"], json!([1, 2, 9]));
         assert_eq!(next.body["max_tokens"], 9);
@@ -688,7 +783,7 @@ mod tests {
         assert_eq!(v["choices"][0]["delta"]["content"], " y");
         assert_eq!(v["choices"][0]["token_ids"], Value::Null, "{v}");
         assert!(v["choices"][0].get("prompt_token_ids").is_none(), "{v}");
-        assert_eq!(t.sent.text, " x y");
+        assert_eq!(t.sent().text, " x y");
     }
 
     #[test]
@@ -703,7 +798,7 @@ mod tests {
             r#"{"id":"c","choices":[{"index":0,"delta":{"content":"Hello"}}]}"#,
             &mut usage,
         );
-        let (next, form) = continuation(&req, &t.sent, 1, 100).unwrap();
+        let (next, form) = continuation(&req, t.sent(), 1, 100).unwrap();
         assert_eq!(next.path, "/v1/chat/completions");
         assert_eq!(
             next.body["messages"][1],

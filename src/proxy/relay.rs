@@ -141,7 +141,8 @@ pub async fn whole_response(
         return with_request_id(axum::response::IntoResponse::into_response(err), &id);
     }
     let chat = req.path == "/v1/chat/completions";
-    match super::whole::assemble(&events, chat) {
+    let ids = migration::asked_ids(&req.body);
+    match super::whole::assemble(&events, chat, ids) {
         Ok(body) => {
             relay.rec.first_byte_sent();
             let mut r = Response::new(axum::body::Body::from(body));
@@ -435,7 +436,7 @@ impl Relay {
         let Some(carry) = self.carry.as_mut() else {
             return Some(self.fail_after(err));
         };
-        if carry.tracker.sent.finished {
+        if carry.tracker.sent().finished {
             return Some(self.finish_locally());
         }
         let limit = carry.proxy.settings().migration_limit;
@@ -446,7 +447,7 @@ impl Relay {
         }
         let cap = carry.proxy.settings().migration_max_tokens;
         let hop = carry.tracker.hops + 1;
-        let (next, form) = match migration::continuation(&carry.req, &carry.tracker.sent, hop, cap)
+        let (next, form) = match migration::continuation(&carry.req, carry.tracker.sent(), hop, cap)
         {
             Ok(x) => x,
             Err(why) => {
@@ -456,7 +457,7 @@ impl Relay {
         };
         carry.tracker.hops = hop;
         carry.proxy.recorder.migrated(reason);
-        let sent = &carry.tracker.sent;
+        let sent = carry.tracker.sent();
         let exact = matches!(form, Form::ChatViaCompletions { .. })
             || (sent.ids_exact() && next.body["prompt"].is_array());
         let carried = sent.tokens();
