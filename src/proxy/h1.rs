@@ -226,25 +226,28 @@ fn authority(base: &str) -> Result<&str, LegFailure> {
 }
 
 impl Inner {
-    /// The most recently used idle connection to `authority` that is still open.
+    /// The most recently used idle connection to `authority` that is still open. The pool
+    /// is locked only to take one out: checking it (a `recv`) under the lock made the
+    /// worker threads wait on each other (a futex sleep and wake-up for every other leg).
     fn take(&self, authority: &str) -> Option<TcpStream> {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let conns = idle.get_mut(authority)?;
-        while let Some(Idle { conn, since }) = conns.pop_back() {
+        loop {
+            let Idle { conn, since } = {
+                let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+                idle.get_mut(authority)?.pop_back()?
+            };
             if since.elapsed() >= IDLE_TIMEOUT {
-                // Everything older is older still.
-                conns.clear();
+                // Those left are older still: the next put or sweep drops them.
                 return None;
             }
             // Readable while idle means closed by the engine (or unasked-for bytes): either
             // way not usable. Nothing to read is the healthy case.
             let mut probe = [0u8; 1];
-            match conn.try_read(&mut probe) {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some(conn),
-                _ => continue,
+            if let Err(e) = conn.try_read(&mut probe)
+                && e.kind() == std::io::ErrorKind::WouldBlock
+            {
+                return Some(conn);
             }
         }
-        None
     }
 
     /// Keeps a connection whose answer has been read completely for the next request.

@@ -206,9 +206,13 @@ async fn chat_completions(State(p): State<Arc<Proxy>>, request: Request) -> Resp
     generate(p, "/v1/chat/completions", request.into_body()).await
 }
 
-/// A fresh request id in UUID v4 form (shared by both legs as X-Request-Id).
+/// A fresh request id in UUID v4 form (shared by both legs as X-Request-Id), from the
+/// thread's own random generator: `Uuid::new_v4` asks the kernel (a `getrandom` call per
+/// request).
 fn new_request_id() -> String {
-    uuid::Uuid::new_v4().to_string()
+    uuid::Builder::from_random_bytes(rand::random())
+        .into_uuid()
+        .to_string()
 }
 
 /// Whether the client sent the proxy's API key (always true when none is configured).
