@@ -357,7 +357,7 @@ mod tests {
         let chat = json!({"id": "c", "prompt_token_ids": [7, 8],
                           "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"},
                                        "token_ids": [1]}]});
-        let v = parsed(assemble(&sse(&[chat.clone()]), true, false).unwrap());
+        let v = parsed(assemble(&sse(std::slice::from_ref(&chat)), true, false).unwrap());
         assert_eq!(v["prompt_token_ids"], Value::Null, "{v}");
         assert_eq!(v["choices"][0]["token_ids"], Value::Null, "{v}");
         assert_eq!(v["choices"][0]["message"]["content"], "hi");
