@@ -28,7 +28,6 @@ use super::request::ClientRequest;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
-use std::borrow::Cow;
 
 /// Metrics reasons of a migration: what broke the decode leg.
 pub const BROKE_CONNECTION: &str = "connection";
@@ -184,7 +183,7 @@ impl Sent {
         } else {
             choice.text
         };
-        let text = text.and_then(text_of).unwrap_or_default();
+        let text = text.and_then(super::whole::text_of).unwrap_or_default();
         let ids = choice.token_ids.and_then(ids_of);
         if !text.is_empty() {
             self.text.push_str(&text);
@@ -242,16 +241,6 @@ struct ChoiceView<'a> {
 struct DeltaView<'a> {
     #[serde(borrow, default)]
     content: Option<&'a RawValue>,
-}
-
-/// A string member, borrowed unless it has escapes; `None` for any other value.
-fn text_of(raw: &RawValue) -> Option<Cow<'_, str>> {
-    match serde_json::from_str::<&str>(raw.get()) {
-        Ok(t) => Some(Cow::Borrowed(t)),
-        Err(_) => serde_json::from_str::<String>(raw.get())
-            .ok()
-            .map(Cow::Owned),
-    }
 }
 
 fn ids_of(raw: &RawValue) -> Option<Vec<u32>> {

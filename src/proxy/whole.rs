@@ -125,7 +125,7 @@ pub fn assemble(events: &[u8], chat: bool, ids: bool) -> Result<Vec<u8>, Assembl
                     choices.len() - 1
                 }
             };
-            add(&mut choices[at].1, c, chat);
+            add(&mut choices[at].1, c, chat, ids);
         }
     }
     let mut body = top.ok_or(AssembleError::Empty)?;
@@ -154,6 +154,21 @@ fn member<'a, T: Deserialize<'a>>(m: &Members<'a>, key: &str) -> Option<T> {
     serde_json::from_str(raw.get()).ok()
 }
 
+/// A string member, borrowed from the event unless it has escapes; `None` for another value.
+fn text_member<'a>(m: &Members<'a>, key: &str) -> Option<Cow<'a, str>> {
+    text_of(m.get(key)?)
+}
+
+/// An unparsed string, borrowed unless it has escapes; `None` for any other value.
+pub fn text_of(raw: &RawValue) -> Option<Cow<'_, str>> {
+    match serde_json::from_str::<&str>(raw.get()) {
+        Ok(t) => Some(Cow::Borrowed(t)),
+        Err(_) => serde_json::from_str::<String>(raw.get())
+            .ok()
+            .map(Cow::Owned),
+    }
+}
+
 /// An unparsed member as a value.
 fn value_of(raw: &RawValue) -> Option<Value> {
     serde_json::from_str(raw.get()).ok()
@@ -163,8 +178,9 @@ fn is_null(raw: &RawValue) -> bool {
     raw.get() == "null"
 }
 
-/// Adds one streamed choice's piece to what is put together.
-fn add(into: &mut Choice, mut c: Members<'_>, chat: bool) {
+/// Adds one streamed choice's piece to what is put together; `ids`: the client asked for
+/// the token ids (else they are not read: the answer has them as `null`).
+fn add(into: &mut Choice, mut c: Members<'_>, chat: bool, ids: bool) {
     let piece: Option<Cow<str>> = if chat {
         let delta: Members = member(&c, "delta").unwrap_or_default();
         if let Some(r) = delta.get("role").filter(|r| !is_null(r)) {
@@ -172,12 +188,12 @@ fn add(into: &mut Choice, mut c: Members<'_>, chat: bool) {
                 into.role = value_of(r);
             }
         }
-        if let Some(r) = member::<Cow<str>>(&delta, "reasoning_content") {
+        if let Some(r) = text_member(&delta, "reasoning_content") {
             into.reasoning.get_or_insert_with(String::new).push_str(&r);
         }
-        member(&delta, "content")
+        text_member(&delta, "content")
     } else {
-        member(&c, "text")
+        text_member(&c, "text")
     };
     if let Some(s) = piece {
         into.text.push_str(&s);
@@ -186,6 +202,7 @@ fn add(into: &mut Choice, mut c: Members<'_>, chat: bool) {
         c.remove(k);
     }
     match (c.remove("token_ids"), &mut into.token_ids) {
+        (Some(_), slot) if !ids => *slot = Some(Value::Null),
         (Some(raw), slot) if raw.get().starts_with('[') => {
             if let Some(Value::Array(ids)) = value_of(raw) {
                 match slot {
