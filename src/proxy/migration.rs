@@ -259,7 +259,7 @@ pub struct Tracker {
     unnoted: Vec<String>,
     chat: bool,
     /// The client asked for `return_token_ids` itself: the ids stay in its events.
-    pub client_ids: bool,
+    client_ids: bool,
     /// The client asked for one body: its events are put together by
     /// [`super::whole::assemble`], which writes the ids it did not ask for as `null` once,
     /// so the first leg's events pass as they came.
@@ -313,7 +313,7 @@ impl Tracker {
                 return Out::Same;
             };
             self.sent.note(&view, self.chat, self.form);
-            if self.client_ids || self.whole {
+            if self.client_ids {
                 return Out::Same;
             }
             // Cut out of the text as it came, so the rest of the event stays byte for

@@ -54,7 +54,9 @@ pub enum SimConfigError {
         "--instances {0} takes neither --bootstrap-port nor --instance: run one sim per prefill with its own bootstrap port and name"
     )]
     InstancesWith(u16),
-    #[error("--instances {n} from --port {port} runs past port 65535")]
+    #[error(
+        "--instances {n} from --port {port} runs past port 65535: pick a lower --port or fewer --instances"
+    )]
     InstancesPastPorts { n: u16, port: u16 },
 }
 
